@@ -1,0 +1,1 @@
+"""anchor: the session journal (public stream and snapshot)."""

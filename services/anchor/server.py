@@ -1,0 +1,31 @@
+"""Assembly of the anchor server."""
+
+from __future__ import annotations
+
+from baton.anchor.v1 import anchor_pb2, anchor_pb2_grpc
+from services.anchor.config import AnchorConfig
+from services.anchor.journal import Journal
+from services.anchor.servicer import AnchorServicer
+from services.common.etcd import Store, make_client
+from services.common.keys import Keys
+from services.common.server import GrpcServer, ServiceBinding, build_server
+
+SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
+
+
+async def create_server(config: AnchorConfig) -> GrpcServer:
+    store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
+    await store.connect()
+    servicer = AnchorServicer(Journal(store, Keys(config.etcd.prefix)))
+    server = build_server(
+        config.listen,
+        [
+            ServiceBinding(
+                SERVICE_NAME,
+                lambda srv: anchor_pb2_grpc.add_AnchorServiceServicer_to_server(servicer, srv),
+            )
+        ],
+        service="anchor",
+    )
+    server.on_stop.append(store.close)
+    return server

@@ -1,0 +1,1 @@
+"""The `baton` command: run the whole system locally, and a demo client."""

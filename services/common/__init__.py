@@ -1,0 +1,2 @@
+"""Shared infrastructure of every Baton service: config, logging, server
+bootstrap, error mapping, ids and the etcd key schema."""

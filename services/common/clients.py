@@ -1,0 +1,120 @@
+"""Typed clients between Baton services: every call has a deadline, and a
+failed call raises the domain error it carried (see `grpc_errors`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+
+from baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton.anchor.v1 import anchor_pb2_grpc
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.hooks.v1 import hooks_pb2_grpc
+from baton.owner.v1 import owner_pb2 as owner_pb
+from baton.owner.v1 import owner_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from services.common.grpc_errors import from_rpc_error
+
+_T = TypeVar("_T")
+
+
+async def _unary(call: Awaitable[_T]) -> _T:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from exc
+
+
+async def _stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[object]:
+    try:
+        async for item in call:
+            yield item
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from exc
+    finally:
+        call.cancel()
+
+
+class _Client:
+    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        self.target = target
+        self.channel = open_channel(target)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class HooksClient(_Client):
+    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        super().__init__(target, timeout)
+        self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
+
+    async def create_session(
+        self, session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
+    ) -> hooks_pb.CreateSessionResponse:
+        request = hooks_pb.CreateSessionRequest(
+            session_id=session_id, owner=owner, channel=channel, aliases=aliases
+        )
+        return await _unary(self.stub.CreateSession(request, timeout=self.timeout))
+
+    async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
+        request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
+        response = await _unary(self.stub.ResumeHook(request, timeout=self.timeout))
+        return response.receipt
+
+    async def lookup(self, token: str, channel: str = "") -> hooks_pb.LookupHookResponse:
+        request = hooks_pb.LookupHookRequest(token=token, channel=channel)
+        return await _unary(self.stub.LookupHook(request, timeout=self.timeout))
+
+    async def claim(self, fence: s.Fence, tokens: list[str]) -> list[str]:
+        request = hooks_pb.ClaimHooksRequest(fence=fence, tokens=tokens)
+        response = await _unary(self.stub.ClaimHooks(request, timeout=self.timeout))
+        return list(response.hooks)
+
+    async def dispose(self, fence: s.Fence, tokens: list[str] | None = None) -> list[str]:
+        request = hooks_pb.DisposeHooksRequest(fence=fence, tokens=tokens or [])
+        response = await _unary(self.stub.DisposeHooks(request, timeout=self.timeout))
+        return list(response.hooks)
+
+    def stream_inbox(
+        self, fence: s.Fence, from_seq: int
+    ) -> AsyncIterator[hooks_pb.StreamInboxResponse]:
+        call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
+        return _stream(call)  # type: ignore[return-value]
+
+
+class AnchorClient(_Client):
+    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        super().__init__(target, timeout)
+        self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
+
+    async def commit(self, request: anchor_pb.CommitStepRequest) -> anchor_pb.CommitStepResponse:
+        return await _unary(self.stub.CommitStep(request, timeout=self.timeout))
+
+    async def snapshot(self, session_id: str) -> s.SessionSnapshot:
+        request = anchor_pb.GetSnapshotRequest(session_id=session_id)
+        response = await _unary(self.stub.GetSnapshot(request, timeout=self.timeout))
+        return response.snapshot
+
+    def read_events(
+        self, session_id: str, start_seq: int = 0, follow: bool = False
+    ) -> AsyncIterator[anchor_pb.ReadEventsResponse]:
+        request = anchor_pb.ReadEventsRequest(
+            session_id=session_id, start_seq=start_seq, follow=follow
+        )
+        return _stream(self.stub.ReadEvents(request))  # type: ignore[return-value]
+
+
+class OwnerClient(_Client):
+    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        super().__init__(target, timeout)
+        self.stub = owner_pb2_grpc.OwnerServiceStub(self.channel)
+
+    async def start_session(
+        self, request: owner_pb.StartSessionRequest
+    ) -> owner_pb.StartSessionResponse:
+        return await _unary(self.stub.StartSession(request, timeout=self.timeout))

@@ -1,0 +1,126 @@
+"""Domain errors. Plain values with no gRPC import; `grpc_errors` maps them.
+
+Every error has a kind (the canonical status it maps to) and an UPPER_SNAKE
+reason that clients can branch on (sent as google.rpc.ErrorInfo).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+DOMAIN = "baton.dev"
+
+
+class ErrorKind(enum.Enum):
+    """The canonical status class of an error."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    INTERNAL = "INTERNAL"
+
+
+class BatonError(Exception):
+    """Base of every Baton error: a kind, a reason and a message."""
+
+    kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, reason: str, message: str, **metadata: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.metadata = metadata
+
+
+class InvalidArgument(BatonError):
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class NotFound(BatonError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class AlreadyExists(BatonError):
+    kind = ErrorKind.ALREADY_EXISTS
+
+
+class PermissionDenied(BatonError):
+    kind = ErrorKind.PERMISSION_DENIED
+
+
+class Unauthenticated(BatonError):
+    kind = ErrorKind.UNAUTHENTICATED
+
+
+class FailedPrecondition(BatonError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class Fenced(FailedPrecondition):
+    """A write by an owner run that no longer holds the session."""
+
+    def __init__(self, message: str, **metadata: str) -> None:
+        super().__init__(Reason.FENCED, message, **metadata)
+
+
+class Aborted(BatonError):
+    kind = ErrorKind.ABORTED
+    retryable = True
+
+
+class Unavailable(BatonError):
+    kind = ErrorKind.UNAVAILABLE
+    retryable = True
+
+
+class ResourceExhausted(BatonError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(BatonError):
+    kind = ErrorKind.DEADLINE_EXCEEDED
+    retryable = True
+
+
+class Internal(BatonError):
+    kind = ErrorKind.INTERNAL
+
+
+class Reason:
+    """Every ErrorInfo reason Baton sends."""
+
+    INVALID_FIELD = "INVALID_FIELD"
+    MISSING_FIELD = "MISSING_FIELD"
+    INVALID_TOKEN = "INVALID_TOKEN"
+    INVALID_SESSION_ID = "INVALID_SESSION_ID"
+    INVALID_DEPLOYMENT_ID = "INVALID_DEPLOYMENT_ID"
+    WRONG_DEPLOYMENT = "WRONG_DEPLOYMENT"
+    EMPTY_MESSAGE = "EMPTY_MESSAGE"
+    MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    SNAPSHOT_TOO_LARGE = "SNAPSHOT_TOO_LARGE"
+    COMMIT_TOO_LARGE = "COMMIT_TOO_LARGE"
+    TOO_MANY_HOOKS = "TOO_MANY_HOOKS"
+    MISSING_API_KEY = "MISSING_API_KEY"
+    INVALID_API_KEY = "INVALID_API_KEY"
+    CROSS_TENANT = "CROSS_TENANT"
+    SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
+    TOKEN_NOT_FOUND = "TOKEN_NOT_FOUND"
+    SESSION_EXISTS = "SESSION_EXISTS"
+    TOKEN_CLAIMED = "TOKEN_CLAIMED"
+    FENCED = "FENCED"
+    SESSION_FINALIZED = "SESSION_FINALIZED"
+    SEQ_CONFLICT = "SEQ_CONFLICT"
+    CONFLICT = "CONFLICT"
+    STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
+    UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE"
+    TIMEOUT = "TIMEOUT"
+    INTERNAL = "INTERNAL"

@@ -1,0 +1,156 @@
+"""etcd client construction and the watch resume loop (see ETCD-NOTES.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aetcd
+import structlog
+
+from aetcd import rpc
+from grpc.aio import AioRpcError
+
+from services.common.errors import Reason, Unavailable
+
+log = structlog.get_logger("baton.etcd")
+
+_CHANNEL_OPTIONS = {
+    "grpc.keepalive_time_ms": 5000,
+    "grpc.keepalive_timeout_ms": 2000,
+    "grpc.http2.ping_timeout_ms": 2000,
+    "grpc.max_receive_message_length": 16 * 1024 * 1024,
+}
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`host:port` (an optional http:// is ignored)."""
+    endpoint = endpoint.removeprefix("http://")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r} must be host:port")
+    return host or "127.0.0.1", int(port)
+
+
+def make_client(endpoint: str, timeout: float) -> aetcd.Client:
+    host, port = parse_endpoint(endpoint)
+    if host == "localhost":
+        host = "127.0.0.1"
+    return aetcd.Client(host=host, port=port, timeout=timeout, options=dict(_CHANNEL_OPTIONS))
+
+
+def store_unavailable(exc: BaseException) -> Unavailable:
+    return Unavailable(Reason.STORE_UNAVAILABLE, f"etcd unavailable: {type(exc).__name__}")
+
+
+class Store:
+    """Raw etcd transactions and ranges with Baton's timeouts and error mapping.
+
+    Talks to aetcd's KV stub directly: a txn response keeps its header (the
+    revision), and the hot path skips aetcd's per-key wrapper objects.
+    """
+
+    def __init__(self, client: aetcd.Client, timeout: float) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    async def connect(self) -> None:
+        try:
+            await self.client.connect()
+        except aetcd.ClientError as exc:
+            raise store_unavailable(exc) from exc
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def txn(
+        self,
+        compare: list[rpc.Compare],
+        success: list[rpc.RequestOp],
+        failure: list[rpc.RequestOp] | None = None,
+    ) -> rpc.TxnResponse:
+        request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+        try:
+            return await self.client.kvstub.Txn(request, timeout=self.timeout)
+        except AioRpcError as exc:
+            raise store_unavailable(exc) from exc
+        except AttributeError as exc:  # kvstub is None: never connected or closed
+            raise store_unavailable(exc) from exc
+
+
+def cmp_value(key: bytes, value: bytes) -> rpc.Compare:
+    return rpc.Compare(
+        key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE, value=value
+    )
+
+
+def cmp_absent(key: bytes) -> rpc.Compare:
+    return rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)
+
+
+def cmp_present(key: bytes) -> rpc.Compare:
+    return rpc.Compare(
+        key=key, result=rpc.Compare.GREATER, target=rpc.Compare.VERSION, version=0
+    )
+
+
+def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def op_get(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=range_end))
+
+
+def op_delete(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
+    return rpc.RequestOp(
+        request_delete_range=rpc.DeleteRangeRequest(key=key, range_end=range_end)
+    )
+
+
+def single_value(response: rpc.ResponseOp) -> bytes | None:
+    """The value of a one-key get inside a txn, None when absent."""
+    kvs = response.response_range.kvs
+    return kvs[0].value if kvs else None
+
+
+async def follow_range(
+    client: aetcd.Client,
+    prefix: bytes,
+    start_revision: int,
+    *,
+    backoff: float = 0.2,
+) -> AsyncIterator[Any]:
+    """Watch `prefix` from `start_revision`, resuming after etcd failures.
+
+    Yields raw watch events in revision order, never one twice: a resumed watch
+    starts at the last delivered event's mod_revision + 1, and etcd never splits
+    one revision across responses. A compacted resume point raises Unavailable
+    so the caller re-reads from its own cursor.
+    """
+    next_revision = start_revision
+    while True:
+        watch = None
+        try:
+            watch = await client.watch_prefix(prefix, start_revision=next_revision)
+            async for event in watch:
+                yield event
+                next_revision = event.kv.mod_revision + 1
+            return
+        except aetcd.RevisionCompactedError as exc:
+            raise Unavailable(Reason.STORE_UNAVAILABLE, "watch position compacted; resume") from exc
+        except aetcd.ClientError as exc:
+            log.warning("watch interrupted; resuming", prefix=prefix.decode(), error=repr(exc))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+        finally:
+            if watch is not None:
+                await _cancel_quietly(watch)
+
+
+async def _cancel_quietly(watch: Any) -> None:
+    try:
+        await watch.cancel()
+    except aetcd.ClientError:
+        pass

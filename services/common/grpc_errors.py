@@ -1,0 +1,85 @@
+"""The one table between domain errors and gRPC statuses (both directions)."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from services.common import errors as e
+
+_TO_CODE: dict[e.ErrorKind, grpc.StatusCode] = {
+    e.ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    e.ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    e.ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    e.ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    e.ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    e.ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    e.ErrorKind.ABORTED: grpc.StatusCode.ABORTED,
+    e.ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    e.ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    e.ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    e.ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+_FROM_CODE: dict[grpc.StatusCode, type[e.BatonError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: e.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: e.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: e.AlreadyExists,
+    grpc.StatusCode.PERMISSION_DENIED: e.PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: e.Unauthenticated,
+    grpc.StatusCode.FAILED_PRECONDITION: e.FailedPrecondition,
+    grpc.StatusCode.ABORTED: e.Aborted,
+    grpc.StatusCode.UNAVAILABLE: e.Unavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: e.ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: e.Unavailable,
+}
+
+
+def status_code(err: e.BatonError) -> grpc.StatusCode:
+    return _TO_CODE.get(err.kind, grpc.StatusCode.INTERNAL)
+
+
+def to_status(err: e.BatonError) -> grpc.Status:
+    """A rich status: code, message and one ErrorInfo with the reason."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=e.DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    code = status_code(err)
+    proto = status_pb2.Status(
+        code=getattr(code_pb2, code.name), message=err.message, details=[detail]
+    )
+    return rpc_status.to_status(proto)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
+    """Turn a failed call back into the typed domain error it carried."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    reason = {
+        grpc.StatusCode.UNAVAILABLE: e.Reason.UPSTREAM_UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED: e.Reason.TIMEOUT,
+        grpc.StatusCode.CANCELLED: e.Reason.UPSTREAM_UNAVAILABLE,
+    }.get(code, e.Reason.INTERNAL)
+    metadata: dict[str, str] = {}
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except (ValueError, AttributeError):
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+                metadata = dict(info.metadata)
+    cls = _FROM_CODE.get(code, e.Internal)
+    if reason == e.Reason.FENCED:
+        return e.Fenced(details or "fenced", **metadata)
+    return cls(reason, details or code.name, **metadata)
+
+
+def error_reason(exc: grpc.RpcError) -> str:
+    return from_rpc_error(exc).reason

@@ -1,0 +1,1 @@
+"""hooks: the HookRegistry service (tokens, inbox, ownership)."""

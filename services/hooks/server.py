@@ -1,0 +1,33 @@
+"""Assembly of the hooks server."""
+
+from __future__ import annotations
+
+from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
+from services.common.etcd import Store, make_client
+from services.common.keys import Keys
+from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.hooks.config import HooksConfig
+from services.hooks.registry import HookRegistry
+from services.hooks.servicer import HookRegistryServicer
+
+SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
+
+
+async def create_server(config: HooksConfig) -> GrpcServer:
+    store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
+    await store.connect()
+    registry = HookRegistry(store, Keys(config.etcd.prefix))
+    servicer = HookRegistryServicer(registry)
+    server = build_server(
+        config.listen,
+        [
+            ServiceBinding(
+                SERVICE_NAME,
+                lambda srv: hooks_pb2_grpc.add_HookRegistryServiceServicer_to_server(servicer, srv),
+            )
+        ],
+        service="hooks",
+    )
+    server.on_stop.append(store.close)
+    server.on_stop.append(registry.close)
+    return server

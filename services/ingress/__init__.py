@@ -1,0 +1,1 @@
+"""ingress: the public edge for channel gateways."""

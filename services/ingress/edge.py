@@ -1,0 +1,164 @@
+"""The edge's rules: who is calling, what they address, what gets stamped."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Iterable, Mapping
+
+from baton.owner.v1 import owner_pb2 as owner_pb
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.errors import InvalidArgument, PermissionDenied, Reason, Unauthenticated
+
+MAX_LABELS = 32
+MAX_LABEL_BYTES = 256
+
+
+class Edge:
+    """Authentication, addressing and stamping for channel gateways."""
+
+    def __init__(
+        self,
+        deployment_id: str,
+        api_keys: Mapping[str, str],
+        hooks: HooksClient,
+        anchor: AnchorClient,
+        owner: OwnerClient,
+        max_message_bytes: int,
+    ) -> None:
+        self.deployment_id = ids.validate_deployment_id(deployment_id)
+        self._api_keys = dict(api_keys)
+        self._hooks = hooks
+        self._anchor = anchor
+        self._owner = owner
+        self._max_message_bytes = max_message_bytes
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """The channel whose API key is in `authorization: Bearer <key>`."""
+        header = ""
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str):
+                header = value
+        if not header:
+            raise Unauthenticated(
+                Reason.MISSING_API_KEY, "send the channel API key as 'authorization: Bearer <key>'"
+            )
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthenticated(Reason.INVALID_API_KEY, "authorization must be 'Bearer <key>'")
+        for known, channel in self._api_keys.items():
+            if hmac.compare_digest(known.encode(), key.strip().encode()):
+                return channel
+        raise Unauthenticated(Reason.INVALID_API_KEY, "unknown API key")
+
+    def alias_token(self, channel: str, alias: str) -> str:
+        """A raw alias is namespaced by the caller's channel; a qualified one
+        must name the caller's own channel."""
+        if ":" in alias:
+            namespace, raw = ids.split_token(alias)
+            if namespace != channel:
+                raise PermissionDenied(
+                    Reason.CROSS_TENANT,
+                    f"alias {alias!r} belongs to channel {namespace!r}, not {channel!r}",
+                )
+            return alias
+        return ids.alias_token(channel, ids.validate_raw_token(alias))
+
+    def target_token(self, channel: str, session_id: str, alias: str) -> str:
+        if session_id:
+            return ids.inbox_token(ids.validate_session_id(session_id))
+        if alias:
+            return self.alias_token(channel, alias)
+        raise InvalidArgument(Reason.MISSING_FIELD, "name the session by session_id or alias")
+
+    async def create_session(
+        self, channel: str, request_id: str, aliases: list[str]
+    ) -> tuple[str, bool]:
+        if request_id:
+            ids.validate_id(request_id, "request_id")
+            session_id = ids.session_id_for_request(channel, request_id)
+        else:
+            session_id = ids.new_session_id()
+        tokens = list(dict.fromkeys(self.alias_token(channel, a) for a in aliases))
+        if len(tokens) + 1 > ids.MAX_HOOKS_PER_SESSION:
+            raise InvalidArgument(
+                Reason.TOO_MANY_HOOKS,
+                f"a session may hold at most {ids.MAX_HOOKS_PER_SESSION} addresses",
+            )
+        response = await self._owner.start_session(
+            owner_pb.StartSessionRequest(
+                session_id=session_id,
+                deployment_id=self.deployment_id,
+                channel=channel,
+                aliases=tokens,
+            )
+        )
+        return response.session_id, response.created
+
+    def build_send(
+        self,
+        channel: str,
+        text: str,
+        input_responses: Iterable[s.InputResponse],
+        turn_policy: s.TurnPolicy.ValueType,
+        delivery_id: str,
+        caller: str,
+        labels: Mapping[str, str],
+    ) -> s.Command:
+        """A send command, stamped with this ingress's deployment id."""
+        responses = list(input_responses)
+        if not text.strip() and not responses:
+            raise InvalidArgument(Reason.EMPTY_MESSAGE, "the message text is empty")
+        size = len(text.encode())
+        if size > self._max_message_bytes:
+            raise InvalidArgument(
+                Reason.MESSAGE_TOO_LARGE,
+                f"the message is {size} bytes; the limit is {self._max_message_bytes}",
+            )
+        if len(labels) > MAX_LABELS or any(
+            len(k) + len(v) > MAX_LABEL_BYTES for k, v in labels.items()
+        ):
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, f"at most {MAX_LABELS} labels of {MAX_LABEL_BYTES} bytes"
+            )
+        if delivery_id:
+            ids.validate_id(delivery_id, "delivery_id")
+        else:
+            delivery_id = ids.new_delivery_id()
+        if caller:
+            ids.validate_id(caller, "caller")
+        return s.Command(
+            delivery=s.DeliveryMetadata(
+                delivery_id=delivery_id,
+                channel=channel,
+                accepted_deployment_id=self.deployment_id,
+                caller=caller,
+                labels=labels,
+            ),
+            send=s.SendCommand(
+                text=text,
+                input_responses=responses,
+                turn_policy=turn_policy or s.TURN_POLICY_STEER,
+            ),
+        )
+
+    async def send(self, channel: str, token: str, command: s.Command) -> s.Receipt:
+        return await self._hooks.resume(token, command, channel)
+
+    async def resolve_session(self, channel: str, session_id: str, alias: str) -> str:
+        """The session a reader addresses, checked against the caller's tenancy."""
+        if alias:
+            return (await self._hooks.lookup(self.alias_token(channel, alias), channel)).session_id
+        if not session_id:
+            raise InvalidArgument(Reason.MISSING_FIELD, "name the session by session_id or alias")
+        ids.validate_session_id(session_id)
+        # The snapshot names the tenant, and outlives the tokens of a finalized session.
+        snapshot = await self._anchor.snapshot(session_id)
+        if snapshot.channel != channel:
+            raise PermissionDenied(Reason.CROSS_TENANT, "the session belongs to another channel")
+        return session_id
+
+    async def stream(self, session_id: str, start_seq: int, follow: bool) -> AsyncIterator[s.Event]:
+        async for response in self._anchor.read_events(session_id, start_seq, follow):
+            yield response.event

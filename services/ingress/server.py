@@ -1,0 +1,37 @@
+"""Assembly of the ingress server."""
+
+from __future__ import annotations
+
+from baton.ingress.v1 import ingress_pb2, ingress_pb2_grpc
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.ingress.config import IngressConfig
+from services.ingress.edge import Edge
+from services.ingress.servicer import IngressServicer
+
+SERVICE_NAME = ingress_pb2.DESCRIPTOR.services_by_name["IngressService"].full_name
+
+
+async def create_server(config: IngressConfig) -> GrpcServer:
+    hooks = HooksClient(config.hooks)
+    anchor = AnchorClient(config.anchor)
+    owner = OwnerClient(config.owner)
+    edge = Edge(
+        config.deployment_id, config.api_keys, hooks, anchor, owner, config.max_message_bytes
+    )
+    servicer = IngressServicer(edge)
+    server = build_server(
+        config.listen,
+        [
+            ServiceBinding(
+                SERVICE_NAME,
+                lambda srv: ingress_pb2_grpc.add_IngressServiceServicer_to_server(servicer, srv),
+            )
+        ],
+        service="ingress",
+        deployment_id=config.deployment_id,
+        max_message_bytes=1024 * 1024,
+    )
+    for client in (hooks, anchor, owner):
+        server.on_stop.append(client.close)
+    return server

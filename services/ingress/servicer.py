@@ -1,0 +1,65 @@
+"""IngressService: translates between protos and the edge."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from baton.ingress.v1 import ingress_pb2 as pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from services.ingress.edge import Edge
+
+
+class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+
+    def _channel(self, context: grpc.aio.ServicerContext) -> str:
+        channel = self._edge.authenticate(context.invocation_metadata())
+        structlog.contextvars.bind_contextvars(channel=channel)
+        return channel
+
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateSessionResponse:
+        channel = self._channel(context)
+        session_id, created = await self._edge.create_session(
+            channel, request.request_id, list(request.aliases)
+        )
+        structlog.contextvars.bind_contextvars(session_id=session_id)
+        return pb.CreateSessionResponse(
+            session_id=session_id, created=created, deployment_id=self._edge.deployment_id
+        )
+
+    async def SendMessage(
+        self, request: pb.SendMessageRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SendMessageResponse:
+        channel = self._channel(context)
+        token = self._edge.target_token(channel, request.session_id, request.alias)
+        command = self._edge.build_send(
+            channel,
+            request.text,
+            request.input_responses,
+            request.turn_policy,
+            request.delivery_id,
+            request.caller,
+            request.labels,
+        )
+        receipt = await self._edge.send(channel, token, command)
+        structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
+        return pb.SendMessageResponse(
+            receipt=receipt,
+            delivery_id=command.delivery.delivery_id,
+            accepted_deployment_id=command.delivery.accepted_deployment_id,
+        )
+
+    async def StreamEvents(
+        self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamEventsResponse]:
+        channel = self._channel(context)
+        session_id = await self._edge.resolve_session(channel, request.session_id, request.alias)
+        structlog.contextvars.bind_contextvars(session_id=session_id)
+        async for event in self._edge.stream(session_id, request.start_seq, request.follow):
+            yield pb.StreamEventsResponse(event=event)

@@ -1,0 +1,1 @@
+"""owner: runs session programs for one deployment."""

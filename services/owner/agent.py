@@ -1,0 +1,92 @@
+"""What authored agent code provides: instructions, a model adapter, tools.
+
+An agent belongs to a deployment: the owner builds it from its own code with
+`load_agent(spec, deployment_id)`, where spec is `module:factory` and the
+factory takes the deployment id.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from baton.session.v1 import session_pb2 as s
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool may know about where it runs."""
+
+    session_id: str
+    deployment_id: str
+    owner_run_id: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A named async function the model may call with JSON arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[[dict[str, Any], ToolContext], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class RequestedCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """One model call's answer: final text, or tool calls to run first."""
+
+    text: str = ""
+    tool_calls: Sequence[RequestedCall] = ()
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_micros: int = 0
+
+
+class ModelAdapter(Protocol):
+    async def complete(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> ModelReply: ...
+
+
+@dataclass(frozen=True)
+class Agent:
+    """An agent definition of one deployment."""
+
+    name: str
+    deployment_id: str
+    instructions: str
+    model: ModelAdapter
+    tools: Sequence[Tool] = ()
+    max_steps_per_turn: int = 8
+    tool_index: dict[str, Tool] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tool_index", {t.name: t for t in self.tools})
+
+
+def load_agent(spec: str, deployment_id: str) -> Agent:
+    """Import `module:factory` and build the agent for `deployment_id`."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"agent spec {spec!r} must be module:factory")
+    factory = getattr(importlib.import_module(module_name), attr)
+    agent = factory(deployment_id)
+    if not isinstance(agent, Agent):
+        raise TypeError(f"{spec} returned {type(agent).__name__}, not an Agent")
+    if agent.deployment_id != deployment_id:
+        raise ValueError(f"{spec} built an agent for {agent.deployment_id}, not {deployment_id}")
+    return agent
+
+
+def dumps_arguments(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))

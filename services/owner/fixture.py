@@ -1,0 +1,152 @@
+"""The deterministic fixture agent used by tests and the demo.
+
+Scripted behaviour of its model, by the last message it sees:
+- a tool result            -> a final answer quoting it;
+- "calc <expr>" / "what is <expr>" -> a `calculator` tool call;
+- "whoami"                  -> a `deployment` tool call (reports the running deployment);
+- "steps <n>"               -> n-1 `echo` tool calls, one per step, then an answer;
+- "fail model"              -> the model raises (a failed turn);
+- anything else             -> "echo: <text>".
+Usage counts whitespace-separated words.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from baton.session.v1 import session_pb2 as s
+from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
+
+_CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
+_STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)
+
+_OPS: dict[type, Any] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def evaluate(expression: str) -> float | int:
+    """Arithmetic only: numbers, + - * / // % **, parentheses."""
+
+    def walk(node: ast.AST) -> float | int:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            right = walk(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            result: float | int = _OPS[type(node.op)](walk(node.left), right)
+            return result
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            value: float | int = _OPS[type(node.op)](walk(node.operand))
+            return value
+        raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    return walk(ast.parse(expression, mode="eval"))
+
+
+async def _calculator(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    result = evaluate(str(arguments.get("expression", "")))
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return str(result)
+
+
+async def _deployment(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    return ctx.deployment_id
+
+
+async def _echo(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    return str(arguments.get("text", ""))
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+class FixtureModel:
+    """A scripted, deterministic model adapter."""
+
+    async def complete(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> ModelReply:
+        prompt_tokens = _words(instructions) + sum(_words(m.content) for m in history)
+        last = history[-1]
+        if last.role == s.ROLE_TOOL:
+            pending = _pending_echo_steps(history)
+            if pending > 0:
+                return ModelReply(
+                    tool_calls=[RequestedCall("echo", {"text": f"step {pending}"})],
+                    input_tokens=prompt_tokens,
+                )
+            text = f"The result is {last.content}."
+            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+        user = last.content
+        if user.strip().lower() == "fail model":
+            raise RuntimeError("fixture model failure requested")
+        if match := _CALC.match(user):
+            call = RequestedCall("calculator", {"expression": match.group(1)})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if user.strip().lower() == "whoami":
+            call = RequestedCall("deployment", {})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if (match := _STEPS.match(user)) and int(match.group(1)) > 1:
+            call = RequestedCall("echo", {"text": "step 1"})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        text = f"echo: {user}"
+        return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+
+
+def _pending_echo_steps(history: Sequence[s.ChatMessage]) -> int:
+    """For `steps N`: how many echo steps remain after the latest user message."""
+    done = 0
+    for message in reversed(history):
+        if message.role == s.ROLE_USER:
+            match = _STEPS.match(message.content)
+            return max(0, int(match.group(1)) - 1 - done) if match else 0
+        if message.role == s.ROLE_TOOL:
+            done += 1
+    return 0
+
+
+TOOLS = (
+    Tool(
+        "calculator",
+        "Evaluate an arithmetic expression.",
+        {"type": "object", "properties": {"expression": {"type": "string"}}},
+        _calculator,
+    ),
+    Tool("deployment", "Report the deployment running this agent.", {"type": "object"}, _deployment),
+    Tool(
+        "echo",
+        "Return the given text.",
+        {"type": "object", "properties": {"text": {"type": "string"}}},
+        _echo,
+    ),
+)
+
+
+def build_agent(deployment_id: str) -> Agent:
+    return Agent(
+        name="fixture",
+        deployment_id=deployment_id,
+        instructions="You are Baton's deterministic fixture agent.",
+        model=FixtureModel(),
+        tools=TOOLS,
+    )

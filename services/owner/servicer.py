@@ -1,0 +1,26 @@
+"""OwnerService: translates between protos and the owner host."""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from baton.owner.v1 import owner_pb2 as pb
+from baton.owner.v1 import owner_pb2_grpc
+from services.owner.host import OwnerHost
+
+
+class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
+    def __init__(self, host: OwnerHost) -> None:
+        self._host = host
+
+    async def StartSession(
+        self, request: pb.StartSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartSessionResponse:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        run_id, created, inbox = await self._host.start_session(
+            request.session_id, request.deployment_id, request.channel, list(request.aliases)
+        )
+        return pb.StartSessionResponse(
+            session_id=request.session_id, owner_run_id=run_id, created=created, inbox_token=inbox
+        )

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from services.cli.processes import EtcdProcess
+from tests.stack import Stack, start_stack, stop_stack
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdProcess]:
+    """One real etcd per test session; tests isolate by key prefix."""
+    server = EtcdProcess().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(etcd_server: EtcdProcess) -> str:
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
+    running = await start_stack(etcd_endpoint)
+    try:
+        yield running
+    finally:
+        await stop_stack(running)

@@ -1,0 +1,144 @@
+"""An in-process Baton stack for tests: the four services on loopback ports
+(real gRPC), over the test session's real etcd, under a unique key prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.anchor.config import AnchorConfig
+from services.anchor.server import create_server as create_anchor
+from services.common.config import EtcdConfig
+from services.common.server import GrpcServer
+from services.hooks.config import HooksConfig
+from services.hooks.server import create_server as create_hooks
+from services.ingress.config import IngressConfig
+from services.ingress.server import create_server as create_ingress
+from services.owner.config import OwnerConfig
+from services.owner.server import create_server as create_owner
+
+API_KEYS = {"key-slack-0001": "slack", "key-web-00001": "web"}
+SLACK = (("authorization", "Bearer key-slack-0001"),)
+WEB = (("authorization", "Bearer key-web-00001"),)
+
+TERMINAL = {s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED}
+
+
+@dataclass
+class Stack:
+    etcd: EtcdConfig
+    deployment_id: str
+    hooks: GrpcServer
+    anchor: GrpcServer
+    owner: GrpcServer
+    ingress: GrpcServer
+    channel: grpc.aio.Channel
+    ingress_stub: ingress_pb2_grpc.IngressServiceStub
+    extra: list[GrpcServer] = field(default_factory=list)
+
+    def addr(self, server: GrpcServer) -> str:
+        return f"127.0.0.1:{server.port}"
+
+    async def create(self, metadata: tuple[tuple[str, str], ...] = SLACK, **kwargs: object) -> str:
+        response = await self.ingress_stub.CreateSession(
+            ingress_pb.CreateSessionRequest(**kwargs), metadata=metadata, timeout=10
+        )
+        return response.session_id
+
+    async def send(
+        self, session_id: str = "", text: str = "", metadata: tuple[tuple[str, str], ...] = SLACK, **kwargs: object
+    ) -> ingress_pb.SendMessageResponse:
+        target = {"session_id": session_id} if session_id else {}
+        return await self.ingress_stub.SendMessage(
+            ingress_pb.SendMessageRequest(text=text, **target, **kwargs),  # type: ignore[arg-type]
+            metadata=metadata,
+            timeout=10,
+        )
+
+    async def events(
+        self,
+        session_id: str,
+        *,
+        start_seq: int = 0,
+        until: int | None = None,
+        metadata: tuple[tuple[str, str], ...] = SLACK,
+        timeout: float = 20,
+        follow: bool = True,
+    ) -> list[s.Event]:
+        """Read events from `start_seq`; with `until`, stop after that many
+        session.waiting events (or the terminal event)."""
+        out: list[s.Event] = []
+        call = self.ingress_stub.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=start_seq, follow=follow),
+            metadata=metadata,
+        )
+        waits = 0
+
+        async def collect() -> None:
+            nonlocal waits
+            async for response in call:
+                out.append(response.event)
+                if response.event.kind == s.EVENT_KIND_SESSION_WAITING:
+                    waits += 1
+                    if until is not None and waits >= until:
+                        return
+                if response.event.kind in TERMINAL:
+                    return
+
+        try:
+            await asyncio.wait_for(collect(), timeout)
+        finally:
+            call.cancel()
+        return out
+
+
+async def start_stack(etcd_endpoint: str, deployment_id: str = "dep-a") -> Stack:
+    etcd = EtcdConfig(endpoint=etcd_endpoint, prefix=f"/t/{uuid.uuid4().hex}/", timeout=5)
+    hooks = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=etcd))
+    await hooks.start()
+    anchor = await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=etcd))
+    await anchor.start()
+    owner = await create_owner(
+        OwnerConfig(
+            listen="127.0.0.1:0",
+            deployment_id=deployment_id,
+            instance_id=f"{deployment_id}-i1",
+            hooks=f"127.0.0.1:{hooks.port}",
+            anchor=f"127.0.0.1:{anchor.port}",
+        )
+    )
+    await owner.start()
+    ingress = await create_ingress(
+        IngressConfig(
+            listen="127.0.0.1:0",
+            deployment_id=deployment_id,
+            api_keys=API_KEYS,
+            hooks=f"127.0.0.1:{hooks.port}",
+            anchor=f"127.0.0.1:{anchor.port}",
+            owner=f"127.0.0.1:{owner.port}",
+        )
+    )
+    await ingress.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ingress.port}")
+    return Stack(
+        etcd=etcd,
+        deployment_id=deployment_id,
+        hooks=hooks,
+        anchor=anchor,
+        owner=owner,
+        ingress=ingress,
+        channel=channel,
+        ingress_stub=ingress_pb2_grpc.IngressServiceStub(channel),
+    )
+
+
+async def stop_stack(stack: Stack) -> None:
+    await stack.channel.close()
+    for server in (*stack.extra, stack.ingress, stack.owner, stack.anchor, stack.hooks):
+        await server.stop(grace=0.5)
