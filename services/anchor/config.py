@@ -29,7 +29,9 @@ class AnchorConfig:
         values = read_settings(
             "services.anchor",
             (
-                Setting("--listen", "BATON_ANCHOR_LISTEN", "host:port to serve on", "127.0.0.1:50053"),
+                Setting(
+                    "--listen", "BATON_ANCHOR_LISTEN", "host:port to serve on", "127.0.0.1:50053"
+                ),
                 *ETCD_SETTINGS,
                 *COMMON_SETTINGS,
             ),

@@ -8,8 +8,8 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import (
     Aborted,
-    Fenced,
     FailedPrecondition,
+    Fenced,
     InvalidArgument,
     NotFound,
     Reason,
@@ -104,7 +104,9 @@ class Journal:
             compare.append(cmp_absent(k.event(sid, first)))
             if first > 0:
                 compare.append(cmp_present(k.event(sid, first - 1)))
-            success += [op_put(k.event(sid, e.seq), raw) for e, raw in zip(events, encoded)]
+            success += [
+                op_put(k.event(sid, e.seq), raw) for e, raw in zip(events, encoded, strict=True)
+            ]
         if close:
             success.append(op_put(k.closed(sid), str(events[-1].seq).encode()))
         failure = [op_get(k.fence(sid)), op_get(k.closed(sid))]
@@ -138,9 +140,7 @@ class Journal:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} has no snapshot")
         return s.SessionSnapshot.FromString(value), response.header.revision
 
-    async def read(
-        self, session_id: str, start_seq: int, follow: bool
-    ) -> AsyncIterator[s.Event]:
+    async def read(self, session_id: str, start_seq: int, follow: bool) -> AsyncIterator[s.Event]:
         """Events from `start_seq` in order; with `follow`, live until terminal."""
         ids.validate_session_id(session_id)
         k = self._keys
@@ -165,9 +165,7 @@ class Journal:
                 return
         if not follow:
             return
-        async for change in follow_range(
-            self._store.client, prefix, response.header.revision + 1
-        ):
+        async for change in follow_range(self._store.client, prefix, response.header.revision + 1):
             if not change.kv.value or seq_of(change.kv.key) < next_seq:
                 continue
             event = s.Event.FromString(change.kv.value)

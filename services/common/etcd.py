@@ -8,7 +8,6 @@ from typing import Any
 
 import aetcd
 import structlog
-
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
@@ -80,9 +79,7 @@ class Store:
 
 
 def cmp_value(key: bytes, value: bytes) -> rpc.Compare:
-    return rpc.Compare(
-        key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE, value=value
-    )
+    return rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE, value=value)
 
 
 def cmp_absent(key: bytes) -> rpc.Compare:
@@ -90,9 +87,7 @@ def cmp_absent(key: bytes) -> rpc.Compare:
 
 
 def cmp_present(key: bytes) -> rpc.Compare:
-    return rpc.Compare(
-        key=key, result=rpc.Compare.GREATER, target=rpc.Compare.VERSION, version=0
-    )
+    return rpc.Compare(key=key, result=rpc.Compare.GREATER, target=rpc.Compare.VERSION, version=0)
 
 
 def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
@@ -104,9 +99,7 @@ def op_get(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
 
 
 def op_delete(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
-    return rpc.RequestOp(
-        request_delete_range=rpc.DeleteRangeRequest(key=key, range_end=range_end)
-    )
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, range_end=range_end))
 
 
 def single_value(response: rpc.ResponseOp) -> bytes | None:

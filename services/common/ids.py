@@ -104,7 +104,8 @@ def split_token(token: str) -> tuple[str, str]:
 def validate_id(value: str, field: str) -> str:
     if not _ID_RE.match(value):
         raise InvalidArgument(
-            Reason.INVALID_FIELD, f"{field} {value!r} must be 1-128 characters of [A-Za-z0-9._:@+=-]"
+            Reason.INVALID_FIELD,
+            f"{field} {value!r} must be 1-128 characters of [A-Za-z0-9._:@+=-]",
         )
     return value
 

@@ -3,9 +3,9 @@
 Every transaction stays inside one session's keys (plus, for claims and
 disposal, the token-index entries pointing at that session):
 
-    {root}s/{sid}/c/fence          "{epoch}/{owner_run_id}"   the fence compared by every owner write
-    {root}s/{sid}/c/in/{seq:020d}  InboxEntry                 the durable inbox (c/ = what an owner watches)
-    {root}s/{sid}/owner            OwnerRecord JSON           who owns the session (display, registry)
+    {root}s/{sid}/c/fence          "{epoch}/{owner_run_id}"   compared by every owner write
+    {root}s/{sid}/c/in/{seq:020d}  InboxEntry                 the durable inbox (c/ = owner watch)
+    {root}s/{sid}/owner            OwnerRecord JSON           who owns the session
     {root}s/{sid}/inhead           "{next inbox seq}"         the inbox head, compared by appends
     {root}s/{sid}/dlv/{delivery}   Receipt                    delivery-id deduplication
     {root}s/{sid}/hooks            JSON list of tokens        the session's own record of its claims

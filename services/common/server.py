@@ -195,7 +195,11 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [b.full_name for b in bindings]
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     port = server.add_insecure_port(listen)
@@ -226,9 +230,7 @@ class _ServiceConfig(Protocol):
     def grace(self) -> float: ...
 
 
-def run_main(
-    load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]]
-) -> None:
+def run_main(load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]]) -> None:
     """The `python -m services.<name>` entry: config, logging, serve, exit."""
     from services.common.config import ConfigError
     from services.common.logs import configure_logging

@@ -20,6 +20,456 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class RegisterInstanceRequest(_message.Message):
+    """RegisterInstanceRequest registers an owner instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The instance's exact deployment."""
+    instance_id: _builtins.str
+    """The instance id, unique in the deployment."""
+    ttl_seconds: _builtins.int
+    """Lease TTL in seconds."""
+    address: _builtins.str
+    """The instance's owner service address."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        ttl_seconds: _builtins.int = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "deployment_id", b"deployment_id", "instance_id", b"instance_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterInstanceRequest: _TypeAlias = RegisterInstanceRequest  # noqa: Y015
+
+@_typing.final
+class RegisterInstanceResponse(_message.Message):
+    """RegisterInstanceResponse returns the lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The etcd lease id to keep alive."""
+    ttl_seconds: _builtins.int
+    """The granted TTL in seconds."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterInstanceResponse: _TypeAlias = RegisterInstanceResponse  # noqa: Y015
+
+@_typing.final
+class KeepAliveInstanceRequest(_message.Message):
+    """KeepAliveInstanceRequest refreshes a lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The lease id."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveInstanceRequest: _TypeAlias = KeepAliveInstanceRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveInstanceResponse(_message.Message):
+    """KeepAliveInstanceResponse reports the remaining TTL."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ttl_seconds: _builtins.int
+    """Remaining TTL in seconds; 0 when the lease expired."""
+    def __init__(
+        self,
+        *,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveInstanceResponse: _TypeAlias = KeepAliveInstanceResponse  # noqa: Y015
+
+@_typing.final
+class InstanceInfo(_message.Message):
+    """InstanceInfo describes a live owner instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The deployment."""
+    instance_id: _builtins.str
+    """The instance id."""
+    address: _builtins.str
+    """The owner service address."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "deployment_id", b"deployment_id", "instance_id", b"instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceInfo: _TypeAlias = InstanceInfo  # noqa: Y015
+
+@_typing.final
+class ListInstancesRequest(_message.Message):
+    """ListInstancesRequest names a deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The exact deployment id."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstancesRequest: _TypeAlias = ListInstancesRequest  # noqa: Y015
+
+@_typing.final
+class ListInstancesResponse(_message.Message):
+    """ListInstancesResponse lists live instances."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceInfo]:
+        """Live instances."""
+
+    def __init__(
+        self,
+        *,
+        instances: _abc.Iterable[Global___InstanceInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstancesResponse: _TypeAlias = ListInstancesResponse  # noqa: Y015
+
+@_typing.final
+class ListInstanceSessionsRequest(_message.Message):
+    """ListInstanceSessionsRequest names an instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The exact deployment id."""
+    instance_id: _builtins.str
+    """The instance id."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instance_id", b"instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstanceSessionsRequest: _TypeAlias = ListInstanceSessionsRequest  # noqa: Y015
+
+@_typing.final
+class OwnedSession(_message.Message):
+    """OwnedSession is a session with its current owner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
+    parked: _builtins.bool
+    """Whether the session is parked."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The session's fence."""
+
+    @_builtins.property
+    def owner(self) -> _session_pb2.OwnerIdentity:
+        """The owner."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        owner: _session_pb2.OwnerIdentity | None = ...,
+        parked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "owner", b"owner"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "owner", b"owner", "parked", b"parked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OwnedSession: _TypeAlias = OwnedSession  # noqa: Y015
+
+@_typing.final
+class ListInstanceSessionsResponse(_message.Message):
+    """ListInstanceSessionsResponse lists an instance's sessions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___OwnedSession]:
+        """Sessions owned by the instance."""
+
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___OwnedSession] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInstanceSessionsResponse: _TypeAlias = ListInstanceSessionsResponse  # noqa: Y015
+
+@_typing.final
+class TakeOverSessionRequest(_message.Message):
+    """TakeOverSessionRequest names the session, its dead owner and the successor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPECTED_FIELD_NUMBER: _builtins.int
+    EXPECTED_INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_FIELD_NUMBER: _builtins.int
+    expected_instance_id: _builtins.str
+    """The dead owner's instance id."""
+    @_builtins.property
+    def expected(self) -> _session_pb2.Fence:
+        """The fence of the dead owner run."""
+
+    @_builtins.property
+    def successor(self) -> _session_pb2.OwnerIdentity:
+        """The successor run; its deployment must equal the dead owner's."""
+
+    def __init__(
+        self,
+        *,
+        expected: _session_pb2.Fence | None = ...,
+        expected_instance_id: _builtins.str = ...,
+        successor: _session_pb2.OwnerIdentity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "successor", b"successor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_instance_id", b"expected_instance_id", "successor", b"successor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeOverSessionRequest: _TypeAlias = TakeOverSessionRequest  # noqa: Y015
+
+@_typing.final
+class TakeOverSessionResponse(_message.Message):
+    """TakeOverSessionResponse is the successor's fence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The new fence (epoch + 1)."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeOverSessionResponse: _TypeAlias = TakeOverSessionResponse  # noqa: Y015
+
+@_typing.final
+class SetParkedRequest(_message.Message):
+    """SetParkedRequest parks or unparks a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
+    INBOX_NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    parked: _builtins.bool
+    """Park (true) or unpark (false)."""
+    inbox_next_seq: _builtins.int
+    """When parking: the owner's consumed inbox position; parking fails with
+    ABORTED/INBOX_NOT_DRAINED unless it equals the inbox head.
+    """
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The caller's fence."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        parked: _builtins.bool = ...,
+        inbox_next_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_next_seq", b"inbox_next_seq", "parked", b"parked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetParkedRequest: _TypeAlias = SetParkedRequest  # noqa: Y015
+
+@_typing.final
+class SetParkedResponse(_message.Message):
+    """SetParkedResponse confirms."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    inbox_head: _builtins.int
+    """The inbox head at the time of the change."""
+    def __init__(
+        self,
+        *,
+        inbox_head: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inbox_head", b"inbox_head"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetParkedResponse: _TypeAlias = SetParkedResponse  # noqa: Y015
+
+@_typing.final
+class WatchBellsRequest(_message.Message):
+    """WatchBellsRequest names the instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """The instance id."""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchBellsRequest: _TypeAlias = WatchBellsRequest  # noqa: Y015
+
+@_typing.final
+class Bell(_message.Message):
+    """Bell says a parked session has input up to a head."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    inbox_head: _builtins.int
+    """The inbox head after the arrival."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        inbox_head: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inbox_head", b"inbox_head", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Bell: _TypeAlias = Bell  # noqa: Y015
+
+@_typing.final
+class WatchBellsResponse(_message.Message):
+    """WatchBellsResponse carries bells."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BELLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def bells(self) -> _containers.RepeatedCompositeFieldContainer[Global___Bell]:
+        """Bells in arrival order."""
+
+    def __init__(
+        self,
+        *,
+        bells: _abc.Iterable[Global___Bell] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bells", b"bells"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchBellsResponse: _TypeAlias = WatchBellsResponse  # noqa: Y015
+
+@_typing.final
 class CreateSessionRequest(_message.Message):
     """CreateSessionRequest creates a session owned by the caller."""
 

@@ -66,6 +66,41 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.FromString,
                 _registered_method=True)
+        self.RegisterInstance = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/RegisterInstance',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceResponse.FromString,
+                _registered_method=True)
+        self.KeepAliveInstance = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/KeepAliveInstance',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.FromString,
+                _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/ListInstances',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
+        self.ListInstanceSessions = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/ListInstanceSessions',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsResponse.FromString,
+                _registered_method=True)
+        self.TakeOverSession = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/TakeOverSession',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionResponse.FromString,
+                _registered_method=True)
+        self.SetParked = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/SetParked',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedResponse.FromString,
+                _registered_method=True)
+        self.WatchBells = channel.unary_stream(
+                '/baton.hooks.v1.HookRegistryService/WatchBells',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
+                _registered_method=True)
 
 
 class HookRegistryServiceServicer:
@@ -117,6 +152,57 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterInstance(self, request, context):
+        """Register an owner instance of a deployment under an etcd lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAliveInstance(self, request, context):
+        """Keep an instance's lease alive; a TTL of 0 means it expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstances(self, request, context):
+        """List the live instances of an exact deployment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstanceSessions(self, request, context):
+        """List the sessions an instance owns, with their fences.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeOverSession(self, request, context):
+        """Take a session over from a dead instance of the same deployment:
+        compare-and-swap of the owner record, epoch + 1. First caller wins.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetParked(self, request, context):
+        """Park or unpark a session (fenced). Parking succeeds only when every inbox
+        entry has been consumed; a parked session's arrivals ring its owner's bell.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBells(self, request, context):
+        """Stream "session X has new input" for the parked sessions of one instance.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HookRegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +235,41 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.StreamInbox,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.SerializeToString,
+            ),
+            'RegisterInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterInstance,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceResponse.SerializeToString,
+            ),
+            'KeepAliveInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAliveInstance,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'ListInstanceSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstanceSessions,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsResponse.SerializeToString,
+            ),
+            'TakeOverSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeOverSession,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionResponse.SerializeToString,
+            ),
+            'SetParked': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetParked,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedResponse.SerializeToString,
+            ),
+            'WatchBells': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBells,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +436,195 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/StreamInbox',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/RegisterInstance',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAliveInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/KeepAliveInstance',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/ListInstances',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstanceSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/ListInstanceSessions',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstanceSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOverSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/TakeOverSession',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.TakeOverSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetParked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/SetParked',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.SetParkedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBells(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/WatchBells',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
             options,
             channel_credentials,
             insecure,

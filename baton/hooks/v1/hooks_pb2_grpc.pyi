@@ -51,6 +51,24 @@ class HookRegistryServiceStub:
     """Stream a session's inbox to its owner from a seq, live. Ends with
     FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
     """
+    RegisterInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.RegisterInstanceRequest, _hooks_pb2.RegisterInstanceResponse]
+    """Register an owner instance of a deployment under an etcd lease."""
+    KeepAliveInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.KeepAliveInstanceRequest, _hooks_pb2.KeepAliveInstanceResponse]
+    """Keep an instance's lease alive; a TTL of 0 means it expired."""
+    ListInstances: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]
+    """List the live instances of an exact deployment."""
+    ListInstanceSessions: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstanceSessionsRequest, _hooks_pb2.ListInstanceSessionsResponse]
+    """List the sessions an instance owns, with their fences."""
+    TakeOverSession: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.TakeOverSessionRequest, _hooks_pb2.TakeOverSessionResponse]
+    """Take a session over from a dead instance of the same deployment:
+    compare-and-swap of the owner record, epoch + 1. First caller wins.
+    """
+    SetParked: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.SetParkedRequest, _hooks_pb2.SetParkedResponse]
+    """Park or unpark a session (fenced). Parking succeeds only when every inbox
+    entry has been consumed; a parked session's arrivals ring its owner's bell.
+    """
+    WatchBells: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]
+    """Stream "session X has new input" for the parked sessions of one instance."""
 
 @_typing.type_check_only
 class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
@@ -75,6 +93,24 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """Stream a session's inbox to its owner from a seq, live. Ends with
     FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
     """
+    RegisterInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.RegisterInstanceRequest, _hooks_pb2.RegisterInstanceResponse]  # type: ignore[assignment]
+    """Register an owner instance of a deployment under an etcd lease."""
+    KeepAliveInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.KeepAliveInstanceRequest, _hooks_pb2.KeepAliveInstanceResponse]  # type: ignore[assignment]
+    """Keep an instance's lease alive; a TTL of 0 means it expired."""
+    ListInstances: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]  # type: ignore[assignment]
+    """List the live instances of an exact deployment."""
+    ListInstanceSessions: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListInstanceSessionsRequest, _hooks_pb2.ListInstanceSessionsResponse]  # type: ignore[assignment]
+    """List the sessions an instance owns, with their fences."""
+    TakeOverSession: _aio.UnaryUnaryMultiCallable[_hooks_pb2.TakeOverSessionRequest, _hooks_pb2.TakeOverSessionResponse]  # type: ignore[assignment]
+    """Take a session over from a dead instance of the same deployment:
+    compare-and-swap of the owner record, epoch + 1. First caller wins.
+    """
+    SetParked: _aio.UnaryUnaryMultiCallable[_hooks_pb2.SetParkedRequest, _hooks_pb2.SetParkedResponse]  # type: ignore[assignment]
+    """Park or unpark a session (fenced). Parking succeeds only when every inbox
+    entry has been consumed; a parked session's arrivals ring its owner's bell.
+    """
+    WatchBells: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]  # type: ignore[assignment]
+    """Stream "session X has new input" for the parked sessions of one instance."""
 
 class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """HookRegistryService maps hook tokens to sessions, owns each session's
@@ -132,5 +168,65 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         """Stream a session's inbox to its owner from a seq, live. Ends with
         FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
         """
+
+    @_abc_1.abstractmethod
+    def RegisterInstance(
+        self,
+        request: _hooks_pb2.RegisterInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.RegisterInstanceResponse, _abc.Awaitable[_hooks_pb2.RegisterInstanceResponse]]:
+        """Register an owner instance of a deployment under an etcd lease."""
+
+    @_abc_1.abstractmethod
+    def KeepAliveInstance(
+        self,
+        request: _hooks_pb2.KeepAliveInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.KeepAliveInstanceResponse, _abc.Awaitable[_hooks_pb2.KeepAliveInstanceResponse]]:
+        """Keep an instance's lease alive; a TTL of 0 means it expired."""
+
+    @_abc_1.abstractmethod
+    def ListInstances(
+        self,
+        request: _hooks_pb2.ListInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.ListInstancesResponse, _abc.Awaitable[_hooks_pb2.ListInstancesResponse]]:
+        """List the live instances of an exact deployment."""
+
+    @_abc_1.abstractmethod
+    def ListInstanceSessions(
+        self,
+        request: _hooks_pb2.ListInstanceSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.ListInstanceSessionsResponse, _abc.Awaitable[_hooks_pb2.ListInstanceSessionsResponse]]:
+        """List the sessions an instance owns, with their fences."""
+
+    @_abc_1.abstractmethod
+    def TakeOverSession(
+        self,
+        request: _hooks_pb2.TakeOverSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.TakeOverSessionResponse, _abc.Awaitable[_hooks_pb2.TakeOverSessionResponse]]:
+        """Take a session over from a dead instance of the same deployment:
+        compare-and-swap of the owner record, epoch + 1. First caller wins.
+        """
+
+    @_abc_1.abstractmethod
+    def SetParked(
+        self,
+        request: _hooks_pb2.SetParkedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.SetParkedResponse, _abc.Awaitable[_hooks_pb2.SetParkedResponse]]:
+        """Park or unpark a session (fenced). Parking succeeds only when every inbox
+        entry has been consumed; a parked session's arrivals ring its owner's bell.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchBells(
+        self,
+        request: _hooks_pb2.WatchBellsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_hooks_pb2.WatchBellsResponse], _abc.AsyncIterator[_hooks_pb2.WatchBellsResponse]]:
+        """Stream "session X has new input" for the parked sessions of one instance."""
 
 def add_HookRegistryServiceServicer_to_server(servicer: HookRegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

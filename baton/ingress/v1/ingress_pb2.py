@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/ingress/v1/ingress.proto\x12\x10\x62\x61ton.ingress.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\";\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\"S\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\"\xd6\x02\n\x12SendMessageRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x38\n\x0finput_responses\x18\x04 \x03(\x0b\x32\x1f.baton.session.v1.InputResponse\x12\x31\n\x0bturn_policy\x18\x05 \x01(\x0e\x32\x1c.baton.session.v1.TurnPolicy\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\t\x12@\n\x06labels\x18\x08 \x03(\x0b\x32\x30.baton.ingress.v1.SendMessageRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06target\"v\n\x13SendMessageResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65pted_deployment_id\x18\x03 \x01(\t\"i\n\x13StreamEventsRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x11\n\tstart_seq\x18\x03 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x42\x08\n\x06target\">\n\x14StreamEventsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Event2\xaf\x02\n\x0eIngressService\x12`\n\rCreateSession\x12&.baton.ingress.v1.CreateSessionRequest\x1a\'.baton.ingress.v1.CreateSessionResponse\x12Z\n\x0bSendMessage\x12$.baton.ingress.v1.SendMessageRequest\x1a%.baton.ingress.v1.SendMessageResponse\x12_\n\x0cStreamEvents\x12%.baton.ingress.v1.StreamEventsRequest\x1a&.baton.ingress.v1.StreamEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/ingress/v1/ingress.proto\x12\x10\x62\x61ton.ingress.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xcc\x01\n\x12SendControlRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12+\n\x04kind\x18\x03 \x01(\x0e\x32\x1d.baton.ingress.v1.ControlKind\x12\x13\n\x0b\x64\x65livery_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x12\n\nattempt_id\x18\x06 \x01(\t\x12\x0f\n\x07granted\x18\x07 \x01(\x08\x12\x0e\n\x06\x63\x61ller\x18\x08 \x01(\tB\x08\n\x06target\"V\n\x13SendControlResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\"j\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\x04\"S\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\"\xd6\x02\n\x12SendMessageRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x38\n\x0finput_responses\x18\x04 \x03(\x0b\x32\x1f.baton.session.v1.InputResponse\x12\x31\n\x0bturn_policy\x18\x05 \x01(\x0e\x32\x1c.baton.session.v1.TurnPolicy\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\t\x12@\n\x06labels\x18\x08 \x03(\x0b\x32\x30.baton.ingress.v1.SendMessageRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06target\"v\n\x13SendMessageResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65pted_deployment_id\x18\x03 \x01(\t\"i\n\x13StreamEventsRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x11\n\tstart_seq\x18\x03 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x42\x08\n\x06target\">\n\x14StreamEventsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Event*\xb7\x01\n\x0b\x43ontrolKind\x12\x1c\n\x18\x43ONTROL_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTROL_KIND_CANCEL\x10\x01\x12\x16\n\x12\x43ONTROL_KIND_RESET\x10\x02\x12\x16\n\x12\x43ONTROL_KIND_CLEAR\x10\x03\x12\x18\n\x14\x43ONTROL_KIND_COMPACT\x10\x04\x12\'\n#CONTROL_KIND_AUTHORIZATION_CALLBACK\x10\x05\x32\x8b\x03\n\x0eIngressService\x12`\n\rCreateSession\x12&.baton.ingress.v1.CreateSessionRequest\x1a\'.baton.ingress.v1.CreateSessionResponse\x12Z\n\x0bSendMessage\x12$.baton.ingress.v1.SendMessageRequest\x1a%.baton.ingress.v1.SendMessageResponse\x12_\n\x0cStreamEvents\x12%.baton.ingress.v1.StreamEventsRequest\x1a&.baton.ingress.v1.StreamEventsResponse0\x01\x12Z\n\x0bSendControl\x12$.baton.ingress.v1.SendControlRequest\x1a%.baton.ingress.v1.SendControlResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_CREATESESSIONREQUEST']._serialized_start=84
-  _globals['_CREATESESSIONREQUEST']._serialized_end=143
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=145
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=228
-  _globals['_SENDMESSAGEREQUEST']._serialized_start=231
-  _globals['_SENDMESSAGEREQUEST']._serialized_end=573
-  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_start=518
-  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_end=563
-  _globals['_SENDMESSAGERESPONSE']._serialized_start=575
-  _globals['_SENDMESSAGERESPONSE']._serialized_end=693
-  _globals['_STREAMEVENTSREQUEST']._serialized_start=695
-  _globals['_STREAMEVENTSREQUEST']._serialized_end=800
-  _globals['_STREAMEVENTSRESPONSE']._serialized_start=802
-  _globals['_STREAMEVENTSRESPONSE']._serialized_end=864
-  _globals['_INGRESSSERVICE']._serialized_start=867
-  _globals['_INGRESSSERVICE']._serialized_end=1170
+  _globals['_CONTROLKIND']._serialized_start=1209
+  _globals['_CONTROLKIND']._serialized_end=1392
+  _globals['_SENDCONTROLREQUEST']._serialized_start=85
+  _globals['_SENDCONTROLREQUEST']._serialized_end=289
+  _globals['_SENDCONTROLRESPONSE']._serialized_start=291
+  _globals['_SENDCONTROLRESPONSE']._serialized_end=377
+  _globals['_CREATESESSIONREQUEST']._serialized_start=379
+  _globals['_CREATESESSIONREQUEST']._serialized_end=485
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=487
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=570
+  _globals['_SENDMESSAGEREQUEST']._serialized_start=573
+  _globals['_SENDMESSAGEREQUEST']._serialized_end=915
+  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_start=860
+  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_end=905
+  _globals['_SENDMESSAGERESPONSE']._serialized_start=917
+  _globals['_SENDMESSAGERESPONSE']._serialized_end=1035
+  _globals['_STREAMEVENTSREQUEST']._serialized_start=1037
+  _globals['_STREAMEVENTSREQUEST']._serialized_end=1142
+  _globals['_STREAMEVENTSRESPONSE']._serialized_start=1144
+  _globals['_STREAMEVENTSRESPONSE']._serialized_end=1206
+  _globals['_INGRESSSERVICE']._serialized_start=1395
+  _globals['_INGRESSSERVICE']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,6 +20,122 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ControlKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ControlKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ControlKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CONTROL_KIND_UNSPECIFIED: _ControlKind.ValueType  # 0
+    """Never used."""
+    CONTROL_KIND_CANCEL: _ControlKind.ValueType  # 1
+    """Cancel the running turn."""
+    CONTROL_KIND_RESET: _ControlKind.ValueType  # 2
+    """Finalize the session (terminal)."""
+    CONTROL_KIND_CLEAR: _ControlKind.ValueType  # 3
+    """Drop the conversation history."""
+    CONTROL_KIND_COMPACT: _ControlKind.ValueType  # 4
+    """Summarise the conversation history."""
+    CONTROL_KIND_AUTHORIZATION_CALLBACK: _ControlKind.ValueType  # 5
+    """Report one sign-in attempt (attempt_id, granted)."""
+
+class ControlKind(_ControlKind, metaclass=_ControlKindEnumTypeWrapper):
+    """ControlKind names a control command."""
+
+CONTROL_KIND_UNSPECIFIED: ControlKind.ValueType  # 0
+"""Never used."""
+CONTROL_KIND_CANCEL: ControlKind.ValueType  # 1
+"""Cancel the running turn."""
+CONTROL_KIND_RESET: ControlKind.ValueType  # 2
+"""Finalize the session (terminal)."""
+CONTROL_KIND_CLEAR: ControlKind.ValueType  # 3
+"""Drop the conversation history."""
+CONTROL_KIND_COMPACT: ControlKind.ValueType  # 4
+"""Summarise the conversation history."""
+CONTROL_KIND_AUTHORIZATION_CALLBACK: ControlKind.ValueType  # 5
+"""Report one sign-in attempt (attempt_id, granted)."""
+Global___ControlKind: _TypeAlias = ControlKind  # noqa: Y015
+
+@_typing.final
+class SendControlRequest(_message.Message):
+    """SendControlRequest delivers a control command."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ALIAS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ATTEMPT_ID_FIELD_NUMBER: _builtins.int
+    GRANTED_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session id."""
+    alias: _builtins.str
+    """A raw alias of the caller's channel, or `<channel>:<raw>`."""
+    kind: Global___ControlKind.ValueType
+    """Which command."""
+    delivery_id: _builtins.str
+    """Idempotency key; generated if empty."""
+    reason: _builtins.str
+    """Why (cancel, reset)."""
+    attempt_id: _builtins.str
+    """For sign-in callbacks: the attempt."""
+    granted: _builtins.bool
+    """For sign-in callbacks: whether sign-in succeeded."""
+    caller: _builtins.str
+    """The principal the channel sends for."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        alias: _builtins.str = ...,
+        kind: Global___ControlKind.ValueType = ...,
+        delivery_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        attempt_id: _builtins.str = ...,
+        granted: _builtins.bool = ...,
+        caller: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "attempt_id", b"attempt_id", "caller", b"caller", "delivery_id", b"delivery_id", "granted", b"granted", "kind", b"kind", "reason", b"reason", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["session_id", "alias"]  # noqa: Y015
+    _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
+
+Global___SendControlRequest: _TypeAlias = SendControlRequest  # noqa: Y015
+
+@_typing.final
+class SendControlResponse(_message.Message):
+    """SendControlResponse is the delivery receipt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECEIPT_FIELD_NUMBER: _builtins.int
+    DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    delivery_id: _builtins.str
+    """The delivery id used."""
+    @_builtins.property
+    def receipt(self) -> _session_pb2.Receipt:
+        """The receipt."""
+
+    def __init__(
+        self,
+        *,
+        receipt: _session_pb2.Receipt | None = ...,
+        delivery_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["receipt", b"receipt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_id", b"delivery_id", "receipt", b"receipt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendControlResponse: _TypeAlias = SendControlResponse  # noqa: Y015
+
 @_typing.final
 class CreateSessionRequest(_message.Message):
     """CreateSessionRequest creates a session."""
@@ -27,8 +144,14 @@ class CreateSessionRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ALIASES_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key: a retry with the same key returns the same session."""
+    timeout_seconds: _builtins.int
+    """Session lifetime in seconds; 0 means no timeout."""
+    token_budget: _builtins.int
+    """Session token budget; 0 is unlimited."""
     @_builtins.property
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Raw alias tokens; ingress namespaces them by the caller's channel."""
@@ -38,10 +161,12 @@ class CreateSessionRequest(_message.Message):
         *,
         request_id: _builtins.str = ...,
         aliases: _abc.Iterable[_builtins.str] | None = ...,
+        timeout_seconds: _builtins.int = ...,
+        token_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "request_id", b"request_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

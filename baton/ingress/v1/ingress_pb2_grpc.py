@@ -51,6 +51,11 @@ class IngressServiceStub:
                 request_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsRequest.SerializeToString,
                 response_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsResponse.FromString,
                 _registered_method=True)
+        self.SendControl = channel.unary_unary(
+                '/baton.ingress.v1.IngressService/SendControl',
+                request_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.SerializeToString,
+                response_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.FromString,
+                _registered_method=True)
 
 
 class IngressServiceServicer:
@@ -79,6 +84,13 @@ class IngressServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendControl(self, request, context):
+        """Send a control command: cancel, reset, clear, compact, or a sign-in callback.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IngressServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +108,11 @@ def add_IngressServiceServicer_to_server(servicer, server):
                     servicer.StreamEvents,
                     request_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsRequest.FromString,
                     response_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsResponse.SerializeToString,
+            ),
+            'SendControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendControl,
+                    request_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.FromString,
+                    response_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +198,33 @@ class IngressService:
             '/baton.ingress.v1.IngressService/StreamEvents',
             baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsRequest.SerializeToString,
             baton_dot_ingress_dot_v1_dot_ingress__pb2.StreamEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.ingress.v1.IngressService/SendControl',
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.SerializeToString,
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,8 @@ class IngressServiceStub:
     """Send a message (or input responses) to a session."""
     StreamEvents: _grpc.UnaryStreamMultiCallable[_ingress_pb2.StreamEventsRequest, _ingress_pb2.StreamEventsResponse]
     """Read a session's event stream from a cursor, optionally live."""
+    SendControl: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]
+    """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
 
 @_typing.type_check_only
 class IngressServiceAsyncStub(IngressServiceStub):
@@ -55,6 +57,8 @@ class IngressServiceAsyncStub(IngressServiceStub):
     """Send a message (or input responses) to a session."""
     StreamEvents: _aio.UnaryStreamMultiCallable[_ingress_pb2.StreamEventsRequest, _ingress_pb2.StreamEventsResponse]  # type: ignore[assignment]
     """Read a session's event stream from a cursor, optionally live."""
+    SendControl: _aio.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]  # type: ignore[assignment]
+    """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
 
 class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
     """IngressService is what channel gateways call. Every call carries the
@@ -84,5 +88,13 @@ class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ingress_pb2.StreamEventsResponse], _abc.AsyncIterator[_ingress_pb2.StreamEventsResponse]]:
         """Read a session's event stream from a cursor, optionally live."""
+
+    @_abc_1.abstractmethod
+    def SendControl(
+        self,
+        request: _ingress_pb2.SendControlRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingress_pb2.SendControlResponse, _abc.Awaitable[_ingress_pb2.SendControlResponse]]:
+        """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
 
 def add_IngressServiceServicer_to_server(servicer: IngressServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61ton/owner/v1/owner.proto\x12\x0e\x62\x61ton.owner.v1\"b\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0f\n\x07\x61liases\x18\x04 \x03(\t\"f\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cowner_run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x13\n\x0binbox_token\x18\x04 \x01(\t2i\n\x0cOwnerService\x12Y\n\x0cStartSession\x12#.baton.owner.v1.StartSessionRequest\x1a$.baton.owner.v1.StartSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61ton/owner/v1/owner.proto\x12\x0e\x62\x61ton.owner.v1\"\x91\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0f\n\x07\x61liases\x18\x04 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x06 \x01(\x04\"f\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cowner_run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x13\n\x0binbox_token\x18\x04 \x01(\t2i\n\x0cOwnerService\x12Y\n\x0cStartSession\x12#.baton.owner.v1.StartSessionRequest\x1a$.baton.owner.v1.StartSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.owner.v1.owner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTSESSIONREQUEST']._serialized_start=46
-  _globals['_STARTSESSIONREQUEST']._serialized_end=144
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=146
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=248
-  _globals['_OWNERSERVICE']._serialized_start=250
-  _globals['_OWNERSERVICE']._serialized_end=355
+  _globals['_STARTSESSIONREQUEST']._serialized_start=47
+  _globals['_STARTSESSIONREQUEST']._serialized_end=192
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=194
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=296
+  _globals['_OWNERSERVICE']._serialized_start=298
+  _globals['_OWNERSERVICE']._serialized_end=403
 # @@protoc_insertion_point(module_scope)

@@ -28,12 +28,18 @@ class StartSessionRequest(_message.Message):
     DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     CHANNEL_FIELD_NUMBER: _builtins.int
     ALIASES_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The new session's id."""
     deployment_id: _builtins.str
     """The exact deployment to run on; must equal the owner's own."""
     channel: _builtins.str
     """The tenant channel creating the session."""
+    timeout_seconds: _builtins.int
+    """Session lifetime in seconds; 0 means no timeout."""
+    token_budget: _builtins.int
+    """Session token budget; 0 is unlimited."""
     @_builtins.property
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Alias tokens (already namespaced by channel) to claim."""
@@ -45,10 +51,12 @@ class StartSessionRequest(_message.Message):
         deployment_id: _builtins.str = ...,
         channel: _builtins.str = ...,
         aliases: _abc.Iterable[_builtins.str] | None = ...,
+        timeout_seconds: _builtins.int = ...,
+        token_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "deployment_id", b"deployment_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "deployment_id", b"deployment_id", "session_id", b"session_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

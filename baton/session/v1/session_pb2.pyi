@@ -143,6 +143,34 @@ EVENT_KIND_COMMAND_REJECTED: EventKind.ValueType  # 20
 """An inbox command was rejected (unknown kind, bad input response, ...)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
+class _InputKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _InputKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_InputKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    INPUT_KIND_UNSPECIFIED: _InputKind.ValueType  # 0
+    """Never used."""
+    INPUT_KIND_QUESTION: _InputKind.ValueType  # 1
+    """The model asked the user a question."""
+    INPUT_KIND_APPROVAL: _InputKind.ValueType  # 2
+    """A tool call needs the user's approval before it runs."""
+    INPUT_KIND_SESSION_LIMIT: _InputKind.ValueType  # 3
+    """A session budget is spent; approving extends it."""
+
+class InputKind(_InputKind, metaclass=_InputKindEnumTypeWrapper):
+    """InputKind says what a paused turn waits for."""
+
+INPUT_KIND_UNSPECIFIED: InputKind.ValueType  # 0
+"""Never used."""
+INPUT_KIND_QUESTION: InputKind.ValueType  # 1
+"""The model asked the user a question."""
+INPUT_KIND_APPROVAL: InputKind.ValueType  # 2
+"""A tool call needs the user's approval before it runs."""
+INPUT_KIND_SESSION_LIMIT: InputKind.ValueType  # 3
+"""A session budget is spent; approving extends it."""
+Global___InputKind: _TypeAlias = InputKind  # noqa: Y015
+
 class _Role:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -822,6 +850,8 @@ class Event(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     DELIVERY_ID_FIELD_NUMBER: _builtins.int
+    INPUT_REQUEST_FIELD_NUMBER: _builtins.int
+    ATTEMPT_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     seq: _builtins.int
@@ -842,6 +872,8 @@ class Event(_message.Message):
     """Message text (message.received, message.completed)."""
     delivery_id: _builtins.str
     """The delivery id of the command this event answers, when any."""
+    attempt_id: _builtins.str
+    """The sign-in attempt (authorization.required / authorization.completed)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the owner produced the event."""
@@ -862,6 +894,10 @@ class Event(_message.Message):
     def error(self) -> Global___ErrorDetail:
         """Failure or rejection detail."""
 
+    @_builtins.property
+    def input_request(self) -> Global___InputRequest:
+        """The input request (input.requested)."""
+
     def __init__(
         self,
         *,
@@ -880,14 +916,154 @@ class Event(_message.Message):
         usage: Global___Usage | None = ...,
         error: Global___ErrorDetail | None = ...,
         delivery_id: _builtins.str = ...,
+        input_request: Global___InputRequest | None = ...,
+        attempt_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "input_request", b"input_request", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "inbox_seq", b"inbox_seq", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class InputRequest(_message.Message):
+    """InputRequest is one thing a paused turn waits for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Unique per session; responses name it."""
+    kind: Global___InputKind.ValueType
+    """What kind of input."""
+    prompt: _builtins.str
+    """What to ask the user."""
+    @_builtins.property
+    def tool_call(self) -> Global___ToolCall:
+        """For approvals: the tool call waiting to run."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        kind: Global___InputKind.ValueType = ...,
+        prompt: _builtins.str = ...,
+        tool_call: Global___ToolCall | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool_call", b"tool_call"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "tool_call", b"tool_call"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputRequest: _TypeAlias = InputRequest  # noqa: Y015
+
+@_typing.final
+class AuthorizationWait(_message.Message):
+    """AuthorizationWait is a tool call waiting for sign-in attempts to report."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_CALL_FIELD_NUMBER: _builtins.int
+    EXPECTED_ATTEMPT_IDS_FIELD_NUMBER: _builtins.int
+    REPORTED_ATTEMPT_IDS_FIELD_NUMBER: _builtins.int
+    DENIED_FIELD_NUMBER: _builtins.int
+    denied: _builtins.bool
+    """True once any attempt reported a refusal."""
+    @_builtins.property
+    def tool_call(self) -> Global___ToolCall:
+        """The tool call that needs sign-in."""
+
+    @_builtins.property
+    def expected_attempt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Attempts that must report before the turn resumes."""
+
+    @_builtins.property
+    def reported_attempt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Attempts that reported so far."""
+
+    def __init__(
+        self,
+        *,
+        tool_call: Global___ToolCall | None = ...,
+        expected_attempt_ids: _abc.Iterable[_builtins.str] | None = ...,
+        reported_attempt_ids: _abc.Iterable[_builtins.str] | None = ...,
+        denied: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool_call", b"tool_call"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["denied", b"denied", "expected_attempt_ids", b"expected_attempt_ids", "reported_attempt_ids", b"reported_attempt_ids", "tool_call", b"tool_call"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthorizationWait: _TypeAlias = AuthorizationWait  # noqa: Y015
+
+@_typing.final
+class Limits(_message.Message):
+    """Limits bound a session's consumption."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_STEPS_PER_TURN_FIELD_NUMBER: _builtins.int
+    TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    COST_BUDGET_MICROS_FIELD_NUMBER: _builtins.int
+    max_steps_per_turn: _builtins.int
+    """Maximum steps in one turn; 0 uses the agent's default."""
+    token_budget: _builtins.int
+    """Token budget of the session (input + output); 0 is unlimited."""
+    cost_budget_micros: _builtins.int
+    """Cost budget of the session in micro-dollars; 0 is unlimited."""
+    def __init__(
+        self,
+        *,
+        max_steps_per_turn: _builtins.int = ...,
+        token_budget: _builtins.int = ...,
+        cost_budget_micros: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_budget_micros", b"cost_budget_micros", "max_steps_per_turn", b"max_steps_per_turn", "token_budget", b"token_budget"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Limits: _TypeAlias = Limits  # noqa: Y015
+
+@_typing.final
+class SessionTimeout(_message.Message):
+    """SessionTimeout is the durable session-lifetime timer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    ARMED_BY_OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
+    duration_seconds: _builtins.int
+    """The configured lifetime."""
+    armed_by_owner_run_id: _builtins.str
+    """The owner run that armed the timer."""
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When the session expires."""
+
+    def __init__(
+        self,
+        *,
+        duration_seconds: _builtins.int = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        armed_by_owner_run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["armed_by_owner_run_id", b"armed_by_owner_run_id", "deadline", b"deadline", "duration_seconds", b"duration_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionTimeout: _TypeAlias = SessionTimeout  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
@@ -935,10 +1111,15 @@ class OpenTurn(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     INBOX_SEQS_FIELD_NUMBER: _builtins.int
+    PENDING_INPUTS_FIELD_NUMBER: _builtins.int
+    PENDING_AUTHORIZATIONS_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
     turn_id: _builtins.str
     """The turn id."""
     steps: _builtins.int
     """Steps committed so far."""
+    caller: _builtins.str
+    """The principal whose message started the turn."""
     @_builtins.property
     def usage(self) -> Global___Usage:
         """Usage accumulated by the turn."""
@@ -947,6 +1128,14 @@ class OpenTurn(_message.Message):
     def inbox_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Inbox seqs admitted into the turn."""
 
+    @_builtins.property
+    def pending_inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputRequest]:
+        """Input requests the turn waits for."""
+
+    @_builtins.property
+    def pending_authorizations(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuthorizationWait]:
+        """Sign-ins the turn waits for."""
+
     def __init__(
         self,
         *,
@@ -954,10 +1143,13 @@ class OpenTurn(_message.Message):
         steps: _builtins.int = ...,
         usage: Global___Usage | None = ...,
         inbox_seqs: _abc.Iterable[_builtins.int] | None = ...,
+        pending_inputs: _abc.Iterable[Global___InputRequest] | None = ...,
+        pending_authorizations: _abc.Iterable[Global___AuthorizationWait] | None = ...,
+        caller: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inbox_seqs", b"inbox_seqs", "steps", b"steps", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "inbox_seqs", b"inbox_seqs", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "steps", b"steps", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -983,6 +1175,9 @@ class SessionSnapshot(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     AGENT_STATE_FIELD_NUMBER: _builtins.int
     TOOL_CALL_COUNT_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    ID_COUNT_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1001,6 +1196,8 @@ class SessionSnapshot(_message.Message):
     """Lifecycle state."""
     tool_call_count: _builtins.int
     """Tool calls made so far (for unique tool call ids)."""
+    id_count: _builtins.int
+    """Ids handed out so far (input requests, sign-in attempts)."""
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Conversation history."""
@@ -1021,6 +1218,14 @@ class SessionSnapshot(_message.Message):
     def agent_state(self) -> _struct_pb2.Struct:
         """State owned by the authored agent code."""
 
+    @_builtins.property
+    def limits(self) -> Global___Limits:
+        """Consumption limits."""
+
+    @_builtins.property
+    def timeout(self) -> Global___SessionTimeout:
+        """The session-lifetime timer, when configured."""
+
     def __init__(
         self,
         *,
@@ -1038,10 +1243,13 @@ class SessionSnapshot(_message.Message):
         status: Global___SessionStatus.ValueType = ...,
         agent_state: _struct_pb2.Struct | None = ...,
         tool_call_count: _builtins.int = ...,
+        limits: Global___Limits | None = ...,
+        timeout: Global___SessionTimeout | None = ...,
+        id_count: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "open_turn", b"open_turn", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "limits", b"limits", "open_turn", b"open_turn", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "history", b"history", "hooks", b"hooks", "inbox_next_seq", b"inbox_next_seq", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "session_id", b"session_id", "status", b"status", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "history", b"history", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
