@@ -58,13 +58,27 @@ class IngressConfig:
         values = read_settings(
             "services.ingress",
             (
-                Setting("--listen", "BATON_INGRESS_LISTEN", "host:port to serve on", "127.0.0.1:50051"),
-                Setting("--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"),
+                Setting(
+                    "--listen", "BATON_INGRESS_LISTEN", "host:port to serve on", "127.0.0.1:50051"
+                ),
+                Setting(
+                    "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
+                ),
                 Setting("--api-keys", "BATON_API_KEYS", "channel=key[,channel=key...]"),
                 Setting("--hooks", "BATON_HOOKS_ADDR", "hooks host:port", "127.0.0.1:50052"),
                 Setting("--anchor", "BATON_ANCHOR_ADDR", "anchor host:port", "127.0.0.1:50053"),
-                Setting("--owner", "BATON_OWNER_ADDR", "owner host:port of this deployment", "127.0.0.1:50054"),
-                Setting("--max-message-bytes", "BATON_MAX_MESSAGE_BYTES", "largest message text", "32768"),
+                Setting(
+                    "--owner",
+                    "BATON_OWNER_ADDR",
+                    "owner host:port of this deployment",
+                    "127.0.0.1:50054",
+                ),
+                Setting(
+                    "--max-message-bytes",
+                    "BATON_MAX_MESSAGE_BYTES",
+                    "largest message text",
+                    "32768",
+                ),
                 *COMMON_SETTINGS,
             ),
             argv,

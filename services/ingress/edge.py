@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator, Iterable, Mapping
 
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
@@ -73,7 +74,13 @@ class Edge:
         raise InvalidArgument(Reason.MISSING_FIELD, "name the session by session_id or alias")
 
     async def create_session(
-        self, channel: str, request_id: str, aliases: list[str]
+        self,
+        channel: str,
+        request_id: str,
+        aliases: list[str],
+        *,
+        timeout_seconds: int = 0,
+        token_budget: int = 0,
     ) -> tuple[str, bool]:
         if request_id:
             ids.validate_id(request_id, "request_id")
@@ -92,6 +99,8 @@ class Edge:
                 deployment_id=self.deployment_id,
                 channel=channel,
                 aliases=tokens,
+                timeout_seconds=timeout_seconds,
+                token_budget=token_budget,
             )
         )
         return response.session_id, response.created
@@ -142,6 +151,49 @@ class Edge:
                 turn_policy=turn_policy or s.TURN_POLICY_STEER,
             ),
         )
+
+    def build_control(
+        self,
+        channel: str,
+        kind: int,
+        delivery_id: str,
+        caller: str,
+        reason: str,
+        attempt_id: str,
+        granted: bool,
+    ) -> s.Command:
+        """A control command (cancel, reset, clear, compact, sign-in callback)."""
+        if delivery_id:
+            ids.validate_id(delivery_id, "delivery_id")
+        else:
+            delivery_id = ids.new_delivery_id()
+        if caller:
+            ids.validate_id(caller, "caller")
+        if len(reason) > 1024:
+            raise InvalidArgument(Reason.INVALID_FIELD, "reason is longer than 1024 characters")
+        command = s.Command(
+            delivery=s.DeliveryMetadata(
+                delivery_id=delivery_id,
+                channel=channel,
+                accepted_deployment_id=self.deployment_id,
+                caller=caller,
+            )
+        )
+        if kind == ingress_pb.CONTROL_KIND_CANCEL:
+            command.cancel.reason = reason
+        elif kind == ingress_pb.CONTROL_KIND_RESET:
+            command.reset.reason = reason
+        elif kind == ingress_pb.CONTROL_KIND_CLEAR:
+            command.clear.SetInParent()
+        elif kind == ingress_pb.CONTROL_KIND_COMPACT:
+            command.compact.SetInParent()
+        elif kind == ingress_pb.CONTROL_KIND_AUTHORIZATION_CALLBACK:
+            ids.validate_id(attempt_id, "attempt_id")
+            command.authorization_callback.attempt_id = attempt_id
+            command.authorization_callback.granted = granted
+        else:
+            raise InvalidArgument(Reason.UNKNOWN_COMMAND, f"unknown control kind {kind}")
+        return command
 
     async def send(self, channel: str, token: str, command: s.Command) -> s.Receipt:
         return await self._hooks.resume(token, command, channel)

@@ -26,7 +26,11 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
     ) -> pb.CreateSessionResponse:
         channel = self._channel(context)
         session_id, created = await self._edge.create_session(
-            channel, request.request_id, list(request.aliases)
+            channel,
+            request.request_id,
+            list(request.aliases),
+            timeout_seconds=request.timeout_seconds,
+            token_budget=request.token_budget,
         )
         structlog.contextvars.bind_contextvars(session_id=session_id)
         return pb.CreateSessionResponse(
@@ -54,6 +58,24 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
             delivery_id=command.delivery.delivery_id,
             accepted_deployment_id=command.delivery.accepted_deployment_id,
         )
+
+    async def SendControl(
+        self, request: pb.SendControlRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SendControlResponse:
+        channel = self._channel(context)
+        token = self._edge.target_token(channel, request.session_id, request.alias)
+        command = self._edge.build_control(
+            channel,
+            request.kind,
+            request.delivery_id,
+            request.caller,
+            request.reason,
+            request.attempt_id,
+            request.granted,
+        )
+        receipt = await self._edge.send(channel, token, command)
+        structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
+        return pb.SendControlResponse(receipt=receipt, delivery_id=command.delivery.delivery_id)
 
     async def StreamEvents(
         self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext

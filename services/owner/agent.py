@@ -18,11 +18,13 @@ from baton.session.v1 import session_pb2 as s
 
 @dataclass(frozen=True)
 class ToolContext:
-    """What a tool may know about where it runs."""
+    """What a tool may know about where it runs, and what it may ask for."""
 
     session_id: str
     deployment_id: str
     owner_run_id: str
+    channel: str = ""
+    add_alias: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     run: Callable[[dict[str, Any], ToolContext], Awaitable[str]]
+    needs_approval: bool = False
+    """The user must approve each call before it runs (input.requested)."""
+    sign_in_attempts: int = 0
+    """Sign-in attempts that must report before the tool runs (authorization.required)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class ModelReply:
 
     text: str = ""
     tool_calls: Sequence[RequestedCall] = ()
+    question: str = ""
+    """A question for the user: the turn pauses until it is answered."""
     input_tokens: int = 0
     output_tokens: int = 0
     cost_micros: int = 0
@@ -68,6 +76,9 @@ class Agent:
     model: ModelAdapter
     tools: Sequence[Tool] = ()
     max_steps_per_turn: int = 8
+    compaction_instructions: str = (
+        "Summarize the conversation so far in a few sentences; keep facts and open tasks."
+    )
     tool_index: dict[str, Tool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -33,8 +33,12 @@ class OwnerConfig:
         values = read_settings(
             "services.owner",
             (
-                Setting("--listen", "BATON_OWNER_LISTEN", "host:port to serve on", "127.0.0.1:50054"),
-                Setting("--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"),
+                Setting(
+                    "--listen", "BATON_OWNER_LISTEN", "host:port to serve on", "127.0.0.1:50054"
+                ),
+                Setting(
+                    "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
+                ),
                 Setting("--instance-id", "BATON_INSTANCE_ID", "this instance's id", ""),
                 Setting("--hooks", "BATON_HOOKS_ADDR", "hooks host:port", "127.0.0.1:50052"),
                 Setting("--anchor", "BATON_ANCHOR_ADDR", "anchor host:port", "127.0.0.1:50053"),

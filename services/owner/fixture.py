@@ -6,6 +6,12 @@ Scripted behaviour of its model, by the last message it sees:
 - "whoami"                  -> a `deployment` tool call (reports the running deployment);
 - "steps <n>"               -> n-1 `echo` tool calls, one per step, then an answer;
 - "fail model"              -> the model raises (a failed turn);
+- "wait <ms>"               -> the model call takes <ms> milliseconds, then echoes;
+- "transfer <amount>"       -> a `transfer` tool call that needs the user's approval;
+- "ask my name"             -> a question for the user; the answer is greeted;
+- "read calendar"           -> a `calendar` tool call that needs two sign-in attempts;
+- "alias <raw>"             -> an `add_alias` tool call claiming `<channel>:<raw>`;
+- compaction instructions   -> "<N> messages about: <first user message>".
 - anything else             -> "echo: <text>".
 Usage counts whitespace-separated words.
 """
@@ -13,6 +19,7 @@ Usage counts whitespace-separated words.
 from __future__ import annotations
 
 import ast
+import asyncio
 import operator
 import re
 from collections.abc import Sequence
@@ -23,6 +30,10 @@ from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolCon
 
 _CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
 _STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)
+_WAIT = re.compile(r"^\s*wait\s+(\d+)\s*$", re.IGNORECASE)
+_TRANSFER = re.compile(r"^\s*transfer\s+(\S+)\s*$", re.IGNORECASE)
+_ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
+_QUESTION = "What is your name?"
 
 _OPS: dict[type, Any] = {
     ast.Add: operator.add,
@@ -72,6 +83,22 @@ async def _deployment(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return ctx.deployment_id
 
 
+async def _transfer(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    return f"transferred {arguments.get('amount', '')}"
+
+
+async def _calendar(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    return "3 meetings today"
+
+
+async def _add_alias(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    token = f"{ctx.channel}:{arguments.get('raw', '')}"
+    if ctx.add_alias is None:
+        raise RuntimeError("aliases cannot be added here")
+    await ctx.add_alias(token)
+    return f"alias {token} added"
+
+
 async def _echo(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return str(arguments.get("text", ""))
 
@@ -87,6 +114,10 @@ class FixtureModel:
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
     ) -> ModelReply:
         prompt_tokens = _words(instructions) + sum(_words(m.content) for m in history)
+        if instructions.startswith("Summarize"):
+            first = next((m.content for m in history if m.role == s.ROLE_USER), "")
+            text = f"{len(history)} messages about: {first}"
+            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
         last = history[-1]
         if last.role == s.ROLE_TOOL:
             pending = _pending_echo_steps(history)
@@ -97,8 +128,29 @@ class FixtureModel:
                 )
             text = f"The result is {last.content}."
             return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+        if last.role == s.ROLE_USER and len(history) >= 2 and history[-2].role == s.ROLE_ASSISTANT:
+            asked = history[-2].content
+            if asked == _QUESTION and not history[-2].tool_calls:
+                text = f"Nice to meet you, {last.content}."
+                return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
         user = last.content
-        if user.strip().lower() == "fail model":
+        command = user.strip().lower()
+        if match := _WAIT.match(user):
+            await asyncio.sleep(int(match.group(1)) / 1000)
+            text = f"echo: {user}"
+            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+        if match := _TRANSFER.match(user):
+            call = RequestedCall("transfer", {"amount": match.group(1)})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if command == "ask my name":
+            return ModelReply(question=_QUESTION, input_tokens=prompt_tokens, output_tokens=5)
+        if command == "read calendar":
+            call = RequestedCall("calendar", {})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if match := _ALIAS.match(user):
+            call = RequestedCall("add_alias", {"raw": match.group(1)})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if command == "fail model":
             raise RuntimeError("fixture model failure requested")
         if match := _CALC.match(user):
             call = RequestedCall("calculator", {"expression": match.group(1)})
@@ -127,12 +179,34 @@ def _pending_echo_steps(history: Sequence[s.ChatMessage]) -> int:
 
 TOOLS = (
     Tool(
+        "transfer",
+        "Move money; the user must approve.",
+        {"type": "object", "properties": {"amount": {"type": "string"}}},
+        _transfer,
+        needs_approval=True,
+    ),
+    Tool(
+        "calendar",
+        "Read the calendar; needs sign-in.",
+        {"type": "object"},
+        _calendar,
+        sign_in_attempts=2,
+    ),
+    Tool(
+        "add_alias",
+        "Add an address for this session.",
+        {"type": "object", "properties": {"raw": {"type": "string"}}},
+        _add_alias,
+    ),
+    Tool(
         "calculator",
         "Evaluate an arithmetic expression.",
         {"type": "object", "properties": {"expression": {"type": "string"}}},
         _calculator,
     ),
-    Tool("deployment", "Report the deployment running this agent.", {"type": "object"}, _deployment),
+    Tool(
+        "deployment", "Report the deployment running this agent.", {"type": "object"}, _deployment
+    ),
     Tool(
         "echo",
         "Return the given text.",

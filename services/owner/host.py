@@ -11,9 +11,14 @@ from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import AlreadyExists, FailedPrecondition, Reason
 from services.owner.agent import Agent
-from services.owner.session import RunIdentity, SessionRun, commit_with_retry, initial_snapshot
-
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
+from services.owner.session import (
+    RunExit,
+    RunIdentity,
+    SessionRun,
+    commit_step,
+    initial_snapshot,
+    make_event,
+)
 
 log = structlog.get_logger("baton.owner")
 
@@ -38,7 +43,14 @@ class OwnerHost:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start_session(
-        self, session_id: str, deployment_id: str, channel: str, aliases: list[str]
+        self,
+        session_id: str,
+        deployment_id: str,
+        channel: str,
+        aliases: list[str],
+        *,
+        timeout_seconds: int = 0,
+        token_budget: int = 0,
     ) -> tuple[str, bool, str]:
         """Create the session (epoch 1), commit session.started, run it.
 
@@ -66,16 +78,18 @@ class OwnerHost:
                 return exc.metadata.get("owner_run_id", ""), False, inbox
             raise
         identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
-        snapshot = initial_snapshot(session_id, channel, self.deployment_id, list(created.hooks))
-        run = SessionRun(identity, snapshot, self.agent, self.hooks, self.anchor, self._forget)
-        started = run._event(s.EVENT_KIND_SESSION_STARTED)
-        started.seq = 0
-        snapshot.next_event_seq = 1
-        snapshot.deployment_id = self.deployment_id
-        await commit_with_retry(
-            self.anchor,
-            anchor_pb.CommitStepRequest(fence=created.fence, events=[started], snapshot=snapshot),
+        snapshot = initial_snapshot(
+            session_id,
+            channel,
+            self.deployment_id,
+            list(created.hooks),
+            timeout_seconds=timeout_seconds,
+            token_budget=token_budget,
         )
+        await commit_step(
+            self.anchor, identity, snapshot, [make_event(identity, s.EVENT_KIND_SESSION_STARTED)]
+        )
+        run = SessionRun(identity, snapshot, self.agent, self.hooks, self.anchor, self._forget)
         self._launch(run)
         log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return run_id, True, inbox
@@ -86,7 +100,7 @@ class OwnerHost:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _forget(self, run: SessionRun) -> None:
+    def _forget(self, run: SessionRun, exit: RunExit) -> None:
         if self.runs.get(run.session_id) is run:
             del self.runs[run.session_id]
 

@@ -19,7 +19,12 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
     ) -> pb.StartSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         run_id, created, inbox = await self._host.start_session(
-            request.session_id, request.deployment_id, request.channel, list(request.aliases)
+            request.session_id,
+            request.deployment_id,
+            request.channel,
+            list(request.aliases),
+            timeout_seconds=request.timeout_seconds,
+            token_budget=request.token_budget,
         )
         return pb.StartSessionResponse(
             session_id=request.session_id, owner_run_id=run_id, created=created, inbox_token=inbox

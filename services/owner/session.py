@@ -1,32 +1,64 @@
 """A session program: one owner run of one session.
 
-It reads the session's inbox continuously (a server stream from hooks), takes
-commands in inbox order, runs turns of steps, and commits each step through
-anchor as one fenced transaction: the step's events plus the new snapshot,
-whose inbox position says which commands the step consumed.
+The run reads the session's inbox continuously (a server stream from hooks),
+takes commands in inbox order, runs turns of steps, and commits each step
+through anchor as one fenced transaction: the step's events plus the new
+snapshot, whose inbox position says which commands the step consumed.
+
+Turn rules (DESIGN.md §4):
+- steer (default): a message arriving while a turn is open is admitted at the
+  next model-call boundary of the same turn; one pending when the model gives
+  its final answer keeps the turn going. queue: waits for the turn to settle.
+- consecutive pending messages from the same principal start one turn together.
+- cancel, reset and an own timeout are pushed: the running step is aborted at
+  once (when everything before them in the inbox can be admitted into the
+  turn). The turn settles as cancelled, keeping completed model calls.
+- human input and sign-in pause the turn (the session waits); responses and
+  callbacks resume it. A plain message while a turn waits abandons the waits
+  and is admitted into the same turn.
+- budgets are checked before each model call; a spent budget asks the user
+  (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import enum
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
+from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
-from services.common.errors import BatonError, DeadlineExceeded, Fenced, Unavailable
-from services.owner.agent import Agent, ToolContext, dumps_arguments
+from services.common.errors import (
+    Aborted,
+    BatonError,
+    DeadlineExceeded,
+    Fenced,
+    Unavailable,
+)
+from services.owner.agent import Agent, ModelReply, Tool, ToolContext, dumps_arguments
 
 log = structlog.get_logger("baton.owner.session")
 
 SNAPSHOT_FORMAT = 1
 COMMIT_RETRY_SECONDS = 30.0
-_END = object()
+
+
+class RunExit(enum.Enum):
+    """Why a run ended."""
+
+    FENCED = "fenced"
+    FINALIZED = "finalized"
+    PARKED = "parked"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -39,20 +71,64 @@ class RunIdentity:
 
 
 def initial_snapshot(
-    session_id: str, channel: str, deployment_id: str, hooks: list[str]
+    session_id: str,
+    channel: str,
+    deployment_id: str,
+    hooks: list[str],
+    *,
+    timeout_seconds: int = 0,
+    token_budget: int = 0,
 ) -> s.SessionSnapshot:
-    return s.SessionSnapshot(
+    snapshot = s.SessionSnapshot(
         format_version=SNAPSHOT_FORMAT,
         session_id=session_id,
         channel=channel,
         deployment_id=deployment_id,
         hooks=hooks,
         status=s.SESSION_STATUS_ACTIVE,
+        limits=s.Limits(token_budget=token_budget),
     )
+    if timeout_seconds:
+        snapshot.timeout.duration_seconds = timeout_seconds
+    return snapshot
+
+
+class _Admission(enum.Enum):
+    ADMIT = "admit"  # a steer message: joins the open turn
+    CANCEL = "cancel"  # settles the open turn as cancelled
+    FINALIZE = "finalize"  # reset or own timeout: ends the session
+    DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
+    REJECT = "reject"  # unknown kind: consumed with an error event
+    BLOCK = "block"  # waits until the turn settles
+
+
+class _Outcome(enum.Enum):
+    CONTINUE = "continue"  # tools ran; next step
+    FINAL = "final"  # the model answered
+    PAUSED = "paused"  # waits for input or sign-in
+    ABORTED = "aborted"  # a pushed command aborted the step
+    FAILED = "failed"  # the model failed
+
+
+@dataclass
+class _StepProgress:
+    """What an (abortable) step produced so far; applied by the run."""
+
+    reply: ModelReply | None = None
+    error: str = ""
+    calls: list[s.ToolCall] = field(default_factory=list)
+    results: dict[int, s.ToolResult] = field(default_factory=dict)
+    aborted: bool = False
+
+
+class _RunEnded(Exception):
+    def __init__(self, exit: RunExit) -> None:
+        super().__init__(exit.value)
+        self.exit = exit
 
 
 class SessionRun:
-    """Executes one session for one owner run until fenced or finalized."""
+    """Executes one session for one owner run until fenced, finalized or parked."""
 
     def __init__(
         self,
@@ -61,7 +137,10 @@ class SessionRun:
         agent: Agent,
         hooks: HooksClient,
         anchor: AnchorClient,
-        on_exit: Callable[[SessionRun], None] | None = None,
+        on_exit: Callable[[SessionRun, RunExit], None] | None = None,
+        *,
+        park_after: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
@@ -69,8 +148,14 @@ class SessionRun:
         self._hooks = hooks
         self._anchor = anchor
         self._on_exit = on_exit
-        self._inbox: asyncio.Queue[s.InboxEntry | object] = asyncio.Queue()
-        self._turn_id = ""
+        self._park_after = park_after
+        self._clock = clock
+        self._pending: collections.deque[s.InboxEntry] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._reader_exit: RunExit | None = None
+        self._step_task: asyncio.Task[None] | None = None
+        self._abort_requested = False
+        self._timer: asyncio.Task[None] | None = None
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -82,30 +167,66 @@ class SessionRun:
     def session_id(self) -> str:
         return self.identity.fence.session_id
 
+    @property
+    def run_id(self) -> str:
+        return self.identity.fence.owner_run_id
+
+    @property
+    def _turn_id(self) -> str:
+        return self.snapshot.open_turn.turn_id if self.snapshot.HasField("open_turn") else ""
+
     # -- the program ------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self) -> RunExit:
+        exit = RunExit.FAILED
         reader = asyncio.get_running_loop().create_task(self._read_inbox())
         try:
+            self._arm_timeout()
+            turn = self.snapshot.open_turn
+            if self.snapshot.HasField("open_turn") and not (
+                turn.pending_inputs or turn.pending_authorizations
+            ):
+                # Recovery: the step in flight at the predecessor's crash runs again.
+                self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
+                await self._turn_loop([])
             while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-                entry = await self._inbox.get()
-                if entry is _END:
-                    return
-                assert isinstance(entry, s.InboxEntry)
-                if entry.seq < self.snapshot.inbox_next_seq:
-                    continue  # consumed by a committed step already
-                await self._handle(entry)
+                entry = await self._take(self._park_after)
+                if entry is None:
+                    if await self._try_park():
+                        exit = RunExit.PARKED
+                        return exit
+                    continue
+                await self._dispatch(entry)
+            exit = RunExit.FINALIZED
+        except _RunEnded as ended:
+            exit = ended.exit
         except Fenced:
             self._log.info("fenced; run ends")
+            exit = RunExit.FENCED
         except BatonError as exc:
             self._log.error("run failed", reason=exc.reason, error=exc.message)
+            exit = RunExit.FAILED
         finally:
             reader.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
             if self._on_exit is not None:
-                self._on_exit(self)
+                self._on_exit(self, exit)
+        return exit
+
+    async def _take(self, idle_s: float | None) -> s.InboxEntry | None:
+        while not self._pending:
+            if self._reader_exit is not None:
+                raise _RunEnded(self._reader_exit)
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), idle_s)
+            except TimeoutError:
+                return None
+        return self._pending.popleft()
 
     async def _read_inbox(self) -> None:
-        """Feed the inbox queue in seq order; reconnect on transient errors."""
+        """Buffer the inbox in seq order; reconnect on transient errors."""
         next_seq = self.snapshot.inbox_next_seq
         backoff = 0.05
         while True:
@@ -114,35 +235,117 @@ class SessionRun:
                     for entry in response.entries:
                         if entry.seq >= next_seq:
                             next_seq = entry.seq + 1
-                            self._inbox.put_nowait(entry)
+                            self._pending.append(entry)
+                            self._push(entry)
+                    self._arrived.set()
                     backoff = 0.05
             except Fenced:
-                self._inbox.put_nowait(_END)
+                self._reader_exit = RunExit.FENCED
+                self._arrived.set()
                 return
             except BatonError as exc:
                 if not exc.retryable:
                     self._log.error("inbox stream failed", reason=exc.reason, error=exc.message)
-                    self._inbox.put_nowait(_END)
+                    self._reader_exit = RunExit.FAILED
+                    self._arrived.set()
                     return
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _handle(self, entry: s.InboxEntry) -> None:
-        kind = entry.command.WhichOneof("kind")
+    def _push(self, entry: s.InboxEntry) -> None:
+        """Cancel, reset and an own timeout abort the running step at once,
+        when every command before them can be admitted into the turn."""
+        task = self._step_task
+        if task is None or task.done():
+            return
+        if self._classify(entry) not in (_Admission.CANCEL, _Admission.FINALIZE):
+            return
+        ahead = list(self._pending)[:-1]
+        if all(
+            self._classify(e) in (_Admission.ADMIT, _Admission.DROP, _Admission.REJECT)
+            for e in ahead
+        ):
+            self._abort_requested = True
+            task.cancel()
+
+    async def _try_park(self) -> bool:
+        if self._park_after is None or self._pending:
+            return False
+        try:
+            await self._hooks.set_parked(self.identity.fence, True, self.snapshot.inbox_next_seq)
+        except Aborted:
+            return False  # something arrived; the stream will deliver it
+        self._log.debug("parked", inbox_next_seq=self.snapshot.inbox_next_seq)
+        return True
+
+    # -- dispatch -------------------------------------------------------------
+
+    def _classify(self, entry: s.InboxEntry) -> _Admission:
+        """How a command joins an open turn at a model-call boundary."""
+        command = entry.command
+        kind = command.WhichOneof("kind")
         if kind == "send":
-            if entry.command.send.input_responses:
-                await self._reject(entry, "INPUT_NOT_PENDING", "no input request is pending")
-            elif not entry.command.send.text.strip():
+            send = command.send
+            if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
+                return _Admission.BLOCK
+            return _Admission.ADMIT if send.text.strip() else _Admission.REJECT
+        if kind == "cancel":
+            return _Admission.CANCEL
+        if kind == "reset":
+            return _Admission.FINALIZE
+        if kind == "timeout":
+            own = command.timeout.armed_by_owner_run_id == self.run_id
+            return _Admission.FINALIZE if own else _Admission.DROP
+        if kind == "authorization_callback":
+            return (
+                _Admission.BLOCK
+                if self._auth_wait(command.authorization_callback.attempt_id) is not None
+                else _Admission.DROP
+            )
+        if kind is None or kind == "task_result":
+            return _Admission.REJECT
+        return _Admission.BLOCK
+
+    async def _dispatch(self, entry: s.InboxEntry) -> None:
+        command = entry.command
+        kind = command.WhichOneof("kind")
+        waiting = self.snapshot.HasField("open_turn")
+        if kind == "send":
+            if command.send.input_responses:
+                await self._answer_inputs(entry)
+            elif not command.send.text.strip():
                 await self._reject(entry, "EMPTY_MESSAGE", "the message is empty")
+            elif waiting:
+                events = self._abandon_waits()
+                self._admit_message(entry, events)
+                await self._turn_loop(events)
             else:
-                await self._run_turn(entry)
+                await self._start_turn(entry)
+        elif kind == "cancel":
+            if waiting:
+                self._consume(entry)
+                await self._settle([], s.EVENT_KIND_TURN_CANCELLED, entry=entry)
+            else:
+                await self._reject(entry, "NOTHING_TO_CANCEL", "no turn is running")
         elif kind == "reset":
-            await self._finalize(entry)
+            await self._finalize([], entry)
+        elif kind == "timeout":
+            if self._classify(entry) is _Admission.FINALIZE:
+                await self._finalize([], entry, error=s.ErrorDetail(reason="TIMEOUT"))
+            else:
+                self._consume(entry)  # a predecessor's timer: ignored
+                await self._commit([])
         elif kind == "clear":
+            events = self._cancel_waiting_turn(entry)
             del self.snapshot.history[:]
             self._consume(entry)
-            await self._commit([self._event(s.EVENT_KIND_CONTEXT_CLEARED, entry)])
+            events.append(self._event(s.EVENT_KIND_CONTEXT_CLEARED, entry))
+            await self._commit(events)
+        elif kind == "compact":
+            await self._compact(entry)
+        elif kind == "authorization_callback":
+            await self._authorization_callback(entry)
         elif kind is None:
             await self._reject(
                 entry,
@@ -159,132 +362,573 @@ class SessionRun:
 
     # -- turns --------------------------------------------------------------
 
-    async def _run_turn(self, entry: s.InboxEntry) -> None:
+    def _principal(self, entry: s.InboxEntry) -> tuple[str, str]:
+        return entry.command.delivery.channel, entry.command.delivery.caller
+
+    async def _start_turn(self, entry: s.InboxEntry) -> None:
         snap = self.snapshot
         snap.turn_count += 1
-        self._turn_id = f"turn_{snap.turn_count}"
+        snap.open_turn.CopyFrom(
+            s.OpenTurn(turn_id=f"turn_{snap.turn_count}", caller=entry.command.delivery.caller)
+        )
+        events = [self._event(s.EVENT_KIND_TURN_STARTED, entry)]
+        self._admit_message(entry, events)
+        principal = self._principal(entry)
+        while self._pending and (
+            self._classify(self._pending[0]) is _Admission.ADMIT
+            and self._principal(self._pending[0]) == principal
+        ):
+            self._admit_message(self._pending.popleft(), events)
+        await self._turn_loop(events)
+
+    def _admit_message(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
         text = entry.command.send.text
         self._consume(entry)
-        snap.history.append(s.ChatMessage(role=s.ROLE_USER, content=text))
-        events = [
-            self._event(s.EVENT_KIND_TURN_STARTED, entry),
-            self._event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text),
-        ]
-        turn_usage = s.Usage()
-        for step in range(1, self.agent.max_steps_per_turn + 1):
-            events.append(self._event(s.EVENT_KIND_STEP_STARTED, step=step))
-            try:
-                reply = await self.agent.model.complete(
-                    self.agent.instructions, snap.history, self.agent.tools
-                )
-            except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
-                self._log.warning("model call failed", error=repr(exc), turn_id=self._turn_id)
+        self.snapshot.open_turn.inbox_seqs.append(entry.seq)
+        self.snapshot.history.append(s.ChatMessage(role=s.ROLE_USER, content=text))
+        events.append(self._event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
+
+    def _admit_pending(self, events: list[s.Event]) -> tuple[_Admission, s.InboxEntry | None]:
+        """At a model-call boundary: admit what may join the turn, in order."""
+        while self._pending:
+            entry = self._pending[0]
+            verdict = self._classify(entry)
+            if verdict is _Admission.BLOCK:
+                break
+            self._pending.popleft()
+            if verdict is _Admission.ADMIT:
+                self._admit_message(entry, events)
+            elif verdict is _Admission.DROP:
+                self._consume(entry)
+            elif verdict is _Admission.REJECT:
+                self._consume(entry)
+                events.append(self._rejection(entry))
+            else:
+                self._consume(entry)
+                return verdict, entry
+        return _Admission.BLOCK, None
+
+    async def _turn_loop(self, events: list[s.Event]) -> None:
+        snap = self.snapshot
+        while True:
+            verdict, stop = self._admit_pending(events)
+            if verdict is _Admission.CANCEL:
+                await self._settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
+                return
+            if verdict is _Admission.FINALIZE:
+                assert stop is not None
+                is_timeout = stop.command.WhichOneof("kind") == "timeout"
+                error = s.ErrorDetail(reason="TIMEOUT") if is_timeout else None
+                await self._finalize(events, stop, error=error)
+                return
+            max_steps = snap.limits.max_steps_per_turn or self.agent.max_steps_per_turn
+            if snap.open_turn.steps >= max_steps:
                 await self._settle(
                     events,
                     s.EVENT_KIND_TURN_FAILED,
-                    turn_usage,
-                    error=s.ErrorDetail(reason="MODEL_ERROR", message=str(exc)),
+                    error=s.ErrorDetail(
+                        reason="MAX_STEPS", message=f"the turn reached {max_steps} steps"
+                    ),
                 )
                 return
-            step_usage = s.Usage(
-                input_tokens=reply.input_tokens,
-                output_tokens=reply.output_tokens,
-                model_calls=1,
-                cost_micros=reply.cost_micros,
-            )
-            _add_usage(turn_usage, step_usage)
-            _add_usage(snap.usage, step_usage)
-            if not reply.tool_calls:
-                snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
-                events.append(self._event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
-                events.append(self._event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=step_usage))
-                await self._settle(events, s.EVENT_KIND_TURN_COMPLETED, turn_usage)
+            if self._budget_spent():
+                self._request_input(
+                    events, s.INPUT_KIND_SESSION_LIMIT, "The session budget is spent. Extend it?"
+                )
+                events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
+                await self._commit(events)
                 return
-            await self._run_tools(reply, step, events)
-            events.append(self._event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=step_usage))
-            snap.open_turn.CopyFrom(
-                s.OpenTurn(turn_id=self._turn_id, steps=step, usage=turn_usage)
-            )
+            progress = await self._run_step()
+            outcome = self._apply_step(progress, events)
+            if outcome is _Outcome.ABORTED:
+                continue  # the boundary finds the pushed command
+            if outcome is _Outcome.FAILED:
+                await self._settle(
+                    events,
+                    s.EVENT_KIND_TURN_FAILED,
+                    error=s.ErrorDetail(reason="MODEL_ERROR", message=progress.error),
+                )
+                return
+            if outcome is _Outcome.PAUSED:
+                events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
+                await self._commit(events)
+                return
+            if outcome is _Outcome.FINAL and not self._steer_pending():
+                await self._settle(events, s.EVENT_KIND_TURN_COMPLETED)
+                return
             await self._commit(events)
             events = []
-        await self._settle(
-            events,
-            s.EVENT_KIND_TURN_FAILED,
-            turn_usage,
-            error=s.ErrorDetail(
-                reason="MAX_STEPS",
-                message=f"the turn reached {self.agent.max_steps_per_turn} steps",
-            ),
-        )
 
-    async def _run_tools(self, reply: object, step: int, events: list[s.Event]) -> None:
+    def _steer_pending(self) -> bool:
+        return bool(self._pending) and self._classify(self._pending[0]) is not _Admission.BLOCK
+
+    def _budget_spent(self) -> bool:
+        limits, usage = self.snapshot.limits, self.snapshot.usage
+        tokens = usage.input_tokens + usage.output_tokens
+        if limits.token_budget and tokens >= limits.token_budget:
+            return True
+        return bool(limits.cost_budget_micros and usage.cost_micros >= limits.cost_budget_micros)
+
+    async def _run_step(self) -> _StepProgress:
+        """One model call plus the tools it asks for, abortable by a push."""
+        progress = _StepProgress()
+        self._abort_requested = False
+        self._step_task = asyncio.get_running_loop().create_task(self._execute(progress))
+        try:
+            await self._step_task
+        except asyncio.CancelledError:
+            if not self._abort_requested:
+                raise
+            progress.aborted = True
+        finally:
+            self._step_task = None
+            self._abort_requested = False
+        return progress
+
+    async def _execute(self, progress: _StepProgress) -> None:
         snap = self.snapshot
-        calls = []
-        for requested in reply.tool_calls:  # type: ignore[attr-defined]
-            snap.tool_call_count += 1
-            calls.append(
+        try:
+            reply = await self.agent.model.complete(
+                self.agent.instructions, snap.history, self.agent.tools
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
+            self._log.warning("model call failed", error=repr(exc), turn_id=self._turn_id)
+            progress.error = f"{type(exc).__name__}: {exc}"
+            return
+        progress.reply = reply
+        for offset, requested in enumerate(reply.tool_calls):
+            progress.calls.append(
                 s.ToolCall(
-                    id=f"call_{snap.tool_call_count}",
+                    id=f"call_{snap.tool_call_count + offset + 1}",
                     name=requested.name,
                     arguments_json=dumps_arguments(requested.arguments),
                 )
             )
-        snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=calls))
-        context = ToolContext(
+        for index, call in enumerate(progress.calls):
+            tool = self.agent.tool_index.get(call.name)
+            if tool is not None and (tool.needs_approval or tool.sign_in_attempts):
+                continue  # waits for the user
+            progress.results[index] = await self._call_tool(call, tool)
+
+    async def _call_tool(self, call: s.ToolCall, tool: Tool | None) -> s.ToolResult:
+        result = s.ToolResult(tool_call_id=call.id, name=call.name)
+        if tool is None:
+            result.output, result.is_error = f"unknown tool {call.name!r}", True
+            return result
+        try:
+            result.output = await tool.run(json.loads(call.arguments_json), self._tool_context())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
+            result.output, result.is_error = f"{type(exc).__name__}: {exc}", True
+        return result
+
+    def _tool_context(self) -> ToolContext:
+        return ToolContext(
             session_id=self.session_id,
             deployment_id=self.identity.deployment_id,
-            owner_run_id=self.identity.fence.owner_run_id,
+            owner_run_id=self.run_id,
+            channel=self.snapshot.channel,
+            add_alias=self._add_alias,
         )
-        for call in calls:
-            events.append(self._event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call))
-            tool = self.agent.tool_index.get(call.name)
-            result = s.ToolResult(tool_call_id=call.id, name=call.name)
-            if tool is None:
-                result.output, result.is_error = f"unknown tool {call.name!r}", True
-            else:
-                try:
-                    result.output = await tool.run(json.loads(call.arguments_json), context)
-                except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
-                    result.output, result.is_error = f"{type(exc).__name__}: {exc}", True
-            events.append(self._event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
-            snap.history.append(
-                s.ChatMessage(role=s.ROLE_TOOL, content=result.output, tool_call_id=call.id)
+
+    async def _add_alias(self, token: str) -> None:
+        """Claimed durably (fenced) before the step that adds it commits."""
+        hooks = await self._hooks.claim(self.identity.fence, [token])
+        del self.snapshot.hooks[:]
+        self.snapshot.hooks.extend(hooks)
+
+    def _apply_step(self, progress: _StepProgress, events: list[s.Event]) -> _Outcome:
+        """Fold a step's progress into history, usage and events."""
+        snap = self.snapshot
+        reply = progress.reply
+        if reply is None:
+            return _Outcome.ABORTED if progress.aborted else _Outcome.FAILED
+        snap.open_turn.steps += 1
+        step = snap.open_turn.steps
+        events.append(self._event(s.EVENT_KIND_STEP_STARTED, step=step))
+        usage = s.Usage(
+            input_tokens=reply.input_tokens,
+            output_tokens=reply.output_tokens,
+            model_calls=1,
+            cost_micros=reply.cost_micros,
+        )
+        _add_usage(snap.open_turn.usage, usage)
+        _add_usage(snap.usage, usage)
+        outcome = _Outcome.CONTINUE
+        if reply.question:
+            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
+            events.append(
+                self._event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.question)
             )
+            self._request_input(events, s.INPUT_KIND_QUESTION, reply.question, step=step)
+            outcome = _Outcome.PAUSED
+        elif not progress.calls:
+            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
+            events.append(self._event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
+            outcome = _Outcome.FINAL
+        else:
+            snap.tool_call_count += len(progress.calls)
+            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
+            for index, call in enumerate(progress.calls):
+                events.append(
+                    self._event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
+                )
+                tool = self.agent.tool_index.get(call.name)
+                if index in progress.results:
+                    self._record_result(progress.results[index], events, step)
+                elif progress.aborted:
+                    cancelled = s.ToolResult(
+                        tool_call_id=call.id, name=call.name, output="cancelled", is_error=True
+                    )
+                    self._record_result(cancelled, events, step)
+                elif tool is not None and tool.needs_approval:
+                    self._request_input(
+                        events,
+                        s.INPUT_KIND_APPROVAL,
+                        f"Allow {call.name}({call.arguments_json})?",
+                        step=step,
+                        tool_call=call,
+                    )
+                    outcome = _Outcome.PAUSED
+                elif tool is not None and tool.sign_in_attempts:
+                    self._require_authorization(events, call, tool.sign_in_attempts, step)
+                    outcome = _Outcome.PAUSED
+        events.append(self._event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
+        return _Outcome.ABORTED if progress.aborted else outcome
+
+    def _record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
+        events.append(self._event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
+        self.snapshot.history.append(
+            s.ChatMessage(role=s.ROLE_TOOL, content=result.output, tool_call_id=result.tool_call_id)
+        )
+
+    def _next_id(self, prefix: str) -> str:
+        self.snapshot.id_count += 1
+        return f"{prefix}_{self.snapshot.id_count}"
+
+    def _request_input(
+        self,
+        events: list[s.Event],
+        kind: s.InputKind.ValueType,
+        prompt: str,
+        *,
+        step: int = 0,
+        tool_call: s.ToolCall | None = None,
+    ) -> None:
+        request = s.InputRequest(
+            request_id=self._next_id("input"), kind=kind, prompt=prompt, tool_call=tool_call
+        )
+        self.snapshot.open_turn.pending_inputs.append(request)
+        events.append(self._event(s.EVENT_KIND_INPUT_REQUESTED, step=step, input_request=request))
+
+    def _require_authorization(
+        self, events: list[s.Event], call: s.ToolCall, attempts: int, step: int
+    ) -> None:
+        wait = s.AuthorizationWait(tool_call=call)
+        for _ in range(attempts):
+            attempt = self._next_id("attempt")
+            wait.expected_attempt_ids.append(attempt)
+            events.append(
+                self._event(
+                    s.EVENT_KIND_AUTHORIZATION_REQUIRED,
+                    step=step,
+                    tool_call=call,
+                    attempt_id=attempt,
+                )
+            )
+        self.snapshot.open_turn.pending_authorizations.append(wait)
 
     async def _settle(
         self,
         events: list[s.Event],
         kind: s.EventKind.ValueType,
-        usage: s.Usage,
+        *,
+        entry: s.InboxEntry | None = None,
         error: s.ErrorDetail | None = None,
+        commit: bool = True,
     ) -> None:
-        """Close the turn and wait: one commit with the turn's last events."""
-        events.append(self._event(kind, usage=usage, error=error))
+        """Close the open turn; with `commit`, the session then waits."""
+        usage = s.Usage()
+        usage.CopyFrom(self.snapshot.open_turn.usage)
+        events.append(self._event(kind, entry, usage=usage, error=error))
         self.snapshot.ClearField("open_turn")
-        self._turn_id = ""
-        events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
-        await self._commit(events)
+        if commit:
+            events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
+            await self._commit(events)
+
+    # -- waits: human input and sign-in ---------------------------------------
+
+    async def _answer_inputs(self, entry: s.InboxEntry) -> None:
+        snap = self.snapshot
+        turn = snap.open_turn
+        if not snap.HasField("open_turn") or not turn.pending_inputs:
+            await self._reject(entry, "INPUT_NOT_PENDING", "no input request is pending")
+            return
+        pending = {r.request_id: r for r in turn.pending_inputs}
+        responses = list(entry.command.send.input_responses)
+        unknown = [r.request_id for r in responses if r.request_id not in pending]
+        self._consume(entry)
+        events: list[s.Event] = []
+        if entry.command.send.text.strip():
+            snap.open_turn.inbox_seqs.append(entry.seq)
+            events.append(
+                self._event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=entry.command.send.text)
+            )
+        if unknown:
+            events.append(
+                self._event(
+                    s.EVENT_KIND_COMMAND_REJECTED,
+                    entry,
+                    error=s.ErrorDetail(
+                        reason="UNKNOWN_INPUT_REQUEST",
+                        message=f"no pending input request {', '.join(unknown)}",
+                    ),
+                )
+            )
+        failed = False
+        for response in responses:
+            request = pending.pop(response.request_id, None)
+            if request is None:
+                continue
+            if request.kind == s.INPUT_KIND_QUESTION:
+                snap.history.append(s.ChatMessage(role=s.ROLE_USER, content=response.text))
+            elif request.kind == s.INPUT_KIND_APPROVAL:
+                call = request.tool_call
+                if response.approved:
+                    result = await self._call_tool(call, self.agent.tool_index.get(call.name))
+                else:
+                    result = s.ToolResult(
+                        tool_call_id=call.id,
+                        name=call.name,
+                        output="the user denied this call",
+                        is_error=True,
+                    )
+                self._record_result(result, events)
+            elif response.approved:
+                used = snap.usage.input_tokens + snap.usage.output_tokens
+                snap.limits.token_budget = used + max(snap.limits.token_budget, 1)
+                if snap.limits.cost_budget_micros:
+                    snap.limits.cost_budget_micros = (
+                        snap.usage.cost_micros + snap.limits.cost_budget_micros
+                    )
+            else:
+                failed = True
+        del turn.pending_inputs[:]
+        turn.pending_inputs.extend(pending.values())
+        if failed:
+            await self._settle(
+                events,
+                s.EVENT_KIND_TURN_FAILED,
+                error=s.ErrorDetail(reason="LIMIT_EXCEEDED", message="the user kept the limit"),
+            )
+        elif turn.pending_inputs or turn.pending_authorizations:
+            events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
+            await self._commit(events)
+        else:
+            await self._turn_loop(events)
+
+    def _auth_wait(self, attempt_id: str) -> s.AuthorizationWait | None:
+        if not self.snapshot.HasField("open_turn"):
+            return None
+        for wait in self.snapshot.open_turn.pending_authorizations:
+            if (
+                attempt_id in wait.expected_attempt_ids
+                and attempt_id not in wait.reported_attempt_ids
+            ):
+                return wait
+        return None
+
+    async def _authorization_callback(self, entry: s.InboxEntry) -> None:
+        callback = entry.command.authorization_callback
+        wait = self._auth_wait(callback.attempt_id)
+        self._consume(entry)
+        if wait is None:
+            self._log.info("stale sign-in attempt dropped", attempt_id=callback.attempt_id)
+            await self._commit([])
+            return
+        wait.reported_attempt_ids.append(callback.attempt_id)
+        wait.denied = wait.denied or not callback.granted
+        events: list[s.Event] = []
+        if len(wait.reported_attempt_ids) < len(wait.expected_attempt_ids):
+            await self._commit(events)
+            return
+        call = wait.tool_call
+        events.append(
+            self._event(
+                s.EVENT_KIND_AUTHORIZATION_COMPLETED,
+                entry,
+                tool_call=call,
+                attempt_id=callback.attempt_id,
+                error=s.ErrorDetail(reason="DENIED") if wait.denied else None,
+            )
+        )
+        if wait.denied:
+            result = s.ToolResult(
+                tool_call_id=call.id, name=call.name, output="sign-in was refused", is_error=True
+            )
+        else:
+            result = await self._call_tool(call, self.agent.tool_index.get(call.name))
+        self._record_result(result, events)
+        turn = self.snapshot.open_turn
+        remaining = [w for w in turn.pending_authorizations if w.tool_call.id != call.id]
+        del turn.pending_authorizations[:]
+        turn.pending_authorizations.extend(remaining)
+        if turn.pending_inputs or turn.pending_authorizations:
+            await self._commit(events)
+        else:
+            await self._turn_loop(events)
+
+    def _abandon_waits(self) -> list[s.Event]:
+        """A plain message while the turn waits: pending waits are closed
+        (approvals and sign-ins as not done) and the turn goes on."""
+        events: list[s.Event] = []
+        turn = self.snapshot.open_turn
+        for request in turn.pending_inputs:
+            if request.kind == s.INPUT_KIND_APPROVAL:
+                call = request.tool_call
+                self._record_result(
+                    s.ToolResult(
+                        tool_call_id=call.id,
+                        name=call.name,
+                        output="not approved: the user sent a new message",
+                        is_error=True,
+                    ),
+                    events,
+                )
+        for wait in turn.pending_authorizations:
+            call = wait.tool_call
+            self._record_result(
+                s.ToolResult(
+                    tool_call_id=call.id,
+                    name=call.name,
+                    output="sign-in abandoned: the user sent a new message",
+                    is_error=True,
+                ),
+                events,
+            )
+        del turn.pending_inputs[:]
+        del turn.pending_authorizations[:]
+        return events
+
+    def _cancel_waiting_turn(self, entry: s.InboxEntry) -> list[s.Event]:
+        events: list[s.Event] = []
+        if self.snapshot.HasField("open_turn"):
+            events = self._abandon_waits()
+            usage = s.Usage()
+            usage.CopyFrom(self.snapshot.open_turn.usage)
+            events.append(self._event(s.EVENT_KIND_TURN_CANCELLED, entry, usage=usage))
+            self.snapshot.ClearField("open_turn")
+        return events
 
     # -- other commands -------------------------------------------------------
 
-    async def _reject(self, entry: s.InboxEntry, reason: str, message: str) -> None:
-        self._log.info("command rejected", reason=reason, inbox_seq=entry.seq)
+    async def _compact(self, entry: s.InboxEntry) -> None:
+        events = self._cancel_waiting_turn(entry)
+        snap = self.snapshot
         self._consume(entry)
-        error = s.ErrorDetail(reason=reason, message=message)
-        await self._commit([self._event(s.EVENT_KIND_COMMAND_REJECTED, entry, error=error)])
+        try:
+            reply = await self.agent.model.complete(
+                self.agent.compaction_instructions, snap.history, ()
+            )
+        except Exception as exc:  # noqa: BLE001 - authored code
+            events.append(
+                self._rejection(entry, "COMPACTION_FAILED", f"{type(exc).__name__}: {exc}")
+            )
+            await self._commit(events)
+            return
+        usage = s.Usage(
+            input_tokens=reply.input_tokens,
+            output_tokens=reply.output_tokens,
+            model_calls=1,
+            cost_micros=reply.cost_micros,
+        )
+        _add_usage(snap.usage, usage)
+        del snap.history[:]
+        snap.history.append(
+            s.ChatMessage(
+                role=s.ROLE_SYSTEM, content=f"Summary of earlier conversation: {reply.text}"
+            )
+        )
+        events.append(
+            self._event(s.EVENT_KIND_CONTEXT_COMPACTED, entry, text=reply.text, usage=usage)
+        )
+        await self._commit(events)
 
-    async def _finalize(self, entry: s.InboxEntry) -> None:
-        """Reset: terminal. Close the stream once, then release every token."""
+    def _rejection(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> s.Event:
+        if not reason:
+            kind = entry.command.WhichOneof("kind")
+            if kind is None:
+                reason = "UNKNOWN_COMMAND_KIND"
+                message = (
+                    f"deployment {self.identity.deployment_id} does not know this command kind"
+                )
+            elif kind == "send":
+                reason, message = "EMPTY_MESSAGE", "the message is empty"
+            else:
+                reason = "UNSUPPORTED_COMMAND"
+                message = f"command kind {kind!r} is not supported here"
+        self._log.info("command rejected", reason=reason, inbox_seq=entry.seq)
+        return self._event(
+            s.EVENT_KIND_COMMAND_REJECTED,
+            entry,
+            error=s.ErrorDetail(reason=reason, message=message),
+        )
+
+    async def _reject(self, entry: s.InboxEntry, reason: str, message: str) -> None:
         self._consume(entry)
+        await self._commit([self._rejection(entry, reason, message)])
+
+    async def _finalize(
+        self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None = None
+    ) -> None:
+        """Terminal: close the stream once, then release every token."""
+        self._consume(entry)
+        if self.snapshot.HasField("open_turn"):
+            events += self._cancel_waiting_turn(entry)
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
-        await self._commit([self._event(s.EVENT_KIND_SESSION_COMPLETED, entry)], close=True)
+        events.append(self._event(s.EVENT_KIND_SESSION_COMPLETED, entry, error=error))
+        await self._commit(events, close=True)
         await self._hooks.dispose(self.identity.fence)
-        self._log.info("session finalized")
+        self._log.info("session finalized", reason=error.reason if error else "RESET")
+
+    # -- the session timeout --------------------------------------------------
+
+    def _arm_timeout(self) -> None:
+        """Arm the durable lifetime timer, stamped with this run."""
+        timeout = self.snapshot.timeout
+        if not timeout.duration_seconds:
+            return
+        if not timeout.HasField("deadline"):
+            timeout.deadline.FromSeconds(int(self._clock()) + timeout.duration_seconds)
+        timeout.armed_by_owner_run_id = self.run_id
+        delay = max(0.0, timeout.deadline.ToSeconds() - self._clock())
+        self._timer = asyncio.get_running_loop().create_task(self._fire_timeout(delay))
+
+    async def _fire_timeout(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        command = s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"timeout-{self.run_id}"),
+            timeout=s.TimeoutCommand(armed_by_owner_run_id=self.run_id),
+        )
+        backoff = 0.1
+        while True:
+            try:
+                await self._hooks.resume(ids.inbox_token(self.session_id), command)
+                return
+            except BatonError as exc:
+                if not exc.retryable:
+                    self._log.warning("timeout not delivered", reason=exc.reason)
+                    return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     # -- events and commits ---------------------------------------------------
 
     def _consume(self, entry: s.InboxEntry) -> None:
-        self.snapshot.inbox_next_seq = entry.seq + 1
+        self.snapshot.inbox_next_seq = max(self.snapshot.inbox_next_seq, entry.seq + 1)
 
     def _event(
         self,
@@ -297,54 +941,79 @@ class SessionRun:
         tool_result: s.ToolResult | None = None,
         usage: s.Usage | None = None,
         error: s.ErrorDetail | None = None,
+        input_request: s.InputRequest | None = None,
+        attempt_id: str = "",
     ) -> s.Event:
-        now = Timestamp()
-        now.GetCurrentTime()
-        event = s.Event(
-            session_id=self.session_id,
-            kind=kind,
-            time=now,
-            turn_id=self._turn_id,
+        return make_event(
+            self.identity,
+            kind,
+            self._turn_id,
+            entry,
             step=step,
-            owner_run_id=self.identity.fence.owner_run_id,
-            deployment_id=self.identity.deployment_id,
             text=text,
             tool_call=tool_call,
             tool_result=tool_result,
             usage=usage,
             error=error,
+            input_request=input_request,
+            attempt_id=attempt_id,
         )
-        if entry is not None:
-            event.inbox_seq = entry.seq
-            event.delivery_id = entry.command.delivery.delivery_id
-        return event
 
     async def _commit(self, events: list[s.Event], close: bool = False) -> None:
-        """Commit events + snapshot as one fenced txn; retry transient failures
-        with the identical request (anchor recognises a replay)."""
-        snap = self.snapshot
-        for offset, event in enumerate(events):
-            event.seq = snap.next_event_seq + offset
-        snap.next_event_seq += len(events)
-        snap.deployment_id = self.identity.deployment_id
-        request = anchor_pb.CommitStepRequest(
-            fence=self.identity.fence, events=events, snapshot=snap, close_stream=close
-        )
-        await commit_with_retry(self._anchor, request)
+        await commit_step(self._anchor, self.identity, self.snapshot, events, close)
 
 
-async def commit_with_retry(anchor: AnchorClient, request: anchor_pb.CommitStepRequest) -> None:
-    deadline = asyncio.get_running_loop().time() + COMMIT_RETRY_SECONDS
+def make_event(
+    identity: RunIdentity,
+    kind: s.EventKind.ValueType,
+    turn_id: str = "",
+    entry: s.InboxEntry | None = None,
+    **fields: object,
+) -> s.Event:
+    now = Timestamp()
+    now.GetCurrentTime()
+    event = s.Event(
+        session_id=identity.fence.session_id,
+        kind=kind,
+        time=now,
+        turn_id=turn_id,
+        owner_run_id=identity.fence.owner_run_id,
+        deployment_id=identity.deployment_id,
+        **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
+    )
+    if entry is not None:
+        event.inbox_seq = entry.seq
+        event.delivery_id = entry.command.delivery.delivery_id
+    return event
+
+
+async def commit_step(
+    anchor: AnchorClient,
+    identity: RunIdentity,
+    snapshot: s.SessionSnapshot,
+    events: list[s.Event],
+    close: bool = False,
+) -> None:
+    """Commit events + snapshot as one fenced txn. Transient failures are
+    retried with the identical request (anchor recognises a replay)."""
+    for offset, event in enumerate(events):
+        event.seq = snapshot.next_event_seq + offset
+    snapshot.next_event_seq += len(events)
+    snapshot.deployment_id = identity.deployment_id
+    request = anchor_pb.CommitStepRequest(
+        fence=identity.fence, events=events, snapshot=snapshot, close_stream=close
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + COMMIT_RETRY_SECONDS
     backoff = 0.05
     while True:
         try:
             await anchor.commit(request)
             return
-        except BatonError as exc:
-            transient = isinstance(exc, Unavailable | DeadlineExceeded)
-            if not transient or asyncio.get_running_loop().time() > deadline:
+        except (Unavailable, DeadlineExceeded) as exc:
+            if loop.time() > deadline:
                 raise
-            log.warning("commit retry", reason=exc.reason, session_id=request.fence.session_id)
+            log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 1.0)
 
