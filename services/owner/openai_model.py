@@ -39,8 +39,8 @@ ENV_PRICE_INPUT = "BATON_OPENAI_PRICE_INPUT_MICROS_PER_1K"
 ENV_PRICE_OUTPUT = "BATON_OPENAI_PRICE_OUTPUT_MICROS_PER_1K"
 
 DEFAULT_INSTRUCTIONS = (
-    "You are a helpful assistant running on Baton. Use the tools when they help: "
-    "`calculator` for arithmetic, `deployment` to report where you run, `echo` to repeat text."
+    "You are a helpful assistant running on Baton. Use the provided tools when they help, "
+    "and answer plainly once you have what you need."
 )
 
 
