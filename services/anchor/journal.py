@@ -149,13 +149,17 @@ class Journal:
             [],
             [
                 op_get(k.event(session_id, start_seq), prefix_end(prefix)),
-                op_get(k.snapshot(session_id)),
+                op_get(k.snapshot(session_id), keys_only=True),
+                op_get(k.closed(session_id)),
             ],
             [],
         )
         kvs = response.responses[0].response_range.kvs
         if not kvs and not response.responses[1].response_range.kvs:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
+        closed = single_value(response.responses[2])
+        if closed is not None and start_seq > int(closed):
+            return  # the cursor is past the terminal event: the stream is over
         next_seq = start_seq
         for kv in kvs:
             event = s.Event.FromString(kv.value)
@@ -163,7 +167,7 @@ class Journal:
             next_seq = event.seq + 1
             if event.kind in TERMINAL_KINDS:
                 return
-        if not follow:
+        if not follow or closed is not None:
             return
         async for change in follow_range(self._store.client, prefix, response.header.revision + 1):
             if not change.kv.value or seq_of(change.kv.key) < next_seq:

@@ -94,8 +94,10 @@ def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
 
 
-def op_get(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
-    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key, range_end=range_end))
+def op_get(key: bytes, range_end: bytes = b"", *, keys_only: bool = False) -> rpc.RequestOp:
+    return rpc.RequestOp(
+        request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=keys_only)
+    )
 
 
 def op_delete(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:

@@ -9,7 +9,8 @@ Turn rules (DESIGN.md §4):
 - steer (default): a message arriving while a turn is open is admitted at the
   next model-call boundary of the same turn; one pending when the model gives
   its final answer keeps the turn going. queue: waits for the turn to settle.
-- consecutive pending messages from the same principal start one turn together.
+- consecutive pending steer messages from the same principal start one turn
+  together; steer messages from others join it at its first model-call boundary.
 - cancel, reset and an own timeout are pushed: the running step is aborted at
   once (when everything before them in the inbox can be admitted into the
   turn). The turn settles as cancelled, keeping completed model calls.
