@@ -17,6 +17,7 @@ from services.common.errors import (
 from services.common.etcd import (
     Store,
     cmp_absent,
+    cmp_mod,
     cmp_present,
     cmp_value,
     follow_range,
@@ -87,29 +88,44 @@ class Journal:
         events: Sequence[s.Event],
         snapshot: s.SessionSnapshot,
         close: bool,
+        expected_snapshot_revision: int | None = None,
     ) -> tuple[int, bool]:
-        """One fenced txn: events + snapshot (+ the closed marker). Returns
-        (revision, replayed); a retried identical commit is detected, not redone."""
+        """One fenced txn: events + snapshot (+ the closed marker).
+
+        Returns (revision, replayed). With `expected_snapshot_revision` the txn
+        also compares the snapshot's mod revision, so no delayed or reordered
+        commit can roll the snapshot back. A retry of an applied commit (the
+        stored snapshot and first event are byte-identical) writes nothing and
+        reports replayed."""
         validate_commit(fence, events, snapshot, close)
         k = self._keys
         sid = fence.session_id
         encoded = [e.SerializeToString() for e in events]
+        snapshot_bytes = snapshot.SerializeToString()
         compare = [
             cmp_value(k.fence(sid), fence_value(fence.epoch, fence.owner_run_id)),
             cmp_absent(k.closed(sid)),
         ]
-        success = [op_put(k.snapshot(sid), snapshot.SerializeToString())]
+        if expected_snapshot_revision is not None:
+            compare.append(
+                cmp_absent(k.snapshot(sid))
+                if expected_snapshot_revision == 0
+                else cmp_mod(k.snapshot(sid), expected_snapshot_revision)
+            )
+        success = [op_put(k.snapshot(sid), snapshot_bytes)]
+        # The stream continues gaplessly at `first` (for a snapshot-only commit:
+        # the snapshot names the stream head exactly).
+        first = events[0].seq if events else snapshot.next_event_seq
+        compare.append(cmp_absent(k.event(sid, first)))
+        if first > 0:
+            compare.append(cmp_present(k.event(sid, first - 1)))
         if events:
-            first = events[0].seq
-            compare.append(cmp_absent(k.event(sid, first)))
-            if first > 0:
-                compare.append(cmp_present(k.event(sid, first - 1)))
             success += [
                 op_put(k.event(sid, e.seq), raw) for e, raw in zip(events, encoded, strict=True)
             ]
         if close:
             success.append(op_put(k.closed(sid), str(events[-1].seq).encode()))
-        failure = [op_get(k.fence(sid)), op_get(k.closed(sid))]
+        failure = [op_get(k.fence(sid)), op_get(k.closed(sid)), op_get(k.snapshot(sid))]
         if events:
             failure.append(op_get(k.event(sid, events[0].seq)))
         response = await self._store.txn(compare, success, failure)
@@ -123,10 +139,23 @@ class Journal:
                 f"owner run {fence.owner_run_id} epoch {fence.epoch} no longer owns session {sid}",
                 session_id=sid,
             )
-        if events and single_value(response.responses[2]) == encoded[0]:
-            return response.header.revision, True  # our own earlier commit: a retry
+        stored = response.responses[2].response_range.kvs
+        same_snapshot = bool(stored) and stored[0].value == snapshot_bytes
+        same_first = not events or single_value(response.responses[3]) == encoded[0]
+        if same_snapshot and same_first:
+            return stored[0].mod_revision, True  # our own applied commit: a retry
         if single_value(response.responses[1]) is not None:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} stream is closed")
+        current_revision = stored[0].mod_revision if stored else 0
+        if (
+            expected_snapshot_revision is not None
+            and current_revision != expected_snapshot_revision
+        ):
+            raise Aborted(
+                Reason.STALE_SNAPSHOT,
+                f"the snapshot is at revision {current_revision}, "
+                f"not {expected_snapshot_revision}: a newer commit exists",
+            )
         raise Aborted(
             Reason.SEQ_CONFLICT,
             f"events must continue the stream gaplessly at seq {events[0].seq if events else 0}",

@@ -26,7 +26,13 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
         revision, replayed = await self._journal.commit(
-            request.fence, request.events, request.snapshot, request.close_stream
+            request.fence,
+            request.events,
+            request.snapshot,
+            request.close_stream,
+            request.expected_snapshot_revision
+            if request.HasField("expected_snapshot_revision")
+            else None,
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 

@@ -75,7 +75,8 @@ class EtcdProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
-    def start(self, timeout: float = 30.0) -> EtcdProcess:
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> EtcdProcess:
+        """Spawn etcd; with `wait` (default), block until it reports healthy."""
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
         if not self.data_dir:
@@ -88,21 +89,34 @@ class EtcdProcess:
         self.proc = subprocess.Popen(
             [
                 find_etcd(),
-                "--name", "baton",
-                "--data-dir", os.path.join(self.data_dir, "data"),
-                "--listen-client-urls", client,
-                "--advertise-client-urls", client,
-                "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"baton={peer}",
-                "--log-level", "warn",
+                "--name",
+                "baton",
+                "--data-dir",
+                os.path.join(self.data_dir, "data"),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"baton={peer}",
+                "--log-level",
+                "warn",
+                # A session may hold 256 addresses; claiming or releasing all of
+                # them is one transaction (etcd's default cap is 128 ops).
+                "--max-txn-ops",
+                "1024",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         log.close()
-        self.wait_healthy(timeout)
+        if wait:
+            self.wait_healthy(timeout)
         return self
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
@@ -156,7 +170,14 @@ class ServiceProcess:
         env = {**os.environ, **self.env}
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{self.name}", "--listen", self.listen, *self.extra_args],
+            [
+                sys.executable,
+                "-m",
+                f"services.{self.name}",
+                "--listen",
+                self.listen,
+                *self.extra_args,
+            ],
             env=env,
             stdout=out if out else None,
             stderr=subprocess.STDOUT if out else None,

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aetcd
+import grpc
 import structlog
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
-from services.common.errors import Reason, Unavailable
+from services.common.errors import Internal, Reason, Unavailable
 
 log = structlog.get_logger("baton.etcd")
 
@@ -21,6 +22,15 @@ _CHANNEL_OPTIONS = {
     "grpc.http2.ping_timeout_ms": 2000,
     "grpc.max_receive_message_length": 16 * 1024 * 1024,
 }
+
+
+_TRANSIENT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -73,7 +83,11 @@ class Store:
         try:
             return await self.client.kvstub.Txn(request, timeout=self.timeout)
         except AioRpcError as exc:
-            raise store_unavailable(exc) from exc
+            if exc.code() in _TRANSIENT:
+                raise store_unavailable(exc) from exc
+            raise Internal(
+                Reason.STORE_REJECTED, f"etcd refused the transaction: {exc.details()}"
+            ) from exc
         except AttributeError as exc:  # kvstub is None: never connected or closed
             raise store_unavailable(exc) from exc
 
@@ -84,6 +98,12 @@ def cmp_value(key: bytes, value: bytes) -> rpc.Compare:
 
 def cmp_absent(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)
+
+
+def cmp_mod(key: bytes, revision: int) -> rpc.Compare:
+    return rpc.Compare(
+        key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.MOD, mod_revision=revision
+    )
 
 
 def cmp_present(key: bytes) -> rpc.Compare:

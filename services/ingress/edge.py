@@ -119,7 +119,7 @@ class Edge:
         responses = list(input_responses)
         if not text.strip() and not responses:
             raise InvalidArgument(Reason.EMPTY_MESSAGE, "the message text is empty")
-        size = len(text.encode())
+        size = len(text.encode()) + sum(len(r.text.encode()) for r in responses)
         if size > self._max_message_bytes:
             raise InvalidArgument(
                 Reason.MESSAGE_TOO_LARGE,

@@ -142,6 +142,7 @@ class SessionRun:
         *,
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
+        snapshot_revision: int | None = None,
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
@@ -151,6 +152,7 @@ class SessionRun:
         self._on_exit = on_exit
         self._park_after = park_after
         self._clock = clock
+        self._snapshot_revision = snapshot_revision
         self._pending: collections.deque[s.InboxEntry] = collections.deque()
         self._arrived = asyncio.Event()
         self._reader_exit: RunExit | None = None
@@ -892,7 +894,10 @@ class SessionRun:
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
         events.append(self._event(s.EVENT_KIND_SESSION_COMPLETED, entry, error=error))
         await self._commit(events, close=True)
-        await self._hooks.dispose(self.identity.fence)
+        inbox = ids.inbox_token(self.session_id)
+        aliases = [t for t in self.snapshot.hooks if t != inbox]
+        if aliases:  # the inbox token stays: late sends learn the session is finalized
+            await self._hooks.dispose(self.identity.fence, aliases)
         self._log.info("session finalized", reason=error.reason if error else "RESET")
 
     # -- the session timeout --------------------------------------------------
@@ -961,7 +966,9 @@ class SessionRun:
         )
 
     async def _commit(self, events: list[s.Event], close: bool = False) -> None:
-        await commit_step(self._anchor, self.identity, self.snapshot, events, close)
+        self._snapshot_revision = await commit_step(
+            self._anchor, self.identity, self.snapshot, events, close, self._snapshot_revision
+        )
 
 
 def make_event(
@@ -994,23 +1001,29 @@ async def commit_step(
     snapshot: s.SessionSnapshot,
     events: list[s.Event],
     close: bool = False,
-) -> None:
-    """Commit events + snapshot as one fenced txn. Transient failures are
-    retried with the identical request (anchor recognises a replay)."""
+    expected_snapshot_revision: int | None = None,
+) -> int | None:
+    """Commit events + snapshot as one fenced txn; returns the snapshot's new
+    revision. Transient failures are retried with the identical request
+    (anchor recognises a replay)."""
     for offset, event in enumerate(events):
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
     snapshot.deployment_id = identity.deployment_id
     request = anchor_pb.CommitStepRequest(
-        fence=identity.fence, events=events, snapshot=snapshot, close_stream=close
+        fence=identity.fence,
+        events=events,
+        snapshot=snapshot,
+        close_stream=close,
+        expected_snapshot_revision=expected_snapshot_revision,
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + COMMIT_RETRY_SECONDS
     backoff = 0.05
     while True:
         try:
-            await anchor.commit(request)
-            return
+            response = await anchor.commit(request)
+            return response.revision if expected_snapshot_revision is not None else None
         except (Unavailable, DeadlineExceeded) as exc:
             if loop.time() > deadline:
                 raise

@@ -29,8 +29,15 @@ class CommitStepRequest(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     CLOSE_STREAM_FIELD_NUMBER: _builtins.int
+    EXPECTED_SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     close_stream: _builtins.bool
     """True when the last event is terminal: the stream closes with this commit."""
+    expected_snapshot_revision: _builtins.int
+    """The etcd revision of the snapshot this commit replaces (0: none yet).
+    Compared in the same transaction, so a delayed or reordered commit can
+    never roll the snapshot back; a retry of an applied commit is reported as
+    replayed. Unset skips the compare.
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The committing owner's fence."""
@@ -50,12 +57,15 @@ class CommitStepRequest(_message.Message):
         events: _abc.Iterable[_session_pb2.Event] | None = ...,
         snapshot: _session_pb2.SessionSnapshot | None = ...,
         close_stream: _builtins.bool = ...,
+        expected_snapshot_revision: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close_stream", b"close_stream", "events", b"events", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "close_stream", b"close_stream", "events", b"events", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__expected_snapshot_revision: _TypeAlias = _typing.Literal["expected_snapshot_revision"]  # noqa: Y015
+    _WhichOneofArgType__expected_snapshot_revision: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_snapshot_revision) -> _WhichOneofReturnType__expected_snapshot_revision | None: ...
 
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
 

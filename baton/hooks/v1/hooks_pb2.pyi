@@ -235,7 +235,7 @@ class OwnedSession(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
-    """Whether the session is parked."""
+    """Whether the session is parked (as of the listing)."""
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The session's fence."""
@@ -324,6 +324,14 @@ class TakeOverSessionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FENCE_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    parked: _builtins.bool
+    """True when the session stays parked under the successor: it was parked and
+    nothing arrived since. The successor need not load it until a bell rings.
+    """
+    inbox_head: _builtins.int
+    """The inbox head at the takeover; for a parked session, its consumed position."""
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The new fence (epoch + 1)."""
@@ -332,10 +340,12 @@ class TakeOverSessionResponse(_message.Message):
         self,
         *,
         fence: _session_pb2.Fence | None = ...,
+        parked: _builtins.bool = ...,
+        inbox_head: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "parked", b"parked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -418,6 +428,61 @@ class WatchBellsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchBellsRequest: _TypeAlias = WatchBellsRequest  # noqa: Y015
+
+@_typing.final
+class WatchInstancesRequest(_message.Message):
+    """WatchInstancesRequest names the deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The exact deployment id."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchInstancesRequest: _TypeAlias = WatchInstancesRequest  # noqa: Y015
+
+@_typing.final
+class WatchInstancesResponse(_message.Message):
+    """WatchInstancesResponse is the deployment's live set after a change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    DEAD_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceInfo]:
+        """Every live instance of the deployment."""
+
+    @_builtins.property
+    def dead_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Instances that are not live but may still own sessions: on the first
+        response, every such instance in the ownership index; later, each
+        instance whose lease just expired.
+        """
+
+    def __init__(
+        self,
+        *,
+        instances: _abc.Iterable[Global___InstanceInfo] | None = ...,
+        dead_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_instance_ids", b"dead_instance_ids", "instances", b"instances"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchInstancesResponse: _TypeAlias = WatchInstancesResponse  # noqa: Y015
 
 @_typing.final
 class Bell(_message.Message):

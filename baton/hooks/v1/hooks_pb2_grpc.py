@@ -101,6 +101,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
                 _registered_method=True)
+        self.WatchInstances = channel.unary_stream(
+                '/baton.hooks.v1.HookRegistryService/WatchInstances',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class HookRegistryServiceServicer:
@@ -203,6 +208,15 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchInstances(self, request, context):
+        """Stream the live instances of an exact deployment: the full set first,
+        then again after every change, with the instances that died owning
+        sessions (to be taken over).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HookRegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +284,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchBells,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.SerializeToString,
+            ),
+            'WatchInstances': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchInstances,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -625,6 +644,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/WatchBells',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/WatchInstances',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,11 @@ class HookRegistryServiceStub:
     """
     WatchBells: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]
     """Stream "session X has new input" for the parked sessions of one instance."""
+    WatchInstances: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]
+    """Stream the live instances of an exact deployment: the full set first,
+    then again after every change, with the instances that died owning
+    sessions (to be taken over).
+    """
 
 @_typing.type_check_only
 class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
@@ -111,6 +116,11 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """
     WatchBells: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]  # type: ignore[assignment]
     """Stream "session X has new input" for the parked sessions of one instance."""
+    WatchInstances: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]  # type: ignore[assignment]
+    """Stream the live instances of an exact deployment: the full set first,
+    then again after every change, with the instances that died owning
+    sessions (to be taken over).
+    """
 
 class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """HookRegistryService maps hook tokens to sessions, owns each session's
@@ -228,5 +238,16 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_hooks_pb2.WatchBellsResponse], _abc.AsyncIterator[_hooks_pb2.WatchBellsResponse]]:
         """Stream "session X has new input" for the parked sessions of one instance."""
+
+    @_abc_1.abstractmethod
+    def WatchInstances(
+        self,
+        request: _hooks_pb2.WatchInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_hooks_pb2.WatchInstancesResponse], _abc.AsyncIterator[_hooks_pb2.WatchInstancesResponse]]:
+        """Stream the live instances of an exact deployment: the full set first,
+        then again after every change, with the instances that died owning
+        sessions (to be taken over).
+        """
 
 def add_HookRegistryServiceServicer_to_server(servicer: HookRegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

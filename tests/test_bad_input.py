@@ -1,0 +1,590 @@
+"""Bad input at the edge: every refusal has its exact status and ErrorInfo
+reason, and nothing is written. Also config refusal and commands of a kind
+the owner does not know."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aetcd
+import grpc
+import pytest
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.owner.v1 import owner_pb2 as owner_pb
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.clients import HooksClient, OwnerClient
+from services.common.config import ConfigError
+from services.common.errors import BatonError, InvalidArgument, Reason
+from services.common.etcd import parse_endpoint
+from services.common.grpc_errors import from_rpc_error
+from services.common.keys import Keys, prefix_end
+from services.ingress.config import IngressConfig
+from services.owner.config import OwnerConfig
+from tests.stack import SLACK, WEB, Stack
+
+K = s.EventKind
+Code = grpc.StatusCode
+Metadata = tuple[tuple[str, str], ...]
+
+MAX_TEXT = 32 * 1024
+
+
+@pytest.fixture
+async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
+    host, port = parse_endpoint(stack.etcd.endpoint)
+    client = aetcd.Client(host=host, port=port, timeout=5)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+State = list[tuple[bytes, bytes, int]]
+
+
+async def durable_state(stack: Stack, etcd: aetcd.Client) -> State:
+    """Every session key and token-index entry under the stack's prefix (with
+    mod revisions), except owner records, which an idle owner may touch."""
+    root = stack.etcd.prefix.encode()
+    result = await etcd.get_range(root, prefix_end(root))
+    return [
+        (kv.key, kv.value, kv.mod_revision)
+        for kv in result
+        if (kv.key.startswith(root + b"s/") and not kv.key.endswith(b"/owner"))
+        or kv.key.startswith(root + b"t/")
+    ]
+
+
+async def session_keys(stack: Stack, etcd: aetcd.Client, session_id: str) -> list[bytes]:
+    prefix = Keys(stack.etcd.prefix).session_prefix(session_id)
+    return [kv.key for kv in await etcd.get_range(prefix, prefix_end(prefix))]
+
+
+async def refused(call: Any, code: grpc.StatusCode, reason: str) -> BatonError:
+    """Await a unary call (or drain a stream) and check the exact refusal."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        if hasattr(call, "__aiter__"):
+            async for item in call:
+                raise AssertionError(f"expected {code.name}/{reason}, got {item}")
+        else:
+            await call
+    assert info.value.code() == code, (info.value.code(), info.value.details())
+    err = from_rpc_error(info.value)
+    assert err.reason == reason, (err.reason, err.message)
+    return err
+
+
+def send(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
+    return stack.ingress_stub.SendMessage(
+        ingress_pb.SendMessageRequest(**fields), metadata=metadata, timeout=10
+    )
+
+
+def read(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
+    return stack.ingress_stub.StreamEvents(
+        ingress_pb.StreamEventsRequest(**fields), metadata=metadata, timeout=10
+    )
+
+
+def create(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
+    return stack.ingress_stub.CreateSession(
+        ingress_pb.CreateSessionRequest(**fields), metadata=metadata, timeout=20
+    )
+
+
+async def follow_until(
+    stack: Stack,
+    session_id: str,
+    done: Callable[[list[s.Event]], bool],
+    timeout: float = 20,
+) -> list[s.Event]:
+    seen: list[s.Event] = []
+    call = read(stack, session_id=session_id, follow=True)
+
+    async def collect() -> None:
+        async for response in call:
+            seen.append(response.event)
+            if done(seen):
+                return
+
+    try:
+        await asyncio.wait_for(collect(), timeout)
+    finally:
+        call.cancel()
+    return seen
+
+
+def answered(text: str) -> Callable[[list[s.Event]], bool]:
+    return lambda seen: any(
+        e.kind == K.EVENT_KIND_MESSAGE_COMPLETED and e.text == f"echo: {text}" for e in seen
+    )
+
+
+# -- addressing ------------------------------------------------------------------
+
+
+async def test_unknown_session_id_is_not_found(stack: Stack, etcd: aetcd.Client) -> None:
+    await stack.create()  # a bystander session, so there is something to disturb
+    unknown = ids.new_session_id()
+    before = await durable_state(stack, etcd)
+    # Through the inbox token index or the journal: either way NOT_FOUND.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await send(stack, session_id=unknown, text="anyone?")
+    assert info.value.code() == Code.NOT_FOUND
+    assert from_rpc_error(info.value).reason in (Reason.SESSION_NOT_FOUND, Reason.TOKEN_NOT_FOUND)
+    await refused(
+        read(stack, session_id=unknown, follow=False), Code.NOT_FOUND, Reason.SESSION_NOT_FOUND
+    )
+    assert await session_keys(stack, etcd, unknown) == []
+    assert await durable_state(stack, etcd) == before
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    ["ses_short", "not-a-session", "ses_" + "A" * 26, "ses_" + "a" * 27, "ses_abc/../../t/x"],
+)
+async def test_malformed_session_id_is_invalid(
+    stack: Stack, etcd: aetcd.Client, bad_id: str
+) -> None:
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    await refused(
+        send(stack, session_id=bad_id, text="hi"), Code.INVALID_ARGUMENT, Reason.INVALID_SESSION_ID
+    )
+    await refused(read(stack, session_id=bad_id), Code.INVALID_ARGUMENT, Reason.INVALID_SESSION_ID)
+    assert await durable_state(stack, etcd) == before
+    assert (await stack.send(session_id, "fine")).receipt.seq == 0
+
+
+async def test_no_target_is_missing_field(stack: Stack, etcd: aetcd.Client) -> None:
+    before = await durable_state(stack, etcd)
+    await refused(send(stack, text="to whom?"), Code.INVALID_ARGUMENT, Reason.MISSING_FIELD)
+    await refused(read(stack), Code.INVALID_ARGUMENT, Reason.MISSING_FIELD)
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_unknown_alias_is_token_not_found(stack: Stack, etcd: aetcd.Client) -> None:
+    await stack.create(aliases=["known"])
+    before = await durable_state(stack, etcd)
+    for alias in ("nobody-home", "slack:nobody-home"):
+        await refused(send(stack, alias=alias, text="hi"), Code.NOT_FOUND, Reason.TOKEN_NOT_FOUND)
+        await refused(read(stack, alias=alias), Code.NOT_FOUND, Reason.TOKEN_NOT_FOUND)
+    assert await durable_state(stack, etcd) == before
+
+
+@pytest.mark.parametrize(
+    "alias", ["bad alias", "a/b", "../t/slack:x", "ümlaut", "x" * 201, "slack:", "Slack:x", ":x"]
+)
+async def test_invalid_alias_characters_are_invalid_token(
+    stack: Stack, etcd: aetcd.Client, alias: str
+) -> None:
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    await refused(send(stack, alias=alias, text="hi"), Code.INVALID_ARGUMENT, Reason.INVALID_TOKEN)
+    await refused(read(stack, alias=alias), Code.INVALID_ARGUMENT, Reason.INVALID_TOKEN)
+    await refused(
+        create(stack, request_id="bad-alias", aliases=["good", alias]),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_TOKEN,
+    )
+    assert await durable_state(stack, etcd) == before
+    assert await session_keys(stack, etcd, ids.session_id_for_request("slack", "bad-alias")) == []
+    assert (await stack.send(session_id, "fine")).receipt.seq == 0
+
+
+# -- message content -------------------------------------------------------------------
+
+
+async def test_oversize_and_empty_messages_are_refused(stack: Stack, etcd: aetcd.Client) -> None:
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    oversize = ["x" * (MAX_TEXT + 1), "é" * (MAX_TEXT // 2 + 1), "x" * (200 * 1024)]
+    for text in oversize:  # bytes count, not characters
+        await refused(
+            send(stack, session_id=session_id, text=text),
+            Code.INVALID_ARGUMENT,
+            Reason.MESSAGE_TOO_LARGE,
+        )
+    for text in ("", " ", "\n\t  \r\n"):
+        await refused(
+            send(stack, session_id=session_id, text=text),
+            Code.INVALID_ARGUMENT,
+            Reason.EMPTY_MESSAGE,
+        )
+    assert await durable_state(stack, etcd) == before
+
+    # The limit itself is accepted, and processed.
+    at_limit = "y" * MAX_TEXT
+    response = await stack.send(session_id, at_limit)
+    assert response.receipt.seq == 0 and not response.receipt.duplicate
+    await follow_until(stack, session_id, answered(at_limit))
+
+
+async def test_input_responses_cannot_bypass_the_message_size_limit(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    """The size limit is on what the user sends, whichever field carries it: an
+    input response is user text that enters the history like a message."""
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    big = s.InputResponse(request_id="input_1", text="z" * (MAX_TEXT + 1))
+    await refused(
+        send(stack, session_id=session_id, input_responses=[big]),
+        Code.INVALID_ARGUMENT,
+        Reason.MESSAGE_TOO_LARGE,
+    )
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_bad_delivery_fields_are_invalid(stack: Stack, etcd: aetcd.Client) -> None:
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    cases: list[dict[str, Any]] = [
+        {"delivery_id": "has spaces"},
+        {"delivery_id": "x" * 129},
+        {"delivery_id": "a/b"},
+        {"caller": "bad caller!"},
+        {"labels": {f"k{i}": "v" for i in range(33)}},
+        {"labels": {"k": "v" * 300}},
+    ]
+    for fields in cases:
+        await refused(
+            send(stack, session_id=session_id, text="hi", **fields),
+            Code.INVALID_ARGUMENT,
+            Reason.INVALID_FIELD,
+        )
+    assert await durable_state(stack, etcd) == before
+
+
+# -- authentication and tenancy ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        ((), Reason.MISSING_API_KEY),
+        ((("authorization", ""),), Reason.MISSING_API_KEY),
+        ((("authorization", "Bearer not-a-known-key"),), Reason.INVALID_API_KEY),
+        ((("authorization", "Bearer "),), Reason.INVALID_API_KEY),
+        ((("authorization", "Basic key-slack-0001"),), Reason.INVALID_API_KEY),
+        ((("authorization", "key-slack-0001"),), Reason.INVALID_API_KEY),
+        ((("authorization", "Bearer key-slack-000"),), Reason.INVALID_API_KEY),
+    ],
+    ids=["none", "empty", "unknown", "no-key", "basic", "no-scheme", "prefix"],
+)
+async def test_bad_api_key_is_unauthenticated(
+    stack: Stack, etcd: aetcd.Client, metadata: Metadata, reason: str
+) -> None:
+    session_id = await stack.create(aliases=["mine"])
+    before = await durable_state(stack, etcd)
+    await refused(
+        send(stack, metadata, session_id=session_id, text="hi"), Code.UNAUTHENTICATED, reason
+    )
+    await refused(send(stack, metadata, alias="mine", text="hi"), Code.UNAUTHENTICATED, reason)
+    await refused(read(stack, metadata, session_id=session_id), Code.UNAUTHENTICATED, reason)
+    await refused(create(stack, metadata, request_id="anon"), Code.UNAUTHENTICATED, reason)
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_another_channels_alias_is_cross_tenant(stack: Stack, etcd: aetcd.Client) -> None:
+    slack_session = await stack.create(SLACK, aliases=["x"])
+    before = await durable_state(stack, etcd)
+    # Refused the same way whether or not the alias exists: no existence leak.
+    for alias in ("slack:x", "slack:does-not-exist", f"session:{slack_session}"):
+        await refused(
+            send(stack, WEB, alias=alias, text="hi"), Code.PERMISSION_DENIED, Reason.CROSS_TENANT
+        )
+        await refused(read(stack, WEB, alias=alias), Code.PERMISSION_DENIED, Reason.CROSS_TENANT)
+    await refused(
+        create(stack, WEB, request_id="steal", aliases=["slack:x"]),
+        Code.PERMISSION_DENIED,
+        Reason.CROSS_TENANT,
+    )
+    assert await durable_state(stack, etcd) == before
+    assert await session_keys(stack, etcd, ids.session_id_for_request("web", "steal")) == []
+
+    # The same raw alias in the web channel is a different token: no conflict.
+    web_session = await stack.create(WEB, aliases=["x"])
+    assert web_session != slack_session
+    response = await stack.send(alias="x", text="web x", metadata=WEB)
+    assert response.receipt.session_id == web_session
+    response = await stack.send(alias="x", text="slack x", metadata=SLACK)
+    assert response.receipt.session_id == slack_session
+
+
+async def test_another_channels_session_id_is_cross_tenant(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    slack_session = await stack.create(SLACK)
+    await stack.send(slack_session, "private")
+    await follow_until(stack, slack_session, answered("private"))
+    before = await durable_state(stack, etcd)
+    await refused(
+        send(stack, WEB, session_id=slack_session, text="let me in"),
+        Code.PERMISSION_DENIED,
+        Reason.CROSS_TENANT,
+    )
+    await refused(
+        read(stack, WEB, session_id=slack_session, follow=False),
+        Code.PERMISSION_DENIED,
+        Reason.CROSS_TENANT,
+    )
+    await refused(
+        read(stack, WEB, session_id=slack_session, follow=True, start_seq=3),
+        Code.PERMISSION_DENIED,
+        Reason.CROSS_TENANT,
+    )
+    await refused(
+        stack.ingress_stub.SendControl(
+            ingress_pb.SendControlRequest(
+                session_id=slack_session, kind=ingress_pb.CONTROL_KIND_RESET
+            ),
+            metadata=WEB,
+            timeout=10,
+        ),
+        Code.PERMISSION_DENIED,
+        Reason.CROSS_TENANT,
+    )
+    assert await durable_state(stack, etcd) == before
+
+
+# -- creation ---------------------------------------------------------------------------
+
+
+async def test_alias_held_by_another_session_is_token_claimed(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    holder = await stack.create(aliases=["shared"])
+    before = await durable_state(stack, etcd)
+    for aliases in (["shared"], ["fresh-one", "shared"], ["slack:shared", "another"]):
+        err = await refused(
+            create(stack, request_id="second", aliases=aliases),
+            Code.ALREADY_EXISTS,
+            Reason.TOKEN_CLAIMED,
+        )
+        assert err.metadata.get("session_id") == holder, err.metadata
+        assert err.metadata.get("token") == "slack:shared", err.metadata
+    # All or nothing: no part of the refused session exists, no token moved.
+    assert await session_keys(stack, etcd, ids.session_id_for_request("slack", "second")) == []
+    assert await durable_state(stack, etcd) == before
+    response = await stack.send(alias="shared", text="still the holder's")
+    assert response.receipt.session_id == holder
+
+
+async def test_too_many_aliases(stack: Stack, etcd: aetcd.Client) -> None:
+    before = await durable_state(stack, etcd)
+    too_many = [f"a{i}" for i in range(ids.MAX_HOOKS_PER_SESSION)]  # + the inbox token
+    await refused(
+        create(stack, request_id="crowded", aliases=too_many),
+        Code.INVALID_ARGUMENT,
+        Reason.TOO_MANY_HOOKS,
+    )
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_a_session_can_hold_256_addresses_and_release_them(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    """DESIGN §2: a session may hold 256 addresses: 255 aliases + its inbox
+    token. Creating it, and releasing every token when it finalizes, must work
+    at that size (not only below etcd's per-transaction operation limit)."""
+    aliases = [f"a{i}" for i in range(ids.MAX_HOOKS_PER_SESSION - 1)]
+    session_id = await stack.create(request_id="full", aliases=aliases)
+    hooks = HooksClient(stack.addr(stack.hooks))
+    try:
+        assert (await hooks.lookup("slack:a254", "slack")).session_id == session_id
+        await stack.ingress_stub.SendControl(
+            ingress_pb.SendControlRequest(
+                session_id=session_id, kind=ingress_pb.CONTROL_KIND_RESET
+            ),
+            metadata=SLACK,
+            timeout=10,
+        )
+        await follow_until(
+            stack, session_id, lambda seen: seen[-1].kind == K.EVENT_KIND_SESSION_COMPLETED
+        )
+        tokens = f"{stack.etcd.prefix}t/slack:a".encode()
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(await etcd.get_range(tokens, prefix_end(tokens))) > 0:
+            assert asyncio.get_running_loop().time() < deadline, "aliases were not released"
+            await asyncio.sleep(0.05)
+    finally:
+        await hooks.close()
+
+
+async def test_client_cannot_set_accepted_deployment_id(stack: Stack, etcd: aetcd.Client) -> None:
+    session_id = await stack.create()
+    labels = {"accepted_deployment_id": "dep-evil", "deployment_id": "latest"}
+    response = await stack.send(session_id, "who accepted me?", labels=labels)
+    assert response.accepted_deployment_id == stack.deployment_id
+
+    key = Keys(stack.etcd.prefix).inbox_entry(session_id, response.receipt.seq)
+    stored = await etcd.get(key)
+    assert stored is not None
+    entry = s.InboxEntry.FromString(stored.value)
+    assert entry.command.delivery.accepted_deployment_id == stack.deployment_id
+    assert entry.command.delivery.channel == "slack"
+    assert dict(entry.command.delivery.labels) == labels
+
+    events = await follow_until(stack, session_id, answered("who accepted me?"))
+    assert {e.deployment_id for e in events} == {stack.deployment_id}
+
+
+async def test_send_to_a_finalized_session_is_failed_precondition(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    session_id = await stack.create(aliases=["short-lived"])
+    await stack.ingress_stub.SendControl(
+        ingress_pb.SendControlRequest(session_id=session_id, kind=ingress_pb.CONTROL_KIND_RESET),
+        metadata=SLACK,
+        timeout=10,
+    )
+    events = await follow_until(
+        stack, session_id, lambda seen: seen[-1].kind == K.EVENT_KIND_SESSION_COMPLETED
+    )
+    assert events[-1].kind == K.EVENT_KIND_SESSION_COMPLETED
+    before = await durable_state(stack, etcd)
+    await refused(
+        send(stack, session_id=session_id, text="too late"),
+        Code.FAILED_PRECONDITION,
+        Reason.SESSION_FINALIZED,
+    )
+    assert await durable_state(stack, etcd) == before
+    # The stream stays readable and ends with its one terminal event.
+    again = await stack.events(session_id, follow=True)
+    assert [e.SerializeToString() for e in again] == [e.SerializeToString() for e in events]
+
+
+async def test_unknown_control_kind_is_refused(stack: Stack, etcd: aetcd.Client) -> None:
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    for kind in (ingress_pb.CONTROL_KIND_UNSPECIFIED, 99):
+        await refused(
+            stack.ingress_stub.SendControl(
+                ingress_pb.SendControlRequest(session_id=session_id, kind=kind),  # type: ignore[arg-type]
+                metadata=SLACK,
+                timeout=10,
+            ),
+            Code.INVALID_ARGUMENT,
+            Reason.UNKNOWN_COMMAND,
+        )
+    assert await durable_state(stack, etcd) == before
+
+
+# -- deployments ------------------------------------------------------------------------
+
+INGRESS_ENV = {"BATON_API_KEYS": "slack=key-slack-0001"}
+
+
+@pytest.mark.parametrize("bad", [None, "", "latest", "LATEST", "Latest", "dep a", "-dep"])
+def test_config_refuses_a_missing_or_latest_deployment_id(bad: str | None) -> None:
+    environ = dict(INGRESS_ENV)
+    if bad is not None:
+        environ["BATON_DEPLOYMENT_ID"] = bad
+    with pytest.raises(ConfigError):
+        IngressConfig.load(argv=[], environ=environ)
+    with pytest.raises(ConfigError):
+        OwnerConfig.load(argv=[], environ={k: v for k, v in environ.items() if "API" not in k})
+    if bad:
+        with pytest.raises(ConfigError):
+            IngressConfig.load(argv=[f"--deployment-id={bad}"], environ=INGRESS_ENV)
+        with pytest.raises(ConfigError):
+            OwnerConfig.load(argv=[f"--deployment-id={bad}"], environ={})
+
+
+def test_config_accepts_an_exact_deployment_id() -> None:
+    environ = dict(INGRESS_ENV, BATON_DEPLOYMENT_ID="build-2024.06.01-7")
+    assert IngressConfig.load(argv=[], environ=environ).deployment_id == "build-2024.06.01-7"
+    owner = OwnerConfig.load(argv=["--deployment-id", "build-7"], environ={})
+    assert owner.deployment_id == "build-7"
+
+
+@pytest.mark.parametrize("bad", ["", "latest", "LATEST", " latest", "latest "])
+def test_validate_deployment_id_refuses_empty_and_latest(bad: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        ids.validate_deployment_id(bad)
+    assert info.value.reason == Reason.INVALID_DEPLOYMENT_ID
+
+
+async def test_no_start_uses_latest_or_an_absent_deployment(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    owner = OwnerClient(stack.addr(stack.owner))
+    hooks = HooksClient(stack.addr(stack.hooks))
+    before = await durable_state(stack, etcd)
+    try:
+        for deployment in ("", "latest", "LATEST"):
+            with pytest.raises(BatonError) as info:
+                await owner.start_session(
+                    owner_pb.StartSessionRequest(
+                        session_id=ids.new_session_id(), deployment_id=deployment, channel="slack"
+                    )
+                )
+            assert info.value.reason == Reason.INVALID_DEPLOYMENT_ID
+            identity = s.OwnerIdentity(
+                owner_run_id=ids.new_run_id(), deployment_id=deployment, instance_id="i"
+            )
+            with pytest.raises(BatonError) as info:
+                await hooks.create_session(ids.new_session_id(), identity, "slack", [])
+            assert info.value.reason == Reason.INVALID_DEPLOYMENT_ID
+        with pytest.raises(BatonError) as info:
+            await owner.start_session(
+                owner_pb.StartSessionRequest(
+                    session_id=ids.new_session_id(), deployment_id="dep-other", channel="slack"
+                )
+            )
+        assert info.value.reason == Reason.WRONG_DEPLOYMENT
+    finally:
+        await owner.close()
+        await hooks.close()
+    assert await durable_state(stack, etcd) == before
+
+
+# -- commands the owner does not know ------------------------------------------------
+
+
+def unknown_kind_commands() -> list[s.Command]:
+    delivery = s.DeliveryMetadata(
+        delivery_id="from-the-future", channel="slack", accepted_deployment_id="dep-b"
+    )
+    no_kind = s.Command(delivery=delivery)
+    # A newer ingress's oneof member (field 30, length-delimited, empty): an
+    # unknown field to this deployment's Command.
+    newer = s.Command.FromString(
+        s.Command(delivery=s.DeliveryMetadata(delivery_id="newer-kind")).SerializeToString()
+        + b"\xf2\x01\x00"
+    )
+    assert newer.WhichOneof("kind") is None
+    return [no_kind, newer]
+
+
+async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
+    stack: Stack,
+) -> None:
+    session_id = await stack.create()
+    hooks = HooksClient(stack.addr(stack.hooks))
+    try:
+        receipts = [
+            await hooks.resume(ids.inbox_token(session_id), command)
+            for command in unknown_kind_commands()
+        ]
+    finally:
+        await hooks.close()
+    assert [r.seq for r in receipts] == [0, 1]
+    after = await stack.send(session_id, "still there?")
+    assert after.receipt.seq == 2
+
+    events = await follow_until(stack, session_id, answered("still there?"))
+    rejected = [e for e in events if e.kind == K.EVENT_KIND_COMMAND_REJECTED]
+    assert [e.inbox_seq for e in rejected] == [0, 1]
+    assert [e.error.reason for e in rejected] == ["UNKNOWN_COMMAND_KIND"] * 2
+    assert [e.delivery_id for e in rejected] == ["from-the-future", "newer-kind"]
+    assert all(e.error.message for e in rejected)
+    received = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]
+    assert [e.inbox_seq for e in received] == [2]
+    assert [e.seq for e in events] == list(range(len(events)))

@@ -1,0 +1,204 @@
+"""Every server speaks grpc.health.v1 per service and server reflection, and a
+stopped server stops reporting SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from baton.anchor.v1 import anchor_pb2
+from baton.hooks.v1 import hooks_pb2
+from baton.ingress.v1 import ingress_pb2
+from baton.owner.v1 import owner_pb2
+from services.anchor.config import AnchorConfig
+from services.anchor.server import create_server as create_anchor
+from services.common.server import GrpcServer
+from services.hooks.config import HooksConfig
+from services.hooks.server import create_server as create_hooks
+from tests.stack import Stack
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
+
+SERVICES = {
+    "hooks": ("baton.hooks.v1.HookRegistryService", hooks_pb2),
+    "anchor": ("baton.anchor.v1.AnchorService", anchor_pb2),
+    "owner": ("baton.owner.v1.OwnerService", owner_pb2),
+    "ingress": ("baton.ingress.v1.IngressService", ingress_pb2),
+}
+
+
+def server_of(stack: Stack, name: str) -> GrpcServer:
+    server: GrpcServer = getattr(stack, name)
+    return server
+
+
+@pytest.fixture
+async def channels(stack: Stack) -> AsyncIterator[dict[str, grpc.aio.Channel]]:
+    opened = {
+        name: grpc.aio.insecure_channel(stack.addr(server_of(stack, name))) for name in SERVICES
+    }
+    try:
+        yield opened
+    finally:
+        for channel in opened.values():
+            await channel.close()
+
+
+async def list_services(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
+    async for response in call:
+        assert not response.HasField("error_response"), response.error_response
+        return [svc.name for svc in response.list_services_response.service]
+    raise AssertionError("no reflection response")
+
+
+async def file_containing(
+    channel: grpc.aio.Channel, symbol: str
+) -> list[descriptor_pb2.FileDescriptorProto]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)]), timeout=10
+    )
+    async for response in call:
+        assert not response.HasField("error_response"), response.error_response
+        protos = response.file_descriptor_response.file_descriptor_proto
+        return [descriptor_pb2.FileDescriptorProto.FromString(raw) for raw in protos]
+    raise AssertionError("no reflection response")
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+async def test_health_reports_serving_overall_and_per_service(
+    stack: Stack, channels: dict[str, grpc.aio.Channel], name: str
+) -> None:
+    full_name, _ = SERVICES[name]
+    assert full_name in server_of(stack, name).service_names
+    stub = health_pb2_grpc.HealthStub(channels[name])
+    for service in ("", full_name):
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert response.status == SERVING, (name, service)
+    # A service the server does not host is unknown, not SERVING.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Check(health_pb2.HealthCheckRequest(service="baton.nope.v1.Nope"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+async def test_reflection_lists_and_describes_the_service(
+    stack: Stack, channels: dict[str, grpc.aio.Channel], name: str
+) -> None:
+    full_name, module = SERVICES[name]
+    listed = await list_services(channels[name])
+    assert full_name in listed
+    assert HEALTH in listed and REFLECTION in listed
+    # The served descriptor is the generated one: same methods, same types.
+    files = await file_containing(channels[name], full_name)
+    package, _, short = full_name.rpartition(".")
+    served = next(
+        svc for f in files if f.package == package for svc in f.service if svc.name == short
+    )
+    generated = module.DESCRIPTOR.services_by_name[short]
+    assert [m.name for m in served.method] == [m.name for m in generated.methods]
+    assert [m.input_type.lstrip(".") for m in served.method] == [
+        m.input_type.full_name for m in generated.methods
+    ]
+
+
+async def test_reflection_descriptor_database_resolves_every_method(stack: Stack) -> None:
+    """What grpcurl does: resolve a service and its message types through
+    reflection alone (a sync client, run off the event loop)."""
+
+    def resolve(address: str, full_name: str) -> list[str]:
+        with grpc.insecure_channel(address) as channel:
+            pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+            service = pool.FindServiceByName(full_name)
+            return [f"{m.name}({m.input_type.full_name})" for m in service.methods]
+
+    for name, (full_name, module) in SERVICES.items():
+        address = stack.addr(server_of(stack, name))
+        methods = await asyncio.to_thread(resolve, address, full_name)
+        generated = module.DESCRIPTOR.services_by_name[full_name.rpartition(".")[2]]
+        assert methods == [f"{m.name}({m.input_type.full_name})" for m in generated.methods]
+
+
+Factory = Callable[[Stack], Awaitable[GrpcServer]]
+
+
+async def _extra_hooks(stack: Stack) -> GrpcServer:
+    return await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+
+
+async def _extra_anchor(stack: Stack) -> GrpcServer:
+    return await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+
+
+@pytest.mark.parametrize(
+    ("factory", "full_name"),
+    [
+        (_extra_hooks, "baton.hooks.v1.HookRegistryService"),
+        (_extra_anchor, "baton.anchor.v1.AnchorService"),
+    ],
+    ids=["hooks", "anchor"],
+)
+async def test_stopped_server_is_no_longer_serving(
+    stack: Stack, factory: Factory, full_name: str
+) -> None:
+    server = await factory(stack)
+    await server.start()
+    stopped = False
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", full_name):
+            response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == SERVING
+
+        # A watcher sees SERVING, then NOT_SERVING as soon as shutdown begins.
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=full_name))
+        first = await asyncio.wait_for(watch.read(), 5)
+        assert first.status == SERVING
+        stopping = asyncio.get_running_loop().create_task(server.stop(grace=2.0))
+        statuses = []
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    response = await watch.read()
+                    if response is grpc.aio.EOF:
+                        break
+                    statuses.append(response.status)
+                    if response.status == NOT_SERVING:
+                        break
+        except grpc.aio.AioRpcError:
+            pass  # the server went away: also not serving
+        finally:
+            watch.cancel()
+        await asyncio.wait_for(stopping, 10)
+        stopped = True
+        assert statuses == [NOT_SERVING], statuses
+
+        # After stop() the server is gone: health cannot answer SERVING.
+        for service in ("", full_name):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            assert info.value.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+    finally:
+        await channel.close()
+        if not stopped:
+            await server.stop(grace=0.1)
