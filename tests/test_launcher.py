@@ -1,0 +1,264 @@
+"""`baton up` and `baton demo` as real processes: start, talk, stop, and leave
+nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from services.cli.launcher import DEMO_API_KEY, READY_LINE, LaunchError, Ports
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 90.0
+DEMO_TIMEOUT = 90.0
+STOP_TIMEOUT = 60.0
+PROCESSES = {"etcd", "hooks", "anchor", "owner", "ingress"}
+
+_STARTED = re.compile(r"^baton up: started (\w+) \(pid (\d+)\) on (\S+)$")
+_RUN_DIR = re.compile(r"^baton up: run dir (\S+),")
+
+
+def process_state(pid: int) -> str | None:
+    """The /proc state letter of `pid`, or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def is_running(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def is_ours(pid: int) -> bool:
+    """Still the etcd/service process we were told about (not a reused PID)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return b"services." in cmdline or b"etcd" in cmdline
+
+
+@dataclass
+class Launcher:
+    """A running `python -m services.cli up` and what it has printed."""
+
+    proc: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+    run_dir: str = ""
+    _readers: list[asyncio.Task[None]] = field(default_factory=list)
+    _new_line: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    async def start(cls, *args: str, env: Mapping[str, str] | None = None) -> Launcher:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port-base",
+            "0",
+            "--etcd-port",
+            "0",
+            *args,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        launcher = cls(proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        launcher._readers = [
+            asyncio.create_task(launcher._read(proc.stdout, launcher.lines)),
+            asyncio.create_task(launcher._read(proc.stderr, launcher.errors)),
+        ]
+        return launcher
+
+    async def _read(self, stream: asyncio.StreamReader, into: list[str]) -> None:
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip("\n")
+            into.append(line)
+            if match := _STARTED.match(line):
+                self.pids[match[1]] = int(match[2])
+                self.addresses[match[1]] = match[3]
+            elif match := _RUN_DIR.match(line):
+                self.run_dir = match[1]
+            self._new_line.set()
+        self._new_line.set()
+
+    @property
+    def output(self) -> str:
+        return "\n".join([*self.lines, "--- stderr ---", *self.errors])
+
+    async def wait_for_line(self, pattern: str, timeout: float) -> re.Match[str]:
+        """Poll the printed lines until one matches `pattern` (re.fullmatch);
+        fail if the launcher ends first or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.lines:
+                if match := re.fullmatch(pattern, line):
+                    return match
+            if self.proc.returncode is not None or all(r.done() for r in self._readers):
+                pytest.fail(f"launcher ended before printing {pattern!r}:\n{self.output}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"no {pattern!r} after {timeout:g}s:\n{self.output}")
+            self._new_line.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_line.wait(), min(remaining, 1.0))
+
+    async def wait_exit(self, timeout: float) -> int:
+        try:
+            code = await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            pytest.fail(f"launcher did not exit within {timeout:g}s:\n{self.output}")
+        await asyncio.wait_for(asyncio.gather(*self._readers), 10)
+        return code
+
+    async def kill_everything(self) -> None:
+        """Last resort for a failed test: nothing may outlive it."""
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        for pid in self.pids.values():
+            if is_running(pid) and is_ours(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def launched(*args: str, env: Mapping[str, str] | None = None) -> AsyncIterator[Launcher]:
+    launcher = await Launcher.start(*args, env=env)
+    try:
+        yield launcher
+    finally:
+        await launcher.kill_everything()
+
+
+async def run_demo(ingress: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "demo",
+        "--ingress",
+        ingress,
+        "--api-key",
+        DEMO_API_KEY,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), DEMO_TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+def assert_all_stopped(launcher: Launcher, started: set[str] = PROCESSES) -> None:
+    """Exactly `started` were started, none is running, the run dir is gone."""
+    assert set(launcher.pids) == started, launcher.output
+    running = {name: pid for name, pid in launcher.pids.items() if is_running(pid)}
+    assert not running, f"still running after the launcher exited: {running}"
+    assert launcher.run_dir, launcher.output
+    assert not Path(launcher.run_dir).exists(), f"{launcher.run_dir} was not removed"
+
+
+async def test_up_then_demo_then_sigterm_stops_everything() -> None:
+    async with launched() as launcher:
+        await launcher.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
+        assert set(launcher.pids) == PROCESSES
+        assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
+
+        code, demo_output = await run_demo(launcher.addresses["ingress"])
+        assert code == 0, demo_output
+        assert "The result is 35." in demo_output, demo_output
+        assert '"echo: hello"' in demo_output
+        assert "calculator(" in demo_output and "calculator -> 35" in demo_output
+        assert "demo finished" in demo_output
+
+        launcher.proc.send_signal(signal.SIGTERM)
+        assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
+        assert_all_stopped(launcher)
+        assert launcher.lines[-1] == "baton up: stopped", launcher.output
+
+
+async def test_up_with_demo_and_sigint() -> None:
+    async with launched("--demo") as launcher:
+        await launcher.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
+        await launcher.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
+        assert any("The result is 35." in line for line in launcher.lines), launcher.output
+        # Still up after the demo.
+        assert launcher.proc.returncode is None
+        assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
+
+        launcher.proc.send_signal(signal.SIGINT)
+        assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
+        assert_all_stopped(launcher)
+
+
+async def test_sigterm_during_startup_stops_what_was_started() -> None:
+    async with launched() as launcher:
+        await launcher.wait_for_line(r"baton up: started hooks .*", STARTUP_TIMEOUT)
+        launcher.proc.send_signal(signal.SIGTERM)
+        assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
+        # Whatever had been started by the time the signal arrived is stopped.
+        assert {"etcd", "hooks"} <= set(launcher.pids), launcher.output
+        assert_all_stopped(launcher, started=set(launcher.pids))
+
+
+async def test_a_child_dying_during_startup_stops_everything() -> None:
+    # The owner cannot load this agent, so it exits while starting.
+    async with launched(env={"BATON_AGENT": "no_such_module:build_agent"}) as launcher:
+        code = await launcher.wait_exit(STARTUP_TIMEOUT)
+        assert code != 0, launcher.output
+        assert READY_LINE not in launcher.lines
+        assert any("owner" in line and "during startup" in line for line in launcher.errors), (
+            launcher.output
+        )
+        # The owner died after etcd, hooks and anchor were up (the ingress starts
+        # alongside the owner, so it may or may not have been started).
+        assert {"etcd", "hooks", "anchor", "owner"} <= set(launcher.pids), launcher.output
+        assert_all_stopped(launcher, started=set(launcher.pids))
+
+
+async def test_a_taken_port_is_refused_before_starting_anything() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        async with launched("--port-base", str(port)) as launcher:
+            code = await launcher.wait_exit(STARTUP_TIMEOUT)
+    assert code == 1, launcher.output
+    assert any(f"127.0.0.1:{port} is not free" in line for line in launcher.errors), launcher.output
+    assert launcher.pids == {}
+
+
+def test_port_plan_is_validated() -> None:
+    assert Ports.plan(50051, 23790) == Ports(50051, 50052, 50053, 50054, 23790, 23791)
+    with pytest.raises(LaunchError, match="out of range"):
+        Ports.plan(65534, 23790)
+    with pytest.raises(LaunchError, match="both use port 50052"):
+        Ports.plan(50051, 50052)
