@@ -1,0 +1,1 @@
+"""Benchmarks of a real Baton stack (services as processes on a real etcd)."""

@@ -1,0 +1,242 @@
+"""Memory of idle sessions: RSS of one owner holding 10 vs 10,000 parked sessions.
+
+    python -m bench.idle_rss [--sessions 10000] [--baseline 10] [--park-after 0.5]
+                             [--concurrency 64] [--send] [--takeover] [--json PATH]
+
+Starts a real etcd, hooks, anchor and one owner as separate processes (log
+level warning). Creates `--baseline` sessions through OwnerService.StartSession,
+waits until every one is parked (the owner drops an idle session's snapshot and
+inbox stream and keeps only its fence and inbox position), and reads the
+owner's VmRSS from /proc. Then creates sessions up to `--sessions` in total
+(bounded concurrency), waits until all are parked, and reads VmRSS again.
+With --send, every session first answers one message (so it parks with a
+history). Prints both figures, the difference per session and the target:
+10,000 parked idle sessions add less than 20 MB.
+
+With --takeover, a second owner instance is started, the first is killed
+(-9), and the time until the second holds every session (parked: a quiet
+parked session is taken over without loading its snapshot) is reported with
+the second owner's RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from baton.owner.v1 import owner_pb2
+from baton.session.v1 import session_pb2 as s
+from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.common import ids
+from services.common.clients import HooksClient, OwnerClient
+
+DEPLOYMENT_ID = "bench-idle"
+INSTANCE_ID = "bench-idle-i1"
+SUCCESSOR_ID = "bench-idle-i2"
+LEASE_TTL = 2
+TARGET_BYTES = 20 * 1024 * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a process, from /proc/PID/status."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@dataclass
+class IdleStack:
+    """etcd + hooks + anchor + one owner, as processes."""
+
+    log_dir: str
+    park_after: float
+    etcd: EtcdProcess | None = None
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+    addrs: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
+        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ("hooks", "anchor", "owner")}
+        self.env = env = {
+            "BATON_LOG_LEVEL": "warning",
+            "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
+            "BATON_ETCD_PREFIX": f"/bench/{uuid.uuid4().hex[:12]}/",
+            "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
+            "BATON_INSTANCE_ID": INSTANCE_ID,
+            "BATON_HOOKS_ADDR": self.addrs["hooks"],
+            "BATON_ANCHOR_ADDR": self.addrs["anchor"],
+            "BATON_OWNER_PARK_AFTER": str(self.park_after),
+            "BATON_OWNER_LEASE_TTL": str(LEASE_TTL),
+        }
+        for name in ("hooks", "anchor", "owner"):
+            self.services[name] = ServiceProcess(
+                name=name,
+                listen=self.addrs[name],
+                env=env,
+                log_path=os.path.join(self.log_dir, f"{name}.log"),
+            ).start()
+        for name in self.services:
+            wait_serving(self.addrs[name], timeout=30)
+
+    @property
+    def owner_pid(self) -> int:
+        return self.services["owner"].pid
+
+    def start_successor(self) -> ServiceProcess:
+        self.addrs["successor"] = f"127.0.0.1:{free_port()}"
+        proc = self.services["successor"] = ServiceProcess(
+            name="owner",
+            listen=self.addrs["successor"],
+            env={**self.env, "BATON_INSTANCE_ID": SUCCESSOR_ID},
+            log_path=os.path.join(self.log_dir, "successor.log"),
+        ).start()
+        wait_serving(self.addrs["successor"], timeout=30)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.services.values())):
+            proc.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+async def create_sessions(
+    owner: OwnerClient, hooks: HooksClient, count: int, concurrency: int, send: bool
+) -> list[str]:
+    created: list[str] = []
+
+    async def worker() -> None:
+        while len(created) < count:
+            sid = ids.new_session_id()
+            created.append(sid)
+            await owner.start_session(
+                owner_pb2.StartSessionRequest(
+                    session_id=sid, deployment_id=DEPLOYMENT_ID, channel="bench"
+                )
+            )
+            if send:
+                await hooks.resume(ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+    return created
+
+
+async def wait_parked(
+    hooks: HooksClient, count: int, limit_s: float, instance_id: str = INSTANCE_ID
+) -> float:
+    """Seconds until `count` sessions of the instance are parked."""
+    start = time.monotonic()
+    while True:
+        owned = await hooks.list_instance_sessions(DEPLOYMENT_ID, instance_id)
+        parked = sum(1 for o in owned if o.parked)
+        if parked >= count:
+            return time.monotonic() - start
+        if time.monotonic() - start > limit_s:
+            raise TimeoutError(f"only {parked} of {count} sessions parked after {limit_s}s")
+        await asyncio.sleep(0.5 if count > 100 else 0.05)
+
+
+async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float]:
+    owner = OwnerClient(stack.addrs["owner"], timeout=30)
+    hooks = HooksClient(stack.addrs["hooks"], timeout=60)
+    try:
+        await create_sessions(owner, hooks, args.baseline, args.concurrency, args.send)
+        await wait_parked(hooks, args.baseline, 60)
+        rss_small = rss_bytes(stack.owner_pid)
+        print(f"{args.baseline:>6} parked sessions: owner RSS {rss_small / 2**20:8.1f} MiB")
+
+        more = args.sessions - args.baseline
+        start = time.monotonic()
+        await create_sessions(owner, hooks, more, args.concurrency, args.send)
+        create_s = time.monotonic() - start
+        print(f"created {more} more sessions in {create_s:.1f}s ({more / create_s:.0f}/s)")
+        park_s = await wait_parked(hooks, args.sessions, max(120, args.sessions / 20))
+        rss_big = rss_bytes(stack.owner_pid)
+        print(f"{args.sessions:>6} parked sessions: owner RSS {rss_big / 2**20:8.1f} MiB")
+        takeover: dict[str, float] = {}
+        if args.takeover:
+            successor = stack.start_successor()
+            stack.services["owner"].kill()
+            start = time.monotonic()
+            limit = max(120, args.sessions / 20)
+            await wait_parked(hooks, args.sessions, limit, SUCCESSOR_ID)
+            took = time.monotonic() - start
+            rss_successor = rss_bytes(successor.pid)
+            print(
+                f"kill -9 -> {args.sessions} sessions parked on a successor: {took:.1f}s "
+                f"(lease TTL {LEASE_TTL}s); successor RSS {rss_successor / 2**20:.1f} MiB"
+            )
+            takeover = {"takeover_seconds": took, "rss_successor_bytes": rss_successor}
+    finally:
+        await owner.close()
+        await hooks.close()
+    added = rss_big - rss_small
+    per_session = added / more
+    verdict = "meets" if added < TARGET_BYTES else "MISSES"
+    print(
+        f"added by {more} parked sessions: {added / 2**20:.1f} MiB, "
+        f"{per_session:.0f} bytes per session"
+    )
+    print(
+        f"target: < {TARGET_BYTES / 2**20:.0f} MiB added for 10,000 parked idle sessions: {verdict}"
+    )
+    return {
+        "baseline_sessions": args.baseline,
+        "sessions": args.sessions,
+        "rss_baseline_bytes": rss_small,
+        "rss_bytes": rss_big,
+        "added_bytes": added,
+        "bytes_per_session": per_session,
+        "create_seconds": create_s,
+        "park_wait_seconds": park_s,
+        "target_bytes": TARGET_BYTES,
+        "meets_target": added < TARGET_BYTES,
+        **takeover,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.idle_rss", description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=10_000, help="sessions in total")
+    parser.add_argument("--baseline", type=int, default=10, help="sessions at the first reading")
+    parser.add_argument("--park-after", type=float, default=0.5, help="owner idle park delay, s")
+    parser.add_argument("--concurrency", type=int, default=64, help="concurrent StartSession calls")
+    parser.add_argument("--send", action="store_true", help="answer one message per session")
+    parser.add_argument(
+        "--takeover", action="store_true", help="then kill the owner; time a successor's takeover"
+    )
+    parser.add_argument("--json", help="also write the figures as JSON here")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the service logs")
+    args = parser.parse_args(argv)
+    if not 0 < args.baseline < args.sessions:
+        parser.error("need 0 < --baseline < --sessions")
+    log_dir = tempfile.mkdtemp(prefix="baton-idle-rss-")
+    stack = IdleStack(log_dir, args.park_after)
+    try:
+        stack.start()
+        result = asyncio.run(measure(args, stack))
+    finally:
+        stack.stop()
+        if args.keep_logs:
+            print(f"logs: {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+    return 0 if result["meets_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

