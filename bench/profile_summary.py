@@ -139,7 +139,9 @@ def summarise_perf(data_path: str, pids_path: str) -> str:
         name_of = {pid: name for name, pid in json.load(f).items()}
     script = subprocess.run(
         [perf, "script", "-i", data_path, "-F", "pid,tid,comm,ip,sym,dso"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
     procs: Counter[str] = Counter()
     threads: Counter[tuple[str, str]] = Counter()
@@ -162,10 +164,16 @@ def summarise_perf(data_path: str, pids_path: str) -> str:
     out = [f"== {os.path.basename(data_path)}: {total} samples (all processes)"]
     for proc, count in procs.most_common():
         out.append(f"  {100 * count / total:5.1f}%  {proc}")
-        out += [f"           thread {100 * c / total:5.1f}%  {t}"
-                for (p, t), c in threads.most_common() if p == proc and c / total >= 0.003]
-        out += [f"           object {100 * c / total:5.1f}%  {d}"
-                for (p, d), c in objects.most_common() if p == proc and c / total >= 0.003]
+        out += [
+            f"           thread {100 * c / total:5.1f}%  {t}"
+            for (p, t), c in threads.most_common()
+            if p == proc and c / total >= 0.003
+        ]
+        out += [
+            f"           object {100 * c / total:5.1f}%  {d}"
+            for (p, d), c in objects.most_common()
+            if p == proc and c / total >= 0.003
+        ]
     return "\n".join(out)
 
 
@@ -177,8 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = sorted(os.listdir(args.dir))
     files = [f for f in names if f.endswith(".txt") and args.match in f]
-    perf_files = [f for f in names if f.startswith("perf.") and f.endswith(".data")
-                  and args.match in f]
+    perf_files = [
+        f for f in names if f.startswith("perf.") and f.endswith(".data") and args.match in f
+    ]
     if not files and not perf_files:
         print(f"no py-spy or perf files in {args.dir}", file=sys.stderr)
         return 1
@@ -187,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     for name in perf_files:
         tag = name.removeprefix("perf.").removesuffix(".data")
-        print(summarise_perf(os.path.join(args.dir, name),
-                             os.path.join(args.dir, f"pids.{tag}.json")))
+        print(
+            summarise_perf(os.path.join(args.dir, name), os.path.join(args.dir, f"pids.{tag}.json"))
+        )
         print()
     return 0
 

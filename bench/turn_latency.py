@@ -248,18 +248,36 @@ class Profiler:
             json.dump(pids, f)
         if self.kind == "perf":
             exe = _require("perf")
-            cmd = [exe, "record", "-F", str(self.rate), "-g",
-                   "-p", ",".join(str(p) for p in pids.values()),
-                   "-o", os.path.join(self.out_dir, f"perf.{tag}.data")]
+            cmd = [
+                exe,
+                "record",
+                "-F",
+                str(self.rate),
+                "-g",
+                "-p",
+                ",".join(str(p) for p in pids.values()),
+                "-o",
+                os.path.join(self.out_dir, f"perf.{tag}.data"),
+            ]
             self._spawn("perf", cmd, tag)
         else:
             exe = _require("py-spy")
             for name, pid in pids.items():
                 if name in ("etcd", "bench client"):
                     continue
-                cmd = [exe, "record", "--pid", str(pid), "--rate", str(self.rate),
-                       "--format", "raw", "--threads",
-                       "-o", os.path.join(self.out_dir, f"{name}.{tag}.txt")]
+                cmd = [
+                    exe,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    str(self.rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "-o",
+                    os.path.join(self.out_dir, f"{name}.{tag}.txt"),
+                ]
                 # --native cannot be combined with --nonblocking (py-spy pauses the target).
                 cmd.append("--native" if self.kind == "py-spy-native" else "--nonblocking")
                 self._spawn(name, cmd, tag)
@@ -355,9 +373,15 @@ def turn_payloads(session_id: str, snapshot_bytes: int) -> tuple[bytes, list[byt
         )
         events.append(event.SerializeToString())
     snapshot = s.SessionSnapshot(
-        format_version=1, session_id=session_id, channel=CHANNEL, deployment_id=DEPLOYMENT_ID,
-        next_event_seq=1007, inbox_next_seq=124, turn_count=123,
-        hooks=[f"session:{session_id}"], status=s.SESSION_STATUS_ACTIVE,
+        format_version=1,
+        session_id=session_id,
+        channel=CHANNEL,
+        deployment_id=DEPLOYMENT_ID,
+        next_event_seq=1007,
+        inbox_next_seq=124,
+        turn_count=123,
+        hooks=[f"session:{session_id}"],
+        status=s.SESSION_STATUS_ACTIVE,
     )
     i = 0
     while snapshot.ByteSize() < snapshot_bytes:
@@ -540,9 +564,7 @@ async def _floor_pipeline(
         await anchor_store.close()
 
 
-async def commit_floor_at(
-    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int
-) -> Dist:
+async def commit_floor_at(endpoint: str, iterations: int, warmup: int, snapshot_bytes: int) -> Dist:
     """The fenced commit alone with a snapshot of the given size."""
     keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
     store = Store(make_client(endpoint, 5.0), 5.0)
@@ -587,26 +609,32 @@ class Follower:
         self._pending[delivery_id] = future
         return future
 
+    def _observe(self, events: Sequence[s.Event], now: float) -> bool:
+        """Track a batch of events; True once the stream's terminal event came."""
+        for event in events:
+            if event.seq != self.next_seq:
+                raise RuntimeError(f"stream gap: got seq {event.seq}, wanted {self.next_seq}")
+            self.next_seq += 1
+            kind = event.kind
+            if kind == s.EVENT_KIND_SESSION_STARTED:
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif kind == s.EVENT_KIND_MESSAGE_RECEIVED:
+                self._current = event.delivery_id
+            elif kind == s.EVENT_KIND_SESSION_WAITING:
+                future = self._pending.pop(self._current, None)
+                if future is not None and not future.done():
+                    future.set_result(now)
+            elif kind in (s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED):
+                return True
+        return False
+
     async def _run(self) -> None:
         error: BaseException = RuntimeError(f"stream of {self.session_id} ended")
         try:
             async for response in self.call:
                 now = time.perf_counter()
-                event = response.event
-                if event.seq != self.next_seq:
-                    raise RuntimeError(f"stream gap: got seq {event.seq}, wanted {self.next_seq}")
-                self.next_seq += 1
-                kind = event.kind
-                if kind == s.EVENT_KIND_SESSION_STARTED:
-                    if not self.ready.done():
-                        self.ready.set_result(None)
-                elif kind == s.EVENT_KIND_MESSAGE_RECEIVED:
-                    self._current = event.delivery_id
-                elif kind == s.EVENT_KIND_SESSION_WAITING:
-                    future = self._pending.pop(self._current, None)
-                    if future is not None and not future.done():
-                        future.set_result(now)
-                elif kind in (s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED):
+                if self._observe(response.events, now):
                     break
         except asyncio.CancelledError:
             raise
@@ -693,8 +721,10 @@ async def measure_throughput(
         await asyncio.gather(
             *(one_turn(stub, f, "warm", f"w-{n}") for n, f in enumerate(followers))
         )
-        shares = [total_turns // sessions + (1 if n < total_turns % sessions else 0)
-                  for n in range(sessions)]
+        shares = [
+            total_turns // sessions + (1 if n < total_turns % sessions else 0)
+            for n in range(sessions)
+        ]
         latency = Dist()
 
         async def worker(n: int, follower: Follower, count: int) -> None:
@@ -763,12 +793,14 @@ async def measure_floor_throughput(
 
         await asyncio.gather(*(worker(f, 2) for f in floor_sessions))  # warm-up
         start = time.perf_counter()
-        await asyncio.gather(
-            *(worker(f, c) for f, c in zip(floor_sessions, shares, strict=True))
-        )
+        await asyncio.gather(*(worker(f, c) for f, c in zip(floor_sessions, shares, strict=True)))
         elapsed = time.perf_counter() - start
-        return {"sessions": sessions, "pairs": total, "elapsed_s": elapsed,
-                "pairs_per_s": total / elapsed}
+        return {
+            "sessions": sessions,
+            "pairs": total,
+            "elapsed_s": elapsed,
+            "pairs_per_s": total / elapsed,
+        }
     finally:
         await store.close()
 
@@ -813,12 +845,15 @@ async def run(
     assert stack.etcd is not None
     endpoint = stack.etcd.endpoint
     results: dict[str, Any] = {
-        "versions": versions(), "args": vars(args).copy(), "load_start": load_average()
+        "versions": versions(),
+        "args": vars(args).copy(),
+        "load_start": load_average(),
     }
 
     _progress("a: etcd floor")
-    floor = await measure_floor(endpoint, args.floor_iterations, args.floor_warmup,
-                                args.snapshot_bytes)
+    floor = await measure_floor(
+        endpoint, args.floor_iterations, args.floor_warmup, args.snapshot_bytes
+    )
     floor["throughput"] = await measure_floor_throughput(
         endpoint, args.sessions, args.concurrent_turns, args.snapshot_bytes
     )
@@ -843,8 +878,9 @@ async def run(
 
         _progress(f"c: {args.concurrent_turns} turns over {args.sessions} concurrent sessions")
         with profiled(profiler, stack, "throughput"):
-            tput = await measure_throughput(stub, args.sessions, args.concurrent_turns,
-                                            mark("tput"))
+            tput = await measure_throughput(
+                stub, args.sessions, args.concurrent_turns, mark("tput")
+            )
             tput["per_turn"] = per_turn(marks["tput"], stack.sample(), args.concurrent_turns)
         stack.check_alive()
         results["throughput"] = tput
@@ -852,8 +888,9 @@ async def run(
         await channel.close()
 
     if seq["final_snapshot_bytes"] > 2 * args.snapshot_bytes:
-        _progress(f"a': fenced commit floor at the final snapshot size "
-                  f"({seq['final_snapshot_bytes']} B)")
+        _progress(
+            f"a': fenced commit floor at the final snapshot size ({seq['final_snapshot_bytes']} B)"
+        )
         results["floor"]["commit_final_snapshot"] = await commit_floor_at(
             endpoint, args.floor_iterations // 2, args.floor_warmup, seq["final_snapshot_bytes"]
         )
@@ -869,8 +906,10 @@ def _progress(message: str) -> None:
 
 
 def _row(label: str, dist: Dist, extra: str = "") -> str:
-    return (f"  {label:<46}{len(dist.samples):>6}{dist.pct(50):>9.3f}{dist.pct(90):>9.3f}"
-            f"{dist.pct(99):>9.3f}  {extra}").rstrip()
+    return (
+        f"  {label:<46}{len(dist.samples):>6}{dist.pct(50):>9.3f}{dist.pct(90):>9.3f}"
+        f"{dist.pct(99):>9.3f}  {extra}"
+    ).rstrip()
 
 
 def _by_process(label: str, values: dict[str, float], fmt: str) -> str:
@@ -879,7 +918,10 @@ def _by_process(label: str, values: dict[str, float], fmt: str) -> str:
 
 def report(results: dict[str, Any]) -> str:
     floor, seq, tput, hop = (
-        results["floor"], results["sequential"], results["throughput"], results["hop"]
+        results["floor"],
+        results["sequential"],
+        results["throughput"],
+        results["hop"],
     )
     v = results["versions"]
     floor_p50 = floor["two_txns"].pct(50)
@@ -909,20 +951,27 @@ def report(results: dict[str, Any]) -> str:
         _row("floor + both watches (ETCD-NOTES definition)", floor["pipeline"]),
     ]
     if "commit_final_snapshot" in floor:
-        lines.append(_row(f"fenced commit, snapshot {seq['final_snapshot_bytes']} B",
-                          floor["commit_final_snapshot"]))
+        lines.append(
+            _row(
+                f"fenced commit, snapshot {seq['final_snapshot_bytes']} B",
+                floor["commit_final_snapshot"],
+            )
+        )
     lines += [
         "  gRPC baseline",
-        _row("Health.Check on ingress (a hop, no work)", hop["latency"],
-             f"ingress CPU {hop['ingress_cpu_ms_per_call']:.3f} ms/call"),
+        _row(
+            "Health.Check on ingress (a hop, no work)",
+            hop["latency"],
+            f"ingress CPU {hop['ingress_cpu_ms_per_call']:.3f} ms/call",
+        ),
         "  one-step turns through ingress (grpc.aio client in the bench process)",
-        _row("ONE-STEP TURN: SendMessage -> SESSION_WAITING", turn,
-             f"= {ratio:.2f} x floor p50"),
+        _row("ONE-STEP TURN: SendMessage -> SESSION_WAITING", turn, f"= {ratio:.2f} x floor p50"),
         _row("  SendMessage alone (receipt)", seq["receipt"]),
         _row("  receipt -> SESSION_WAITING", seq["receipt_to_waiting"]),
         _row("  first 10% of the turns", first),
-        _row("  last 10% of the turns", last,
-             f"(snapshot grew to {seq['final_snapshot_bytes']} B)"),
+        _row(
+            "  last 10% of the turns", last, f"(snapshot grew to {seq['final_snapshot_bytes']} B)"
+        ),
         _row(f"  turn under load ({tput['sessions']} sessions)", tput["turn"]),
         "",
         "  throughput",
@@ -931,8 +980,9 @@ def report(results: dict[str, Any]) -> str:
         f"    etcd alone: {ftp['pairs']} append+commit pairs over {ftp['sessions']} sessions, "
         f"one client = {ftp['pairs_per_s']:.0f} pairs/s",
         "",
-        "  per turn, by process          " + "".join(n.replace("bench client", "client")
-                                                    .rjust(9) for n in names) + "    total",
+        "  per turn, by process          "
+        + "".join(n.replace("bench client", "client").rjust(9) for n in names)
+        + "    total",
         _by_process("CPU ms, sequential", seq["per_turn"]["cpu_ms"], ".2f")
         + f"{sum(seq['per_turn']['cpu_ms'].values()):9.2f}",
         _by_process("CPU ms, throughput", tput["per_turn"]["cpu_ms"], ".2f")
@@ -943,14 +993,22 @@ def report(results: dict[str, Any]) -> str:
         + f"{sum(tput['per_turn']['ctx_switches'].values()):9.0f}",
         "",
         "  targets",
-        _target(f"turn p50 <= {TARGET_RATIO:.0f} x measured floor p50 ({floor_p50:.3f} ms)",
-                f"{turn_p50:.3f} ms ({ratio:.2f}x)", ratio <= TARGET_RATIO),
-        _target(f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x ETCD-NOTES floor "
-                f"{ETCD_NOTES_FLOOR_P50_MS} ms)", f"{turn_p50:.3f} ms",
-                turn_p50 <= TARGET_ABS_P50_MS),
-        _target(f">= {TARGET_TURNS_PER_S:.0f} turns/s with {tput['sessions']} sessions",
-                f"{tput['turns_per_s']:.0f} turns/s",
-                tput["turns_per_s"] >= TARGET_TURNS_PER_S),
+        _target(
+            f"turn p50 <= {TARGET_RATIO:.0f} x measured floor p50 ({floor_p50:.3f} ms)",
+            f"{turn_p50:.3f} ms ({ratio:.2f}x)",
+            ratio <= TARGET_RATIO,
+        ),
+        _target(
+            f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x ETCD-NOTES floor "
+            f"{ETCD_NOTES_FLOOR_P50_MS} ms)",
+            f"{turn_p50:.3f} ms",
+            turn_p50 <= TARGET_ABS_P50_MS,
+        ),
+        _target(
+            f">= {TARGET_TURNS_PER_S:.0f} turns/s with {tput['sessions']} sessions",
+            f"{tput['turns_per_s']:.0f} turns/s",
+            tput["turns_per_s"] >= TARGET_TURNS_PER_S,
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -986,24 +1044,29 @@ def to_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.turn_latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.turn_latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--turns", type=int, default=1000, help="sequential turns (b)")
     parser.add_argument("--warmup-turns", type=int, default=50, help="unmeasured turns first")
     parser.add_argument("--sessions", type=int, default=32, help="concurrent sessions (c)")
     parser.add_argument("--concurrent-turns", type=int, default=3000, help="total turns in (c)")
     parser.add_argument("--floor-iterations", type=int, default=1000)
     parser.add_argument("--floor-warmup", type=int, default=200)
-    parser.add_argument("--snapshot-bytes", type=int, default=3000,
-                        help="snapshot size of the floor commit")
+    parser.add_argument(
+        "--snapshot-bytes", type=int, default=3000, help="snapshot size of the floor commit"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--log-dir", help="keep service and etcd logs here")
-    parser.add_argument("--profile", metavar="DIR",
-                        help="profile the processes during --profile-phase into DIR")
-    parser.add_argument("--profiler", choices=("py-spy", "py-spy-native", "perf"),
-                        default="py-spy")
-    parser.add_argument("--profile-phase", choices=("latency", "throughput", "all"),
-                        default="throughput")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="profile the processes during --profile-phase into DIR"
+    )
+    parser.add_argument("--profiler", choices=("py-spy", "py-spy-native", "perf"), default="py-spy")
+    parser.add_argument(
+        "--profile-phase", choices=("latency", "throughput", "all"), default="throughput"
+    )
     parser.add_argument("--profile-rate", type=int, default=250, help="samples per second")
     args = parser.parse_args(argv)
     if args.turns < 1 or args.sessions < 1 or args.concurrent_turns < args.sessions:

@@ -52,7 +52,11 @@ class Stack:
         return response.session_id
 
     async def send(
-        self, session_id: str = "", text: str = "", metadata: tuple[tuple[str, str], ...] = SLACK, **kwargs: object
+        self,
+        session_id: str = "",
+        text: str = "",
+        metadata: tuple[tuple[str, str], ...] = SLACK,
+        **kwargs: object,
     ) -> ingress_pb.SendMessageResponse:
         target = {"session_id": session_id} if session_id else {}
         return await self.ingress_stub.SendMessage(
@@ -75,7 +79,9 @@ class Stack:
         session.waiting events (or the terminal event)."""
         out: list[s.Event] = []
         call = self.ingress_stub.StreamEvents(
-            ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=start_seq, follow=follow),
+            ingress_pb.StreamEventsRequest(
+                session_id=session_id, start_seq=start_seq, follow=follow
+            ),
             metadata=metadata,
         )
         waits = 0
@@ -83,13 +89,14 @@ class Stack:
         async def collect() -> None:
             nonlocal waits
             async for response in call:
-                out.append(response.event)
-                if response.event.kind == s.EVENT_KIND_SESSION_WAITING:
-                    waits += 1
-                    if until is not None and waits >= until:
+                for event in response.events:
+                    out.append(event)
+                    if event.kind == s.EVENT_KIND_SESSION_WAITING:
+                        waits += 1
+                        if until is not None and waits >= until:
+                            return
+                    if event.kind in TERMINAL:
                         return
-                if response.event.kind in TERMINAL:
-                    return
 
         try:
             await asyncio.wait_for(collect(), timeout)

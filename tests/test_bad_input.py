@@ -108,9 +108,10 @@ async def follow_until(
 
     async def collect() -> None:
         async for response in call:
-            seen.append(response.event)
-            if done(seen):
-                return
+            for event in response.events:
+                seen.append(event)
+                if done(seen):
+                    return
 
     try:
         await asyncio.wait_for(collect(), timeout)

@@ -23,11 +23,24 @@ async def test_conversation_with_tool_call(stack: Stack) -> None:
     assert [e.seq for e in events] == list(range(len(events)))
     assert kinds(events) == [
         "SESSION_STARTED",
-        "TURN_STARTED", "MESSAGE_RECEIVED", "STEP_STARTED", "MESSAGE_COMPLETED",
-        "STEP_COMPLETED", "TURN_COMPLETED", "SESSION_WAITING",
-        "TURN_STARTED", "MESSAGE_RECEIVED", "STEP_STARTED", "TOOL_CALL_REQUESTED",
-        "TOOL_CALL_RESULT", "STEP_COMPLETED", "STEP_STARTED", "MESSAGE_COMPLETED",
-        "STEP_COMPLETED", "TURN_COMPLETED", "SESSION_WAITING",
+        "TURN_STARTED",
+        "MESSAGE_RECEIVED",
+        "STEP_STARTED",
+        "MESSAGE_COMPLETED",
+        "STEP_COMPLETED",
+        "TURN_COMPLETED",
+        "SESSION_WAITING",
+        "TURN_STARTED",
+        "MESSAGE_RECEIVED",
+        "STEP_STARTED",
+        "TOOL_CALL_REQUESTED",
+        "TOOL_CALL_RESULT",
+        "STEP_COMPLETED",
+        "STEP_STARTED",
+        "MESSAGE_COMPLETED",
+        "STEP_COMPLETED",
+        "TURN_COMPLETED",
+        "SESSION_WAITING",
     ]
     answers = [e.text for e in events if e.kind == s.EVENT_KIND_MESSAGE_COMPLETED]
     assert answers == ["echo: hello", "The result is 42."]
@@ -41,6 +54,4 @@ async def test_conversation_with_tool_call(stack: Stack) -> None:
     # Resuming from a cursor gives exactly the rest.
     cursor = 8
     rest = await stack.events(session_id, start_seq=cursor, follow=False)
-    assert [e.SerializeToString() for e in rest] == [
-        e.SerializeToString() for e in events[cursor:]
-    ]
+    assert [e.SerializeToString() for e in rest] == [e.SerializeToString() for e in events[cursor:]]

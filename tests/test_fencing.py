@@ -121,7 +121,7 @@ async def current_fence(env: Env, session_id: str) -> s.Fence:
 
 
 async def stream(env: Env, session_id: str) -> list[s.Event]:
-    return [r.event async for r in env.anchor.read_events(session_id)]  # type: ignore[attr-defined]
+    return [e async for r in env.anchor.read_events(session_id) for e in r.events]  # type: ignore[attr-defined]
 
 
 async def expect_error(call: Any, code: grpc.StatusCode, reason: str) -> BatonError:

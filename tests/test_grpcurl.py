@@ -178,7 +178,7 @@ async def test_session_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
             break
         await asyncio.sleep(0.2)
     assert "The result is 42." in read.stdout, read.stdout
-    events = [message["event"] for message in json_messages(read.stdout)]
+    events = [event for message in json_messages(read.stdout) for event in message["events"]]
     # uint64 fields are JSON strings; seq 0 is a default and so omitted.
     assert [int(event.get("seq", "0")) for event in events] == list(range(len(events)))
     assert {event["session_id"] for event in events} == {session}

@@ -53,9 +53,10 @@ async def read_until_idle(
 
     async def collect() -> None:
         async for response in call:
-            seen.append(response.event)
-            if idle():
-                return
+            for event in response.events:
+                seen.append(event)
+                if idle():
+                    return
 
     try:
         await asyncio.wait_for(collect(), timeout)

@@ -108,9 +108,10 @@ async def follow_until(
     try:
         async with asyncio.timeout(timeout):
             async for response in call:
-                out.append(response.event)
-                if predicate(out):
-                    return out
+                for event in response.events:
+                    out.append(event)
+                    if predicate(out):
+                        return out
     except TimeoutError:
         raise AssertionError(
             f"condition not met within {timeout}s; stream from {start_seq}: {kinds(out)}"
@@ -132,7 +133,7 @@ async def read_to_close(
     try:
         async with asyncio.timeout(timeout):
             async for response in call:
-                out.append(response.event)
+                out.extend(response.events)
     except TimeoutError:
         raise AssertionError(
             f"follow stream from {start_seq} did not close within {timeout}s: {kinds(out)}"
@@ -827,6 +828,6 @@ async def test_an_alias_claimed_at_runtime_reaches_the_session(stack: Stack) -> 
         ingress_pb.StreamEventsRequest(alias="helpdesk", start_seq=0, follow=False),
         metadata=SLACK,
     )
-    by_alias = [response.event async for response in call]
+    by_alias = [event async for response in call for event in response.events]
     assert {e.session_id for e in by_alias} == {session_id}
     assert len(by_alias) >= len(events) + len(rest)

@@ -30,6 +30,7 @@ from services.common.keys import Keys, fence_value, prefix_end, seq_of
 MAX_SNAPSHOT_BYTES = 1024 * 1024
 MAX_COMMIT_BYTES = 1400 * 1024
 MAX_EVENTS_PER_COMMIT = 100
+_BATCH_BYTES = 512 * 1024
 
 TERMINAL_KINDS = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
 
@@ -125,6 +126,8 @@ class Journal:
             ]
         if close:
             success.append(op_put(k.closed(sid), str(events[-1].seq).encode()))
+        if events:  # last: readers batch a commit's events up to this marker
+            success.append(op_put(k.commit_marker(sid), str(events[-1].seq).encode()))
         failure = [op_get(k.fence(sid)), op_get(k.closed(sid)), op_get(k.snapshot(sid))]
         if events:
             failure.append(op_get(k.event(sid, events[0].seq)))
@@ -169,8 +172,11 @@ class Journal:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} has no snapshot")
         return s.SessionSnapshot.FromString(value), response.header.revision
 
-    async def read(self, session_id: str, start_seq: int, follow: bool) -> AsyncIterator[s.Event]:
-        """Events from `start_seq` in order; with `follow`, live until terminal."""
+    async def read(
+        self, session_id: str, start_seq: int, follow: bool
+    ) -> AsyncIterator[list[s.Event]]:
+        """Events from `start_seq` in order, in batches (a replayed range, then
+        one batch per commit); with `follow`, live until the terminal event."""
         ids.validate_session_id(session_id)
         k = self._keys
         prefix = k.events_prefix(session_id)
@@ -190,19 +196,40 @@ class Journal:
         if closed is not None and start_seq > int(closed):
             return  # the cursor is past the terminal event: the stream is over
         next_seq = start_seq
+        batch: list[s.Event] = []
+        size = 0
         for kv in kvs:
             event = s.Event.FromString(kv.value)
-            yield event
+            batch.append(event)
+            size += len(kv.value)
             next_seq = event.seq + 1
             if event.kind in TERMINAL_KINDS:
+                yield batch
                 return
+            if size >= _BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
         if not follow or closed is not None:
             return
-        async for change in follow_range(self._store.client, prefix, response.header.revision + 1):
-            if not change.kv.value or seq_of(change.kv.key) < next_seq:
+        # Watch the events and the commit marker (written last by every commit
+        # with events), so each commit reaches the reader as one batch.
+        marker = k.commit_marker(session_id)
+        batch = []
+        async for change in follow_range(
+            self._store.client, k.stream_prefix(session_id), response.header.revision + 1
+        ):
+            key = change.kv.key
+            if key == marker:
+                if batch:
+                    yield batch
+                    if batch[-1].kind in TERMINAL_KINDS:
+                        return
+                    batch = []
+                continue
+            if not change.kv.value or seq_of(key) < next_seq:
                 continue
             event = s.Event.FromString(change.kv.value)
-            yield event
+            batch.append(event)
             next_seq = event.seq + 1
-            if event.kind in TERMINAL_KINDS:
-                return

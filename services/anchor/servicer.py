@@ -47,7 +47,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         self, request: pb.ReadEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ReadEventsResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
-        async for event in self._journal.read(
+        async for events in self._journal.read(
             request.session_id, request.start_seq, request.follow
         ):
-            yield pb.ReadEventsResponse(event=event)
+            yield pb.ReadEventsResponse(events=events)

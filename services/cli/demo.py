@@ -138,8 +138,9 @@ async def run_demo(
 
         async def follow() -> None:
             async for response in call:
-                write(format_event(response.event))
-                tracker.observe(response.event)
+                for event in response.events:
+                    write(format_event(event))
+                    tracker.observe(event)
             tracker.changed.set()
 
         follower = asyncio.create_task(follow())

@@ -86,6 +86,62 @@ class HooksClient(_Client):
         call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
         return _stream(call)  # type: ignore[return-value]
 
+    async def register_instance(
+        self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
+    ) -> hooks_pb.RegisterInstanceResponse:
+        request = hooks_pb.RegisterInstanceRequest(
+            deployment_id=deployment_id,
+            instance_id=instance_id,
+            ttl_seconds=ttl_seconds,
+            address=address,
+        )
+        return await _unary(self.stub.RegisterInstance(request, timeout=self.timeout))
+
+    async def keep_alive_instance(self, lease_id: int) -> int:
+        """The lease's remaining TTL in seconds; 0 when it expired."""
+        request = hooks_pb.KeepAliveInstanceRequest(lease_id=lease_id)
+        response = await _unary(self.stub.KeepAliveInstance(request, timeout=self.timeout))
+        return response.ttl_seconds
+
+    async def list_instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+        request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
+        response = await _unary(self.stub.ListInstances(request, timeout=self.timeout))
+        return list(response.instances)
+
+    def watch_instances(self, deployment_id: str) -> AsyncIterator[hooks_pb.WatchInstancesResponse]:
+        request = hooks_pb.WatchInstancesRequest(deployment_id=deployment_id)
+        return _stream(self.stub.WatchInstances(request))  # type: ignore[return-value]
+
+    async def list_instance_sessions(
+        self, deployment_id: str, instance_id: str
+    ) -> list[hooks_pb.OwnedSession]:
+        request = hooks_pb.ListInstanceSessionsRequest(
+            deployment_id=deployment_id, instance_id=instance_id
+        )
+        response = await _unary(self.stub.ListInstanceSessions(request, timeout=self.timeout))
+        return list(response.sessions)
+
+    async def take_over_session(
+        self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
+    ) -> hooks_pb.TakeOverSessionResponse:
+        request = hooks_pb.TakeOverSessionRequest(
+            expected=expected, expected_instance_id=expected_instance_id, successor=successor
+        )
+        return await _unary(self.stub.TakeOverSession(request, timeout=self.timeout))
+
+    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0) -> int:
+        """Park (every inbox entry consumed up to `inbox_next_seq`, else
+        Aborted/INBOX_NOT_DRAINED) or unpark; returns the inbox head."""
+        request = hooks_pb.SetParkedRequest(
+            fence=fence, parked=parked, inbox_next_seq=inbox_next_seq
+        )
+        response = await _unary(self.stub.SetParked(request, timeout=self.timeout))
+        return response.inbox_head
+
+    def watch_bells(self, instance_id: str) -> AsyncIterator[hooks_pb.WatchBellsResponse]:
+        request = hooks_pb.WatchBellsRequest(instance_id=instance_id)
+        return _stream(self.stub.WatchBells(request))  # type: ignore[return-value]
+
 
 class AnchorClient(_Client):
     def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:

@@ -10,9 +10,27 @@ disposal, the token-index entries pointing at that session):
     {root}s/{sid}/dlv/{delivery}   Receipt                    delivery-id deduplication
     {root}s/{sid}/hooks            JSON list of tokens        the session's own record of its claims
     {root}s/{sid}/ev/{seq:020d}    Event                      the public stream
+    {root}s/{sid}/evm              "{last seq}"               commit marker, put last by a commit
     {root}s/{sid}/snap             SessionSnapshot            the last committed snapshot
     {root}s/{sid}/closed           "{terminal seq}"           present once the stream closed
     {root}t/{token}                TokenRecord JSON           token index: token -> session
+
+Owner instances and their sessions (DESIGN.md §5):
+
+    {root}d/{deployment}/{instance}       InstanceRecord JSON  live owner instances; attached to
+                                                               the instance's etcd lease, so the
+                                                               key vanishes when the lease expires
+    {root}i/{deployment}/{instance}/{sid} "{epoch}/{run}"      ownership index: written in the same
+                                                               txn as every owner change (create,
+                                                               takeover), so a dead instance's
+                                                               sessions can be listed
+    {root}bell/{instance}/{sid}           "{inbox head}"       "parked session has new input":
+                                                               put by the inbox append txn while
+                                                               the owner record says parked,
+                                                               deleted when the session unparks
+
+The owner record is `OwnerRecord` (canonical JSON, compared byte-exact by the
+inbox append so that a bell is rung exactly while the session is parked).
 """
 
 from __future__ import annotations
@@ -74,6 +92,13 @@ class Keys:
     def event(self, session_id: str, seq: int) -> bytes:
         return self.events_prefix(session_id) + seq_suffix(seq)
 
+    def stream_prefix(self, session_id: str) -> bytes:
+        """Events and the commit marker: what a live reader watches."""
+        return self._s(session_id, "ev")
+
+    def commit_marker(self, session_id: str) -> bytes:
+        return self._s(session_id, "evm")
+
     def snapshot(self, session_id: str) -> bytes:
         return self._s(session_id, "snap")
 
@@ -82,6 +107,27 @@ class Keys:
 
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
+
+    def deployment_prefix(self, deployment_id: str) -> bytes:
+        return f"{self.root}d/{deployment_id}/".encode()
+
+    def instance(self, deployment_id: str, instance_id: str) -> bytes:
+        return f"{self.root}d/{deployment_id}/{instance_id}".encode()
+
+    def owned_prefix(self, deployment_id: str, instance_id: str = "") -> bytes:
+        """The ownership index of a deployment, or of one of its instances."""
+        if not instance_id:
+            return f"{self.root}i/{deployment_id}/".encode()
+        return f"{self.root}i/{deployment_id}/{instance_id}/".encode()
+
+    def owned(self, deployment_id: str, instance_id: str, session_id: str) -> bytes:
+        return self.owned_prefix(deployment_id, instance_id) + session_id.encode()
+
+    def bell_prefix(self, instance_id: str) -> bytes:
+        return f"{self.root}bell/{instance_id}/".encode()
+
+    def bell(self, instance_id: str, session_id: str) -> bytes:
+        return self.bell_prefix(instance_id) + session_id.encode()
 
 
 def seq_of(key: bytes) -> int:
@@ -117,3 +163,67 @@ class TokenRecord:
     def decode(cls, value: bytes) -> TokenRecord:
         data = json.loads(value)
         return cls(session_id=data["session_id"], channel=data["channel"])
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    """Who owns a session (`s/{sid}/owner`) and whether it is parked."""
+
+    owner_run_id: str
+    deployment_id: str
+    instance_id: str
+    epoch: int
+    parked: bool = False
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "deployment_id": self.deployment_id,
+                "epoch": self.epoch,
+                "instance_id": self.instance_id,
+                "owner_run_id": self.owner_run_id,
+                "parked": self.parked,
+            }
+        )
+
+    @classmethod
+    def decode(cls, value: bytes) -> OwnerRecord:
+        data = json.loads(value)
+        return cls(
+            owner_run_id=str(data.get("owner_run_id", "")),
+            deployment_id=str(data.get("deployment_id", "")),
+            instance_id=str(data.get("instance_id", "")),
+            epoch=int(data.get("epoch", 0)),
+            parked=bool(data.get("parked", False)),
+        )
+
+    @property
+    def fence(self) -> bytes:
+        return fence_value(self.epoch, self.owner_run_id)
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """A live owner instance (`d/{deployment}/{instance}`, under its lease)."""
+
+    deployment_id: str
+    instance_id: str
+    address: str
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "address": self.address,
+                "deployment_id": self.deployment_id,
+                "instance_id": self.instance_id,
+            }
+        )
+
+    @classmethod
+    def decode(cls, value: bytes) -> InstanceRecord:
+        data = json.loads(value)
+        return cls(
+            deployment_id=str(data.get("deployment_id", "")),
+            instance_id=str(data.get("instance_id", "")),
+            address=str(data.get("address", "")),
+        )

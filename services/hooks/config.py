@@ -29,7 +29,9 @@ class HooksConfig:
         values = read_settings(
             "services.hooks",
             (
-                Setting("--listen", "BATON_HOOKS_LISTEN", "host:port to serve on", "127.0.0.1:50052"),
+                Setting(
+                    "--listen", "BATON_HOOKS_LISTEN", "host:port to serve on", "127.0.0.1:50052"
+                ),
                 *ETCD_SETTINGS,
                 *COMMON_SETTINGS,
             ),

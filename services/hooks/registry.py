@@ -1,9 +1,16 @@
 """The hook registry on etcd: tokens, the durable inbox, ownership records.
 
-Every transaction stays inside one session's keys plus the token-index entries
-pointing at it (DESIGN.md §10). Appends to one session's inbox are group
-committed inside this process (one appender per session, one txn per batch);
-the inbox-head compare-and-swap is the cross-process fallback.
+Every transaction stays inside one session's keys plus the index entries
+pointing at it (token index, ownership index, bell; DESIGN.md §10). Appends to
+one session's inbox are group committed inside this process (one appender per
+session, one txn per batch); the inbox-head compare-and-swap is the
+cross-process fallback.
+
+Parking: the append txn also compares the owner record against a cached copy
+(learned from the failure branch), and while that record says parked it puts
+the owner instance's bell in the same txn. So a bell is rung exactly for the
+arrivals after a successful park, with no race against (un)parking, and an
+unparked session still costs one round trip per batch.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import (
+    Aborted,
     AlreadyExists,
-    Fenced,
     FailedPrecondition,
+    Fenced,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -39,32 +47,61 @@ from services.common.etcd import (
     op_put,
     single_value,
 )
-from services.common.keys import Keys, TokenRecord, canonical_json, fence_value, prefix_end, seq_of
+from services.common.keys import (
+    Keys,
+    OwnerRecord,
+    TokenRecord,
+    canonical_json,
+    fence_value,
+    parse_fence,
+    prefix_end,
+    seq_of,
+)
 
 MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40
 MAX_BATCH_BYTES = 1024 * 1024
 MAX_APPEND_ATTEMPTS = 50
-_HEAD_CACHE_SIZE = 100_000
+_SESSION_CACHE_SIZE = 100_000
 _TOKEN_CACHE_SIZE = 100_000
+_LIST_CHUNK = 64
 
 
-def _owner_record(owner: s.OwnerIdentity, epoch: int) -> bytes:
-    return canonical_json(
-        {
-            "deployment_id": owner.deployment_id,
-            "epoch": epoch,
-            "instance_id": owner.instance_id,
-            "owner_run_id": owner.owner_run_id,
-        }
+def _owner_record(owner: s.OwnerIdentity, epoch: int, parked: bool = False) -> OwnerRecord:
+    return OwnerRecord(
+        owner_run_id=owner.owner_run_id,
+        deployment_id=owner.deployment_id,
+        instance_id=owner.instance_id,
+        epoch=epoch,
+        parked=parked,
     )
 
 
-def _owner_run_of(value: bytes | None) -> str:
-    if not value:
-        return ""
-    run: str = json.loads(value).get("owner_run_id", "")
-    return run
+@dataclass(slots=True)
+class _SessionState:
+    """What this hooks process last saw of a session's head and owner record."""
+
+    head: int
+    owner_raw: bytes
+    owner: OwnerRecord
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """The result of a takeover: the successor's fence, and whether the
+    session stays parked (then `inbox_head` is its consumed position)."""
+
+    fence: s.Fence
+    parked: bool
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class OwnedSession:
+    """A session in an instance's ownership index."""
+
+    fence: s.Fence
+    owner: OwnerRecord
 
 
 def check_tenant(namespace: str, record: TokenRecord, channel: str, token: str) -> None:
@@ -104,7 +141,7 @@ class HookRegistry:
         self._store = store
         self._keys = keys
         self._queues: dict[str, _SessionQueue] = {}
-        self._heads: OrderedDict[str, int] = OrderedDict()
+        self._sessions: OrderedDict[str, _SessionState] = OrderedDict()
         self._tokens: OrderedDict[str, bytes] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -117,6 +154,7 @@ class HookRegistry:
         ids.validate_channel(channel)
         ids.validate_deployment_id(owner.deployment_id)
         ids.validate_id(owner.owner_run_id, "owner_run_id")
+        ids.validate_id(owner.instance_id, "instance_id")
         k = self._keys
         tokens = [ids.inbox_token(session_id)]
         for alias in aliases:
@@ -126,10 +164,13 @@ class HookRegistry:
         _check_hook_count(len(tokens))
         fence = fence_value(1, owner.owner_run_id)
         record = TokenRecord(session_id=session_id, channel=channel).encode()
+        owner_record = _owner_record(owner, 1)
+        owner_raw = owner_record.encode()
         compare = [cmp_absent(k.fence(session_id))] + [cmp_absent(k.token(t)) for t in tokens]
         success = [
             op_put(k.fence(session_id), fence),
-            op_put(k.owner(session_id), _owner_record(owner, 1)),
+            op_put(k.owner(session_id), owner_raw),
+            op_put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence),
             op_put(k.hooks(session_id), canonical_json(tokens)),
             op_put(k.inbox_head(session_id), b"0"),
         ] + [op_put(k.token(t), record) for t in tokens]
@@ -139,7 +180,7 @@ class HookRegistry:
         response = await self._store.txn(compare, success, failure)
         result = s.Fence(session_id=session_id, owner_run_id=owner.owner_run_id, epoch=1)
         if response.succeeded:
-            self._heads[session_id] = 0
+            self._remember(session_id, _SessionState(0, owner_raw, owner_record))
             return result, tokens
         existing = single_value(response.responses[0])
         if existing == fence:  # a retry of the create that already succeeded
@@ -230,9 +271,7 @@ class HookRegistry:
     async def _read_hooks(self, fence: s.Fence) -> tuple[bytes, list[str]]:
         k = self._keys
         sid = fence.session_id
-        response = await self._store.txn(
-            [], [op_get(k.fence(sid)), op_get(k.hooks(sid))], []
-        )
+        response = await self._store.txn([], [op_get(k.fence(sid)), op_get(k.hooks(sid))], [])
         self._check_fence(fence, single_value(response.responses[0]))
         raw = single_value(response.responses[1]) or b"[]"
         current: list[str] = json.loads(raw)
@@ -255,6 +294,197 @@ class HookRegistry:
                 f"session {fence.session_id}",
                 session_id=fence.session_id,
             )
+
+    # -- ownership: takeover and parking ---------------------------------------
+
+    async def take_over(
+        self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
+    ) -> TakeOver:
+        """Move a session from a dead instance to `successor` with epoch + 1.
+
+        A compare-and-swap of the fence and the owner record: the first caller
+        wins; the others get ABORTED/FENCED. A replay by the winner (same
+        successor run) returns the same result. The ownership index moves in
+        the same txn. A parked session stays parked when nothing arrived since
+        it parked (no bell rang); then the successor need not load it.
+        """
+        sid = ids.validate_session_id(expected.session_id)
+        ids.validate_id(expected_instance_id, "expected_instance_id")
+        ids.validate_deployment_id(successor.deployment_id)
+        ids.validate_id(successor.owner_run_id, "owner_run_id")
+        ids.validate_id(successor.instance_id, "instance_id")
+        k = self._keys
+        expected_fence = fence_value(expected.epoch, expected.owner_run_id)
+        epoch = expected.epoch + 1
+        new_fence = fence_value(epoch, successor.owner_run_id)
+        result = s.Fence(session_id=sid, owner_run_id=successor.owner_run_id, epoch=epoch)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            read = await self._store.txn(
+                [],
+                [
+                    op_get(k.fence(sid)),
+                    op_get(k.owner(sid)),
+                    op_get(k.inbox_head(sid)),
+                    op_get(k.closed(sid)),
+                    op_get(k.bell(expected_instance_id, sid)),
+                    op_get(k.instance(successor.deployment_id, expected_instance_id)),
+                ],
+                [],
+            )
+            fence_now, owner_raw, head_raw, closed, bell, live = (
+                single_value(r) for r in read.responses
+            )
+            if fence_now is None or owner_raw is None or head_raw is None:
+                raise NotFound(Reason.SESSION_NOT_FOUND, f"session {sid} not found")
+            record = OwnerRecord.decode(owner_raw)
+            if fence_now == new_fence:  # a replay of our own takeover
+                self._learn(sid, head_raw, owner_raw)
+                return TakeOver(result, record.parked, int(head_raw))
+            if fence_now != expected_fence or record.instance_id != expected_instance_id:
+                raise Aborted(
+                    Reason.FENCED,
+                    f"session {sid} is no longer owned by run {expected.owner_run_id} "
+                    f"on instance {expected_instance_id}",
+                    session_id=sid,
+                )
+            if record.deployment_id != successor.deployment_id:
+                raise FailedPrecondition(
+                    Reason.WRONG_DEPLOYMENT,
+                    f"session {sid} runs deployment {record.deployment_id}, "
+                    f"not {successor.deployment_id}",
+                )
+            old_index = k.owned(record.deployment_id, expected_instance_id, sid)
+            if closed is not None:
+                # Finalized: nothing to run. Drop its index entry, fenced.
+                await self._store.txn(
+                    [cmp_value(k.fence(sid), expected_fence)], [op_delete(old_index)], []
+                )
+                raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+            if live is not None and expected_instance_id != successor.instance_id:
+                raise FailedPrecondition(
+                    Reason.INSTANCE_LIVE,
+                    f"instance {expected_instance_id} still holds its lease",
+                    instance_id=expected_instance_id,
+                )
+            parked = record.parked and bell is None
+            new_record = _owner_record(successor, epoch, parked)
+            new_raw = new_record.encode()
+            success = [
+                op_put(k.fence(sid), new_fence),
+                op_put(k.owner(sid), new_raw),
+                op_put(k.owned(successor.deployment_id, successor.instance_id, sid), new_fence),
+            ]
+            if expected_instance_id != successor.instance_id:
+                success.append(op_delete(old_index))
+            if bell is not None:
+                success.append(op_delete(k.bell(expected_instance_id, sid)))
+            response = await self._store.txn(
+                [
+                    cmp_value(k.fence(sid), expected_fence),
+                    cmp_value(k.owner(sid), owner_raw),
+                    cmp_value(k.inbox_head(sid), head_raw),
+                ],
+                success,
+                [],
+            )
+            if response.succeeded:
+                self._remember(sid, _SessionState(int(head_raw), new_raw, new_record))
+                return TakeOver(result, parked, int(head_raw))
+            # Something moved (an arrival, a park) between the read and the txn: again.
+        raise Unavailable(Reason.CONFLICT, "takeover kept racing concurrent changes; retry")
+
+    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int) -> int:
+        """Park (only when every inbox entry is consumed) or unpark a session.
+
+        One txn comparing the fence, the owner record and, when parking, that
+        the inbox head equals `inbox_next_seq`. Unparking deletes the bell.
+        Returns the inbox head. Repeating a request that took effect succeeds.
+        """
+        sid = ids.validate_session_id(fence.session_id)
+        k = self._keys
+        expected = fence_value(fence.epoch, fence.owner_run_id)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            state = await self._state(sid)
+            if state.owner.fence != expected or state.owner.parked == parked:
+                # Our cache may be stale: verify against etcd before refusing or
+                # answering "already done".
+                state = await self._refresh(sid)
+                self._check_fence(fence, state.owner.fence)
+                if state.owner.parked == parked:
+                    return state.head
+            record = state.owner
+            new_record = OwnerRecord(
+                owner_run_id=record.owner_run_id,
+                deployment_id=record.deployment_id,
+                instance_id=record.instance_id,
+                epoch=record.epoch,
+                parked=parked,
+            )
+            new_raw = new_record.encode()
+            compare = [cmp_value(k.fence(sid), expected), cmp_value(k.owner(sid), state.owner_raw)]
+            success = [op_put(k.owner(sid), new_raw)]
+            if parked:
+                compare.append(cmp_value(k.inbox_head(sid), str(inbox_next_seq).encode()))
+            else:
+                success.append(op_delete(k.bell(record.instance_id, sid)))
+            success.append(op_get(k.inbox_head(sid)))
+            failure = [op_get(k.fence(sid)), op_get(k.owner(sid)), op_get(k.inbox_head(sid))]
+            response = await self._store.txn(compare, success, failure)
+            if response.succeeded:
+                head_raw = single_value(response.responses[-1])
+                head = int(head_raw or b"0")
+                self._remember(sid, _SessionState(head, new_raw, new_record))
+                return head
+            used_raw = state.owner_raw
+            fence_now, owner_raw, head_raw = (single_value(r) for r in response.responses)
+            self._check_fence(fence, fence_now)
+            state = self._learn(sid, head_raw, owner_raw)
+            if parked and state.owner_raw == used_raw and state.head != inbox_next_seq:
+                raise Aborted(
+                    Reason.INBOX_NOT_DRAINED,
+                    f"session {sid} has inbox entries up to {state.head}; "
+                    f"consumed up to {inbox_next_seq}",
+                    session_id=sid,
+                    inbox_head=str(state.head),
+                )
+            # The owner record changed under our cache: again with the fresh one.
+        raise Unavailable(Reason.CONFLICT, "park kept racing concurrent changes; retry")
+
+    async def _refresh(self, session_id: str) -> _SessionState:
+        self._sessions.pop(session_id, None)
+        return await self._state(session_id)
+
+    async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
+        """The sessions an instance owns (its ownership index), with their
+        current owner records (read in chunks, one read txn each)."""
+        ids.validate_deployment_id(deployment_id)
+        ids.validate_id(instance_id, "instance_id")
+        k = self._keys
+        prefix = k.owned_prefix(deployment_id, instance_id)
+        response = await self._store.txn([], [op_get(prefix, prefix_end(prefix))], [])
+        entries = [
+            (kv.key[len(prefix) :].decode(), kv.value)
+            for kv in response.responses[0].response_range.kvs
+        ]
+        owned: list[OwnedSession] = []
+        for start in range(0, len(entries), _LIST_CHUNK):
+            chunk = entries[start : start + _LIST_CHUNK]
+            read = await self._store.txn([], [op_get(k.owner(sid)) for sid, _ in chunk], [])
+            for (sid, indexed), got in zip(chunk, read.responses, strict=True):
+                raw = single_value(got)
+                if raw is None:
+                    continue
+                record = OwnerRecord.decode(raw)
+                if record.fence != indexed or record.instance_id != instance_id:
+                    continue  # moved on since the listing
+                epoch, run = parse_fence(indexed)
+                owned.append(
+                    OwnedSession(
+                        fence=s.Fence(session_id=sid, owner_run_id=run, epoch=epoch),
+                        owner=record,
+                    )
+                )
+        return owned
 
     # -- token resolution ----------------------------------------------------
 
@@ -279,6 +509,8 @@ class HookRegistry:
             )
         raw = await self._token_value(token)
         if raw is None:
+            if namespace == ids.INBOX_NAMESPACE:
+                raise NotFound(Reason.SESSION_NOT_FOUND, f"session {token[8:]} not found")
             raise NotFound(Reason.TOKEN_NOT_FOUND, f"no session holds token {token!r}", token=token)
         record = TokenRecord.decode(raw)
         check_tenant(namespace, record, channel, token)
@@ -334,28 +566,46 @@ class HookRegistry:
             if not queue.pending and self._queues.get(session_id) is queue:
                 del self._queues[session_id]
 
-    async def _head(self, session_id: str) -> int:
-        head = self._heads.get(session_id)
-        if head is not None:
-            return head
-        response = await self._store.txn([], [op_get(self._keys.inbox_head(session_id))], [])
-        value = single_value(response.responses[0])
-        if value is None:
-            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
-        return int(value)
+    async def _state(self, session_id: str) -> _SessionState:
+        """The cached head and owner record; read both in one go when unknown."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            self._sessions.move_to_end(session_id)
+            return state
+        k = self._keys
+        response = await self._store.txn(
+            [], [op_get(k.inbox_head(session_id)), op_get(k.owner(session_id))], []
+        )
+        return self._learn(
+            session_id, single_value(response.responses[0]), single_value(response.responses[1])
+        )
 
-    def _remember_head(self, session_id: str, head: int) -> None:
-        self._heads[session_id] = head
-        self._heads.move_to_end(session_id)
-        if len(self._heads) > _HEAD_CACHE_SIZE:
-            self._heads.popitem(last=False)
+    def _learn(self, session_id: str, head: bytes | None, owner: bytes | None) -> _SessionState:
+        """Cache what a read (or a failure branch) returned."""
+        if head is None or owner is None:
+            self._sessions.pop(session_id, None)
+            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
+        state = self._sessions.get(session_id)
+        if state is None or state.owner_raw != owner:
+            state = _SessionState(int(head), owner, OwnerRecord.decode(owner))
+        else:
+            state.head = int(head)
+        return self._remember(session_id, state)
+
+    def _remember(self, session_id: str, state: _SessionState) -> _SessionState:
+        self._sessions[session_id] = state
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > _SESSION_CACHE_SIZE:
+            self._sessions.popitem(last=False)
+        return state
 
     async def _commit_batch(self, session_id: str, batch: list[_Append]) -> None:
         k = self._keys
         for _ in range(MAX_APPEND_ATTEMPTS):
             if not batch:
                 return
-            head = await self._head(session_id)
+            state = await self._state(session_id)
+            head = state.head
             # A delivery id repeated inside the batch is appended once.
             first_by_delivery: dict[str, _Append] = {}
             appended: list[_Append] = []
@@ -375,6 +625,7 @@ class HookRegistry:
             compare = [
                 cmp_value(k.inbox_head(session_id), str(head).encode()),
                 cmp_absent(k.closed(session_id)),
+                cmp_value(k.owner(session_id), state.owner_raw),
             ]
             compare += [cmp_value(k.token(t), v) for t, v in tokens.items()]
             compare += [cmp_absent(k.delivery(session_id, d)) for d in delivery_ids]
@@ -390,7 +641,9 @@ class HookRegistry:
                     success.append(op_put(k.delivery(session_id, delivery_id), str(seq).encode()))
             new_head = head + len(appended)
             success.append(op_put(k.inbox_head(session_id), str(new_head).encode()))
-            success.append(op_get(k.owner(session_id)))
+            if state.owner.parked:
+                bell = k.bell(state.owner.instance_id, session_id)
+                success.append(op_put(bell, str(new_head).encode()))
             failure = [
                 op_get(k.inbox_head(session_id)),
                 op_get(k.closed(session_id)),
@@ -400,32 +653,35 @@ class HookRegistry:
             failure += [op_get(k.delivery(session_id, d)) for d in delivery_ids]
             response = await self._store.txn(compare, success, failure)
             if response.succeeded:
-                self._remember_head(session_id, new_head)
-                run = _owner_run_of(single_value(response.responses[-1]))
+                state.head = new_head
+                run = state.owner.owner_run_id
                 for item in appended:
-                    _settle(item, s.Receipt(session_id=session_id, owner_run_id=run, seq=seqs[id(item)]))
+                    _settle(
+                        item, s.Receipt(session_id=session_id, owner_run_id=run, seq=seqs[id(item)])
+                    )
                 for item, first in followers:
                     _settle(
                         item,
                         s.Receipt(
-                            session_id=session_id, owner_run_id=run, seq=seqs[id(first)], duplicate=True
+                            session_id=session_id,
+                            owner_run_id=run,
+                            seq=seqs[id(first)],
+                            duplicate=True,
                         ),
                     )
                 return
             # Failure branch: learn why from the same round trip, then retry the rest.
             responses = list(response.responses)
-            head_value = single_value(responses[0])
-            if head_value is None:
-                raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
-            self._remember_head(session_id, int(head_value))
+            state = self._learn(session_id, single_value(responses[0]), single_value(responses[2]))
             if single_value(responses[1]) is not None:
                 raise FailedPrecondition(
                     Reason.SESSION_FINALIZED, f"session {session_id} is finalized"
                 )
-            run = _owner_run_of(single_value(responses[2]))
+            run = state.owner.owner_run_id
             token_values = responses[3 : 3 + len(tokens)]
             moved = {
-                t for (t, v), got in zip(tokens.items(), token_values, strict=True)
+                t
+                for (t, v), got in zip(tokens.items(), token_values, strict=True)
                 if single_value(got) != v
             }
             delivered: dict[str, int] = {}
@@ -470,7 +726,9 @@ class HookRegistry:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
+    async def stream_inbox(
+        self, fence: s.Fence, from_seq: int
+    ) -> AsyncIterator[list[s.InboxEntry]]:
         """The inbox from `from_seq`, then live, until the fence moves."""
         k = self._keys
         sid = fence.session_id
@@ -485,7 +743,9 @@ class HookRegistry:
         )
         self._check_fence(fence, single_value(response.responses[0]))
         next_seq = from_seq
-        initial = [s.InboxEntry.FromString(kv.value) for kv in response.responses[1].response_range.kvs]
+        initial = [
+            s.InboxEntry.FromString(kv.value) for kv in response.responses[1].response_range.kvs
+        ]
         if initial:
             next_seq = initial[-1].seq + 1
             yield initial

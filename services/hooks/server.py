@@ -7,6 +7,7 @@ from services.common.etcd import Store, make_client
 from services.common.keys import Keys
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.hooks.config import HooksConfig
+from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.servicer import HookRegistryServicer
 
@@ -16,8 +17,9 @@ SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full
 async def create_server(config: HooksConfig) -> GrpcServer:
     store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
     await store.connect()
-    registry = HookRegistry(store, Keys(config.etcd.prefix))
-    servicer = HookRegistryServicer(registry)
+    keys = Keys(config.etcd.prefix)
+    registry = HookRegistry(store, keys)
+    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys))
     server = build_server(
         config.listen,
         [

@@ -9,8 +9,11 @@ import structlog
 
 from baton.hooks.v1 import hooks_pb2 as pb
 from baton.hooks.v1 import hooks_pb2_grpc
+from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import InvalidArgument, Reason
+from services.common.keys import InstanceRecord
+from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 
 
@@ -20,8 +23,9 @@ def _require_fence(fence: object, present: bool) -> None:
 
 
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
-    def __init__(self, registry: HookRegistry) -> None:
+    def __init__(self, registry: HookRegistry, instances: InstanceRegistry) -> None:
         self._registry = registry
+        self._instances = instances
 
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
@@ -80,3 +84,105 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
         async for entries in self._registry.stream_inbox(request.fence, request.from_seq):
             yield pb.StreamInboxResponse(entries=entries)
+
+    # -- owner instances, takeover, parking --------------------------------------
+
+    async def RegisterInstance(
+        self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterInstanceResponse:
+        structlog.contextvars.bind_contextvars(
+            deployment_id=request.deployment_id, instance_id=request.instance_id
+        )
+        lease_id, ttl = await self._instances.register(
+            request.deployment_id, request.instance_id, request.ttl_seconds, request.address
+        )
+        return pb.RegisterInstanceResponse(lease_id=lease_id, ttl_seconds=ttl)
+
+    async def KeepAliveInstance(
+        self, request: pb.KeepAliveInstanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KeepAliveInstanceResponse:
+        ttl = await self._instances.keep_alive(request.lease_id)
+        return pb.KeepAliveInstanceResponse(ttl_seconds=ttl)
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListInstancesResponse:
+        records = await self._instances.live(request.deployment_id)
+        return pb.ListInstancesResponse(instances=[_instance_info(r) for r in records])
+
+    async def WatchInstances(
+        self, request: pb.WatchInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchInstancesResponse]:
+        structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
+        async for change in self._instances.watch(request.deployment_id):
+            yield pb.WatchInstancesResponse(
+                instances=[_instance_info(r) for r in change.live],
+                dead_instance_ids=change.dead,
+            )
+
+    async def ListInstanceSessions(
+        self, request: pb.ListInstanceSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListInstanceSessionsResponse:
+        structlog.contextvars.bind_contextvars(
+            deployment_id=request.deployment_id, instance_id=request.instance_id
+        )
+        owned = await self._registry.list_owned(request.deployment_id, request.instance_id)
+        return pb.ListInstanceSessionsResponse(
+            sessions=[
+                pb.OwnedSession(
+                    fence=o.fence,
+                    owner=s.OwnerIdentity(
+                        owner_run_id=o.owner.owner_run_id,
+                        deployment_id=o.owner.deployment_id,
+                        instance_id=o.owner.instance_id,
+                    ),
+                    parked=o.owner.parked,
+                )
+                for o in owned
+            ]
+        )
+
+    async def TakeOverSession(
+        self, request: pb.TakeOverSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TakeOverSessionResponse:
+        _require_fence(request.expected, request.HasField("expected"))
+        if not request.HasField("successor"):
+            raise InvalidArgument(Reason.MISSING_FIELD, "successor is required")
+        structlog.contextvars.bind_contextvars(
+            session_id=request.expected.session_id, run_id=request.successor.owner_run_id
+        )
+        taken = await self._registry.take_over(
+            request.expected, request.expected_instance_id, request.successor
+        )
+        return pb.TakeOverSessionResponse(
+            fence=taken.fence, parked=taken.parked, inbox_head=taken.inbox_head
+        )
+
+    async def SetParked(
+        self, request: pb.SetParkedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetParkedResponse:
+        _require_fence(request.fence, request.HasField("fence"))
+        structlog.contextvars.bind_contextvars(
+            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
+        )
+        head = await self._registry.set_parked(
+            request.fence, request.parked, request.inbox_next_seq
+        )
+        return pb.SetParkedResponse(inbox_head=head)
+
+    async def WatchBells(
+        self, request: pb.WatchBellsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchBellsResponse]:
+        structlog.contextvars.bind_contextvars(instance_id=request.instance_id)
+        async for bells in self._instances.watch_bells(request.instance_id):
+            yield pb.WatchBellsResponse(
+                bells=[pb.Bell(session_id=b.session_id, inbox_head=b.inbox_head) for b in bells]
+            )
+
+
+def _instance_info(record: InstanceRecord) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        deployment_id=record.deployment_id,
+        instance_id=record.instance_id,
+        address=record.address,
+    )

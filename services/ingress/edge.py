@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
@@ -211,6 +211,8 @@ class Edge:
             raise PermissionDenied(Reason.CROSS_TENANT, "the session belongs to another channel")
         return session_id
 
-    async def stream(self, session_id: str, start_seq: int, follow: bool) -> AsyncIterator[s.Event]:
+    async def stream(
+        self, session_id: str, start_seq: int, follow: bool
+    ) -> AsyncIterator[Sequence[s.Event]]:
         async for response in self._anchor.read_events(session_id, start_seq, follow):
-            yield response.event
+            yield response.events

@@ -8,11 +8,20 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import COMMON_SETTINGS, ConfigError, Setting, as_float, read_settings
+from services.common.config import (
+    COMMON_SETTINGS,
+    ConfigError,
+    Setting,
+    as_float,
+    as_int,
+    read_settings,
+)
 from services.common.errors import BatonError
 from services.common.ids import validate_deployment_id
 
 DEFAULT_AGENT = "services.owner.fixture:build_agent"
+DEFAULT_LEASE_TTL = 5
+DEFAULT_PARK_AFTER = 10.0
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,24 @@ class OwnerConfig:
     agent: str = DEFAULT_AGENT
     log_level: str = "info"
     grace: float = 5.0
+    # The instance's etcd lease (whole seconds); sessions of an instance that
+    # misses it are taken over by the other instances of the deployment.
+    lease_ttl: int = DEFAULT_LEASE_TTL
+    # Seconds between lease keep-alives; 0 means lease_ttl / 3.
+    keepalive_interval: float = 0.0
+    # Park a session idle this many seconds (drop it from memory until its
+    # inbox receives a command); None never parks.
+    park_after: float | None = DEFAULT_PARK_AFTER
+    # The address other services reach this instance at; "" = the listen
+    # host with the bound port.
+    advertise: str = ""
+    # Exit the process (non-zero) when the lease is lost, so a supervisor
+    # restarts it; in-process (tests) the host only stops its runs.
+    exit_on_lease_loss: bool = False
+
+    @property
+    def keepalive_every(self) -> float:
+        return self.keepalive_interval or self.lease_ttl / 3
 
     @classmethod
     def load(
@@ -43,6 +70,30 @@ class OwnerConfig:
                 Setting("--hooks", "BATON_HOOKS_ADDR", "hooks host:port", "127.0.0.1:50052"),
                 Setting("--anchor", "BATON_ANCHOR_ADDR", "anchor host:port", "127.0.0.1:50053"),
                 Setting("--agent", "BATON_AGENT", "agent factory module:function", DEFAULT_AGENT),
+                Setting(
+                    "--lease-ttl",
+                    "BATON_OWNER_LEASE_TTL",
+                    "instance lease TTL, whole seconds",
+                    str(DEFAULT_LEASE_TTL),
+                ),
+                Setting(
+                    "--keepalive-interval",
+                    "BATON_OWNER_KEEPALIVE_INTERVAL",
+                    "seconds between lease keep-alives (0 = TTL/3)",
+                    "0",
+                ),
+                Setting(
+                    "--park-after",
+                    "BATON_OWNER_PARK_AFTER",
+                    "park a session idle this many seconds (0 = never park)",
+                    str(DEFAULT_PARK_AFTER),
+                ),
+                Setting(
+                    "--advertise",
+                    "BATON_OWNER_ADVERTISE",
+                    "address others reach this instance at (default: listen host + port)",
+                    "",
+                ),
                 *COMMON_SETTINGS,
             ),
             argv,
@@ -61,4 +112,9 @@ class OwnerConfig:
             agent=values["agent"],
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
+            lease_ttl=as_int(values, "lease_ttl", minimum=1),
+            keepalive_interval=as_float(values, "keepalive_interval"),
+            park_after=as_float(values, "park_after") or None,
+            advertise=values["advertise"],
+            exit_on_lease_loss=True,
         )

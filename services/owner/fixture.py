@@ -5,6 +5,8 @@ Scripted behaviour of its model, by the last message it sees:
 - "calc <expr>" / "what is <expr>" -> a `calculator` tool call;
 - "whoami"                  -> a `deployment` tool call (reports the running deployment);
 - "steps <n>"               -> n-1 `echo` tool calls, one per step, then an answer;
+- "sleep <n> <ms>"          -> n-1 `sleep` tool calls, one per step, each sleeping <ms>
+                               milliseconds (a step long enough to crash in), then an answer;
 - "fail model"              -> the model raises (a failed turn);
 - "wait <ms>"               -> the model call takes <ms> milliseconds, then echoes;
 - "transfer <amount>"       -> a `transfer` tool call that needs the user's approval;
@@ -30,6 +32,7 @@ from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolCon
 
 _CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
 _STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)
+_SLEEP = re.compile(r"^\s*sleep\s+(\d+)\s+(\d+)\s*$", re.IGNORECASE)
 _WAIT = re.compile(r"^\s*wait\s+(\d+)\s*$", re.IGNORECASE)
 _TRANSFER = re.compile(r"^\s*transfer\s+(\S+)\s*$", re.IGNORECASE)
 _ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
@@ -99,6 +102,11 @@ async def _add_alias(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return f"alias {token} added"
 
 
+async def _sleep(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    await asyncio.sleep(int(arguments.get("ms", 0)) / 1000)
+    return f"slept {arguments.get('step', '')}"
+
+
 async def _echo(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return str(arguments.get("text", ""))
 
@@ -120,6 +128,12 @@ class FixtureModel:
             return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
         last = history[-1]
         if last.role == s.ROLE_TOOL:
+            step, ms = _next_sleep_step(history)
+            if step:
+                return ModelReply(
+                    tool_calls=[RequestedCall("sleep", {"ms": ms, "step": step})],
+                    input_tokens=prompt_tokens,
+                )
             pending = _pending_echo_steps(history)
             if pending > 0:
                 return ModelReply(
@@ -158,6 +172,9 @@ class FixtureModel:
         if user.strip().lower() == "whoami":
             call = RequestedCall("deployment", {})
             return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if (match := _SLEEP.match(user)) and int(match.group(1)) > 1:
+            call = RequestedCall("sleep", {"ms": int(match.group(2)), "step": 1})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
         if (match := _STEPS.match(user)) and int(match.group(1)) > 1:
             call = RequestedCall("echo", {"text": "step 1"})
             return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
@@ -175,6 +192,20 @@ def _pending_echo_steps(history: Sequence[s.ChatMessage]) -> int:
         if message.role == s.ROLE_TOOL:
             done += 1
     return 0
+
+
+def _next_sleep_step(history: Sequence[s.ChatMessage]) -> tuple[int, int]:
+    """For `sleep N MS`: the next sleep step (1-based; 0 when done) and MS."""
+    done = 0
+    for message in reversed(history):
+        if message.role == s.ROLE_USER:
+            match = _SLEEP.match(message.content)
+            if not match or done + 1 >= int(match.group(1)):
+                return 0, 0
+            return done + 1, int(match.group(2))
+        if message.role == s.ROLE_TOOL:
+            done += 1
+    return 0, 0
 
 
 TOOLS = (
@@ -206,6 +237,12 @@ TOOLS = (
     ),
     Tool(
         "deployment", "Report the deployment running this agent.", {"type": "object"}, _deployment
+    ),
+    Tool(
+        "sleep",
+        "Sleep some milliseconds.",
+        {"type": "object", "properties": {"ms": {"type": "integer"}, "step": {"type": "integer"}}},
+        _sleep,
     ),
     Tool(
         "echo",

@@ -1,15 +1,47 @@
-"""The owner host: the session runs of one owner instance."""
+"""The owner host: the sessions one owner instance holds.
+
+A session held here is in one of three states:
+- running: a `SessionRun` in `runs` (snapshot in memory, inbox stream open);
+- parked: a `ParkedSession` in `parked` (fence and consumed inbox position,
+  no snapshot, no stream) after its run parked it, or after a takeover of a
+  session that was parked and received nothing since. A bell (one WatchBells
+  stream per instance, see `services.owner.fleet`) whose inbox head is beyond
+  the consumed position wakes it: unpark, load the snapshot, run again with
+  the same fence;
+- activating: in `_activating` while the snapshot is loaded (wake, takeover,
+  retry after a failed run).
+
+Sessions arrive through StartSession (created here) and through takeovers of
+the sessions of dead instances of this deployment (`adopt`, driven by the
+fleet). A successor continues from the last committed snapshot and its inbox
+position: committed steps are never executed again; the one step in flight
+when the previous owner died (its model and tool calls were never committed)
+is executed again — at-least-once for that step only (DESIGN.md §4).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
-from services.common.errors import AlreadyExists, FailedPrecondition, Reason
+from services.common.errors import (
+    AlreadyExists,
+    BatonError,
+    FailedPrecondition,
+    Fenced,
+    NotFound,
+    Reason,
+    Unavailable,
+)
 from services.owner.agent import Agent
 from services.owner.session import (
     RunExit,
@@ -22,9 +54,24 @@ from services.owner.session import (
 
 log = structlog.get_logger("baton.owner")
 
+READY_WAIT_SECONDS = 10.0
+RETRY_FIRST_SECONDS = 0.2
+RETRY_MAX_SECONDS = 5.0
+FAILED_RUN_MAX_DELAY_SECONDS = 60.0
+
+
+@dataclass(slots=True)
+class ParkedSession:
+    """All a parked session costs: its fence and consumed inbox position."""
+
+    run_id: str
+    epoch: int
+    inbox_next_seq: int
+    deadline: float = 0.0  # the session-lifetime deadline (unix seconds); 0 = none
+
 
 class OwnerHost:
-    """Starts sessions on this deployment and keeps their runs."""
+    """Starts, runs, parks, wakes and adopts the sessions of one instance."""
 
     def __init__(
         self,
@@ -33,14 +80,67 @@ class OwnerHost:
         agent: Agent,
         hooks: HooksClient,
         anchor: AnchorClient,
+        *,
+        park_after: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
-        self.instance_id = instance_id
+        self.instance_id = ids.validate_id(instance_id, "instance_id")
         self.agent = agent
         self.hooks = hooks
         self.anchor = anchor
+        self.park_after = park_after
+        self._clock = clock
         self.runs: dict[str, SessionRun] = {}
+        self.parked: dict[str, ParkedSession] = {}
+        self._activating: set[str] = set()
+        self._adopting: set[str] = set()
+        self._bells: dict[str, int] = {}
+        self._failures: dict[str, int] = {}  # consecutive failed runs per session
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ready = asyncio.Event()
+        self._stopped = False
+        self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def set_ready(self) -> None:
+        """The instance holds its lease: sessions may be created here."""
+        self._ready.set()
+
+    async def _wait_ready(self) -> None:
+        if self._stopped:
+            raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "this owner instance lost its lease")
+        if self._ready.is_set():
+            return
+        try:
+            async with asyncio.timeout(READY_WAIT_SECONDS):
+                await self._ready.wait()
+        except TimeoutError as exc:
+            raise Unavailable(
+                Reason.UPSTREAM_UNAVAILABLE, "this owner instance is not registered yet"
+            ) from exc
+
+    async def stop(self) -> None:
+        """Stop every run and forget every session (the lease is lost: other
+        instances take them over). Later StartSession calls are refused."""
+        self._stopped = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        self.parked.clear()
+        self._bells.clear()
+        self._failures.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.stop()
+
+    # -- sessions created here -----------------------------------------------
 
     async def start_session(
         self,
@@ -64,9 +164,13 @@ class OwnerHost:
                 f"this owner runs deployment {self.deployment_id}, not {deployment_id}",
             )
         inbox = ids.inbox_token(session_id)
+        await self._wait_ready()
         running = self.runs.get(session_id)
         if running is not None:
-            return running.identity.fence.owner_run_id, False, inbox
+            return running.run_id, False, inbox
+        parked = self.parked.get(session_id)
+        if parked is not None:
+            return parked.run_id, False, inbox
         run_id = ids.new_run_id()
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
@@ -86,26 +190,229 @@ class OwnerHost:
             timeout_seconds=timeout_seconds,
             token_budget=token_budget,
         )
-        await commit_step(
-            self.anchor, identity, snapshot, [make_event(identity, s.EVENT_KIND_SESSION_STARTED)]
-        )
-        run = SessionRun(identity, snapshot, self.agent, self.hooks, self.anchor, self._forget)
-        self._launch(run)
-        log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
+        revision = await self._commit_started(identity, snapshot)
+        self._launch(identity, snapshot, revision)
+        self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return run_id, True, inbox
 
-    def _launch(self, run: SessionRun) -> None:
-        self.runs[run.session_id] = run
-        task = asyncio.get_running_loop().create_task(run.run())
+    # -- runs ------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _forget(self, run: SessionRun, exit: RunExit) -> None:
-        if self.runs.get(run.session_id) is run:
-            del self.runs[run.session_id]
+    async def _commit_started(self, identity: RunIdentity, snapshot: s.SessionSnapshot) -> int:
+        """Commit session.started with the first snapshot (which must not
+        exist yet); returns the snapshot's revision."""
+        event = make_event(identity, s.EVENT_KIND_SESSION_STARTED)
+        revision = await commit_step(self.anchor, identity, snapshot, [event], False, 0)
+        assert revision is not None
+        return revision
 
-    async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _launch(
+        self, identity: RunIdentity, snapshot: s.SessionSnapshot, revision: int | None
+    ) -> None:
+        run = SessionRun(
+            identity,
+            snapshot,
+            self.agent,
+            self.hooks,
+            self.anchor,
+            park_after=self.park_after,
+            snapshot_revision=revision,
+        )
+        self.runs[run.session_id] = run
+        self._spawn(self._drive(run))
+
+    async def _drive(self, run: SessionRun) -> None:
+        sid = run.session_id
+        try:
+            exit = await run.run()
+        except Exception:  # noqa: BLE001 - a broken run must not take the host down
+            self._log.exception("run crashed", session_id=sid, run_id=run.run_id)
+            exit = RunExit.FAILED
+        if self.runs.get(sid) is run:
+            del self.runs[sid]
+        if self._stopped:
+            return
+        if exit is RunExit.FAILED:
+            # Everything durable is in etcd: run again from the last snapshot,
+            # backing off while runs of this session keep failing. Unpark too:
+            # a park may have taken effect though its answer was lost.
+            failures = self._failures[sid] = self._failures.get(sid, 0) + 1
+            delay = min(RETRY_FIRST_SECONDS * 2 ** (failures - 1), FAILED_RUN_MAX_DELAY_SECONDS)
+            self._log.warning("run failed; restarting it", session_id=sid, delay_s=delay)
+            self._start_activation(run.identity.fence, unpark=True, delay=delay)
+            return
+        self._failures.pop(sid, None)
+        if exit is RunExit.PARKED:
+            timeout = run.snapshot.timeout
+            deadline = timeout.deadline.ToSeconds() if timeout.duration_seconds else 0
+            fence = run.identity.fence
+            self._hold(
+                sid, ParkedSession(run.run_id, fence.epoch, run.snapshot.inbox_next_seq, deadline)
+            )
+        else:
+            self._bells.pop(sid, None)
+
+    # -- parking and bells -------------------------------------------------------
+
+    def _hold(self, session_id: str, parked: ParkedSession) -> None:
+        """Keep a session parked; wake it at once if a bell already rang, and
+        at its lifetime deadline (so the timeout fires while parked)."""
+        self.parked[session_id] = parked
+        if parked.deadline:
+            delay = max(0.0, parked.deadline - self._clock())
+            self._timers[session_id] = asyncio.get_running_loop().call_later(
+                delay, self._wake, session_id
+            )
+        if self._bells.pop(session_id, -1) > parked.inbox_next_seq:
+            self._wake(session_id)
+
+    def ring(self, session_id: str, inbox_head: int) -> None:
+        """A bell: the session's inbox reached `inbox_head`. Duplicate and
+        stale bells (at or below the consumed position) are ignored."""
+        parked = self.parked.get(session_id)
+        if parked is not None:
+            if inbox_head > parked.inbox_next_seq:
+                self._wake(session_id)
+            return
+        if (
+            session_id in self.runs
+            or session_id in self._activating
+            or (session_id in self._adopting)
+        ):
+            # Rung while the run parks (or the session is being loaded):
+            # re-checked when it lands in `parked`.
+            if inbox_head > self._bells.get(session_id, -1):
+                self._bells[session_id] = inbox_head
+
+    def _wake(self, session_id: str) -> None:
+        parked = self.parked.pop(session_id, None)
+        if parked is None or self._stopped:
+            return
+        timer = self._timers.pop(session_id, None)
+        if timer is not None:
+            timer.cancel()
+        fence = s.Fence(session_id=session_id, owner_run_id=parked.run_id, epoch=parked.epoch)
+        self._start_activation(fence, unpark=True)
+
+    def _start_activation(
+        self, fence: s.Fence, *, unpark: bool = False, delay: float = 0.0
+    ) -> None:
+        self._activating.add(fence.session_id)
+        self._spawn(self._activate(fence, unpark=unpark, delay=delay))
+
+    async def _activate(self, fence: s.Fence, *, unpark: bool, delay: float) -> None:
+        """Unpark (when asked), load the last snapshot and run the session;
+        retry transient failures until it runs or is lost."""
+        sid = fence.session_id
+        bound = self._log.bind(session_id=sid, run_id=fence.owner_run_id)
+        backoff = max(delay, RETRY_FIRST_SECONDS)
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            while not self._stopped:
+                try:
+                    if unpark:
+                        await self.hooks.set_parked(fence, False)
+                        unpark = False
+                    await self._run_from_snapshot(fence)
+                    return
+                except (Fenced, NotFound) as exc:
+                    bound.info("session no longer ours", reason=exc.reason)
+                    self._bells.pop(sid, None)
+                    self._failures.pop(sid, None)
+                    return
+                except BatonError as exc:
+                    if not exc.retryable:
+                        bound.error("cannot run session", reason=exc.reason, error=exc.message)
+                        return
+                    bound.warning("activation retry", reason=exc.reason, backoff_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+        finally:
+            self._activating.discard(sid)
+
+    async def _run_from_snapshot(self, fence: s.Fence) -> None:
+        identity = RunIdentity(fence, self.deployment_id, self.instance_id)
+        revision: int | None
+        try:
+            # GetSnapshot's revision is the store's at the read, not the
+            # snapshot key's own: commits of this run skip that compare.
+            snapshot, revision = await self.anchor.snapshot(fence.session_id), None
+        except NotFound:
+            snapshot, revision = await self._first_snapshot(identity)
+        if snapshot.status == s.SESSION_STATUS_FINALIZED:
+            self._bells.pop(fence.session_id, None)
+            return
+        self._launch(identity, snapshot, revision)
+
+    async def _first_snapshot(self, identity: RunIdentity) -> tuple[s.SessionSnapshot, int]:
+        """The creator died between CreateSession and its first commit: commit
+        session.started now, from what hooks knows (channel, claimed tokens)."""
+        sid = identity.fence.session_id
+        found = await self.hooks.lookup(ids.inbox_token(sid))
+        tokens = await self.hooks.claim(identity.fence, [])
+        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens)
+        revision = await self._commit_started(identity, snapshot)
+        self._log.info("session started by its successor", session_id=sid)
+        return snapshot, revision
+
+    # -- takeover ----------------------------------------------------------------
+
+    async def adopt(self, owned: hooks_pb.OwnedSession) -> bool:
+        """Take over a session of a dead instance of this deployment.
+
+        True when this host now holds it; False when another instance won the
+        race or the session is finalized. Raises FailedPrecondition/
+        INSTANCE_LIVE when the instance is not dead after all. Transient
+        failures are retried with the same successor run id, so a takeover
+        whose answer was lost is recognised as ours."""
+        sid = owned.fence.session_id
+        successor = s.OwnerIdentity(
+            owner_run_id=ids.new_run_id(),
+            deployment_id=self.deployment_id,
+            instance_id=self.instance_id,
+        )
+        bound = self._log.bind(session_id=sid, run_id=successor.owner_run_id)
+        self._adopting.add(sid)
+        backoff = RETRY_FIRST_SECONDS
+        try:
+            while True:
+                if self._stopped:
+                    return False
+                try:
+                    taken = await self.hooks.take_over_session(
+                        owned.fence, owned.owner.instance_id, successor
+                    )
+                    break
+                except Fenced:
+                    return False  # another instance won
+                except FailedPrecondition as exc:
+                    if exc.reason == Reason.SESSION_FINALIZED:
+                        return False
+                    raise
+                except BatonError as exc:
+                    if not exc.retryable:
+                        raise
+                    bound.warning("takeover retry", reason=exc.reason, backoff_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+            bound.info(
+                "session taken over",
+                from_instance=owned.owner.instance_id,
+                epoch=taken.fence.epoch,
+                parked=taken.parked,
+            )
+            if taken.parked:
+                parked = ParkedSession(
+                    taken.fence.owner_run_id, taken.fence.epoch, taken.inbox_head
+                )
+                self._hold(sid, parked)
+            else:
+                self._start_activation(taken.fence)
+            return True
+        finally:
+            self._adopting.discard(sid)

@@ -1,23 +1,55 @@
-"""Assembly of the owner server."""
+"""Assembly of the owner server: the host, its fleet membership, the servicer."""
 
 from __future__ import annotations
+
+import os
+import sys
+
+import structlog
 
 from baton.owner.v1 import owner_pb2, owner_pb2_grpc
 from services.common.clients import AnchorClient, HooksClient
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
+from services.owner.fleet import FleetMembership
 from services.owner.host import OwnerHost
 from services.owner.servicer import OwnerServicer
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
+EXIT_LEASE_LOST = 3
+
+log = structlog.get_logger("baton.owner")
+
+
+async def exit_process() -> None:
+    """The lease is lost and every run stopped: exit non-zero at once, for a
+    supervisor to start a fresh instance (which registers anew)."""
+    log.error("exiting: lease lost", exit_code=EXIT_LEASE_LOST)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_LEASE_LOST)
+
+
+def advertised_address(listen: str, port: int) -> str:
+    host = listen.rpartition(":")[0] or "127.0.0.1"
+    if host in ("0.0.0.0", "[::]", ""):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
 
 
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
     hooks = HooksClient(config.hooks)
     anchor = AnchorClient(config.anchor)
-    host = OwnerHost(config.deployment_id, config.instance_id, agent, hooks, anchor)
+    host = OwnerHost(
+        config.deployment_id,
+        config.instance_id,
+        agent,
+        hooks,
+        anchor,
+        park_after=config.park_after,
+    )
     servicer = OwnerServicer(host)
     server = build_server(
         config.listen,
@@ -30,7 +62,18 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         service="owner",
         deployment_id=config.deployment_id,
     )
+    fleet = FleetMembership(
+        host,
+        hooks,
+        address=config.advertise or advertised_address(config.listen, server.port),
+        lease_ttl=config.lease_ttl,
+        keepalive_every=config.keepalive_every,
+        on_lease_lost=exit_process if config.exit_on_lease_loss else None,
+    )
+    fleet.start()
+    # on_stop runs in reverse: the fleet's streams first, then the runs, then channels.
     server.on_stop.append(hooks.close)
     server.on_stop.append(anchor.close)
     server.on_stop.append(host.close)
+    server.on_stop.append(fleet.close)
     return server

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xf7\x01\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\\\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"<\n\x12ReadEventsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Event2\x99\x02\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xf7\x01\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\\\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"=\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event2\x99\x02\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,7 +43,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READEVENTSREQUEST']._serialized_start=525
   _globals['_READEVENTSREQUEST']._serialized_end=599
   _globals['_READEVENTSRESPONSE']._serialized_start=601
-  _globals['_READEVENTSRESPONSE']._serialized_end=661
-  _globals['_ANCHORSERVICE']._serialized_start=664
-  _globals['_ANCHORSERVICE']._serialized_end=945
+  _globals['_READEVENTSRESPONSE']._serialized_end=662
+  _globals['_ANCHORSERVICE']._serialized_start=665
+  _globals['_ANCHORSERVICE']._serialized_end=946
 # @@protoc_insertion_point(module_scope)

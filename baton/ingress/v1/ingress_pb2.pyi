@@ -348,23 +348,25 @@ Global___StreamEventsRequest: _TypeAlias = StreamEventsRequest  # noqa: Y015
 
 @_typing.final
 class StreamEventsResponse(_message.Message):
-    """StreamEventsResponse carries one event."""
+    """StreamEventsResponse carries consecutive events (one step's commit, or a
+    replayed range), in seq order.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def event(self) -> _session_pb2.Event:
-        """The event."""
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.Event]:
+        """The events."""
 
     def __init__(
         self,
         *,
-        event: _session_pb2.Event | None = ...,
+        events: _abc.Iterable[_session_pb2.Event] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

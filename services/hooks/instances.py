@@ -1,0 +1,151 @@
+"""Owner instances on etcd: leases, the deployment registry, bells.
+
+An owner instance registers `d/{deployment}/{instance}` under an etcd lease
+that it keeps alive through hooks; when the lease expires the key vanishes and
+the instances of the same deployment take its sessions over. The registry is
+small and global (DESIGN.md §10); bells are per instance (`bell/{instance}/`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aetcd import rpc
+from grpc.aio import AioRpcError
+
+from services.common import ids
+from services.common.errors import InvalidArgument, Reason
+from services.common.etcd import Store, follow_range, op_get, op_put, store_unavailable
+from services.common.keys import InstanceRecord, Keys, prefix_end
+
+MIN_TTL_SECONDS = 1
+MAX_TTL_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class Bell:
+    """A parked session has input up to `inbox_head`."""
+
+    session_id: str
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class InstanceSet:
+    """A deployment's live instances, and instances that died owning sessions."""
+
+    live: list[InstanceRecord]
+    dead: list[str]
+
+
+class InstanceRegistry:
+    """Domain operations on owner instances over one etcd store."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+
+    async def register(
+        self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
+    ) -> tuple[int, int]:
+        """Grant a lease and put the instance's registry key under it.
+
+        Returns (lease_id, granted ttl). Registering again (a restarted
+        process with a fixed instance id) simply replaces the key and lease."""
+        ids.validate_deployment_id(deployment_id)
+        ids.validate_id(instance_id, "instance_id")
+        if not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD,
+                f"ttl_seconds must be in [{MIN_TTL_SECONDS}, {MAX_TTL_SECONDS}]",
+            )
+        if len(address) > 256:
+            raise InvalidArgument(Reason.INVALID_FIELD, "address is longer than 256 characters")
+        try:
+            grant = await self._store.client.leasestub.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=ttl_seconds), timeout=self._store.timeout
+            )
+        except (AioRpcError, AttributeError) as exc:
+            raise store_unavailable(exc) from exc
+        record = InstanceRecord(deployment_id, instance_id, address)
+        key = self._keys.instance(deployment_id, instance_id)
+        await self._store.txn([], [op_put(key, record.encode(), lease=grant.ID)], [])
+        return grant.ID, grant.TTL
+
+    async def keep_alive(self, lease_id: int) -> int:
+        """Refresh a lease; the remaining TTL, 0 when it expired (or never was)."""
+        if lease_id <= 0:
+            raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
+        try:
+            call = self._store.client.leasestub.LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self._store.timeout
+            )
+            async for reply in call:
+                ttl: int = reply.TTL
+                return max(ttl, 0)
+        except (AioRpcError, AttributeError) as exc:
+            raise store_unavailable(exc) from exc
+        return 0
+
+    async def live(self, deployment_id: str) -> list[InstanceRecord]:
+        ids.validate_deployment_id(deployment_id)
+        prefix = self._keys.deployment_prefix(deployment_id)
+        response = await self._store.txn([], [op_get(prefix, prefix_end(prefix))], [])
+        return [InstanceRecord.decode(kv.value) for kv in response.responses[0].response_range.kvs]
+
+    async def watch(self, deployment_id: str) -> AsyncIterator[InstanceSet]:
+        """The live set now (with every indexed instance that is not live),
+        then again after each change (with the instance whose lease expired)."""
+        ids.validate_deployment_id(deployment_id)
+        k = self._keys
+        prefix = k.deployment_prefix(deployment_id)
+        owned = k.owned_prefix(deployment_id)
+        response = await self._store.txn(
+            [],
+            [
+                op_get(prefix, prefix_end(prefix)),
+                rpc.RequestOp(
+                    request_range=rpc.RangeRequest(
+                        key=owned, range_end=prefix_end(owned), keys_only=True
+                    )
+                ),
+            ],
+            [],
+        )
+        live = {
+            record.instance_id: record
+            for record in (
+                InstanceRecord.decode(kv.value) for kv in response.responses[0].response_range.kvs
+            )
+        }
+        indexed = {
+            kv.key[len(owned) :].decode().partition("/")[0]
+            for kv in response.responses[1].response_range.kvs
+        }
+        yield InstanceSet(list(live.values()), sorted(indexed - live.keys()))
+        async for event in follow_range(self._store.client, prefix, response.header.revision + 1):
+            instance_id = event.kv.key[len(prefix) :].decode()
+            if event.kv.value:
+                live[instance_id] = InstanceRecord.decode(event.kv.value)
+                yield InstanceSet(list(live.values()), [])
+            elif live.pop(instance_id, None) is not None:
+                yield InstanceSet(list(live.values()), [instance_id])
+
+    async def watch_bells(self, instance_id: str) -> AsyncIterator[list[Bell]]:
+        """Bells already rung for the instance, then each new one, live.
+
+        A bell may repeat (on reconnect) or be stale (its session already
+        woke): the owner compares heads."""
+        ids.validate_id(instance_id, "instance_id")
+        prefix = self._keys.bell_prefix(instance_id)
+        response = await self._store.txn([], [op_get(prefix, prefix_end(prefix))], [])
+        initial = [
+            Bell(kv.key[len(prefix) :].decode(), int(kv.value))
+            for kv in response.responses[0].response_range.kvs
+        ]
+        if initial:
+            yield initial
+        async for event in follow_range(self._store.client, prefix, response.header.revision + 1):
+            if event.kv.value:  # deletes (unpark, takeover) are not bells
+                yield [Bell(event.kv.key[len(prefix) :].decode(), int(event.kv.value))]

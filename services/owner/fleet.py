@@ -1,0 +1,237 @@
+"""One owner instance in its deployment's fleet (DESIGN.md §5).
+
+- Membership: registers `d/{deployment}/{instance}` under an etcd lease through
+  hooks and keeps the lease alive every TTL/3. A keep-alive answering TTL 0
+  means the lease expired (the process was paused or cut off past its TTL):
+  the other instances are taking its sessions over, so it stops every run
+  and, as a process, exits non-zero for its supervisor to restart it. Its late
+  writes are fenced out by the epoch compare in any case.
+- Takeover: one stream of the deployment's live instances. When an instance
+  disappears (or is found dead at start, owning sessions) this instance takes
+  its sessions over, racing the other survivors: the first compare-and-swap
+  wins each session, the losers move on.
+- Bells: one stream for all of this instance's parked sessions; each bell is
+  handed to the host, which wakes a parked session whose inbox moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from services.common.clients import HooksClient
+from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.owner.host import OwnerHost
+
+log = structlog.get_logger("baton.owner.fleet")
+
+ADOPT_CONCURRENCY = 32
+ADOPT_ROUNDS = 20
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 2.0
+
+
+class FleetMembership:
+    """Lease, takeover and bell streams of one owner instance."""
+
+    def __init__(
+        self,
+        host: OwnerHost,
+        hooks: HooksClient,
+        *,
+        address: str,
+        lease_ttl: int,
+        keepalive_every: float,
+        on_lease_lost: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.host = host
+        self.hooks = hooks
+        self.deployment_id = host.deployment_id
+        self.instance_id = host.instance_id
+        self.address = address
+        self.lease_ttl = lease_ttl
+        self.keepalive_every = keepalive_every
+        self.lease_id = 0
+        self.lease_lost = asyncio.Event()
+        self._on_lease_lost = on_lease_lost
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._adopting: dict[str, bool] = {}  # instance -> run another round after this one
+        self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
+
+    def start(self) -> None:
+        """Join in the background: register (retrying until hooks answers),
+        take over this instance id's leftovers, then serve."""
+        self._spawn(self._join())
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- membership ---------------------------------------------------------------
+
+    async def _join(self) -> None:
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                registered = await self.hooks.register_instance(
+                    self.deployment_id, self.instance_id, self.lease_ttl, self.address
+                )
+                break
+            except BatonError as exc:
+                if not exc.retryable:
+                    self._log.error("registration refused", reason=exc.reason, error=exc.message)
+                    raise
+                self._log.warning("registration retry", reason=exc.reason, backoff_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+        self.lease_id = registered.lease_id
+        self._log.info("registered", lease_id=self.lease_id, ttl_s=registered.ttl_seconds)
+        self._spawn(self._keep_alive())
+        self._spawn(self._watch_bells())
+        # Sessions indexed under our own id belong to an earlier process with
+        # this instance id: take them over before creating new ones.
+        await self._adopt_instance(self.instance_id)
+        self.host.set_ready()
+        self._spawn(self._watch_instances())
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_every)
+            try:
+                async with asyncio.timeout(self.keepalive_every):
+                    ttl = await self.hooks.keep_alive_instance(self.lease_id)
+            except (BatonError, TimeoutError) as exc:
+                # Hooks or etcd unreachable: keep trying. etcd extends leases
+                # when it comes back; an expired one answers TTL 0 below.
+                self._log.warning("keep-alive failed", error=repr(exc))
+                continue
+            if ttl <= 0:
+                await self._lose_lease()
+                return
+
+    async def _lose_lease(self) -> None:
+        self._log.error("lease expired: stopping every run; the sessions are taken over")
+        self.lease_lost.set()
+        await self.host.stop()
+        if self._on_lease_lost is not None:
+            await self._on_lease_lost()
+
+    # -- takeover -------------------------------------------------------------------
+
+    async def _watch_instances(self) -> None:
+        live: set[str] | None = None
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                async for change in self.hooks.watch_instances(self.deployment_id):
+                    now = {info.instance_id for info in change.instances}
+                    dead = set(change.dead_instance_ids)
+                    if live is not None:
+                        dead |= live - now
+                    live = now
+                    dead.discard(self.instance_id)
+                    for instance_id in sorted(dead):
+                        self._schedule_adoption(instance_id)
+                    backoff = BACKOFF_FIRST
+            except BatonError as exc:
+                self._log.warning("instance watch interrupted", reason=exc.reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _schedule_adoption(self, instance_id: str) -> None:
+        if instance_id in self._adopting:
+            self._adopting[instance_id] = True
+            return
+        self._adopting[instance_id] = False
+        self._spawn(self._adopt_rounds(instance_id))
+
+    async def _adopt_rounds(self, instance_id: str) -> None:
+        try:
+            while True:
+                await self._adopt_instance(instance_id)
+                if not self._adopting.get(instance_id):
+                    return
+                self._adopting[instance_id] = False
+        finally:
+            self._adopting.pop(instance_id, None)
+
+    async def _adopt_instance(self, instance_id: str) -> None:
+        """Take over every session indexed under `instance_id`, until none is
+        left there (the others' wins leave the index too)."""
+        bound = self._log.bind(dead_instance_id=instance_id)
+        backoff = BACKOFF_FIRST
+        for _ in range(ADOPT_ROUNDS):
+            try:
+                owned = await self.hooks.list_instance_sessions(self.deployment_id, instance_id)
+            except BatonError as exc:
+                bound.warning("listing sessions failed", reason=exc.reason)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                continue
+            if not owned:
+                return
+            random.shuffle(owned)  # spread the races between the survivors
+            bound.info("taking sessions over", sessions=len(owned))
+            won, live_again = await self._adopt_all(owned)
+            if live_again:
+                bound.info("instance is live again; not taking over")
+                return
+            bound.info("takeover round done", won=won, listed=len(owned))
+            if not won:  # lost every race or failed: let the index settle
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+        bound.warning("sessions still indexed under the dead instance after every round")
+
+    async def _adopt_all(self, owned: list[hooks_pb.OwnedSession]) -> tuple[int, bool]:
+        """Race for each session, a bounded number at a time (a few workers,
+        not one task per session: a dead instance may have held thousands).
+        Returns (won, whether the instance turned out live)."""
+        pending = iter(owned)
+        won = 0
+        live_again = False
+
+        async def worker() -> None:
+            nonlocal won, live_again
+            for session in pending:
+                if live_again:
+                    return
+                try:
+                    if await self.host.adopt(session):
+                        won += 1
+                except FailedPrecondition as exc:
+                    if exc.reason != Reason.INSTANCE_LIVE:
+                        self._log.error("takeover failed", reason=exc.reason, error=exc.message)
+                        continue
+                    live_again = True
+                except BatonError as exc:
+                    self._log.error("takeover failed", reason=exc.reason, error=exc.message)
+
+        await asyncio.gather(*(worker() for _ in range(min(ADOPT_CONCURRENCY, len(owned)))))
+        return won, live_again
+
+    # -- bells ----------------------------------------------------------------------
+
+    async def _watch_bells(self) -> None:
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                async for response in self.hooks.watch_bells(self.instance_id):
+                    for bell in response.bells:
+                        self.host.ring(bell.session_id, bell.inbox_head)
+                    backoff = BACKOFF_FIRST
+            except BatonError as exc:
+                self._log.warning("bell watch interrupted", reason=exc.reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)

@@ -1,0 +1,252 @@
+"""Baton as real processes, for recovery tests: hooks, anchor, ingress and N
+owner instances of one deployment over a real etcd, with the means to kill,
+pause and start them, and checks of the history invariants (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.cli.processes import ServiceProcess, free_port, wait_serving
+from services.common.clients import AnchorClient, HooksClient
+from services.common.errors import BatonError
+
+API_KEY = "key-slack-0001"
+SLACK = (("authorization", f"Bearer {API_KEY}"),)
+K = s.EventKind
+_T = TypeVar("_T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[_T | None]], what: str, timeout: float = 30.0
+) -> _T:
+    """Poll `probe` until it returns something truthy, or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = await probe()
+            if result:
+                return result
+        except (BatonError, grpc.aio.AioRpcError) as exc:
+            last = exc
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last!r})")
+
+
+@dataclass
+class ProcessStack:
+    """hooks + anchor + ingress + owner instances of one deployment."""
+
+    etcd_endpoint: str
+    workdir: Path
+    deployment_id: str = "dep-r"
+    lease_ttl: int = 2
+    park_after: float | None = None
+    prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
+    hooks: ServiceProcess | None = None
+    anchor: ServiceProcess | None = None
+    ingress: ServiceProcess | None = None
+    owners: dict[str, ServiceProcess] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        return {
+            "PYTHONUNBUFFERED": "1",
+            "BATON_LOG_LEVEL": "info",
+            "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
+            "BATON_ETCD_PREFIX": self.prefix,
+            "BATON_ETCD_TIMEOUT": "2",
+            "BATON_HOOKS_ADDR": self.addr("hooks"),
+            "BATON_ANCHOR_ADDR": self.addr("anchor"),
+            "BATON_DEPLOYMENT_ID": self.deployment_id,
+            "BATON_SHUTDOWN_GRACE": "1",
+            **extra,
+        }
+
+    def _spawn(self, name: str, module: str, **extra: str) -> ServiceProcess:
+        self.ports.setdefault(name, free_port())
+        proc = ServiceProcess(
+            module,
+            self.addr(name),
+            self._env(**extra),
+            log_path=str(self.workdir / f"{name}.log"),
+        )
+        return proc.start()
+
+    def start(self, owners: int = 2) -> ProcessStack:
+        """Start everything and wait until it serves (owners registered)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("hooks", "anchor", "ingress", *(f"o{i}" for i in range(1, owners + 1))):
+            self.ports.setdefault(name, free_port())
+        self.hooks = self._spawn("hooks", "hooks")
+        self.anchor = self._spawn("anchor", "anchor")
+        for i in range(1, owners + 1):
+            self.start_owner(f"o{i}", wait=False)
+        self.ingress = self._spawn(
+            "ingress",
+            "ingress",
+            BATON_API_KEYS=f"slack={API_KEY}",
+            BATON_OWNER_ADDR=self.addr("o1"),
+        )
+        for name in ("hooks", "anchor", "ingress", *self.owners):
+            wait_serving(self.addr(name))
+        return self
+
+    def start_owner(self, instance_id: str, *, wait: bool = True) -> ServiceProcess:
+        extra = {
+            "BATON_INSTANCE_ID": instance_id,
+            "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
+            "BATON_OWNER_PARK_AFTER": str(self.park_after or 0),
+        }
+        self.owners[instance_id] = proc = self._spawn(instance_id, "owner", **extra)
+        if wait:
+            wait_serving(self.addr(instance_id))
+        return proc
+
+    def kill(self, instance_id: str) -> None:
+        """kill -9."""
+        self.owners[instance_id].kill()
+
+    def pause(self, instance_id: str) -> None:
+        os.kill(self.owners[instance_id].pid, signal.SIGSTOP)
+
+    def resume(self, instance_id: str) -> None:
+        os.kill(self.owners[instance_id].pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Kill every process (SIGCONT first, in case one is paused)."""
+        for proc in (*self.owners.values(), self.ingress, self.anchor, self.hooks):
+            if proc is None or proc.proc is None or proc.proc.poll() is not None:
+                continue
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                continue
+            proc.kill()
+
+    # -- clients -----------------------------------------------------------------
+
+    def clients(self) -> StackClients:
+        return StackClients(self)
+
+
+class StackClients:
+    """gRPC clients of a ProcessStack (close them)."""
+
+    def __init__(self, stack: ProcessStack) -> None:
+        self.stack = stack
+        self.channel = grpc.aio.insecure_channel(stack.addr("ingress"))
+        self.ingress = ingress_pb2_grpc.IngressServiceStub(self.channel)
+        self.hooks = HooksClient(stack.addr("hooks"), timeout=5)
+        self.anchor = AnchorClient(stack.addr("anchor"), timeout=5)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.hooks.close()
+        await self.anchor.close()
+
+    async def wait_registered(self, *instance_ids: str, timeout: float = 30.0) -> None:
+        async def registered() -> bool:
+            live = await self.hooks.list_instances(self.stack.deployment_id)
+            return set(instance_ids) <= {i.instance_id for i in live}
+
+        await eventually(registered, f"instances {instance_ids} registered", timeout)
+
+    async def create(self) -> str:
+        response = await self.ingress.CreateSession(
+            ingress_pb.CreateSessionRequest(), metadata=SLACK, timeout=10
+        )
+        return response.session_id
+
+    async def send(
+        self, session_id: str, text: str, *, delivery_id: str = "", queue: bool = True
+    ) -> ingress_pb.SendMessageResponse:
+        return await self.ingress.SendMessage(
+            ingress_pb.SendMessageRequest(
+                session_id=session_id,
+                text=text,
+                delivery_id=delivery_id,
+                turn_policy=s.TURN_POLICY_QUEUE if queue else s.TURN_POLICY_STEER,
+            ),
+            metadata=SLACK,
+            timeout=10,
+        )
+
+    async def events(self, session_id: str) -> list[s.Event]:
+        return [e async for r in self.anchor.read_events(session_id) for e in r.events]
+
+    async def wait_events(
+        self,
+        session_id: str,
+        done: Callable[[list[s.Event]], bool],
+        what: str,
+        timeout: float = 30.0,
+    ) -> list[s.Event]:
+        async def probe() -> list[s.Event] | None:
+            events = await self.events(session_id)
+            return events if done(events) else None
+
+        return await eventually(probe, what, timeout)
+
+    async def owner_of(self, session_id: str) -> str:
+        """The instance whose index holds the session ("" if none listed)."""
+        for instance_id in self.stack.owners:
+            owned = await self.hooks.list_instance_sessions(self.stack.deployment_id, instance_id)
+            if any(o.fence.session_id == session_id for o in owned):
+                return instance_id
+        return ""
+
+
+# -- history checks --------------------------------------------------------------
+
+
+def received_seqs(events: list[s.Event]) -> list[int]:
+    return [e.inbox_seq for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]
+
+
+def answered(events: list[s.Event], count: int) -> bool:
+    """The first `count` inbox seqs were admitted and the session waits again."""
+    return (
+        received_seqs(events)[-1:] == [count - 1]
+        and bool(events)
+        and events[-1].kind == K.EVENT_KIND_SESSION_WAITING
+    )
+
+
+def check_history(events: list[s.Event], receipts: list[int]) -> None:
+    """The invariants every recovery must keep, over one session's stream."""
+    assert [e.seq for e in events] == list(range(len(events))), "stream has a gap or duplicate"
+    starts = [e for e in events if e.kind == K.EVENT_KIND_SESSION_STARTED]
+    assert len(starts) == 1, "session.started committed more than once"
+    # Every accepted command processed exactly once, in FIFO order.
+    assert received_seqs(events) == sorted(receipts), "inbox not processed once each in order"
+    assert sorted(receipts) == list(range(len(receipts))), "receipt seqs have gaps"
+    # No committed step runs again: a tool call id and a (turn, step) appear once.
+    calls = [e.tool_call.id for e in events if e.kind == K.EVENT_KIND_TOOL_CALL_REQUESTED]
+    assert len(calls) == len(set(calls)), f"a tool call ran twice: {calls}"
+    steps = [(e.turn_id, e.step) for e in events if e.kind == K.EVENT_KIND_STEP_COMPLETED]
+    assert len(steps) == len(set(steps)), f"a step committed twice: {steps}"
+    # One owner run per epoch: runs follow one another and never come back.
+    runs: list[str] = []
+    for event in events:
+        if not runs or runs[-1] != event.owner_run_id:
+            assert event.owner_run_id not in runs, (
+                f"run {event.owner_run_id} wrote after its successor"
+            )
+            runs.append(event.owner_run_id)

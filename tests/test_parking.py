@@ -1,0 +1,275 @@
+"""Parking, bells, leases and takeover: hooks primitives and an owner that
+parks idle sessions (DESIGN.md §5).
+
+The inbox append compares the owner record against a cached copy and rings
+the owner instance's bell in the same txn while the record says parked; these
+tests drive two hooks servers over the same etcd, so one of them always works
+from a stale cache, and check that every arrival after a successful park
+rings exactly once-or-more with the right head, and none before or after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import aetcd
+import pytest
+
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.owner.v1 import owner_pb2
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.errors import Aborted, FailedPrecondition, Fenced
+from services.common.etcd import parse_endpoint
+from services.common.keys import Keys
+from services.common.server import GrpcServer
+from services.hooks.config import HooksConfig
+from services.hooks.server import create_server as create_hooks
+from services.owner.config import OwnerConfig
+from services.owner.server import create_server as create_owner
+from tests.procs import answered, check_history, eventually
+from tests.stack import Stack
+
+K = s.EventKind
+
+
+@pytest.fixture
+async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
+    host, port = parse_endpoint(stack.etcd.endpoint)
+    client = aetcd.Client(host=host, port=port, timeout=5)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+async def two_hooks(stack: Stack) -> AsyncIterator[tuple[HooksClient, HooksClient]]:
+    """Clients of the stack's hooks and of a second hooks server (own caches)."""
+    second = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    await second.start()
+    a = HooksClient(stack.addr(stack.hooks), timeout=5)
+    b = HooksClient(f"127.0.0.1:{second.port}", timeout=5)
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+        await second.stop(grace=0.2)
+
+
+def command(text: str) -> s.Command:
+    return s.Command(send=s.SendCommand(text=text))
+
+
+async def new_session(
+    hooks: HooksClient, instance_id: str, deployment_id: str = "dep-p"
+) -> s.Fence:
+    sid = ids.new_session_id()
+    owner = s.OwnerIdentity(
+        owner_run_id=ids.new_run_id(), deployment_id=deployment_id, instance_id=instance_id
+    )
+    created = await hooks.create_session(sid, owner, "slack", [])
+    return created.fence
+
+
+async def bell_value(etcd: aetcd.Client, keys: Keys, instance_id: str, sid: str) -> bytes | None:
+    got = await etcd.get(keys.bell(instance_id, sid))
+    return None if got is None else got.value
+
+
+async def test_a_bell_rings_exactly_while_parked(
+    stack: Stack, two_hooks: tuple[HooksClient, HooksClient], etcd: aetcd.Client
+) -> None:
+    a, b = two_hooks
+    keys = Keys(stack.etcd.prefix)
+    fence = await new_session(a, "inst-p")
+    sid = fence.session_id
+    inbox = ids.inbox_token(sid)
+    await a.resume(inbox, command("one"))  # a caches the unparked owner record
+    with pytest.raises(Aborted) as refused:
+        await b.set_parked(fence, True, 0)  # entry 0 is not consumed
+    assert refused.value.reason == "INBOX_NOT_DRAINED"
+    assert await b.set_parked(fence, True, 1) == 1
+    assert await bell_value(etcd, keys, "inst-p", sid) is None  # nothing arrived since
+
+    bells = a.watch_bells("inst-p")
+    # a's cache still says unparked: its append must learn better and ring.
+    assert (await a.resume(inbox, command("two"))).seq == 1
+    first = await asyncio.wait_for(anext(bells), 5)
+    assert [(x.session_id, x.inbox_head) for x in first.bells] == [(sid, 2)]
+    await b.resume(inbox, command("three"))
+    second = await asyncio.wait_for(anext(bells), 5)
+    assert [(x.session_id, x.inbox_head) for x in second.bells] == [(sid, 3)]
+    await bells.aclose()  # type: ignore[attr-defined]
+
+    assert await a.set_parked(fence, False) == 3  # unpark deletes the bell
+    assert await a.set_parked(fence, False) == 3  # a repeat is fine
+    assert await bell_value(etcd, keys, "inst-p", sid) is None
+    await b.resume(inbox, command("four"))  # b's cache said parked: learns, no bell
+    assert await bell_value(etcd, keys, "inst-p", sid) is None
+
+    stale = s.Fence(session_id=sid, owner_run_id="run_other", epoch=fence.epoch)
+    with pytest.raises(Fenced):
+        await a.set_parked(stale, True, 4)
+
+
+async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
+    stack: Stack, two_hooks: tuple[HooksClient, HooksClient], etcd: aetcd.Client
+) -> None:
+    a, b = two_hooks
+    keys = Keys(stack.etcd.prefix)
+    quiet = await new_session(a, "dead-1")
+    await a.set_parked(quiet, True, 0)
+    rung = await new_session(a, "dead-1")
+    await a.set_parked(rung, True, 0)
+    await b.resume(ids.inbox_token(rung.session_id), command("while dead"))
+    assert await bell_value(etcd, keys, "dead-1", rung.session_id) == b"1"
+
+    listed = await a.list_instance_sessions("dep-p", "dead-1")
+    assert {o.fence.session_id for o in listed} == {quiet.session_id, rung.session_id}
+    assert all(o.parked for o in listed)
+
+    def successor(instance_id: str) -> s.OwnerIdentity:
+        return s.OwnerIdentity(
+            owner_run_id=ids.new_run_id(), deployment_id="dep-p", instance_id=instance_id
+        )
+
+    contenders = [successor("inst-a"), successor("inst-b")]
+    results = await asyncio.gather(
+        a.take_over_session(quiet, "dead-1", contenders[0]),
+        b.take_over_session(quiet, "dead-1", contenders[1]),
+        return_exceptions=True,
+    )
+    won = [r for r in results if isinstance(r, hooks_pb.TakeOverSessionResponse)]
+    lost = [r for r in results if isinstance(r, BaseException)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert isinstance(lost[0], Fenced)
+    taken = won[0]
+    winner = contenders[results.index(taken)]
+    assert taken.fence.epoch == quiet.epoch + 1
+    assert taken.fence.owner_run_id == winner.owner_run_id
+    assert (taken.parked, taken.inbox_head) == (True, 0)
+    replay = await b.take_over_session(quiet, "dead-1", winner)
+    assert replay.fence == taken.fence
+    # The old run is fenced; the index moved with the owner.
+    with pytest.raises(Fenced):
+        await a.set_parked(quiet, False)
+    moved = await a.list_instance_sessions("dep-p", winner.instance_id)
+    assert [(o.fence.session_id, o.parked) for o in moved] == [(quiet.session_id, True)]
+
+    # Input arrived while its owner was dead: the successor must run it now.
+    taken = await a.take_over_session(rung, "dead-1", successor("inst-a"))
+    assert (taken.parked, taken.inbox_head) == (False, 1)
+    assert await bell_value(etcd, keys, "dead-1", rung.session_id) is None
+    assert await a.list_instance_sessions("dep-p", "dead-1") == []
+
+    with pytest.raises(FailedPrecondition) as wrong:
+        other_deployment = s.OwnerIdentity(
+            owner_run_id=ids.new_run_id(), deployment_id="dep-q", instance_id="x"
+        )
+        await a.take_over_session(taken.fence, "inst-a", other_deployment)
+    assert wrong.value.reason == "WRONG_DEPLOYMENT"
+
+
+async def test_leases_register_expire_and_report_the_dead(stack: Stack) -> None:
+    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    try:
+        registered = await hooks.register_instance("dep-l", "live-1", 1, "127.0.0.1:1")
+        assert registered.ttl_seconds >= 1  # etcd may raise it to its minimum (2 s)
+        fence = await new_session(hooks, "live-1", "dep-l")
+        with pytest.raises(FailedPrecondition) as live:
+            await hooks.take_over_session(
+                fence,
+                "live-1",
+                s.OwnerIdentity(
+                    owner_run_id=ids.new_run_id(), deployment_id="dep-l", instance_id="other"
+                ),
+            )
+        assert live.value.reason == "INSTANCE_LIVE"
+        assert await hooks.keep_alive_instance(registered.lease_id) >= 1
+        instances = hooks.watch_instances("dep-l")
+        first = await asyncio.wait_for(anext(instances), 5)
+        assert [i.instance_id for i in first.instances] == ["live-1"]
+        assert list(first.dead_instance_ids) == []
+        # No more keep-alives: the lease expires and the watchers hear of it.
+        gone = await asyncio.wait_for(anext(instances), 10)
+        assert list(gone.instances) == [] and list(gone.dead_instance_ids) == ["live-1"]
+        await instances.aclose()  # type: ignore[attr-defined]
+        assert await hooks.keep_alive_instance(registered.lease_id) == 0
+        assert await hooks.list_instances("dep-l") == []
+        again = hooks.watch_instances("dep-l")
+        fresh = await asyncio.wait_for(anext(again), 5)
+        assert list(fresh.dead_instance_ids) == ["live-1"]  # indexed, not live
+        await again.aclose()  # type: ignore[attr-defined]
+    finally:
+        await hooks.close()
+
+
+@pytest.fixture
+async def parking_owner(stack: Stack) -> AsyncIterator[GrpcServer]:
+    owner = await create_owner(
+        OwnerConfig(
+            listen="127.0.0.1:0",
+            deployment_id="dep-park",
+            instance_id="park-1",
+            hooks=stack.addr(stack.hooks),
+            anchor=stack.addr(stack.anchor),
+            park_after=0.2,
+            lease_ttl=2,
+        )
+    )
+    await owner.start()
+    try:
+        yield owner
+    finally:
+        await owner.stop(grace=0.2)
+
+
+async def test_an_idle_session_parks_and_wakes_on_input(
+    stack: Stack, parking_owner: GrpcServer
+) -> None:
+    owner = OwnerClient(f"127.0.0.1:{parking_owner.port}", timeout=10)
+    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    anchor = AnchorClient(stack.addr(stack.anchor), timeout=5)
+    rng = random.Random(3)
+    try:
+        sid = ids.new_session_id()
+        await owner.start_session(
+            owner_pb2.StartSessionRequest(session_id=sid, deployment_id="dep-park", channel="slack")
+        )
+        inbox = ids.inbox_token(sid)
+
+        async def is_parked() -> bool:
+            owned = await hooks.list_instance_sessions("dep-park", "park-1")
+            return any(o.fence.session_id == sid and o.parked for o in owned)
+
+        async def events() -> list[s.Event]:
+            return [e async for r in anchor.read_events(sid) for e in r.events]
+
+        receipts: list[int] = []
+        for burst in range(6):
+            await eventually(is_parked, "the idle session to park", timeout=10)
+            # A burst around the parking moment: some land while the run is
+            # still live, some race the park, some ring the bell.
+            for i in range(rng.randint(1, 4)):
+                receipts.append((await hooks.resume(inbox, command(f"b{burst} m{i}"))).seq)
+                await asyncio.sleep(rng.choice([0, 0.05, 0.15, 0.25]))
+
+            async def all_answered(n: int = len(receipts)) -> list[s.Event] | None:
+                got = await events()
+                return got if answered(got, n) else None
+
+            await eventually(all_answered, "every message answered", timeout=10)
+        await eventually(is_parked, "parked again at the end", timeout=10)
+        history = await events()
+        check_history(history, receipts)
+        assert len({e.owner_run_id for e in history}) == 1  # woken with the same fence
+    finally:
+        await owner.close()
+        await hooks.close()
+        await anchor.close()

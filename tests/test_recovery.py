@@ -1,0 +1,414 @@
+"""Crash recovery with real processes (DESIGN.md §5, §9).
+
+Owner instances register under leases; when one dies (kill -9) or is paused
+past its lease (SIGSTOP), another instance of the deployment takes its
+sessions over with epoch + 1 and continues from the last committed snapshot
+and inbox position. Commands accepted while no owner was live are processed
+in order; no committed step runs twice (only the step in flight at the crash
+runs again); the paused owner's late writes are fenced and it exits. etcd
+restarts under load lose nothing.
+
+Each test checks the whole history with `check_history`: gapless stream,
+every receipt processed once in FIFO order, no tool call or step twice, one
+owner run per epoch (a run never writes after its successor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.session.v1 import session_pb2 as s
+from services.cli.processes import EtcdProcess
+from services.common import ids
+from services.owner.server import EXIT_LEASE_LOST
+from tests.procs import (
+    SLACK,
+    ProcessStack,
+    StackClients,
+    answered,
+    check_history,
+    eventually,
+    received_seqs,
+)
+
+K = s.EventKind
+MakeStack = Callable[..., ProcessStack]
+
+# A takeover must land within the lease TTL plus this (generous for loaded CI).
+TAKEOVER_SLACK_S = 8.0
+
+
+@pytest.fixture
+def make_stack(etcd_endpoint: str, tmp_path: Path) -> Iterator[MakeStack]:
+    stacks: list[ProcessStack] = []
+
+    def make(owners: int = 2, endpoint: str = "", **kwargs: object) -> ProcessStack:
+        stack = ProcessStack(
+            endpoint or etcd_endpoint,
+            tmp_path / f"stack{len(stacks)}",
+            **kwargs,  # type: ignore[arg-type]
+        )
+        stacks.append(stack)
+        return stack.start(owners)
+
+    try:
+        yield make
+    finally:
+        for stack in stacks:
+            stack.stop()
+
+
+def step_committed(step: int) -> Callable[[list[s.Event]], bool]:
+    return lambda events: any(
+        e.kind == K.EVENT_KIND_STEP_COMPLETED and e.step == step for e in events
+    )
+
+
+def runs_in_order(events: list[s.Event]) -> list[str]:
+    return list(dict.fromkeys(e.owner_run_id for e in events))
+
+
+def answers(events: list[s.Event]) -> list[str]:
+    return [e.text for e in events if e.kind == K.EVENT_KIND_MESSAGE_COMPLETED]
+
+
+async def wait_owner(c: StackClients, session_id: str, instance_id: str, timeout: float) -> float:
+    """Seconds until the ownership index names `instance_id` for the session."""
+    start = time.monotonic()
+
+    async def moved() -> bool:
+        return await c.owner_of(session_id) == instance_id
+
+    await eventually(moved, f"{session_id} owned by {instance_id}", timeout)
+    return time.monotonic() - start
+
+
+async def test_kill9_mid_step_is_taken_over_and_continues(make_stack: MakeStack) -> None:
+    stack = make_stack(owners=2)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()  # ingress creates on o1
+        receipts = [(await c.send(sid, "sleep 4 700")).receipt.seq]
+        await c.wait_events(sid, step_committed(1), "step 1 committed")
+        stack.kill("o1")  # step 2 (a 700 ms tool call) is in flight
+        # Accepted while no owner is live: queued behind the open turn.
+        for i in range(3):
+            receipts.append((await c.send(sid, f"while dead {i}")).receipt.seq)
+        took = await wait_owner(c, sid, "o2", stack.lease_ttl + TAKEOVER_SLACK_S)
+        events = await c.wait_events(sid, lambda ev: answered(ev, 4), "every command answered")
+        check_history(events, receipts)
+        first_run, second_run = runs_in_order(events)
+        assert answers(events) == [
+            "The result is slept 3.",
+            "echo: while dead 0",
+            "echo: while dead 1",
+            "echo: while dead 2",
+        ]
+        # Step 1 was committed by the first run; the step in flight at the crash
+        # (2) ran again, under the successor only, which finished the turn.
+        turn = next(e.turn_id for e in events if e.kind == K.EVENT_KIND_TURN_STARTED)
+        steps = [
+            (e.step, e.owner_run_id)
+            for e in events
+            if e.kind == K.EVENT_KIND_STEP_COMPLETED and e.turn_id == turn
+        ]
+        assert steps == [(1, first_run), (2, second_run), (3, second_run), (4, second_run)]
+        print(f"takeover observed {took:.2f}s after kill -9 (lease TTL {stack.lease_ttl}s)")
+    finally:
+        await c.close()
+
+
+async def test_all_instances_dead_then_a_new_one_takes_over(make_stack: MakeStack) -> None:
+    """The only instance dies between turns; commands keep being accepted; a
+    new instance finds the orphaned sessions at start and runs them in order."""
+    stack = make_stack(owners=1)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        sids = [await c.create() for _ in range(3)]
+        receipts: dict[str, list[int]] = {sid: [] for sid in sids}
+        for sid in sids:
+            receipts[sid].append((await c.send(sid, "steps 3")).receipt.seq)
+        for sid in sids:
+            await c.wait_events(sid, lambda ev: answered(ev, 1), "first turn answered")
+        stack.kill("o1")
+        for sid in sids:
+            for i in range(3):
+                receipt = (await c.send(sid, f"orphan {i}")).receipt
+                receipts[sid].append(receipt.seq)
+        stack.start_owner("o2")
+        for sid in sids:
+            events = await c.wait_events(
+                sid, lambda ev: answered(ev, 4), "orphaned commands answered", timeout=40
+            )
+            check_history(events, receipts[sid])
+            assert answers(events)[1:] == [f"echo: orphan {i}" for i in range(3)]
+            assert len(runs_in_order(events)) == 2
+            assert await c.owner_of(sid) == "o2"
+    finally:
+        await c.close()
+
+
+async def test_session_without_a_first_commit_is_started_by_its_successor(
+    make_stack: MakeStack,
+) -> None:
+    """The creator died between CreateSession and committing session.started:
+    the successor commits it, then serves the inbox."""
+    stack = make_stack(owners=1)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        sid = ids.new_session_id()
+        ghost = s.OwnerIdentity(
+            owner_run_id=ids.new_run_id(), deployment_id=stack.deployment_id, instance_id="ghost"
+        )
+        await c.hooks.create_session(sid, ghost, "slack", [])
+        receipt = (await c.send(sid, "hello")).receipt
+        stack.start_owner("o2")  # finds "ghost" indexed but not live
+        events = await c.wait_events(sid, lambda ev: answered(ev, 1), "answered by the successor")
+        check_history(events, [receipt.seq])
+        assert events[0].kind == K.EVENT_KIND_SESSION_STARTED
+        assert events[0].owner_run_id != ghost.owner_run_id
+        assert answers(events) == ["echo: hello"]
+    finally:
+        await c.close()
+
+
+async def test_paused_owner_is_fenced_and_exits(make_stack: MakeStack) -> None:
+    """SIGSTOP an owner mid-step past its lease: another instance takes over.
+    After SIGCONT its late commit is fenced, its runs end, and it exits."""
+    stack = make_stack(owners=2)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "sleep 4 700")).receipt.seq]
+        await c.wait_events(sid, step_committed(1), "step 1 committed")
+        stack.pause("o1")  # step 2 in flight, frozen
+        await wait_owner(c, sid, "o2", stack.lease_ttl + TAKEOVER_SLACK_S)
+        for i in range(2):
+            receipts.append((await c.send(sid, f"while paused {i}")).receipt.seq)
+        events = await c.wait_events(sid, lambda ev: answered(ev, 3), "answered by o2")
+        stack.resume("o1")
+        proc = stack.owners["o1"].proc
+        assert proc is not None
+
+        async def exited() -> bool:
+            return proc.poll() is not None
+
+        await eventually(exited, "the paused owner to exit after SIGCONT", timeout=20)
+        assert proc.returncode == EXIT_LEASE_LOST
+        after = await c.events(sid)
+        assert after == events, "the fenced owner wrote after its successor took over"
+        check_history(after, receipts)
+        first_run, second_run = runs_in_order(after)
+        takeover = next(i for i, e in enumerate(after) if e.owner_run_id == second_run)
+        assert all(e.owner_run_id == second_run for e in after[takeover:])
+        log = (stack.workdir / "o1.log").read_text()
+        assert "lease expired" in log
+    finally:
+        await c.close()
+
+
+async def test_parked_sessions_are_taken_over_parked_and_woken_by_input(
+    make_stack: MakeStack,
+) -> None:
+    """A parked session of a dead instance stays parked under its successor
+    (nothing loaded) unless input arrived meanwhile; then it runs at once."""
+    stack = make_stack(owners=2, park_after=0.3)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1", "o2")
+        quiet, busy = await c.create(), await c.create()
+        receipts: dict[str, list[int]] = {quiet: [], busy: []}
+        for sid in (quiet, busy):
+            receipts[sid].append((await c.send(sid, "hello")).receipt.seq)
+
+        async def parked_on(instance_id: str, sid: str) -> bool:
+            owned = await c.hooks.list_instance_sessions(stack.deployment_id, instance_id)
+            return any(o.fence.session_id == sid and o.parked for o in owned)
+
+        for sid in (quiet, busy):
+            await eventually(functools.partial(parked_on, "o1", sid), "parked on o1")
+        stack.kill("o1")
+        receipts[busy].append((await c.send(busy, "while dead")).receipt.seq)
+        timeout = stack.lease_ttl + TAKEOVER_SLACK_S
+        await eventually(
+            functools.partial(parked_on, "o2", quiet), "quiet session parked on o2", timeout
+        )
+        events = await c.wait_events(busy, lambda ev: answered(ev, 2), "busy session answered")
+        check_history(events, receipts[busy])
+        # The quiet session wakes on its next command, under its new run.
+        receipts[quiet].append((await c.send(quiet, "wake up")).receipt.seq)
+        events = await c.wait_events(quiet, lambda ev: answered(ev, 2), "woken and answered")
+        check_history(events, receipts[quiet])
+        assert answers(events) == ["echo: hello", "echo: wake up"]
+        assert len(runs_in_order(events)) == 2
+    finally:
+        await c.close()
+
+
+# -- etcd restarts -------------------------------------------------------------------
+
+
+async def send_until_accepted(c: StackClients, sid: str, text: str, delivery_id: str) -> int:
+    """Retry a send with the same delivery id until it is accepted (the same
+    id makes a retry of an accepted-but-unanswered send a duplicate)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            response = await c.send(sid, text, delivery_id=delivery_id)
+            return response.receipt.seq
+        except grpc.aio.AioRpcError as exc:
+            if time.monotonic() > deadline or exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise
+        await asyncio.sleep(0.1)
+
+
+async def follow(c: StackClients, sid: str, out: list[s.Event]) -> None:
+    """A live reader through ingress, reconnecting from its cursor."""
+    while True:
+        call = c.ingress.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=sid, start_seq=len(out), follow=True),
+            metadata=SLACK,
+        )
+        try:
+            async for response in call:
+                out.extend(response.events)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.1)
+        finally:
+            call.cancel()
+
+
+async def etcd_restart_under_load(
+    make_stack: MakeStack, *, sessions: int, messages: int, restarts: int
+) -> None:
+    data_dir = tempfile.mkdtemp(prefix="baton-etcd-restart-")
+    etcd = EtcdProcess(data_dir=data_dir).start()
+    stack = make_stack(owners=2, endpoint=etcd.endpoint, lease_ttl=3)
+    c = stack.clients()
+    followers: list[asyncio.Task[None]] = []
+    try:
+        await c.wait_registered("o1", "o2")
+        sids = [await c.create() for _ in range(sessions)]
+        seen: dict[str, list[s.Event]] = {sid: [] for sid in sids}
+        followers = [asyncio.create_task(follow(c, sid, seen[sid])) for sid in sids]
+        receipts: dict[str, list[int]] = {sid: [] for sid in sids}
+        sent = asyncio.Event()
+        progress = 0
+
+        async def sender(sid: str) -> None:
+            nonlocal progress
+            for i in range(messages):
+                seq = await send_until_accepted(c, sid, f"m{i}", f"{sid}-m{i}")
+                receipts[sid].append(seq)
+                progress += 1
+            sent.set()
+
+        senders = [asyncio.create_task(sender(sid)) for sid in sids]
+        total = sessions * messages
+        for round_ in range(restarts):
+            target = total * (round_ + 1) // (restarts + 1)
+
+            async def reached(target: int = target) -> bool:
+                return progress >= target
+
+            await eventually(reached, f"{target} messages accepted", timeout=60)
+            etcd.stop()  # SIGTERM; data dir kept
+            etcd = EtcdProcess(
+                client_port=etcd.client_port, peer_port=etcd.peer_port, data_dir=data_dir
+            ).start()
+        await asyncio.gather(*senders)
+        for sid in sids:
+            events = await c.wait_events(
+                sid, lambda ev: answered(ev, messages), "every message answered", timeout=60
+            )
+            check_history(events, sorted(set(receipts[sid])))
+            assert sorted(int(t.removeprefix("echo: m")) for t in answers(events)) == list(
+                range(messages)
+            )
+
+            async def caught_up(sid: str = sid, n: int = len(events)) -> bool:
+                return len(seen[sid]) >= n
+
+            await eventually(caught_up, "the live reader to catch up")
+            assert [e.SerializeToString() for e in seen[sid][: len(events)]] == [
+                e.SerializeToString() for e in events
+            ], "the live reader saw a gap or a duplicate across the restart"
+    finally:
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        await c.close()
+        stack.stop()
+        etcd.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+async def test_etcd_restart_under_load(make_stack: MakeStack) -> None:
+    await etcd_restart_under_load(make_stack, sessions=3, messages=12, restarts=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_etcd_restarts_under_heavy_load_slow(make_stack: MakeStack) -> None:
+    await etcd_restart_under_load(make_stack, sessions=8, messages=150, restarts=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_repeated_owner_kills_slow(make_stack: MakeStack) -> None:
+    """Rounds of traffic, each killing (-9) or pausing an owner mid-work and
+    starting a replacement; the whole history stays exact."""
+    stack = make_stack(owners=3, park_after=0.5)
+    c = stack.clients()
+    rng = random.Random(7)
+    try:
+        await c.wait_registered("o1", "o2", "o3")
+        sids = [await c.create() for _ in range(12)]
+        receipts: dict[str, list[int]] = {sid: [] for sid in sids}
+        spare = 4
+        for round_ in range(10):
+            for sid in sids:
+                text = rng.choice(["sleep 3 300", "steps 3", f"r{round_}"])
+                receipts[sid].append((await c.send(sid, text)).receipt.seq)
+            # The victim is the owner of a random session (so it holds work).
+            live = [i for i, p in stack.owners.items() if p.proc and p.proc.poll() is None]
+            victim = await c.owner_of(rng.choice(sids))
+            if victim not in live:
+                victim = rng.choice(live)
+            if round_ % 2:
+                stack.kill(victim)
+            else:
+                stack.pause(victim)
+            for sid in sids:
+                receipts[sid].append((await c.send(sid, f"after {round_}")).receipt.seq)
+            stack.start_owner(f"o{spare}")
+            spare += 1
+            for sid in sids:
+                done = functools.partial(answered, count=len(receipts[sid]))
+                await c.wait_events(sid, done, "round answered", timeout=90)
+            if not round_ % 2:
+                stack.resume(victim)
+        for sid in sids:
+            events = await c.events(sid)
+            check_history(events, receipts[sid])
+            assert received_seqs(events) == list(range(len(receipts[sid])))
+    finally:
+        await c.close()
