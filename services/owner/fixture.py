@@ -15,7 +15,8 @@ Scripted behaviour of its model, by the last message it sees:
 - "alias <raw>"             -> an `add_alias` tool call claiming `<channel>:<raw>`;
 - compaction instructions   -> "<N> messages about: <first user message>".
 - anything else             -> "echo: <text>".
-Usage counts whitespace-separated words.
+Usage: prompt tokens are the words of the instructions and of the last message
+plus one per earlier message; completion tokens are the words of the answer.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class FixtureModel:
     async def complete(
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
     ) -> ModelReply:
-        prompt_tokens = _words(instructions) + sum(_words(m.content) for m in history)
+        # Deterministic and O(1) per call: instructions, the last message, and
+        # one token per earlier message.
+        prompt_tokens = _words(instructions) + _words(history[-1].content) + len(history) - 1
         if instructions.startswith("Summarize"):
             first = next((m.content for m in history if m.role == s.ROLE_USER), "")
             text = f"{len(history)} messages about: {first}"

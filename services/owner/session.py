@@ -978,12 +978,11 @@ def make_event(
     entry: s.InboxEntry | None = None,
     **fields: object,
 ) -> s.Event:
-    now = Timestamp()
-    now.GetCurrentTime()
+    nanos = time.time_ns()
     event = s.Event(
         session_id=identity.fence.session_id,
         kind=kind,
-        time=now,
+        time=Timestamp(seconds=nanos // 1_000_000_000, nanos=nanos % 1_000_000_000),
         turn_id=turn_id,
         owner_run_id=identity.fence.owner_run_id,
         deployment_id=identity.deployment_id,
