@@ -22,6 +22,7 @@ from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced
 from services.common.etcd import parse_endpoint
 from services.common.keys import Keys
@@ -273,3 +274,65 @@ async def test_an_idle_session_parks_and_wakes_on_input(
         await owner.close()
         await hooks.close()
         await anchor.close()
+
+
+def test_owner_config_reads_lease_and_parking_settings() -> None:
+    env = {
+        "BATON_DEPLOYMENT_ID": "dep-c",
+        "BATON_OWNER_LEASE_TTL": "4",
+        "BATON_OWNER_PARK_AFTER": "0.5",
+        "BATON_OWNER_ADVERTISE": "owner-1.internal:50054",
+    }
+    config = OwnerConfig.load([], env)
+    assert (config.lease_ttl, config.keepalive_every, config.park_after) == (4, 4 / 3, 0.5)
+    assert config.advertise == "owner-1.internal:50054" and config.exit_on_lease_loss
+    never = OwnerConfig.load(["--park-after", "0", "--keepalive-interval", "1"], env)
+    assert (never.park_after, never.keepalive_every) == (None, 1.0)
+    with pytest.raises(ConfigError):
+        OwnerConfig.load(["--lease-ttl", "0"], env)
+
+
+async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
+    """Bells are compared with the parked position: stale and duplicate bells
+    are ignored, and a bell that rang while the run was parking is honoured
+    when the session lands in `parked`."""
+    from services.owner.fixture import build_agent
+    from services.owner.host import OwnerHost, ParkedSession
+
+    host = OwnerHost(
+        "dep-u",
+        "unit-1",
+        build_agent("dep-u"),
+        HooksClient("127.0.0.1:1"),
+        AnchorClient("127.0.0.1:1"),
+    )
+    woken: list[tuple[str, bool]] = []
+
+    def record(fence: s.Fence, *, unpark: bool = False, delay: float = 0.0) -> None:
+        host._activating.add(fence.session_id)
+        woken.append((fence.session_id, unpark))
+
+    host._start_activation = record  # type: ignore[method-assign]
+    try:
+        host._hold("ses_a", ParkedSession("run_a", 2, inbox_next_seq=5))
+        host.ring("ses_a", 5)  # stale: nothing new
+        host.ring("ses_a", 4)
+        assert woken == [] and "ses_a" in host.parked
+        host.ring("ses_a", 6)
+        assert woken == [("ses_a", True)] and "ses_a" not in host.parked
+        host.ring("ses_a", 7)  # rung while waking: remembered, no second wake
+        assert woken == [("ses_a", True)] and host._bells["ses_a"] == 7
+
+        # A bell rung while the run was still parking (it is in `runs`).
+        host.runs["ses_b"] = object()  # type: ignore[assignment]
+        host.ring("ses_b", 9)
+        del host.runs["ses_b"]
+        host._hold("ses_b", ParkedSession("run_b", 1, inbox_next_seq=8))
+        assert woken[-1] == ("ses_b", True)
+        # Unknown sessions' bells (lost to another instance) are ignored.
+        host.ring("ses_c", 3)
+        assert "ses_c" not in host._bells
+    finally:
+        await host.close()
+        await host.hooks.close()
+        await host.anchor.close()

@@ -222,6 +222,26 @@ async def test_paused_owner_is_fenced_and_exits(make_stack: MakeStack) -> None:
         await c.close()
 
 
+async def test_a_gracefully_stopped_owner_hands_over_without_waiting_for_its_lease(
+    make_stack: MakeStack,
+) -> None:
+    stack = make_stack(owners=2, lease_ttl=60)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "hello")).receipt.seq]
+        await c.wait_events(sid, lambda ev: answered(ev, 1), "answered on o1")
+        stack.owners["o1"].stop()  # SIGTERM: stop runs, revoke the lease
+        took = await wait_owner(c, sid, "o2", timeout=20)
+        assert took < 20 < stack.lease_ttl
+        receipts.append((await c.send(sid, "after the handover")).receipt.seq)
+        events = await c.wait_events(sid, lambda ev: answered(ev, 2), "answered on o2")
+        check_history(events, receipts)
+    finally:
+        await c.close()
+
+
 async def test_parked_sessions_are_taken_over_parked_and_woken_by_input(
     make_stack: MakeStack,
 ) -> None:
@@ -301,7 +321,7 @@ async def etcd_restart_under_load(
 ) -> None:
     data_dir = tempfile.mkdtemp(prefix="baton-etcd-restart-")
     etcd = EtcdProcess(data_dir=data_dir).start()
-    stack = make_stack(owners=2, endpoint=etcd.endpoint, lease_ttl=3)
+    stack = make_stack(owners=2, endpoint=etcd.endpoint, lease_ttl=5)
     c = stack.clients()
     followers: list[asyncio.Task[None]] = []
     try:
@@ -351,6 +371,10 @@ async def etcd_restart_under_load(
             assert [e.SerializeToString() for e in seen[sid][: len(events)]] == [
                 e.SerializeToString() for e in events
             ], "the live reader saw a gap or a duplicate across the restart"
+        # Every process rode the restart out: nothing crashed, no lease was lost.
+        for name, proc in {**stack.owners, "hooks": stack.hooks, "anchor": stack.anchor}.items():
+            assert proc is not None and proc.proc is not None
+            assert proc.proc.poll() is None, f"{name} exited across the etcd restart"
     finally:
         for task in followers:
             task.cancel()

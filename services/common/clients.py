@@ -103,6 +103,10 @@ class HooksClient(_Client):
         response = await _unary(self.stub.KeepAliveInstance(request, timeout=self.timeout))
         return response.ttl_seconds
 
+    async def deregister_instance(self, lease_id: int) -> None:
+        request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)
+        await _unary(self.stub.DeregisterInstance(request, timeout=self.timeout))
+
     async def list_instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
         request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
         response = await _unary(self.stub.ListInstances(request, timeout=self.timeout))

@@ -156,6 +156,10 @@ async def follow_range(
         except aetcd.RevisionCompactedError as exc:
             raise Unavailable(Reason.STORE_UNAVAILABLE, "watch position compacted; resume") from exc
         except aetcd.ClientError as exc:
+            # The watch stream died with this watch. Never cancel it: watch ids
+            # restart at 0 on the client's next stream, so its id may already
+            # name another (resumed) watch, which the cancel would silence.
+            watch = None
             log.warning("watch interrupted; resuming", prefix=prefix.decode(), error=repr(exc))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)

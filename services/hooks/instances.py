@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import grpc
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
@@ -87,6 +88,21 @@ class InstanceRegistry:
         except (AioRpcError, AttributeError) as exc:
             raise store_unavailable(exc) from exc
         return 0
+
+    async def deregister(self, lease_id: int) -> None:
+        """Revoke a lease: its registry key goes at once (the watchers take
+        the instance's sessions over). An unknown or expired lease is fine."""
+        if lease_id <= 0:
+            raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
+        try:
+            await self._store.client.leasestub.LeaseRevoke(
+                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._store.timeout
+            )
+        except AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise store_unavailable(exc) from exc
+        except AttributeError as exc:
+            raise store_unavailable(exc) from exc
 
     async def live(self, deployment_id: str) -> list[InstanceRecord]:
         ids.validate_deployment_id(deployment_id)

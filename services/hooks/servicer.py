@@ -104,6 +104,12 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         ttl = await self._instances.keep_alive(request.lease_id)
         return pb.KeepAliveInstanceResponse(ttl_seconds=ttl)
 
+    async def DeregisterInstance(
+        self, request: pb.DeregisterInstanceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterInstanceResponse:
+        await self._instances.deregister(request.lease_id)
+        return pb.DeregisterInstanceResponse()
+
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListInstancesResponse:

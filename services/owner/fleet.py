@@ -12,6 +12,8 @@
   wins each session, the losers move on.
 - Bells: one stream for all of this instance's parked sessions; each bell is
   handed to the host, which wakes a parked session whose inbox moved.
+- Graceful shutdown stops every run, then revokes the lease, so the other
+  instances take the sessions over at once instead of after the TTL.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ADOPT_CONCURRENCY = 32
 ADOPT_ROUNDS = 20
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
+DEREGISTER_SECONDS = 2.0
 
 
 class FleetMembership:
@@ -69,10 +72,21 @@ class FleetMembership:
         self._spawn(self._join())
 
     async def close(self) -> None:
+        """Graceful shutdown: stop the streams and every run, then leave the
+        deployment so the other instances take the sessions over now rather
+        than after the lease TTL."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.host.stop()
+        if self.lease_id and not self.lease_lost.is_set():
+            try:
+                async with asyncio.timeout(DEREGISTER_SECONDS):
+                    await self.hooks.deregister_instance(self.lease_id)
+                self._log.info("deregistered")
+            except (BatonError, TimeoutError) as exc:
+                self._log.warning("deregistration failed; the lease expires", error=repr(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

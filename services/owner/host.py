@@ -123,8 +123,9 @@ class OwnerHost:
             ) from exc
 
     async def stop(self) -> None:
-        """Stop every run and forget every session (the lease is lost: other
-        instances take them over). Later StartSession calls are refused."""
+        """Stop every run and forget every session (the lease is lost, or the
+        instance shuts down: other instances take them over). Later
+        StartSession calls are refused."""
         self._stopped = True
         for timer in self._timers.values():
             timer.cancel()

@@ -124,6 +124,45 @@ class KeepAliveInstanceResponse(_message.Message):
 Global___KeepAliveInstanceResponse: _TypeAlias = KeepAliveInstanceResponse  # noqa: Y015
 
 @_typing.final
+class DeregisterInstanceRequest(_message.Message):
+    """DeregisterInstanceRequest names the lease to revoke."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The lease id from RegisterInstance."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterInstanceRequest: _TypeAlias = DeregisterInstanceRequest  # noqa: Y015
+
+@_typing.final
+class DeregisterInstanceResponse(_message.Message):
+    """DeregisterInstanceResponse confirms (also for a lease already gone)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterInstanceResponse: _TypeAlias = DeregisterInstanceResponse  # noqa: Y015
+
+@_typing.final
 class InstanceInfo(_message.Message):
     """InstanceInfo describes a live owner instance."""
 

@@ -76,6 +76,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.FromString,
                 _registered_method=True)
+        self.DeregisterInstance = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/DeregisterInstance',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/baton.hooks.v1.HookRegistryService/ListInstances',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesRequest.SerializeToString,
@@ -171,6 +176,14 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeregisterInstance(self, request, context):
+        """Leave the deployment at shutdown: revoke the lease at once, so the other
+        instances take the sessions over without waiting for the TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListInstances(self, request, context):
         """List the live instances of an exact deployment.
         """
@@ -259,6 +272,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.KeepAliveInstance,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.SerializeToString,
+            ),
+            'DeregisterInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterInstance,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -509,6 +527,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/KeepAliveInstance',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.KeepAliveInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/DeregisterInstance',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

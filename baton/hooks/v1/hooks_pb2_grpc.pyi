@@ -55,6 +55,10 @@ class HookRegistryServiceStub:
     """Register an owner instance of a deployment under an etcd lease."""
     KeepAliveInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.KeepAliveInstanceRequest, _hooks_pb2.KeepAliveInstanceResponse]
     """Keep an instance's lease alive; a TTL of 0 means it expired."""
+    DeregisterInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DeregisterInstanceRequest, _hooks_pb2.DeregisterInstanceResponse]
+    """Leave the deployment at shutdown: revoke the lease at once, so the other
+    instances take the sessions over without waiting for the TTL.
+    """
     ListInstances: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]
     """List the live instances of an exact deployment."""
     ListInstanceSessions: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstanceSessionsRequest, _hooks_pb2.ListInstanceSessionsResponse]
@@ -102,6 +106,10 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """Register an owner instance of a deployment under an etcd lease."""
     KeepAliveInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.KeepAliveInstanceRequest, _hooks_pb2.KeepAliveInstanceResponse]  # type: ignore[assignment]
     """Keep an instance's lease alive; a TTL of 0 means it expired."""
+    DeregisterInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DeregisterInstanceRequest, _hooks_pb2.DeregisterInstanceResponse]  # type: ignore[assignment]
+    """Leave the deployment at shutdown: revoke the lease at once, so the other
+    instances take the sessions over without waiting for the TTL.
+    """
     ListInstances: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]  # type: ignore[assignment]
     """List the live instances of an exact deployment."""
     ListInstanceSessions: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListInstanceSessionsRequest, _hooks_pb2.ListInstanceSessionsResponse]  # type: ignore[assignment]
@@ -194,6 +202,16 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_hooks_pb2.KeepAliveInstanceResponse, _abc.Awaitable[_hooks_pb2.KeepAliveInstanceResponse]]:
         """Keep an instance's lease alive; a TTL of 0 means it expired."""
+
+    @_abc_1.abstractmethod
+    def DeregisterInstance(
+        self,
+        request: _hooks_pb2.DeregisterInstanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.DeregisterInstanceResponse, _abc.Awaitable[_hooks_pb2.DeregisterInstanceResponse]]:
+        """Leave the deployment at shutdown: revoke the lease at once, so the other
+        instances take the sessions over without waiting for the TTL.
+        """
 
     @_abc_1.abstractmethod
     def ListInstances(
