@@ -167,10 +167,11 @@ class Journal:
     async def snapshot(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         ids.validate_session_id(session_id)
         response = await self._store.txn([], [op_get(self._keys.snapshot(session_id))], [])
-        value = single_value(response.responses[0])
-        if value is None:
+        kvs = response.responses[0].response_range.kvs
+        if not kvs:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} has no snapshot")
-        return s.SessionSnapshot.FromString(value), response.header.revision
+        # The snapshot key's own revision: what the next commit must compare.
+        return s.SessionSnapshot.FromString(kvs[0].value), kvs[0].mod_revision
 
     async def read(
         self, session_id: str, start_seq: int, follow: bool

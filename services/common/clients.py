@@ -156,9 +156,13 @@ class AnchorClient(_Client):
         return await _unary(self.stub.CommitStep(request, timeout=self.timeout))
 
     async def snapshot(self, session_id: str) -> s.SessionSnapshot:
+        return (await self.snapshot_with_revision(session_id))[0]
+
+    async def snapshot_with_revision(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
+        """The snapshot and its key's mod revision (the next commit's expected one)."""
         request = anchor_pb.GetSnapshotRequest(session_id=session_id)
         response = await _unary(self.stub.GetSnapshot(request, timeout=self.timeout))
-        return response.snapshot
+        return response.snapshot, response.revision
 
     def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False

@@ -338,11 +338,8 @@ class OwnerHost:
 
     async def _run_from_snapshot(self, fence: s.Fence) -> None:
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
-        revision: int | None
         try:
-            # GetSnapshot's revision is the store's at the read, not the
-            # snapshot key's own: commits of this run skip that compare.
-            snapshot, revision = await self.anchor.snapshot(fence.session_id), None
+            snapshot, revision = await self.anchor.snapshot_with_revision(fence.session_id)
         except NotFound:
             snapshot, revision = await self._first_snapshot(identity)
         if snapshot.status == s.SESSION_STATUS_FINALIZED:

@@ -126,7 +126,9 @@ class GetSnapshotResponse(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
-    """The etcd revision of the snapshot."""
+    """The etcd mod revision of the snapshot key: pass it as the next commit's
+    expected_snapshot_revision.
+    """
     @_builtins.property
     def snapshot(self) -> _session_pb2.SessionSnapshot:
         """The snapshot."""
