@@ -23,11 +23,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port that is free now and that this process has not handed
+    out before (the kernel may offer the same port to consecutive binds, and
+    two services given one port would meet: one fails to bind, and calls
+    meant for it reach the other)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def find_etcd() -> str:

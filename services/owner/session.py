@@ -90,7 +90,9 @@ def initial_snapshot(
         limits=s.Limits(token_budget=token_budget),
     )
     if timeout_seconds:
+        # The deadline is committed with session.started: it survives restarts.
         snapshot.timeout.duration_seconds = timeout_seconds
+        snapshot.timeout.deadline.FromSeconds(int(time.time()) + timeout_seconds)
     return snapshot
 
 
