@@ -22,7 +22,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
 _HANDED_OUT: set[int] = set()
 
 

@@ -12,6 +12,7 @@ disposal, the token-index entries pointing at that session):
     {root}s/{sid}/ev/{seq:020d}    Event                      the public stream
     {root}s/{sid}/evm              "{last seq}"               commit marker, put last by a commit
     {root}s/{sid}/snap             SessionSnapshot            the last committed snapshot
+    {root}s/{sid}/xfer/{handoff}   Transfer JSON              the outcome of an applied handoff
     {root}s/{sid}/closed           "{terminal seq}"           present once the stream closed
     {root}t/{token}                TokenRecord JSON           token index: token -> session
 
@@ -98,6 +99,9 @@ class Keys:
 
     def commit_marker(self, session_id: str) -> bytes:
         return self._s(session_id, "evm")
+
+    def transfer(self, session_id: str, handoff_id: str) -> bytes:
+        return self._s(session_id, f"xfer/{handoff_id}")
 
     def snapshot(self, session_id: str) -> bytes:
         return self._s(session_id, "snap")

@@ -10,6 +10,7 @@ from services.hooks.config import HooksConfig
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.servicer import HookRegistryServicer
+from services.hooks.transfer import Transfers
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 
@@ -19,7 +20,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     await store.connect()
     keys = Keys(config.etcd.prefix)
     registry = HookRegistry(store, keys)
-    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys))
+    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys), Transfers(store, keys))
     server = build_server(
         config.listen,
         [

@@ -15,6 +15,7 @@ from services.common.errors import InvalidArgument, Reason
 from services.common.keys import InstanceRecord
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
+from services.hooks.transfer import Transfers
 
 
 def _require_fence(fence: object, present: bool) -> None:
@@ -23,9 +24,44 @@ def _require_fence(fence: object, present: bool) -> None:
 
 
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
-    def __init__(self, registry: HookRegistry, instances: InstanceRegistry) -> None:
+    def __init__(
+        self, registry: HookRegistry, instances: InstanceRegistry, transfers: Transfers
+    ) -> None:
         self._registry = registry
         self._instances = instances
+        self._transfers = transfers
+
+    async def Transfer(
+        self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferResponse:
+        for name in ("expected", "expected_owner", "successor"):
+            if not request.HasField(name):
+                raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
+        structlog.contextvars.bind_contextvars(
+            session_id=request.expected.session_id,
+            run_id=request.expected.owner_run_id,
+            handoff_id=request.handoff_id,
+        )
+        outcome, replayed = await self._transfers.transfer(
+            request.handoff_id,
+            request.expected,
+            request.expected_owner,
+            request.successor,
+            list(request.hooks),
+            request.trigger_seq,
+        )
+        return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
+
+    async def GetTransfer(
+        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTransferResponse:
+        structlog.contextvars.bind_contextvars(
+            session_id=request.session_id, handoff_id=request.handoff_id
+        )
+        outcome = await self._transfers.get(request.session_id, request.handoff_id)
+        return pb.GetTransferResponse(
+            fence=outcome.fence, successor=outcome.successor, trigger_seq=outcome.trigger_seq
+        )
 
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext

@@ -912,3 +912,141 @@ class StreamInboxResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamInboxResponse: _TypeAlias = StreamInboxResponse  # noqa: Y015
+
+@_typing.final
+class TransferRequest(_message.Message):
+    """TransferRequest hands a session to a successor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
+    EXPECTED_OWNER_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_FIELD_NUMBER: _builtins.int
+    HOOKS_FIELD_NUMBER: _builtins.int
+    TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    """Names the handoff; replays with the same id return the same result."""
+    trigger_seq: _builtins.int
+    """The inbox seq of the triggering delivery; it must be the inbox head."""
+    @_builtins.property
+    def expected(self) -> _session_pb2.Fence:
+        """The current owner's fence."""
+
+    @_builtins.property
+    def expected_owner(self) -> _session_pb2.OwnerIdentity:
+        """The current owner (run, deployment, instance)."""
+
+    @_builtins.property
+    def successor(self) -> _session_pb2.OwnerIdentity:
+        """The successor; its deployment must be an exact id."""
+
+    @_builtins.property
+    def hooks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The session's exact claimed hook set, as the owner knows it."""
+
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        expected: _session_pb2.Fence | None = ...,
+        expected_owner: _session_pb2.OwnerIdentity | None = ...,
+        successor: _session_pb2.OwnerIdentity | None = ...,
+        hooks: _abc.Iterable[_builtins.str] | None = ...,
+        trigger_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "successor", b"successor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferRequest: _TypeAlias = TransferRequest  # noqa: Y015
+
+@_typing.final
+class TransferResponse(_message.Message):
+    """TransferResponse is the successor's fence."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.bool
+    """True when this answers a replay of an applied transfer."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The successor's fence (epoch + 1)."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "replayed", b"replayed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferResponse: _TypeAlias = TransferResponse  # noqa: Y015
+
+@_typing.final
+class GetTransferRequest(_message.Message):
+    """GetTransferRequest names a handoff."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    handoff_id: _builtins.str
+    """The handoff id."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        handoff_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_id", b"handoff_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTransferRequest: _TypeAlias = GetTransferRequest  # noqa: Y015
+
+@_typing.final
+class GetTransferResponse(_message.Message):
+    """GetTransferResponse is the recorded outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_FIELD_NUMBER: _builtins.int
+    TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    trigger_seq: _builtins.int
+    """The trigger's inbox seq."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The successor's fence."""
+
+    @_builtins.property
+    def successor(self) -> _session_pb2.OwnerIdentity:
+        """The successor."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        successor: _session_pb2.OwnerIdentity | None = ...,
+        trigger_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "successor", b"successor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTransferResponse: _TypeAlias = GetTransferResponse  # noqa: Y015

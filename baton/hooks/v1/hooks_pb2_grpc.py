@@ -106,6 +106,16 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
                 _registered_method=True)
+        self.Transfer = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/Transfer',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferResponse.FromString,
+                _registered_method=True)
+        self.GetTransfer = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/GetTransfer',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.FromString,
+                _registered_method=True)
         self.WatchInstances = channel.unary_stream(
                 '/baton.hooks.v1.HookRegistryService/WatchInstances',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
@@ -221,6 +231,24 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transfer(self, request, context):
+        """Hand a session to a successor on another (exact) deployment in one etcd
+        transaction: compares the owner's fence, the exact claimed hook set, that
+        the trigger is still the inbox head, and that the handoff id is unused;
+        writes the successor with epoch + 1 and the result under the handoff id.
+        A replay of the same handoff id returns the same result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTransfer(self, request, context):
+        """Look up the outcome of a transfer by its handoff id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchInstances(self, request, context):
         """Stream the live instances of an exact deployment: the full set first,
         then again after every change, with the instances that died owning
@@ -302,6 +330,16 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchBells,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.SerializeToString,
+            ),
+            'Transfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferResponse.SerializeToString,
+            ),
+            'GetTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransfer,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.SerializeToString,
             ),
             'WatchInstances': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchInstances,
@@ -689,6 +727,60 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/WatchBells',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchBellsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/Transfer',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.TransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/GetTransfer',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,15 @@ class HookRegistryServiceStub:
     """
     WatchBells: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]
     """Stream "session X has new input" for the parked sessions of one instance."""
+    Transfer: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.TransferRequest, _hooks_pb2.TransferResponse]
+    """Hand a session to a successor on another (exact) deployment in one etcd
+    transaction: compares the owner's fence, the exact claimed hook set, that
+    the trigger is still the inbox head, and that the handoff id is unused;
+    writes the successor with epoch + 1 and the result under the handoff id.
+    A replay of the same handoff id returns the same result.
+    """
+    GetTransfer: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]
+    """Look up the outcome of a transfer by its handoff id."""
     WatchInstances: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]
     """Stream the live instances of an exact deployment: the full set first,
     then again after every change, with the instances that died owning
@@ -124,6 +133,15 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """
     WatchBells: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchBellsRequest, _hooks_pb2.WatchBellsResponse]  # type: ignore[assignment]
     """Stream "session X has new input" for the parked sessions of one instance."""
+    Transfer: _aio.UnaryUnaryMultiCallable[_hooks_pb2.TransferRequest, _hooks_pb2.TransferResponse]  # type: ignore[assignment]
+    """Hand a session to a successor on another (exact) deployment in one etcd
+    transaction: compares the owner's fence, the exact claimed hook set, that
+    the trigger is still the inbox head, and that the handoff id is unused;
+    writes the successor with epoch + 1 and the result under the handoff id.
+    A replay of the same handoff id returns the same result.
+    """
+    GetTransfer: _aio.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]  # type: ignore[assignment]
+    """Look up the outcome of a transfer by its handoff id."""
     WatchInstances: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]  # type: ignore[assignment]
     """Stream the live instances of an exact deployment: the full set first,
     then again after every change, with the instances that died owning
@@ -256,6 +274,27 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_hooks_pb2.WatchBellsResponse], _abc.AsyncIterator[_hooks_pb2.WatchBellsResponse]]:
         """Stream "session X has new input" for the parked sessions of one instance."""
+
+    @_abc_1.abstractmethod
+    def Transfer(
+        self,
+        request: _hooks_pb2.TransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.TransferResponse, _abc.Awaitable[_hooks_pb2.TransferResponse]]:
+        """Hand a session to a successor on another (exact) deployment in one etcd
+        transaction: compares the owner's fence, the exact claimed hook set, that
+        the trigger is still the inbox head, and that the handoff id is unused;
+        writes the successor with epoch + 1 and the result under the handoff id.
+        A replay of the same handoff id returns the same result.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTransfer(
+        self,
+        request: _hooks_pb2.GetTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.GetTransferResponse, _abc.Awaitable[_hooks_pb2.GetTransferResponse]]:
+        """Look up the outcome of a transfer by its handoff id."""
 
     @_abc_1.abstractmethod
     def WatchInstances(

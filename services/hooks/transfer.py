@@ -1,0 +1,183 @@
+"""The atomic handoff primitive (DESIGN.md §6, step 3).
+
+One etcd transaction inside one session's keys moves the whole session — its
+fence, owner record and ownership index entry — to a successor on an exact
+deployment. Tokens map to sessions, not runs, so no token-index entry changes;
+the session's own record of its claim set is what the transaction compares.
+The outcome is recorded under the handoff id in the same transaction, so a
+replay returns the same result and an uncertain outcome can be looked up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    Fenced,
+    NotFound,
+    Reason,
+)
+from services.common.etcd import (
+    Store,
+    cmp_absent,
+    cmp_value,
+    op_delete,
+    op_get,
+    op_put,
+    single_value,
+)
+from services.common.keys import Keys, OwnerRecord, canonical_json, fence_value
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    """What a transfer recorded under its handoff id."""
+
+    fence: s.Fence
+    successor: s.OwnerIdentity
+    trigger_seq: int
+
+    def encode(self) -> bytes:
+        return canonical_json(
+            {
+                "deployment_id": self.successor.deployment_id,
+                "epoch": self.fence.epoch,
+                "instance_id": self.successor.instance_id,
+                "owner_run_id": self.successor.owner_run_id,
+                "trigger_seq": self.trigger_seq,
+            }
+        )
+
+    @classmethod
+    def decode(cls, session_id: str, value: bytes) -> TransferOutcome:
+        data = json.loads(value)
+        successor = s.OwnerIdentity(
+            owner_run_id=data["owner_run_id"],
+            deployment_id=data["deployment_id"],
+            instance_id=data["instance_id"],
+        )
+        fence = s.Fence(
+            session_id=session_id, owner_run_id=successor.owner_run_id, epoch=data["epoch"]
+        )
+        return cls(fence=fence, successor=successor, trigger_seq=int(data["trigger_seq"]))
+
+
+class Transfers:
+    """Transfer and GetTransfer over one etcd store."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+
+    async def transfer(
+        self,
+        handoff_id: str,
+        expected: s.Fence,
+        expected_owner: s.OwnerIdentity,
+        successor: s.OwnerIdentity,
+        hooks: list[str],
+        trigger_seq: int,
+    ) -> tuple[TransferOutcome, bool]:
+        """Returns (outcome, replayed). Nothing is written unless every compare
+        holds; each refusal names its reason."""
+        sid = ids.validate_session_id(expected.session_id)
+        ids.validate_id(handoff_id, "handoff_id")
+        ids.validate_deployment_id(expected_owner.deployment_id)
+        ids.validate_deployment_id(successor.deployment_id)
+        ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
+        ids.validate_id(successor.instance_id, "successor.instance_id")
+        ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
+        k = self._keys
+        expected_fence = fence_value(expected.epoch, expected.owner_run_id)
+        epoch = expected.epoch + 1
+        outcome = TransferOutcome(
+            fence=s.Fence(session_id=sid, owner_run_id=successor.owner_run_id, epoch=epoch),
+            successor=successor,
+            trigger_seq=trigger_seq,
+        )
+        record = OwnerRecord(
+            owner_run_id=successor.owner_run_id,
+            deployment_id=successor.deployment_id,
+            instance_id=successor.instance_id,
+            epoch=epoch,
+        )
+        claimed = canonical_json(list(hooks))
+        response = await self._store.txn(
+            [
+                cmp_value(k.fence(sid), expected_fence),
+                cmp_value(k.hooks(sid), claimed),
+                cmp_value(k.inbox_head(sid), str(trigger_seq + 1).encode()),
+                cmp_absent(k.closed(sid)),
+                cmp_absent(k.transfer(sid, handoff_id)),
+            ],
+            [
+                op_put(k.fence(sid), fence_value(epoch, successor.owner_run_id)),
+                op_put(k.owner(sid), record.encode()),
+                op_delete(k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)),
+                op_put(
+                    k.owned(successor.deployment_id, successor.instance_id, sid),
+                    fence_value(epoch, successor.owner_run_id),
+                ),
+                op_delete(k.bell(expected_owner.instance_id, sid)),
+                op_put(k.transfer(sid, handoff_id), outcome.encode()),
+            ],
+            [
+                op_get(k.transfer(sid, handoff_id)),
+                op_get(k.fence(sid)),
+                op_get(k.hooks(sid)),
+                op_get(k.inbox_head(sid)),
+                op_get(k.closed(sid)),
+            ],
+        )
+        if response.succeeded:
+            return outcome, False
+        stored, fence_now, hooks_now, head_now, closed = (
+            single_value(r) for r in response.responses
+        )
+        if stored is not None:
+            previous = TransferOutcome.decode(sid, stored)
+            if previous.successor.owner_run_id != successor.owner_run_id:
+                raise AlreadyExists(
+                    Reason.HANDOFF_ID_REUSED,
+                    f"handoff {handoff_id} already moved session {sid} to run "
+                    f"{previous.successor.owner_run_id}",
+                )
+            return previous, True
+        if fence_now is None:
+            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {sid} not found")
+        if fence_now != expected_fence:
+            raise Fenced(
+                f"run {expected.owner_run_id} epoch {expected.epoch} no longer owns {sid}",
+                session_id=sid,
+            )
+        if closed is not None:
+            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+        if head_now != str(trigger_seq + 1).encode():
+            raise Aborted(
+                Reason.LATER_ARRIVAL,
+                f"the inbox head is {head_now.decode() if head_now else '?'}, "
+                f"not {trigger_seq + 1}: the trigger is not the last arrival",
+            )
+        raise Aborted(
+            Reason.HOOKS_CHANGED,
+            f"the claimed hook set is {(hooks_now or b'').decode()}, not {claimed.decode()}",
+        )
+
+    async def get(self, session_id: str, handoff_id: str) -> TransferOutcome:
+        ids.validate_session_id(session_id)
+        ids.validate_id(handoff_id, "handoff_id")
+        response = await self._store.txn(
+            [], [op_get(self._keys.transfer(session_id, handoff_id))], []
+        )
+        value = single_value(response.responses[0])
+        if value is None:
+            raise NotFound(
+                Reason.TRANSFER_NOT_FOUND, f"no transfer {handoff_id} of session {session_id}"
+            )
+        return TransferOutcome.decode(session_id, value)

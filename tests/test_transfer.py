@@ -1,0 +1,204 @@
+"""The atomic handoff primitive on hooks (DESIGN.md §6 step 3): one etcd txn
+moves a session to a successor on an exact deployment, or writes nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aetcd
+import grpc
+import pytest
+
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.hooks.v1 import hooks_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.etcd import parse_endpoint
+from services.common.grpc_errors import from_rpc_error
+from services.common.keys import Keys, OwnerRecord, parse_fence
+from tests.stack import Stack
+
+
+@dataclass
+class Env:
+    stack: Stack
+    etcd: aetcd.Client
+    keys: Keys
+    hooks: hooks_pb2_grpc.HookRegistryServiceStub
+
+
+@pytest.fixture
+async def env(stack: Stack) -> AsyncIterator[Env]:
+    host, port = parse_endpoint(stack.etcd.endpoint)
+    client = aetcd.Client(host=host, port=port, timeout=5)
+    channel = grpc.aio.insecure_channel(stack.addr(stack.hooks))
+    try:
+        yield Env(
+            stack, client, Keys(stack.etcd.prefix), hooks_pb2_grpc.HookRegistryServiceStub(channel)
+        )
+    finally:
+        await channel.close()
+        await client.close()
+
+
+async def dump(env: Env, session_id: str) -> dict[bytes, tuple[bytes, int]]:
+    """Every key of the session, its index entries and tokens, with mod revisions."""
+    out: dict[bytes, tuple[bytes, int]] = {}
+    for prefix in (f"{env.keys.root}s/{session_id}/", f"{env.keys.root}i/", f"{env.keys.root}t/"):
+        for kv in await env.etcd.get_prefix(prefix.encode()):
+            out[kv.key] = (kv.value, kv.mod_revision)
+    return out
+
+
+async def current(env: Env, session_id: str) -> tuple[s.Fence, s.OwnerIdentity, list[str], int]:
+    fence_raw = await env.etcd.get(env.keys.fence(session_id))
+    owner_raw = await env.etcd.get(env.keys.owner(session_id))
+    hooks_raw = await env.etcd.get(env.keys.hooks(session_id))
+    head_raw = await env.etcd.get(env.keys.inbox_head(session_id))
+    assert fence_raw and owner_raw and hooks_raw and head_raw
+    epoch, run = parse_fence(fence_raw.value)
+    record = OwnerRecord.decode(owner_raw.value)
+    owner = s.OwnerIdentity(
+        owner_run_id=run, deployment_id=record.deployment_id, instance_id=record.instance_id
+    )
+    return (
+        s.Fence(session_id=session_id, owner_run_id=run, epoch=epoch),
+        owner,
+        json.loads(hooks_raw.value),
+        int(head_raw.value),
+    )
+
+
+SUCCESSOR = s.OwnerIdentity(owner_run_id="run_b1", deployment_id="dep-b", instance_id="dep-b-i1")
+
+
+def request(
+    fence: s.Fence, owner: s.OwnerIdentity, hooks: list[str], trigger: int, handoff: str = "h1"
+) -> hooks_pb.TransferRequest:
+    return hooks_pb.TransferRequest(
+        handoff_id=handoff,
+        expected=fence,
+        expected_owner=owner,
+        successor=SUCCESSOR,
+        hooks=hooks,
+        trigger_seq=trigger,
+    )
+
+
+async def expect(call: object, code: grpc.StatusCode, reason: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    assert info.value.code() == code
+    assert from_rpc_error(info.value).reason == reason
+
+
+async def session_with_trigger(env: Env) -> tuple[str, s.Fence, s.OwnerIdentity, list[str], int]:
+    sid = await env.stack.create(aliases=["shop-1"])
+    await env.stack.send(sid, "hello")
+    await env.stack.events(sid, until=1)
+    fence, owner, hooks, head = await current(env, sid)
+    return sid, fence, owner, hooks, head - 1
+
+
+async def test_transfer_moves_the_session_in_one_step_and_replays(env: Env) -> None:
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    response = await env.hooks.Transfer(request(fence, owner, hooks, trigger), timeout=10)
+    assert response.fence == s.Fence(session_id=sid, owner_run_id="run_b1", epoch=fence.epoch + 1)
+    assert not response.replayed
+    moved, successor, hooks_after, _ = await current(env, sid)
+    assert moved == response.fence
+    assert successor == SUCCESSOR
+    assert hooks_after == hooks  # the claim set travels unchanged
+    index = env.keys.owned(owner.deployment_id, owner.instance_id, sid)
+    assert await env.etcd.get(index) is None
+    assert await env.etcd.get(env.keys.owned("dep-b", "dep-b-i1", sid)) is not None
+    # Tokens map to the session, not the run: the alias still resolves.
+    lookup = await env.hooks.LookupHook(
+        hooks_pb.LookupHookRequest(token="slack:shop-1"), timeout=10
+    )
+    assert lookup.session_id == sid
+
+    before = await dump(env, sid)
+    again = await env.hooks.Transfer(request(fence, owner, hooks, trigger), timeout=10)
+    assert again.replayed and again.fence == response.fence
+    assert await dump(env, sid) == before, "a replay wrote to etcd"
+    found = await env.hooks.GetTransfer(
+        hooks_pb.GetTransferRequest(session_id=sid, handoff_id="h1"), timeout=10
+    )
+    assert found.fence == response.fence and found.successor == SUCCESSOR
+    assert found.trigger_seq == trigger
+    # The old owner's run is fenced: its next commit would be refused.
+    await expect(
+        env.hooks.ClaimHooks(
+            hooks_pb.ClaimHooksRequest(fence=fence, tokens=["slack:x"]), timeout=10
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FENCED",
+    )
+
+
+async def test_a_later_arrival_fails_the_transfer_and_writes_nothing(env: Env) -> None:
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    await env.stack.send(sid, "arrived later")
+    await env.stack.events(sid, until=2)
+    fence, owner, hooks, _ = await current(env, sid)
+    before = await dump(env, sid)
+    await expect(
+        env.hooks.Transfer(request(fence, owner, hooks, trigger), timeout=10),
+        grpc.StatusCode.ABORTED,
+        "LATER_ARRIVAL",
+    )
+    assert await dump(env, sid) == before
+    await expect(
+        env.hooks.GetTransfer(
+            hooks_pb.GetTransferRequest(session_id=sid, handoff_id="h1"), timeout=10
+        ),
+        grpc.StatusCode.NOT_FOUND,
+        "TRANSFER_NOT_FOUND",
+    )
+
+
+async def test_a_changed_claim_set_or_stale_fence_fails_and_writes_nothing(env: Env) -> None:
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    before = await dump(env, sid)
+    await expect(
+        env.hooks.Transfer(request(fence, owner, hooks[:1], trigger), timeout=10),
+        grpc.StatusCode.ABORTED,
+        "HOOKS_CHANGED",
+    )
+    stale = s.Fence(session_id=sid, owner_run_id=fence.owner_run_id, epoch=fence.epoch + 5)
+    await expect(
+        env.hooks.Transfer(request(stale, owner, hooks, trigger), timeout=10),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FENCED",
+    )
+    assert await dump(env, sid) == before
+
+
+async def test_transfers_name_exact_deployments(env: Env) -> None:
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    before = await dump(env, sid)
+    for bad in ("", "latest", "LATEST"):
+        req = request(fence, owner, hooks, trigger)
+        req.successor.deployment_id = bad
+        await expect(
+            env.hooks.Transfer(req, timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_DEPLOYMENT_ID",
+        )
+    assert await dump(env, sid) == before
+
+
+async def test_a_reused_handoff_id_for_another_successor_is_refused(env: Env) -> None:
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    await env.hooks.Transfer(request(fence, owner, hooks, trigger), timeout=10)
+    before = await dump(env, sid)
+    other = request(fence, owner, hooks, trigger)
+    other.successor.owner_run_id = "run_b2"
+    await expect(
+        env.hooks.Transfer(other, timeout=10), grpc.StatusCode.ALREADY_EXISTS, "HANDOFF_ID_REUSED"
+    )
+    assert await dump(env, sid) == before
+    assert ids.inbox_token(sid) in hooks
