@@ -8,9 +8,10 @@ from services.cli.processes import EtcdProcess
 from tests.stack import Stack, start_stack, stop_stack
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def etcd_server() -> Iterator[EtcdProcess]:
-    """One real etcd per test session; tests isolate by key prefix."""
+    """One real etcd per test module; tests isolate by key prefix. (Per module,
+    not per session: a module that leaves etcd busy cannot slow the next.)"""
     server = EtcdProcess().start()
     try:
         yield server
@@ -18,7 +19,7 @@ def etcd_server() -> Iterator[EtcdProcess]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def etcd_endpoint(etcd_server: EtcdProcess) -> str:
     return etcd_server.endpoint
 
