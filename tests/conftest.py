@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+import aetcd
 import pytest
 
 from services.cli.processes import EtcdProcess
+from services.common.etcd import parse_endpoint
 from tests.stack import Stack, start_stack, stop_stack
 
 
@@ -31,3 +33,15 @@ async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
         yield running
     finally:
         await stop_stack(running)
+
+
+@pytest.fixture
+async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
+    """A raw etcd client, to inspect what the stack wrote."""
+    host, port = parse_endpoint(stack.etcd.endpoint)
+    client = aetcd.Client(host=host, port=port, timeout=5)
+    await client.connect()
+    try:
+        yield client
+    finally:
+        await client.close()

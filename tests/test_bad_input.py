@@ -5,7 +5,7 @@ the owner does not know."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aetcd
@@ -19,7 +19,6 @@ from services.common import ids
 from services.common.clients import HooksClient, OwnerClient
 from services.common.config import ConfigError
 from services.common.errors import BatonError, InvalidArgument, Reason
-from services.common.etcd import parse_endpoint
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, prefix_end
 from services.ingress.config import IngressConfig
@@ -31,17 +30,6 @@ Code = grpc.StatusCode
 Metadata = tuple[tuple[str, str], ...]
 
 MAX_TEXT = 32 * 1024
-
-
-@pytest.fixture
-async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 State = list[tuple[bytes, bytes, int]]

@@ -4,7 +4,6 @@ delivery-id deduplication (sequential, concurrent, across hooks instances)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aetcd
 import pytest
@@ -13,24 +12,12 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import HooksClient
-from services.common.etcd import parse_endpoint
 from services.common.keys import Keys, prefix_end, seq_of
 from services.hooks.config import HooksConfig
 from services.hooks.server import create_server as create_hooks
 from tests.stack import SLACK, Stack
 
 K = s.EventKind
-
-
-@pytest.fixture
-async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 def received(events: list[s.Event]) -> list[s.Event]:

@@ -24,7 +24,6 @@ from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced
-from services.common.etcd import parse_endpoint
 from services.common.keys import Keys
 from services.common.server import GrpcServer
 from services.hooks.config import HooksConfig
@@ -35,17 +34,6 @@ from tests.procs import answered, check_history, eventually
 from tests.stack import Stack
 
 K = s.EventKind
-
-
-@pytest.fixture
-async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.fixture

@@ -187,20 +187,23 @@ async def test_steer_joins_the_open_turn_and_a_later_message_starts_the_next(
     stack: Stack,
 ) -> None:
     session_id = await stack.create()
-    slow = await stack.send(session_id, "wait 1500", caller="alice")
-    # A different principal, so it can never be merged at turn start: it is
-    # admitted at the model-call boundary after the slow call.
+    # Three steps: two sleeping tool steps, then the answer. Once step 1 is on
+    # the stream, step 2 (a 600 ms tool call) is running: a message sent now
+    # must join this turn at the next model-call boundary.
+    slow = await stack.send(session_id, "sleep 3 600", caller="alice")
+    await follow_until(stack, session_id, lambda ev: STEP_COMPLETED in [e.kind for e in ev])
+    # A different principal, so it can never be merged at turn start.
     steer = await stack.send(session_id, "hello", caller="bob")
     assert (slow.receipt.seq, steer.receipt.seq) == (0, 1)
 
     events = await follow_until(stack, session_id, waits(1))
+    tool_step = [STEP_STARTED, TOOL_CALL, TOOL_RESULT, STEP_COMPLETED]
     assert kinds(events) == names(
         STARTED,
         TURN_STARTED,
         RECEIVED,
-        STEP_STARTED,
-        ANSWERED,
-        STEP_COMPLETED,
+        *tool_step,
+        *tool_step,
         RECEIVED,
         STEP_STARTED,
         ANSWERED,
@@ -213,12 +216,12 @@ async def test_steer_joins_the_open_turn_and_a_later_message_starts_the_next(
     assert {e.turn_id for e in events[1:-1]} == {turn_id}, "steered message left the turn"
     received = of(events, RECEIVED)
     assert [e.inbox_seq for e in received] == [0, 1]
-    assert [e.text for e in received] == ["wait 1500", "hello"]
+    assert [e.text for e in received] == ["sleep 3 600", "hello"]
     assert [e.delivery_id for e in received] == [slow.delivery_id, steer.delivery_id]
-    assert texts(events, ANSWERED) == ["echo: wait 1500", "echo: hello"]
-    assert [e.step for e in of(events, STEP_STARTED)] == [1, 2]
+    assert texts(events, ANSWERED) == ["echo: hello"]
+    assert [e.step for e in of(events, STEP_STARTED)] == [1, 2, 3]
     done = one(events, TURN_COMPLETED)
-    assert done.usage.model_calls == 2, "turn usage must accumulate over both model calls"
+    assert done.usage.model_calls == 3, "turn usage must accumulate over every model call"
     assert done.usage == usage_sum(events)
     assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0
 

@@ -105,6 +105,25 @@ class Edge:
         )
         return response.session_id, response.created
 
+    def _stamp(
+        self, channel: str, delivery_id: str, caller: str, labels: Mapping[str, str]
+    ) -> s.DeliveryMetadata:
+        """Delivery metadata: the caller's ids checked, this deployment stamped
+        (whatever the client sent), a delivery id generated when absent."""
+        if delivery_id:
+            ids.validate_id(delivery_id, "delivery_id")
+        else:
+            delivery_id = ids.new_delivery_id()
+        if caller:
+            ids.validate_id(caller, "caller")
+        return s.DeliveryMetadata(
+            delivery_id=delivery_id,
+            channel=channel,
+            accepted_deployment_id=self.deployment_id,
+            caller=caller,
+            labels=labels,
+        )
+
     def build_send(
         self,
         channel: str,
@@ -131,20 +150,8 @@ class Edge:
             raise InvalidArgument(
                 Reason.INVALID_FIELD, f"at most {MAX_LABELS} labels of {MAX_LABEL_BYTES} bytes"
             )
-        if delivery_id:
-            ids.validate_id(delivery_id, "delivery_id")
-        else:
-            delivery_id = ids.new_delivery_id()
-        if caller:
-            ids.validate_id(caller, "caller")
         return s.Command(
-            delivery=s.DeliveryMetadata(
-                delivery_id=delivery_id,
-                channel=channel,
-                accepted_deployment_id=self.deployment_id,
-                caller=caller,
-                labels=labels,
-            ),
+            delivery=self._stamp(channel, delivery_id, caller, labels),
             send=s.SendCommand(
                 text=text,
                 input_responses=responses,
@@ -163,22 +170,9 @@ class Edge:
         granted: bool,
     ) -> s.Command:
         """A control command (cancel, reset, clear, compact, sign-in callback)."""
-        if delivery_id:
-            ids.validate_id(delivery_id, "delivery_id")
-        else:
-            delivery_id = ids.new_delivery_id()
-        if caller:
-            ids.validate_id(caller, "caller")
         if len(reason) > 1024:
             raise InvalidArgument(Reason.INVALID_FIELD, "reason is longer than 1024 characters")
-        command = s.Command(
-            delivery=s.DeliveryMetadata(
-                delivery_id=delivery_id,
-                channel=channel,
-                accepted_deployment_id=self.deployment_id,
-                caller=caller,
-            )
-        )
+        command = s.Command(delivery=self._stamp(channel, delivery_id, caller, {}))
         if kind == ingress_pb.CONTROL_KIND_CANCEL:
             command.cancel.reason = reason
         elif kind == ingress_pb.CONTROL_KIND_RESET:
