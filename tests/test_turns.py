@@ -315,12 +315,11 @@ async def test_cancel_aborts_the_running_step_and_keeps_what_came_before(
     stack: Stack,
 ) -> None:
     session_id = await stack.create()
-    await stack.send(session_id, "wait 1000", caller="alice")
-    # bob's slow message is steered into the turn right after alice's call:
-    # once alice's answer is on the stream, bob's 3 s model call is running.
-    await stack.send(session_id, "wait 3000", caller="bob")
+    # Two 1.5 s sleeping tool steps, then an answer. Once step 1 is on the
+    # stream, step 2 is running: its model call is done, its tool call sleeps.
+    await stack.send(session_id, "sleep 3 1500")
     before = await follow_until(
-        stack, session_id, lambda ev: "echo: wait 1000" in texts(ev, ANSWERED)
+        stack, session_id, lambda ev: STEP_COMPLETED in [e.kind for e in ev]
     )
     cancel = await control(stack, session_id, CANCEL, reason="changed mind")
 
@@ -328,24 +327,20 @@ async def test_cancel_aborts_the_running_step_and_keeps_what_came_before(
     assert [e.SerializeToString() for e in events[: len(before)]] == [
         e.SerializeToString() for e in before
     ]
+    tool_step = [STEP_STARTED, TOOL_CALL, TOOL_RESULT, STEP_COMPLETED]
     assert kinds(events) == names(
-        STARTED,
-        TURN_STARTED,
-        RECEIVED,
-        STEP_STARTED,
-        ANSWERED,
-        STEP_COMPLETED,
-        RECEIVED,
-        TURN_CANCELLED,
-        WAITING,
+        STARTED, TURN_STARTED, RECEIVED, *tool_step, *tool_step, TURN_CANCELLED, WAITING
     )
     turn_id = one(events, TURN_STARTED).turn_id
     cancelled = one(events, TURN_CANCELLED)
     assert cancelled.turn_id == turn_id
-    assert cancelled.inbox_seq == cancel.receipt.seq == 2
+    assert cancelled.inbox_seq == cancel.receipt.seq == 1
     assert cancelled.delivery_id == cancel.delivery_id
-    # The completed model call is kept; the aborted one is not counted.
-    assert cancelled.usage.model_calls == 1
+    # The aborted step keeps its completed model call; its tool call did not finish.
+    results = of(events, TOOL_RESULT)
+    assert not results[0].tool_result.is_error
+    assert results[1].tool_result.is_error and results[1].tool_result.output == "cancelled"
+    assert cancelled.usage.model_calls == 2
     assert cancelled.usage == usage_sum(events)
 
     after = await stack.send(session_id, "after cancel")
@@ -357,10 +352,10 @@ async def test_cancel_aborts_the_running_step_and_keeps_what_came_before(
     assert one(rest, RECEIVED).inbox_seq == after.receipt.seq
     assert texts(rest, ANSWERED) == ["echo: after cancel"]
 
-    # The aborted 3 s model call never produced an answer, ever.
+    # The aborted turn never produced an answer, ever.
     everything = await read_all(stack, session_id)
     assert_gapless(everything)
-    assert "echo: wait 3000" not in texts(everything, ANSWERED)
+    assert [t for t in texts(everything, ANSWERED) if "sleep" in t or "result" in t] == []
     assert [e.SerializeToString() for e in everything[: len(events)]] == [
         e.SerializeToString() for e in events
     ]
