@@ -57,7 +57,9 @@ async def current(env: Env, session_id: str) -> tuple[s.Fence, s.OwnerIdentity, 
     owner_raw = await env.etcd.get(env.keys.owner(session_id))
     hooks_raw = await env.etcd.get(env.keys.hooks(session_id))
     head_raw = await env.etcd.get(env.keys.inbox_head(session_id))
-    assert fence_raw and owner_raw and hooks_raw and head_raw
+    snapshot_raw = await env.etcd.get(env.keys.snapshot(session_id))
+    assert fence_raw and owner_raw and hooks_raw and head_raw and snapshot_raw
+    REVISIONS[session_id] = snapshot_raw.mod_revision
     epoch, run = parse_fence(fence_raw.value)
     record = OwnerRecord.decode(owner_raw.value)
     owner = s.OwnerIdentity(
@@ -74,6 +76,9 @@ async def current(env: Env, session_id: str) -> tuple[s.Fence, s.OwnerIdentity, 
 SUCCESSOR = s.OwnerIdentity(owner_run_id="run_b1", deployment_id="dep-b", instance_id="dep-b-i1")
 
 
+REVISIONS: dict[str, int] = {}  # session -> its snapshot's mod revision, read by `current`
+
+
 def request(
     fence: s.Fence, owner: s.OwnerIdentity, hooks: list[str], trigger: int, handoff: str = "h1"
 ) -> hooks_pb.TransferRequest:
@@ -84,6 +89,7 @@ def request(
         successor=SUCCESSOR,
         hooks=hooks,
         trigger_seq=trigger,
+        snapshot_revision=REVISIONS[fence.session_id],
     )
 
 
@@ -202,3 +208,19 @@ async def test_a_reused_handoff_id_for_another_successor_is_refused(env: Env) ->
     )
     assert await dump(env, sid) == before
     assert ids.inbox_token(sid) in hooks
+
+
+async def test_a_commit_since_the_checkpoint_fails_the_transfer(env: Env) -> None:
+    """The old owner committed after the checkpoint (e.g. it processed the
+    trigger after a refused replay): a late copy of the transfer cannot land."""
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    stale = request(fence, owner, hooks, trigger)
+    stale.snapshot_revision -= 1
+    before = await dump(env, sid)
+    await expect(env.hooks.Transfer(stale, timeout=10), grpc.StatusCode.ABORTED, "STALE_CHECKPOINT")
+    missing = request(fence, owner, hooks, trigger)
+    missing.snapshot_revision = 0
+    await expect(
+        env.hooks.Transfer(missing, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, "MISSING_FIELD"
+    )
+    assert await dump(env, sid) == before

@@ -44,6 +44,10 @@ def new_run_id() -> str:
     return "run_" + _ulid_like()
 
 
+def new_handoff_id() -> str:
+    return "ho_" + _ulid_like()
+
+
 def new_delivery_id() -> str:
     return "dlv_" + _ulid_like()
 

@@ -49,6 +49,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             request.successor,
             list(request.hooks),
             request.trigger_seq,
+            request.snapshot_revision,
         )
         return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
 

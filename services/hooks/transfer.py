@@ -20,12 +20,14 @@ from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     Fenced,
+    InvalidArgument,
     NotFound,
     Reason,
 )
 from services.common.etcd import (
     Store,
     cmp_absent,
+    cmp_mod,
     cmp_value,
     op_delete,
     op_get,
@@ -83,10 +85,20 @@ class Transfers:
         successor: s.OwnerIdentity,
         hooks: list[str],
         trigger_seq: int,
+        snapshot_revision: int,
     ) -> tuple[TransferOutcome, bool]:
         """Returns (outcome, replayed). Nothing is written unless every compare
-        holds; each refusal names its reason."""
+        holds; each refusal names its reason.
+
+        Every refusal is final: the fence and the snapshot revision never come
+        back, the inbox head only grows. So once a (replayed) request is
+        refused, an earlier copy of it still in flight cannot commit either,
+        and the old owner may process the trigger itself."""
         sid = ids.validate_session_id(expected.session_id)
+        if snapshot_revision <= 0:
+            raise InvalidArgument(
+                Reason.MISSING_FIELD, "snapshot_revision (the checkpoint) is required"
+            )
         ids.validate_id(handoff_id, "handoff_id")
         ids.validate_deployment_id(expected_owner.deployment_id)
         ids.validate_deployment_id(successor.deployment_id)
@@ -113,6 +125,7 @@ class Transfers:
                 cmp_value(k.fence(sid), expected_fence),
                 cmp_value(k.hooks(sid), claimed),
                 cmp_value(k.inbox_head(sid), str(trigger_seq + 1).encode()),
+                cmp_mod(k.snapshot(sid), snapshot_revision),
                 cmp_absent(k.closed(sid)),
                 cmp_absent(k.transfer(sid, handoff_id)),
             ],
@@ -133,13 +146,16 @@ class Transfers:
                 op_get(k.hooks(sid)),
                 op_get(k.inbox_head(sid)),
                 op_get(k.closed(sid)),
+                op_get(k.snapshot(sid), keys_only=True),
             ],
         )
         if response.succeeded:
             return outcome, False
         stored, fence_now, hooks_now, head_now, closed = (
-            single_value(r) for r in response.responses
+            single_value(r) for r in response.responses[:5]
         )
+        snapshot_kvs = response.responses[5].response_range.kvs
+        snapshot_now = snapshot_kvs[0].mod_revision if snapshot_kvs else 0
         if stored is not None:
             previous = TransferOutcome.decode(sid, stored)
             if previous.successor.owner_run_id != successor.owner_run_id:
@@ -163,6 +179,12 @@ class Transfers:
                 Reason.LATER_ARRIVAL,
                 f"the inbox head is {head_now.decode() if head_now else '?'}, "
                 f"not {trigger_seq + 1}: the trigger is not the last arrival",
+            )
+        if snapshot_now != snapshot_revision:
+            raise Aborted(
+                Reason.STALE_CHECKPOINT,
+                f"the session committed since the checkpoint (snapshot revision "
+                f"{snapshot_now}, not {snapshot_revision})",
             )
         raise Aborted(
             Reason.HOOKS_CHANGED,

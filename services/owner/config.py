@@ -48,6 +48,9 @@ class OwnerConfig:
     # Exit the process (non-zero) when the lease is lost, so a supervisor
     # restarts it; in-process (tests) the host only stops its runs.
     exit_on_lease_loss: bool = False
+    # Snapshot format versions this build reads; a handoff whose checkpoint
+    # has another format is refused (the old owner keeps the session).
+    snapshot_formats: frozenset[int] = frozenset({1})
 
     @property
     def keepalive_every(self) -> float:
@@ -94,6 +97,12 @@ class OwnerConfig:
                     "address others reach this instance at (default: listen host + port)",
                     "",
                 ),
+                Setting(
+                    "--snapshot-formats",
+                    "BATON_OWNER_SNAPSHOT_FORMATS",
+                    "snapshot format versions this build reads, comma-separated",
+                    "1",
+                ),
                 *COMMON_SETTINGS,
             ),
             argv,
@@ -103,6 +112,15 @@ class OwnerConfig:
             deployment_id = validate_deployment_id(values["deployment_id"])
         except BatonError as exc:
             raise ConfigError(f"services.owner: {exc.message}") from exc
+        try:
+            formats = frozenset(int(f) for f in values["snapshot_formats"].split(",") if f.strip())
+        except ValueError as exc:
+            raise ConfigError(
+                f"services.owner: --snapshot-formats must be integers, "
+                f"not {values['snapshot_formats']!r}"
+            ) from exc
+        if not formats:
+            raise ConfigError("services.owner: --snapshot-formats names no format")
         return cls(
             listen=values["listen"],
             deployment_id=deployment_id,
@@ -117,4 +135,5 @@ class OwnerConfig:
             park_after=as_float(values, "park_after") or None,
             advertise=values["advertise"],
             exit_on_lease_loss=True,
+            snapshot_formats=formats,
         )

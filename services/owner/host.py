@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
@@ -43,7 +44,9 @@ from services.common.errors import (
     Unavailable,
 )
 from services.owner.agent import Agent
+from services.owner.handoff import HandoffBroker
 from services.owner.session import (
+    SNAPSHOT_FORMAT,
     RunExit,
     RunIdentity,
     SessionRun,
@@ -83,6 +86,7 @@ class OwnerHost:
         *,
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
+        readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT}),
     ) -> None:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
         self.instance_id = ids.validate_id(instance_id, "instance_id")
@@ -102,6 +106,14 @@ class OwnerHost:
         self._ready = asyncio.Event()
         self._stopped = False
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
+        self.handoffs = HandoffBroker(
+            self.deployment_id,
+            self.instance_id,
+            hooks,
+            anchor,
+            self._launch_transferred,
+            readable_formats=readable_formats,
+        )
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -127,6 +139,7 @@ class OwnerHost:
         instance shuts down: other instances take them over). Later
         StartSession calls are refused."""
         self._stopped = True
+        await self.handoffs.close()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -222,6 +235,7 @@ class OwnerHost:
             self.anchor,
             park_after=self.park_after,
             snapshot_revision=revision,
+            hand_off=self.handoffs.hand_off,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -256,6 +270,30 @@ class OwnerHost:
             )
         else:
             self._bells.pop(sid, None)
+
+    # -- handoffs to this deployment ------------------------------------------------
+
+    async def prepare_handoff(self, request: owner_pb.PrepareHandoffRequest) -> s.OwnerIdentity:
+        await self._wait_ready()
+        return await self.handoffs.prepare(request)
+
+    def _launch_transferred(
+        self, fence: s.Fence, snapshot: s.SessionSnapshot, revision: int | None
+    ) -> None:
+        """Run a session transferred here: from its candidate's checkpoint,
+        or (no candidate) from the last committed snapshot."""
+        sid = fence.session_id
+        if self._stopped:
+            return
+        running = self.runs.get(sid)
+        if running is not None and running.run_id == fence.owner_run_id:
+            return
+        if sid in self._activating or sid in self.parked:
+            return
+        if not snapshot.session_id:
+            self._start_activation(fence)
+            return
+        self._launch(RunIdentity(fence, self.deployment_id, self.instance_id), snapshot, revision)
 
     # -- parking and bells -------------------------------------------------------
 

@@ -49,6 +49,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         hooks,
         anchor,
         park_after=config.park_after,
+        readable_formats=config.snapshot_formats,
     )
     servicer = OwnerServicer(host)
     server = build_server(

@@ -28,7 +28,7 @@ import collections
 import enum
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -59,6 +59,7 @@ class RunExit(enum.Enum):
     FENCED = "fenced"
     FINALIZED = "finalized"
     PARKED = "parked"
+    HANDED_OFF = "handed_off"
     FAILED = "failed"
 
 
@@ -124,6 +125,10 @@ class _StepProgress:
     aborted: bool = False
 
 
+HandOff = Callable[["SessionRun", s.InboxEntry], Awaitable[bool]]
+"""Tries to move a run's session to the deployment that accepted a trigger."""
+
+
 class _RunEnded(Exception):
     def __init__(self, exit: RunExit) -> None:
         super().__init__(exit.value)
@@ -145,6 +150,7 @@ class SessionRun:
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
         snapshot_revision: int | None = None,
+        hand_off: HandOff | None = None,
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
@@ -161,6 +167,10 @@ class SessionRun:
         self._step_task: asyncio.Task[None] | None = None
         self._abort_requested = False
         self._timer: asyncio.Task[None] | None = None
+        self._hand_off = hand_off
+        self._idle = False  # waiting for a command with nothing pending and no open turn
+        self._trigger_seq = -1  # the delivery found eligible for a handoff at arrival
+        self._carry: list[s.Event] = []  # events for the next commit
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -177,6 +187,11 @@ class SessionRun:
         return self.identity.fence.owner_run_id
 
     @property
+    def snapshot_revision(self) -> int | None:
+        """The mod revision of the last committed snapshot, when known."""
+        return self._snapshot_revision
+
+    @property
     def _turn_id(self) -> str:
         return self.snapshot.open_turn.turn_id if self.snapshot.HasField("open_turn") else ""
 
@@ -186,7 +201,13 @@ class SessionRun:
         exit = RunExit.FAILED
         reader = asyncio.get_running_loop().create_task(self._read_inbox())
         try:
-            self._arm_timeout()
+            arrived_from = self.snapshot.deployment_id
+            handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
+            if handed_off:
+                # First run on this deployment after a handoff: say so on the
+                # stream (with the first commit here) and restart the timeout.
+                self._carry.append(self._event(s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from))
+            self._arm_timeout(restart=handed_off)
             turn = self.snapshot.open_turn
             if self.snapshot.HasField("open_turn") and not (
                 turn.pending_inputs or turn.pending_authorizations
@@ -201,6 +222,11 @@ class SessionRun:
                         exit = RunExit.PARKED
                         return exit
                     continue
+                if entry.seq == self._trigger_seq:
+                    self._trigger_seq = -1
+                    if not self._pending and await self._try_hand_off(entry):
+                        exit = RunExit.HANDED_OFF
+                        return exit
                 await self._dispatch(entry)
             exit = RunExit.FINALIZED
         except _RunEnded as ended:
@@ -220,15 +246,19 @@ class SessionRun:
         return exit
 
     async def _take(self, idle_s: float | None) -> s.InboxEntry | None:
-        while not self._pending:
-            if self._reader_exit is not None:
-                raise _RunEnded(self._reader_exit)
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), idle_s)
-            except TimeoutError:
-                return None
-        return self._pending.popleft()
+        self._idle = not self.snapshot.HasField("open_turn")
+        try:
+            while not self._pending:
+                if self._reader_exit is not None:
+                    raise _RunEnded(self._reader_exit)
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), idle_s)
+                except TimeoutError:
+                    return None
+            return self._pending.popleft()
+        finally:
+            self._idle = False
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
@@ -240,6 +270,8 @@ class SessionRun:
                     for entry in response.entries:
                         if entry.seq >= next_seq:
                             next_seq = entry.seq + 1
+                            if self._idle and not self._pending and self._is_trigger(entry):
+                                self._trigger_seq = entry.seq
                             self._pending.append(entry)
                             self._push(entry)
                     self._arrived.set()
@@ -257,6 +289,44 @@ class SessionRun:
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    # -- handoff (DESIGN.md §6) ------------------------------------------------
+
+    def _is_trigger(self, entry: s.InboxEntry) -> bool:
+        """Evaluated once, when the delivery arrives while the session is idle
+        (no open turn: no step, pending input or sign-in; nothing pending) and
+        before it is buffered or applied. Only a conversational send accepted
+        by another deployment qualifies; everything else — input responses,
+        results, cancel, reset, clear, compact — never does."""
+        if self._hand_off is None or self._snapshot_revision is None:
+            return False  # unknown eligibility: skip
+        command = entry.command
+        if command.WhichOneof("kind") != "send":
+            return False
+        send = command.send
+        accepted = command.delivery.accepted_deployment_id
+        return (
+            bool(send.text.strip())
+            and not send.input_responses
+            and bool(accepted)
+            and accepted != self.identity.deployment_id
+            and self.snapshot.status == s.SESSION_STATUS_ACTIVE
+        )
+
+    async def _try_hand_off(self, entry: s.InboxEntry) -> bool:
+        """The trigger is the only unprocessed command: try to move the
+        session. False (skipped or failed) leaves nothing behind; the
+        delivery is then processed here and the signal forgotten."""
+        assert self._hand_off is not None
+        try:
+            return await self._hand_off(self, entry)
+        except Fenced:
+            raise
+        except BatonError as exc:
+            self._log.warning("handoff failed", reason=exc.reason, error=exc.message)
+            if exc.retryable:
+                raise  # outcome unknown: run again from the snapshot
+            return False
 
     def _push(self, entry: s.InboxEntry) -> None:
         """Cancel, reset and an own timeout abort the running step at once,
@@ -904,12 +974,14 @@ class SessionRun:
 
     # -- the session timeout --------------------------------------------------
 
-    def _arm_timeout(self) -> None:
-        """Arm the durable lifetime timer, stamped with this run."""
+    def _arm_timeout(self, restart: bool = False) -> None:
+        """Arm the durable lifetime timer, stamped with this run; `restart`
+        (a successor on a new deployment) counts the configured duration
+        from now."""
         timeout = self.snapshot.timeout
         if not timeout.duration_seconds:
             return
-        if not timeout.HasField("deadline"):
+        if restart or not timeout.HasField("deadline"):
             timeout.deadline.FromSeconds(int(self._clock()) + timeout.duration_seconds)
         timeout.armed_by_owner_run_id = self.run_id
         delay = max(0.0, timeout.deadline.ToSeconds() - self._clock())
@@ -968,6 +1040,9 @@ class SessionRun:
         )
 
     async def _commit(self, events: list[s.Event], close: bool = False) -> None:
+        if self._carry:
+            events[:0] = self._carry
+            self._carry = []
         self._snapshot_revision = await commit_step(
             self._anchor, self.identity, self.snapshot, events, close, self._snapshot_revision
         )

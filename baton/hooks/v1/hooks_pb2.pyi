@@ -925,10 +925,15 @@ class TransferRequest(_message.Message):
     SUCCESSOR_FIELD_NUMBER: _builtins.int
     HOOKS_FIELD_NUMBER: _builtins.int
     TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; replays with the same id return the same result."""
     trigger_seq: _builtins.int
     """The inbox seq of the triggering delivery; it must be the inbox head."""
+    snapshot_revision: _builtins.int
+    """The checkpoint: the mod revision of the session's last committed
+    snapshot. The transfer fails if the old owner committed since.
+    """
     @_builtins.property
     def expected(self) -> _session_pb2.Fence:
         """The current owner's fence."""
@@ -954,10 +959,11 @@ class TransferRequest(_message.Message):
         successor: _session_pb2.OwnerIdentity | None = ...,
         hooks: _abc.Iterable[_builtins.str] | None = ...,
         trigger_seq: _builtins.int = ...,
+        snapshot_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "successor", b"successor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "snapshot_revision", b"snapshot_revision", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 isort:skip_file
 The owner: runs session programs for one deployment."""
 
+from baton.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -95,3 +96,159 @@ class StartSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartSessionResponse: _TypeAlias = StartSessionResponse  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffRequest(_message.Message):
+    """PrepareHandoffRequest names the checkpoint a candidate must take over."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    FROM_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
+    TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    """Names the handoff; the transfer records its result under it."""
+    deployment_id: _builtins.str
+    """The exact target deployment; must equal this owner's."""
+    from_deployment_id: _builtins.str
+    """The deployment handing the session off."""
+    snapshot_revision: _builtins.int
+    """The mod revision of the session's last committed snapshot (the checkpoint)."""
+    trigger_seq: _builtins.int
+    """The inbox seq of the triggering delivery."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The current owner's fence."""
+
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        fence: _session_pb2.Fence | None = ...,
+        deployment_id: _builtins.str = ...,
+        from_deployment_id: _builtins.str = ...,
+        snapshot_revision: _builtins.int = ...,
+        trigger_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "fence", b"fence", "from_deployment_id", b"from_deployment_id", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffRequest: _TypeAlias = PrepareHandoffRequest  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffResponse(_message.Message):
+    """PrepareHandoffResponse names the prepared successor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUCCESSOR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def successor(self) -> _session_pb2.OwnerIdentity:
+        """The successor run (new run id, this deployment, this instance)."""
+
+    def __init__(
+        self,
+        *,
+        successor: _session_pb2.OwnerIdentity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["successor", b"successor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["successor", b"successor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffResponse: _TypeAlias = PrepareHandoffResponse  # noqa: Y015
+
+@_typing.final
+class ActivateHandoffRequest(_message.Message):
+    """ActivateHandoffRequest starts a prepared candidate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    """The handoff the candidate was prepared for."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The successor's fence, as the transfer wrote it (epoch + 1)."""
+
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        fence: _session_pb2.Fence | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "handoff_id", b"handoff_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActivateHandoffRequest: _TypeAlias = ActivateHandoffRequest  # noqa: Y015
+
+@_typing.final
+class ActivateHandoffResponse(_message.Message):
+    """ActivateHandoffResponse is empty."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActivateHandoffResponse: _TypeAlias = ActivateHandoffResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseHandoffRequest(_message.Message):
+    """ReleaseHandoffRequest drops a candidate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    """The handoff the candidate was prepared for."""
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_id", b"handoff_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseHandoffRequest: _TypeAlias = ReleaseHandoffRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseHandoffResponse(_message.Message):
+    """ReleaseHandoffResponse is empty."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseHandoffResponse: _TypeAlias = ReleaseHandoffResponse  # noqa: Y015

@@ -40,6 +40,21 @@ class OwnerServiceStub:
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionRequest.SerializeToString,
                 response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionResponse.FromString,
                 _registered_method=True)
+        self.PrepareHandoff = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/PrepareHandoff',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.FromString,
+                _registered_method=True)
+        self.ActivateHandoff = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/ActivateHandoff',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.FromString,
+                _registered_method=True)
+        self.ReleaseHandoff = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/ReleaseHandoff',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.FromString,
+                _registered_method=True)
 
 
 class OwnerServiceServicer:
@@ -53,6 +68,30 @@ class OwnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareHandoff(self, request, context):
+        """Prepare a candidate run on this deployment for a session that another
+        deployment's owner hands off: rebuild the agent from this build's code and
+        validate the checkpoint (readable, idle, a format this build reads).
+        Writes nothing durable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ActivateHandoff(self, request, context):
+        """Activate a prepared candidate once its transfer committed. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseHandoff(self, request, context):
+        """Drop a prepared candidate whose transfer did not happen. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OwnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +99,21 @@ def add_OwnerServiceServicer_to_server(servicer, server):
                     servicer.StartSession,
                     request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionRequest.FromString,
                     response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionResponse.SerializeToString,
+            ),
+            'PrepareHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareHandoff,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.SerializeToString,
+            ),
+            'ActivateHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.ActivateHandoff,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.SerializeToString,
+            ),
+            'ReleaseHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHandoff,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +144,87 @@ class OwnerService:
             '/baton.owner.v1.OwnerService/StartSession',
             baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionRequest.SerializeToString,
             baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/PrepareHandoff',
+            baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ActivateHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/ActivateHandoff',
+            baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/ReleaseHandoff',
+            baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -95,6 +95,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """The history was compacted."""
     EVENT_KIND_COMMAND_REJECTED: _EventKind.ValueType  # 20
     """An inbox command was rejected (unknown kind, bad input response, ...)."""
+    EVENT_KIND_SESSION_HANDED_OFF: _EventKind.ValueType  # 21
+    """The session moved to this event's deployment (ingress-driven upgrade);
+    `text` names the deployment it came from.
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """EventKind names a public stream event."""
@@ -141,6 +145,10 @@ EVENT_KIND_CONTEXT_COMPACTED: EventKind.ValueType  # 19
 """The history was compacted."""
 EVENT_KIND_COMMAND_REJECTED: EventKind.ValueType  # 20
 """An inbox command was rejected (unknown kind, bad input response, ...)."""
+EVENT_KIND_SESSION_HANDED_OFF: EventKind.ValueType  # 21
+"""The session moved to this event's deployment (ingress-driven upgrade);
+`text` names the deployment it came from.
+"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _InputKind:
