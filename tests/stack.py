@@ -111,6 +111,28 @@ async def start_stack(etcd_endpoint: str, deployment_id: str = "dep-a") -> Stack
     await hooks.start()
     anchor = await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=etcd))
     await anchor.start()
+    return await _start_deployment(etcd, hooks, anchor, deployment_id)
+
+
+async def add_deployment(base: Stack, deployment_id: str, **owner: object) -> Stack:
+    """Owner + ingress of another deployment next to `base`, sharing its
+    hooks, anchor and etcd (stop it with `stop_deployment`)."""
+    return await _start_deployment(base.etcd, base.hooks, base.anchor, deployment_id, **owner)
+
+
+async def stop_deployment(stack: Stack) -> None:
+    await stack.channel.close()
+    for server in (stack.ingress, stack.owner):
+        await server.stop(grace=0.5)
+
+
+async def _start_deployment(
+    etcd: EtcdConfig,
+    hooks: GrpcServer,
+    anchor: GrpcServer,
+    deployment_id: str,
+    **owner_options: object,
+) -> Stack:
     owner = await create_owner(
         OwnerConfig(
             listen="127.0.0.1:0",
@@ -118,6 +140,7 @@ async def start_stack(etcd_endpoint: str, deployment_id: str = "dep-a") -> Stack
             instance_id=f"{deployment_id}-i1",
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
+            **owner_options,  # type: ignore[arg-type]
         )
     )
     await owner.start()

@@ -149,6 +149,8 @@ class GrpcServer:
     port: int
     service_names: Sequence[str]
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # The service's root object (e.g. the owner host), for in-process tests.
+    app: object = None
 
     async def start(self) -> None:
         await self.server.start()

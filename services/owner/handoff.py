@@ -26,6 +26,7 @@ unclaimed candidate is dropped after `CANDIDATE_TTL_SECONDS`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 import zlib
 from collections.abc import Callable, Coroutine
@@ -41,12 +42,15 @@ from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import (
     Aborted,
+    AlreadyExists,
     BatonError,
+    DeadlineExceeded,
     FailedPrecondition,
     Fenced,
     InvalidArgument,
     NotFound,
     Reason,
+    Unavailable,
 )
 
 if TYPE_CHECKING:
@@ -114,7 +118,7 @@ class HandoffBroker:
         self._peers.clear()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -199,7 +203,7 @@ class HandoffBroker:
         except Fenced:
             self._release(peer, handoff_id, fence.session_id)
             raise
-        except (Aborted, FailedPrecondition, NotFound, InvalidArgument) as exc:
+        except (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument) as exc:
             bound.info("handoff failed: transfer refused", reason=exc.reason, error=exc.message)
             self._release(peer, handoff_id, fence.session_id)
             return False
@@ -227,8 +231,9 @@ class HandoffBroker:
                 if response.replayed:
                     bound.info("transfer outcome settled by a replay")
                 return response.fence
-            except BatonError as exc:
-                if not exc.retryable or loop.time() > deadline:
+            except (Unavailable, DeadlineExceeded) as exc:
+                # Refusals are final; only these leave the outcome unknown.
+                if loop.time() > deadline:
                     raise
                 bound.warning("transfer outcome uncertain; replaying", reason=exc.reason)
             await asyncio.sleep(backoff)

@@ -22,6 +22,7 @@ is executed again — at-least-once for that step only (DESIGN.md §4).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -212,7 +213,9 @@ class OwnerHost:
     # -- runs ------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        # A fresh context: a run outlives the RPC that started it, and must
+        # not log under that RPC's request id.
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

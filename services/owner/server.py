@@ -72,6 +72,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         on_lease_lost=exit_process if config.exit_on_lease_loss else None,
     )
     fleet.start()
+    server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)
     server.on_stop.append(anchor.close)
