@@ -60,6 +60,7 @@ class ProcessStack:
     anchor: ServiceProcess | None = None
     ingress: ServiceProcess | None = None
     owners: dict[str, ServiceProcess] = field(default_factory=dict)
+    ingresses: dict[str, ServiceProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
     def addr(self, name: str) -> str:
@@ -108,11 +109,47 @@ class ProcessStack:
             wait_serving(self.addr(name))
         return self
 
-    def start_owner(self, instance_id: str, *, wait: bool = True) -> ServiceProcess:
+    def start_deployments(
+        self, owners: dict[str, tuple[str, str]], ingresses: dict[str, tuple[str, str]]
+    ) -> ProcessStack:
+        """Several deployments side by side. `owners`: instance id ->
+        (deployment id, failpoints); `ingresses`: name -> (deployment id,
+        the owner instance it creates sessions on)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("hooks", "anchor", *ingresses, *owners):
+            self.ports.setdefault(name, free_port())
+        self.hooks = self._spawn("hooks", "hooks")
+        self.anchor = self._spawn("anchor", "anchor")
+        for instance_id, (deployment_id, points) in owners.items():
+            self.start_owner(
+                instance_id, wait=False, deployment_id=deployment_id, failpoints=points
+            )
+        for name, (deployment_id, owner) in ingresses.items():
+            self.ingresses[name] = self._spawn(
+                name,
+                "ingress",
+                BATON_API_KEYS=f"slack={API_KEY}",
+                BATON_OWNER_ADDR=self.addr(owner),
+                BATON_DEPLOYMENT_ID=deployment_id,
+            )
+        for name in ("hooks", "anchor", *ingresses, *owners):
+            wait_serving(self.addr(name))
+        return self
+
+    def start_owner(
+        self,
+        instance_id: str,
+        *,
+        wait: bool = True,
+        deployment_id: str = "",
+        failpoints: str = "",
+    ) -> ServiceProcess:
         extra = {
             "BATON_INSTANCE_ID": instance_id,
             "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
             "BATON_OWNER_PARK_AFTER": str(self.park_after or 0),
+            "BATON_DEPLOYMENT_ID": deployment_id or self.deployment_id,
+            "BATON_FAILPOINTS": failpoints,
         }
         self.owners[instance_id] = proc = self._spawn(instance_id, "owner", **extra)
         if wait:
@@ -131,7 +168,13 @@ class ProcessStack:
 
     def stop(self) -> None:
         """Kill every process (SIGCONT first, in case one is paused)."""
-        for proc in (*self.owners.values(), self.ingress, self.anchor, self.hooks):
+        for proc in (
+            *self.owners.values(),
+            *self.ingresses.values(),
+            self.ingress,
+            self.anchor,
+            self.hooks,
+        ):
             if proc is None or proc.proc is None or proc.proc.poll() is not None:
                 continue
             try:
