@@ -13,11 +13,13 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import aetcd
+import grpc
 import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints
 from services.common.clients import AnchorClient, HooksClient
+from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.owner.host import OwnerHost
 from tests.procs import eventually
@@ -483,5 +485,18 @@ async def test_prepare_refuses_bad_requests(env: Env) -> None:
         await client.release_handoff("h-1", sid)
         assert not env.host(b).handoffs.candidates
         assert await env.transfers(sid) == []
+        # Activation and release validate too.
+        with pytest.raises(grpc.aio.AioRpcError) as raw:
+            await client.stub.ActivateHandoff(
+                owner_pb2.ActivateHandoffRequest(handoff_id="h-1"), timeout=5
+            )
+        assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert from_rpc_error(raw.value).reason == "MISSING_FIELD"
+        with pytest.raises(BatonError) as info:
+            await client.activate_handoff("", fence)
+        assert info.value.reason == "INVALID_FIELD"
+        with pytest.raises(BatonError) as info:
+            await client.release_handoff("", sid)
+        assert info.value.reason == "INVALID_FIELD"
     finally:
         await client.close()
