@@ -277,3 +277,101 @@ async def test_deliveries_racing_the_transfer_keep_a_in_charge_in_fifo(
         assert await transfers(run) == 0
     finally:
         await stop(run)
+
+
+# -- chaos: traffic through both deployments while owners die -------------------------
+
+
+async def _follow(run: Run, sid: str, out: list[s.Event], broke: list[str]) -> None:
+    """A live reader on A's ingress; it must never be cut off."""
+    call = run.a.StreamEvents(
+        ingress_pb.StreamEventsRequest(session_id=sid, follow=True), metadata=SLACK
+    )
+    try:
+        async for response in call:
+            out.extend(response.events)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            broke.append(f"{sid}: {exc.code().name}")
+    finally:
+        call.cancel()
+
+
+async def handoff_chaos(
+    etcd_endpoint: str, workdir: Path, *, sessions: int, rounds: int, seed: int
+) -> None:
+    """Rounds of sends to random sessions through random ingresses (so
+    sessions hop between deployments, or stay when busy), each round killing
+    (-9) a random owner instance and starting a replacement in its deployment."""
+    import random
+
+    from tests.procs import answered, received_seqs
+
+    rng = random.Random(seed)
+    run = await start(etcd_endpoint, workdir)
+    followers: list[asyncio.Task[None]] = []
+    try:
+        sids = [run.session_id]
+        for _ in range(sessions - 1):
+            created = await run.a.CreateSession(
+                ingress_pb.CreateSessionRequest(), metadata=SLACK, timeout=10
+            )
+            sids.append(created.session_id)
+        seen: dict[str, list[s.Event]] = {sid: [] for sid in sids}
+        broke: list[str] = []
+        followers = [asyncio.create_task(_follow(run, sid, seen[sid], broke)) for sid in sids]
+        receipts: dict[str, list[int]] = {sid: [] for sid in sids}
+        deployments = {"a1": "dep-a", "a2": "dep-a", "b1": "dep-b", "b2": "dep-b"}
+        spare = 3
+        for round_ in range(rounds):
+            for sid in sids:
+                run.session_id = sid
+                for _ in range(rng.choice([1, 1, 2])):
+                    via = rng.choice([run.a, run.b])
+                    text = rng.choice(["whoami", "steps 2", f"hello {round_}", "sleep 2 150"])
+                    receipts[sid].append(await run.send(via, text))
+            live = [i for i, p in run.stack.owners.items() if p.proc and p.proc.poll() is None]
+            victim = rng.choice(live)
+            deployment = deployments[victim]
+            run.stack.kill(victim)
+            replacement = f"{deployment[-1]}{spare}"
+            spare += 1
+            deployments[replacement] = deployment
+            run.stack.start_owner(replacement, deployment_id=deployment)
+            for sid in sids:
+                count = len(receipts[sid])
+                await run.clients.wait_events(
+                    sid, lambda ev, n=count: answered(ev, n), "round answered", timeout=90
+                )
+        moves = 0
+        for sid in sids:
+            events = await run.clients.events(sid)
+            moves += sum(e.kind == K.EVENT_KIND_SESSION_HANDED_OFF for e in events)
+            check(events, receipts[sid])
+            assert received_seqs(events) == list(range(len(receipts[sid])))
+            # The deployment tool reports the deployment of the run that called it.
+            for event in events:
+                if (
+                    event.kind == K.EVENT_KIND_TOOL_CALL_RESULT
+                    and event.tool_result.name == "deployment"
+                ):
+                    assert event.tool_result.output == event.deployment_id
+            live_view = seen[sid][: len(events)]
+            assert [e.seq for e in live_view] == list(range(len(live_view)))
+        assert not broke, f"live readers were cut off: {broke}"
+        assert moves > 0, "no session ever moved between deployments"
+    finally:
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        await stop(run)
+
+
+async def test_handoff_chaos(etcd_endpoint: str, tmp_path: Path) -> None:
+    await handoff_chaos(etcd_endpoint, tmp_path, sessions=4, rounds=2, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_handoff_chaos_slow(etcd_endpoint: str, tmp_path: Path) -> None:
+    await handoff_chaos(etcd_endpoint, tmp_path, sessions=10, rounds=10, seed=12)
