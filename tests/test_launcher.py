@@ -17,15 +17,27 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.launcher import DEMO_API_KEY, READY_LINE, LaunchError, Ports
+from services.cli.__main__ import main as baton_main
+from services.cli.launcher import DEMO_API_KEY, READY_LINE, DeploymentPorts, LaunchError, Ports
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 90.0
 DEMO_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
-PROCESSES = {"etcd", "hooks", "anchor", "owner", "ingress"}
+# Printed labels: shared processes by name, the others as "owner of dep-1".
+PROCESSES = {"etcd", "hooks", "anchor", "owner of dep-1", "ingress of dep-1"}
+TWO_DEPLOYMENTS = {
+    "etcd",
+    "hooks",
+    "anchor",
+    "owner of dep-1",
+    "ingress of dep-1",
+    "owner of dep-2",
+    "ingress of dep-2",
+}
 
-_STARTED = re.compile(r"^baton up: started (\w+) \(pid (\d+)\) on (\S+)$")
+_STARTED = re.compile(r"^baton up: started (\w+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
+_EVENT = re.compile(r"^#(\d+) +(\S+)")
 _RUN_DIR = re.compile(r"^baton up: run dir (\S+),")
 
 
@@ -154,7 +166,7 @@ async def launched(*args: str, env: Mapping[str, str] | None = None) -> AsyncIte
         await launcher.kill_everything()
 
 
-async def run_demo(ingress: str) -> tuple[int, str]:
+async def run_demo(ingress: str, *args: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -164,6 +176,7 @@ async def run_demo(ingress: str) -> tuple[int, str]:
         ingress,
         "--api-key",
         DEMO_API_KEY,
+        *args,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -192,7 +205,7 @@ async def test_up_then_demo_then_sigterm_stops_everything() -> None:
         assert set(launcher.pids) == PROCESSES
         assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
 
-        code, demo_output = await run_demo(launcher.addresses["ingress"])
+        code, demo_output = await run_demo(launcher.addresses["ingress of dep-1"])
         assert code == 0, demo_output
         assert "The result is 35." in demo_output, demo_output
         assert '"echo: hello"' in demo_output
@@ -240,7 +253,7 @@ async def test_a_child_dying_during_startup_stops_everything() -> None:
         )
         # The owner died after etcd, hooks and anchor were up (the ingress starts
         # alongside the owner, so it may or may not have been started).
-        assert {"etcd", "hooks", "anchor", "owner"} <= set(launcher.pids), launcher.output
+        assert {"etcd", "hooks", "anchor", "owner of dep-1"} <= set(launcher.pids), launcher.output
         assert_all_stopped(launcher, started=set(launcher.pids))
 
 
@@ -256,9 +269,92 @@ async def test_a_taken_port_is_refused_before_starting_anything() -> None:
     assert launcher.pids == {}
 
 
+def event_seqs(lines: list[str]) -> list[int]:
+    """The seqs of the event lines the demo printed, in print order."""
+    return [int(match[1]) for line in lines if (match := _EVENT.match(line))]
+
+
+async def test_two_deployments_demo_upgrades_mid_conversation() -> None:
+    async with launched("--deployment-id", "dep-1", "--deployment-id", "dep-2", "--demo") as up:
+        await up.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
+        assert set(up.pids) == TWO_DEPLOYMENTS, up.output
+        first, second = up.addresses["ingress of dep-1"], up.addresses["ingress of dep-2"]
+        await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
+        output = "\n".join(up.lines)
+
+        # The port plan is printed before anything starts.
+        plan = next(line for line in up.lines if line.startswith("baton up: ports: "))
+        assert "; dep-1: ingress " in plan and "; dep-2: ingress " in plan, plan
+        assert f"baton demo --ingress {first} --upgrade-ingress {second}" in output
+
+        # A turn on dep-1, then the send through dep-2's ingress moves the session.
+        assert "The result is 35." in output and '"The result is dep-1."' in output, output
+        assert f"> whoami   (via the ingress at {second})" in output, output
+        handed = [line for line in up.lines if "session.handed_off" in line]
+        assert len(handed) == 1 and handed[0].endswith("from dep-1 to dep-2"), output
+        assert '"The result is dep-2."' in output, output
+        assert output.index(handed[0]) < output.index('"The result is dep-2."')
+        assert re.search(
+            r"^upgraded: session ses_\w+ moved from dep-1 to dep-2 at #\d+", output, re.M
+        )
+        # The one follower (on dep-1's ingress) saw every seq once, in order.
+        seqs = event_seqs(up.lines)
+        assert seqs == list(range(len(seqs))) and len(seqs) > 20, output
+        assert (
+            f"follower: one StreamEvents call on {first} read #0..#{seqs[-1]} in order: "
+            "no gap, no duplicate, no reconnect"
+        ) in output
+        assert up.proc.returncode is None
+        assert all(is_running(pid) for pid in up.pids.values()), up.output
+
+        # `baton demo` on its own: back the other way (dep-2 -> dep-1) ...
+        code, demo_output = await run_demo(second, "--upgrade-ingress", first, "--message", "hi")
+        assert code == 0, demo_output
+        assert "session.handed_off     from dep-2 to dep-1" in demo_output, demo_output
+        assert '"The result is dep-1."' in demo_output, demo_output
+        # ... and an "upgrade" to the deployment the session is on is refused.
+        code, demo_output = await run_demo(first, "--upgrade-ingress", first, "--message", "hi")
+        assert code == 1, demo_output
+        assert "an upgrade ingress must serve another deployment" in demo_output, demo_output
+
+        up.proc.send_signal(signal.SIGINT)
+        assert await up.wait_exit(STOP_TIMEOUT) == 0, up.output
+        assert_all_stopped(up, started=TWO_DEPLOYMENTS)
+        assert up.lines[-1] == "baton up: stopped", up.output
+
+
+@pytest.mark.parametrize(
+    "value", ["dep-1,dep-1", "latest", "dep-1,"], ids=["repeated", "latest", "empty"]
+)
+def test_bad_deployment_ids_are_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        baton_main(["up", "--deployment-id", "dep-0", "--deployment-id", value])
+    assert exited.value.code == 2
+    assert "baton up: deployment id" in capsys.readouterr().err
+
+
 def test_port_plan_is_validated() -> None:
-    assert Ports.plan(50051, 23790) == Ports(50051, 50052, 50053, 50054, 23790, 23791)
+    one = DeploymentPorts("dep-1", 50051, 50054)
+    assert Ports.plan(50051, 23790) == Ports(50052, 50053, 23790, 23791, (one,))
+    two = Ports.plan(50051, 23790, ("dep-1", "dep-2", "dep-3"))
+    assert two.deployments == (
+        one,
+        DeploymentPorts("dep-2", 50055, 50056),
+        DeploymentPorts("dep-3", 50057, 50058),
+    )
+    assert (two.ingress, two.hooks, two.anchor, two.owner) == (50051, 50052, 50053, 50054)
+    assert two.summary() == (
+        "etcd 23790 (peer 23791); hooks 50052; anchor 50053; "
+        "dep-1: ingress 50051, owner 50054; dep-2: ingress 50055, owner 50056; "
+        "dep-3: ingress 50057, owner 50058"
+    )
     with pytest.raises(LaunchError, match="out of range"):
         Ports.plan(65534, 23790)
+    with pytest.raises(LaunchError, match="out of range"):
+        Ports.plan(65529, 23790, ("dep-1", "dep-2", "dep-3"))
     with pytest.raises(LaunchError, match="both use port 50052"):
         Ports.plan(50051, 50052)
+    with pytest.raises(LaunchError, match="ingress of dep-2 and etcd .* both use port 50055"):
+        Ports.plan(50051, 50055, ("dep-1", "dep-2"))
+    free = Ports.plan(0, 0, ("dep-1", "dep-2"))
+    assert len({port for _, port in free.items()}) == 8

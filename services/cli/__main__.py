@@ -1,8 +1,10 @@
 """The `baton` command (also `python -m services.cli`).
 
-baton up [--deployment-id dep-1] [--port-base 50051] [--etcd-port 23790] [--demo]
-         [--api-keys channel=key,... | --api-key-file FILE] [--run-dir DIR]
-baton demo [--ingress 127.0.0.1:50051] [--api-key demo-key-0001]
+baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
+         [--etcd-port 23790] [--demo] [--api-keys channel=key,... | --api-key-file FILE]
+         [--run-dir DIR]
+baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
+           [--api-key demo-key-0001]
 """
 
 from __future__ import annotations
@@ -51,20 +53,31 @@ def _build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser(
         "up",
-        help="start etcd and the four services for one deployment",
+        help="start etcd and the four services for one or more deployments",
         description=(
-            "Start a real etcd and hooks, anchor, owner and ingress as child processes, "
-            "wait until all are SERVING, print the endpoints and keep running until "
-            "Ctrl-C/SIGTERM, which stops everything. Service ports: ingress PORT_BASE, "
-            "hooks +1, anchor +2, owner +3."
+            "Start a real etcd, hooks and anchor, and an owner and an ingress per deployment "
+            "id, as child processes; wait until all are SERVING and every owner has "
+            "registered, print the endpoints and keep running until Ctrl-C/SIGTERM, which "
+            "stops everything. Service ports: the first deployment's ingress PORT_BASE, "
+            "hooks +1, anchor +2, the first deployment's owner +3; the N-th deployment "
+            "(N >= 2) ingress +2N, owner +2N+1."
         ),
     )
-    up.add_argument("--deployment-id", default=launcher.DEFAULT_DEPLOYMENT_ID)
+    up.add_argument(
+        "--deployment-id",
+        action="append",
+        dest="deployment_ids",
+        metavar="ID[,ID...]",
+        help="exact deployment id to run (repeatable, or comma-separated; each gets its "
+        "own owner and ingress; the demo starts on the first and upgrades through the "
+        f"others) (default {launcher.DEFAULT_DEPLOYMENT_ID})",
+    )
     up.add_argument(
         "--port-base",
         type=_port,
         default=launcher.DEFAULT_PORT_BASE,
-        help="ingress port; hooks/anchor/owner use the next three (0 = free ports) "
+        help="first ingress port; hooks/anchor/first owner use the next three, further "
+        "deployments the ports after them (0 = free ports) "
         f"(default {launcher.DEFAULT_PORT_BASE})",
     )
     up.add_argument(
@@ -99,13 +112,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a short conversation through the public API, printing every event",
         description=(
             "Create a session, send a few messages (one uses the calculator tool) and "
-            "print each event of the session's stream as it arrives."
+            "print each event of the session's stream as it arrives. With "
+            "--upgrade-ingress, then send a message through another deployment's ingress, "
+            "so the session moves there mid-conversation, and check that the stream, "
+            "followed on the first ingress all along, has no gap and no reconnect."
         ),
     )
     run.add_argument(
         "--ingress",
         default=os.environ.get("BATON_INGRESS_ADDR", demo.DEFAULT_INGRESS),
         help=f"ingress host:port (env BATON_INGRESS_ADDR, default {demo.DEFAULT_INGRESS})",
+    )
+    run.add_argument(
+        "--upgrade-ingress",
+        action="append",
+        dest="upgrade_ingresses",
+        default=[],
+        metavar="ADDR",
+        help="ingress host:port of another deployment: after the messages, send "
+        f"{demo.UPGRADE_MESSAGE!r} through it and expect the session to move there "
+        "(repeatable: one move per ingress, in order)",
     )
     run.add_argument(
         "--api-key",
@@ -126,11 +152,27 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _deployment_ids(values: Sequence[str] | None) -> tuple[str, ...]:
+    """--deployment-id values (repeated and/or comma-separated), validated,
+    in order; a repeated id is refused."""
+    ids: list[str] = []
+    for value in values or [launcher.DEFAULT_DEPLOYMENT_ID]:
+        for part in value.split(","):
+            deployment_id = validate_deployment_id(part.strip())
+            if deployment_id in ids:
+                raise ConfigError(f"deployment id {deployment_id!r} is given twice")
+            ids.append(deployment_id)
+    return tuple(ids)
+
+
 def _up(args: argparse.Namespace) -> int:
     try:
-        deployment_id = validate_deployment_id(args.deployment_id)
+        deployment_ids = _deployment_ids(args.deployment_ids)
     except BatonError as exc:
         print(f"baton up: {exc.message}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
         return 2
     try:
         if args.api_key_file:
@@ -142,7 +184,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2
     settings = launcher.LaunchSettings(
-        deployment_id=deployment_id,
+        deployment_ids=deployment_ids,
         port_base=args.port_base,
         etcd_port=args.etcd_port,
         api_keys=api_keys,
@@ -158,7 +200,15 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     messages = args.messages or demo.DEFAULT_MESSAGES
     try:
-        asyncio.run(demo.run_demo(args.ingress, args.api_key, messages, time_limit=args.time_limit))
+        asyncio.run(
+            demo.run_demo(
+                args.ingress,
+                args.api_key,
+                messages,
+                upgrade_ingresses=args.upgrade_ingresses,
+                time_limit=args.time_limit,
+            )
+        )
     except demo.DemoError as exc:
         print(f"baton demo: {exc}", file=sys.stderr)
         return 1

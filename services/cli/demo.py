@@ -4,6 +4,14 @@ Creates a session, follows its event stream in a background task, sends the
 demo messages one at a time and prints every event as it arrives. Each message
 is sent once the previous one's turn has settled (its `session.waiting`
 event), so every message gets its own turn. Every RPC has a deadline.
+
+With upgrade ingresses (ingresses of other deployments), the demo then sends
+`UPGRADE_MESSAGE` through each in turn: the idle session hands off to that
+deployment mid-conversation. The demo checks that each move happened (the
+turn's first event is `session.handed_off` from the previous deployment, and
+the whole turn ran on the new one) and that the one follower stream, opened
+on the first ingress before the first message, read every seq from 0 in
+order with no gap, no duplicate and no reconnect.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ DEFAULT_API_KEY = "demo-key-0001"
 # The calculator message makes the fixture agent call a tool and answer
 # "The result is 35."; "whoami" makes it report its deployment id.
 DEFAULT_MESSAGES = ("hello", "calc (2+3)*7", "whoami")
+# Sent through each upgrade ingress; the fixture agent answers with the
+# deployment that ran the turn ("The result is dep-2.").
+UPGRADE_MESSAGE = "whoami"
 RPC_TIMEOUT = 10.0
 
 _TERMINAL = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
@@ -42,6 +53,8 @@ def kind_name(kind: s.EventKind.ValueType) -> str:
         name = s.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower()
     except ValueError:
         return f"kind.{kind}"
+    if kind == s.EVENT_KIND_SESSION_HANDED_OFF:
+        return "session.handed_off"
     subject, _, verb = name.rpartition("_")
     return f"{subject}.{verb}" if subject else verb
 
@@ -56,7 +69,9 @@ def format_event(event: s.Event) -> str:
         result = event.tool_result
         marker = " (error)" if result.is_error else ""
         details.append(f"{result.name} -> {result.output}{marker}")
-    if event.text:
+    if event.kind == s.EVENT_KIND_SESSION_HANDED_OFF:
+        details.append(f"from {event.text or '?'} to {event.deployment_id or '?'}")
+    elif event.text:
         details.append(json.dumps(event.text, ensure_ascii=False))
     if event.HasField("usage"):
         usage = event.usage
@@ -71,14 +86,30 @@ def format_event(event: s.Event) -> str:
 @dataclass
 class TurnTracker:
     """Which deliveries have been received by the session, and which of them
-    a `session.waiting` event has since settled."""
+    a `session.waiting` event has since settled; every event seen, checked to
+    be the next seq of the stream."""
 
+    events: list[s.Event] = field(default_factory=list)
     received: set[str] = field(default_factory=set)
     settled: set[str] = field(default_factory=set)
     terminal: s.Event | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def next_seq(self) -> int:
+        return len(self.events)
+
+    @property
+    def deployment_id(self) -> str:
+        """The deployment that wrote the latest event."""
+        return self.events[-1].deployment_id if self.events else ""
+
     def observe(self, event: s.Event) -> None:
+        if event.seq != self.next_seq:
+            raise DemoError(
+                f"the stream is not gapless: expected #{self.next_seq}, got #{event.seq}"
+            )
+        self.events.append(event)
         if event.kind == s.EVENT_KIND_MESSAGE_RECEIVED and event.delivery_id:
             self.received.add(event.delivery_id)
         elif event.kind == s.EVENT_KIND_SESSION_WAITING:
@@ -95,9 +126,33 @@ class TurnTracker:
             await self.changed.wait()
 
 
+def check_moved(turn: Sequence[s.Event], source: str, target: str) -> s.Event:
+    """The events of a turn sent through `target`'s ingress to a session idle
+    on `source`: the first is the handoff from `source`, and every one was
+    written by `target`. Returns the handoff event; raises DemoError."""
+    if not turn:
+        raise DemoError("the upgrade turn wrote no events")
+    first = turn[0]
+    ran_on = sorted({e.deployment_id for e in turn})
+    if first.kind != s.EVENT_KIND_SESSION_HANDED_OFF:
+        raise DemoError(
+            f"the session did not move to {target}: the turn ran on {', '.join(ran_on)} "
+            f"(first event {format_event(first)}); is an owner of {target} running?"
+        )
+    if first.text != source or first.deployment_id != target:
+        raise DemoError(
+            f"unexpected handoff: {format_event(first)} (expected {source} -> {target})"
+        )
+    if ran_on != [target]:
+        raise DemoError(f"the upgrade turn ran on {', '.join(ran_on)}, not only on {target}")
+    return first
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, DemoError):
+        return str(exc)
     return repr(exc)
 
 
@@ -106,6 +161,7 @@ async def run_demo(
     api_key: str = DEFAULT_API_KEY,
     messages: Sequence[str] = DEFAULT_MESSAGES,
     *,
+    upgrade_ingresses: Sequence[str] = (),
     time_limit: float = 60.0,
     out: TextIO | None = None,
 ) -> str:
@@ -130,6 +186,10 @@ async def run_demo(
         write(f"session {session_id} on deployment {created.deployment_id}")
 
         tracker = TurnTracker()
+        # The one and only read of the stream: from seq 0, following, on the
+        # first ingress, for the whole demo (whatever deployment runs the
+        # session meanwhile). It is never reopened: an end or an error fails
+        # the demo.
         call = stub.StreamEvents(
             ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=0, follow=True),
             metadata=metadata,
@@ -145,28 +205,60 @@ async def run_demo(
 
         follower = asyncio.create_task(follow())
 
+        async def send(
+            target: ingress_pb2_grpc.IngressServiceStub, text: str, where: str
+        ) -> ingress_pb.SendMessageResponse:
+            try:
+                sent: ingress_pb.SendMessageResponse = await target.SendMessage(
+                    ingress_pb.SendMessageRequest(session_id=session_id, text=text),
+                    metadata=metadata,
+                    timeout=RPC_TIMEOUT,
+                )
+            except grpc.RpcError as exc:
+                raise DemoError(f"SendMessage at {where} failed: {_describe(exc)}") from exc
+            return sent
+
+        async def settle(delivery_id: str) -> None:
+            settled = asyncio.create_task(tracker.wait_settled(delivery_id))
+            done, _ = await asyncio.wait({settled, follower}, return_when=asyncio.FIRST_COMPLETED)
+            if settled not in done:
+                settled.cancel()
+                error = follower.exception()
+                if error is not None:
+                    raise DemoError(f"event stream failed: {_describe(error)}") from error
+                raise DemoError("event stream ended before the turn settled")
+            settled.result()
+
+        async def upgrade(address: str) -> None:
+            source = tracker.deployment_id or created.deployment_id
+            first_seq = tracker.next_seq
+            write(f"> {UPGRADE_MESSAGE}   (via the ingress at {address})")
+            async with grpc.aio.insecure_channel(address) as other:
+                sent = await send(
+                    ingress_pb2_grpc.IngressServiceStub(other), UPGRADE_MESSAGE, address
+                )
+            target = sent.accepted_deployment_id
+            if target == source:
+                raise DemoError(
+                    f"the ingress at {address} accepts for deployment {target}, which already "
+                    "runs the session: an upgrade ingress must serve another deployment"
+                )
+            await settle(sent.delivery_id)
+            handed = check_moved(tracker.events[first_seq:], source, target)
+            write(
+                f"upgraded: session {session_id} moved from {source} to {target} at "
+                f"#{handed.seq}, between two turns"
+            )
+
         async def converse() -> None:
             for text in messages:
                 write(f"> {text}")
-                try:
-                    sent = await stub.SendMessage(
-                        ingress_pb.SendMessageRequest(session_id=session_id, text=text),
-                        metadata=metadata,
-                        timeout=RPC_TIMEOUT,
-                    )
-                except grpc.RpcError as exc:
-                    raise DemoError(f"SendMessage failed: {_describe(exc)}") from exc
-                settled = asyncio.create_task(tracker.wait_settled(sent.delivery_id))
-                done, _ = await asyncio.wait(
-                    {settled, follower}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if settled not in done:
-                    settled.cancel()
-                    error = follower.exception()
-                    if error is not None:
-                        raise DemoError(f"event stream failed: {_describe(error)}") from error
-                    raise DemoError("event stream ended before the turn settled")
-                settled.result()
+                sent = await send(stub, text, ingress)
+                await settle(sent.delivery_id)
+            for address in upgrade_ingresses:
+                await upgrade(address)
+            if follower.done():
+                raise DemoError("the event stream ended during the demo")
 
         try:
             await asyncio.wait_for(converse(), time_limit)
@@ -176,5 +268,11 @@ async def run_demo(
             call.cancel()
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
+    if upgrade_ingresses:
+        last = tracker.next_seq - 1
+        write(
+            f"follower: one StreamEvents call on {ingress} read #0..#{last} in order: "
+            "no gap, no duplicate, no reconnect"
+        )
     write(f"demo finished: session {session_id}")
     return session_id

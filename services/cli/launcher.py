@@ -1,15 +1,18 @@
 """`baton up`: the whole system on one machine, as real processes.
 
-Starts a single-member etcd, then hooks and anchor, then the owner and the
-ingress of one deployment, each as a child process with its log in the run
-directory. Waits until every process answers its health check, prints the
-endpoints, optionally runs the demo, and then supervises: SIGINT/SIGTERM (or
-any child exiting) stops everything it started, by PID — SIGTERM first, a kill
-after a timeout — and removes the run directory unless the user chose it.
+Starts a single-member etcd, then hooks and anchor (shared), then an owner and
+an ingress for each deployment id given, each as a child process with its log
+in the run directory. Waits until every process answers its health check and
+every owner has registered with hooks, prints the endpoints, optionally runs
+the demo, and then supervises: SIGINT/SIGTERM (or any child exiting) stops
+everything it started, by PID — SIGTERM first, a kill after a timeout — and
+removes the run directory unless the user chose it.
 
-Default ports (`--port-base 50051`): ingress 50051, hooks 50052, anchor 50053,
-owner 50054; etcd clients 23790 and etcd peers the next port. Port 0 means
-"pick free ports".
+Port plan, from `--port-base P` (default 50051): the first deployment's
+ingress P, hooks P+1, anchor P+2, the first deployment's owner P+3; the N-th
+deployment (N >= 2, in the order given) has its ingress at P+2N and its owner
+at P+2N+1 (dep 2: P+4, P+5; dep 3: P+6, P+7). etcd clients use `--etcd-port`
+(default 23790) and etcd peers the next port. Port 0 means "pick free ports".
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -35,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
+from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.cli.processes import EtcdProcess, ServiceProcess
 
 DEFAULT_DEPLOYMENT_ID = "dep-1"
@@ -45,9 +49,11 @@ DEMO_API_KEY = "demo-key-0001"
 ETCD_PREFIX = "/baton/"
 READY_LINE = "baton up: ready"
 
-# Offsets from --port-base, in start order after etcd.
-PORT_OFFSETS = {"ingress": 0, "hooks": 1, "anchor": 2, "owner": 3}
-START_ORDER = (("hooks", "anchor"), ("owner", "ingress"))
+# Offsets from --port-base of the shared services; per-deployment offsets are
+# `deployment_offsets`. Start order after etcd: the shared services, then
+# every deployment's owner and ingress together.
+SHARED_OFFSETS = {"hooks": 1, "anchor": 2}
+PER_DEPLOYMENT = ("owner", "ingress")
 
 _PROBE_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -60,9 +66,21 @@ class LaunchError(Exception):
     """Startup failed; the message says what and where to look."""
 
 
+def deployment_offsets(index: int) -> tuple[int, int]:
+    """(ingress, owner) offsets from --port-base of the `index`-th (0-based)
+    deployment: the first keeps 0 and 3 (around hooks +1 and anchor +2); the
+    N-th (N = index + 1 >= 2) uses 2N and 2N + 1."""
+    if index == 0:
+        return 0, 3
+    n = index + 1
+    return 2 * n, 2 * n + 1
+
+
 @dataclass(frozen=True)
 class LaunchSettings:
-    deployment_id: str = DEFAULT_DEPLOYMENT_ID
+    # One owner + one ingress per id, in this order; the first is where the
+    # demo creates its session.
+    deployment_ids: tuple[str, ...] = (DEFAULT_DEPLOYMENT_ID,)
     port_base: int = DEFAULT_PORT_BASE
     etcd_port: int = DEFAULT_ETCD_PORT
     # API key -> channel, as the ingress parses BATON_API_KEYS.
@@ -75,45 +93,100 @@ class LaunchSettings:
     startup_timeout: float = 60.0
     stop_timeout: float = 10.0
 
+    def __post_init__(self) -> None:
+        if not self.deployment_ids:
+            raise ValueError("at least one deployment id is required")
+        if len(set(self.deployment_ids)) != len(self.deployment_ids):
+            raise ValueError(f"deployment ids repeat: {', '.join(self.deployment_ids)}")
+
     @property
     def api_keys_spec(self) -> str:
         return ",".join(f"{channel}={key}" for key, channel in self.api_keys.items())
 
 
 @dataclass(frozen=True)
-class Ports:
+class DeploymentPorts:
+    """The ports of one deployment's own processes."""
+
+    deployment_id: str
     ingress: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class Ports:
     hooks: int
     anchor: int
-    owner: int
     etcd_client: int
     etcd_peer: int
+    deployments: tuple[DeploymentPorts, ...]
+
+    @property
+    def ingress(self) -> int:
+        """The first deployment's ingress (where the demo starts)."""
+        return self.deployments[0].ingress
+
+    @property
+    def owner(self) -> int:
+        return self.deployments[0].owner
 
     @classmethod
-    def plan(cls, port_base: int, etcd_port: int) -> Ports:
-        """Ports from the bases; a base of 0 picks free ports instead."""
-        spare = iter(_distinct_free_ports(6))
+    def plan(
+        cls,
+        port_base: int,
+        etcd_port: int,
+        deployment_ids: Sequence[str] = (DEFAULT_DEPLOYMENT_ID,),
+    ) -> Ports:
+        """Ports from the bases (see the module doc); a base of 0 picks free
+        ports instead."""
+        spare = iter(_distinct_free_ports(4 + 2 * len(deployment_ids)))
+        deployments = []
+        for index, deployment_id in enumerate(deployment_ids):
+            if port_base:
+                ingress_offset, owner_offset = deployment_offsets(index)
+                ingress, owner = port_base + ingress_offset, port_base + owner_offset
+            else:
+                ingress, owner = next(spare), next(spare)
+            deployments.append(DeploymentPorts(deployment_id, ingress, owner))
         if port_base:
-            service = {name: port_base + offset for name, offset in PORT_OFFSETS.items()}
+            shared = {name: port_base + offset for name, offset in SHARED_OFFSETS.items()}
         else:
-            service = {name: next(spare) for name in PORT_OFFSETS}
+            shared = {name: next(spare) for name in SHARED_OFFSETS}
         if etcd_port:
             etcd_client, etcd_peer = etcd_port, etcd_port + 1
         else:
             etcd_client, etcd_peer = next(spare), next(spare)
-        ports = cls(etcd_client=etcd_client, etcd_peer=etcd_peer, **service)
+        ports = cls(
+            etcd_client=etcd_client,
+            etcd_peer=etcd_peer,
+            deployments=tuple(deployments),
+            **shared,
+        )
         ports.validate()
         return ports
 
     def items(self) -> list[tuple[str, int]]:
-        return [
+        items = [
             ("etcd client", self.etcd_client),
             ("etcd peer", self.etcd_peer),
-            ("ingress", self.ingress),
             ("hooks", self.hooks),
             ("anchor", self.anchor),
-            ("owner", self.owner),
         ]
+        for dep in self.deployments:
+            items.append((f"ingress of {dep.deployment_id}", dep.ingress))
+            items.append((f"owner of {dep.deployment_id}", dep.owner))
+        return items
+
+    def summary(self) -> str:
+        """The plan on one line, as `baton up` prints it before starting."""
+        parts = [
+            f"etcd {self.etcd_client} (peer {self.etcd_peer})",
+            f"hooks {self.hooks}",
+            f"anchor {self.anchor}",
+        ]
+        for dep in self.deployments:
+            parts.append(f"{dep.deployment_id}: ingress {dep.ingress}, owner {dep.owner}")
+        return "; ".join(parts)
 
     def validate(self) -> None:
         seen: dict[int, str] = {}
@@ -191,10 +264,17 @@ class Child:
     log_path: str
     proc: subprocess.Popen[bytes]
     stop: Callable[[float], None]
+    # The deployment an owner or ingress serves; "" for shared processes.
+    deployment_id: str = ""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def label(self) -> str:
+        """ "hooks", or "owner of dep-2" for a per-deployment process."""
+        return f"{self.name} of {self.deployment_id}" if self.deployment_id else self.name
 
     def exit_code(self) -> int | None:
         return self.proc.poll()
@@ -232,6 +312,18 @@ def _grpc_serving(stub: health_pb2_grpc.HealthStub) -> bool:
     return serving
 
 
+def _registered(stub: hooks_pb2_grpc.HookRegistryServiceStub, deployment_id: str) -> bool:
+    """Hooks lists a live owner instance of `deployment_id` (an owner reports
+    SERVING before its background registration is done)."""
+    try:
+        response = stub.ListInstances(
+            hooks_pb2.ListInstancesRequest(deployment_id=deployment_id), timeout=1
+        )
+    except grpc.RpcError:
+        return False
+    return len(response.instances) > 0
+
+
 class LocalSystem:
     """The processes of one `baton up`, in start order."""
 
@@ -256,15 +348,38 @@ class LocalSystem:
         self._await([etcd], lambda: _etcd_healthy(self.ports.etcd_client), "etcd health", signals)
         if signals.requested:
             return False
-        for group in START_ORDER:
-            started = [self._start_service(name) for name in group]
-            for child in started:
-                with grpc.insecure_channel(child.address, options=_PROBE_OPTIONS) as channel:
-                    stub = health_pb2_grpc.HealthStub(channel)
-                    probe = functools.partial(_grpc_serving, stub)
-                    self._await(started, probe, f"{child.name} health", signals)
+        shared = [self._start_service(name) for name in SHARED_OFFSETS]
+        if not self._await_serving(shared, signals):
+            return False
+        own = [
+            self._start_service(name, dep)
+            for dep in self.ports.deployments
+            for name in PER_DEPLOYMENT
+        ]
+        if not self._await_serving(own, signals):
+            return False
+        hooks = f"127.0.0.1:{self.ports.hooks}"
+        with grpc.insecure_channel(hooks, options=_PROBE_OPTIONS) as channel:
+            stub = hooks_pb2_grpc.HookRegistryServiceStub(channel)
+            for dep in self.ports.deployments:
+                owners = [
+                    c for c in own if c.name == "owner" and c.deployment_id == dep.deployment_id
+                ]
+                probe = functools.partial(_registered, stub, dep.deployment_id)
+                self._await(owners, probe, f"owner of {dep.deployment_id} registration", signals)
                 if signals.requested:
                     return False
+        return True
+
+    def _await_serving(self, started: list[Child], signals: StopSignals) -> bool:
+        """Wait until each of `started` is SERVING; False on a stop request."""
+        for child in started:
+            with grpc.insecure_channel(child.address, options=_PROBE_OPTIONS) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                probe = functools.partial(_grpc_serving, stub)
+                self._await(started, probe, f"{child.label} health", signals)
+            if signals.requested:
+                return False
         return True
 
     def _start_etcd(self) -> Child:
@@ -283,46 +398,54 @@ class LocalSystem:
         assert etcd.proc is not None
         return self._started(Child("etcd", etcd.endpoint, etcd.log_path, etcd.proc, etcd.stop))
 
-    def _service_env(self, name: str) -> dict[str, str]:
+    def _service_env(self, name: str, dep: DeploymentPorts | None) -> dict[str, str]:
         env = {
             "PYTHONPATH": _python_path(),
             "PYTHONUNBUFFERED": "1",
             "BATON_LOG_LEVEL": self.settings.log_level,
         }
-        hooks = f"127.0.0.1:{self.ports.hooks}"
-        anchor = f"127.0.0.1:{self.ports.anchor}"
-        if name in ("hooks", "anchor"):
-            env |= {
+        if dep is None:
+            return env | {
                 "BATON_ETCD_ENDPOINT": f"127.0.0.1:{self.ports.etcd_client}",
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
             }
-        if name in ("owner", "ingress"):
-            env |= {
-                "BATON_DEPLOYMENT_ID": self.settings.deployment_id,
-                "BATON_HOOKS_ADDR": hooks,
-                "BATON_ANCHOR_ADDR": anchor,
-            }
+        env |= {
+            "BATON_DEPLOYMENT_ID": dep.deployment_id,
+            "BATON_HOOKS_ADDR": f"127.0.0.1:{self.ports.hooks}",
+            "BATON_ANCHOR_ADDR": f"127.0.0.1:{self.ports.anchor}",
+        }
         if name == "ingress":
             env |= {
-                "BATON_OWNER_ADDR": f"127.0.0.1:{self.ports.owner}",
+                # Each ingress starts sessions on its own deployment's owner.
+                "BATON_OWNER_ADDR": f"127.0.0.1:{dep.owner}",
                 "BATON_API_KEYS": self.settings.api_keys_spec,
             }
         return env
 
-    def _start_service(self, name: str) -> Child:
-        address = f"127.0.0.1:{getattr(self.ports, name)}"
-        log_path = str(self.log_dir / f"{name}.log")
-        service = ServiceProcess(name, address, self._service_env(name), log_path=log_path)
+    def _start_service(self, name: str, dep: DeploymentPorts | None = None) -> Child:
+        if dep is None:
+            port = getattr(self.ports, name)
+            log_name = f"{name}.log"
+        else:
+            port = getattr(dep, name)
+            log_name = f"{name}-{dep.deployment_id}.log"
+        address = f"127.0.0.1:{port}"
+        log_path = str(self.log_dir / log_name)
+        service = ServiceProcess(name, address, self._service_env(name, dep), log_path=log_path)
+        label = f"{name} of {dep.deployment_id}" if dep else name
         try:
             service.start()
         except OSError as exc:
-            raise LaunchError(f"could not start {name}: {exc}") from exc
+            raise LaunchError(f"could not start {label}: {exc}") from exc
         assert service.proc is not None
-        return self._started(Child(name, address, log_path, service.proc, service.stop))
+        deployment_id = dep.deployment_id if dep else ""
+        return self._started(
+            Child(name, address, log_path, service.proc, service.stop, deployment_id)
+        )
 
     def _started(self, child: Child) -> Child:
         self.children.append(child)
-        self.say(f"baton up: started {child.name} (pid {child.pid}) on {child.address}")
+        self.say(f"baton up: started {child.label} (pid {child.pid}) on {child.address}")
         return child
 
     def _await(
@@ -338,9 +461,9 @@ class LocalSystem:
             if ready():
                 return
             if time.monotonic() > deadline:
-                names = ", ".join(f"{c.name} ({c.log_path})" for c in starting)
+                names = ", ".join(f"{c.label} ({c.log_path})" for c in starting)
                 raise LaunchError(
-                    f"{what} not SERVING after {self.settings.startup_timeout:g}s; see {names}"
+                    f"{what} not ready after {self.settings.startup_timeout:g}s; see {names}"
                 )
             time.sleep(0.1)
 
@@ -353,14 +476,18 @@ class LocalSystem:
                 tail = _log_tail(child.log_path)
                 detail = f"\n--- last lines of {child.log_path} ---\n{tail}" if tail else ""
                 raise LaunchError(
-                    f"{child.name} (pid {child.pid}) exited with code {code} during {during}; "
+                    f"{child.label} (pid {child.pid}) exited with code {code} during {during}; "
                     f"its log is {child.log_path}{detail}"
                 )
 
     def describe(self) -> list[str]:
-        lines = [f"  {'process':<8} {'address':<17} {'pid':>7}  log"]
+        width = max(len("deployment"), *(len(c.deployment_id) for c in self.children))
+        lines = [f"  {'process':<8} {'deployment':<{width}}  {'address':<17} {'pid':>7}  log"]
         for child in self.children:
-            lines.append(f"  {child.name:<8} {child.address:<17} {child.pid:>7}  {child.log_path}")
+            lines.append(
+                f"  {child.name:<8} {child.deployment_id or '-':<{width}}  "
+                f"{child.address:<17} {child.pid:>7}  {child.log_path}"
+            )
         return lines
 
     # -- stop --------------------------------------------------------------
@@ -372,14 +499,23 @@ class LocalSystem:
             try:
                 child.stop(self.settings.stop_timeout)
             except (OSError, subprocess.SubprocessError) as exc:
-                problems.append(f"{child.name} (pid {child.pid}): {exc}")
+                problems.append(f"{child.label} (pid {child.pid}): {exc}")
                 continue
             code = child.exit_code()
             if code is None:
-                problems.append(f"{child.name} (pid {child.pid}) is still running")
+                problems.append(f"{child.label} (pid {child.pid}) is still running")
             else:
-                self.say(f"baton up: stopped {child.name} (pid {child.pid}, exit code {code})")
+                self.say(f"baton up: stopped {child.label} (pid {child.pid}, exit code {code})")
         return problems
+
+
+def demo_command(ports: Ports) -> list[str]:
+    """`baton demo` arguments for this system: the session starts on the first
+    deployment's ingress and, with more deployments, moves through the others'."""
+    args = ["--ingress", f"127.0.0.1:{ports.ingress}"]
+    for dep in ports.deployments[1:]:
+        args += ["--upgrade-ingress", f"127.0.0.1:{dep.ingress}"]
+    return args
 
 
 def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float) -> None:
@@ -393,8 +529,7 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
             "-m",
             "services.cli",
             "demo",
-            "--ingress",
-            f"127.0.0.1:{system.ports.ingress}",
+            *demo_command(system.ports),
             "--time-limit",
             f"{time_limit:g}",
         ],
@@ -422,8 +557,17 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
 
 def _announce(system: LocalSystem) -> None:
     settings = system.settings
-    ingress = f"127.0.0.1:{system.ports.ingress}"
-    system.say(f"Baton is up: deployment {settings.deployment_id}, public API at {ingress}")
+    deployments = system.ports.deployments
+    if len(deployments) == 1:
+        only = deployments[0]
+        system.say(
+            f"Baton is up: deployment {only.deployment_id}, public API at 127.0.0.1:{only.ingress}"
+        )
+    else:
+        apis = ", ".join(
+            f"{dep.deployment_id} (public API at 127.0.0.1:{dep.ingress})" for dep in deployments
+        )
+        system.say(f"Baton is up: deployments {apis}")
     for line in system.describe():
         system.say(line)
     if settings.show_keys:
@@ -432,8 +576,8 @@ def _announce(system: LocalSystem) -> None:
     else:
         channels = ", ".join(sorted(set(settings.api_keys.values())))
         system.say(f"API keys: channels {channels} (keys as given)")
-    system.say(f"Try:  baton demo --ingress {ingress}")
-    system.say(f"      grpcurl -plaintext {ingress} list")
+    system.say(f"Try:  baton demo {' '.join(demo_command(system.ports))}")
+    system.say(f"      grpcurl -plaintext 127.0.0.1:{system.ports.ingress} list")
     system.say("Ctrl-C or SIGTERM stops everything.")
     system.say(READY_LINE)
 
@@ -444,7 +588,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
     err = sys.stderr
     with StopSignals().installed() as signals:
         try:
-            ports = Ports.plan(settings.port_base, settings.etcd_port)
+            ports = Ports.plan(settings.port_base, settings.etcd_port, settings.deployment_ids)
             ports.check_free()
         except LaunchError as exc:
             print(f"baton up: {exc}", file=err, flush=True)
@@ -457,6 +601,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
         system = LocalSystem(settings, ports, run_dir, stream)
         system.say(f"baton up: run dir {run_dir}, service logs in {system.log_dir}")
+        system.say(f"baton up: ports: {ports.summary()}")
         code = 0
         try:
             if system.start(signals):
