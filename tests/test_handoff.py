@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints
+from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
@@ -86,9 +86,9 @@ class Env:
         assert epoch == 1 and record.deployment_id == self.a.deployment_id
 
         async def released() -> bool:
-            return all(not self.host(t).handoffs.candidates for t in targets)
+            return all(not self.host(t).handoffs.accepting for t in targets)
 
-        await eventually(released, "candidates released", 10)
+        await eventually(released, "no handoff in flight", 10)
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(en
     epoch, record = await env.owner(sid)
     assert (epoch, record.deployment_id, record.instance_id) == (2, "dep-b", "dep-b-i1")
     assert len(await env.transfers(sid)) == 1
-    assert not env.host(b).handoffs.candidates
+    assert not env.host(b).handoffs.accepting
     assert sid not in env.host(a).runs and sid in env.host(b).runs
 
     # Identity, settled state, usage, limits, hooks and the timeout carried over.
@@ -288,9 +288,9 @@ async def test_a_burst_of_two_deliveries_skips_and_both_run_here_in_order(env: E
     a, b = env.a, env.b
     sid = await a.create()
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
-    # Hold the handoff before prepare so the second delivery is surely a
+    # Hold the handoff before it asks B so the second delivery is surely a
     # later arrival, whichever way the two land in the inbox stream.
-    failpoints.configure("handoff.before_prepare=sleep(300)")
+    failpoints.configure("handoff.before_accept=sleep(300)")
     first, second = await asyncio.gather(
         b.send(sid, "one", caller="u1"), b.send(sid, "two", caller="u2")
     )
@@ -368,13 +368,13 @@ async def test_a_delivery_racing_the_transfer_fails_it_and_a_keeps_fifo(env: Env
     a, b = env.a, env.b
     sid = await a.create(aliases=["race"])
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
-    failpoints.configure("handoff.after_prepare=once:sleep(500)")
+    failpoints.configure("handoff.before_transfer=once:sleep(500)")
     trigger = await b.send(sid, "whoami")
 
     async def prepared() -> bool:
-        return bool(env.host(b).handoffs.candidates)
+        return bool(env.host(b).handoffs.accepting)
 
-    await eventually(prepared, "candidate prepared", 10)
+    await eventually(prepared, "B validating the checkpoint", 10)
     # Ingress keeps accepting and resolving the alias during the handoff.
     later = await a.send(alias="race", text="what is 2+2")
     assert later.receipt.session_id == sid
@@ -400,7 +400,9 @@ async def test_a_lost_transfer_response_is_settled_by_a_replay(env: Env) -> None
     assert (epoch, record.deployment_id) == (2, "dep-b")
 
 
-async def test_a_refused_prepare_leaves_a_in_charge(env: Env) -> None:
+async def test_an_uncertain_outcome_is_settled_and_a_keeps_the_session(env: Env) -> None:
+    """B fails before transferring; A cannot know, so it commits its
+    checkpoint unchanged (fenced): that succeeds, so A processes the trigger."""
     a, b = env.a, env.b
     sid = await a.create()
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
@@ -432,71 +434,88 @@ async def test_a_parked_session_wakes_and_moves(env: Env, stack: Stack) -> None:
     assert (epoch, record.deployment_id) == (2, "dep-b")
 
 
-async def test_prepare_refuses_bad_requests(env: Env) -> None:
+async def test_accept_handoff_validates_and_replays(env: Env) -> None:
+    """The test plays the old owner X (deployment dep-x, no process): it
+    creates a session, commits session.started, and appends a trigger."""
     from baton.owner.v1 import owner_pb2
     from services.common.clients import OwnerClient
     from services.common.errors import BatonError
+    from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
 
-    a, b = env.a, env.b
-    sid = await a.create()
-    await turn(a, sid, "hello", 1)
+    b = env.b
+    sid = ids.new_session_id()
+    x = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-x", instance_id="x1")
+    created = await env.hooks.create_session(sid, x, "slack", ["slack:acc"])
+    fence = created.fence
+    snapshot = initial_snapshot(sid, "slack", "dep-x", list(created.hooks))
+    identity = RunIdentity(fence, "dep-x", "x1")
+    started = make_event(identity, K.EVENT_KIND_SESSION_STARTED)
+    await commit_step(env.anchor, identity, snapshot, [started], False, 0)
+    command = s.Command(
+        delivery=s.DeliveryMetadata(delivery_id="d-1", accepted_deployment_id="dep-b"),
+        send=s.SendCommand(text="whoami"),
+    )
+    receipt = await env.hooks.resume(ids.inbox_token(sid), command)
+    trigger = s.InboxEntry(seq=receipt.seq, command=command)
     snapshot_kv = await env.etcd.get(env.keys.snapshot(sid))
-    fence_kv = await env.etcd.get(env.keys.fence(sid))
-    assert snapshot_kv is not None and fence_kv is not None
-    epoch, run = parse_fence(fence_kv.value)
-    fence = s.Fence(session_id=sid, owner_run_id=run, epoch=epoch)
+    assert snapshot_kv is not None
+    revision = snapshot_kv.mod_revision
     good = dict(
         handoff_id="h-1",
         fence=fence,
         deployment_id="dep-b",
-        from_deployment_id="dep-a",
-        snapshot_revision=snapshot_kv.mod_revision,
-        trigger_seq=1,
+        from_owner=x,
+        snapshot_revision=revision,
+        trigger=trigger,
     )
-    client = OwnerClient(b.addr(b.owner), timeout=5)
+    on_b = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-b", instance_id="x1")
+    on_latest = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="latest", instance_id="x1")
+    cancel = s.InboxEntry(seq=receipt.seq, command=s.Command(cancel=s.CancelCommand()))
     cases = [
         ({"deployment_id": "latest"}, "INVALID_DEPLOYMENT_ID"),
         ({"deployment_id": ""}, "INVALID_DEPLOYMENT_ID"),
-        ({"from_deployment_id": "latest"}, "INVALID_DEPLOYMENT_ID"),
         ({"deployment_id": "dep-a"}, "WRONG_DEPLOYMENT"),
-        ({"from_deployment_id": "dep-b"}, "INVALID_FIELD"),
+        ({"from_owner": on_latest}, "INVALID_DEPLOYMENT_ID"),
+        ({"from_owner": on_b}, "INVALID_FIELD"),
         ({"snapshot_revision": 0}, "MISSING_FIELD"),
-        ({"snapshot_revision": snapshot_kv.mod_revision - 1}, "STALE_CHECKPOINT"),
-        ({"trigger_seq": 5}, "SESSION_NOT_IDLE"),
+        ({"snapshot_revision": revision - 1}, "STALE_CHECKPOINT"),
+        ({"trigger": s.InboxEntry(seq=5, command=command)}, "SESSION_NOT_IDLE"),
+        ({"trigger": cancel}, "INVALID_FIELD"),
         ({"handoff_id": ""}, "INVALID_FIELD"),
-        (
-            {"fence": s.Fence(session_id="ses_nope", owner_run_id=run, epoch=1)},
-            "INVALID_SESSION_ID",
-        ),
+        ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
     ]
+    client = OwnerClient(b.addr(b.owner), timeout=5)
     try:
         for change, reason in cases:
-            request = owner_pb2.PrepareHandoffRequest(**{**good, **change})  # type: ignore[arg-type]
+            request = owner_pb2.AcceptHandoffRequest(**{**good, **change})  # type: ignore[arg-type]
             with pytest.raises(BatonError) as info:
-                await client.prepare_handoff(request)
+                await client.accept_handoff(request)
             assert info.value.reason == reason, (change, info.value)
-        assert not env.host(b).handoffs.candidates
-        # A good one prepares (and is idempotent per handoff id), then releases.
-        request = owner_pb2.PrepareHandoffRequest(**good)  # type: ignore[arg-type]
-        first = await client.prepare_handoff(request)
-        again = await client.prepare_handoff(request)
-        assert first.successor == again.successor
-        assert first.successor.deployment_id == "dep-b"
-        await client.release_handoff("h-1", sid)
-        assert not env.host(b).handoffs.candidates
-        assert await env.transfers(sid) == []
-        # Activation and release validate too.
         with pytest.raises(grpc.aio.AioRpcError) as raw:
-            await client.stub.ActivateHandoff(
-                owner_pb2.ActivateHandoffRequest(handoff_id="h-1"), timeout=5
+            await client.stub.AcceptHandoff(
+                owner_pb2.AcceptHandoffRequest(handoff_id="h-2"), timeout=5
             )
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert from_rpc_error(raw.value).reason == "MISSING_FIELD"
-        with pytest.raises(BatonError) as info:
-            await client.activate_handoff("", fence)
-        assert info.value.reason == "INVALID_FIELD"
-        with pytest.raises(BatonError) as info:
-            await client.release_handoff("", sid)
-        assert info.value.reason == "INVALID_FIELD"
+        assert await env.transfers(sid) == [], "a refused handoff wrote something"
+        epoch, record = await env.owner(sid)
+        assert (epoch, record.deployment_id) == (1, "dep-x")
+
+        # The good one moves the session to B, which processes the trigger.
+        request = owner_pb2.AcceptHandoffRequest(**good)  # type: ignore[arg-type]
+        first = await client.accept_handoff(request)
+        assert first.fence.epoch == 2 and first.successor.deployment_id == "dep-b"
+        assert not first.replayed
+        events = await follow_until(b, sid, answered_upto(1))
+        assert [e.kind for e in events[:2]] == [K.EVENT_KIND_SESSION_STARTED, HANDED_OFF]
+        assert events[1].text == "dep-x"
+        assert of(events, RESULT)[-1].tool_result.output == "dep-b"
+        # A repeat returns the same outcome and starts nothing twice.
+        again = await client.accept_handoff(request)
+        assert again.replayed and again.fence == first.fence
+        assert again.successor == first.successor
+        assert env.host(b).runs[sid].run_id == first.fence.owner_run_id
+        assert len(await env.transfers(sid)) == 1
+        assert len(of(await read_all(b, sid), RECEIVED)) == 1
     finally:
         await client.close()

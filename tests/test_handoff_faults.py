@@ -172,26 +172,33 @@ async def wait_log(run: Run, instances: tuple[str, ...], text: str, timeout: flo
     raise AssertionError(f"no {instances} log says {text!r} within {timeout}s")
 
 
-# Each case: failpoints for a1 and for both B instances, and where the
-# trigger must end up being processed.
+# Each case: failpoints for a1 and for both B instances (the one A asks hits
+# it), and where the trigger must end up being processed.
 CASES = {
     # A dies before asking B: a2 takes the session over after A's lease, finds
     # the trigger idle at the inbox head, and hands it off itself.
-    "kill A before prepare": ("handoff.before_prepare=kill", "", "dep-b"),
-    # A dies with a candidate prepared: the candidate never sees a transfer
-    # and expires; a2 takes over and hands off again.
-    "kill A after prepare": ("handoff.after_prepare=kill", "", "dep-b"),
-    # A dies after the transfer committed, before activating: B's candidate
-    # finds the transfer (GetTransfer) and starts.
-    "kill A after transfer": ("handoff.after_transfer=kill", "", "dep-b"),
-    # B dies while preparing: A's prepare fails, A processes the trigger.
+    "kill A before asking B": ("handoff.before_accept=kill", "", "dep-b"),
+    # B dies before or after validating the checkpoint, before the transfer:
+    # A's call fails, A settles it with a fenced commit (it succeeds) and
+    # processes the trigger.
     "kill B before prepare": ("", "handoff.prepare=kill", "dep-a"),
-    # B dies on activation (after the transfer, before its first commit): the
-    # other B instance takes the session over after the lease.
-    "kill B after transfer": ("", "handoff.activate=kill", "dep-b"),
-    # The transfer's answer is lost: A replays it, the replay returns the
-    # recorded outcome.
-    "lost transfer response": ("handoff.transfer_response=once:error", "", "dep-b"),
+    "kill B after prepare": ("", "handoff.before_transfer=kill", "dep-a"),
+    # B dies after the transfer committed, before its first commit: A's
+    # settling commit is FENCED, A's run ends; the other B instance takes the
+    # session over after B's lease and processes the trigger.
+    "kill B after transfer": ("", "handoff.after_transfer=kill", "dep-b"),
+    # The transfer's answer to B is lost: B replays it and gets the recorded
+    # outcome.
+    "lost transfer response": ("", "handoff.transfer_response=once:error", "dep-b"),
+    # B's answer to A is lost: A settles it (FENCED: it moved).
+    "lost accept response": ("handoff.accept_response=once:error", "", "dep-b"),
+}
+LOGS = {
+    "lost transfer response": (("b1", "b2"), "transfer outcome settled by a replay"),
+    "lost accept response": (("a1",), "handoff settled: the session moved"),
+    "kill B before prepare": (("a1",), "handoff settled: the session stays"),
+    "kill B after prepare": (("a1",), "handoff settled: the session stays"),
+    "kill B after transfer": (("a1",), "handoff settled: the session moved"),
 }
 
 
@@ -225,26 +232,36 @@ async def test_handoff_survives_a_crash_at_each_step(
         if b_points.endswith("kill"):
             killed = [i for i in ("b1", "b2") if run.stack.owners[i].proc.poll() == -9]
             assert len(killed) == 1, f"B instances killed at the failpoint: {killed}"
-        if "transfer_response" in a1_points:
-            assert run.log_has("a1", "transfer outcome settled by a replay")
+        if case in LOGS:
+            instances, text = LOGS[case]
+            assert any(run.log_has(i, text) for i in instances), f"no {text!r} in {instances}"
     finally:
         await stop(run)
 
 
-async def test_candidate_dies_after_prepare_then_its_fleet_takes_the_session(
-    etcd_endpoint: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("b_points", "step"),
+    [
+        ("handoff.before_transfer=sleep(1500)", "handoff checkpoint validated"),
+        ("handoff.after_transfer=sleep(1000)", "session transferred here"),
+    ],
+    ids=["while B validates", "after the transfer"],
+)
+async def test_a_dies_while_b_takes_the_session(
+    b_points: str, step: str, etcd_endpoint: str, tmp_path: Path
 ) -> None:
-    """B prepares and is killed before A transfers: the transfer lands on the
-    dead instance; the other B instance takes it over after the lease."""
-    run = await start(etcd_endpoint, tmp_path, a1="handoff.after_prepare=sleep(1500)")
+    """A is killed while B is between steps: B finishes (or, if A's fleet
+    took the session over first, the transfer is FENCED and a2 hands off
+    again); either way the trigger runs once, on B."""
+    run = await start(etcd_endpoint, tmp_path, b=b_points)
     try:
         watch = AliasWatch(run)
         receipts = [await run.send(run.a, "hello")]
         await settle(run, receipts)
         trigger = await run.send(run.b, "whoami")
         receipts.append(trigger)
-        victim = await wait_log(run, ("b1", "b2"), "handoff candidate prepared")
-        run.stack.kill(victim)
+        await wait_log(run, ("b1", "b2"), step)
+        run.stack.kill("a1")
         events = await settle(run, receipts)
         receipts.append(await run.send(run.a, "hello again"))
         events = await settle(run, receipts)
@@ -258,14 +275,14 @@ async def test_candidate_dies_after_prepare_then_its_fleet_takes_the_session(
 async def test_deliveries_racing_the_transfer_keep_a_in_charge_in_fifo(
     etcd_endpoint: str, tmp_path: Path
 ) -> None:
-    run = await start(etcd_endpoint, tmp_path, a1="handoff.after_prepare=sleep(1000)")
+    run = await start(etcd_endpoint, tmp_path, b="handoff.before_transfer=sleep(1000)")
     try:
         watch = AliasWatch(run)
         receipts = [await run.send(run.a, "hello")]
         await settle(run, receipts)
         trigger = await run.send(run.b, "whoami", caller="u1")
         receipts.append(trigger)
-        await wait_log(run, ("b1", "b2"), "handoff candidate prepared")
+        await wait_log(run, ("b1", "b2"), "handoff checkpoint validated")
         # Both ingresses keep accepting (no retry loop, one session).
         receipts.append(await run.send(run.a, "what is 1+1", caller="u2"))
         receipts.append(await run.send(run.b, "what is 2+2", caller="u3"))
@@ -275,6 +292,7 @@ async def test_deliveries_racing_the_transfer_keep_a_in_charge_in_fifo(
         assert trigger_ran_on(events, trigger) == "dep-a"
         assert {e.deployment_id for e in events} == {"dep-a"}
         assert await transfers(run) == 0
+        assert run.log_has("a1", "handoff refused; processing here")
     finally:
         await stop(run)
 

@@ -190,15 +190,7 @@ class OwnerClient(_Client):
     ) -> owner_pb.StartSessionResponse:
         return await _unary(self.stub.StartSession(request, timeout=self.timeout))
 
-    async def prepare_handoff(
-        self, request: owner_pb.PrepareHandoffRequest
-    ) -> owner_pb.PrepareHandoffResponse:
-        return await _unary(self.stub.PrepareHandoff(request, timeout=self.timeout))
-
-    async def activate_handoff(self, handoff_id: str, fence: s.Fence) -> None:
-        request = owner_pb.ActivateHandoffRequest(handoff_id=handoff_id, fence=fence)
-        await _unary(self.stub.ActivateHandoff(request, timeout=self.timeout))
-
-    async def release_handoff(self, handoff_id: str, session_id: str) -> None:
-        request = owner_pb.ReleaseHandoffRequest(handoff_id=handoff_id, session_id=session_id)
-        await _unary(self.stub.ReleaseHandoff(request, timeout=self.timeout))
+    async def accept_handoff(
+        self, request: owner_pb.AcceptHandoffRequest
+    ) -> owner_pb.AcceptHandoffResponse:
+        return await _unary(self.stub.AcceptHandoff(request, timeout=self.timeout))

@@ -44,6 +44,12 @@ def new_run_id() -> str:
     return "run_" + _ulid_like()
 
 
+def run_id_for(key: str) -> str:
+    """A run id derived from a unique key (e.g. a handoff id): a retried
+    request names the same run."""
+    return "run_" + _b32(hashlib.sha256(key.encode()).digest())[:26]
+
+
 def new_handoff_id() -> str:
     return "ho_" + _ulid_like()
 

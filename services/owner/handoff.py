@@ -5,33 +5,40 @@ The old owner (A): a run that finds an eligible trigger (see
 1. names a handoff id; the checkpoint is the run's last committed snapshot
    (its mod revision) plus the trigger's inbox seq;
 2. resolves the live instances of the exact target deployment through the
-   registry (none: skip) and asks one to prepare a candidate;
-3. calls Transfer on hooks. An uncertain outcome (timeout, unavailable, a lost
-   response) is settled by replaying the same request: the transfer records
-   its result under the handoff id, and every refusal is final (the fence and
-   the snapshot revision never come back, the inbox head only grows), so a
-   refused replay means no copy of the request can commit later;
-4. on success asks the successor to activate and the run ends; on a refusal
-   releases the candidate, and the run processes the trigger itself.
+   registry (none: skip) and calls AcceptHandoff on one of them;
+3. on success the run ends (its fence is dead). On a refusal (a checkpoint
+   the target cannot read, a later arrival, ...) nothing was written and the
+   run processes the trigger itself. On an uncertain outcome (the call timed
+   out, the target died) it settles the question with a fenced commit of its
+   unchanged snapshot: if that commit succeeds, no transfer happened before
+   it and none can happen after it (the transfer compares the snapshot
+   revision), so the run processes the trigger; if it is FENCED, the session
+   moved.
 
-The new owner (B): `prepare` validates the checkpoint (readable, a snapshot
-format this build reads, idle, the trigger is the next inbox entry, still the
-latest commit) and keeps a candidate in memory — nothing durable is written.
-`activate` runs it with the fence the transfer wrote. A candidate also asks
-hooks for its transfer's outcome now and then (GetTransfer), so a session
-transferred by an owner that died before activating it still starts; an
-unclaimed candidate is dropped after `CANDIDATE_TTL_SECONDS`.
+The new owner (B), in one call (`accept`): prepares a candidate — the agent
+is this build's code; the checkpoint is read from anchor and must be
+readable, in a snapshot format this build reads, idle, the latest commit,
+with the trigger as its next inbox entry — then calls Transfer on hooks (one
+etcd txn: fence, exact claim set, trigger is the inbox head, snapshot
+revision, unused handoff id) and starts the successor run with the trigger
+in hand. An uncertain Transfer is settled by replaying the identical
+request: every refusal is final (the fence and the snapshot revision never
+come back, the inbox head only grows), and the outcome is recorded under the
+handoff id, so a replay of an applied transfer returns it.
+
+Doing prepare, transfer and activation in the target's one call keeps the
+upgrade turn short: two hops fewer than separate prepare/activate calls, and
+the successor does not wait for its inbox stream to see the trigger.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 import zlib
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -58,30 +65,24 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("baton.owner.handoff")
 
-PEER_CALL_SECONDS = 5.0
-TRANSFER_SETTLE_SECONDS = 30.0
-ACTIVATE_ATTEMPTS = 3
-CANDIDATE_TTL_SECONDS = 30.0
-CANDIDATE_POLL_FIRST_SECONDS = 1.0
-CANDIDATE_POLL_MAX_SECONDS = 4.0
+ACCEPT_CALL_SECONDS = 5.0
+TRANSFER_SETTLE_SECONDS = 3.0  # well inside ACCEPT_CALL_SECONDS
+REGISTRY_CACHE_SECONDS = 5.0
+
+# Refusals: final answers; nothing was written.
+REFUSALS = (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument)
+
+Launch = Callable[[s.Fence, s.SessionSnapshot, int, Sequence[s.InboxEntry]], None]
 
 
 @dataclass
-class Candidate:
-    """A prepared successor, waiting for its transfer."""
-
-    handoff_id: str
-    successor: s.OwnerIdentity
-    snapshot: s.SessionSnapshot
-    revision: int
-    poll: asyncio.Task[None] | None = field(default=None, repr=False)
-
-
-Launch = Callable[[s.Fence, s.SessionSnapshot, int | None], None]
+class _Targets:
+    expires: float
+    instances: list[hooks_pb.InstanceInfo]
 
 
 class HandoffBroker:
-    """Hands sessions off to other deployments and takes them over from them."""
+    """Hands sessions off to other deployments and accepts them from them."""
 
     def __init__(
         self,
@@ -98,17 +99,14 @@ class HandoffBroker:
         self.hooks = hooks
         self.anchor = anchor
         self.readable_formats = readable_formats
-        self.candidates: dict[str, Candidate] = {}
+        self.accepting: dict[str, str] = {}  # handoff id -> session id, while in flight
         self._launch = launch
         self._peers: dict[str, OwnerClient] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._targets: dict[str, _Targets] = {}
+        self._tasks: set[asyncio.Task[owner_pb.AcceptHandoffResponse]] = set()
         self._log = log.bind(deployment_id=deployment_id, instance_id=instance_id)
 
     async def close(self) -> None:
-        for candidate in self.candidates.values():
-            if candidate.poll is not None:
-                candidate.poll.cancel()
-        self.candidates.clear()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -117,17 +115,23 @@ class HandoffBroker:
             await peer.close()
         self._peers.clear()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     def _peer(self, address: str) -> OwnerClient:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = OwnerClient(address, timeout=PEER_CALL_SECONDS)
+            peer = self._peers[address] = OwnerClient(address, timeout=ACCEPT_CALL_SECONDS)
         return peer
+
+    async def _instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+        """Live instances of a deployment, from the registry (cached briefly;
+        a failed call drops the cache)."""
+        now = time.monotonic()
+        cached = self._targets.get(deployment_id)
+        if cached is not None and cached.expires > now:
+            return cached.instances
+        instances = await self.hooks.list_instances(deployment_id)
+        if instances:
+            self._targets[deployment_id] = _Targets(now + REGISTRY_CACHE_SECONDS, instances)
+        return instances
 
     # -- the old owner ------------------------------------------------------
 
@@ -152,7 +156,7 @@ class HandoffBroker:
             return False
         started = time.monotonic()
         try:
-            instances = await self.hooks.list_instances(target)
+            instances = await self._instances(target)
         except BatonError as exc:
             bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
             return False
@@ -160,120 +164,76 @@ class HandoffBroker:
             bound.info("handoff skipped: no live instance of the target deployment")
             return False
         chosen = instances[zlib.crc32(fence.session_id.encode()) % len(instances)]
-        peer = self._peer(chosen.address)
-        await failpoints.hit("handoff.before_prepare")
-        try:
-            prepared = await peer.prepare_handoff(
-                owner_pb.PrepareHandoffRequest(
-                    handoff_id=handoff_id,
-                    fence=fence,
-                    deployment_id=target,
-                    from_deployment_id=self.deployment_id,
-                    snapshot_revision=revision,
-                    trigger_seq=entry.seq,
-                )
-            )
-        except BatonError as exc:
-            bound.info(
-                "handoff skipped: the target refused or failed to prepare",
-                reason=exc.reason,
-                error=exc.message,
-                target_instance_id=chosen.instance_id,
-            )
-            self._release(peer, handoff_id, fence.session_id)
-            return False
-        successor = prepared.successor
-        bound = bound.bind(successor_run_id=successor.owner_run_id)
-        await failpoints.hit("handoff.after_prepare")
-        request = hooks_pb.TransferRequest(
+        bound = bound.bind(target_instance_id=chosen.instance_id)
+        request = owner_pb.AcceptHandoffRequest(
             handoff_id=handoff_id,
-            expected=fence,
-            expected_owner=s.OwnerIdentity(
+            fence=fence,
+            deployment_id=target,
+            from_owner=s.OwnerIdentity(
                 owner_run_id=fence.owner_run_id,
                 deployment_id=self.deployment_id,
                 instance_id=self.instance_id,
             ),
-            successor=successor,
-            hooks=list(run.snapshot.hooks),
-            trigger_seq=entry.seq,
             snapshot_revision=revision,
+            trigger=entry,
         )
+        await failpoints.hit("handoff.before_accept")
         try:
-            moved = await self._transfer(request, bound)
+            accepted = await self._peer(chosen.address).accept_handoff(request)
+            await failpoints.hit("handoff.accept_response")
         except Fenced:
-            self._release(peer, handoff_id, fence.session_id)
             raise
-        except (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument) as exc:
-            bound.info("handoff failed: transfer refused", reason=exc.reason, error=exc.message)
-            self._release(peer, handoff_id, fence.session_id)
+        except REFUSALS as exc:
+            bound.info("handoff refused; processing here", reason=exc.reason, error=exc.message)
             return False
-        await failpoints.hit("handoff.after_transfer")
+        except BatonError as exc:
+            self._targets.pop(target, None)
+            bound.warning("handoff outcome uncertain; settling it", reason=exc.reason)
+            return await self._settle(run, bound)
         bound.info(
             "session handed off",
-            epoch=moved.epoch,
-            successor_instance_id=successor.instance_id,
+            epoch=accepted.fence.epoch,
+            successor_run_id=accepted.successor.owner_run_id,
             took_ms=round((time.monotonic() - started) * 1000, 2),
         )
-        await self._activate_successor(peer, handoff_id, moved, bound)
         return True
 
-    async def _transfer(
-        self, request: hooks_pb.TransferRequest, bound: structlog.BoundLogger
-    ) -> s.Fence:
-        """Transfer, replaying the identical request until it is settled."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + TRANSFER_SETTLE_SECONDS
-        backoff = 0.05
-        while True:
-            try:
-                response = await self.hooks.transfer(request)
-                await failpoints.hit("handoff.transfer_response")
-                if response.replayed:
-                    bound.info("transfer outcome settled by a replay")
-                return response.fence
-            except (Unavailable, DeadlineExceeded) as exc:
-                # Refusals are final; only these leave the outcome unknown.
-                if loop.time() > deadline:
-                    raise
-                bound.warning("transfer outcome uncertain; replaying", reason=exc.reason)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
-
-    async def _activate_successor(
-        self, peer: OwnerClient, handoff_id: str, fence: s.Fence, bound: structlog.BoundLogger
-    ) -> None:
-        for attempt in range(ACTIVATE_ATTEMPTS):
-            try:
-                await peer.activate_handoff(handoff_id, fence)
-                return
-            except BatonError as exc:
-                bound.warning("activation failed", reason=exc.reason, attempt=attempt + 1)
-                if not exc.retryable:
-                    break
-            await asyncio.sleep(0.1 * 2**attempt)
-        # The candidate polls GetTransfer; if its instance died, its
-        # deployment's fleet takes the session over after the lease expires.
-        bound.warning("successor not activated directly; it picks the transfer up itself")
-
-    def _release(self, peer: OwnerClient, handoff_id: str, session_id: str) -> None:
-        async def release() -> None:
-            try:
-                await peer.release_handoff(handoff_id, session_id)
-            except BatonError as exc:  # the candidate expires on its own
-                self._log.info("candidate release failed", handoff_id=handoff_id, reason=exc.reason)
-
-        self._spawn(release())
+    async def _settle(self, run: SessionRun, bound: structlog.BoundLogger) -> bool:
+        """Commit the unchanged snapshot, fenced: success means the session
+        did not move and cannot move on this attempt (the checkpoint revision
+        is gone); FENCED means it moved."""
+        try:
+            await run.commit_checkpoint()
+        except Fenced:
+            bound.info("handoff settled: the session moved")
+            return True
+        bound.info("handoff settled: the session stays; processing here")
+        return False
 
     # -- the new owner --------------------------------------------------------
 
-    async def prepare(self, request: owner_pb.PrepareHandoffRequest) -> s.OwnerIdentity:
-        """Validate the checkpoint and keep a candidate; see the module doc."""
+    async def accept(
+        self, request: owner_pb.AcceptHandoffRequest
+    ) -> owner_pb.AcceptHandoffResponse:
+        """Prepare, transfer, start; see the module doc. Shielded: a caller
+        that goes away (the old owner died, its deadline passed) must not
+        cancel a transfer in flight or the start of a transferred session."""
+        task = asyncio.get_running_loop().create_task(self._accept(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _accept(
+        self, request: owner_pb.AcceptHandoffRequest
+    ) -> owner_pb.AcceptHandoffResponse:
         handoff_id = ids.validate_id(request.handoff_id, "handoff_id")
-        if not request.HasField("fence"):
-            raise InvalidArgument(Reason.MISSING_FIELD, "fence is required")
+        for name in ("fence", "from_owner", "trigger"):
+            if not request.HasField(name):
+                raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
         sid = ids.validate_session_id(request.fence.session_id)
         target = ids.validate_deployment_id(request.deployment_id)
-        source = ids.validate_deployment_id(request.from_deployment_id)
+        source = ids.validate_deployment_id(request.from_owner.deployment_id)
         if target != self.deployment_id:
             raise FailedPrecondition(
                 Reason.WRONG_DEPLOYMENT,
@@ -285,28 +245,74 @@ class HandoffBroker:
             )
         if request.snapshot_revision <= 0:
             raise InvalidArgument(Reason.MISSING_FIELD, "snapshot_revision is required")
-        existing = self.candidates.get(handoff_id)
-        if existing is not None:
-            return existing.successor
-        await failpoints.hit("handoff.prepare")
-        snapshot, revision = await self._load_checkpoint(sid)
-        self._validate(snapshot, revision, request)
-        successor = s.OwnerIdentity(
-            owner_run_id=ids.new_run_id(),
-            deployment_id=self.deployment_id,
-            instance_id=self.instance_id,
+        bound = self._log.bind(session_id=sid, handoff_id=handoff_id, from_deployment_id=source)
+        self.accepting[handoff_id] = sid
+        try:
+            await failpoints.hit("handoff.prepare")
+            snapshot, revision = await self._load_checkpoint(sid)
+            try:
+                self._validate(snapshot, revision, request)
+            except REFUSALS:
+                # A repeat of a handoff that moved the session already finds
+                # the checkpoint gone: answer with the recorded outcome.
+                done = await self._recorded(sid, handoff_id)
+                if done is None:
+                    raise
+                return done
+            successor = s.OwnerIdentity(
+                owner_run_id=ids.run_id_for(handoff_id),
+                deployment_id=self.deployment_id,
+                instance_id=self.instance_id,
+            )
+            bound.info("handoff checkpoint validated", successor_run_id=successor.owner_run_id)
+            await failpoints.hit("handoff.before_transfer")
+            transfer = hooks_pb.TransferRequest(
+                handoff_id=handoff_id,
+                expected=request.fence,
+                expected_owner=request.from_owner,
+                successor=successor,
+                hooks=list(snapshot.hooks),
+                trigger_seq=request.trigger.seq,
+                snapshot_revision=revision,
+            )
+            try:
+                moved = await self._transfer(transfer, bound)
+            except (Unavailable, DeadlineExceeded):
+                # Unknown whether it moved: start the successor anyway, without
+                # the trigger in hand. If the transfer did not commit, its
+                # inbox stream is refused (FENCED) before it does anything.
+                bound.warning("transfer outcome unknown; starting the successor fenced")
+                fence = s.Fence(
+                    session_id=sid,
+                    owner_run_id=successor.owner_run_id,
+                    epoch=request.fence.epoch + 1,
+                )
+                self._launch(fence, snapshot, revision, ())
+                raise
+            if moved.replayed:
+                # A repeat: start nothing unless the first one moved it here.
+                done = await self._recorded(sid, handoff_id)
+                if done is not None and done.successor.instance_id != self.instance_id:
+                    return done
+            bound.info("session transferred here", run_id=moved.fence.owner_run_id)
+            await failpoints.hit("handoff.after_transfer")
+            self._launch(moved.fence, snapshot, revision, [request.trigger])
+            return owner_pb.AcceptHandoffResponse(
+                successor=successor, fence=moved.fence, replayed=moved.replayed
+            )
+        finally:
+            self.accepting.pop(handoff_id, None)
+
+    async def _recorded(
+        self, session_id: str, handoff_id: str
+    ) -> owner_pb.AcceptHandoffResponse | None:
+        try:
+            found = await self.hooks.get_transfer(session_id, handoff_id)
+        except NotFound:
+            return None
+        return owner_pb.AcceptHandoffResponse(
+            successor=found.successor, fence=found.fence, replayed=True
         )
-        candidate = Candidate(handoff_id, successor, snapshot, revision)
-        self.candidates[handoff_id] = candidate
-        candidate.poll = self._spawn(self._await_transfer(candidate, sid))
-        self._log.info(
-            "handoff candidate prepared",
-            session_id=sid,
-            handoff_id=handoff_id,
-            from_deployment_id=source,
-            successor_run_id=successor.owner_run_id,
-        )
-        return successor
 
     async def _load_checkpoint(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         try:
@@ -320,9 +326,10 @@ class HandoffBroker:
             ) from exc
 
     def _validate(
-        self, snapshot: s.SessionSnapshot, revision: int, request: owner_pb.PrepareHandoffRequest
+        self, snapshot: s.SessionSnapshot, revision: int, request: owner_pb.AcceptHandoffRequest
     ) -> None:
         sid = request.fence.session_id
+        trigger = request.trigger
         if snapshot.session_id != sid:
             raise FailedPrecondition(
                 Reason.CHECKPOINT_UNREADABLE,
@@ -342,88 +349,39 @@ class HandoffBroker:
             )
         if snapshot.status != s.SESSION_STATUS_ACTIVE:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
-        if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != request.trigger_seq:
+        if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != trigger.seq:
             raise FailedPrecondition(
                 Reason.SESSION_NOT_IDLE,
-                f"session {sid} is not idle at the checkpoint (open turn or backlog)",
+                f"session {sid} is not idle at the checkpoint (open turn, or the trigger "
+                f"{trigger.seq} is not its next inbox entry {snapshot.inbox_next_seq})",
             )
+        if trigger.command.WhichOneof("kind") != "send":
+            raise InvalidArgument(Reason.INVALID_FIELD, "only a send triggers a handoff")
 
-    async def activate(self, handoff_id: str, fence: s.Fence) -> None:
-        """Run the candidate of `handoff_id` with the transferred fence."""
-        ids.validate_id(handoff_id, "handoff_id")
-        sid = ids.validate_session_id(fence.session_id)
-        candidate = self.candidates.get(handoff_id)
-        if candidate is not None and (
-            fence.owner_run_id != candidate.successor.owner_run_id
-            or candidate.snapshot.session_id != sid
-        ):
-            raise InvalidArgument(
-                Reason.INVALID_FIELD, f"handoff {handoff_id} prepared another run or session"
-            )
-        await failpoints.hit("handoff.activate")
-        if candidate is None:
-            # Already activated (by its poll), or dropped: the general path
-            # loads the checkpoint; a wrong fence is refused by hooks.
-            self._launch(fence, s.SessionSnapshot(), None)
-            return
-        self._start(candidate, fence)
-
-    def _start(self, candidate: Candidate, fence: s.Fence) -> None:
-        if self.candidates.pop(candidate.handoff_id, None) is None:
-            return
-        if candidate.poll is not None and candidate.poll is not asyncio.current_task():
-            candidate.poll.cancel()
-        self._log.info(
-            "handoff candidate activated",
-            session_id=fence.session_id,
-            handoff_id=candidate.handoff_id,
-            run_id=fence.owner_run_id,
-            epoch=fence.epoch,
-        )
-        self._launch(fence, candidate.snapshot, candidate.revision)
-
-    def release(self, handoff_id: str) -> None:
-        candidate = self.candidates.pop(handoff_id, None)
-        if candidate is None:
-            return
-        if candidate.poll is not None:
-            candidate.poll.cancel()
-        self._log.info(
-            "handoff candidate released",
-            session_id=candidate.snapshot.session_id,
-            handoff_id=handoff_id,
-        )
-
-    async def _await_transfer(self, candidate: Candidate, session_id: str) -> None:
-        """The safety net when the old owner dies between Transfer and
-        ActivateHandoff: look the outcome up until the candidate expires."""
+    async def _transfer(
+        self, request: hooks_pb.TransferRequest, bound: structlog.BoundLogger
+    ) -> hooks_pb.TransferResponse:
+        """Transfer, replaying the identical request until it is settled."""
         loop = asyncio.get_running_loop()
-        expires = loop.time() + CANDIDATE_TTL_SECONDS
-        delay = CANDIDATE_POLL_FIRST_SECONDS
+        deadline = loop.time() + TRANSFER_SETTLE_SECONDS
+        backoff = 0.05
         while True:
-            last = loop.time() >= expires
-            if not last:
-                await asyncio.sleep(min(delay, max(0.0, expires - loop.time())))
-                delay = min(delay * 2, CANDIDATE_POLL_MAX_SECONDS)
-            if candidate.handoff_id not in self.candidates:
-                return
             try:
-                found = await self.hooks.get_transfer(session_id, candidate.handoff_id)
-            except NotFound:
-                found = None
-            except BatonError as exc:
-                self._log.warning("transfer lookup failed", reason=exc.reason)
-                found = None
-            if found is not None and found.successor.owner_run_id == (
-                candidate.successor.owner_run_id
-            ):
-                self._start(candidate, found.fence)
-                return
-            if last:
-                self.candidates.pop(candidate.handoff_id, None)
-                self._log.info(
-                    "handoff candidate expired",
-                    session_id=session_id,
-                    handoff_id=candidate.handoff_id,
-                )
-                return
+                response = await self.hooks.transfer(request)
+                await failpoints.hit("handoff.transfer_response")
+                if response.replayed:
+                    bound.info("transfer outcome settled by a replay")
+                return response
+            except (Unavailable, DeadlineExceeded) as exc:
+                # Refusals are final; only these leave the outcome unknown.
+                if loop.time() > deadline:
+                    raise
+                bound.warning("transfer outcome uncertain; replaying", reason=exc.reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+
+
+def _retrieve(task: asyncio.Task[owner_pb.AcceptHandoffResponse]) -> None:
+    """Mark a shielded accept's outcome as seen (its caller may be gone)."""
+    if not task.cancelled():
+        task.exception()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +228,11 @@ class OwnerHost:
         return revision
 
     def _launch(
-        self, identity: RunIdentity, snapshot: s.SessionSnapshot, revision: int | None
+        self,
+        identity: RunIdentity,
+        snapshot: s.SessionSnapshot,
+        revision: int | None,
+        seed: Sequence[s.InboxEntry] = (),
     ) -> None:
         run = SessionRun(
             identity,
@@ -239,6 +243,7 @@ class OwnerHost:
             park_after=self.park_after,
             snapshot_revision=revision,
             hand_off=self.handoffs.hand_off,
+            seed=seed,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -276,15 +281,21 @@ class OwnerHost:
 
     # -- handoffs to this deployment ------------------------------------------------
 
-    async def prepare_handoff(self, request: owner_pb.PrepareHandoffRequest) -> s.OwnerIdentity:
+    async def accept_handoff(
+        self, request: owner_pb.AcceptHandoffRequest
+    ) -> owner_pb.AcceptHandoffResponse:
         await self._wait_ready()
-        return await self.handoffs.prepare(request)
+        return await self.handoffs.accept(request)
 
     def _launch_transferred(
-        self, fence: s.Fence, snapshot: s.SessionSnapshot, revision: int | None
+        self,
+        fence: s.Fence,
+        snapshot: s.SessionSnapshot,
+        revision: int,
+        seed: Sequence[s.InboxEntry],
     ) -> None:
-        """Run a session transferred here: from its candidate's checkpoint,
-        or (no candidate) from the last committed snapshot."""
+        """Run a session transferred here from its checkpoint, with the
+        trigger in hand (`seed`). A repeat of a running handoff is ignored."""
         sid = fence.session_id
         if self._stopped:
             return
@@ -293,10 +304,8 @@ class OwnerHost:
             return
         if sid in self._activating or sid in self.parked:
             return
-        if not snapshot.session_id:
-            self._start_activation(fence)
-            return
-        self._launch(RunIdentity(fence, self.deployment_id, self.instance_id), snapshot, revision)
+        identity = RunIdentity(fence, self.deployment_id, self.instance_id)
+        self._launch(identity, snapshot, revision, seed)
 
     # -- parking and bells -------------------------------------------------------
 

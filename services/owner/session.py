@@ -28,7 +28,7 @@ import collections
 import enum
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -151,6 +151,7 @@ class SessionRun:
         clock: Callable[[], float] = time.time,
         snapshot_revision: int | None = None,
         hand_off: HandOff | None = None,
+        seed: Sequence[s.InboxEntry] = (),
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
@@ -161,7 +162,8 @@ class SessionRun:
         self._park_after = park_after
         self._clock = clock
         self._snapshot_revision = snapshot_revision
-        self._pending: collections.deque[s.InboxEntry] = collections.deque()
+        # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
+        self._pending: collections.deque[s.InboxEntry] = collections.deque(seed)
         self._arrived = asyncio.Event()
         self._reader_exit: RunExit | None = None
         self._step_task: asyncio.Task[None] | None = None
@@ -262,7 +264,9 @@ class SessionRun:
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
-        next_seq = self.snapshot.inbox_next_seq
+        next_seq = max(
+            self.snapshot.inbox_next_seq, self._pending[-1].seq + 1 if self._pending else 0
+        )
         backoff = 0.05
         while True:
             try:
@@ -1038,6 +1042,11 @@ class SessionRun:
             input_request=input_request,
             attempt_id=attempt_id,
         )
+
+    async def commit_checkpoint(self) -> None:
+        """Commit the snapshot unchanged (fenced, compared with the last
+        revision): settles an uncertain handoff. Raises Fenced if it moved."""
+        await self._commit([])
 
     async def _commit(self, events: list[s.Event], close: bool = False) -> None:
         if self._carry:

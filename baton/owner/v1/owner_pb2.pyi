@@ -98,30 +98,36 @@ class StartSessionResponse(_message.Message):
 Global___StartSessionResponse: _TypeAlias = StartSessionResponse  # noqa: Y015
 
 @_typing.final
-class PrepareHandoffRequest(_message.Message):
-    """PrepareHandoffRequest names the checkpoint a candidate must take over."""
+class AcceptHandoffRequest(_message.Message):
+    """AcceptHandoffRequest names the checkpoint and the trigger."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     HANDOFF_ID_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
-    FROM_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    FROM_OWNER_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
-    TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
-    """Names the handoff; the transfer records its result under it."""
+    """Names the handoff; the transfer records its outcome under it."""
     deployment_id: _builtins.str
     """The exact target deployment; must equal this owner's."""
-    from_deployment_id: _builtins.str
-    """The deployment handing the session off."""
     snapshot_revision: _builtins.int
     """The mod revision of the session's last committed snapshot (the checkpoint)."""
-    trigger_seq: _builtins.int
-    """The inbox seq of the triggering delivery."""
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The current owner's fence."""
+
+    @_builtins.property
+    def from_owner(self) -> _session_pb2.OwnerIdentity:
+        """The current owner (run, deployment, instance)."""
+
+    @_builtins.property
+    def trigger(self) -> _session_pb2.InboxEntry:
+        """The triggering delivery, as read from the inbox; it must be the next
+        entry after the checkpoint and the last arrival.
+        """
 
     def __init__(
         self,
@@ -129,126 +135,48 @@ class PrepareHandoffRequest(_message.Message):
         handoff_id: _builtins.str = ...,
         fence: _session_pb2.Fence | None = ...,
         deployment_id: _builtins.str = ...,
-        from_deployment_id: _builtins.str = ...,
+        from_owner: _session_pb2.OwnerIdentity | None = ...,
         snapshot_revision: _builtins.int = ...,
-        trigger_seq: _builtins.int = ...,
+        trigger: _session_pb2.InboxEntry | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "trigger", b"trigger"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "fence", b"fence", "from_deployment_id", b"from_deployment_id", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___PrepareHandoffRequest: _TypeAlias = PrepareHandoffRequest  # noqa: Y015
+Global___AcceptHandoffRequest: _TypeAlias = AcceptHandoffRequest  # noqa: Y015
 
 @_typing.final
-class PrepareHandoffResponse(_message.Message):
-    """PrepareHandoffResponse names the prepared successor."""
+class AcceptHandoffResponse(_message.Message):
+    """AcceptHandoffResponse names the successor now running the session."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SUCCESSOR_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.bool
+    """True when this answers a repeat of an accepted handoff."""
     @_builtins.property
     def successor(self) -> _session_pb2.OwnerIdentity:
-        """The successor run (new run id, this deployment, this instance)."""
+        """The successor run (this deployment, the instance it runs on)."""
+
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The successor's fence (epoch + 1)."""
 
     def __init__(
         self,
         *,
         successor: _session_pb2.OwnerIdentity | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["successor", b"successor"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["successor", b"successor"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PrepareHandoffResponse: _TypeAlias = PrepareHandoffResponse  # noqa: Y015
-
-@_typing.final
-class ActivateHandoffRequest(_message.Message):
-    """ActivateHandoffRequest starts a prepared candidate."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HANDOFF_ID_FIELD_NUMBER: _builtins.int
-    FENCE_FIELD_NUMBER: _builtins.int
-    handoff_id: _builtins.str
-    """The handoff the candidate was prepared for."""
-    @_builtins.property
-    def fence(self) -> _session_pb2.Fence:
-        """The successor's fence, as the transfer wrote it (epoch + 1)."""
-
-    def __init__(
-        self,
-        *,
-        handoff_id: _builtins.str = ...,
         fence: _session_pb2.Fence | None = ...,
+        replayed: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "successor", b"successor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "handoff_id", b"handoff_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "replayed", b"replayed", "successor", b"successor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ActivateHandoffRequest: _TypeAlias = ActivateHandoffRequest  # noqa: Y015
-
-@_typing.final
-class ActivateHandoffResponse(_message.Message):
-    """ActivateHandoffResponse is empty."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ActivateHandoffResponse: _TypeAlias = ActivateHandoffResponse  # noqa: Y015
-
-@_typing.final
-class ReleaseHandoffRequest(_message.Message):
-    """ReleaseHandoffRequest drops a candidate."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    HANDOFF_ID_FIELD_NUMBER: _builtins.int
-    SESSION_ID_FIELD_NUMBER: _builtins.int
-    handoff_id: _builtins.str
-    """The handoff the candidate was prepared for."""
-    session_id: _builtins.str
-    """The session."""
-    def __init__(
-        self,
-        *,
-        handoff_id: _builtins.str = ...,
-        session_id: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_id", b"handoff_id", "session_id", b"session_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReleaseHandoffRequest: _TypeAlias = ReleaseHandoffRequest  # noqa: Y015
-
-@_typing.final
-class ReleaseHandoffResponse(_message.Message):
-    """ReleaseHandoffResponse is empty."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    def __init__(
-        self,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReleaseHandoffResponse: _TypeAlias = ReleaseHandoffResponse  # noqa: Y015
+Global___AcceptHandoffResponse: _TypeAlias = AcceptHandoffResponse  # noqa: Y015

@@ -40,20 +40,10 @@ class OwnerServiceStub:
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionRequest.SerializeToString,
                 response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionResponse.FromString,
                 _registered_method=True)
-        self.PrepareHandoff = channel.unary_unary(
-                '/baton.owner.v1.OwnerService/PrepareHandoff',
-                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.SerializeToString,
-                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.FromString,
-                _registered_method=True)
-        self.ActivateHandoff = channel.unary_unary(
-                '/baton.owner.v1.OwnerService/ActivateHandoff',
-                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.SerializeToString,
-                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.FromString,
-                _registered_method=True)
-        self.ReleaseHandoff = channel.unary_unary(
-                '/baton.owner.v1.OwnerService/ReleaseHandoff',
-                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.SerializeToString,
-                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.FromString,
+        self.AcceptHandoff = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/AcceptHandoff',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,25 +58,13 @@ class OwnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PrepareHandoff(self, request, context):
-        """Prepare a candidate run on this deployment for a session that another
-        deployment's owner hands off: rebuild the agent from this build's code and
-        validate the checkpoint (readable, idle, a format this build reads).
-        Writes nothing durable.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ActivateHandoff(self, request, context):
-        """Activate a prepared candidate once its transfer committed. Idempotent.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseHandoff(self, request, context):
-        """Drop a prepared candidate whose transfer did not happen. Idempotent.
+    def AcceptHandoff(self, request, context):
+        """Take a session over from an owner of another deployment (ingress-driven
+        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        checkpoint must be readable, in a snapshot format this build reads, idle,
+        and still the latest commit), move the session here with one Transfer on
+        hooks, and start it with the trigger. Nothing is written unless the
+        transfer commits. A repeat of a handoff id returns the first outcome.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,20 +78,10 @@ def add_OwnerServiceServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionRequest.FromString,
                     response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.StartSessionResponse.SerializeToString,
             ),
-            'PrepareHandoff': grpc.unary_unary_rpc_method_handler(
-                    servicer.PrepareHandoff,
-                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.FromString,
-                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.SerializeToString,
-            ),
-            'ActivateHandoff': grpc.unary_unary_rpc_method_handler(
-                    servicer.ActivateHandoff,
-                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.FromString,
-                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.SerializeToString,
-            ),
-            'ReleaseHandoff': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseHandoff,
-                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.FromString,
-                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.SerializeToString,
+            'AcceptHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptHandoff,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,7 +123,7 @@ class OwnerService:
             _registered_method=True)
 
     @staticmethod
-    def PrepareHandoff(request,
+    def AcceptHandoff(request,
             target,
             options=(),
             channel_credentials=None,
@@ -168,63 +136,9 @@ class OwnerService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.owner.v1.OwnerService/PrepareHandoff',
-            baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffRequest.SerializeToString,
-            baton_dot_owner_dot_v1_dot_owner__pb2.PrepareHandoffResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ActivateHandoff(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.owner.v1.OwnerService/ActivateHandoff',
-            baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffRequest.SerializeToString,
-            baton_dot_owner_dot_v1_dot_owner__pb2.ActivateHandoffResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseHandoff(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/baton.owner.v1.OwnerService/ReleaseHandoff',
-            baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffRequest.SerializeToString,
-            baton_dot_owner_dot_v1_dot_owner__pb2.ReleaseHandoffResponse.FromString,
+            '/baton.owner.v1.OwnerService/AcceptHandoff',
+            baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

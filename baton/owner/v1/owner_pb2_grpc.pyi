@@ -35,16 +35,14 @@ class OwnerServiceStub:
     def __new__(cls, channel: _aio.Channel) -> OwnerServiceAsyncStub: ...
     StartSession: _grpc.UnaryUnaryMultiCallable[_owner_pb2.StartSessionRequest, _owner_pb2.StartSessionResponse]
     """Start a new session on this deployment. Idempotent per session id."""
-    PrepareHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.PrepareHandoffRequest, _owner_pb2.PrepareHandoffResponse]
-    """Prepare a candidate run on this deployment for a session that another
-    deployment's owner hands off: rebuild the agent from this build's code and
-    validate the checkpoint (readable, idle, a format this build reads).
-    Writes nothing durable.
+    AcceptHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]
+    """Take a session over from an owner of another deployment (ingress-driven
+    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    checkpoint must be readable, in a snapshot format this build reads, idle,
+    and still the latest commit), move the session here with one Transfer on
+    hooks, and start it with the trigger. Nothing is written unless the
+    transfer commits. A repeat of a handoff id returns the first outcome.
     """
-    ActivateHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.ActivateHandoffRequest, _owner_pb2.ActivateHandoffResponse]
-    """Activate a prepared candidate once its transfer committed. Idempotent."""
-    ReleaseHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.ReleaseHandoffRequest, _owner_pb2.ReleaseHandoffResponse]
-    """Drop a prepared candidate whose transfer did not happen. Idempotent."""
 
 @_typing.type_check_only
 class OwnerServiceAsyncStub(OwnerServiceStub):
@@ -53,16 +51,14 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     StartSession: _aio.UnaryUnaryMultiCallable[_owner_pb2.StartSessionRequest, _owner_pb2.StartSessionResponse]  # type: ignore[assignment]
     """Start a new session on this deployment. Idempotent per session id."""
-    PrepareHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.PrepareHandoffRequest, _owner_pb2.PrepareHandoffResponse]  # type: ignore[assignment]
-    """Prepare a candidate run on this deployment for a session that another
-    deployment's owner hands off: rebuild the agent from this build's code and
-    validate the checkpoint (readable, idle, a format this build reads).
-    Writes nothing durable.
+    AcceptHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]  # type: ignore[assignment]
+    """Take a session over from an owner of another deployment (ingress-driven
+    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    checkpoint must be readable, in a snapshot format this build reads, idle,
+    and still the latest commit), move the session here with one Transfer on
+    hooks, and start it with the trigger. Nothing is written unless the
+    transfer commits. A repeat of a handoff id returns the first outcome.
     """
-    ActivateHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.ActivateHandoffRequest, _owner_pb2.ActivateHandoffResponse]  # type: ignore[assignment]
-    """Activate a prepared candidate once its transfer committed. Idempotent."""
-    ReleaseHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.ReleaseHandoffRequest, _owner_pb2.ReleaseHandoffResponse]  # type: ignore[assignment]
-    """Drop a prepared candidate whose transfer did not happen. Idempotent."""
 
 class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
     """OwnerService starts and hosts session runs of one exact deployment."""
@@ -76,31 +72,17 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Start a new session on this deployment. Idempotent per session id."""
 
     @_abc_1.abstractmethod
-    def PrepareHandoff(
+    def AcceptHandoff(
         self,
-        request: _owner_pb2.PrepareHandoffRequest,
+        request: _owner_pb2.AcceptHandoffRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_owner_pb2.PrepareHandoffResponse, _abc.Awaitable[_owner_pb2.PrepareHandoffResponse]]:
-        """Prepare a candidate run on this deployment for a session that another
-        deployment's owner hands off: rebuild the agent from this build's code and
-        validate the checkpoint (readable, idle, a format this build reads).
-        Writes nothing durable.
+    ) -> _typing.Union[_owner_pb2.AcceptHandoffResponse, _abc.Awaitable[_owner_pb2.AcceptHandoffResponse]]:
+        """Take a session over from an owner of another deployment (ingress-driven
+        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        checkpoint must be readable, in a snapshot format this build reads, idle,
+        and still the latest commit), move the session here with one Transfer on
+        hooks, and start it with the trigger. Nothing is written unless the
+        transfer commits. A repeat of a handoff id returns the first outcome.
         """
-
-    @_abc_1.abstractmethod
-    def ActivateHandoff(
-        self,
-        request: _owner_pb2.ActivateHandoffRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_owner_pb2.ActivateHandoffResponse, _abc.Awaitable[_owner_pb2.ActivateHandoffResponse]]:
-        """Activate a prepared candidate once its transfer committed. Idempotent."""
-
-    @_abc_1.abstractmethod
-    def ReleaseHandoff(
-        self,
-        request: _owner_pb2.ReleaseHandoffRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_owner_pb2.ReleaseHandoffResponse, _abc.Awaitable[_owner_pb2.ReleaseHandoffResponse]]:
-        """Drop a prepared candidate whose transfer did not happen. Idempotent."""
 
 def add_OwnerServiceServicer_to_server(servicer: OwnerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
