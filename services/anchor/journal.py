@@ -16,6 +16,7 @@ from services.common.errors import (
 )
 from services.common.etcd import (
     Store,
+    cancel_watch,
     cmp_absent,
     cmp_mod,
     cmp_present,
@@ -23,6 +24,7 @@ from services.common.etcd import (
     follow_range,
     op_get,
     op_put,
+    open_watch,
     single_value,
 )
 from services.common.keys import Keys, fence_value, prefix_end, seq_of
@@ -181,56 +183,69 @@ class Journal:
         ids.validate_session_id(session_id)
         k = self._keys
         prefix = k.events_prefix(session_id)
-        response = await self._store.txn(
-            [],
-            [
-                op_get(k.event(session_id, start_seq), prefix_end(prefix)),
-                op_get(k.snapshot(session_id), keys_only=True),
-                op_get(k.closed(session_id)),
-            ],
-            [],
+        # A follower's watch opens before the read (see `open_watch`).
+        watch = (
+            await open_watch(self._store.client, k.stream_prefix(session_id)) if follow else None
         )
-        kvs = response.responses[0].response_range.kvs
-        if not kvs and not response.responses[1].response_range.kvs:
-            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
-        closed = single_value(response.responses[2])
-        if closed is not None and start_seq > int(closed):
-            return  # the cursor is past the terminal event: the stream is over
-        next_seq = start_seq
-        batch: list[s.Event] = []
-        size = 0
-        for kv in kvs:
-            event = s.Event.FromString(kv.value)
-            batch.append(event)
-            size += len(kv.value)
-            next_seq = event.seq + 1
-            if event.kind in TERMINAL_KINDS:
-                yield batch
-                return
-            if size >= _BATCH_BYTES:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
-        if not follow or closed is not None:
-            return
-        # Watch the events and the commit marker (written last by every commit
-        # with events), so each commit reaches the reader as one batch.
-        marker = k.commit_marker(session_id)
-        batch = []
-        async for change in follow_range(
-            self._store.client, k.stream_prefix(session_id), response.header.revision + 1
-        ):
-            key = change.kv.key
-            if key == marker:
-                if batch:
+        handed = False
+        try:
+            response = await self._store.txn(
+                [],
+                [
+                    op_get(k.event(session_id, start_seq), prefix_end(prefix)),
+                    op_get(k.snapshot(session_id), keys_only=True),
+                    op_get(k.closed(session_id)),
+                ],
+                [],
+            )
+            kvs = response.responses[0].response_range.kvs
+            if not kvs and not response.responses[1].response_range.kvs:
+                raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
+            closed = single_value(response.responses[2])
+            if closed is not None and start_seq > int(closed):
+                return  # the cursor is past the terminal event: the stream is over
+            next_seq = start_seq
+            batch: list[s.Event] = []
+            size = 0
+            for kv in kvs:
+                event = s.Event.FromString(kv.value)
+                batch.append(event)
+                size += len(kv.value)
+                next_seq = event.seq + 1
+                if event.kind in TERMINAL_KINDS:
                     yield batch
-                    if batch[-1].kind in TERMINAL_KINDS:
-                        return
-                    batch = []
-                continue
-            if not change.kv.value or seq_of(key) < next_seq:
-                continue
-            event = s.Event.FromString(change.kv.value)
-            batch.append(event)
-            next_seq = event.seq + 1
+                    return
+                if size >= _BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+            if batch:
+                yield batch
+            if not follow or closed is not None:
+                return
+            # Watch the events and the commit marker (written last by every commit
+            # with events), so each commit reaches the reader as one batch.
+            marker = k.commit_marker(session_id)
+            batch = []
+            handed = True
+            async for change in follow_range(
+                self._store.client,
+                k.stream_prefix(session_id),
+                response.header.revision + 1,
+                first_watch=watch,
+            ):
+                key = change.kv.key
+                if key == marker:
+                    if batch:
+                        yield batch
+                        if batch[-1].kind in TERMINAL_KINDS:
+                            return
+                        batch = []
+                    continue
+                if not change.kv.value or seq_of(key) < next_seq:
+                    continue
+                event = s.Event.FromString(change.kv.value)
+                batch.append(event)
+                next_seq = event.seq + 1
+        finally:
+            if watch is not None and not handed:
+                await cancel_watch(watch)

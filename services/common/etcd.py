@@ -130,26 +130,46 @@ def single_value(response: rpc.ResponseOp) -> bytes | None:
     return kvs[0].value if kvs else None
 
 
+async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
+    """A watch of `prefix` from the current revision on. Open it *before*
+    reading the range a follower starts from, and hand it to `follow_range`:
+    etcd serves a watch created at a past revision from its "unsynced" group,
+    caught up by a loop every 100 ms, so a watch opened after the read (at
+    read revision + 1, with writes in between) can stall new events for up to
+    that long. This one is in sync from the start; the read covers the rest."""
+    return await client.watch_prefix(prefix)
+
+
 async def follow_range(
     client: aetcd.Client,
     prefix: bytes,
     start_revision: int,
     *,
+    first_watch: Any = None,
     backoff: float = 0.2,
 ) -> AsyncIterator[Any]:
     """Watch `prefix` from `start_revision`, resuming after etcd failures.
 
     Yields raw watch events in revision order, never one twice: a resumed watch
     starts at the last delivered event's mod_revision + 1, and etcd never splits
-    one revision across responses. A compacted resume point raises Unavailable
-    so the caller re-reads from its own cursor.
+    one revision across responses. `first_watch` (from `open_watch`, opened
+    before the read that ended at `start_revision` - 1) is used first; its
+    events the read already covered are skipped. It belongs to this generator
+    from then on. A compacted resume point raises Unavailable so the caller
+    re-reads from its own cursor.
     """
     next_revision = start_revision
     while True:
-        watch = None
+        watch, first_watch = first_watch, None
+        # Only the first watch can hold events the read covered. (Not
+        # `next_revision`: one txn's events share a revision.)
+        covered = start_revision if watch is not None else 0
         try:
-            watch = await client.watch_prefix(prefix, start_revision=next_revision)
+            if watch is None:
+                watch = await client.watch_prefix(prefix, start_revision=next_revision)
             async for event in watch:
+                if event.kv.mod_revision < covered:
+                    continue
                 yield event
                 next_revision = event.kv.mod_revision + 1
             return
@@ -165,10 +185,10 @@ async def follow_range(
             backoff = min(backoff * 2, 2.0)
         finally:
             if watch is not None:
-                await _cancel_quietly(watch)
+                await cancel_watch(watch)
 
 
-async def _cancel_quietly(watch: Any) -> None:
+async def cancel_watch(watch: Any) -> None:
     try:
         await watch.cancel()
     except aetcd.ClientError:

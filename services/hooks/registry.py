@@ -39,12 +39,14 @@ from services.common.errors import (
 )
 from services.common.etcd import (
     Store,
+    cancel_watch,
     cmp_absent,
     cmp_value,
     follow_range,
     op_delete,
     op_get,
     op_put,
+    open_watch,
     single_value,
 )
 from services.common.keys import (
@@ -580,6 +582,11 @@ class HookRegistry:
             session_id, single_value(response.responses[0]), single_value(response.responses[1])
         )
 
+    def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
+        """Another component of this process (a transfer) wrote a new owner
+        record: cache it, so the next append does not fail its compare first."""
+        self._learn(session_id, str(head).encode(), owner_raw)
+
     def _learn(self, session_id: str, head: bytes | None, owner: bytes | None) -> _SessionState:
         """Cache what a read (or a failure branch) returned."""
         if head is None or owner is None:
@@ -733,39 +740,47 @@ class HookRegistry:
         k = self._keys
         sid = fence.session_id
         expected = fence_value(fence.epoch, fence.owner_run_id)
-        response = await self._store.txn(
-            [],
-            [
-                op_get(k.fence(sid)),
-                op_get(k.inbox_entry(sid, from_seq), prefix_end(k.inbox_prefix(sid))),
-            ],
-            [],
-        )
-        self._check_fence(fence, single_value(response.responses[0]))
-        next_seq = from_seq
-        initial = [
-            s.InboxEntry.FromString(kv.value) for kv in response.responses[1].response_range.kvs
-        ]
-        if initial:
-            next_seq = initial[-1].seq + 1
-            yield initial
-        fence_key = k.fence(sid)
-        async for event in follow_range(
-            self._store.client, k.control_prefix(sid), response.header.revision + 1
-        ):
-            key = event.kv.key
-            if key == fence_key:
-                if event.kv.value != expected:
-                    raise Fenced(
-                        f"owner run {fence.owner_run_id} lost session {sid}", session_id=sid
-                    )
-                continue
-            if not event.kv.value:
-                continue
-            seq = seq_of(key)
-            if seq >= next_seq:
-                next_seq = seq + 1
-                yield [s.InboxEntry.FromString(event.kv.value)]
+        prefix = k.control_prefix(sid)
+        watch = await open_watch(self._store.client, prefix)
+        handed = False
+        try:
+            response = await self._store.txn(
+                [],
+                [
+                    op_get(k.fence(sid)),
+                    op_get(k.inbox_entry(sid, from_seq), prefix_end(k.inbox_prefix(sid))),
+                ],
+                [],
+            )
+            self._check_fence(fence, single_value(response.responses[0]))
+            next_seq = from_seq
+            initial = [
+                s.InboxEntry.FromString(kv.value) for kv in response.responses[1].response_range.kvs
+            ]
+            if initial:
+                next_seq = initial[-1].seq + 1
+                yield initial
+            fence_key = k.fence(sid)
+            handed = True
+            async for event in follow_range(
+                self._store.client, prefix, response.header.revision + 1, first_watch=watch
+            ):
+                key = event.kv.key
+                if key == fence_key:
+                    if event.kv.value != expected:
+                        raise Fenced(
+                            f"owner run {fence.owner_run_id} lost session {sid}", session_id=sid
+                        )
+                    continue
+                if not event.kv.value:
+                    continue
+                seq = seq_of(key)
+                if seq >= next_seq:
+                    next_seq = seq + 1
+                    yield [s.InboxEntry.FromString(event.kv.value)]
+        finally:
+            if not handed:
+                await cancel_watch(watch)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -20,7 +20,8 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     await store.connect()
     keys = Keys(config.etcd.prefix)
     registry = HookRegistry(store, keys)
-    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys), Transfers(store, keys))
+    transfers = Transfers(store, keys, on_moved=registry.owner_moved)
+    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys), transfers)
     server = build_server(
         config.listen,
         [

@@ -11,6 +11,7 @@ replay returns the same result and an uncertain outcome can be looked up.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -73,9 +74,15 @@ class TransferOutcome:
 class Transfers:
     """Transfer and GetTransfer over one etcd store."""
 
-    def __init__(self, store: Store, keys: Keys) -> None:
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        on_moved: Callable[[str, int, bytes], None] | None = None,
+    ) -> None:
         self._store = store
         self._keys = keys
+        self._on_moved = on_moved  # (session, inbox head, new owner record)
 
     async def transfer(
         self,
@@ -150,6 +157,8 @@ class Transfers:
             ],
         )
         if response.succeeded:
+            if self._on_moved is not None:
+                self._on_moved(sid, trigger_seq + 1, record.encode())
             return outcome, False
         stored, fence_now, hooks_now, head_now, closed = (
             single_value(r) for r in response.responses[:5]
