@@ -436,7 +436,8 @@ async def test_a_parked_session_wakes_and_moves(env: Env, stack: Stack) -> None:
 
 async def test_accept_handoff_validates_and_replays(env: Env) -> None:
     """The test plays the old owner X (deployment dep-x, no process): it
-    creates a session, commits session.started, and appends a trigger."""
+    creates a session, commits session.started, and appends a trigger. Its
+    good request carries no checkpoint bytes: B reads it from anchor."""
     from baton.owner.v1 import owner_pb2
     from services.common.clients import OwnerClient
     from services.common.errors import BatonError
@@ -481,6 +482,11 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"snapshot_revision": revision - 1}, "STALE_CHECKPOINT"),
         ({"trigger": s.InboxEntry(seq=5, command=command)}, "SESSION_NOT_IDLE"),
         ({"trigger": cancel}, "INVALID_FIELD"),
+        ({"checkpoint": b"\xff\xff\xff"}, "CHECKPOINT_UNREADABLE"),
+        (
+            {"checkpoint": s.SessionSnapshot(session_id=sid).SerializeToString()},
+            "CHECKPOINT_INCOMPATIBLE",
+        ),
         ({"handoff_id": ""}, "INVALID_FIELD"),
         ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
     ]

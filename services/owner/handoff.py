@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
+from google.protobuf.message import DecodeError
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
@@ -176,6 +177,7 @@ class HandoffBroker:
             ),
             snapshot_revision=revision,
             trigger=entry,
+            checkpoint=run.snapshot.SerializeToString(),
         )
         await failpoints.hit("handoff.before_accept")
         try:
@@ -249,7 +251,7 @@ class HandoffBroker:
         self.accepting[handoff_id] = sid
         try:
             await failpoints.hit("handoff.prepare")
-            snapshot, revision = await self._load_checkpoint(sid)
+            snapshot, revision = await self._load_checkpoint(request)
             try:
                 self._validate(snapshot, revision, request)
             except REFUSALS:
@@ -314,7 +316,18 @@ class HandoffBroker:
             successor=found.successor, fence=found.fence, replayed=True
         )
 
-    async def _load_checkpoint(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
+    async def _load_checkpoint(
+        self, request: owner_pb.AcceptHandoffRequest
+    ) -> tuple[s.SessionSnapshot, int]:
+        session_id = request.fence.session_id
+        if request.checkpoint:
+            try:
+                return s.SessionSnapshot.FromString(request.checkpoint), request.snapshot_revision
+            except DecodeError as exc:
+                raise FailedPrecondition(
+                    Reason.CHECKPOINT_UNREADABLE,
+                    f"the checkpoint of session {session_id} cannot be parsed: {exc}",
+                ) from exc
         try:
             return await self.anchor.snapshot_with_revision(session_id)
         except BatonError as exc:

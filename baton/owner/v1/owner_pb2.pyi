@@ -109,12 +109,19 @@ class AcceptHandoffRequest(_message.Message):
     FROM_OWNER_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     TRIGGER_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; the transfer records its outcome under it."""
     deployment_id: _builtins.str
     """The exact target deployment; must equal this owner's."""
     snapshot_revision: _builtins.int
     """The mod revision of the session's last committed snapshot (the checkpoint)."""
+    checkpoint: _builtins.bytes
+    """The checkpoint itself (a serialized SessionSnapshot), as the old owner
+    committed it at `snapshot_revision`; when empty the target reads it from
+    anchor. The transfer compares that revision, so it can only commit while
+    this is the durable snapshot.
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The current owner's fence."""
@@ -138,10 +145,11 @@ class AcceptHandoffRequest(_message.Message):
         from_owner: _session_pb2.OwnerIdentity | None = ...,
         snapshot_revision: _builtins.int = ...,
         trigger: _session_pb2.InboxEntry | None = ...,
+        checkpoint: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "trigger", b"trigger"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
