@@ -27,8 +27,8 @@ async def test_cancelled_read_only_txns_do_not_crash_etcd() -> None:
     try:
         await store.connect()
         prefix = f"/cancel/{uuid.uuid4().hex}/".encode()
-        value = b"x" * 2048
-        for start in range(0, 2000, 100):
+        value = b"x" * 1024
+        for start in range(0, 500, 100):
             await store.txn(
                 [], [op_put(prefix + f"{i:06d}".encode(), value) for i in range(start, start + 100)]
             )

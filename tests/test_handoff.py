@@ -19,6 +19,7 @@ import pytest
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
+from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.owner.host import OwnerHost
@@ -525,3 +526,57 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         assert len(of(await read_all(b, sid), RECEIVED)) == 1
     finally:
         await client.close()
+
+
+class _FlakyHooks:
+    """B's hooks client, losing Transfer answers for `lose_for` seconds after
+    the first call (each call does reach hooks), and failing every lookup."""
+
+    def __init__(self, real: HooksClient, lose_for: float) -> None:
+        self._real = real
+        self._lose_until = 0.0
+        self._lose_for = lose_for
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    async def transfer(self, request: object, deadline_s: float | None = None) -> object:
+        loop = asyncio.get_running_loop()
+        if not self.calls:
+            self._lose_until = loop.time() + self._lose_for
+        self.calls += 1
+        response = await self._real.transfer(request, deadline_s)  # type: ignore[arg-type]
+        if loop.time() < self._lose_until:
+            raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "answer lost")
+        return response
+
+    async def get_transfer(self, *args: object) -> object:
+        raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "hooks still flaky")
+
+
+@pytest.mark.parametrize(
+    "lose_for", [0.01, 4.0], ids=["one answer lost", "answers lost past A's wait"]
+)
+async def test_lost_transfer_answers_never_strand_the_session(env: Env, lose_for: float) -> None:
+    """The first Transfer commits but its answer (and every lookup) is lost.
+    Briefly: B's replay settles it and B runs the trigger. For longer than B
+    makes A wait: A gets UNAVAILABLE, settles with a fenced commit (FENCED:
+    it moved) and ends; B keeps replaying in the background and starts the
+    successor when the replay answers. Either way the trigger runs once, on B."""
+    a, b = env.a, env.b
+    sid = await a.create()
+    start = (await turn(a, sid, "hello", 1))[-1].seq + 1
+    broker = env.host(b).handoffs
+    flaky = _FlakyHooks(broker.hooks, lose_for)
+    broker.hooks = flaky  # type: ignore[assignment]
+    receipt = await b.send(sid, "whoami")
+    events = await follow_until(b, sid, answered_upto(1), start_seq=start, timeout=20)
+    assert flaky.calls >= 2, "the transfer was never replayed"
+    assert [e.inbox_seq for e in of(events, RECEIVED)] == [receipt.receipt.seq]
+    assert of(events, RESULT)[-1].tool_result.output == "dep-b"
+    epoch, record = await env.owner(sid)
+    assert (epoch, record.deployment_id) == (2, "dep-b")
+    assert sid not in env.host(a).runs
+    all_events = await read_all(a, sid)
+    assert len([e for e in of(all_events, RECEIVED) if e.inbox_seq == receipt.receipt.seq]) == 1

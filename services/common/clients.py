@@ -146,8 +146,11 @@ class HooksClient(_Client):
         request = hooks_pb.WatchBellsRequest(instance_id=instance_id)
         return _stream(self.stub.WatchBells(request))  # type: ignore[return-value]
 
-    async def transfer(self, request: hooks_pb.TransferRequest) -> hooks_pb.TransferResponse:
-        return await _unary(self.stub.Transfer(request, timeout=self.timeout))
+    async def transfer(
+        self, request: hooks_pb.TransferRequest, deadline_s: float | None = None
+    ) -> hooks_pb.TransferResponse:
+        """`deadline_s` overrides the client's call deadline for this call."""
+        return await _unary(self.stub.Transfer(request, timeout=deadline_s or self.timeout))
 
     async def get_transfer(self, session_id: str, handoff_id: str) -> hooks_pb.GetTransferResponse:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)

@@ -170,7 +170,10 @@ async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
     caught up by a loop every 100 ms, so a watch opened after the read (at
     read revision + 1, with writes in between) can stall new events for up to
     that long. This one is in sync from the start; the read covers the rest."""
-    return await client.watch_prefix(prefix)
+    try:
+        return await client.watch_prefix(prefix)
+    except aetcd.ClientError as exc:
+        raise store_unavailable(exc) from exc
 
 
 async def follow_range(

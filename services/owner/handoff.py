@@ -38,7 +38,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -68,6 +68,7 @@ log = structlog.get_logger("baton.owner.handoff")
 
 ACCEPT_CALL_SECONDS = 5.0
 TRANSFER_SETTLE_SECONDS = 3.0  # well inside ACCEPT_CALL_SECONDS
+TRANSFER_ATTEMPT_SECONDS = 1.0
 REGISTRY_CACHE_SECONDS = 5.0
 
 # Refusals: final answers; nothing was written.
@@ -104,7 +105,7 @@ class HandoffBroker:
         self._launch = launch
         self._peers: dict[str, OwnerClient] = {}
         self._targets: dict[str, _Targets] = {}
-        self._tasks: set[asyncio.Task[owner_pb.AcceptHandoffResponse]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._log = log.bind(deployment_id=deployment_id, instance_id=instance_id)
 
     async def close(self) -> None:
@@ -203,14 +204,22 @@ class HandoffBroker:
     async def _settle(self, run: SessionRun, bound: structlog.BoundLogger) -> bool:
         """Commit the unchanged snapshot, fenced: success means the session
         did not move and cannot move on this attempt (the checkpoint revision
-        is gone); FENCED means it moved."""
-        try:
-            await run.commit_checkpoint()
-        except Fenced:
-            bound.info("handoff settled: the session moved")
-            return True
-        bound.info("handoff settled: the session stays; processing here")
-        return False
+        is gone); FENCED means it moved. Anything else settles nothing (the
+        transfer may still land), so keep trying: the trigger waits."""
+        backoff = 0.1
+        while True:
+            try:
+                await run.commit_checkpoint()
+            except Fenced:
+                bound.info("handoff settled: the session moved")
+                return True
+            except BatonError as exc:
+                bound.warning("settling commit failed; again", reason=exc.reason)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            bound.info("handoff settled: the session stays; processing here")
+            return False
 
     # -- the new owner --------------------------------------------------------
 
@@ -261,8 +270,11 @@ class HandoffBroker:
                 if done is None:
                     raise
                 return done
+            # The run id is derived from the handoff and this instance: a
+            # repeat here replays the same transfer; a repeat on another
+            # instance is refused (HANDOFF_ID_REUSED).
             successor = s.OwnerIdentity(
-                owner_run_id=ids.run_id_for(handoff_id),
+                owner_run_id=ids.run_id_for(f"{handoff_id}/{self.instance_id}"),
                 deployment_id=self.deployment_id,
                 instance_id=self.instance_id,
             )
@@ -277,28 +289,22 @@ class HandoffBroker:
                 trigger_seq=request.trigger.seq,
                 snapshot_revision=revision,
             )
+            # Settled in the background (replays until a definite answer) and
+            # started there on success: the caller waits a bounded time only.
+            settling = asyncio.get_running_loop().create_task(
+                self._transfer_and_start(transfer, snapshot, request.trigger, bound)
+            )
+            self._tasks.add(settling)
+            settling.add_done_callback(self._tasks.discard)
+            settling.add_done_callback(_retrieve)
             try:
-                moved = await self._transfer(transfer, bound)
-            except (Unavailable, DeadlineExceeded):
-                # Unknown whether it moved: start the successor anyway, without
-                # the trigger in hand. If the transfer did not commit, its
-                # inbox stream is refused (FENCED) before it does anything.
-                bound.warning("transfer outcome unknown; starting the successor fenced")
-                fence = s.Fence(
-                    session_id=sid,
-                    owner_run_id=successor.owner_run_id,
-                    epoch=request.fence.epoch + 1,
-                )
-                self._launch(fence, snapshot, revision, ())
-                raise
-            if moved.replayed:
-                # A repeat: start nothing unless the first one moved it here.
-                done = await self._recorded(sid, handoff_id)
-                if done is not None and done.successor.instance_id != self.instance_id:
-                    return done
-            bound.info("session transferred here", run_id=moved.fence.owner_run_id)
-            await failpoints.hit("handoff.after_transfer")
-            self._launch(moved.fence, snapshot, revision, [request.trigger])
+                moved = await asyncio.wait_for(asyncio.shield(settling), TRANSFER_SETTLE_SECONDS)
+            except TimeoutError as exc:
+                bound.warning("transfer outcome still unknown; settling it in the background")
+                raise Unavailable(
+                    Reason.UPSTREAM_UNAVAILABLE,
+                    f"the transfer of handoff {handoff_id} is not settled yet",
+                ) from exc
             return owner_pb.AcceptHandoffResponse(
                 successor=successor, fence=moved.fence, replayed=moved.replayed
             )
@@ -371,30 +377,35 @@ class HandoffBroker:
         if trigger.command.WhichOneof("kind") != "send":
             raise InvalidArgument(Reason.INVALID_FIELD, "only a send triggers a handoff")
 
-    async def _transfer(
-        self, request: hooks_pb.TransferRequest, bound: structlog.BoundLogger
+    async def _transfer_and_start(
+        self,
+        request: hooks_pb.TransferRequest,
+        snapshot: s.SessionSnapshot,
+        trigger: s.InboxEntry,
+        bound: structlog.BoundLogger,
     ) -> hooks_pb.TransferResponse:
-        """Transfer, replaying the identical request until it is settled."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + TRANSFER_SETTLE_SECONDS
+        """Transfer, replaying the identical request until the outcome is
+        definite (a refusal is final; only these errors leave it unknown),
+        then start the successor with the trigger in hand."""
         backoff = 0.05
         while True:
             try:
-                response = await self.hooks.transfer(request)
+                moved = await self.hooks.transfer(request, deadline_s=TRANSFER_ATTEMPT_SECONDS)
                 await failpoints.hit("handoff.transfer_response")
-                if response.replayed:
-                    bound.info("transfer outcome settled by a replay")
-                return response
+                break
             except (Unavailable, DeadlineExceeded) as exc:
-                # Refusals are final; only these leave the outcome unknown.
-                if loop.time() > deadline:
-                    raise
                 bound.warning("transfer outcome uncertain; replaying", reason=exc.reason)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+            backoff = min(backoff * 2, 1.0)
+        if moved.replayed:
+            bound.info("transfer outcome settled by a replay")
+        bound.info("session transferred here", run_id=moved.fence.owner_run_id)
+        await failpoints.hit("handoff.after_transfer")
+        self._launch(moved.fence, snapshot, request.snapshot_revision, [trigger])
+        return moved
 
 
-def _retrieve(task: asyncio.Task[owner_pb.AcceptHandoffResponse]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a shielded accept's outcome as seen (its caller may be gone)."""
     if not task.cancelled():
         task.exception()

@@ -234,6 +234,9 @@ class OwnerHost:
         revision: int | None,
         seed: Sequence[s.InboxEntry] = (),
     ) -> None:
+        running = self.runs.get(identity.fence.session_id)
+        if running is not None and running.identity.fence.epoch > identity.fence.epoch:
+            return  # a stale activation: a newer run holds the session here
         run = SessionRun(
             identity,
             snapshot,
@@ -300,10 +303,15 @@ class OwnerHost:
         if self._stopped:
             return
         running = self.runs.get(sid)
-        if running is not None and running.run_id == fence.owner_run_id:
-            return
-        if sid in self._activating or sid in self.parked:
-            return
+        if running is not None and running.identity.fence.epoch >= fence.epoch:
+            return  # this run already, or a newer one
+        # Anything else held here for the session is older (a parked entry,
+        # an activation retrying an earlier fence): the new fence wins.
+        stale = self.parked.pop(sid, None)
+        if stale is not None:
+            timer = self._timers.pop(sid, None)
+            if timer is not None:
+                timer.cancel()
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
         self._launch(identity, snapshot, revision, seed)
 
