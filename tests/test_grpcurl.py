@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from services.cli.launcher import DEFAULT_PORT_BASE, DEMO_API_KEY
-from tests.stack import Stack
+from services.common.clients import HooksClient
+from tests.procs import eventually
+from tests.stack import Stack, add_deployment, stop_deployment
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "grpcurl.md"
 KEY = "key-slack-0001"
@@ -46,7 +48,27 @@ HEALTH = "grpcurl -plaintext $HOST grpc.health.v1.Health/Check"
 HEALTH_OF_SERVICE = (
     f'grpcurl -plaintext -d \'{{"service":"{INGRESS}"}}\' $HOST grpc.health.v1.Health/Check'
 )
-DOCUMENTED = (LIST, DESCRIBE, CREATE, SEND, READ, HEALTH, HEALTH_OF_SERVICE)
+UPGRADE = (
+    f"grpcurl -plaintext {AUTH} "
+    '-d "{\\"session_id\\":\\"$SESSION\\",\\"text\\":\\"whoami\\"}" '
+    f"$HOST2 {INGRESS}/SendMessage"
+)
+GET_TRANSFER = (
+    "grpcurl -plaintext "
+    '-d "{\\"session_id\\":\\"$SESSION\\",\\"handoff_id\\":\\"$HANDOFF\\"}" '
+    "$HOOKS baton.hooks.v1.HookRegistryService/GetTransfer"
+)
+DOCUMENTED = (
+    LIST,
+    DESCRIBE,
+    CREATE,
+    SEND,
+    READ,
+    HEALTH,
+    HEALTH_OF_SERVICE,
+    UPGRADE,
+    GET_TRANSFER,
+)
 
 
 def find_grpcurl() -> str:
@@ -129,10 +151,19 @@ def test_doc_shows_exactly_the_tested_commands() -> None:
     assert sorted(shown) == sorted(DOCUMENTED)
 
 
+def test_readme_includes_the_doc_verbatim() -> None:
+    doc = DOC.read_text()
+    body = doc[doc.index("-->") + 3 :].strip()
+    assert body in (DOC.parent.parent / "README.md").read_text()
+
+
 def test_doc_variables_match_baton_up_defaults() -> None:
     doc = DOC.read_text()
     assert f"HOST=127.0.0.1:{DEFAULT_PORT_BASE} " in doc
     assert f"KEY={DEMO_API_KEY} " in doc
+    # The launcher's plan: hooks at base + 1, the second ingress at base + 4.
+    assert f"HOOKS=127.0.0.1:{DEFAULT_PORT_BASE + 1} " in doc
+    assert f"HOST2=127.0.0.1:{DEFAULT_PORT_BASE + 4} " in doc
 
 
 async def test_reflection_and_health_on_every_server(stack: Stack, grpcurl: Grpcurl) -> None:
@@ -196,3 +227,52 @@ async def test_create_without_a_valid_key_is_unauthenticated(
     )
     assert refused.returncode != 0
     assert "Unauthenticated" in refused.stderr, refused.stderr
+
+
+async def read_until(grpcurl: Grpcurl, text: str, **variables: str) -> list[dict[str, Any]]:
+    """Poll the documented non-following read until `text` shows up."""
+    deadline = time.monotonic() + 30
+    while True:
+        read = await grpcurl.run(READ, **variables)
+        if text in read.stdout or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert text in read.stdout, read.stdout
+    return [event for message in json_messages(read.stdout) for event in message["events"]]
+
+
+async def test_upgrade_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
+    second = await add_deployment(stack, "dep-b")
+    try:
+        host, host2 = stack.addr(stack.ingress), second.addr(second.ingress)
+        hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+        try:
+            await eventually(lambda: hooks.list_instances("dep-b"), "dep-b registered", 15)
+        finally:
+            await hooks.close()
+        [created] = json_messages((await grpcurl.run(CREATE, HOST=host, KEY=KEY)).stdout)
+        session = created["session_id"]
+        [sent] = json_messages(
+            (await grpcurl.run(UPGRADE, HOST2=host2, KEY=KEY, SESSION=session)).stdout
+        )
+        assert sent["accepted_deployment_id"] == "dep-b"
+        events = await read_until(
+            grpcurl, "The result is dep-b.", HOST=host, KEY=KEY, SESSION=session
+        )
+        [handed] = [e for e in events if e["kind"] == "EVENT_KIND_SESSION_HANDED_OFF"]
+        assert handed["text"] == stack.deployment_id and handed["deployment_id"] == "dep-b"
+        [found] = json_messages(
+            (
+                await grpcurl.run(
+                    GET_TRANSFER,
+                    HOOKS=stack.addr(stack.hooks),
+                    SESSION=session,
+                    HANDOFF=handed["handoff_id"],
+                )
+            ).stdout
+        )
+        assert found["successor"]["deployment_id"] == "dep-b"
+        assert found["fence"]["epoch"] == "2"
+        assert found["fence"]["owner_run_id"] == handed["owner_run_id"]
+    finally:
+        await stop_deployment(second)

@@ -164,6 +164,11 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(en
     handed = of(upgrade, HANDED_OFF)
     assert len(handed) == 1 and handed[0].text == "dep-a" and handed[0].deployment_id == "dep-b"
     assert upgrade[0].kind == HANDED_OFF
+    # The event names the handoff; hooks looks its outcome up by that id.
+    assert handed[0].handoff_id.startswith("ho_")
+    found = await env.hooks.get_transfer(sid, handed[0].handoff_id)
+    assert found.fence.epoch == 2 and found.successor.deployment_id == "dep-b"
+    assert found.trigger_seq == receipt.receipt.seq
     assert {e.deployment_id for e in upgrade} == {"dep-b"}
     # The successor processed the trigger; its tool reports the new deployment.
     assert [e.inbox_seq for e in of(upgrade, RECEIVED)] == [receipt.receipt.seq]
@@ -515,7 +520,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         assert not first.replayed
         events = await follow_until(b, sid, answered_upto(1))
         assert [e.kind for e in events[:2]] == [K.EVENT_KIND_SESSION_STARTED, HANDED_OFF]
-        assert events[1].text == "dep-x"
+        assert events[1].text == "dep-x" and events[1].handoff_id == "h-1"
         assert of(events, RESULT)[-1].tool_result.output == "dep-b"
         # A repeat returns the same outcome and starts nothing twice.
         again = await client.accept_handoff(request)

@@ -74,7 +74,7 @@ REGISTRY_CACHE_SECONDS = 5.0
 # Refusals: final answers; nothing was written.
 REFUSALS = (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument)
 
-Launch = Callable[[s.Fence, s.SessionSnapshot, int, Sequence[s.InboxEntry]], None]
+Launch = Callable[[s.Fence, s.SessionSnapshot, int, Sequence[s.InboxEntry], str], None]
 
 
 @dataclass
@@ -401,7 +401,9 @@ class HandoffBroker:
             bound.info("transfer outcome settled by a replay")
         bound.info("session transferred here", run_id=moved.fence.owner_run_id)
         await failpoints.hit("handoff.after_transfer")
-        self._launch(moved.fence, snapshot, request.snapshot_revision, [trigger])
+        self._launch(
+            moved.fence, snapshot, request.snapshot_revision, [trigger], request.handoff_id
+        )
         return moved
 
 

@@ -233,6 +233,7 @@ class OwnerHost:
         snapshot: s.SessionSnapshot,
         revision: int | None,
         seed: Sequence[s.InboxEntry] = (),
+        handoff_id: str = "",
     ) -> None:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
@@ -247,6 +248,7 @@ class OwnerHost:
             snapshot_revision=revision,
             hand_off=self.handoffs.hand_off,
             seed=seed,
+            handoff_id=handoff_id,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -296,6 +298,7 @@ class OwnerHost:
         snapshot: s.SessionSnapshot,
         revision: int,
         seed: Sequence[s.InboxEntry],
+        handoff_id: str,
     ) -> None:
         """Run a session transferred here from its checkpoint, with the
         trigger in hand (`seed`). A repeat of a running handoff is ignored."""
@@ -313,7 +316,7 @@ class OwnerHost:
             if timer is not None:
                 timer.cancel()
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
-        self._launch(identity, snapshot, revision, seed)
+        self._launch(identity, snapshot, revision, seed, handoff_id)
 
     # -- parking and bells -------------------------------------------------------
 

@@ -152,6 +152,7 @@ class SessionRun:
         snapshot_revision: int | None = None,
         hand_off: HandOff | None = None,
         seed: Sequence[s.InboxEntry] = (),
+        handoff_id: str = "",
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
@@ -173,6 +174,7 @@ class SessionRun:
         self._idle = False  # waiting for a command with nothing pending and no open turn
         self._trigger_seq = -1  # the delivery found eligible for a handoff at arrival
         self._carry: list[s.Event] = []  # events for the next commit
+        self._handoff_id = handoff_id  # the handoff that started this run, if one did
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -208,7 +210,13 @@ class SessionRun:
             if handed_off:
                 # First run on this deployment after a handoff: say so on the
                 # stream (with the first commit here) and restart the timeout.
-                self._carry.append(self._event(s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from))
+                self._carry.append(
+                    self._event(
+                        s.EVENT_KIND_SESSION_HANDED_OFF,
+                        text=arrived_from,
+                        handoff_id=self._handoff_id,
+                    )
+                )
             self._arm_timeout(restart=handed_off)
             turn = self.snapshot.open_turn
             if self.snapshot.HasField("open_turn") and not (
@@ -1027,6 +1035,7 @@ class SessionRun:
         error: s.ErrorDetail | None = None,
         input_request: s.InputRequest | None = None,
         attempt_id: str = "",
+        handoff_id: str = "",
     ) -> s.Event:
         return make_event(
             self.identity,
@@ -1041,6 +1050,7 @@ class SessionRun:
             error=error,
             input_request=input_request,
             attempt_id=attempt_id,
+            handoff_id=handoff_id,
         )
 
     async def commit_checkpoint(self) -> None:

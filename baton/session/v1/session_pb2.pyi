@@ -860,6 +860,7 @@ class Event(_message.Message):
     DELIVERY_ID_FIELD_NUMBER: _builtins.int
     INPUT_REQUEST_FIELD_NUMBER: _builtins.int
     ATTEMPT_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     seq: _builtins.int
@@ -882,6 +883,10 @@ class Event(_message.Message):
     """The delivery id of the command this event answers, when any."""
     attempt_id: _builtins.str
     """The sign-in attempt (authorization.required / authorization.completed)."""
+    handoff_id: _builtins.str
+    """The handoff that moved the session here (session.handed_off), when
+    known; hooks' GetTransfer looks it up.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the owner produced the event."""
@@ -926,10 +931,11 @@ class Event(_message.Message):
         delivery_id: _builtins.str = ...,
         input_request: Global___InputRequest | None = ...,
         attempt_id: _builtins.str = ...,
+        handoff_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "input_request", b"input_request", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "handoff_id", b"handoff_id", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
