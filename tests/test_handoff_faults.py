@@ -134,6 +134,17 @@ class AliasWatch:
         assert self.lookups > 0
 
 
+async def begin(run: Run, caller: str = "") -> tuple[AliasWatch, list[int], int]:
+    """Watch the alias, answer one turn on A, then send the trigger through
+    B's ingress. Returns the watch, the receipts so far and the trigger's seq."""
+    watch = AliasWatch(run)
+    receipts = [await run.send(run.a, "hello")]
+    await settle(run, receipts)
+    trigger = await run.send(run.b, "whoami", caller=caller)
+    receipts.append(trigger)
+    return watch, receipts, trigger
+
+
 def check(events: list[s.Event], receipts: list[int]) -> None:
     check_history(events, receipts)
     deployments: dict[str, set[str]] = {}
@@ -209,11 +220,7 @@ async def test_handoff_survives_a_crash_at_each_step(
     a1_points, b_points, expected = CASES[case]
     run = await start(etcd_endpoint, tmp_path, a1=a1_points, b=b_points)
     try:
-        watch = AliasWatch(run)
-        receipts = [await run.send(run.a, "hello")]
-        await settle(run, receipts)
-        trigger = await run.send(run.b, "whoami")
-        receipts.append(trigger)
+        watch, receipts, trigger = await begin(run)
         events = await settle(run, receipts)
         # One more turn through each ingress: the session works on.
         receipts.append(await run.send(run.b, "what is 3*3"))
@@ -255,11 +262,7 @@ async def test_a_dies_while_b_takes_the_session(
     again); either way the trigger runs once, on B."""
     run = await start(etcd_endpoint, tmp_path, b=b_points)
     try:
-        watch = AliasWatch(run)
-        receipts = [await run.send(run.a, "hello")]
-        await settle(run, receipts)
-        trigger = await run.send(run.b, "whoami")
-        receipts.append(trigger)
+        watch, receipts, trigger = await begin(run)
         await wait_log(run, ("b1", "b2"), step)
         run.stack.kill("a1")
         events = await settle(run, receipts)
@@ -277,11 +280,7 @@ async def test_deliveries_racing_the_transfer_keep_a_in_charge_in_fifo(
 ) -> None:
     run = await start(etcd_endpoint, tmp_path, b="handoff.before_transfer=sleep(1000)")
     try:
-        watch = AliasWatch(run)
-        receipts = [await run.send(run.a, "hello")]
-        await settle(run, receipts)
-        trigger = await run.send(run.b, "whoami", caller="u1")
-        receipts.append(trigger)
+        watch, receipts, trigger = await begin(run, caller="u1")
         await wait_log(run, ("b1", "b2"), "handoff checkpoint validated")
         # Both ingresses keep accepting (no retry loop, one session).
         receipts.append(await run.send(run.a, "what is 1+1", caller="u2"))
