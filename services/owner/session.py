@@ -335,7 +335,13 @@ class SessionRun:
         except Fenced:
             raise
         except BatonError as exc:
-            self._log.warning("handoff failed", reason=exc.reason, error=exc.message)
+            self._log.warning(
+                "handoff failed",
+                reason=exc.reason,
+                error=exc.message,
+                inbox_seq=entry.seq,
+                to_deployment_id=entry.command.delivery.accepted_deployment_id,
+            )
             if exc.retryable:
                 raise  # outcome unknown: run again from the snapshot
             return False
@@ -359,10 +365,15 @@ class SessionRun:
     async def _try_park(self) -> bool:
         if self._park_after is None or self._pending:
             return False
+        # Still idle while parking: an arrival that fails the park is
+        # evaluated as a handoff trigger like any other.
+        self._idle = not self.snapshot.HasField("open_turn")
         try:
             await self._hooks.set_parked(self.identity.fence, True, self.snapshot.inbox_next_seq)
         except Aborted:
             return False  # something arrived; the stream will deliver it
+        finally:
+            self._idle = False
         self._log.debug("parked", inbox_next_seq=self.snapshot.inbox_next_seq)
         return True
 
