@@ -16,14 +16,16 @@ The old owner (A): a run that finds an eligible trigger (see
    moved.
 
 The new owner (B), in one call (`accept`): prepares a candidate — the agent
-is this build's code; the checkpoint is read from anchor and must be
-readable, in a snapshot format this build reads, idle, the latest commit,
-with the trigger as its next inbox entry — then calls Transfer on hooks (one
-etcd txn: fence, exact claim set, trigger is the inbox head, snapshot
-revision, unused handoff id) and starts the successor run with the trigger
-in hand. An uncertain Transfer is settled by replaying the identical
-request: every refusal is final (the fence and the snapshot revision never
-come back, the inbox head only grows), and the outcome is recorded under the
+is this build's code; the checkpoint (sent by A, or read from anchor when
+the request carries none) must be readable, in a snapshot format this build
+reads, idle, the latest commit, with the trigger as its next inbox entry —
+then calls Transfer on hooks (one etcd txn: fence, exact claim set, trigger
+is the inbox head, snapshot revision, unused handoff id) and starts the
+successor run with the trigger in hand. An uncertain Transfer is settled by
+replaying the identical request until the answer is definite (A waits for
+that at most TRANSFER_SETTLE_SECONDS; the rest happens in the background):
+every refusal is final (the fence and the snapshot revision never come
+back, the inbox head only grows), and the outcome is recorded under the
 handoff id, so a replay of an applied transfer returns it.
 
 Doing prepare, transfer and activation in the target's one call keeps the
