@@ -16,16 +16,18 @@ import aetcd
 import grpc
 import pytest
 
+from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import AnchorClient, HooksClient
-from services.common.errors import Reason, Unavailable
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.errors import BatonError, Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.owner.host import OwnerHost
+from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment
-from tests.test_turns import follow_until, of, read_all, respond
+from tests.test_turns import follow_until, of, read_all, respond, waits
 
 K = s.EventKind
 HANDED_OFF = K.EVENT_KIND_SESSION_HANDED_OFF
@@ -93,33 +95,22 @@ class Env:
 
 
 @pytest.fixture
-async def env(stack: Stack) -> AsyncIterator[Env]:
+async def env(stack: Stack, etcd: aetcd.Client) -> AsyncIterator[Env]:
     b = await add_deployment(stack, "dep-b")
-    from services.common.etcd import parse_endpoint
-
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
-    running = Env(stack, b, client)
+    running = Env(stack, b, etcd)
     try:
         await running.wait_ready(stack, b)
         yield running
     finally:
         failpoints.configure("")
         await running.close()
-        await client.close()
         await stop_deployment(b)
-
-
-def answered_upto(count: int):  # type: ignore[no-untyped-def]
-    """The stream holds `count` session.waiting events."""
-    return lambda events: len(of(events, WAITING)) >= count
 
 
 async def turn(stack: Stack, session_id: str, text: str, start: int, **kwargs: object) -> list:
     """Send `text` through `stack`'s ingress; return the events of its turn."""
     await stack.send(session_id, text, **kwargs)
-    events = await follow_until(stack, session_id, answered_upto(1), start_seq=start)
+    events = await follow_until(stack, session_id, waits(1), start_seq=start)
     return events
 
 
@@ -151,11 +142,11 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(en
     assert "slack:order-7" in hooks_before
 
     # A reader following from seq 0 since before the handoff.
-    follower = asyncio.create_task(follow_until(a, sid, answered_upto(2), timeout=20))
+    follower = asyncio.create_task(follow_until(a, sid, waits(2), timeout=20))
     await asyncio.sleep(0.1)
     receipt = await b.send(sid, "whoami")
     assert receipt.accepted_deployment_id == "dep-b"
-    upgrade = await follow_until(b, sid, answered_upto(1), start_seq=first[-1].seq + 1)
+    upgrade = await follow_until(b, sid, waits(1), start_seq=first[-1].seq + 1)
     followed = await follower
 
     # The stream: no gap, no duplicate, no disconnect; one handoff event.
@@ -199,7 +190,7 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(en
     # The alias still names the same session; a send B accepts stays on B.
     alias_receipt = await b.send(alias="order-7", text="what is 1+1")
     assert alias_receipt.receipt.session_id == sid
-    more = await follow_until(b, sid, answered_upto(1), start_seq=upgrade[-1].seq + 1)
+    more = await follow_until(b, sid, waits(1), start_seq=upgrade[-1].seq + 1)
     assert {e.deployment_id for e in more} == {"dep-b"} and not of(more, HANDED_OFF)
 
 
@@ -253,10 +244,10 @@ async def test_pending_human_input_skips(env: Env) -> None:
     # An input response accepted by B never triggers; a plain send while
     # input is pending is processed here (it abandons the wait).
     await respond(b, sid, s.InputResponse(request_id=request.request_id, approved=True))
-    await follow_until(a, sid, answered_upto(1), start_seq=waiting[-1].seq + 1)
+    await follow_until(a, sid, waits(1), start_seq=waiting[-1].seq + 1)
     events = await turn(a, sid, "transfer 6", (await read_all(a, sid))[-1].seq + 1)
     await b.send(sid, "never mind")
-    done = await follow_until(a, sid, answered_upto(1), start_seq=events[-1].seq + 1)
+    done = await follow_until(a, sid, waits(1), start_seq=events[-1].seq + 1)
     assert {e.deployment_id for e in done} == {"dep-a"}
     assert not of(await read_all(a, sid), HANDED_OFF)
     await env.no_upgrade_state(sid, b)
@@ -268,7 +259,7 @@ async def test_pending_authorization_skips(env: Env) -> None:
     waiting = await turn(a, sid, "read calendar", 1)
     assert of(waiting, K.EVENT_KIND_AUTHORIZATION_REQUIRED)
     await b.send(sid, "hello from b")
-    done = await follow_until(a, sid, answered_upto(1), start_seq=waiting[-1].seq + 1)
+    done = await follow_until(a, sid, waits(1), start_seq=waiting[-1].seq + 1)
     assert {e.deployment_id for e in done} == {"dep-a"}
     await env.no_upgrade_state(sid, b)
 
@@ -283,7 +274,7 @@ async def test_an_active_turn_and_queued_commands_skip(env: Env) -> None:
     # not even once the turn settles.
     steer = await b.send(sid, "steered from b")
     queued = await b.send(sid, "queued from b", turn_policy=s.TURN_POLICY_QUEUE)
-    events = await follow_until(a, sid, answered_upto(2), start_seq=1, timeout=20)
+    events = await follow_until(a, sid, waits(2), start_seq=1, timeout=20)
     received = [e.inbox_seq for e in of(events, RECEIVED)]
     assert received == [0, steer.receipt.seq, queued.receipt.seq]
     assert {e.deployment_id for e in events} == {"dep-a"}
@@ -330,7 +321,7 @@ async def test_an_unreadable_checkpoint_is_refused_and_a_processes_once(
         start = (await turn(a, sid, "hello", 1))[-1].seq + 1
         before = await env.snapshot(sid)
         receipt = await c.send(sid, "whoami")
-        events = await follow_until(a, sid, answered_upto(1), start_seq=start)
+        events = await follow_until(a, sid, waits(1), start_seq=start)
         assert [e.inbox_seq for e in of(events, RECEIVED)] == [receipt.receipt.seq]
         assert of(events, RESULT)[-1].tool_result.output == "dep-a"
         await env.no_upgrade_state(sid, c)
@@ -355,7 +346,7 @@ async def test_no_live_instance_of_the_target_skips(env: Env, stack: Stack) -> N
     await eventually(lambda: _no_instances(env, "dep-c"), "dep-c deregistered", 15)
     try:
         await c.send(sid, "whoami")
-        events = await follow_until(a, sid, answered_upto(1), start_seq=start)
+        events = await follow_until(a, sid, waits(1), start_seq=start)
         assert of(events, RESULT)[-1].tool_result.output == "dep-a"
         await env.no_upgrade_state(sid)
     finally:
@@ -398,7 +389,7 @@ async def test_a_lost_transfer_response_is_settled_by_a_replay(env: Env) -> None
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
     failpoints.configure("handoff.transfer_response=once:error")
     receipt = await b.send(sid, "whoami")
-    events = await follow_until(b, sid, answered_upto(1), start_seq=start)
+    events = await follow_until(b, sid, waits(1), start_seq=start)
     assert of(events, RESULT)[-1].tool_result.output == "dep-b"
     assert [e.inbox_seq for e in of(events, RECEIVED)] == [receipt.receipt.seq]
     assert len(await env.transfers(sid)) == 1
@@ -414,7 +405,7 @@ async def test_an_uncertain_outcome_is_settled_and_a_keeps_the_session(env: Env)
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
     failpoints.configure("handoff.prepare=once:error")
     await b.send(sid, "whoami")
-    events = await follow_until(a, sid, answered_upto(1), start_seq=start)
+    events = await follow_until(a, sid, waits(1), start_seq=start)
     assert of(events, RESULT)[-1].tool_result.output == "dep-a"
     await env.no_upgrade_state(sid, b)
     # The signal is forgotten, not remembered: the next B send moves it.
@@ -444,10 +435,6 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
     """The test plays the old owner X (deployment dep-x, no process): it
     creates a session, commits session.started, and appends a trigger. Its
     good request carries no checkpoint bytes: B reads it from anchor."""
-    from baton.owner.v1 import owner_pb2
-    from services.common.clients import OwnerClient
-    from services.common.errors import BatonError
-    from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
 
     b = env.b
     sid = ids.new_session_id()
@@ -518,7 +505,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         first = await client.accept_handoff(request)
         assert first.fence.epoch == 2 and first.successor.deployment_id == "dep-b"
         assert not first.replayed
-        events = await follow_until(b, sid, answered_upto(1))
+        events = await follow_until(b, sid, waits(1))
         assert [e.kind for e in events[:2]] == [K.EVENT_KIND_SESSION_STARTED, HANDED_OFF]
         assert events[1].text == "dep-x" and events[1].handoff_id == "h-1"
         assert of(events, RESULT)[-1].tool_result.output == "dep-b"
@@ -576,7 +563,7 @@ async def test_lost_transfer_answers_never_strand_the_session(env: Env, lose_for
     flaky = _FlakyHooks(broker.hooks, lose_for)
     broker.hooks = flaky  # type: ignore[assignment]
     receipt = await b.send(sid, "whoami")
-    events = await follow_until(b, sid, answered_upto(1), start_seq=start, timeout=20)
+    events = await follow_until(b, sid, waits(1), start_seq=start, timeout=20)
     assert flaky.calls >= 2, "the transfer was never replayed"
     assert [e.inbox_seq for e in of(events, RECEIVED)] == [receipt.receipt.seq]
     assert of(events, RESULT)[-1].tool_result.output == "dep-b"

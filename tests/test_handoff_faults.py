@@ -13,18 +13,29 @@ alias resolves to the same session throughout.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aetcd
 import grpc
 import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.common.etcd import parse_endpoint
 from services.common.keys import Keys
-from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventually
+from tests.procs import (
+    SLACK,
+    ProcessStack,
+    StackClients,
+    answered,
+    check_history,
+    eventually,
+    received_seqs,
+)
 
 K = s.EventKind
 ALIAS = "fault-7"
@@ -161,10 +172,6 @@ def trigger_ran_on(events: list[s.Event], seq: int) -> str:
 
 async def transfers(run: Run) -> int:
     keys = Keys(run.stack.prefix)
-    import aetcd
-
-    from services.common.etcd import parse_endpoint
-
     host, port = parse_endpoint(run.stack.etcd_endpoint)
     client = aetcd.Client(host=host, port=port, timeout=5)
     try:
@@ -320,10 +327,6 @@ async def handoff_chaos(
     """Rounds of sends to random sessions through random ingresses (so
     sessions hop between deployments, or stay when busy), each round killing
     (-9) a random owner instance and starting a replacement in its deployment."""
-    import random
-
-    from tests.procs import answered, received_seqs
-
     rng = random.Random(seed)
     run = await start(etcd_endpoint, workdir)
     followers: list[asyncio.Task[None]] = []

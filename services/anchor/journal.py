@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from baton.session.v1 import session_pb2 as s
@@ -16,16 +17,14 @@ from services.common.errors import (
 )
 from services.common.etcd import (
     Store,
-    cancel_watch,
     cmp_absent,
     cmp_mod,
     cmp_present,
     cmp_value,
-    follow_range,
     op_get,
     op_put,
-    open_watch,
     single_value,
+    watch_then_read,
 )
 from services.common.keys import Keys, fence_value, prefix_end, seq_of
 
@@ -183,12 +182,13 @@ class Journal:
         ids.validate_session_id(session_id)
         k = self._keys
         prefix = k.events_prefix(session_id)
-        # A follower's watch opens before the read (see `open_watch`).
-        watch = (
-            await open_watch(self._store.client, k.stream_prefix(session_id)) if follow else None
+        # A follower's watch opens before the read (see `watch_then_read`).
+        watching = (
+            watch_then_read(self._store.client, k.stream_prefix(session_id))
+            if follow
+            else contextlib.nullcontext()
         )
-        handed = False
-        try:
+        async with watching as follower:
             response = await self._store.txn(
                 [],
                 [
@@ -226,13 +226,8 @@ class Journal:
             # with events), so each commit reaches the reader as one batch.
             marker = k.commit_marker(session_id)
             batch = []
-            handed = True
-            async for change in follow_range(
-                self._store.client,
-                k.stream_prefix(session_id),
-                response.header.revision + 1,
-                first_watch=watch,
-            ):
+            assert follower is not None
+            async for change in follower.events(response.header.revision + 1):
                 key = change.kv.key
                 if key == marker:
                     if batch:
@@ -246,6 +241,3 @@ class Journal:
                 event = s.Event.FromString(change.kv.value)
                 batch.append(event)
                 next_seq = event.seq + 1
-        finally:
-            if watch is not None and not handed:
-                await cancel_watch(watch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from aetcd import rpc
 from grpc.aio import AioRpcError
 
 from services.common.errors import Internal, Reason, Unavailable
+from services.common.tasks import mark_retrieved
 
 log = structlog.get_logger("baton.etcd")
 
@@ -110,7 +112,7 @@ class Store:
         call = asyncio.ensure_future(self.client.kvstub.Txn(request))
         self._reads.add(call)
         call.add_done_callback(self._reads.discard)
-        call.add_done_callback(_retrieve)
+        call.add_done_callback(mark_retrieved)
         return await asyncio.wait_for(asyncio.shield(call), self.timeout)
 
 
@@ -118,11 +120,6 @@ def _read_only(request: rpc.TxnRequest) -> bool:
     return all(
         op.WhichOneof("request") == "request_range" for op in (*request.success, *request.failure)
     )
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def cmp_value(key: bytes, value: bytes) -> rpc.Compare:
@@ -174,6 +171,35 @@ async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
         return await client.watch_prefix(prefix)
     except aetcd.ClientError as exc:
         raise store_unavailable(exc) from exc
+
+
+class Follower:
+    """A watch opened before the read a follower starts from; see
+    `watch_then_read`."""
+
+    def __init__(self, client: aetcd.Client, prefix: bytes, watch: Any) -> None:
+        self._client = client
+        self._prefix = prefix
+        self.watch: Any = watch
+
+    def events(self, start_revision: int) -> AsyncIterator[Any]:
+        """Events from `start_revision` (the read's revision + 1) on; the
+        watch belongs to the returned generator from now."""
+        watch, self.watch = self.watch, None
+        return follow_range(self._client, self._prefix, start_revision, first_watch=watch)
+
+
+@contextlib.asynccontextmanager
+async def watch_then_read(client: aetcd.Client, prefix: bytes) -> AsyncIterator[Follower]:
+    """Open a watch of `prefix` now (see `open_watch`); the body reads its
+    range, then follows with `follower.events(read revision + 1)`. A watch the
+    body never followed is cancelled on the way out."""
+    follower = Follower(client, prefix, await open_watch(client, prefix))
+    try:
+        yield follower
+    finally:
+        if follower.watch is not None:
+            await cancel_watch(follower.watch)
 
 
 async def follow_range(

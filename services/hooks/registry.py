@@ -39,15 +39,13 @@ from services.common.errors import (
 )
 from services.common.etcd import (
     Store,
-    cancel_watch,
     cmp_absent,
     cmp_value,
-    follow_range,
     op_delete,
     op_get,
     op_put,
-    open_watch,
     single_value,
+    watch_then_read,
 )
 from services.common.keys import (
     Keys,
@@ -740,10 +738,7 @@ class HookRegistry:
         k = self._keys
         sid = fence.session_id
         expected = fence_value(fence.epoch, fence.owner_run_id)
-        prefix = k.control_prefix(sid)
-        watch = await open_watch(self._store.client, prefix)
-        handed = False
-        try:
+        async with watch_then_read(self._store.client, k.control_prefix(sid)) as follower:
             response = await self._store.txn(
                 [],
                 [
@@ -761,10 +756,7 @@ class HookRegistry:
                 next_seq = initial[-1].seq + 1
                 yield initial
             fence_key = k.fence(sid)
-            handed = True
-            async for event in follow_range(
-                self._store.client, prefix, response.header.revision + 1, first_watch=watch
-            ):
+            async for event in follower.events(response.header.revision + 1):
                 key = event.kv.key
                 if key == fence_key:
                     if event.kv.value != expected:
@@ -778,9 +770,6 @@ class HookRegistry:
                 if seq >= next_seq:
                     next_seq = seq + 1
                     yield [s.InboxEntry.FromString(event.kv.value)]
-        finally:
-            if not handed:
-                await cancel_watch(watch)
 
     async def close(self) -> None:
         for task in list(self._tasks):

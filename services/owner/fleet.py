@@ -28,6 +28,7 @@ import structlog
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from services.common.clients import HooksClient
 from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.common.tasks import Background
 from services.owner.host import OwnerHost
 
 log = structlog.get_logger("baton.owner.fleet")
@@ -62,7 +63,7 @@ class FleetMembership:
         self.lease_id = 0
         self.lease_lost = asyncio.Event()
         self._on_lease_lost = on_lease_lost
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
         self._adopting: dict[str, bool] = {}  # instance -> run another round after this one
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
 
@@ -75,10 +76,7 @@ class FleetMembership:
         """Graceful shutdown: stop the streams and every run, then leave the
         deployment so the other instances take the sessions over now rather
         than after the lease TTL."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.cancel_all()
         await self.host.stop()
         if self.lease_id and not self.lease_lost.is_set():
             try:
@@ -89,9 +87,7 @@ class FleetMembership:
                 self._log.warning("deregistration failed; the lease expires", error=repr(exc))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.spawn(coro)
 
     # -- membership ---------------------------------------------------------------
 

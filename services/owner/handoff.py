@@ -40,7 +40,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -62,6 +62,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.tasks import Background
 
 if TYPE_CHECKING:
     from services.owner.session import SessionRun
@@ -107,14 +108,11 @@ class HandoffBroker:
         self._launch = launch
         self._peers: dict[str, OwnerClient] = {}
         self._targets: dict[str, _Targets] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background = Background()
         self._log = log.bind(deployment_id=deployment_id, instance_id=instance_id)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.cancel_all()
         for peer in self._peers.values():
             await peer.close()
         self._peers.clear()
@@ -231,10 +229,7 @@ class HandoffBroker:
         """Prepare, transfer, start; see the module doc. Shielded: a caller
         that goes away (the old owner died, its deadline passed) must not
         cancel a transfer in flight or the start of a transferred session."""
-        task = asyncio.get_running_loop().create_task(self._accept(request))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_retrieve)
+        task = self._background.spawn(self._accept(request), outcome_optional=True)
         return await asyncio.shield(task)
 
     async def _accept(
@@ -293,12 +288,10 @@ class HandoffBroker:
             )
             # Settled in the background (replays until a definite answer) and
             # started there on success: the caller waits a bounded time only.
-            settling = asyncio.get_running_loop().create_task(
-                self._transfer_and_start(transfer, snapshot, request.trigger, bound)
+            settling = self._background.spawn(
+                self._transfer_and_start(transfer, snapshot, request.trigger, bound),
+                outcome_optional=True,
             )
-            self._tasks.add(settling)
-            settling.add_done_callback(self._tasks.discard)
-            settling.add_done_callback(_retrieve)
             try:
                 moved = await asyncio.wait_for(asyncio.shield(settling), TRANSFER_SETTLE_SECONDS)
             except TimeoutError as exc:
@@ -407,9 +400,3 @@ class HandoffBroker:
             moved.fence, snapshot, request.snapshot_revision, [trigger], request.handoff_id
         )
         return moved
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark a shielded accept's outcome as seen (its caller may be gone)."""
-    if not task.cancelled():
-        task.exception()

@@ -22,7 +22,6 @@ is executed again — at-least-once for that step only (DESIGN.md §4).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.tasks import Background
 from services.owner.agent import Agent
 from services.owner.handoff import HandoffBroker
 from services.owner.session import (
@@ -103,7 +103,7 @@ class OwnerHost:
         self._bells: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # consecutive failed runs per session
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
         self._ready = asyncio.Event()
         self._stopped = False
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
@@ -147,10 +147,7 @@ class OwnerHost:
         self.parked.clear()
         self._bells.clear()
         self._failures.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.cancel_all()
 
     async def close(self) -> None:
         await self.stop()
@@ -213,11 +210,8 @@ class OwnerHost:
     # -- runs ------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        # A fresh context: a run outlives the RPC that started it, and must
-        # not log under that RPC's request id.
-        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # A run outlives the RPC that started it: not under its request id.
+        self._background.spawn(coro, fresh_context=True)
 
     async def _commit_started(self, identity: RunIdentity, snapshot: s.SessionSnapshot) -> int:
         """Commit session.started with the first snapshot (which must not
@@ -310,11 +304,7 @@ class OwnerHost:
             return  # this run already, or a newer one
         # Anything else held here for the session is older (a parked entry,
         # an activation retrying an earlier fence): the new fence wins.
-        stale = self.parked.pop(sid, None)
-        if stale is not None:
-            timer = self._timers.pop(sid, None)
-            if timer is not None:
-                timer.cancel()
+        self._unhold(sid)
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
         self._launch(identity, snapshot, revision, seed, handoff_id)
 
@@ -350,13 +340,19 @@ class OwnerHost:
             if inbox_head > self._bells.get(session_id, -1):
                 self._bells[session_id] = inbox_head
 
-    def _wake(self, session_id: str) -> None:
+    def _unhold(self, session_id: str) -> ParkedSession | None:
+        """Forget a parked session and its deadline timer."""
         parked = self.parked.pop(session_id, None)
+        if parked is not None:
+            timer = self._timers.pop(session_id, None)
+            if timer is not None:
+                timer.cancel()
+        return parked
+
+    def _wake(self, session_id: str) -> None:
+        parked = self._unhold(session_id)
         if parked is None or self._stopped:
             return
-        timer = self._timers.pop(session_id, None)
-        if timer is not None:
-            timer.cancel()
         fence = s.Fence(session_id=session_id, owner_run_id=parked.run_id, epoch=parked.epoch)
         self._start_activation(fence, unpark=True)
 
