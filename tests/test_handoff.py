@@ -311,9 +311,9 @@ async def test_a_burst_of_two_deliveries_skips_and_both_run_here_in_order(env: E
 async def test_an_unreadable_checkpoint_is_refused_and_a_processes_once(
     env: Env, stack: Stack
 ) -> None:
-    """Deployment C reads only snapshot format 2: it refuses A's checkpoint,
+    """Deployment C reads only snapshot format 3: it refuses A's checkpoint,
     and A processes the delivery itself, exactly once."""
-    c = await add_deployment(stack, "dep-c", snapshot_formats=frozenset({2}))
+    c = await add_deployment(stack, "dep-c", snapshot_formats=frozenset({3}))
     try:
         await env.wait_ready(c)
         a = env.a
@@ -475,11 +475,6 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"snapshot_revision": revision - 1}, "STALE_CHECKPOINT"),
         ({"trigger": s.InboxEntry(seq=5, command=command)}, "SESSION_NOT_IDLE"),
         ({"trigger": cancel}, "INVALID_FIELD"),
-        ({"checkpoint": b"\xff\xff\xff"}, "CHECKPOINT_UNREADABLE"),
-        (
-            {"checkpoint": s.SessionSnapshot(session_id=sid).SerializeToString()},
-            "CHECKPOINT_INCOMPATIBLE",
-        ),
         ({"handoff_id": ""}, "INVALID_FIELD"),
         ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
     ]
@@ -496,6 +491,28 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
             )
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert from_rpc_error(raw.value).reason == "MISSING_FIELD"
+        # B loads the checkpoint from anchor at A's revision: a stored snapshot
+        # it cannot parse, or in a format it does not read, is refused.
+        original = snapshot_kv.value
+        old_format = s.SessionSnapshot.FromString(original)
+        old_format.format_version = 1
+        for raw_snapshot, reason in (
+            (b"\xff\xff\xff", "CHECKPOINT_UNREADABLE"),
+            (old_format.SerializeToString(), "CHECKPOINT_INCOMPATIBLE"),
+        ):
+            await env.etcd.put(env.keys.snapshot(sid), raw_snapshot)
+            stored = await env.etcd.get(env.keys.snapshot(sid))
+            assert stored is not None
+            request = owner_pb2.AcceptHandoffRequest(
+                **{**good, "snapshot_revision": stored.mod_revision}  # type: ignore[arg-type]
+            )
+            with pytest.raises(BatonError) as info:
+                await client.accept_handoff(request)
+            assert info.value.reason == reason
+        await env.etcd.put(env.keys.snapshot(sid), original)
+        restored = await env.etcd.get(env.keys.snapshot(sid))
+        assert restored is not None
+        good["snapshot_revision"] = restored.mod_revision
         assert await env.transfers(sid) == [], "a refused handoff wrote something"
         epoch, record = await env.owner(sid)
         assert (epoch, record.deployment_id) == (1, "dep-x")

@@ -21,6 +21,8 @@ class AnchorConfig:
     etcd: EtcdConfig
     log_level: str = "info"
     grace: float = 5.0
+    retention_seconds: float = 7 * 24 * 3600.0
+    retention_sweep_seconds: float = 30.0
 
     @classmethod
     def load(
@@ -31,6 +33,18 @@ class AnchorConfig:
             (
                 Setting(
                     "--listen", "BATON_ANCHOR_LISTEN", "host:port to serve on", "127.0.0.1:50053"
+                ),
+                Setting(
+                    "--finalized-retention",
+                    "BATON_FINALIZED_RETENTION",
+                    "seconds a finalized session's keys are kept before they are deleted",
+                    str(7 * 24 * 3600),
+                ),
+                Setting(
+                    "--retention-sweep",
+                    "BATON_RETENTION_SWEEP",
+                    "seconds between sweeps of the retention index",
+                    "30",
                 ),
                 *ETCD_SETTINGS,
                 *COMMON_SETTINGS,
@@ -43,4 +57,6 @@ class AnchorConfig:
             etcd=EtcdConfig.from_values(values),
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
+            retention_seconds=as_float(values, "finalized_retention"),
+            retention_sweep_seconds=as_float(values, "retention_sweep", minimum=0.05),
         )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from baton.anchor.v1 import anchor_pb2, anchor_pb2_grpc
 from services.anchor.config import AnchorConfig
 from services.anchor.journal import Journal
+from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
 from services.common.etcd import Store, make_client
 from services.common.keys import Keys
 from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.common.store_health import StoreHealth
 
 SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 
@@ -16,7 +18,9 @@ SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 async def create_server(config: AnchorConfig) -> GrpcServer:
     store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
     await store.connect()
-    servicer = AnchorServicer(Journal(store, Keys(config.etcd.prefix)))
+    keys = Keys(config.etcd.prefix)
+    journal = Journal(store, keys, retention_seconds=config.retention_seconds)
+    servicer = AnchorServicer(journal)
     server = build_server(
         config.listen,
         [
@@ -27,5 +31,7 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
         ],
         service="anchor",
     )
+    retention = Retention(store, keys, interval_seconds=config.retention_sweep_seconds)
+    server.background += [StoreHealth(store, server.set_serving).run, retention.run]
     server.on_stop.append(store.close)
     return server

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 import structlog
 
 from baton.anchor.v1 import anchor_pb2 as pb
 from baton.anchor.v1 import anchor_pb2_grpc
-from services.anchor.journal import Journal
+from baton.session.v1 import session_pb2 as s
+from services.anchor.journal import Journal, LoadedSnapshot
 from services.common.errors import InvalidArgument, Reason
+
+_LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
+
+
+def _chunks(items: Sequence[bytes], limit: int) -> Iterator[Sequence[bytes]]:
+    """Consecutive runs of `items` of at most `limit` bytes (at least one item)."""
+    start, size = 0, 0
+    for index, raw in enumerate(items):
+        if index > start and size + len(raw) > limit:
+            yield items[start:index]
+            start, size = index, 0
+        size += len(raw)
+    if start < len(items):
+        yield items[start:]
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
@@ -33,6 +48,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.expected_snapshot_revision
             if request.HasField("expected_snapshot_revision")
             else None,
+            request.history,
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
@@ -51,3 +67,34 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.session_id, request.start_seq, request.follow
         ):
             yield pb.ReadEventsResponse(events=events)
+
+    async def LoadSession(
+        self, request: pb.LoadSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadSessionResponse]:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        expected = (
+            request.expected_snapshot_revision
+            if request.HasField("expected_snapshot_revision")
+            else None
+        )
+        async for part in self._journal.load(request.session_id, expected):
+            if isinstance(part, LoadedSnapshot):
+                yield pb.LoadSessionResponse(snapshot=part.snapshot, revision=part.revision)
+            else:
+                for chunk in _chunks(part, _LOAD_MESSAGE_BYTES):
+                    yield pb.LoadSessionResponse(
+                        history=[s.ChatMessage.FromString(raw) for raw in chunk]
+                    )
+
+    async def RetireHistory(
+        self, request: pb.RetireHistoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RetireHistoryResponse:
+        if not request.HasField("fence"):
+            raise InvalidArgument(Reason.MISSING_FIELD, "fence is required")
+        structlog.contextvars.bind_contextvars(
+            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
+        )
+        deleted = await self._journal.retire_history(
+            request.fence, request.below_index, request.from_index
+        )
+        return pb.RetireHistoryResponse(retired_below=request.below_index, deleted=deleted)

@@ -78,6 +78,11 @@ class EtcdProcess:
     data_dir: str = ""
     log_path: str = ""
     proc: subprocess.Popen[bytes] | None = None
+    # Every etcd Baton starts compacts its history (periodic: keeps this
+    # window of revisions, compacting as often); see README "etcd space".
+    compaction_retention: str = "1m"
+    # The backend quota (NOSPACE alarm above it); 0 = etcd's default, 2 GiB.
+    quota_bytes: int = 0
     _own_dir: bool = False
 
     @property
@@ -118,6 +123,11 @@ class EtcdProcess:
                 # them is one transaction (etcd's default cap is 128 ops).
                 "--max-txn-ops",
                 "1024",
+                "--auto-compaction-mode",
+                "periodic",
+                "--auto-compaction-retention",
+                self.compaction_retention,
+                *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

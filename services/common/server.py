@@ -11,7 +11,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -151,10 +151,16 @@ class GrpcServer:
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # The service's root object (e.g. the owner host), for in-process tests.
     app: object = None
+    # Supervised loops that run while the server serves (e.g. store health,
+    # sweeps); cancelled before `on_stop`.
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
         await self.server.start()
         await self.set_serving(True)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(run()) for run in self.background]
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -167,6 +173,10 @@ class GrpcServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, drain in-flight calls for `grace` s, then close."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         for callback in reversed(self.on_stop):

@@ -6,6 +6,7 @@ from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.common.etcd import Store, make_client
 from services.common.keys import Keys
 from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
@@ -32,6 +33,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         ],
         service="hooks",
     )
+    server.background.append(StoreHealth(store, server.set_serving).run)
     server.on_stop.append(store.close)
     server.on_stop.append(registry.close)
     return server

@@ -60,6 +60,11 @@ class ModelReply:
     cost_micros: int = 0
 
 
+class ModelRejected(Exception):
+    """The model endpoint refused the request as invalid (e.g. HTTP 400): the
+    same request cannot succeed on retry, so the turn fails at once."""
+
+
 class ModelAdapter(Protocol):
     async def complete(
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
@@ -79,6 +84,14 @@ class Agent:
     compaction_instructions: str = (
         "Summarize the conversation so far in a few sentences; keep facts and open tasks."
     )
+    context_budget_bytes: int = 256 * 1024
+    """What the model sees is bounded: when the history since the last
+    compaction exceeds this (serialized bytes), the owner compacts it at the
+    next turn boundary. 0 turns automatic compaction off."""
+    on_load: Callable[[s.SessionSnapshot], None] | None = None
+    """Called with the snapshot whenever a run of a session starts (created,
+    recovered, woken, taken over, handed off). If it raises, the run fails
+    and counts against the owner's restart budget."""
     tool_index: dict[str, Tool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

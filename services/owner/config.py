@@ -50,7 +50,10 @@ class OwnerConfig:
     exit_on_lease_loss: bool = False
     # Snapshot format versions this build reads; a handoff whose checkpoint
     # has another format is refused (the old owner keeps the session).
-    snapshot_formats: frozenset[int] = frozenset({1})
+    snapshot_formats: frozenset[int] = frozenset({2})
+    # Failed runs of a session in a row (deterministic failures only) before
+    # the session stalls (session.stalled on its stream).
+    restart_budget: int = 5
 
     @property
     def keepalive_every(self) -> float:
@@ -101,7 +104,13 @@ class OwnerConfig:
                     "--snapshot-formats",
                     "BATON_OWNER_SNAPSHOT_FORMATS",
                     "snapshot format versions this build reads, comma-separated",
-                    "1",
+                    "2",
+                ),
+                Setting(
+                    "--restart-budget",
+                    "BATON_OWNER_RESTART_BUDGET",
+                    "deterministically failed runs of a session in a row before it stalls",
+                    "5",
                 ),
                 *COMMON_SETTINGS,
             ),
@@ -136,4 +145,5 @@ class OwnerConfig:
             advertise=values["advertise"],
             exit_on_lease_loss=True,
             snapshot_formats=formats,
+            restart_budget=as_int(values, "restart_budget"),
         )

@@ -16,9 +16,10 @@ The old owner (A): a run that finds an eligible trigger (see
    moved.
 
 The new owner (B), in one call (`accept`): prepares a candidate — the agent
-is this build's code; the checkpoint (sent by A, or read from anchor when
-the request carries none) must be readable, in a snapshot format this build
-reads, idle, the latest commit, with the trigger as its next inbox entry —
+is this build's code; the checkpoint (loaded from anchor at the revision A
+names: the bounded snapshot and the history its context names) must be
+readable, in a snapshot format this build reads, idle, still the latest
+commit, with the trigger as its next inbox entry —
 then calls Transfer on hooks (one etcd txn: fence, exact claim set, trigger
 is the inbox head, snapshot revision, unused handoff id) and starts the
 successor run with the trigger in hand. An uncertain Transfer is settled by
@@ -43,13 +44,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
-from google.protobuf.message import DecodeError
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.clients import AnchorClient, HooksClient, LoadedSession, OwnerClient
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -77,7 +77,9 @@ REGISTRY_CACHE_SECONDS = 5.0
 # Refusals: final answers; nothing was written.
 REFUSALS = (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument)
 
-Launch = Callable[[s.Fence, s.SessionSnapshot, int, Sequence[s.InboxEntry], str], None]
+Launch = Callable[
+    [s.Fence, s.SessionSnapshot, int, Sequence[s.InboxEntry], str, Sequence[s.ChatMessage]], None
+]
 
 
 @dataclass
@@ -178,7 +180,6 @@ class HandoffBroker:
             ),
             snapshot_revision=revision,
             trigger=entry,
-            checkpoint=run.snapshot.SerializeToString(),
         )
         await failpoints.hit("handoff.before_accept")
         try:
@@ -257,8 +258,9 @@ class HandoffBroker:
         self.accepting[handoff_id] = sid
         try:
             await failpoints.hit("handoff.prepare")
-            snapshot, revision = await self._load_checkpoint(request)
             try:
+                loaded = await self._load_checkpoint(request)
+                snapshot, revision = loaded.snapshot, loaded.revision
                 self._validate(snapshot, revision, request)
             except REFUSALS:
                 # A repeat of a handoff that moved the session already finds
@@ -289,7 +291,7 @@ class HandoffBroker:
             # Settled in the background (replays until a definite answer) and
             # started there on success: the caller waits a bounded time only.
             settling = self._background.spawn(
-                self._transfer_and_start(transfer, snapshot, request.trigger, bound),
+                self._transfer_and_start(transfer, loaded, request.trigger, bound),
                 outcome_optional=True,
             )
             try:
@@ -317,20 +319,14 @@ class HandoffBroker:
             successor=found.successor, fence=found.fence, replayed=True
         )
 
-    async def _load_checkpoint(
-        self, request: owner_pb.AcceptHandoffRequest
-    ) -> tuple[s.SessionSnapshot, int]:
+    async def _load_checkpoint(self, request: owner_pb.AcceptHandoffRequest) -> LoadedSession:
+        """The checkpoint from anchor: the snapshot, only if still at the
+        revision A named (else STALE_CHECKPOINT), and the history it names,
+        read at that snapshot's revision. What crosses does not grow with the
+        session's age: the context is bounded by the agent's budget."""
         session_id = request.fence.session_id
-        if request.checkpoint:
-            try:
-                return s.SessionSnapshot.FromString(request.checkpoint), request.snapshot_revision
-            except DecodeError as exc:
-                raise FailedPrecondition(
-                    Reason.CHECKPOINT_UNREADABLE,
-                    f"the checkpoint of session {session_id} cannot be parsed: {exc}",
-                ) from exc
         try:
-            return await self.anchor.snapshot_with_revision(session_id)
+            return await self.anchor.load_session(session_id, request.snapshot_revision)
         except BatonError as exc:
             if exc.retryable:
                 raise
@@ -375,7 +371,7 @@ class HandoffBroker:
     async def _transfer_and_start(
         self,
         request: hooks_pb.TransferRequest,
-        snapshot: s.SessionSnapshot,
+        loaded: LoadedSession,
         trigger: s.InboxEntry,
         bound: structlog.BoundLogger,
     ) -> hooks_pb.TransferResponse:
@@ -397,6 +393,11 @@ class HandoffBroker:
         bound.info("session transferred here", run_id=moved.fence.owner_run_id)
         await failpoints.hit("handoff.after_transfer")
         self._launch(
-            moved.fence, snapshot, request.snapshot_revision, [trigger], request.handoff_id
+            moved.fence,
+            loaded.snapshot,
+            request.snapshot_revision,
+            [trigger],
+            request.handoff_id,
+            loaded.context,
         )
         return moved

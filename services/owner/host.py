@@ -54,6 +54,7 @@ from services.owner.session import (
     commit_step,
     initial_snapshot,
     make_event,
+    safe_error,
 )
 
 log = structlog.get_logger("baton.owner")
@@ -61,7 +62,21 @@ log = structlog.get_logger("baton.owner")
 READY_WAIT_SECONDS = 10.0
 RETRY_FIRST_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
-FAILED_RUN_MAX_DELAY_SECONDS = 60.0
+FAILED_RUN_MAX_DELAY_SECONDS = 30.0
+DEFAULT_RESTART_BUDGET = 5
+
+# Which failures are deterministic (the one table: docs/failures.md):
+# - a commit that can never succeed (an entry, event, snapshot or commit over
+#   its limit; anything anchor refuses as INVALID_ARGUMENT) and a model
+#   request the endpoint rejects: the turn fails with the reason
+#   (`SessionRun._fail_refused`, MODEL_REJECTED); nothing restarts;
+# - a run that fails for any other non-retryable reason (authored code
+#   raising in Agent.on_load, owner code crashing, an unreadable snapshot or
+#   history): restarted with backoff, at most `restart_budget` times in a row,
+#   then the session stalls (`_stall`);
+# - retryable errors (etcd unavailable, deadlines, CAS conflicts) and a full
+#   etcd (STORE_FULL) are not deterministic: restarted (or, for a commit,
+#   retried) with backoff, never counted.
 
 
 @dataclass(slots=True)
@@ -88,6 +103,7 @@ class OwnerHost:
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
         readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT}),
+        restart_budget: int = DEFAULT_RESTART_BUDGET,
     ) -> None:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
         self.instance_id = ids.validate_id(instance_id, "instance_id")
@@ -102,6 +118,9 @@ class OwnerHost:
         self._adopting: set[str] = set()
         self._bells: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # consecutive failed runs per session
+        self._transient: dict[str, int] = {}  # consecutive transient failures per session
+        self.restart_budget = restart_budget
+        self.stalled: dict[str, s.Fence] = {}  # restart budget spent: held, not run
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._background = Background()
         self._ready = asyncio.Event()
@@ -147,6 +166,8 @@ class OwnerHost:
         self.parked.clear()
         self._bells.clear()
         self._failures.clear()
+        self._transient.clear()
+        self.stalled.clear()
         await self._background.cancel_all()
 
     async def close(self) -> None:
@@ -228,6 +249,7 @@ class OwnerHost:
         revision: int | None,
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
+        context: Sequence[s.ChatMessage] = (),
     ) -> None:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
@@ -243,6 +265,7 @@ class OwnerHost:
             hand_off=self.handoffs.hand_off,
             seed=seed,
             handoff_id=handoff_id,
+            context=context,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -259,15 +282,14 @@ class OwnerHost:
         if self._stopped:
             return
         if exit is RunExit.FAILED:
-            # Everything durable is in etcd: run again from the last snapshot,
-            # backing off while runs of this session keep failing. Unpark too:
-            # a park may have taken effect though its answer was lost.
-            failures = self._failures[sid] = self._failures.get(sid, 0) + 1
-            delay = min(RETRY_FIRST_SECONDS * 2 ** (failures - 1), FAILED_RUN_MAX_DELAY_SECONDS)
-            self._log.warning("run failed; restarting it", session_id=sid, delay_s=delay)
-            self._start_activation(run.identity.fence, unpark=True, delay=delay)
+            # Everything durable is in etcd: run again from the last snapshot.
+            # Unpark too: a park may have taken effect though its answer was lost.
+            if run.progressed:
+                self._failures.pop(sid, None)
+            self._run_failed(run.identity.fence, run.failure)
             return
         self._failures.pop(sid, None)
+        self._transient.pop(sid, None)
         if exit is RunExit.PARKED:
             timeout = run.snapshot.timeout
             deadline = timeout.deadline.ToSeconds() if timeout.duration_seconds else 0
@@ -293,6 +315,7 @@ class OwnerHost:
         revision: int,
         seed: Sequence[s.InboxEntry],
         handoff_id: str,
+        context: Sequence[s.ChatMessage],
     ) -> None:
         """Run a session transferred here from its checkpoint, with the
         trigger in hand (`seed`). A repeat of a running handoff is ignored."""
@@ -306,7 +329,7 @@ class OwnerHost:
         # an activation retrying an earlier fence): the new fence wins.
         self._unhold(sid)
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
-        self._launch(identity, snapshot, revision, seed, handoff_id)
+        self._launch(identity, snapshot, revision, seed, handoff_id, context)
 
     # -- parking and bells -------------------------------------------------------
 
@@ -368,6 +391,7 @@ class OwnerHost:
         sid = fence.session_id
         bound = self._log.bind(session_id=sid, run_id=fence.owner_run_id)
         backoff = max(delay, RETRY_FIRST_SECONDS)
+        failed: BatonError | None = None
         try:
             if delay:
                 await asyncio.sleep(delay)
@@ -384,25 +408,87 @@ class OwnerHost:
                     self._failures.pop(sid, None)
                     return
                 except BatonError as exc:
-                    if not exc.retryable:
+                    if not (exc.retryable or exc.reason == Reason.STORE_FULL):
                         bound.error("cannot run session", reason=exc.reason, error=exc.message)
+                        failed = exc
                         return
                     bound.warning("activation retry", reason=exc.reason, backoff_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
         finally:
             self._activating.discard(sid)
+            if failed is not None:
+                self._run_failed(fence, failed)
 
     async def _run_from_snapshot(self, fence: s.Fence) -> None:
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
+        context: list[s.ChatMessage] = []
         try:
-            snapshot, revision = await self.anchor.snapshot_with_revision(fence.session_id)
+            loaded = await self.anchor.load_session(fence.session_id)
+            snapshot, revision, context = loaded.snapshot, loaded.revision, loaded.context
         except NotFound:
             snapshot, revision = await self._first_snapshot(identity)
         if snapshot.status == s.SESSION_STATUS_FINALIZED:
             self._bells.pop(fence.session_id, None)
             return
-        self._launch(identity, snapshot, revision)
+        self._launch(identity, snapshot, revision, context=context)
+
+    # -- failed runs: backoff, restart budget, stall --------------------------------
+
+    def _run_failed(self, fence: s.Fence, failure: BaseException | None) -> None:
+        """Restart a failed run with backoff. Transient failures (the store,
+        the network) restart without limit; a session whose runs keep failing
+        deterministically (DETERMINISTIC_FAILURES) gets `restart_budget`
+        restarts, then stalls."""
+        sid = fence.session_id
+        transient = isinstance(failure, BatonError) and (
+            failure.retryable or failure.reason == Reason.STORE_FULL
+        )
+        if transient:
+            count = self._transient[sid] = self._transient.get(sid, 0) + 1
+            delay = min(RETRY_FIRST_SECONDS * 2 ** (count - 1), RETRY_MAX_SECONDS)
+        else:
+            count = self._failures[sid] = self._failures.get(sid, 0) + 1
+            if count > self.restart_budget:
+                self._spawn(self._stall(fence, failure, count))
+                return
+            delay = min(RETRY_FIRST_SECONDS * 2 ** (count - 1), FAILED_RUN_MAX_DELAY_SECONDS)
+        self._log.warning(
+            "run failed; restarting it",
+            session_id=sid,
+            delay_s=delay,
+            transient=transient,
+            failures=count,
+            error=repr(failure)[:300],
+        )
+        self._start_activation(fence, unpark=True, delay=delay)
+
+    async def _stall(self, fence: s.Fence, failure: BaseException | None, count: int) -> None:
+        """The restart budget is spent: hold the session without running it
+        (its inbox keeps every accepted command) and say so on its stream.
+        An operator restarting this instance, or another instance taking the
+        session over, runs it again with a fresh budget."""
+        sid = fence.session_id
+        self.stalled[sid] = fence
+        if isinstance(failure, BatonError):
+            cause = f"{failure.reason}: {failure.message}"
+        else:
+            cause = safe_error(failure) if failure is not None else "unknown"
+        message = f"{count} runs in a row failed; the last: {cause}"[:500]
+        self._log.error("session stalled: restart budget spent", session_id=sid, error=message)
+        identity = RunIdentity(fence, self.deployment_id, self.instance_id)
+        event = make_event(
+            identity,
+            s.EVENT_KIND_SESSION_STALLED,
+            error=s.ErrorDetail(reason=Reason.RESTART_BUDGET_SPENT, message=message),
+        )
+        try:
+            snapshot, revision = await self.anchor.snapshot_with_revision(sid)
+            await commit_step(self.anchor, identity, snapshot, [event], False, revision)
+        except Fenced:
+            self.stalled.pop(sid, None)  # someone else runs it now
+        except BatonError as exc:
+            self._log.error("stall not reported on the stream", session_id=sid, reason=exc.reason)
 
     async def _first_snapshot(self, identity: RunIdentity) -> tuple[s.SessionSnapshot, int]:
         """The creator died between CreateSession and its first commit: commit

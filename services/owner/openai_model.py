@@ -24,7 +24,7 @@ import httpx
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.owner.agent import Agent, ModelReply, RequestedCall, Tool
+from services.owner.agent import Agent, ModelRejected, ModelReply, RequestedCall, Tool
 from services.owner.fixture import TOOLS
 
 log = structlog.get_logger("baton.owner.openai_model")
@@ -62,6 +62,11 @@ class ModelError(Exception):
 
 class ModelTimeout(ModelError):
     """Every attempt timed out."""
+
+
+class ModelRequestRejected(ModelError, ModelRejected):
+    """The endpoint refused the request itself (HTTP 4xx other than 429):
+    retrying the same request cannot help, so the turn fails at once."""
 
 
 class OpenAIChatModel:
@@ -197,7 +202,8 @@ class OpenAIChatModel:
                 if not retryable or attempt == attempts:
                     body = _excerpt(response.text)
                     tried = f" after {attempt} attempts" if attempt > 1 else ""
-                    raise ModelError(
+                    error = ModelError if retryable else ModelRequestRejected
+                    raise error(
                         f"model endpoint returned HTTP {status}{tried}: {body}",
                         status=status,
                         body=body,

@@ -50,6 +50,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         anchor,
         park_after=config.park_after,
         readable_formats=config.snapshot_formats,
+        restart_budget=config.restart_budget,
     )
     servicer = OwnerServicer(host)
     server = build_server(

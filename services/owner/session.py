@@ -36,21 +36,32 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import ids, limits
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
     BatonError,
     DeadlineExceeded,
     Fenced,
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
     Unavailable,
 )
-from services.owner.agent import Agent, ModelReply, Tool, ToolContext, dumps_arguments
+from services.owner.agent import (
+    Agent,
+    ModelRejected,
+    ModelReply,
+    Tool,
+    ToolContext,
+    dumps_arguments,
+)
 
 log = structlog.get_logger("baton.owner.session")
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 COMMIT_RETRY_SECONDS = 30.0
+STORE_FULL_RETRY_MAX_SECONDS = 5.0
 
 
 class RunExit(enum.Enum):
@@ -120,6 +131,7 @@ class _StepProgress:
 
     reply: ModelReply | None = None
     error: str = ""
+    reason: str = "MODEL_ERROR"
     calls: list[s.ToolCall] = field(default_factory=list)
     results: dict[int, s.ToolResult] = field(default_factory=dict)
     aborted: bool = False
@@ -127,6 +139,25 @@ class _StepProgress:
 
 HandOff = Callable[["SessionRun", s.InboxEntry], Awaitable[bool]]
 """Tries to move a run's session to the deployment that accepted a trigger."""
+
+
+class _CommitRefused(Exception):
+    """A commit that can never succeed as it is (DETERMINISTIC_FAILURES)."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        close: bool,
+        events: list[s.Event],
+        carry: list[s.Event],
+    ) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.close = close
+        self.events = events
+        self.carry = carry
 
 
 class _RunEnded(Exception):
@@ -153,9 +184,24 @@ class SessionRun:
         hand_off: HandOff | None = None,
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
+        context: Sequence[s.ChatMessage] = (),
     ) -> None:
         self.identity = identity
         self.snapshot = snapshot
+        # What the model sees: history entries [context_start, next_index),
+        # as loaded with the snapshot; `_appended`: entries not committed yet.
+        self._context: list[s.ChatMessage] = list(context)
+        self._appended: list[s.ChatMessage] = []
+        # The committed state a refused commit rolls back to.
+        self._committed_log = s.HistoryLog()
+        self._committed_log.CopyFrom(snapshot.history_log)
+        self._committed_context = (self._context, len(self._context))
+        self._committed_next_seq = snapshot.next_event_seq
+        self._committed_turn_id = snapshot.open_turn.turn_id
+        self._retiring: asyncio.Task[None] | None = None
+        self._largest_appended = 0
+        self.progressed = False  # a commit of this run succeeded
+        self.failure: BaseException | None = None  # why the run failed, when it did
         self.agent = agent
         self._hooks = hooks
         self._anchor = anchor
@@ -205,6 +251,11 @@ class SessionRun:
         exit = RunExit.FAILED
         reader = asyncio.get_running_loop().create_task(self._read_inbox())
         try:
+            if self.agent.on_load is not None:
+                # Authored code sees the session first; if it raises, the run
+                # fails and counts against the host's restart budget.
+                self.agent.on_load(self.snapshot)
+            self._start_retire()
             arrived_from = self.snapshot.deployment_id
             handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
             if handed_off:
@@ -224,7 +275,7 @@ class SessionRun:
             ):
                 # Recovery: the step in flight at the predecessor's crash runs again.
                 self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
-                await self._turn_loop([])
+                await self._guarded(self._turn_loop([]))
             while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
                 entry = await self._take(self._park_after)
                 if entry is None:
@@ -237,7 +288,10 @@ class SessionRun:
                     if not self._pending and await self._try_hand_off(entry):
                         exit = RunExit.HANDED_OFF
                         return exit
-                await self._dispatch(entry)
+                await self._guarded(self._dispatch(entry))
+                if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
+                    await self._guarded(self._compact_if_over_budget())
+            await self._retired()
             exit = RunExit.FINALIZED
         except _RunEnded as ended:
             exit = ended.exit
@@ -246,11 +300,18 @@ class SessionRun:
             exit = RunExit.FENCED
         except BatonError as exc:
             self._log.error("run failed", reason=exc.reason, error=exc.message)
+            self.failure = exc
+            exit = RunExit.FAILED
+        except Exception as exc:  # noqa: BLE001 - authored or owner code: the host restarts
+            self._log.exception("run crashed")
+            self.failure = exc
             exit = RunExit.FAILED
         finally:
             reader.cancel()
             if self._timer is not None:
                 self._timer.cancel()
+            if self._retiring is not None:
+                self._retiring.cancel()
             if self._on_exit is not None:
                 self._on_exit(self, exit)
         return exit
@@ -436,9 +497,16 @@ class SessionRun:
                 await self._commit([])
         elif kind == "clear":
             events = self._cancel_waiting_turn(entry)
-            del self.snapshot.history[:]
+            before = self._context_size()
+            self._reset_context([])
             self._consume(entry)
-            events.append(self._event(s.EVENT_KIND_CONTEXT_CLEARED, entry))
+            events.append(
+                self._event(
+                    s.EVENT_KIND_CONTEXT_CLEARED,
+                    entry,
+                    context_change=_change(before, self._context_size()),
+                )
+            )
             await self._commit(events)
         elif kind == "compact":
             await self._compact(entry)
@@ -483,7 +551,7 @@ class SessionRun:
         text = entry.command.send.text
         self._consume(entry)
         self.snapshot.open_turn.inbox_seqs.append(entry.seq)
-        self.snapshot.history.append(s.ChatMessage(role=s.ROLE_USER, content=text))
+        self._remember(s.ChatMessage(role=s.ROLE_USER, content=text))
         events.append(self._event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
 
     def _admit_pending(self, events: list[s.Event]) -> tuple[_Admission, s.InboxEntry | None]:
@@ -544,7 +612,7 @@ class SessionRun:
                 await self._settle(
                     events,
                     s.EVENT_KIND_TURN_FAILED,
-                    error=s.ErrorDetail(reason="MODEL_ERROR", message=progress.error),
+                    error=s.ErrorDetail(reason=progress.reason, message=progress.error),
                 )
                 return
             if outcome is _Outcome.PAUSED:
@@ -587,13 +655,14 @@ class SessionRun:
         snap = self.snapshot
         try:
             reply = await self.agent.model.complete(
-                self.agent.instructions, snap.history, self.agent.tools
+                self.agent.instructions, self._context, self.agent.tools
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
             self._log.warning("model call failed", error=repr(exc), turn_id=self._turn_id)
-            progress.error = f"{type(exc).__name__}: {exc}"
+            progress.error = safe_error(exc)
+            progress.reason = "MODEL_REJECTED" if isinstance(exc, ModelRejected) else "MODEL_ERROR"
             return
         progress.reply = reply
         for offset, requested in enumerate(reply.tool_calls):
@@ -657,19 +726,19 @@ class SessionRun:
         _add_usage(snap.usage, usage)
         outcome = _Outcome.CONTINUE
         if reply.question:
-            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
+            self._remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
             events.append(
                 self._event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.question)
             )
             self._request_input(events, s.INPUT_KIND_QUESTION, reply.question, step=step)
             outcome = _Outcome.PAUSED
         elif not progress.calls:
-            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
+            self._remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
             events.append(self._event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
             outcome = _Outcome.FINAL
         else:
             snap.tool_call_count += len(progress.calls)
-            snap.history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
+            self._remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
             for index, call in enumerate(progress.calls):
                 events.append(
                     self._event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
@@ -699,7 +768,7 @@ class SessionRun:
 
     def _record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
         events.append(self._event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
-        self.snapshot.history.append(
+        self._remember(
             s.ChatMessage(role=s.ROLE_TOOL, content=result.output, tool_call_id=result.tool_call_id)
         )
 
@@ -792,7 +861,7 @@ class SessionRun:
             if request is None:
                 continue
             if request.kind == s.INPUT_KIND_QUESTION:
-                snap.history.append(s.ChatMessage(role=s.ROLE_USER, content=response.text))
+                self._remember(s.ChatMessage(role=s.ROLE_USER, content=response.text))
             elif request.kind == s.INPUT_KIND_APPROVAL:
                 call = request.tool_call
                 if response.approved:
@@ -925,16 +994,41 @@ class SessionRun:
 
     async def _compact(self, entry: s.InboxEntry) -> None:
         events = self._cancel_waiting_turn(entry)
-        snap = self.snapshot
         self._consume(entry)
+        await self._summarize(events, entry)
+
+    async def _compact_if_over_budget(self) -> None:
+        """At a turn boundary: compact when what the model sees outgrew the
+        agent's context budget (DESIGN.md §4)."""
+        budget = self.agent.context_budget_bytes
+        log = self.snapshot.history_log
+        if not budget or self.snapshot.HasField("open_turn") or log.context_bytes <= budget:
+            return
+        self._log.info("context over budget; compacting", bytes=log.context_bytes, budget=budget)
+        await self._summarize([], None)
+
+    async def _summarize(self, events: list[s.Event], entry: s.InboxEntry | None) -> None:
+        """Replace the context with the model's summary of it; `entry` is the
+        compact command, or None when the owner compacts on its own."""
+        automatic = entry is None
+        before = self._context_size()
         try:
             reply = await self.agent.model.complete(
-                self.agent.compaction_instructions, snap.history, ()
+                self.agent.compaction_instructions, self._context, ()
             )
         except Exception as exc:  # noqa: BLE001 - authored code
-            events.append(
-                self._rejection(entry, "COMPACTION_FAILED", f"{type(exc).__name__}: {exc}")
-            )
+            message = safe_error(exc)
+            self._log.warning("compaction failed", error=repr(exc), automatic=automatic)
+            if entry is not None:
+                events.append(self._rejection(entry, "COMPACTION_FAILED", message))
+            else:
+                events.append(
+                    self._event(
+                        s.EVENT_KIND_CONTEXT_COMPACTED,
+                        error=s.ErrorDetail(reason="COMPACTION_FAILED", message=message),
+                        context_change=_change(before, before, automatic=True),
+                    )
+                )
             await self._commit(events)
             return
         usage = s.Usage(
@@ -943,17 +1037,74 @@ class SessionRun:
             model_calls=1,
             cost_micros=reply.cost_micros,
         )
-        _add_usage(snap.usage, usage)
-        del snap.history[:]
-        snap.history.append(
-            s.ChatMessage(
-                role=s.ROLE_SYSTEM, content=f"Summary of earlier conversation: {reply.text}"
+        _add_usage(self.snapshot.usage, usage)
+        summary = f"Summary of earlier conversation: {reply.text}"
+        self._reset_context([s.ChatMessage(role=s.ROLE_SYSTEM, content=summary)])
+        events.append(
+            self._event(
+                s.EVENT_KIND_CONTEXT_COMPACTED,
+                entry,
+                text=reply.text,
+                usage=usage,
+                context_change=_change(before, self._context_size(), automatic=automatic),
             )
         )
-        events.append(
-            self._event(s.EVENT_KIND_CONTEXT_COMPACTED, entry, text=reply.text, usage=usage)
-        )
         await self._commit(events)
+
+    # -- the model history (DESIGN.md §4) ---------------------------------------
+
+    def _remember(self, message: s.ChatMessage) -> None:
+        """Append to the history: the model sees it now; the next commit
+        writes it as an entry of its own."""
+        log = self.snapshot.history_log
+        size = message.ByteSize()
+        self._context.append(message)
+        self._appended.append(message)
+        self._largest_appended = max(self._largest_appended, size)
+        log.next_index += 1
+        log.context_bytes += size
+
+    def _reset_context(self, messages: Sequence[s.ChatMessage]) -> None:
+        """Start a new context (clear, compaction): the model sees only
+        `messages`; the entries before them are retired after the commit."""
+        log = self.snapshot.history_log
+        log.context_start = log.next_index
+        log.context_bytes = 0
+        self._context = []
+        for message in messages:
+            self._remember(message)
+
+    def _context_size(self) -> tuple[int, int]:
+        return len(self._context), self.snapshot.history_log.context_bytes
+
+    def _start_retire(self) -> None:
+        """Retire (delete) committed history entries the model no longer
+        sees, in the background: never blocks a turn. The mark is persisted
+        by the next commit; until then a successor simply retires again."""
+        if self._retiring is not None and not self._retiring.done():
+            return
+        below = self._committed_log.context_start
+        start = self.snapshot.history_log.retired_below
+        if below <= start:
+            return
+        self._retiring = asyncio.get_running_loop().create_task(self._retire(start, below))
+
+    async def _retire(self, start: int, below: int) -> None:
+        try:
+            deleted = await self._anchor.retire_history(self.identity.fence, below, start)
+        except BatonError as exc:
+            # Fenced: the run learns it from its next commit. Anything else:
+            # retried after the next commit or by a successor.
+            self._log.info("history not retired yet", reason=exc.reason, below=below)
+            return
+        log = self.snapshot.history_log
+        log.retired_below = max(log.retired_below, below)
+        self._log.debug("history retired", below=below, deleted=deleted)
+
+    async def _retired(self) -> None:
+        """Wait for the retirement in progress (a finalized session's)."""
+        if self._retiring is not None:
+            await self._retiring
 
     def _rejection(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> s.Event:
         if not reason:
@@ -982,10 +1133,12 @@ class SessionRun:
     async def _finalize(
         self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None = None
     ) -> None:
-        """Terminal: close the stream once, then release every token."""
+        """Terminal: close the stream once, then release every token. The
+        history is retired: nothing will read it again."""
         self._consume(entry)
         if self.snapshot.HasField("open_turn"):
             events += self._cancel_waiting_turn(entry)
+        self._reset_context([])
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
         events.append(self._event(s.EVENT_KIND_SESSION_COMPLETED, entry, error=error))
         await self._commit(events, close=True)
@@ -1047,6 +1200,7 @@ class SessionRun:
         input_request: s.InputRequest | None = None,
         attempt_id: str = "",
         handoff_id: str = "",
+        context_change: s.ContextChange | None = None,
     ) -> s.Event:
         return make_event(
             self.identity,
@@ -1062,6 +1216,7 @@ class SessionRun:
             input_request=input_request,
             attempt_id=attempt_id,
             handoff_id=handoff_id,
+            context_change=context_change,
         )
 
     async def commit_checkpoint(self) -> None:
@@ -1070,12 +1225,79 @@ class SessionRun:
         await self._commit([])
 
     async def _commit(self, events: list[s.Event], close: bool = False) -> None:
-        if self._carry:
-            events[:0] = self._carry
-            self._carry = []
-        self._snapshot_revision = await commit_step(
-            self._anchor, self.identity, self.snapshot, events, close, self._snapshot_revision
+        carry, self._carry = self._carry, []
+        events[:0] = carry
+        try:
+            if self._largest_appended > limits.MAX_HISTORY_ENTRY_BYTES:
+                raise InvalidArgument(
+                    Reason.HISTORY_ENTRY_TOO_LARGE,
+                    f"a history entry of {self._largest_appended} bytes is over the limit "
+                    f"of {limits.MAX_HISTORY_ENTRY_BYTES}",
+                )
+            self._snapshot_revision = await commit_step(
+                self._anchor,
+                self.identity,
+                self.snapshot,
+                events,
+                close,
+                self._snapshot_revision,
+                self._appended,
+            )
+        except (InvalidArgument, ResourceExhausted) as exc:
+            if exc.reason == Reason.STORE_FULL:
+                raise
+            raise _CommitRefused(exc.reason, exc.message, close, events, carry) from exc
+        snap = self.snapshot
+        self._appended = []
+        self._largest_appended = 0
+        self._committed_log.CopyFrom(snap.history_log)
+        self._committed_context = (self._context, len(self._context))
+        self._committed_next_seq = snap.next_event_seq
+        self._committed_turn_id = snap.open_turn.turn_id
+        self.progressed = True
+        self._start_retire()
+
+    async def _guarded(self, work: Awaitable[None]) -> None:
+        """Run `work`; a commit it makes that can never succeed (too large,
+        invalid) fails the turn instead (DETERMINISTIC_FAILURES)."""
+        try:
+            await work
+        except _CommitRefused as refused:
+            await self._fail_refused(refused)
+
+    async def _fail_refused(self, refused: _CommitRefused) -> None:
+        """Roll back what the refused commit would have written (its events
+        and history entries) and commit in its place: the turn failed, with
+        the reason. Whatever it consumed from the inbox stays consumed, and
+        usage (model calls were made) stays counted; the session then waits
+        for the next message."""
+        snap = self.snapshot
+        self._log.warning(
+            "commit refused; the turn fails", reason=refused.reason, error=refused.message
         )
+        snap.next_event_seq = self._committed_next_seq
+        snap.history_log.CopyFrom(self._committed_log)
+        context, length = self._committed_context
+        self._context = context[:length]
+        self._appended = []
+        self._largest_appended = 0
+        self._carry = refused.carry
+        error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
+        events: list[s.Event] = []
+        if snap.HasField("open_turn"):
+            if snap.open_turn.turn_id != self._committed_turn_id:
+                events.append(self._event(s.EVENT_KIND_TURN_STARTED))
+            usage = s.Usage()
+            usage.CopyFrom(snap.open_turn.usage)
+            events.append(self._event(s.EVENT_KIND_TURN_FAILED, usage=usage, error=error))
+            snap.ClearField("open_turn")
+        else:
+            events.append(self._event(s.EVENT_KIND_COMMAND_REJECTED, error=error))
+        if refused.close:
+            events.append(refused.events[-1])
+        else:
+            events.append(self._event(s.EVENT_KIND_SESSION_WAITING))
+        await self._commit(events, close=refused.close)
 
 
 def make_event(
@@ -1108,10 +1330,13 @@ async def commit_step(
     events: list[s.Event],
     close: bool = False,
     expected_snapshot_revision: int | None = None,
+    history: Sequence[s.ChatMessage] = (),
 ) -> int | None:
-    """Commit events + snapshot as one fenced txn; returns the snapshot's new
-    revision. Transient failures are retried with the identical request
-    (anchor recognises a replay)."""
+    """Commit events + history entries + snapshot as one fenced txn; returns
+    the snapshot's new revision. Transient failures are retried with the
+    identical request (anchor recognises a replay): for COMMIT_RETRY_SECONDS,
+    and while etcd is full (STORE_FULL) until an operator has made room, so
+    the step's work is never lost or redone for it."""
     for offset, event in enumerate(events):
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
@@ -1122,6 +1347,7 @@ async def commit_step(
         snapshot=snapshot,
         close_stream=close,
         expected_snapshot_revision=expected_snapshot_revision,
+        history=history,
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + COMMIT_RETRY_SECONDS
@@ -1134,8 +1360,36 @@ async def commit_step(
             if loop.time() > deadline:
                 raise
             log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
+        except ResourceExhausted as exc:
+            if exc.reason != Reason.STORE_FULL:
+                raise
+            log.error(
+                "commit waits: etcd is full",
+                reason=exc.reason,
+                session_id=identity.fence.session_id,
+            )
+            await asyncio.sleep(STORE_FULL_RETRY_MAX_SECONDS)
+            continue
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 1.0)
+
+
+def _change(
+    before: tuple[int, int], after: tuple[int, int], automatic: bool = False
+) -> s.ContextChange:
+    return s.ContextChange(
+        before_entries=before[0],
+        before_bytes=before[1],
+        after_entries=after[0],
+        after_bytes=after[1],
+        automatic=automatic,
+    )
+
+
+def safe_error(exc: BaseException) -> str:
+    """What a public event may say about a failure of authored code: the
+    exception's type and a bounded prefix of its message."""
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def _add_usage(total: s.Usage, step: s.Usage) -> None:

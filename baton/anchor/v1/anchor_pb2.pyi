@@ -30,6 +30,7 @@ class CommitStepRequest(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     CLOSE_STREAM_FIELD_NUMBER: _builtins.int
     EXPECTED_SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
     close_stream: _builtins.bool
     """True when the last event is terminal: the stream closes with this commit."""
     expected_snapshot_revision: _builtins.int
@@ -50,6 +51,13 @@ class CommitStepRequest(_message.Message):
     def snapshot(self) -> _session_pb2.SessionSnapshot:
         """The session snapshot after the step."""
 
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.ChatMessage]:
+        """Model-history entries the step appended, in order; they end at the
+        snapshot's history_log.next_index. Each is written as its own key in the
+        same transaction.
+        """
+
     def __init__(
         self,
         *,
@@ -58,10 +66,11 @@ class CommitStepRequest(_message.Message):
         snapshot: _session_pb2.SessionSnapshot | None = ...,
         close_stream: _builtins.bool = ...,
         expected_snapshot_revision: _builtins.int | None = ...,
+        history: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "close_stream", b"close_stream", "events", b"events", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "close_stream", b"close_stream", "events", b"events", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "history", b"history", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expected_snapshot_revision: _TypeAlias = _typing.Literal["expected_snapshot_revision"]  # noqa: Y015
     _WhichOneofArgType__expected_snapshot_revision: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision"]  # noqa: Y015
@@ -202,3 +211,131 @@ class ReadEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadEventsResponse: _TypeAlias = ReadEventsResponse  # noqa: Y015
+
+@_typing.final
+class LoadSessionRequest(_message.Message):
+    """LoadSessionRequest names the session to load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    EXPECTED_SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    expected_snapshot_revision: _builtins.int
+    """When set, the snapshot must be at this revision (a handoff's checkpoint);
+    otherwise the answer is ABORTED/STALE_CHECKPOINT.
+    """
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        expected_snapshot_revision: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "expected_snapshot_revision", b"expected_snapshot_revision"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "expected_snapshot_revision", b"expected_snapshot_revision", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_snapshot_revision: _TypeAlias = _typing.Literal["expected_snapshot_revision"]  # noqa: Y015
+    _WhichOneofArgType__expected_snapshot_revision: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_snapshot_revision) -> _WhichOneofReturnType__expected_snapshot_revision | None: ...
+
+Global___LoadSessionRequest: _TypeAlias = LoadSessionRequest  # noqa: Y015
+
+@_typing.final
+class LoadSessionResponse(_message.Message):
+    """LoadSessionResponse is one part of a loaded session: the first carries the
+    snapshot, the rest carry history entries in index order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The snapshot key's mod revision (first message only)."""
+    @_builtins.property
+    def snapshot(self) -> _session_pb2.SessionSnapshot:
+        """The snapshot (first message only)."""
+
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.ChatMessage]:
+        """History entries of the snapshot's context, continuing from
+        history_log.context_start.
+        """
+
+    def __init__(
+        self,
+        *,
+        snapshot: _session_pb2.SessionSnapshot | None = ...,
+        revision: _builtins.int = ...,
+        history: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "revision", b"revision", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadSessionResponse: _TypeAlias = LoadSessionResponse  # noqa: Y015
+
+@_typing.final
+class RetireHistoryRequest(_message.Message):
+    """RetireHistoryRequest asks to delete history entries below an index."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    BELOW_INDEX_FIELD_NUMBER: _builtins.int
+    FROM_INDEX_FIELD_NUMBER: _builtins.int
+    below_index: _builtins.int
+    """Entries below this index are deleted; it may not exceed the committed
+    snapshot's history_log.context_start.
+    """
+    from_index: _builtins.int
+    """Entries below this index are already gone (a hint: where to start)."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The owner's fence."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        below_index: _builtins.int = ...,
+        from_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["below_index", b"below_index", "fence", b"fence", "from_index", b"from_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireHistoryRequest: _TypeAlias = RetireHistoryRequest  # noqa: Y015
+
+@_typing.final
+class RetireHistoryResponse(_message.Message):
+    """RetireHistoryResponse confirms a retirement."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETIRED_BELOW_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    retired_below: _builtins.int
+    """Every entry below this index is deleted."""
+    deleted: _builtins.int
+    """Entries deleted by this call."""
+    def __init__(
+        self,
+        *,
+        retired_below: _builtins.int = ...,
+        deleted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "retired_below", b"retired_below"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireHistoryResponse: _TypeAlias = RetireHistoryResponse  # noqa: Y015

@@ -51,6 +51,16 @@ class AnchorServiceStub:
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.SerializeToString,
                 response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.FromString,
                 _registered_method=True)
+        self.LoadSession = channel.unary_stream(
+                '/baton.anchor.v1.AnchorService/LoadSession',
+                request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionResponse.FromString,
+                _registered_method=True)
+        self.RetireHistory = channel.unary_unary(
+                '/baton.anchor.v1.AnchorService/RetireHistory',
+                request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.SerializeToString,
+                response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class AnchorServiceServicer:
@@ -75,7 +85,25 @@ class AnchorServiceServicer:
 
     def ReadEvents(self, request, context):
         """Read a session's events from a cursor, optionally following live until
-        the terminal event.
+        the terminal event. Long streams are read in bounded pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadSession(self, request, context):
+        """Load a session to run it: the last committed snapshot (first message),
+        then the model history the snapshot's context names, in bounded batches,
+        read at the snapshot's revision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireHistory(self, request, context):
+        """Delete the history entries below an index that the last committed
+        snapshot no longer shows the model (after a clear or compaction), in
+        bounded transactions. Fenced like a commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +126,16 @@ def add_AnchorServiceServicer_to_server(servicer, server):
                     servicer.ReadEvents,
                     request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.FromString,
                     response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.SerializeToString,
+            ),
+            'LoadSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadSession,
+                    request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionRequest.FromString,
+                    response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionResponse.SerializeToString,
+            ),
+            'RetireHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireHistory,
+                    request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.FromString,
+                    response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +221,60 @@ class AnchorService:
             '/baton.anchor.v1.AnchorService/ReadEvents',
             baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.SerializeToString,
             baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.anchor.v1.AnchorService/LoadSession',
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionRequest.SerializeToString,
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.anchor.v1.AnchorService/RetireHistory',
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.SerializeToString,
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

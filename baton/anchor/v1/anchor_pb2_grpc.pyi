@@ -43,7 +43,17 @@ class AnchorServiceStub:
     """Read a session's last committed snapshot."""
     ReadEvents: _grpc.UnaryStreamMultiCallable[_anchor_pb2.ReadEventsRequest, _anchor_pb2.ReadEventsResponse]
     """Read a session's events from a cursor, optionally following live until
-    the terminal event.
+    the terminal event. Long streams are read in bounded pages.
+    """
+    LoadSession: _grpc.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]
+    """Load a session to run it: the last committed snapshot (first message),
+    then the model history the snapshot's context names, in bounded batches,
+    read at the snapshot's revision.
+    """
+    RetireHistory: _grpc.UnaryUnaryMultiCallable[_anchor_pb2.RetireHistoryRequest, _anchor_pb2.RetireHistoryResponse]
+    """Delete the history entries below an index that the last committed
+    snapshot no longer shows the model (after a clear or compaction), in
+    bounded transactions. Fenced like a commit.
     """
 
 @_typing.type_check_only
@@ -61,7 +71,17 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     """Read a session's last committed snapshot."""
     ReadEvents: _aio.UnaryStreamMultiCallable[_anchor_pb2.ReadEventsRequest, _anchor_pb2.ReadEventsResponse]  # type: ignore[assignment]
     """Read a session's events from a cursor, optionally following live until
-    the terminal event.
+    the terminal event. Long streams are read in bounded pages.
+    """
+    LoadSession: _aio.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]  # type: ignore[assignment]
+    """Load a session to run it: the last committed snapshot (first message),
+    then the model history the snapshot's context names, in bounded batches,
+    read at the snapshot's revision.
+    """
+    RetireHistory: _aio.UnaryUnaryMultiCallable[_anchor_pb2.RetireHistoryRequest, _anchor_pb2.RetireHistoryResponse]  # type: ignore[assignment]
+    """Delete the history entries below an index that the last committed
+    snapshot no longer shows the model (after a clear or compaction), in
+    bounded transactions. Fenced like a commit.
     """
 
 class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -94,7 +114,29 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_anchor_pb2.ReadEventsResponse], _abc.AsyncIterator[_anchor_pb2.ReadEventsResponse]]:
         """Read a session's events from a cursor, optionally following live until
-        the terminal event.
+        the terminal event. Long streams are read in bounded pages.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadSession(
+        self,
+        request: _anchor_pb2.LoadSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_anchor_pb2.LoadSessionResponse], _abc.AsyncIterator[_anchor_pb2.LoadSessionResponse]]:
+        """Load a session to run it: the last committed snapshot (first message),
+        then the model history the snapshot's context names, in bounded batches,
+        read at the snapshot's revision.
+        """
+
+    @_abc_1.abstractmethod
+    def RetireHistory(
+        self,
+        request: _anchor_pb2.RetireHistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_anchor_pb2.RetireHistoryResponse, _abc.Awaitable[_anchor_pb2.RetireHistoryResponse]]:
+        """Delete the history entries below an index that the last committed
+        snapshot no longer shows the model (after a clear or compaction), in
+        bounded transactions. Fenced like a commit.
         """
 
 def add_AnchorServiceServicer_to_server(servicer: AnchorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

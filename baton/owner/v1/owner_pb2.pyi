@@ -17,6 +17,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -116,12 +121,22 @@ class AcceptHandoffRequest(_message.Message):
     """The exact target deployment; must equal this owner's."""
     snapshot_revision: _builtins.int
     """The mod revision of the session's last committed snapshot (the checkpoint)."""
-    checkpoint: _builtins.bytes
-    """The checkpoint itself (a serialized SessionSnapshot), as the old owner
-    committed it at `snapshot_revision`; when empty the target reads it from
-    anchor. The transfer compares that revision, so it can only commit while
-    this is the durable snapshot.
-    """
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def checkpoint(self) -> _builtins.bytes:
+        """Deprecated and ignored: the target loads the checkpoint (the snapshot at
+        `snapshot_revision` and the history it names) from anchor, so what
+        crosses does not grow with the session's history.
+        """
+
+    @checkpoint.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def checkpoint(self, value: _builtins.bytes) -> None:
+        """Deprecated and ignored: the target loads the checkpoint (the snapshot at
+        `snapshot_revision` and the history it names) from anchor, so what
+        crosses does not grow with the session's history.
+        """
+
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The current owner's fence."""

@@ -99,6 +99,11 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """The session moved to this event's deployment (ingress-driven upgrade);
     `text` names the deployment it came from.
     """
+    EVENT_KIND_SESSION_STALLED: _EventKind.ValueType  # 22
+    """The owner stopped running the session: its runs kept failing and the
+    restart budget is spent (`error` says why). Accepted commands stay in the
+    inbox until an operator restarts the owner or another owner takes over.
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """EventKind names a public stream event."""
@@ -148,6 +153,11 @@ EVENT_KIND_COMMAND_REJECTED: EventKind.ValueType  # 20
 EVENT_KIND_SESSION_HANDED_OFF: EventKind.ValueType  # 21
 """The session moved to this event's deployment (ingress-driven upgrade);
 `text` names the deployment it came from.
+"""
+EVENT_KIND_SESSION_STALLED: EventKind.ValueType  # 22
+"""The owner stopped running the session: its runs kept failing and the
+restart budget is spent (`error` says why). Accepted commands stay in the
+inbox until an operator restarts the owner or another owner takes over.
 """
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
@@ -861,6 +871,7 @@ class Event(_message.Message):
     INPUT_REQUEST_FIELD_NUMBER: _builtins.int
     ATTEMPT_ID_FIELD_NUMBER: _builtins.int
     HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    CONTEXT_CHANGE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     seq: _builtins.int
@@ -911,6 +922,12 @@ class Event(_message.Message):
     def input_request(self) -> Global___InputRequest:
         """The input request (input.requested)."""
 
+    @_builtins.property
+    def context_change(self) -> Global___ContextChange:
+        """What a clear or compaction did to the model's context
+        (context.cleared, context.compacted).
+        """
+
     def __init__(
         self,
         *,
@@ -932,14 +949,57 @@ class Event(_message.Message):
         input_request: Global___InputRequest | None = ...,
         attempt_id: _builtins.str = ...,
         handoff_id: _builtins.str = ...,
+        context_change: Global___ContextChange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "input_request", b"input_request", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context_change", b"context_change", "error", b"error", "input_request", b"input_request", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "handoff_id", b"handoff_id", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "context_change", b"context_change", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "handoff_id", b"handoff_id", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class ContextChange(_message.Message):
+    """ContextChange describes a change of what the model sees: sizes before and
+    after, in history entries and serialized bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BEFORE_ENTRIES_FIELD_NUMBER: _builtins.int
+    BEFORE_BYTES_FIELD_NUMBER: _builtins.int
+    AFTER_ENTRIES_FIELD_NUMBER: _builtins.int
+    AFTER_BYTES_FIELD_NUMBER: _builtins.int
+    AUTOMATIC_FIELD_NUMBER: _builtins.int
+    before_entries: _builtins.int
+    """History entries in the context before the change."""
+    before_bytes: _builtins.int
+    """Their serialized size in bytes."""
+    after_entries: _builtins.int
+    """History entries in the context after the change."""
+    after_bytes: _builtins.int
+    """Their serialized size in bytes."""
+    automatic: _builtins.bool
+    """True when the owner compacted on its own (the context budget was
+    exceeded), false for a clear or compact command.
+    """
+    def __init__(
+        self,
+        *,
+        before_entries: _builtins.int = ...,
+        before_bytes: _builtins.int = ...,
+        after_entries: _builtins.int = ...,
+        after_bytes: _builtins.int = ...,
+        automatic: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_bytes", b"after_bytes", "after_entries", b"after_entries", "automatic", b"automatic", "before_bytes", b"before_bytes", "before_entries", b"before_entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContextChange: _TypeAlias = ContextChange  # noqa: Y015
 
 @_typing.final
 class InputRequest(_message.Message):
@@ -1192,6 +1252,7 @@ class SessionSnapshot(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     ID_COUNT_FIELD_NUMBER: _builtins.int
+    HISTORY_LOG_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1214,7 +1275,9 @@ class SessionSnapshot(_message.Message):
     """Ids handed out so far (input requests, sign-in attempts)."""
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
-        """Conversation history."""
+        """Format 1 only: the conversation history, inline. Format 2 never writes
+        it: the history is appended as entries of their own (see `history_log`).
+        """
 
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -1240,6 +1303,12 @@ class SessionSnapshot(_message.Message):
     def timeout(self) -> Global___SessionTimeout:
         """The session-lifetime timer, when configured."""
 
+    @_builtins.property
+    def history_log(self) -> Global___HistoryLog:
+        """Where the model history stands (format 2): its entries are stored
+        outside the snapshot, one per index, written by the commits that add them.
+        """
+
     def __init__(
         self,
         *,
@@ -1260,11 +1329,50 @@ class SessionSnapshot(_message.Message):
         limits: Global___Limits | None = ...,
         timeout: Global___SessionTimeout | None = ...,
         id_count: _builtins.int = ...,
+        history_log: Global___HistoryLog | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "limits", b"limits", "open_turn", b"open_turn", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "history", b"history", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SessionSnapshot: _TypeAlias = SessionSnapshot  # noqa: Y015
+
+@_typing.final
+class HistoryLog(_message.Message):
+    """HistoryLog is the bounded head of a session's model history. Entries are
+    appended at consecutive indexes, never rewritten; a clear or compaction
+    moves the context start forward and the entries below it are retired
+    (deleted) in the background.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_INDEX_FIELD_NUMBER: _builtins.int
+    CONTEXT_START_FIELD_NUMBER: _builtins.int
+    CONTEXT_BYTES_FIELD_NUMBER: _builtins.int
+    RETIRED_BELOW_FIELD_NUMBER: _builtins.int
+    next_index: _builtins.int
+    """The index the next entry gets: entries [0, next_index) were appended."""
+    context_start: _builtins.int
+    """The first entry the model sees (after the last clear or compaction)."""
+    context_bytes: _builtins.int
+    """Serialized bytes of the entries [context_start, next_index)."""
+    retired_below: _builtins.int
+    """Every entry below this index has been deleted."""
+    def __init__(
+        self,
+        *,
+        next_index: _builtins.int = ...,
+        context_start: _builtins.int = ...,
+        context_bytes: _builtins.int = ...,
+        retired_below: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_bytes", b"context_bytes", "context_start", b"context_start", "next_index", b"next_index", "retired_below", b"retired_below"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryLog: _TypeAlias = HistoryLog  # noqa: Y015

@@ -1,0 +1,132 @@
+"""A session's model history behind one small interface (DESIGN.md §4, §13).
+
+History entries are appended at consecutive indexes and never rewritten; the
+snapshot keeps only the head (`HistoryLog`: next index, context start, context
+size, retired mark). Three operations:
+
+- `stage(session, first_index, entries)`: what the commit transaction must
+  write for new entries. In etcd they are one key each, written by the
+  step's fenced commit itself. A log or object store would write a
+  content-addressed chunk here first and return the put of a pointer key, so
+  fencing, the inbox and the handoff would not change.
+- `read(session, start, end, revision)`: entries [start, end) in bounded
+  batches, as of one etcd revision (the snapshot's read), complete or an
+  error.
+- `retire(session, from_index, below, guard)`: delete entries below an index
+  in bounded transactions, each guarded by the owner's fence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from aetcd import rpc
+
+from services.common import limits
+from services.common.errors import FailedPrecondition, InvalidArgument, Reason
+from services.common.etcd import Store, op_put
+from services.common.keys import Keys, seq_of
+from services.common.txn import Txn
+
+
+class HistoryStore(Protocol):
+    async def stage(
+        self, session_id: str, first_index: int, entries: Sequence[bytes]
+    ) -> list[rpc.RequestOp]: ...
+
+    def read(
+        self, session_id: str, start: int, end: int, revision: int
+    ) -> AsyncIterator[list[bytes]]: ...
+
+    async def retire(
+        self, session_id: str, from_index: int, below: int, guard: rpc.Compare
+    ) -> int: ...
+
+
+class GuardFailed(Exception):
+    """A retire transaction's guard (the owner's fence) no longer holds."""
+
+
+def check_entry(size: int, index: int) -> None:
+    if size > limits.MAX_HISTORY_ENTRY_BYTES:
+        raise InvalidArgument(
+            Reason.HISTORY_ENTRY_TOO_LARGE,
+            f"history entry {index} is {size} bytes; the limit is {limits.MAX_HISTORY_ENTRY_BYTES}",
+        )
+
+
+class EtcdHistory:
+    """History entries as keys `s/{sid}/h/{index}` next to the session."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+
+    async def stage(
+        self, session_id: str, first_index: int, entries: Sequence[bytes]
+    ) -> list[rpc.RequestOp]:
+        key = self._keys.history_entry
+        return [
+            op_put(key(session_id, first_index + offset), raw) for offset, raw in enumerate(entries)
+        ]
+
+    async def read(
+        self, session_id: str, start: int, end: int, revision: int
+    ) -> AsyncIterator[list[bytes]]:
+        key = self._keys.history_entry
+        expected = start
+        while expected < end:
+            txn = Txn().read(
+                "entries",
+                key(session_id, expected),
+                key(session_id, end),
+                limit=limits.READ_PAGE_ENTRIES,
+                revision=revision,
+            )
+            result = await txn.run(self._store)
+            kvs = result.kvs("entries")
+            batch: list[bytes] = []
+            for kv in kvs:
+                if seq_of(kv.key) != expected:
+                    break
+                batch.append(kv.value)
+                expected += 1
+            if len(batch) != len(kvs) or not kvs:
+                raise FailedPrecondition(
+                    Reason.HISTORY_INCOMPLETE,
+                    f"history entry {expected} of session {session_id} is missing "
+                    f"(the context is [{start}, {end}))",
+                )
+            yield batch
+
+    async def retire(self, session_id: str, from_index: int, below: int, guard: rpc.Compare) -> int:
+        """Delete entries [from_index, below), at most RETIRE_BATCH per txn,
+        each txn guarded. Starts at the lowest entry still present. Returns
+        how many were deleted. Raises GuardFailed when the guard fails."""
+        key = self._keys.history_entry
+        lowest = (
+            await Txn()
+            .read(
+                "lowest",
+                key(session_id, from_index),
+                key(session_id, below),
+                keys_only=True,
+                limit=1,
+            )
+            .run(self._store)
+        )
+        first = lowest.kv("lowest")
+        if first is None:
+            return 0
+        deleted = 0
+        low = seq_of(first.key)
+        while low < below:
+            high = min(low + limits.RETIRE_BATCH, below)
+            txn = Txn().require(guard).delete(key(session_id, low), key(session_id, high))
+            response = await self._store.txn(txn.compare, txn.success, txn.failure)
+            if not response.succeeded:
+                raise GuardFailed()
+            deleted += response.responses[0].response_delete_range.deleted
+            low = high
+        return deleted

@@ -1,0 +1,127 @@
+"""Deleting finalized sessions after their retention (DESIGN.md §4).
+
+The commit that closes a session's stream also writes a retention-index entry
+`gc/{expires}/{sid}`. Every anchor replica sweeps the index now and then;
+for each expired entry it deletes the session's index entries that point at
+it (token index, ownership index, bell), then the session's own keys in
+bounded transactions, then the entry itself. Every step is idempotent, so
+replicas sweeping at once, or a sweep cut short by a crash, are harmless: the
+entry stays until the session is gone. Afterwards every read of the session
+answers NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import structlog
+
+from services.common import ids, limits
+from services.common.errors import BatonError
+from services.common.etcd import Store
+from services.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
+from services.common.txn import Txn
+
+log = structlog.get_logger("baton.anchor.retention")
+
+SWEEP_BATCH = 32
+
+
+class Retention:
+    """Sweeps the retention index of one etcd store."""
+
+    def __init__(
+        self,
+        store: Store,
+        keys: Keys,
+        *,
+        interval_seconds: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._interval = interval_seconds
+        self._clock = clock
+
+    async def run(self) -> None:
+        """Sweep every interval until cancelled; failures are logged and
+        retried at the next sweep."""
+        while True:
+            try:
+                await self.sweep()
+            except BatonError as exc:
+                log.warning("retention sweep failed", reason=exc.reason, error=exc.message)
+            await asyncio.sleep(self._interval)
+
+    async def sweep(self) -> int:
+        """Delete every session whose retention has passed; returns how many."""
+        k = self._keys
+        now_ms = int(self._clock() * 1000)
+        deleted = 0
+        while True:
+            result = await (
+                Txn()
+                .read(
+                    "due",
+                    k.retention_prefix(),
+                    k.retention(now_ms + 1, ""),
+                    keys_only=True,
+                    limit=SWEEP_BATCH,
+                )
+                .run(self._store)
+            )
+            due = result.kvs("due")
+            for kv in due:
+                _, session_id = parse_retention(kv.key)
+                await self.delete_session(session_id)
+                await Txn().delete(kv.key).run(self._store)
+                deleted += 1
+                log.info("finalized session deleted after its retention", session_id=session_id)
+            if not result.more("due"):
+                return deleted
+
+    async def delete_session(self, session_id: str) -> None:
+        """Every key of the session and every index entry pointing at it."""
+        ids.validate_session_id(session_id)
+        k = self._keys
+        found = await (
+            Txn()
+            .read("owner", k.owner(session_id))
+            .read("hooks", k.hooks(session_id))
+            .run(self._store)
+        )
+        tokens = {ids.inbox_token(session_id)}
+        raw_hooks = found.value("hooks")
+        if raw_hooks:
+            tokens.update(json.loads(raw_hooks))
+        index = Txn()
+        for token in sorted(tokens):
+            index.read(token, k.token(token))
+        pointing = await index.run(self._store)
+        cleanup = Txn()
+        for token in sorted(tokens):
+            raw = pointing.value(token)
+            if raw is not None and TokenRecord.decode(raw).session_id == session_id:
+                cleanup.delete(k.token(token))
+        raw_owner = found.value("owner")
+        if raw_owner:
+            owner = OwnerRecord.decode(raw_owner)
+            cleanup.delete(k.owned(owner.deployment_id, owner.instance_id, session_id))
+            cleanup.delete(k.bell(owner.instance_id, session_id))
+        if cleanup.success:
+            await cleanup.run(self._store)
+        prefix = k.session_prefix(session_id)
+        end = prefix_end(prefix)
+        while True:
+            page = await (
+                Txn()
+                .read("keys", prefix, end, keys_only=True, limit=limits.DELETE_BATCH)
+                .run(self._store)
+            )
+            kvs = page.kvs("keys")
+            if not kvs:
+                return
+            await Txn().delete(kvs[0].key, kvs[-1].key + b"\0").run(self._store)

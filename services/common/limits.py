@@ -1,0 +1,41 @@
+"""Size limits every service agrees on (DESIGN.md §4: nothing a session
+stores grows with its age inside one value or one transaction).
+
+etcd refuses a request over ~1.5 MiB and, by default, a txn of more than 128
+operations (Baton's etcd runs with --max-txn-ops 1024). A commit holds one
+step's events, the history entries the step appended and the bounded
+snapshot, so these bound it whatever the session's age.
+"""
+
+from __future__ import annotations
+
+MAX_HISTORY_ENTRY_BYTES = 256 * 1024
+"""One model-history entry (a message, a tool result), serialized."""
+
+MAX_EVENT_BYTES = 320 * 1024
+"""One stream event, serialized (it may quote one history entry)."""
+
+MAX_SNAPSHOT_BYTES = 512 * 1024
+"""The snapshot: bounded state (hooks, open turn, limits, agent state)."""
+
+MAX_COMMIT_BYTES = 1400 * 1024
+"""Events + history entries + snapshot of one commit."""
+
+MAX_EVENTS_PER_COMMIT = 100
+MAX_HISTORY_PER_COMMIT = 64
+
+MAX_ADMITTED_PER_BOUNDARY = 24
+"""Steer messages admitted into a turn at one model-call boundary; the rest
+wait for the next boundary (each costs an event and a history entry)."""
+
+READ_PAGE_EVENTS = 64
+"""Stream events per etcd range read (64 x MAX_EVENT_BYTES < 32 MiB)."""
+
+READ_PAGE_ENTRIES = 64
+"""History entries per etcd range read."""
+
+RETIRE_BATCH = 256
+"""History entries deleted per transaction."""
+
+DELETE_BATCH = 512
+"""Keys deleted per transaction when a finalized session expires."""

@@ -1,0 +1,74 @@
+"""Health that follows the store (hooks and anchor): a server whose etcd
+cannot take writes says NOT_SERVING, so probes and balancers stop routing to
+it, and SERVING again once etcd recovers.
+
+Two conditions count: etcd unreachable for longer than `unreachable_after`
+(a blip does not flap the status), and etcd's NOSPACE alarm, raised when its
+database reached the quota (every write fails until an operator compacts,
+defragments and disarms it; README "etcd space"). Both are logged once when
+they start and once when they end, with a reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from services.common.errors import BatonError, Reason
+from services.common.etcd import Store
+
+log = structlog.get_logger("baton.store_health")
+
+
+class StoreHealth:
+    """Polls etcd's alarms and reports the store's usability."""
+
+    def __init__(
+        self,
+        store: Store,
+        set_serving: Callable[[bool], Awaitable[None]],
+        *,
+        interval: float = 1.0,
+        unreachable_after: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._set_serving = set_serving
+        self._interval = interval
+        self._unreachable_after = unreachable_after
+        self._clock = clock
+        self._failing_since: float | None = None
+        self.reason = ""  # why the store is unusable; "" while it is usable
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self._interval)
+
+    async def check(self) -> str:
+        """Probe once, update health; returns the current reason ("" = fine)."""
+        reason = ""
+        try:
+            alarms = await self._store.alarms()
+            self._failing_since = None
+            if "NOSPACE" in alarms:
+                reason = Reason.STORE_FULL
+        except BatonError:
+            now = self._clock()
+            if self._failing_since is None:
+                self._failing_since = now
+            if now - self._failing_since >= self._unreachable_after:
+                reason = Reason.STORE_UNAVAILABLE
+            else:
+                reason = self.reason  # too early to change anything
+        if reason != self.reason:
+            if reason:
+                log.error("store unusable; health NOT_SERVING", reason=reason)
+            else:
+                log.info("store usable again; health SERVING", previous_reason=self.reason)
+            self.reason = reason
+            await self._set_serving(not reason)
+        return reason
