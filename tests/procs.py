@@ -55,6 +55,7 @@ class ProcessStack:
     deployment_id: str = "dep-r"
     lease_ttl: int = 2
     park_after: float | None = None
+    owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
     prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
@@ -143,6 +144,7 @@ class ProcessStack:
         wait: bool = True,
         deployment_id: str = "",
         failpoints: str = "",
+        env: dict[str, str] | None = None,
     ) -> ServiceProcess:
         extra = {
             "BATON_INSTANCE_ID": instance_id,
@@ -150,6 +152,8 @@ class ProcessStack:
             "BATON_OWNER_PARK_AFTER": str(self.park_after or 0),
             "BATON_DEPLOYMENT_ID": deployment_id or self.deployment_id,
             "BATON_FAILPOINTS": failpoints,
+            **self.owner_env,
+            **(env or {}),
         }
         self.owners[instance_id] = proc = self._spawn(instance_id, "owner", **extra)
         if wait:

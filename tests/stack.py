@@ -105,13 +105,21 @@ class Stack:
         return out
 
 
-async def start_stack(etcd_endpoint: str, deployment_id: str = "dep-a") -> Stack:
+async def start_stack(
+    etcd_endpoint: str,
+    deployment_id: str = "dep-a",
+    *,
+    anchor_options: dict[str, object] | None = None,
+    **owner_options: object,
+) -> Stack:
     etcd = EtcdConfig(endpoint=etcd_endpoint, prefix=f"/t/{uuid.uuid4().hex}/", timeout=5)
     hooks = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=etcd))
     await hooks.start()
-    anchor = await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=etcd))
+    anchor = await create_anchor(
+        AnchorConfig(listen="127.0.0.1:0", etcd=etcd, **(anchor_options or {}))  # type: ignore[arg-type]
+    )
     await anchor.start()
-    return await _start_deployment(etcd, hooks, anchor, deployment_id)
+    return await _start_deployment(etcd, hooks, anchor, deployment_id, **owner_options)
 
 
 async def add_deployment(base: Stack, deployment_id: str, **owner: object) -> Stack:

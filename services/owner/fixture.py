@@ -13,6 +13,8 @@ Scripted behaviour of its model, by the last message it sees:
 - "ask my name"             -> a question for the user; the answer is greeted;
 - "read calendar"           -> a `calendar` tool call that needs two sign-in attempts;
 - "alias <raw>"             -> an `add_alias` tool call claiming `<channel>:<raw>`;
+- "big <kib>"               -> a `big` tool call whose result is <kib> KiB of text;
+- "say <kib>"               -> an answer of <kib> KiB of text;
 - compaction instructions   -> "<N> messages about: <first user message>".
 - anything else             -> "echo: <text>".
 Usage: prompt tokens are the words of the instructions and of the last message
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import operator
 import re
 from collections.abc import Sequence
@@ -37,6 +40,8 @@ _SLEEP = re.compile(r"^\s*sleep\s+(\d+)\s+(\d+)\s*$", re.IGNORECASE)
 _WAIT = re.compile(r"^\s*wait\s+(\d+)\s*$", re.IGNORECASE)
 _TRANSFER = re.compile(r"^\s*transfer\s+(\S+)\s*$", re.IGNORECASE)
 _ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
+_BIG = re.compile(r"^\s*big\s+(\d+)\s*$", re.IGNORECASE)
+_SAY = re.compile(r"^\s*say\s+(\d+)\s*$", re.IGNORECASE)
 _QUESTION = "What is your name?"
 
 _OPS: dict[type, Any] = {
@@ -112,6 +117,10 @@ async def _echo(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return str(arguments.get("text", ""))
 
 
+async def _big(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    return "x" * (int(arguments.get("kib", 0)) * 1024)
+
+
 def _words(text: str) -> int:
     return len(text.split())
 
@@ -167,6 +176,12 @@ class FixtureModel:
         if match := _ALIAS.match(user):
             call = RequestedCall("add_alias", {"raw": match.group(1)})
             return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if match := _BIG.match(user):
+            call = RequestedCall("big", {"kib": int(match.group(1))})
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+        if match := _SAY.match(user):
+            text = "y" * (int(match.group(1)) * 1024)
+            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=1)
         if command == "fail model":
             raise RuntimeError("fixture model failure requested")
         if match := _CALC.match(user):
@@ -253,6 +268,12 @@ TOOLS = (
         {"type": "object", "properties": {"text": {"type": "string"}}},
         _echo,
     ),
+    Tool(
+        "big",
+        "Return <kib> KiB of text.",
+        {"type": "object", "properties": {"kib": {"type": "integer"}}},
+        _big,
+    ),
 )
 
 
@@ -264,3 +285,19 @@ def build_agent(deployment_id: str) -> Agent:
         model=FixtureModel(),
         tools=TOOLS,
     )
+
+
+def build_small_context_agent(deployment_id: str) -> Agent:
+    """The fixture agent with a 16 KiB context budget: long sessions compact
+    on their own every few turns."""
+    return dataclasses.replace(build_agent(deployment_id), context_budget_bytes=16 * 1024)
+
+
+def _refuse_to_load(snapshot: s.SessionSnapshot) -> None:
+    raise RuntimeError(f"fixture agent refuses to load session {snapshot.session_id}")
+
+
+def build_crash_on_load_agent(deployment_id: str) -> Agent:
+    """The fixture agent whose authored code raises whenever a session loads:
+    every run fails until the restart budget is spent."""
+    return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load)

@@ -141,6 +141,11 @@ HandOff = Callable[["SessionRun", s.InboxEntry], Awaitable[bool]]
 """Tries to move a run's session to the deployment that accepted a trigger."""
 
 
+_SETTLE_KINDS = frozenset(
+    {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
+)
+
+
 class _CommitRefused(Exception):
     """A commit that can never succeed as it is (DETERMINISTIC_FAILURES)."""
 
@@ -1283,14 +1288,27 @@ class SessionRun:
         self._largest_appended = 0
         self._carry = refused.carry
         error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
-        events: list[s.Event] = []
-        if snap.HasField("open_turn"):
-            if snap.open_turn.turn_id != self._committed_turn_id:
-                events.append(self._event(s.EVENT_KIND_TURN_STARTED))
-            usage = s.Usage()
+        # The turn the refused commit belonged to: still open, or settled by
+        # that very commit (its final answer was what did not fit).
+        usage = s.Usage()
+        turn_id = snap.open_turn.turn_id
+        if turn_id:
             usage.CopyFrom(snap.open_turn.usage)
-            events.append(self._event(s.EVENT_KIND_TURN_FAILED, usage=usage, error=error))
-            snap.ClearField("open_turn")
+        else:
+            settled = [e for e in refused.events if e.kind in _SETTLE_KINDS and e.turn_id]
+            if settled:
+                turn_id = settled[-1].turn_id
+                usage.CopyFrom(settled[-1].usage)
+        snap.ClearField("open_turn")
+        events: list[s.Event] = []
+        if turn_id:
+            if turn_id != self._committed_turn_id:  # it never reached the stream
+                events.append(make_event(self.identity, s.EVENT_KIND_TURN_STARTED, turn_id))
+            events.append(
+                make_event(
+                    self.identity, s.EVENT_KIND_TURN_FAILED, turn_id, usage=usage, error=error
+                )
+            )
         else:
             events.append(self._event(s.EVENT_KIND_COMMAND_REJECTED, error=error))
         if refused.close:
