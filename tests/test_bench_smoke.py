@@ -34,3 +34,23 @@ def test_turn_latency_bench_smoke(tmp_path: Path) -> None:
     assert upgrade["control"]["n"] == 4
     assert "upgrade_p50_over_turn_p50" in figures["targets"]
     assert figures["sequential"]["turn"]["n"] == 5
+
+
+def test_long_session_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "long.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.long_session", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "commit p50 late/early <= 1.1" in proc.stdout
+    assert "upgrade turn p50 <= 2.0 x control p50" in proc.stdout
+    figures = json.loads(out.read_text())
+    early, late = figures["points"]["early"], figures["points"]["late"]
+    # Bytes per commit do not grow with the session's age: the snapshot is bounded.
+    assert late["written"]["snapshot"] - early["written"]["snapshot"] <= 8
+    assert late["written"]["history_head"] > early["written"]["history_head"]
+    assert figures["turn_early"]["n"] == figures["turn_late"]["n"] == 10
