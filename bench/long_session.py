@@ -57,7 +57,7 @@ from bench.turn_latency import (
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.etcd import Store, make_client
-from services.common.keys import Keys, prefix_end
+from services.common.keys import Keys
 from services.common.txn import Txn
 from services.owner.session import RunIdentity, make_event
 
@@ -195,9 +195,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     _progress(f"2: commits shaped as turn {turn + 1}")
                     written = await last_commit_bytes(store, keys, session_id)
                     template = await anchor.snapshot(session_id)
-                    commits, request_bytes = await commit_at(
-                        anchor, hooks, template, args.commits
-                    )
+                    commits, request_bytes = await commit_at(anchor, hooks, template, args.commits)
                     points[name] = {
                         "turn": turn + 1,
                         "written": written,
