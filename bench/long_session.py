@@ -7,22 +7,26 @@
 Starts the same real stack as `bench.turn_latency` (etcd and every service as
 separate processes, two deployments) and measures, in one run:
 
-1. one session, `--turns` one-step turns back to back: the turn latency
-   (SendMessage -> the turn's SESSION_WAITING on a following reader) over the
-   `--window` turns from turn 10, and over the last `--window` turns;
-2. at both points, the fenced commit through anchor (`CommitStep`, gRPC and
-   the etcd txn), shaped as that session's commit of a one-step turn at that
-   point: its current snapshot, 7 events and 2 history entries, replayed
-   `--commits` times on a scratch session so the session itself is untouched;
-   and the bytes the session's last real commit wrote (events + history
-   entries + snapshot, read back from etcd);
+1. one session, `--turns` one-step turns back to back (the turn latency,
+   SendMessage -> the turn's SESSION_WAITING on a following reader, over the
+   `--window` turns from turn 10 is reported as it ran); the bytes the
+   session's last commit wrote (events + history entries + snapshot, read
+   back from etcd) after turn 10 + window and at the end;
+2. interleaved at the end, so both sides see the same etcd and the same load
+   (this machine's load moves a lot within minutes): `--window` turns of a
+   young session (its turns 10..) alternating with the old session's next
+   turns; and the fenced commit through anchor (`CommitStep`, gRPC and the
+   etcd txn) shaped as the session's one-step commit at each point (its
+   snapshot then, 7 events and 2 history entries), `--commits` times each,
+   alternating, on scratch sessions so the session itself is untouched;
 3. upgrade turns of a session that first had `--upgrade-prelude` turns of
    4 KiB messages: each upgrade turn (sent through the other deployment's
    ingress, so the session hands off) is followed by a normal turn on the same
    session (the control), as in `bench.turn_latency` phase u.
 
-Targets: turn p50 and commit p50 at the late point within 1.1x of the early
-point; upgrade turn p50 within 2x the control turn p50.
+Targets: the old session's turn p50 within 1.1x of the young one's, the
+late-shaped commit p50 within 1.1x of the early-shaped one; upgrade turn p50
+within 2x the control turn p50.
 """
 
 from __future__ import annotations
@@ -110,34 +114,45 @@ async def last_commit_bytes(store: Store, keys: Keys, session_id: str) -> dict[s
     }
 
 
-async def commit_at(
-    anchor: AnchorClient, hooks: HooksClient, template: s.SessionSnapshot, commits: int
-) -> tuple[Dist, int]:
-    """`commits` one-step-turn commits through anchor on a scratch session
-    whose snapshot is a copy of `template`; (latency, request bytes)."""
-    sid = ids.new_session_id()
-    owner = s.OwnerIdentity(owner_run_id=ids.new_run_id(), deployment_id="bench-scratch")
-    owner.instance_id = "scratch"
-    created = await hooks.create_session(sid, owner, template.channel, [])
-    identity = RunIdentity(created.fence, "bench-scratch", "scratch")
-    snapshot = s.SessionSnapshot()
-    snapshot.CopyFrom(template)
-    snapshot.session_id = sid
-    snapshot.next_event_seq = 0
-    started = make_event(identity, s.EVENT_KIND_SESSION_STARTED)
-    snapshot.next_event_seq = 1
-    response = await anchor.commit(
-        anchor_pb.CommitStepRequest(
-            fence=created.fence, events=[started], snapshot=snapshot, expected_snapshot_revision=0
+class ScratchCommits:
+    """One-step-turn commits through anchor on a scratch session whose
+    snapshot is a copy of a real session's (`template`)."""
+
+    def __init__(self, anchor: AnchorClient, hooks: HooksClient) -> None:
+        self.anchor = anchor
+        self.hooks = hooks
+        self.dist = Dist()
+        self.request_bytes = 0
+
+    async def start(self, template: s.SessionSnapshot) -> None:
+        sid = ids.new_session_id()
+        owner = s.OwnerIdentity(
+            owner_run_id=ids.new_run_id(), deployment_id="bench-scratch", instance_id="scratch"
         )
-    )
-    revision = response.revision
-    dist = Dist()
-    size = 0
-    for i in range(commits):
+        created = await self.hooks.create_session(sid, owner, template.channel, [])
+        self.fence = created.fence
+        self.identity = RunIdentity(created.fence, "bench-scratch", "scratch")
+        self.snapshot = s.SessionSnapshot()
+        self.snapshot.CopyFrom(template)
+        self.snapshot.session_id = sid
+        self.snapshot.next_event_seq = 1
+        started = make_event(self.identity, s.EVENT_KIND_SESSION_STARTED)
+        response = await self.anchor.commit(
+            anchor_pb.CommitStepRequest(
+                fence=self.fence,
+                events=[started],
+                snapshot=self.snapshot,
+                expected_snapshot_revision=0,
+            )
+        )
+        self.revision = response.revision
+        self.count = 0
+
+    async def commit(self) -> None:
+        snapshot, i = self.snapshot, self.count
         events = []
         for kind in ONE_STEP_KINDS:
-            event = make_event(identity, kind, f"turn_{i}", text="echo: bench turn")
+            event = make_event(self.identity, kind, f"turn_{i}", text="echo: bench turn")
             event.seq = snapshot.next_event_seq + len(events)
             events.append(event)
         snapshot.next_event_seq += len(events)
@@ -147,18 +162,18 @@ async def commit_at(
             s.ChatMessage(role=s.ROLE_ASSISTANT, content=f"echo: bench turn {i}"),
         ]
         request = anchor_pb.CommitStepRequest(
-            fence=created.fence,
+            fence=self.fence,
             events=events,
             snapshot=snapshot,
-            expected_snapshot_revision=revision,
+            expected_snapshot_revision=self.revision,
             history=history,
         )
-        size = request.ByteSize()
+        self.request_bytes = request.ByteSize()
         t0 = time.perf_counter()
-        response = await anchor.commit(request)
-        dist.samples.append(time.perf_counter() - t0)
-        revision = response.revision
-    return dist, size
+        response = await self.anchor.commit(request)
+        self.dist.samples.append(time.perf_counter() - t0)
+        self.revision = response.revision
+        self.count += 1
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,40 +189,58 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     channel = grpc.aio.insecure_channel(stack.addrs["ingress"])
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     results: dict[str, Any] = {"load_start": load_average(), "log_dir": log_dir}
+    first = 10
     try:
         session_id = await create_session(stub)
         follower = Follower(stub, session_id)
-        await asyncio.wait_for(follower.ready, 10)
-        early, late = Dist(), Dist()
+        fresh_id = await create_session(stub)
+        fresh = Follower(stub, fresh_id)
+        await asyncio.wait_for(asyncio.gather(follower.ready, fresh.ready), 10)
+        over_time, young, old = Dist(), Dist(), Dist()
         points: dict[str, dict[str, Any]] = {}
-        first = 10
         _progress(f"1: {args.turns} one-step turns on one session")
         try:
             for turn in range(args.turns):
                 _, took = await one_turn(stub, follower, f"bench turn {turn}", f"d-{turn}")
                 if first <= turn < first + args.window:
-                    early.samples.append(took)
-                if turn >= args.turns - args.window:
-                    late.samples.append(took)
-                at_point = turn in (first + args.window - 1, args.turns - 1)
-                if at_point:
-                    name = "early" if turn < args.turns - 1 else "late"
-                    _progress(f"2: commits shaped as turn {turn + 1}")
-                    written = await last_commit_bytes(store, keys, session_id)
-                    template = await anchor.snapshot(session_id)
-                    commits, request_bytes = await commit_at(anchor, hooks, template, args.commits)
-                    points[name] = {
+                    over_time.samples.append(took)
+                if turn == first + args.window - 1:
+                    points["early"] = {
                         "turn": turn + 1,
-                        "written": written,
-                        "commit": commits,
-                        "commit_request_bytes": request_bytes,
+                        "written": await last_commit_bytes(store, keys, session_id),
+                        "template": await anchor.snapshot(session_id),
                     }
+            points["late"] = {
+                "turn": args.turns,
+                "written": await last_commit_bytes(store, keys, session_id),
+                "template": await anchor.snapshot(session_id),
+            }
+            # 2: interleaved, so both sides see the same etcd and the same load:
+            # a young session's turns 10.. against the old session's next turns.
+            _progress(f"2: {args.window} turns of a young session interleaved with the old one")
+            for turn in range(first):
+                await one_turn(stub, fresh, f"bench turn {turn}", f"f-{turn}")
+            for turn in range(args.window):
+                _, took = await one_turn(stub, fresh, "bench turn", f"fy-{turn}")
+                young.samples.append(took)
+                _, took = await one_turn(stub, follower, "bench turn", f"fo-{turn}")
+                old.samples.append(took)
         finally:
             await follower.close()
+            await fresh.close()
+        _progress(f"2: {args.commits} commits shaped as each point, interleaved")
+        shaped = {name: ScratchCommits(anchor, hooks) for name in points}
+        for name, commits in shaped.items():
+            await commits.start(points[name]["template"])
+        for _ in range(args.commits):
+            for commits in shaped.values():
+                await commits.commit()
+        for name, commits in shaped.items():
+            points[name]["commit"] = commits.dist
+            points[name]["commit_request_bytes"] = commits.request_bytes
+            points[name]["snapshot_bytes"] = points[name].pop("template").ByteSize()
         stack.check_alive()
-        results["turns"] = args.turns
-        results["turn_early"] = early
-        results["turn_late"] = late
+        results.update(turns=args.turns, turn_over_time=over_time, turn_young=young, turn_old=old)
         results["points"] = points
         if args.upgrade_turns > 0:
             _progress(
@@ -228,8 +261,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 await channel_b.close()
             stack.check_alive()
-            written = await last_commit_bytes(store, keys, up["session_id"])
-            up["written"] = written
+            up["written"] = await last_commit_bytes(store, keys, up["session_id"])
             results["upgrade"] = up
     finally:
         await channel.close()
@@ -246,27 +278,31 @@ def _ms(dist: Dist, p: float = 50) -> float:
 
 
 def report(results: dict[str, Any]) -> str:
-    early, late = results["turn_early"], results["turn_late"]
+    young, old = results["turn_young"], results["turn_old"]
     pe, pl = results["points"]["early"], results["points"]["late"]
+    n = results["turns"]
     lines = [
         f"load average at start {results['load_start']}, at end {results['load_end']}",
         "",
-        f"{'':44}{'p50':>9}{'p90':>9}{'p99':>9}  (ms)",
+        f"{'':52}{'p50':>9}{'p90':>9}{'p99':>9}  (ms)",
     ]
 
     def row(label: str, dist: Dist, extra: str = "") -> str:
-        return f"{label:<44}{_ms(dist):9.2f}{_ms(dist, 90):9.2f}{_ms(dist, 99):9.2f}  {extra}"
+        return f"{label:<52}{_ms(dist):9.2f}{_ms(dist, 90):9.2f}{_ms(dist, 99):9.2f}  {extra}"
 
+    window = len(young.samples)
     lines += [
-        row(f"one-step turn, turns {10}-{10 + len(early.samples) - 1}", early),
+        row(f"one-step turn, turns 10-{9 + window}, as they ran", results["turn_over_time"]),
+        "interleaved at the end (same etcd, same load):",
+        row(f"  young session, turns 10-{9 + window}", young),
         row(
-            f"one-step turn, turns {results['turns'] - len(late.samples)}-{results['turns'] - 1}",
-            late,
-            f"late/early p50 {_ms(late) / _ms(early):.3f}",
+            f"  old session, turns {n}-{n + window - 1}",
+            old,
+            f"old/young p50 {_ms(old) / _ms(young):.3f}",
         ),
-        row(f"commit shaped as turn {pe['turn']}", pe["commit"]),
+        row(f"  commit shaped as turn {pe['turn']}", pe["commit"]),
         row(
-            f"commit shaped as turn {pl['turn']}",
+            f"  commit shaped as turn {pl['turn']}",
             pl["commit"],
             f"late/early p50 {_ms(pl['commit']) / _ms(pe['commit']):.3f}",
         ),
@@ -282,7 +318,7 @@ def report(results: dict[str, Any]) -> str:
             f"CommitStep request {point['commit_request_bytes']} B"
         )
     ratios = {
-        "turn": _ms(late) / _ms(early),
+        "turn": _ms(old) / _ms(young),
         "commit": _ms(pl["commit"]) / _ms(pe["commit"]),
     }
     if "upgrade" in results:
@@ -298,7 +334,7 @@ def report(results: dict[str, Any]) -> str:
         ]
         ratios["upgrade"] = _ms(up["turn"]) / _ms(up["control"])
     lines += ["", "  targets"]
-    lines.append(_target(f"turn p50 late/early <= {TARGET_AGE_RATIO}", ratios["turn"]))
+    lines.append(_target(f"turn p50 old/young <= {TARGET_AGE_RATIO}", ratios["turn"]))
     lines.append(_target(f"commit p50 late/early <= {TARGET_AGE_RATIO}", ratios["commit"]))
     if "upgrade" in ratios:
         lines.append(
@@ -324,9 +360,9 @@ def to_json(results: dict[str, Any]) -> dict[str, Any]:
         return value
 
     out: dict[str, Any] = convert(results)
-    out["turn_late_over_early"] = round(
-        statistics.median(results["turn_late"].samples)
-        / statistics.median(results["turn_early"].samples),
+    out["turn_old_over_young"] = round(
+        statistics.median(results["turn_old"].samples)
+        / statistics.median(results["turn_young"].samples),
         3,
     )
     return out

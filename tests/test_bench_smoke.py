@@ -53,4 +53,4 @@ def test_long_session_bench_smoke(tmp_path: Path) -> None:
     # Bytes per commit do not grow with the session's age: the snapshot is bounded.
     assert late["written"]["snapshot"] - early["written"]["snapshot"] <= 8
     assert late["written"]["history_head"] > early["written"]["history_head"]
-    assert figures["turn_early"]["n"] == figures["turn_late"]["n"] == 10
+    assert figures["turn_young"]["n"] == figures["turn_old"]["n"] == 10

@@ -23,6 +23,7 @@ from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import BatonError, Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
+from services.owner import handoff
 from services.owner.host import OwnerHost
 from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
 from tests.procs import eventually
@@ -133,7 +134,14 @@ async def test_same_deployment_turns_never_hand_off(env: Env) -> None:
     assert of(events, RESULT)[-1].tool_result.output == "dep-a"
 
 
-async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(env: Env) -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["checkpoint-sent", "checkpoint-loaded"])
+async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(
+    env: Env, inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint (snapshot and context) is sent along by A, or, when
+    larger than A sends, loaded by B from anchor: the same outcome."""
+    if not inline:
+        monkeypatch.setattr(handoff, "INLINE_CHECKPOINT_BYTES", 0)
     a, b = env.a, env.b
     sid = await a.create(aliases=["order-7"], timeout_seconds=3600, token_budget=100_000)
     first = await turn(a, sid, "what is 6*7", 1)
@@ -181,7 +189,13 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(en
     assert hooks_raw is not None and b"slack:order-7" in hooks_raw.value
     assert after.limits == before.limits
     assert after.usage.model_calls == before.usage.model_calls + 2
-    assert list(after.history)[: len(before.history)] == list(before.history)
+    # The history continued where A left it; B's model saw A's context (the
+    # fixture counts one prompt token per earlier message).
+    assert before.history_log.next_index == 4
+    assert after.history_log.next_index == 8 and after.history_log.context_start == 0
+    words = len("You are Baton's deterministic fixture agent.".split())
+    first_step = of(upgrade, K.EVENT_KIND_STEP_COMPLETED)[0]
+    assert first_step.usage.input_tokens == words + 1 + 4
     assert after.timeout.duration_seconds == 3600
     assert after.timeout.armed_by_owner_run_id == record.owner_run_id
     assert after.timeout.deadline.ToSeconds() >= before.timeout.deadline.ToSeconds()
@@ -509,6 +523,18 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
             with pytest.raises(BatonError) as info:
                 await client.accept_handoff(request)
             assert info.value.reason == reason
+        # A checkpoint sent along is checked the same way, and its context
+        # must be the one the snapshot names.
+        mismatched = s.ChatMessage(role=s.ROLE_USER, content="not in the checkpoint")
+        for sent, reason in (
+            ({"checkpoint": b"\xff\xff\xff"}, "CHECKPOINT_UNREADABLE"),
+            ({"checkpoint": old_format.SerializeToString()}, "CHECKPOINT_INCOMPATIBLE"),
+            ({"checkpoint": original, "context": [mismatched]}, "CHECKPOINT_UNREADABLE"),
+        ):
+            request = owner_pb2.AcceptHandoffRequest(**{**good, **sent})  # type: ignore[arg-type]
+            with pytest.raises(BatonError) as info:
+                await client.accept_handoff(request)
+            assert info.value.reason == reason, sent
         await env.etcd.put(env.keys.snapshot(sid), original)
         restored = await env.etcd.get(env.keys.snapshot(sid))
         assert restored is not None

@@ -76,22 +76,32 @@ class EtcdHistory:
     ) -> AsyncIterator[list[bytes]]:
         key = self._keys.history_entry
         expected = start
+        # Pages adapt to the entries' size: small entries (most messages) come
+        # in pages of up to READ_PAGE_MAX_ENTRIES, large ones in smaller pages,
+        # so a page stays around READ_PAGE_BYTES.
+        limit = limits.READ_PAGE_ENTRIES
         while expected < end:
             txn = Txn().read(
                 "entries",
                 key(session_id, expected),
                 key(session_id, end),
-                limit=limits.READ_PAGE_ENTRIES,
+                limit=limit,
                 revision=revision,
             )
             result = await txn.run(self._store)
             kvs = result.kvs("entries")
             batch: list[bytes] = []
+            size = 0
             for kv in kvs:
                 if seq_of(kv.key) != expected:
                     break
                 batch.append(kv.value)
+                size += len(kv.value)
                 expected += 1
+            if size < limits.READ_PAGE_BYTES // 2:
+                limit = min(limit * 2, limits.READ_PAGE_MAX_ENTRIES)
+            elif size > limits.READ_PAGE_BYTES:
+                limit = max(limit // 2, limits.READ_PAGE_ENTRIES)
             if len(batch) != len(kvs) or not kvs:
                 raise FailedPrecondition(
                     Reason.HISTORY_INCOMPLETE,

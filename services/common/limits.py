@@ -32,7 +32,13 @@ READ_PAGE_EVENTS = 64
 """Stream events per etcd range read (64 x MAX_EVENT_BYTES < 32 MiB)."""
 
 READ_PAGE_ENTRIES = 64
-"""History entries per etcd range read."""
+"""History entries per etcd range read, at first and at least
+(64 x MAX_HISTORY_ENTRY_BYTES = 16 MiB)."""
+
+READ_PAGE_MAX_ENTRIES = 160
+"""160 x MAX_HISTORY_ENTRY_BYTES = 40 MiB: under the etcd client's 48 MiB."""
+READ_PAGE_BYTES = 4 * 1024 * 1024
+"""History pages grow while their entries are small, up to about this."""
 
 RETIRE_BATCH = 256
 """History entries deleted per transaction."""

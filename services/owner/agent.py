@@ -88,6 +88,8 @@ class Agent:
     """What the model sees is bounded: when the history since the last
     compaction exceeds this (serialized bytes), the owner compacts it at the
     next turn boundary. 0 turns automatic compaction off."""
+    context_budget_entries: int = 1000
+    """The same bound in history entries (many short messages)."""
     on_load: Callable[[s.SessionSnapshot], None] | None = None
     """Called with the snapshot whenever a run of a session starts (created,
     recovered, woken, taken over, handed off). If it raises, the run fails

@@ -16,10 +16,11 @@ The old owner (A): a run that finds an eligible trigger (see
    moved.
 
 The new owner (B), in one call (`accept`): prepares a candidate — the agent
-is this build's code; the checkpoint (loaded from anchor at the revision A
-names: the bounded snapshot and the history its context names) must be
-readable, in a snapshot format this build reads, idle, still the latest
-commit, with the trigger as its next inbox entry —
+is this build's code; the checkpoint (the bounded snapshot A committed and
+the history entries of its context: sent by A when small, else loaded from
+anchor at the revision A names) must be readable, in a snapshot format this
+build reads, idle, still the latest commit, with the trigger as its next
+inbox entry —
 then calls Transfer on hooks (one etcd txn: fence, exact claim set, trigger
 is the inbox head, snapshot revision, unused handoff id) and starts the
 successor run with the trigger in hand. An uncertain Transfer is settled by
@@ -41,9 +42,9 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
+from google.protobuf.message import DecodeError
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
@@ -63,9 +64,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import Background
-
-if TYPE_CHECKING:
-    from services.owner.session import SessionRun
+from services.owner.checkpoint import Checkpoint
 
 log = structlog.get_logger("baton.owner.handoff")
 
@@ -73,6 +72,7 @@ ACCEPT_CALL_SECONDS = 5.0
 TRANSFER_SETTLE_SECONDS = 3.0  # well inside ACCEPT_CALL_SECONDS
 TRANSFER_ATTEMPT_SECONDS = 1.0
 REGISTRY_CACHE_SECONDS = 5.0
+INLINE_CHECKPOINT_BYTES = 1024 * 1024  # larger checkpoints are loaded from anchor
 
 # Refusals: final answers; nothing was written.
 REFUSALS = (Aborted, AlreadyExists, FailedPrecondition, NotFound, InvalidArgument)
@@ -139,14 +139,15 @@ class HandoffBroker:
 
     # -- the old owner ------------------------------------------------------
 
-    async def hand_off(self, run: SessionRun, entry: s.InboxEntry) -> bool:
-        """Try to move `run`'s session to the deployment that accepted
-        `entry`. True: the session moved and the run must end. False: it did
-        not, nothing of the attempt is left, and the run processes `entry`.
-        Raises Fenced when the run turns out not to own the session."""
+    async def hand_off(self, checkpoint: Checkpoint, entry: s.InboxEntry) -> bool:
+        """Try to move the checkpoint's session to the deployment that
+        accepted `entry`. True: the session moved and the run must end.
+        False: it did not, nothing of the attempt is left, and the run
+        processes `entry`. Raises Fenced when the run turns out not to own
+        the session."""
         target = entry.command.delivery.accepted_deployment_id
-        fence = run.identity.fence
-        revision = run.snapshot_revision
+        fence = checkpoint.fence
+        revision = checkpoint.revision
         handoff_id = ids.new_handoff_id()
         bound = self._log.bind(
             session_id=fence.session_id,
@@ -181,6 +182,11 @@ class HandoffBroker:
             snapshot_revision=revision,
             trigger=entry,
         )
+        if len(checkpoint.snapshot) + checkpoint.context_bytes <= INLINE_CHECKPOINT_BYTES:
+            # Small (the context is bounded by the agent's budget): sent along,
+            # which spares the target a load from anchor.
+            request.checkpoint = checkpoint.snapshot
+            request.context.extend(checkpoint.context)
         await failpoints.hit("handoff.before_accept")
         try:
             accepted = await self._peer(chosen.address).accept_handoff(request)
@@ -193,7 +199,7 @@ class HandoffBroker:
         except BatonError as exc:
             self._targets.pop(target, None)
             bound.warning("handoff outcome uncertain; settling it", reason=exc.reason)
-            return await self._settle(run, bound)
+            return await self._settle(checkpoint, bound)
         bound.info(
             "session handed off",
             epoch=accepted.fence.epoch,
@@ -202,7 +208,7 @@ class HandoffBroker:
         )
         return True
 
-    async def _settle(self, run: SessionRun, bound: structlog.BoundLogger) -> bool:
+    async def _settle(self, checkpoint: Checkpoint, bound: structlog.BoundLogger) -> bool:
         """Commit the unchanged snapshot, fenced: success means the session
         did not move and cannot move on this attempt (the checkpoint revision
         is gone); FENCED means it moved. Anything else settles nothing (the
@@ -210,7 +216,7 @@ class HandoffBroker:
         backoff = 0.1
         while True:
             try:
-                await run.commit_checkpoint()
+                await checkpoint.settle()
             except Fenced:
                 bound.info("handoff settled: the session moved")
                 return True
@@ -320,11 +326,31 @@ class HandoffBroker:
         )
 
     async def _load_checkpoint(self, request: owner_pb.AcceptHandoffRequest) -> LoadedSession:
-        """The checkpoint from anchor: the snapshot, only if still at the
-        revision A named (else STALE_CHECKPOINT), and the history it names,
-        read at that snapshot's revision. What crosses does not grow with the
-        session's age: the context is bounded by the agent's budget."""
+        """The checkpoint the old owner sent, or else the one anchor has at the
+        revision it names (the bounded snapshot and the history its context
+        names, read at that snapshot's revision). Either way what crosses
+        does not grow with the session's age: the context is bounded by the
+        agent's budget."""
         session_id = request.fence.session_id
+        if request.checkpoint:
+            try:
+                snapshot = s.SessionSnapshot.FromString(request.checkpoint)
+            except DecodeError as exc:
+                raise FailedPrecondition(
+                    Reason.CHECKPOINT_UNREADABLE,
+                    f"the checkpoint of session {session_id} cannot be parsed",
+                ) from exc
+            context = list(request.context)
+            log = snapshot.history_log
+            size = sum(m.ByteSize() for m in context)
+            if len(context) != log.next_index - log.context_start or size != log.context_bytes:
+                raise FailedPrecondition(
+                    Reason.CHECKPOINT_UNREADABLE,
+                    f"the checkpoint of session {session_id} names a context of "
+                    f"{log.next_index - log.context_start} entries and {log.context_bytes} "
+                    f"bytes; {len(context)} entries and {size} bytes came with it",
+                )
+            return LoadedSession(snapshot, request.snapshot_revision, context)
         try:
             return await self.anchor.load_session(session_id, request.snapshot_revision)
         except BatonError as exc:

@@ -56,6 +56,7 @@ from services.owner.agent import (
     ToolContext,
     dumps_arguments,
 )
+from services.owner.checkpoint import Checkpoint
 
 log = structlog.get_logger("baton.owner.session")
 
@@ -137,7 +138,7 @@ class _StepProgress:
     aborted: bool = False
 
 
-HandOff = Callable[["SessionRun", s.InboxEntry], Awaitable[bool]]
+HandOff = Callable[[Checkpoint, s.InboxEntry], Awaitable[bool]]
 """Tries to move a run's session to the deployment that accepted a trigger."""
 
 
@@ -203,6 +204,7 @@ class SessionRun:
         self._committed_context = (self._context, len(self._context))
         self._committed_next_seq = snapshot.next_event_seq
         self._committed_turn_id = snapshot.open_turn.turn_id
+        self._committed_snapshot = snapshot.SerializeToString()
         self._retiring: asyncio.Task[None] | None = None
         self._largest_appended = 0
         self.progressed = False  # a commit of this run succeeded
@@ -396,8 +398,17 @@ class SessionRun:
         session. False (skipped or failed) leaves nothing behind; the
         delivery is then processed here and the signal forgotten."""
         assert self._hand_off is not None
+        context, length = self._committed_context
+        checkpoint = Checkpoint(
+            fence=self.identity.fence,
+            revision=self._snapshot_revision,
+            snapshot=self._committed_snapshot,
+            context=context[:length],
+            context_bytes=self._committed_log.context_bytes,
+            settle=self.commit_checkpoint,
+        )
         try:
-            return await self._hand_off(self, entry)
+            return await self._hand_off(checkpoint, entry)
         except Fenced:
             raise
         except BatonError as exc:
@@ -1005,11 +1016,18 @@ class SessionRun:
     async def _compact_if_over_budget(self) -> None:
         """At a turn boundary: compact when what the model sees outgrew the
         agent's context budget (DESIGN.md §4)."""
-        budget = self.agent.context_budget_bytes
+        budget, entries = self.agent.context_budget_bytes, self.agent.context_budget_entries
         log = self.snapshot.history_log
-        if not budget or self.snapshot.HasField("open_turn") or log.context_bytes <= budget:
+        over = (budget and log.context_bytes > budget) or (entries and len(self._context) > entries)
+        if not over or self.snapshot.HasField("open_turn"):
             return
-        self._log.info("context over budget; compacting", bytes=log.context_bytes, budget=budget)
+        self._log.info(
+            "context over budget; compacting",
+            bytes=log.context_bytes,
+            entries=len(self._context),
+            budget_bytes=budget,
+            budget_entries=entries,
+        )
         await self._summarize([], None)
 
     async def _summarize(self, events: list[s.Event], entry: s.InboxEntry | None) -> None:
@@ -1259,6 +1277,7 @@ class SessionRun:
         self._committed_context = (self._context, len(self._context))
         self._committed_next_seq = snap.next_event_seq
         self._committed_turn_id = snap.open_turn.turn_id
+        self._committed_snapshot = snap.SerializeToString()
         self.progressed = True
         self._start_retire()
 

@@ -17,11 +17,6 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
-if sys.version_info >= (3, 13):
-    from warnings import deprecated as _deprecated
-else:
-    from typing_extensions import deprecated as _deprecated
-
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -115,28 +110,20 @@ class AcceptHandoffRequest(_message.Message):
     SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     TRIGGER_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; the transfer records its outcome under it."""
     deployment_id: _builtins.str
     """The exact target deployment; must equal this owner's."""
     snapshot_revision: _builtins.int
     """The mod revision of the session's last committed snapshot (the checkpoint)."""
-    @_builtins.property
-    @_deprecated("""This field has been marked as deprecated using proto field options.""")
-    def checkpoint(self) -> _builtins.bytes:
-        """Deprecated and ignored: the target loads the checkpoint (the snapshot at
-        `snapshot_revision` and the history it names) from anchor, so what
-        crosses does not grow with the session's history.
-        """
-
-    @checkpoint.setter
-    @_deprecated("""This field has been marked as deprecated using proto field options.""")
-    def checkpoint(self, value: _builtins.bytes) -> None:
-        """Deprecated and ignored: the target loads the checkpoint (the snapshot at
-        `snapshot_revision` and the history it names) from anchor, so what
-        crosses does not grow with the session's history.
-        """
-
+    checkpoint: _builtins.bytes
+    """The checkpoint itself: the serialized SessionSnapshot the old owner
+    committed at `snapshot_revision`. When empty, the target loads the
+    checkpoint (snapshot and context) from anchor at that revision. The
+    transfer compares the revision, so it commits only while this is the
+    durable snapshot.
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The current owner's fence."""
@@ -151,6 +138,15 @@ class AcceptHandoffRequest(_message.Message):
         entry after the checkpoint and the last arrival.
         """
 
+    @_builtins.property
+    def context(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.ChatMessage]:
+        """With `checkpoint`: the history entries of its context
+        ([history_log.context_start, history_log.next_index)), as committed. The
+        old owner sends them when they are small (they are bounded by the
+        agent's context budget, not by the session's age); otherwise the target
+        loads checkpoint and context from anchor.
+        """
+
     def __init__(
         self,
         *,
@@ -161,10 +157,11 @@ class AcceptHandoffRequest(_message.Message):
         snapshot_revision: _builtins.int = ...,
         trigger: _session_pb2.InboxEntry | None = ...,
         checkpoint: _builtins.bytes = ...,
+        context: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "trigger", b"trigger"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "context", b"context", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
