@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import aetcd
 import grpc
@@ -183,3 +184,32 @@ async def test_a_nospace_alarm_is_reported_fails_fast_and_is_survived(
     check_history(events, receipts)
     answers = [e.text for e in events if e.kind == K.EVENT_KIND_MESSAGE_COMPLETED]
     assert answers[-1] == "echo: after 2"
+
+
+async def test_health_follows_the_store_through_an_etcd_restart(tmp_path: Path) -> None:
+    """hooks and anchor say NOT_SERVING once etcd has been unreachable for a
+    while, and SERVING again when it is back (DESIGN.md §8, issue 9)."""
+    data_dir = tmp_path / "etcd"
+    data_dir.mkdir()
+    etcd = EtcdProcess(data_dir=str(data_dir)).start()
+    stack = await start_stack(etcd.endpoint)
+    try:
+        addresses = [stack.addr(stack.hooks), stack.addr(stack.anchor)]
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        assert [await health(a) for a in addresses] == [serving, serving]
+        etcd.stop()
+
+        async def both(status: int) -> bool:
+            return all([await health(a) == status for a in addresses])
+
+        await eventually(lambda: both(not_serving), "NOT_SERVING while etcd is down", 20)
+        etcd = EtcdProcess(
+            client_port=etcd.client_port, peer_port=etcd.peer_port, data_dir=str(data_dir)
+        ).start()
+        await eventually(lambda: both(serving), "SERVING once etcd is back", 20)
+        sid = await stack.create()
+        assert (await stack.send(sid, "hello")).receipt.seq == 0
+    finally:
+        await stop_stack(stack)
+        etcd.stop()

@@ -14,7 +14,14 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.owner import fixture
-from services.owner.agent import ModelReply, RequestedCall, ToolContext, dumps_arguments, load_agent
+from services.owner.agent import (
+    ModelRejected,
+    ModelReply,
+    RequestedCall,
+    ToolContext,
+    dumps_arguments,
+    load_agent,
+)
 from services.owner.openai_model import (
     ModelError,
     ModelTimeout,
@@ -341,6 +348,7 @@ async def test_500_exhausts_retries(server: ChatServer, make_model: Any) -> None
     assert (error.status, error.attempts) == (500, 3)
     assert "HTTP 500" in str(error) and "internal kaboom" in str(error)
     assert not isinstance(error, ModelTimeout)
+    assert not isinstance(error, ModelRejected)
 
 
 async def test_400_is_not_retried(server: ChatServer, make_model: Any) -> None:
@@ -354,6 +362,8 @@ async def test_400_is_not_retried(server: ChatServer, make_model: Any) -> None:
     assert caught.value.status == 400
     assert "HTTP 400" in str(caught.value)
     assert "unknown parameter: foo" in caught.value.body
+    # Deterministic: the owner fails the turn with MODEL_REJECTED, no retry.
+    assert isinstance(caught.value, ModelRejected)
 
 
 async def test_long_error_body_is_excerpted(server: ChatServer, make_model: Any) -> None:
