@@ -571,7 +571,7 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
     events = await follow_until(stack, session_id, answered("still there?"))
     rejected = [e for e in events if e.kind == K.EVENT_KIND_COMMAND_REJECTED]
     assert [e.inbox_seq for e in rejected] == [0, 1]
-    assert [e.error.reason for e in rejected] == ["UNKNOWN_COMMAND_KIND"] * 2
+    assert [e.error.reason for e in rejected] == ["UNKNOWN_COMMAND"] * 2
     assert [e.delivery_id for e in rejected] == ["from-the-future", "newer-kind"]
     assert all(e.error.message for e in rejected)
     received = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]

@@ -96,7 +96,9 @@ class Internal(BatonError):
 
 
 class Reason:
-    """Every ErrorInfo reason Baton sends."""
+    """Every reason Baton gives, in one vocabulary: the `google.rpc.ErrorInfo`
+    reasons of RPC errors and the `ErrorDetail.reason` of stream events
+    (rejected commands, failed turns, stalls)."""
 
     INVALID_FIELD = "INVALID_FIELD"
     UNKNOWN_COMMAND = "UNKNOWN_COMMAND"
@@ -133,6 +135,17 @@ class Reason:
     HISTORY_INCOMPLETE = "HISTORY_INCOMPLETE"
     SNAPSHOT_UNREADABLE = "SNAPSHOT_UNREADABLE"
     RESTART_BUDGET_SPENT = "RESTART_BUDGET_SPENT"
+    # Stream events only (ErrorDetail.reason):
+    NOTHING_TO_CANCEL = "NOTHING_TO_CANCEL"
+    UNSUPPORTED_COMMAND = "UNSUPPORTED_COMMAND"
+    INPUT_NOT_PENDING = "INPUT_NOT_PENDING"
+    UNKNOWN_INPUT_REQUEST = "UNKNOWN_INPUT_REQUEST"
+    COMPACTION_FAILED = "COMPACTION_FAILED"
+    MODEL_ERROR = "MODEL_ERROR"
+    MODEL_REJECTED = "MODEL_REJECTED"
+    MAX_STEPS = "MAX_STEPS"
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+    DENIED = "DENIED"
     STALE_SNAPSHOT = "STALE_SNAPSHOT"
     LATER_ARRIVAL = "LATER_ARRIVAL"
     HOOKS_CHANGED = "HOOKS_CHANGED"

@@ -1,0 +1,643 @@
+"""Turn rules (DESIGN.md §4): what a command means for a session, what a
+step does to it, when a budget is spent, which events say so. Pure: no I/O.
+A `SessionRun` (services/owner/session.py) reads the inbox, calls the model
+and tools, and commits what these rules produce.
+
+- steer (default): a message arriving while a turn is open is admitted at the
+  next model-call boundary of the same turn (at most MAX_ADMITTED_PER_BOUNDARY
+  at one boundary; the rest at the next); one pending when the model gives its
+  final answer keeps the turn going. queue: waits for the turn to settle.
+- consecutive pending steer messages from the same principal start one turn
+  together; steer messages from others join it at its first model-call boundary.
+- cancel, reset and an own timeout are pushed: the running step is aborted at
+  once (when everything before them in the inbox can be admitted into the
+  turn). The turn settles as cancelled, keeping completed model calls.
+- human input and sign-in pause the turn (the session waits); responses and
+  callbacks resume it. A plain message while a turn waits abandons the waits
+  and is admitted into the same turn.
+- budgets are checked before each model call; a spent budget asks the user
+  (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from baton.session.v1 import session_pb2 as s
+from services.common import limits
+from services.common.errors import Reason
+from services.owner.agent import Agent, ModelReply, dumps_arguments
+from services.owner.context import ContextWindow
+
+SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
+
+SETTLE_KINDS = frozenset(
+    {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """Who is running: the fence plus the deployment and instance."""
+
+    fence: s.Fence
+    deployment_id: str
+    instance_id: str
+
+
+class Admission(enum.Enum):
+    """How a pending command joins an open turn at a model-call boundary."""
+
+    ADMIT = "admit"  # a steer message: joins the open turn
+    CANCEL = "cancel"  # settles the open turn as cancelled
+    FINALIZE = "finalize"  # reset or own timeout: ends the session
+    DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
+    REJECT = "reject"  # unknown kind: consumed with an error event
+    BLOCK = "block"  # waits until the turn settles
+
+
+class Outcome(enum.Enum):
+    """What a step left the turn in."""
+
+    CONTINUE = "continue"  # tools ran; next step
+    FINAL = "final"  # the model answered
+    PAUSED = "paused"  # waits for input or sign-in
+    ABORTED = "aborted"  # a pushed command aborted the step
+    FAILED = "failed"  # the model failed
+
+
+@dataclass
+class StepProgress:
+    """What an (abortable) step produced so far; applied by `apply_step`."""
+
+    reply: ModelReply | None = None
+    error: str = ""
+    reason: str = Reason.MODEL_ERROR
+    calls: list[s.ToolCall] = field(default_factory=list)
+    results: dict[int, s.ToolResult] = field(default_factory=dict)
+    aborted: bool = False
+
+
+def initial_snapshot(
+    session_id: str,
+    channel: str,
+    deployment_id: str,
+    hooks: list[str],
+    *,
+    timeout_seconds: int = 0,
+    token_budget: int = 0,
+    now: float | None = None,
+) -> s.SessionSnapshot:
+    snapshot = s.SessionSnapshot(
+        format_version=SNAPSHOT_FORMAT,
+        session_id=session_id,
+        channel=channel,
+        deployment_id=deployment_id,
+        hooks=hooks,
+        status=s.SESSION_STATUS_ACTIVE,
+        limits=s.Limits(token_budget=token_budget),
+    )
+    if timeout_seconds:
+        # The deadline is committed with session.started: it survives restarts.
+        snapshot.timeout.duration_seconds = timeout_seconds
+        started = time.time() if now is None else now
+        snapshot.timeout.deadline.FromSeconds(int(started) + timeout_seconds)
+    return snapshot
+
+
+def make_event(
+    identity: RunIdentity,
+    kind: s.EventKind.ValueType,
+    turn_id: str = "",
+    entry: s.InboxEntry | None = None,
+    **fields: object,
+) -> s.Event:
+    nanos = time.time_ns()
+    event = s.Event(
+        session_id=identity.fence.session_id,
+        kind=kind,
+        time=Timestamp(seconds=nanos // 1_000_000_000, nanos=nanos % 1_000_000_000),
+        turn_id=turn_id,
+        owner_run_id=identity.fence.owner_run_id,
+        deployment_id=identity.deployment_id,
+        **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
+    )
+    if entry is not None:
+        event.inbox_seq = entry.seq
+        event.delivery_id = entry.command.delivery.delivery_id
+    return event
+
+
+def add_usage(total: s.Usage, step: s.Usage) -> None:
+    total.input_tokens += step.input_tokens
+    total.output_tokens += step.output_tokens
+    total.model_calls += step.model_calls
+    total.cost_micros += step.cost_micros
+
+
+def usage_of(reply: ModelReply) -> s.Usage:
+    return s.Usage(
+        input_tokens=reply.input_tokens,
+        output_tokens=reply.output_tokens,
+        model_calls=1,
+        cost_micros=reply.cost_micros,
+    )
+
+
+def context_change(
+    before: tuple[int, int], after: tuple[int, int], automatic: bool = False
+) -> s.ContextChange:
+    return s.ContextChange(
+        before_entries=before[0],
+        before_bytes=before[1],
+        after_entries=after[0],
+        after_bytes=after[1],
+        automatic=automatic,
+    )
+
+
+def safe_error(exc: BaseException) -> str:
+    """What a public event may say about a failure of authored code: the
+    exception's type and a bounded prefix of its message."""
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def principal(entry: s.InboxEntry) -> tuple[str, str]:
+    return entry.command.delivery.channel, entry.command.delivery.caller
+
+
+class SessionState:
+    """A session as a run holds it — snapshot, context window, identity — and
+    every rule of how commands and steps change it. The run decides when to
+    call the model, a tool, hooks or anchor; this decides what the results
+    mean. Methods that produce stream events append them to `events`."""
+
+    def __init__(
+        self,
+        identity: RunIdentity,
+        snapshot: s.SessionSnapshot,
+        agent: Agent,
+        context: Sequence[s.ChatMessage] = (),
+    ) -> None:
+        self.identity = identity
+        self.snapshot = snapshot
+        self.agent = agent
+        self.context = ContextWindow(snapshot, context)
+        # What the last commit left (a refused commit rolls back to it).
+        self.committed_turn_id = snapshot.open_turn.turn_id
+        self.committed_next_seq = snapshot.next_event_seq
+
+    def mark_committed(self) -> None:
+        """A commit of the current state succeeded."""
+        self.context.mark_committed()
+        self.committed_turn_id = self.snapshot.open_turn.turn_id
+        self.committed_next_seq = self.snapshot.next_event_seq
+
+    @property
+    def run_id(self) -> str:
+        return self.identity.fence.owner_run_id
+
+    @property
+    def turn_id(self) -> str:
+        return self.snapshot.open_turn.turn_id if self.snapshot.HasField("open_turn") else ""
+
+    @property
+    def turn_open(self) -> bool:
+        return self.snapshot.HasField("open_turn")
+
+    def event(
+        self, kind: s.EventKind.ValueType, entry: s.InboxEntry | None = None, **fields: object
+    ) -> s.Event:
+        return make_event(self.identity, kind, self.turn_id, entry, **fields)
+
+    def consume(self, entry: s.InboxEntry) -> None:
+        self.snapshot.inbox_next_seq = max(self.snapshot.inbox_next_seq, entry.seq + 1)
+
+    # -- what a command means -----------------------------------------------------
+
+    def classify(self, entry: s.InboxEntry) -> Admission:
+        """How a command joins an open turn at a model-call boundary."""
+        command = entry.command
+        kind = command.WhichOneof("kind")
+        if kind == "send":
+            send = command.send
+            if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
+                return Admission.BLOCK
+            return Admission.ADMIT if send.text.strip() else Admission.REJECT
+        if kind == "cancel":
+            return Admission.CANCEL
+        if kind == "reset":
+            return Admission.FINALIZE
+        if kind == "timeout":
+            own = command.timeout.armed_by_owner_run_id == self.run_id
+            return Admission.FINALIZE if own else Admission.DROP
+        if kind == "authorization_callback":
+            waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
+            return Admission.BLOCK if waiting else Admission.DROP
+        if kind is None or kind == "task_result":
+            return Admission.REJECT
+        return Admission.BLOCK
+
+    def aborts_step(self, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
+        """A pushed command aborts the running step at once: cancel, reset or
+        an own timeout, when every command ahead of it can join the turn."""
+        if self.classify(entry) not in (Admission.CANCEL, Admission.FINALIZE):
+            return False
+        joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT)
+        return all(self.classify(e) in joinable for e in ahead)
+
+    def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
+        return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK
+
+    def auth_wait(self, attempt_id: str) -> s.AuthorizationWait | None:
+        if not self.turn_open:
+            return None
+        for wait in self.snapshot.open_turn.pending_authorizations:
+            if (
+                attempt_id in wait.expected_attempt_ids
+                and attempt_id not in wait.reported_attempt_ids
+            ):
+                return wait
+        return None
+
+    def rejection(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> s.Event:
+        """The command.rejected event for `entry` (a default reason by kind)."""
+        if not reason:
+            kind = entry.command.WhichOneof("kind")
+            if kind is None:
+                reason = Reason.UNKNOWN_COMMAND
+                message = (
+                    f"deployment {self.identity.deployment_id} does not know this command kind"
+                )
+            elif kind == "send":
+                reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
+            else:
+                reason = Reason.UNSUPPORTED_COMMAND
+                message = (
+                    f"command kind {kind!r} is not supported by deployment "
+                    f"{self.identity.deployment_id}"
+                )
+        return self.event(
+            s.EVENT_KIND_COMMAND_REJECTED,
+            entry,
+            error=s.ErrorDetail(reason=reason, message=message),
+        )
+
+    # -- turns -------------------------------------------------------------------
+
+    def start_turn(
+        self, entry: s.InboxEntry, pending: collections.deque[s.InboxEntry]
+    ) -> list[s.Event]:
+        """Open a turn with `entry` and the steer messages of the same
+        principal right behind it (taken from `pending`)."""
+        snap = self.snapshot
+        snap.turn_count += 1
+        snap.open_turn.CopyFrom(
+            s.OpenTurn(turn_id=f"turn_{snap.turn_count}", caller=entry.command.delivery.caller)
+        )
+        events = [self.event(s.EVENT_KIND_TURN_STARTED, entry)]
+        self.admit_message(entry, events)
+        admitted = 1
+        who = principal(entry)
+        while (
+            pending
+            and admitted < limits.MAX_ADMITTED_PER_BOUNDARY
+            and self.classify(pending[0]) is Admission.ADMIT
+            and principal(pending[0]) == who
+        ):
+            self.admit_message(pending.popleft(), events)
+            admitted += 1
+        return events
+
+    def admit_message(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
+        text = entry.command.send.text
+        self.consume(entry)
+        self.snapshot.open_turn.inbox_seqs.append(entry.seq)
+        self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=text))
+        events.append(self.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
+
+    def admit_pending(
+        self, pending: collections.deque[s.InboxEntry], events: list[s.Event]
+    ) -> tuple[Admission, s.InboxEntry | None]:
+        """At a model-call boundary: admit what may join the turn, in order;
+        stop at a command that settles or ends it (returned, consumed)."""
+        admitted = 0
+        while pending:
+            entry = pending[0]
+            verdict = self.classify(entry)
+            if verdict is Admission.BLOCK:
+                break
+            if verdict is Admission.ADMIT:
+                if admitted >= limits.MAX_ADMITTED_PER_BOUNDARY:
+                    break  # the rest join at the next boundary
+                admitted += 1
+            pending.popleft()
+            if verdict is Admission.ADMIT:
+                self.admit_message(entry, events)
+            elif verdict is Admission.DROP:
+                self.consume(entry)
+            elif verdict is Admission.REJECT:
+                self.consume(entry)
+                events.append(self.rejection(entry))
+            else:
+                self.consume(entry)
+                return verdict, entry
+        return Admission.BLOCK, None
+
+    def max_steps(self) -> int:
+        return self.snapshot.limits.max_steps_per_turn or self.agent.max_steps_per_turn
+
+    def budget_spent(self) -> bool:
+        limits_, usage = self.snapshot.limits, self.snapshot.usage
+        tokens = usage.input_tokens + usage.output_tokens
+        if limits_.token_budget and tokens >= limits_.token_budget:
+            return True
+        return bool(limits_.cost_budget_micros and usage.cost_micros >= limits_.cost_budget_micros)
+
+    def tool_calls(self, reply: ModelReply) -> list[s.ToolCall]:
+        """The reply's tool calls, with ids unique in the session."""
+        first = self.snapshot.tool_call_count
+        return [
+            s.ToolCall(
+                id=f"call_{first + offset + 1}",
+                name=requested.name,
+                arguments_json=dumps_arguments(requested.arguments),
+            )
+            for offset, requested in enumerate(reply.tool_calls)
+        ]
+
+    def runs_now(self, call: s.ToolCall) -> bool:
+        """A tool call the step runs itself (others wait for the user)."""
+        tool = self.agent.tool_index.get(call.name)
+        return tool is None or not (tool.needs_approval or tool.sign_in_attempts)
+
+    def apply_step(self, progress: StepProgress, events: list[s.Event]) -> Outcome:
+        """Fold a step's progress into history, usage and events."""
+        snap = self.snapshot
+        reply = progress.reply
+        if reply is None:
+            return Outcome.ABORTED if progress.aborted else Outcome.FAILED
+        snap.open_turn.steps += 1
+        step = snap.open_turn.steps
+        events.append(self.event(s.EVENT_KIND_STEP_STARTED, step=step))
+        usage = usage_of(reply)
+        add_usage(snap.open_turn.usage, usage)
+        add_usage(snap.usage, usage)
+        outcome = Outcome.CONTINUE
+        if reply.question:
+            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
+            events.append(
+                self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.question)
+            )
+            self.request_input(events, s.INPUT_KIND_QUESTION, reply.question, step=step)
+            outcome = Outcome.PAUSED
+        elif not progress.calls:
+            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
+            events.append(self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
+            outcome = Outcome.FINAL
+        else:
+            snap.tool_call_count += len(progress.calls)
+            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
+            for index, call in enumerate(progress.calls):
+                events.append(
+                    self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
+                )
+                tool = self.agent.tool_index.get(call.name)
+                if index in progress.results:
+                    self.record_result(progress.results[index], events, step)
+                elif progress.aborted:
+                    self.record_result(_error_result(call, "cancelled"), events, step)
+                elif tool is not None and tool.needs_approval:
+                    self.request_input(
+                        events,
+                        s.INPUT_KIND_APPROVAL,
+                        f"Allow {call.name}({call.arguments_json})?",
+                        step=step,
+                        tool_call=call,
+                    )
+                    outcome = Outcome.PAUSED
+                elif tool is not None and tool.sign_in_attempts:
+                    self.require_authorization(events, call, tool.sign_in_attempts, step)
+                    outcome = Outcome.PAUSED
+        events.append(self.event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
+        return Outcome.ABORTED if progress.aborted else outcome
+
+    def record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
+        events.append(self.event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
+        self.context.remember(
+            s.ChatMessage(role=s.ROLE_TOOL, content=result.output, tool_call_id=result.tool_call_id)
+        )
+
+    def next_id(self, prefix: str) -> str:
+        self.snapshot.id_count += 1
+        return f"{prefix}_{self.snapshot.id_count}"
+
+    def request_input(
+        self,
+        events: list[s.Event],
+        kind: s.InputKind.ValueType,
+        prompt: str,
+        *,
+        step: int = 0,
+        tool_call: s.ToolCall | None = None,
+    ) -> None:
+        request = s.InputRequest(
+            request_id=self.next_id("input"), kind=kind, prompt=prompt, tool_call=tool_call
+        )
+        self.snapshot.open_turn.pending_inputs.append(request)
+        events.append(self.event(s.EVENT_KIND_INPUT_REQUESTED, step=step, input_request=request))
+
+    def ask_to_extend_budget(self, events: list[s.Event]) -> None:
+        self.request_input(
+            events, s.INPUT_KIND_SESSION_LIMIT, "The session budget is spent. Extend it?"
+        )
+        events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
+
+    def require_authorization(
+        self, events: list[s.Event], call: s.ToolCall, attempts: int, step: int
+    ) -> None:
+        wait = s.AuthorizationWait(tool_call=call)
+        for _ in range(attempts):
+            attempt = self.next_id("attempt")
+            wait.expected_attempt_ids.append(attempt)
+            events.append(
+                self.event(
+                    s.EVENT_KIND_AUTHORIZATION_REQUIRED,
+                    step=step,
+                    tool_call=call,
+                    attempt_id=attempt,
+                )
+            )
+        self.snapshot.open_turn.pending_authorizations.append(wait)
+
+    def settle(
+        self,
+        events: list[s.Event],
+        kind: s.EventKind.ValueType,
+        *,
+        entry: s.InboxEntry | None = None,
+        error: s.ErrorDetail | None = None,
+        waiting: bool = True,
+    ) -> None:
+        """Close the open turn; with `waiting`, the session then waits."""
+        usage = s.Usage()
+        usage.CopyFrom(self.snapshot.open_turn.usage)
+        events.append(self.event(kind, entry, usage=usage, error=error))
+        self.snapshot.ClearField("open_turn")
+        if waiting:
+            events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
+
+    # -- waits: human input and sign-in -------------------------------------------
+
+    def abandon_waits(self) -> list[s.Event]:
+        """A plain message while the turn waits: pending waits are closed
+        (approvals and sign-ins as not done) and the turn goes on."""
+        events: list[s.Event] = []
+        turn = self.snapshot.open_turn
+        for request in turn.pending_inputs:
+            if request.kind == s.INPUT_KIND_APPROVAL:
+                message = "not approved: the user sent a new message"
+                self.record_result(_error_result(request.tool_call, message), events)
+        for wait in turn.pending_authorizations:
+            message = "sign-in abandoned: the user sent a new message"
+            self.record_result(_error_result(wait.tool_call, message), events)
+        del turn.pending_inputs[:]
+        del turn.pending_authorizations[:]
+        return events
+
+    def cancel_waiting_turn(self, entry: s.InboxEntry) -> list[s.Event]:
+        events: list[s.Event] = []
+        if self.turn_open:
+            events = self.abandon_waits()
+            self.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
+        return events
+
+    def extend_budget(self) -> None:
+        """The user approved a SESSION_LIMIT request."""
+        snap = self.snapshot
+        used = snap.usage.input_tokens + snap.usage.output_tokens
+        snap.limits.token_budget = used + max(snap.limits.token_budget, 1)
+        if snap.limits.cost_budget_micros:
+            snap.limits.cost_budget_micros = snap.usage.cost_micros + snap.limits.cost_budget_micros
+
+    def close_auth_wait(self, call: s.ToolCall) -> None:
+        turn = self.snapshot.open_turn
+        remaining = [w for w in turn.pending_authorizations if w.tool_call.id != call.id]
+        del turn.pending_authorizations[:]
+        turn.pending_authorizations.extend(remaining)
+
+    def still_waiting(self) -> bool:
+        turn = self.snapshot.open_turn
+        return bool(turn.pending_inputs or turn.pending_authorizations)
+
+    # -- context: clear, compaction, finalization ---------------------------------
+
+    def clear(self, entry: s.InboxEntry) -> list[s.Event]:
+        events = self.cancel_waiting_turn(entry)
+        before = self.context.size()
+        self.context.reset()
+        self.consume(entry)
+        change = context_change(before, self.context.size())
+        events.append(self.event(s.EVENT_KIND_CONTEXT_CLEARED, entry, context_change=change))
+        return events
+
+    def compacted(
+        self,
+        events: list[s.Event],
+        entry: s.InboxEntry | None,
+        reply: ModelReply,
+        before: tuple[int, int],
+    ) -> None:
+        """Replace the context with the summary in `reply`; `entry` is the
+        compact command, or None when the owner compacted on its own."""
+        usage = usage_of(reply)
+        add_usage(self.snapshot.usage, usage)
+        summary = f"Summary of earlier conversation: {reply.text}"
+        self.context.reset([s.ChatMessage(role=s.ROLE_SYSTEM, content=summary)])
+        change = context_change(before, self.context.size(), automatic=entry is None)
+        events.append(
+            self.event(
+                s.EVENT_KIND_CONTEXT_COMPACTED,
+                entry,
+                text=reply.text,
+                usage=usage,
+                context_change=change,
+            )
+        )
+
+    def compaction_failed(
+        self, events: list[s.Event], entry: s.InboxEntry | None, message: str
+    ) -> None:
+        if entry is not None:
+            events.append(self.rejection(entry, Reason.COMPACTION_FAILED, message))
+            return
+        size = self.context.size()
+        events.append(
+            self.event(
+                s.EVENT_KIND_CONTEXT_COMPACTED,
+                error=s.ErrorDetail(reason=Reason.COMPACTION_FAILED, message=message),
+                context_change=context_change(size, size, automatic=True),
+            )
+        )
+
+    def finalize(
+        self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None
+    ) -> None:
+        """Terminal: the stream closes with this commit; the history is
+        retired (nothing will read it again)."""
+        self.consume(entry)
+        if self.turn_open:
+            events += self.cancel_waiting_turn(entry)
+        self.context.reset()
+        self.snapshot.status = s.SESSION_STATUS_FINALIZED
+        events.append(self.event(s.EVENT_KIND_SESSION_COMPLETED, entry, error=error))
+
+    def refused(
+        self, refused_events: Sequence[s.Event], close: bool, error: s.ErrorDetail
+    ) -> list[s.Event]:
+        """A commit that can never succeed (docs/failures.md): roll back what
+        it would have written (events, history entries, stream position) and
+        return the events to commit in its place — the turn failed, with the
+        reason. What it consumed from the inbox stays consumed; usage stays
+        counted (model calls were made)."""
+        snap = self.snapshot
+        snap.next_event_seq = self.committed_next_seq
+        self.context.rollback()
+        # The turn the refused commit belonged to: still open, or settled by
+        # that very commit (its final answer was what did not fit).
+        usage = s.Usage()
+        turn_id = snap.open_turn.turn_id
+        if turn_id:
+            usage.CopyFrom(snap.open_turn.usage)
+        else:
+            settled = [e for e in refused_events if e.kind in SETTLE_KINDS and e.turn_id]
+            if settled:
+                turn_id = settled[-1].turn_id
+                usage.CopyFrom(settled[-1].usage)
+        snap.ClearField("open_turn")
+        events: list[s.Event] = []
+        if turn_id:
+            if turn_id != self.committed_turn_id:  # it never reached the stream
+                events.append(make_event(self.identity, s.EVENT_KIND_TURN_STARTED, turn_id))
+            events.append(
+                make_event(
+                    self.identity, s.EVENT_KIND_TURN_FAILED, turn_id, usage=usage, error=error
+                )
+            )
+        else:
+            events.append(self.event(s.EVENT_KIND_COMMAND_REJECTED, error=error))
+        if close:
+            events.append(refused_events[-1])
+        else:
+            events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
+        return events
+
+
+def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
+    return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)
