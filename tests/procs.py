@@ -70,7 +70,7 @@ class ProcessStack:
     def _env(self, **extra: str) -> dict[str, str]:
         return {
             "PYTHONUNBUFFERED": "1",
-            "BATON_LOG_LEVEL": "info",
+            "BATON_LOG_LEVEL": os.environ.get("BATON_TEST_LOG_LEVEL", "info"),
             "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
             "BATON_ETCD_PREFIX": self.prefix,
             "BATON_ETCD_TIMEOUT": "2",

@@ -141,11 +141,11 @@ async def _start_deployment(
     deployment_id: str,
     **owner_options: object,
 ) -> Stack:
+    owner_options.setdefault("instance_id", f"{deployment_id}-i1")
     owner = await create_owner(
         OwnerConfig(
             listen="127.0.0.1:0",
             deployment_id=deployment_id,
-            instance_id=f"{deployment_id}-i1",
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
             **owner_options,  # type: ignore[arg-type]

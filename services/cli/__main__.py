@@ -5,6 +5,7 @@ baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--run-dir DIR]
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            [--api-key demo-key-0001]
+baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.cli import demo, launcher
+from services.cli import demo, deployments, launcher
 from services.common.config import ConfigError
 from services.common.errors import BatonError
 from services.common.ids import validate_deployment_id
@@ -149,7 +150,42 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the whole demo (default 60)"
     )
+    fleet = commands.add_parser(
+        "deployments", help="operate deployments (drain one before retiring it)"
+    ).add_subparsers(dest="action", metavar="ACTION")
+    drain = fleet.add_parser(
+        "drain",
+        help="hand every session of a deployment to another one",
+        description=(
+            "Ask every live owner instance of OLD to hand every session it holds to NEW "
+            "through the ordinary handoff (idle and parked ones at once, busy ones the "
+            "moment they are next idle), report progress, and stop when nothing is left "
+            "or after --wait seconds, listing what is left and why (exit 3). Safe to "
+            "repeat."
+        ),
+    )
+    drain.add_argument("old", metavar="OLD", help="the exact deployment id to drain")
+    drain.add_argument("--to", dest="new", required=True, metavar="NEW", help="exact target")
+    drain.add_argument(
+        "--hooks",
+        default=os.environ.get("BATON_HOOKS_ADDR", "127.0.0.1:50052"),
+        help="hooks host:port (env BATON_HOOKS_ADDR, default 127.0.0.1:50052)",
+    )
+    drain.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
+    )
     return parser
+
+
+def _drain(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(deployments.drain(args.hooks, args.old, args.new, wait_s=args.wait))
+    except (deployments.DrainError, BatonError) as exc:
+        message = exc.message if isinstance(exc, BatonError) else str(exc)
+        print(f"baton deployments drain: {message}", file=sys.stderr)
+        return deployments.EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
 
 
 def _deployment_ids(values: Sequence[str] | None) -> tuple[str, ...]:
@@ -224,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_up(args))
     if args.command == "demo":
         sys.exit(_demo(args))
+    if args.command == "deployments" and getattr(args, "action", None) == "drain":
+        sys.exit(_drain(args))
     parser.print_help(sys.stderr)
     sys.exit(2)
 

@@ -163,6 +163,10 @@ class HooksClient(_Client):
         """`deadline_s` overrides the client's call deadline for this call."""
         return await _unary(self.stub.Transfer(request, timeout=deadline_s or self.timeout))
 
+    async def get_owner(self, session_id: str) -> hooks_pb.GetOwnerResponse:
+        request = hooks_pb.GetOwnerRequest(session_id=session_id)
+        return await _unary(self.stub.GetOwner(request, timeout=self.timeout))
+
     async def get_transfer(self, session_id: str, handoff_id: str) -> hooks_pb.GetTransferResponse:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
         return await _unary(self.stub.GetTransfer(request, timeout=self.timeout))
@@ -238,3 +242,11 @@ class OwnerClient(_Client):
         self, request: owner_pb.AcceptHandoffRequest
     ) -> owner_pb.AcceptHandoffResponse:
         return await _unary(self.stub.AcceptHandoff(request, timeout=self.timeout))
+
+    async def drain_sessions(self, to_deployment_id: str) -> owner_pb.DrainSessionsResponse:
+        request = owner_pb.DrainSessionsRequest(to_deployment_id=to_deployment_id)
+        return await _unary(self.stub.DrainSessions(request, timeout=self.timeout))
+
+    async def adopt_session(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+        request = owner_pb.AdoptSessionRequest(session_id=session_id)
+        return await _unary(self.stub.AdoptSession(request, timeout=self.timeout))

@@ -660,9 +660,16 @@ class HookRegistry:
             if response.succeeded:
                 state.head = new_head
                 run = state.owner.owner_run_id
+                owner_deployment = state.owner.deployment_id
                 for item in appended:
                     _settle(
-                        item, s.Receipt(session_id=session_id, owner_run_id=run, seq=seqs[id(item)])
+                        item,
+                        s.Receipt(
+                            session_id=session_id,
+                            owner_run_id=run,
+                            seq=seqs[id(item)],
+                            owner_deployment_id=owner_deployment,
+                        ),
                     )
                 for item, first in followers:
                     _settle(
@@ -672,6 +679,7 @@ class HookRegistry:
                             owner_run_id=run,
                             seq=seqs[id(first)],
                             duplicate=True,
+                            owner_deployment_id=owner_deployment,
                         ),
                     )
                 return
@@ -705,6 +713,7 @@ class HookRegistry:
                             owner_run_id=run,
                             seq=delivered[delivery_id],
                             duplicate=True,
+                            owner_deployment_id=state.owner.deployment_id,
                         ),
                     )
                 elif item.token in moved:

@@ -50,6 +50,8 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             list(request.hooks),
             request.trigger_seq,
             request.snapshot_revision,
+            request.reason,
+            request.inbox_head,
         )
         return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
 
@@ -61,7 +63,30 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
         outcome = await self._transfers.get(request.session_id, request.handoff_id)
         return pb.GetTransferResponse(
-            fence=outcome.fence, successor=outcome.successor, trigger_seq=outcome.trigger_seq
+            fence=outcome.fence,
+            successor=outcome.successor,
+            trigger_seq=outcome.trigger_seq,
+            reason=outcome.reason,
+        )
+
+    async def GetOwner(
+        self, request: pb.GetOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetOwnerResponse:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        record, head = await self._transfers.owner(request.session_id)
+        return pb.GetOwnerResponse(
+            fence=s.Fence(
+                session_id=request.session_id,
+                owner_run_id=record.owner_run_id,
+                epoch=record.epoch,
+            ),
+            owner=s.OwnerIdentity(
+                owner_run_id=record.owner_run_id,
+                deployment_id=record.deployment_id,
+                instance_id=record.instance_id,
+            ),
+            parked=record.parked,
+            inbox_head=head,
         )
 
     async def CreateSession(

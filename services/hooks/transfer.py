@@ -6,6 +6,12 @@ deployment. Tokens map to sessions, not runs, so no token-index entry changes;
 the session's own record of its claim set is what the transaction compares.
 The outcome is recorded under the handoff id in the same transaction, so a
 replay returns the same result and an uncertain outcome can be looked up.
+
+Why the session moves decides the one inbox compare: a trigger must be the
+inbox head (the last arrival); a drain must find nothing unprocessed (the
+head is the checkpoint's consumed position); an adoption of a session whose
+deployment has no owner left compares no inbox position, so the backlog
+moves with it (issue 12; docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class TransferOutcome:
     fence: s.Fence
     successor: s.OwnerIdentity
     trigger_seq: int
+    reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER
 
     def encode(self) -> bytes:
         return canonical_json(
@@ -53,6 +60,7 @@ class TransferOutcome:
                 "epoch": self.fence.epoch,
                 "instance_id": self.successor.instance_id,
                 "owner_run_id": self.successor.owner_run_id,
+                "reason": int(self.reason),
                 "trigger_seq": self.trigger_seq,
             }
         )
@@ -68,7 +76,12 @@ class TransferOutcome:
         fence = s.Fence(
             session_id=session_id, owner_run_id=successor.owner_run_id, epoch=data["epoch"]
         )
-        return cls(fence=fence, successor=successor, trigger_seq=int(data["trigger_seq"]))
+        return cls(
+            fence=fence,
+            successor=successor,
+            trigger_seq=int(data["trigger_seq"]),
+            reason=int(data.get("reason", s.TRANSFER_REASON_TRIGGER)),  # type: ignore[arg-type]
+        )
 
 
 class Transfers:
@@ -93,6 +106,8 @@ class Transfers:
         hooks: list[str],
         trigger_seq: int,
         snapshot_revision: int,
+        reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER,
+        inbox_head: int = 0,
     ) -> tuple[TransferOutcome, bool]:
         """Returns (outcome, replayed). Nothing is written unless every compare
         holds; each refusal names its reason.
@@ -112,13 +127,27 @@ class Transfers:
         ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
         ids.validate_id(successor.instance_id, "successor.instance_id")
         ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
+        if reason == s.TRANSFER_REASON_UNSPECIFIED:
+            reason = s.TRANSFER_REASON_TRIGGER
+        if reason not in (
+            s.TRANSFER_REASON_TRIGGER,
+            s.TRANSFER_REASON_DRAIN,
+            s.TRANSFER_REASON_ADOPTION,
+        ):
+            raise InvalidArgument(Reason.INVALID_FIELD, f"unknown transfer reason {int(reason)}")
+        # The inbox head this transfer requires; None: any (an adoption).
+        head: int | None = {
+            s.TRANSFER_REASON_TRIGGER: trigger_seq + 1,
+            s.TRANSFER_REASON_DRAIN: inbox_head,
+        }.get(reason)
         k = self._keys
         expected_fence = fence_value(expected.epoch, expected.owner_run_id)
         epoch = expected.epoch + 1
         outcome = TransferOutcome(
             fence=s.Fence(session_id=sid, owner_run_id=successor.owner_run_id, epoch=epoch),
             successor=successor,
-            trigger_seq=trigger_seq,
+            trigger_seq=trigger_seq if reason == s.TRANSFER_REASON_TRIGGER else 0,
+            reason=reason,
         )
         record = OwnerRecord(
             owner_run_id=successor.owner_run_id,
@@ -127,15 +156,17 @@ class Transfers:
             epoch=epoch,
         )
         claimed = canonical_json(list(hooks))
+        compare = [
+            cmp_value(k.fence(sid), expected_fence),
+            cmp_value(k.hooks(sid), claimed),
+            cmp_mod(k.snapshot(sid), snapshot_revision),
+            cmp_absent(k.closed(sid)),
+            cmp_absent(k.transfer(sid, handoff_id)),
+        ]
+        if head is not None:
+            compare.append(cmp_value(k.inbox_head(sid), str(head).encode()))
         response = await self._store.txn(
-            [
-                cmp_value(k.fence(sid), expected_fence),
-                cmp_value(k.hooks(sid), claimed),
-                cmp_value(k.inbox_head(sid), str(trigger_seq + 1).encode()),
-                cmp_mod(k.snapshot(sid), snapshot_revision),
-                cmp_absent(k.closed(sid)),
-                cmp_absent(k.transfer(sid, handoff_id)),
-            ],
+            compare,
             [
                 op_put(k.fence(sid), fence_value(epoch, successor.owner_run_id)),
                 op_put(k.owner(sid), record.encode()),
@@ -157,8 +188,8 @@ class Transfers:
             ],
         )
         if response.succeeded:
-            if self._on_moved is not None:
-                self._on_moved(sid, trigger_seq + 1, record.encode())
+            if self._on_moved is not None and head is not None:
+                self._on_moved(sid, head, record.encode())
             return outcome, False
         stored, fence_now, hooks_now, head_now, closed = (
             single_value(r) for r in response.responses[:5]
@@ -183,11 +214,15 @@ class Transfers:
             )
         if closed is not None:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
-        if head_now != str(trigger_seq + 1).encode():
+        if head is not None and head_now != str(head).encode():
             raise Aborted(
                 Reason.LATER_ARRIVAL,
-                f"the inbox head is {head_now.decode() if head_now else '?'}, "
-                f"not {trigger_seq + 1}: the trigger is not the last arrival",
+                f"the inbox head is {head_now.decode() if head_now else '?'}, not {head}: "
+                + (
+                    "the trigger is not the last arrival"
+                    if reason == s.TRANSFER_REASON_TRIGGER
+                    else "a command arrived since the checkpoint"
+                ),
             )
         if snapshot_now != snapshot_revision:
             raise Aborted(
@@ -199,6 +234,18 @@ class Transfers:
             Reason.HOOKS_CHANGED,
             f"the claimed hook set is {(hooks_now or b'').decode()}, not {claimed.decode()}",
         )
+
+    async def owner(self, session_id: str) -> tuple[OwnerRecord, int]:
+        """The session's owner record and inbox head."""
+        ids.validate_session_id(session_id)
+        k = self._keys
+        response = await self._store.txn(
+            [], [op_get(k.owner(session_id)), op_get(k.inbox_head(session_id))], []
+        )
+        owner, head = (single_value(r) for r in response.responses)
+        if owner is None or head is None:
+            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
+        return OwnerRecord.decode(owner), int(head)
 
     async def get(self, session_id: str, handoff_id: str) -> TransferOutcome:
         ids.validate_session_id(session_id)

@@ -11,6 +11,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import InvalidArgument, PermissionDenied, Reason, Unauthenticated
+from services.ingress.orphans import OrphanWatch
 
 MAX_LABELS = 32
 MAX_LABEL_BYTES = 256
@@ -27,6 +28,7 @@ class Edge:
         anchor: AnchorClient,
         owner: OwnerClient,
         max_message_bytes: int,
+        orphans: OrphanWatch | None = None,
     ) -> None:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
         self._api_keys = dict(api_keys)
@@ -34,6 +36,7 @@ class Edge:
         self._anchor = anchor
         self._owner = owner
         self._max_message_bytes = max_message_bytes
+        self._orphans = orphans
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
         """The channel whose API key is in `authorization: Bearer <key>`."""
@@ -190,7 +193,10 @@ class Edge:
         return command
 
     async def send(self, channel: str, token: str, command: s.Command) -> s.Receipt:
-        return await self._hooks.resume(token, command, channel)
+        receipt = await self._hooks.resume(token, command, channel)
+        if self._orphans is not None:
+            self._orphans.accepted(receipt)
+        return receipt
 
     async def resolve_session(self, channel: str, session_id: str, alias: str) -> str:
         """The session a reader addresses, checked against the caller's tenancy."""

@@ -7,6 +7,7 @@ from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.ingress.config import IngressConfig
 from services.ingress.edge import Edge
+from services.ingress.orphans import OrphanWatch
 from services.ingress.servicer import IngressServicer
 
 SERVICE_NAME = ingress_pb2.DESCRIPTOR.services_by_name["IngressService"].full_name
@@ -16,8 +17,15 @@ async def create_server(config: IngressConfig) -> GrpcServer:
     hooks = HooksClient(config.hooks)
     anchor = AnchorClient(config.anchor)
     owner = OwnerClient(config.owner)
+    orphans = OrphanWatch(config.deployment_id, hooks, owner)
     edge = Edge(
-        config.deployment_id, config.api_keys, hooks, anchor, owner, config.max_message_bytes
+        config.deployment_id,
+        config.api_keys,
+        hooks,
+        anchor,
+        owner,
+        config.max_message_bytes,
+        orphans,
     )
     servicer = IngressServicer(edge)
     server = build_server(
@@ -34,4 +42,5 @@ async def create_server(config: IngressConfig) -> GrpcServer:
     )
     for client in (hooks, anchor, owner):
         server.on_stop.append(client.close)
+    server.on_stop.append(orphans.close)
     return server

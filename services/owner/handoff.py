@@ -107,6 +107,8 @@ class HandoffBroker:
         self.anchor = anchor
         self.readable_formats = readable_formats
         self.accepting: dict[str, str] = {}  # handoff id -> session id, while in flight
+        # Why the last attempt to move a session was refused (for drain reports).
+        self.last_refusal: dict[str, tuple[str, str]] = {}
         self._launch = launch
         self._peers: dict[str, OwnerClient] = {}
         self._targets: dict[str, _Targets] = {}
@@ -146,6 +148,16 @@ class HandoffBroker:
         processes `entry`. Raises Fenced when the run turns out not to own
         the session."""
         target = entry.command.delivery.accepted_deployment_id
+        return await self._move(checkpoint, target, entry)
+
+    async def drain(self, checkpoint: Checkpoint, target: str) -> bool:
+        """An operator's drain: move the idle session (nothing unprocessed in
+        its inbox) to `target` through the same handoff, with no trigger.
+        True: it moved; False: refused (the reason is logged and kept in
+        `last_refusal`), nothing of the attempt is left. Raises Fenced."""
+        return await self._move(checkpoint, target, None)
+
+    async def _move(self, checkpoint: Checkpoint, target: str, entry: s.InboxEntry | None) -> bool:
         fence = checkpoint.fence
         revision = checkpoint.revision
         handoff_id = ids.new_handoff_id()
@@ -154,8 +166,10 @@ class HandoffBroker:
             run_id=fence.owner_run_id,
             handoff_id=handoff_id,
             to_deployment_id=target,
-            inbox_seq=entry.seq,
+            inbox_seq=entry.seq if entry is not None else None,
+            reason="trigger" if entry is not None else "drain",
         )
+        self.last_refusal.pop(fence.session_id, None)
         if revision is None:
             bound.info("handoff skipped: checkpoint revision unknown")
             return False
@@ -167,6 +181,10 @@ class HandoffBroker:
             return False
         if not instances:
             bound.info("handoff skipped: no live instance of the target deployment")
+            self.last_refusal[fence.session_id] = (
+                Reason.UPSTREAM_UNAVAILABLE,
+                f"no live instance of deployment {target}",
+            )
             return False
         chosen = instances[zlib.crc32(fence.session_id.encode()) % len(instances)]
         bound = bound.bind(target_instance_id=chosen.instance_id)
@@ -181,6 +199,7 @@ class HandoffBroker:
             ),
             snapshot_revision=revision,
             trigger=entry,
+            reason=s.TRANSFER_REASON_TRIGGER if entry is not None else s.TRANSFER_REASON_DRAIN,
         )
         if len(checkpoint.snapshot) + checkpoint.context_bytes <= INLINE_CHECKPOINT_BYTES:
             # Small (the context is bounded by the agent's budget): sent along,
@@ -194,7 +213,12 @@ class HandoffBroker:
         except Fenced:
             raise
         except REFUSALS as exc:
-            bound.info("handoff refused; processing here", reason=exc.reason, error=exc.message)
+            bound.info(
+                "handoff refused; processing here" if entry is not None else "drain refused",
+                reason=exc.reason,
+                error=exc.message,
+            )
+            self.last_refusal[fence.session_id] = (exc.reason, exc.message)
             return False
         except BatonError as exc:
             self._targets.pop(target, None)
@@ -243,9 +267,20 @@ class HandoffBroker:
         self, request: owner_pb.AcceptHandoffRequest
     ) -> owner_pb.AcceptHandoffResponse:
         handoff_id = ids.validate_id(request.handoff_id, "handoff_id")
-        for name in ("fence", "from_owner", "trigger"):
+        drain = request.reason == s.TRANSFER_REASON_DRAIN
+        if request.reason not in (
+            s.TRANSFER_REASON_UNSPECIFIED,
+            s.TRANSFER_REASON_TRIGGER,
+            s.TRANSFER_REASON_DRAIN,
+        ):
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, "a handoff moves for a trigger or a drain only"
+            )
+        for name in ("fence", "from_owner", *(() if drain else ("trigger",))):
             if not request.HasField(name):
                 raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
+        if drain and request.HasField("trigger"):
+            raise InvalidArgument(Reason.INVALID_FIELD, "a drain has no trigger")
         sid = ids.validate_session_id(request.fence.session_id)
         target = ids.validate_deployment_id(request.deployment_id)
         source = ids.validate_deployment_id(request.from_owner.deployment_id)
@@ -293,11 +328,14 @@ class HandoffBroker:
                 hooks=list(snapshot.hooks),
                 trigger_seq=request.trigger.seq,
                 snapshot_revision=revision,
+                reason=request.reason or s.TRANSFER_REASON_TRIGGER,
+                inbox_head=snapshot.inbox_next_seq,
             )
+            seed = [] if drain else [request.trigger]
             # Settled in the background (replays until a definite answer) and
             # started there on success: the caller waits a bounded time only.
             settling = self._background.spawn(
-                self._transfer_and_start(transfer, loaded, request.trigger, bound),
+                self._transfer_and_start(transfer, loaded, seed, bound),
                 outcome_optional=True,
             )
             try:
@@ -385,6 +423,12 @@ class HandoffBroker:
             )
         if snapshot.status != s.SESSION_STATUS_ACTIVE:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+        if request.reason == s.TRANSFER_REASON_DRAIN:
+            if snapshot.HasField("open_turn"):
+                raise FailedPrecondition(
+                    Reason.SESSION_NOT_IDLE, f"session {sid} has an open turn at the checkpoint"
+                )
+            return  # nothing unprocessed: the transfer compares the inbox head
         if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != trigger.seq:
             raise FailedPrecondition(
                 Reason.SESSION_NOT_IDLE,
@@ -398,7 +442,7 @@ class HandoffBroker:
         self,
         request: hooks_pb.TransferRequest,
         loaded: LoadedSession,
-        trigger: s.InboxEntry,
+        seed: Sequence[s.InboxEntry],
         bound: structlog.BoundLogger,
     ) -> hooks_pb.TransferResponse:
         """Transfer, replaying the identical request until the outcome is
@@ -422,8 +466,82 @@ class HandoffBroker:
             moved.fence,
             loaded.snapshot,
             request.snapshot_revision,
-            [trigger],
+            seed,
             request.handoff_id,
             loaded.context,
         )
         return moved
+
+    # -- adoption (issue 12: retiring a deployment strands nothing) -------------
+
+    async def adopt(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+        """Take over a session whose deployment has no live owner instance
+        left, if its last commit left it settled: the same checkpoint checks
+        and the same fenced Transfer as a handoff (reason ADOPTION: its inbox
+        backlog moves with it). A session with a step in flight is not moved
+        across versions: FailedPrecondition/SESSION_NOT_SETTLED, logged, and
+        it waits for an owner of its own deployment."""
+        sid = ids.validate_session_id(session_id)
+        owner = await self.hooks.get_owner(sid)
+        old = owner.owner.deployment_id
+        bound = self._log.bind(session_id=sid, from_deployment_id=old)
+        if old == self.deployment_id:
+            raise FailedPrecondition(
+                Reason.WRONG_DEPLOYMENT,
+                f"session {sid} runs on this deployment; its own fleet takes it over",
+            )
+        live = await self.hooks.list_instances(ids.validate_deployment_id(old))
+        if live:
+            raise FailedPrecondition(
+                Reason.INSTANCE_LIVE,
+                f"deployment {old} has {len(live)} live owner instance(s); it runs session {sid}",
+            )
+        try:
+            loaded = await self.anchor.load_session(sid)
+        except BatonError as exc:
+            if exc.retryable:
+                raise
+            raise FailedPrecondition(
+                Reason.CHECKPOINT_UNREADABLE, f"session {sid} cannot be loaded: {exc.message}"
+            ) from exc
+        snapshot = loaded.snapshot
+        if snapshot.status != s.SESSION_STATUS_ACTIVE:
+            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+        if snapshot.format_version not in self.readable_formats:
+            raise FailedPrecondition(
+                Reason.CHECKPOINT_INCOMPATIBLE,
+                f"snapshot format {snapshot.format_version} is not one deployment "
+                f"{self.deployment_id} reads ({sorted(self.readable_formats)})",
+            )
+        if snapshot.HasField("open_turn"):
+            bound.warning(
+                "orphaned session not adopted: a step was in flight when its fleet vanished; "
+                "it waits for an owner of its own deployment",
+                turn_id=snapshot.open_turn.turn_id,
+            )
+            raise FailedPrecondition(
+                Reason.SESSION_NOT_SETTLED,
+                f"session {sid} was not settled when deployment {old} lost its last owner "
+                f"(turn {snapshot.open_turn.turn_id} open); it waits for deployment {old}",
+            )
+        # One handoff id per (old fence, adopting instance): a repeat here is a
+        # replay; another instance's attempt races it on the fence.
+        handoff_id = f"adopt_{owner.fence.epoch}_{self.instance_id}"
+        successor = s.OwnerIdentity(
+            owner_run_id=ids.run_id_for(f"{sid}/{handoff_id}"),
+            deployment_id=self.deployment_id,
+            instance_id=self.instance_id,
+        )
+        transfer = hooks_pb.TransferRequest(
+            handoff_id=handoff_id,
+            expected=owner.fence,
+            expected_owner=owner.owner,
+            successor=successor,
+            hooks=list(snapshot.hooks),
+            snapshot_revision=loaded.revision,
+            reason=s.TRANSFER_REASON_ADOPTION,
+        )
+        bound = bound.bind(handoff_id=handoff_id, successor_run_id=successor.owner_run_id)
+        moved = await self._transfer_and_start(transfer, loaded, [], bound)
+        bound.info("orphaned session adopted", epoch=moved.fence.epoch, replayed=moved.replayed)
+        return owner_pb.AdoptSessionResponse(fence=moved.fence, replayed=moved.replayed)

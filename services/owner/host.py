@@ -39,6 +39,7 @@ from services.common.errors import (
     BatonError,
     FailedPrecondition,
     Fenced,
+    InvalidArgument,
     NotFound,
     Reason,
     Unavailable,
@@ -64,6 +65,8 @@ RETRY_FIRST_SECONDS = 0.2
 RETRY_MAX_SECONDS = 5.0
 FAILED_RUN_MAX_DELAY_SECONDS = 30.0
 DEFAULT_RESTART_BUDGET = 5
+DRAIN_CONCURRENCY = 32  # parked sessions woken at once for a drain
+DRAIN_REPORT_BLOCKERS = 50
 
 # Which failures are deterministic (the one table: docs/failures.md):
 # - a commit that can never succeed (an entry, event, snapshot or commit over
@@ -121,6 +124,11 @@ class OwnerHost:
         self._transient: dict[str, int] = {}  # consecutive transient failures per session
         self.restart_budget = restart_budget
         self.stalled: dict[str, s.Fence] = {}  # restart budget spent: held, not run
+        self.drain_to = ""  # an operator's drain target ("" = not draining)
+        self.drained = 0  # sessions moved to it
+        self._drain_slots = asyncio.Semaphore(DRAIN_CONCURRENCY)
+        self._drain_waking: set[str] = set()
+        self._drain_pump: asyncio.Task[None] | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._background = Background()
         self._ready = asyncio.Event()
@@ -159,6 +167,8 @@ class OwnerHost:
         instance shuts down: other instances take them over). Later
         StartSession calls are refused."""
         self._stopped = True
+        if self._drain_pump is not None:
+            self._drain_pump.cancel()
         await self.handoffs.close()
         for timer in self._timers.values():
             timer.cancel()
@@ -266,6 +276,8 @@ class OwnerHost:
             seed=seed,
             handoff_id=handoff_id,
             context=context,
+            drain=self.handoffs.drain,
+            drain_to=self.drain_to,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -279,6 +291,9 @@ class OwnerHost:
             exit = RunExit.FAILED
         if self.runs.get(sid) is run:
             del self.runs[sid]
+        if run.drained:
+            self.drained += 1
+        self._drain_slot_done(sid)
         if self._stopped:
             return
         if exit is RunExit.FAILED:
@@ -330,6 +345,88 @@ class OwnerHost:
         self._unhold(sid)
         identity = RunIdentity(fence, self.deployment_id, self.instance_id)
         self._launch(identity, snapshot, revision, seed, handoff_id, context)
+
+    # -- drain and adoption (issue 12) -------------------------------------------------
+
+    def drain(self, to_deployment_id: str) -> owner_pb.DrainSessionsResponse:
+        """Hand every session held here to `to_deployment_id` through the
+        ordinary handoff: running ones the next time they are idle, parked
+        ones after waking them (DRAIN_CONCURRENCY at a time). Safe to repeat;
+        returns the progress report."""
+        target = ids.validate_deployment_id(to_deployment_id)
+        if target == self.deployment_id:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, f"deployment {target} cannot be drained to itself"
+            )
+        if target != self.drain_to:
+            self._log.info("drain started", to_deployment_id=target, sessions=self.held())
+            self.drain_to = target
+            self.drained = 0
+        for run in list(self.runs.values()):
+            run.request_drain(target)
+        if self._drain_pump is None or self._drain_pump.done():
+            self._drain_pump = asyncio.get_running_loop().create_task(self._wake_parked())
+        return self.drain_report()
+
+    def held(self) -> int:
+        """Sessions this instance holds: running, loading, parked or stalled."""
+        return len(set(self.runs) | self._activating | set(self.parked) | set(self.stalled))
+
+    async def _wake_parked(self) -> None:
+        """Wake parked sessions for the drain, a bounded number at a time:
+        each slot is freed when its run ends (moved, or anything else)."""
+        while self.drain_to and not self._stopped:
+            waiting = [sid for sid in self.parked if sid not in self._drain_waking]
+            if not waiting:
+                return
+            await self._drain_slots.acquire()
+            sid = waiting[0]
+            if sid not in self.parked or self._stopped:
+                self._drain_slots.release()
+                continue
+            self._drain_waking.add(sid)
+            self._wake(sid)
+
+    def _drain_slot_done(self, session_id: str) -> None:
+        if session_id in self._drain_waking:
+            self._drain_waking.discard(session_id)
+            self._drain_slots.release()
+
+    def drain_report(self) -> owner_pb.DrainSessionsResponse:
+        blockers: list[owner_pb.DrainBlocker] = []
+
+        def blocked(sid: str, reason: str, detail: str) -> None:
+            if len(blockers) < DRAIN_REPORT_BLOCKERS:
+                blockers.append(owner_pb.DrainBlocker(session_id=sid, reason=reason, detail=detail))
+
+        for sid, run in self.runs.items():
+            refusal = self.handoffs.last_refusal.get(sid)
+            if run.state.turn_open:
+                blocked(sid, Reason.SESSION_BUSY, "a turn is open; it moves when it settles")
+            elif run.pending:
+                blocked(sid, Reason.SESSION_BUSY, f"{run.pending} command(s) to process first")
+            elif refusal is not None:
+                blocked(sid, refusal[0], refusal[1])
+            else:
+                blocked(sid, Reason.SESSION_BUSY, "moving")
+        for sid in self._activating - set(self.runs):
+            blocked(sid, Reason.WAKING, "loading")
+        for sid in self.parked:
+            blocked(sid, Reason.WAKING, "parked; woken for the drain")
+        for sid in self.stalled:
+            blocked(sid, Reason.STALLED, "the restart budget is spent (session.stalled)")
+        return owner_pb.DrainSessionsResponse(
+            deployment_id=self.deployment_id,
+            instance_id=self.instance_id,
+            to_deployment_id=self.drain_to,
+            moved=self.drained,
+            remaining=self.held(),
+            blockers=blockers,
+        )
+
+    async def adopt_orphan(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+        await self._wait_ready()
+        return await self.handoffs.adopt(session_id)
 
     # -- parking and bells -------------------------------------------------------
 
@@ -417,6 +514,8 @@ class OwnerHost:
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
         finally:
             self._activating.discard(sid)
+            if sid not in self.runs:
+                self._drain_slot_done(sid)
             if failed is not None:
                 self._run_failed(fence, failed)
 

@@ -39,3 +39,15 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             from_deployment_id=request.from_owner.deployment_id,
         )
         return await self._host.accept_handoff(request)
+
+    async def DrainSessions(
+        self, request: pb.DrainSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainSessionsResponse:
+        structlog.contextvars.bind_contextvars(to_deployment_id=request.to_deployment_id)
+        return self._host.drain(request.to_deployment_id)
+
+    async def AdoptSession(
+        self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptSessionResponse:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        return await self._host.adopt_orphan(request.session_id)

@@ -79,6 +79,11 @@ class RunExit(enum.Enum):
 HandOff = Callable[[Checkpoint, s.InboxEntry], Awaitable[bool]]
 """Tries to move a run's session to the deployment that accepted a trigger."""
 
+Drain = Callable[[Checkpoint, str], Awaitable[bool]]
+"""Tries to move a run's idle session to an operator's drain target."""
+
+DRAIN_RETRY_SECONDS = 2.0
+
 
 class _CommitRefused(Exception):
     """A commit that can never succeed as it is (docs/failures.md)."""
@@ -120,6 +125,8 @@ class SessionRun:
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
         context: Sequence[s.ChatMessage] = (),
+        drain: Drain | None = None,
+        drain_to: str = "",
     ) -> None:
         self.identity = identity
         self.state = SessionState(identity, snapshot, agent, context)
@@ -146,6 +153,10 @@ class SessionRun:
         self._trigger_seq = -1  # the delivery found eligible for a handoff at arrival
         self._carry: list[s.Event] = []  # events for the next commit
         self._handoff_id = handoff_id  # the handoff that started this run, if one did
+        self._drain = drain
+        self.drain_to = drain_to  # an operator's drain target ("" = none)
+        self._drain_after = 0.0  # monotonic time of the next drain attempt
+        self.drained = False  # the run ended because a drain moved the session
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -169,6 +180,11 @@ class SessionRun:
     def snapshot_revision(self) -> int | None:
         """The mod revision of the last committed snapshot, when known."""
         return self._snapshot_revision
+
+    @property
+    def pending(self) -> int:
+        """Inbox entries read and not processed yet."""
+        return len(self._pending)
 
     # -- the program ------------------------------------------------------
 
@@ -195,14 +211,23 @@ class SessionRun:
                     )
                 )
             self._arm_timeout(restart=handed_off)
+            if handed_off and not self._pending:
+                # Moved by a drain or an adoption (no trigger in hand): say so
+                # on the stream now, not with whatever comes next.
+                await self._guarded(self._commit([]))
             if state.turn_open and not state.still_waiting():
                 # Recovery: the step in flight at the predecessor's crash runs again.
                 turn = self.snapshot.open_turn
                 self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
                 await self._guarded(self._turn_loop([]))
             while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
+                if self._drain_due() and await self._try_drain():
+                    exit = RunExit.HANDED_OFF
+                    return exit
                 entry = await self._take(self._park_after)
                 if entry is None:
+                    if self._drain_due():
+                        continue
                     if await self._try_park():
                         exit = RunExit.PARKED
                         return exit
@@ -240,19 +265,79 @@ class SessionRun:
         return exit
 
     async def _take(self, idle_s: float | None) -> s.InboxEntry | None:
+        """The next inbox entry; None after `idle_s` with nothing (park), or
+        when a drain attempt is due."""
         self._idle = not self.state.turn_open
         try:
             while not self._pending:
                 if self._reader_exit is not None:
                     raise _RunEnded(self._reader_exit)
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), idle_s)
-                except TimeoutError:
+                if self._drain_due():
                     return None
+                self._arrived.clear()
+                wait = idle_s
+                retry = self._drain_wait()
+                if retry is not None:
+                    wait = retry if wait is None else min(wait, retry)
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), wait)
+                except TimeoutError:
+                    if not self._drain_due():
+                        return None
             return self._pending.popleft()
         finally:
             self._idle = False
+
+    # -- drain (issue 12) ---------------------------------------------------------
+
+    def request_drain(self, target: str) -> None:
+        """An operator drains this deployment to `target`: the session moves
+        there through the ordinary handoff the next time it is idle."""
+        self.drain_to = target
+        self._drain_after = 0.0
+        self._arrived.set()
+
+    def _drain_wait(self) -> float | None:
+        """Seconds until a drain attempt is due; None while none can be (no
+        drain, or the session is not idle: an open turn, something pending)."""
+        if (
+            not self.drain_to
+            or self._drain is None
+            or self._pending
+            or self.state.turn_open
+            or self.snapshot.status != s.SESSION_STATUS_ACTIVE
+        ):
+            return None
+        return max(0.0, self._drain_after - time.monotonic())
+
+    def _drain_due(self) -> bool:
+        return self._drain_wait() == 0.0
+
+    async def _try_drain(self) -> bool:
+        assert self._drain is not None
+        self._drain_after = time.monotonic() + DRAIN_RETRY_SECONDS
+        try:
+            moved = await self._drain(self._checkpoint(), self.drain_to)
+        except Fenced:
+            raise
+        except BatonError as exc:
+            self._log.warning("drain attempt failed", reason=exc.reason, error=exc.message)
+            if exc.retryable:
+                raise  # outcome unknown: run again from the snapshot
+            return False
+        self.drained = moved
+        return moved
+
+    def _checkpoint(self) -> Checkpoint:
+        context = self.state.context
+        return Checkpoint(
+            fence=self.identity.fence,
+            revision=self._snapshot_revision,
+            snapshot=self._committed_snapshot,
+            context=context.committed_messages(),
+            context_bytes=context.committed_log.context_bytes,
+            settle=self.commit_checkpoint,
+        )
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
@@ -314,17 +399,8 @@ class SessionRun:
         session. False (skipped or failed) leaves nothing behind; the
         delivery is then processed here and the signal forgotten."""
         assert self._hand_off is not None
-        context = self.state.context
-        checkpoint = Checkpoint(
-            fence=self.identity.fence,
-            revision=self._snapshot_revision,
-            snapshot=self._committed_snapshot,
-            context=context.committed_messages(),
-            context_bytes=context.committed_log.context_bytes,
-            settle=self.commit_checkpoint,
-        )
         try:
-            return await self._hand_off(checkpoint, entry)
+            return await self._hand_off(self._checkpoint(), entry)
         except Fenced:
             raise
         except BatonError as exc:

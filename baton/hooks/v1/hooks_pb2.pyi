@@ -926,6 +926,8 @@ class TransferRequest(_message.Message):
     HOOKS_FIELD_NUMBER: _builtins.int
     TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; replays with the same id return the same result."""
     trigger_seq: _builtins.int
@@ -934,6 +936,13 @@ class TransferRequest(_message.Message):
     """The checkpoint: the mod revision of the session's last committed
     snapshot. The transfer fails if the old owner committed since.
     """
+    reason: _session_pb2.TransferReason.ValueType
+    """Why the session moves. A trigger compares that trigger_seq is the inbox
+    head; a drain that the inbox head is `inbox_head` (nothing unprocessed);
+    an adoption compares no inbox position (the backlog moves with it).
+    """
+    inbox_head: _builtins.int
+    """For a drain: the inbox head (the checkpoint's consumed position)."""
     @_builtins.property
     def expected(self) -> _session_pb2.Fence:
         """The current owner's fence."""
@@ -960,10 +969,12 @@ class TransferRequest(_message.Message):
         hooks: _abc.Iterable[_builtins.str] | None = ...,
         trigger_seq: _builtins.int = ...,
         snapshot_revision: _builtins.int = ...,
+        reason: _session_pb2.TransferReason.ValueType = ...,
+        inbox_head: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "successor", b"successor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "snapshot_revision", b"snapshot_revision", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "inbox_head", b"inbox_head", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1032,8 +1043,11 @@ class GetTransferResponse(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     SUCCESSOR_FIELD_NUMBER: _builtins.int
     TRIGGER_SEQ_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     trigger_seq: _builtins.int
     """The trigger's inbox seq."""
+    reason: _session_pb2.TransferReason.ValueType
+    """Why the session moved."""
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The successor's fence."""
@@ -1048,11 +1062,72 @@ class GetTransferResponse(_message.Message):
         fence: _session_pb2.Fence | None = ...,
         successor: _session_pb2.OwnerIdentity | None = ...,
         trigger_seq: _builtins.int = ...,
+        reason: _session_pb2.TransferReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "successor", b"successor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "reason", b"reason", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTransferResponse: _TypeAlias = GetTransferResponse  # noqa: Y015
+
+@_typing.final
+class GetOwnerRequest(_message.Message):
+    """GetOwnerRequest names a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetOwnerRequest: _TypeAlias = GetOwnerRequest  # noqa: Y015
+
+@_typing.final
+class GetOwnerResponse(_message.Message):
+    """GetOwnerResponse is who owns a session now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    parked: _builtins.bool
+    """True while the owner has the session parked."""
+    inbox_head: _builtins.int
+    """The session's inbox head (the next inbox seq)."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The owner's fence."""
+
+    @_builtins.property
+    def owner(self) -> _session_pb2.OwnerIdentity:
+        """The owner run, its deployment and instance."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        owner: _session_pb2.OwnerIdentity | None = ...,
+        parked: _builtins.bool = ...,
+        inbox_head: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "owner", b"owner"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "owner", b"owner", "parked", b"parked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetOwnerResponse: _TypeAlias = GetOwnerResponse  # noqa: Y015

@@ -116,6 +116,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.FromString,
                 _registered_method=True)
+        self.GetOwner = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/GetOwner',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerResponse.FromString,
+                _registered_method=True)
         self.WatchInstances = channel.unary_stream(
                 '/baton.hooks.v1.HookRegistryService/WatchInstances',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
@@ -249,6 +254,13 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetOwner(self, request, context):
+        """Who owns a session now: fence, owner identity, parked, inbox head.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchInstances(self, request, context):
         """Stream the live instances of an exact deployment: the full set first,
         then again after every change, with the instances that died owning
@@ -340,6 +352,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.GetTransfer,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.SerializeToString,
+            ),
+            'GetOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOwner,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerResponse.SerializeToString,
             ),
             'WatchInstances': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchInstances,
@@ -781,6 +798,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/GetTransfer',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.GetTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/GetOwner',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.GetOwnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,8 @@ class HookRegistryServiceStub:
     """
     GetTransfer: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]
     """Look up the outcome of a transfer by its handoff id."""
+    GetOwner: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.GetOwnerRequest, _hooks_pb2.GetOwnerResponse]
+    """Who owns a session now: fence, owner identity, parked, inbox head."""
     WatchInstances: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]
     """Stream the live instances of an exact deployment: the full set first,
     then again after every change, with the instances that died owning
@@ -142,6 +144,8 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """
     GetTransfer: _aio.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]  # type: ignore[assignment]
     """Look up the outcome of a transfer by its handoff id."""
+    GetOwner: _aio.UnaryUnaryMultiCallable[_hooks_pb2.GetOwnerRequest, _hooks_pb2.GetOwnerResponse]  # type: ignore[assignment]
+    """Who owns a session now: fence, owner identity, parked, inbox head."""
     WatchInstances: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]  # type: ignore[assignment]
     """Stream the live instances of an exact deployment: the full set first,
     then again after every change, with the instances that died owning
@@ -295,6 +299,14 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_hooks_pb2.GetTransferResponse, _abc.Awaitable[_hooks_pb2.GetTransferResponse]]:
         """Look up the outcome of a transfer by its handoff id."""
+
+    @_abc_1.abstractmethod
+    def GetOwner(
+        self,
+        request: _hooks_pb2.GetOwnerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.GetOwnerResponse, _abc.Awaitable[_hooks_pb2.GetOwnerResponse]]:
+        """Who owns a session now: fence, owner identity, parked, inbox head."""
 
     @_abc_1.abstractmethod
     def WatchInstances(

@@ -111,6 +111,7 @@ class AcceptHandoffRequest(_message.Message):
     TRIGGER_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; the transfer records its outcome under it."""
     deployment_id: _builtins.str
@@ -123,6 +124,10 @@ class AcceptHandoffRequest(_message.Message):
     checkpoint (snapshot and context) from anchor at that revision. The
     transfer compares the revision, so it commits only while this is the
     durable snapshot.
+    """
+    reason: _session_pb2.TransferReason.ValueType
+    """Why the session moves: a trigger (unset), or an operator's drain (then
+    there is no trigger and the inbox must hold nothing unprocessed).
     """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
@@ -158,14 +163,163 @@ class AcceptHandoffRequest(_message.Message):
         trigger: _session_pb2.InboxEntry | None = ...,
         checkpoint: _builtins.bytes = ...,
         context: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
+        reason: _session_pb2.TransferReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "trigger", b"trigger"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "context", b"context", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "context", b"context", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AcceptHandoffRequest: _TypeAlias = AcceptHandoffRequest  # noqa: Y015
+
+@_typing.final
+class DrainSessionsRequest(_message.Message):
+    """DrainSessionsRequest names the deployment to drain to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    to_deployment_id: _builtins.str
+    """The exact target deployment; must differ from this owner's."""
+    def __init__(
+        self,
+        *,
+        to_deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["to_deployment_id", b"to_deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainSessionsRequest: _TypeAlias = DrainSessionsRequest  # noqa: Y015
+
+@_typing.final
+class DrainSessionsResponse(_message.Message):
+    """DrainSessionsResponse is this instance's progress."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
+    BLOCKERS_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The deployment being drained (this owner's)."""
+    instance_id: _builtins.str
+    """This instance."""
+    to_deployment_id: _builtins.str
+    """The target deployment."""
+    moved: _builtins.int
+    """Sessions this instance handed to the target since the drain began."""
+    remaining: _builtins.int
+    """Sessions still held here."""
+    @_builtins.property
+    def blockers(self) -> _containers.RepeatedCompositeFieldContainer[Global___DrainBlocker]:
+        """Why some of the remaining sessions are still here (at most 50)."""
+
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        to_deployment_id: _builtins.str = ...,
+        moved: _builtins.int = ...,
+        remaining: _builtins.int = ...,
+        blockers: _abc.Iterable[Global___DrainBlocker] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blockers", b"blockers", "deployment_id", b"deployment_id", "instance_id", b"instance_id", "moved", b"moved", "remaining", b"remaining", "to_deployment_id", b"to_deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainSessionsResponse: _TypeAlias = DrainSessionsResponse  # noqa: Y015
+
+@_typing.final
+class DrainBlocker(_message.Message):
+    """DrainBlocker is one session that has not moved yet, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    reason: _builtins.str
+    """UPPER_SNAKE: SESSION_BUSY, WAKING, STALLED, or the reason the last
+    handoff attempt was refused with.
+    """
+    detail: _builtins.str
+    """A human-readable detail."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainBlocker: _TypeAlias = DrainBlocker  # noqa: Y015
+
+@_typing.final
+class AdoptSessionRequest(_message.Message):
+    """AdoptSessionRequest names an orphaned session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdoptSessionRequest: _TypeAlias = AdoptSessionRequest  # noqa: Y015
+
+@_typing.final
+class AdoptSessionResponse(_message.Message):
+    """AdoptSessionResponse names the successor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    REPLAYED_FIELD_NUMBER: _builtins.int
+    replayed: _builtins.bool
+    """True when an earlier request of this instance adopted it already."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The successor's fence."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        replayed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "replayed", b"replayed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdoptSessionResponse: _TypeAlias = AdoptSessionResponse  # noqa: Y015
 
 @_typing.final
 class AcceptHandoffResponse(_message.Message):

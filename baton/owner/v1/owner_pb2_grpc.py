@@ -45,6 +45,16 @@ class OwnerServiceStub:
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.SerializeToString,
                 response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.FromString,
                 _registered_method=True)
+        self.DrainSessions = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/DrainSessions',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.FromString,
+                _registered_method=True)
+        self.AdoptSession = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/AdoptSession',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.FromString,
+                _registered_method=True)
 
 
 class OwnerServiceServicer:
@@ -70,6 +80,24 @@ class OwnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainSessions(self, request, context):
+        """Operator: hand every session this instance holds to an exact target
+        deployment through the ordinary handoff, each as soon as it is idle
+        (parked sessions are woken for it). Safe to repeat; answers what is left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdoptSession(self, request, context):
+        """Adopt a session whose deployment has no live owner instance left and
+        whose last commit left it settled (a fenced Transfer, as a handoff).
+        Refused, and logged for operators, while it is not settled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OwnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +110,16 @@ def add_OwnerServiceServicer_to_server(servicer, server):
                     servicer.AcceptHandoff,
                     request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.FromString,
                     response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.SerializeToString,
+            ),
+            'DrainSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainSessions,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.SerializeToString,
+            ),
+            'AdoptSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptSession,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +177,60 @@ class OwnerService:
             '/baton.owner.v1.OwnerService/AcceptHandoff',
             baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffRequest.SerializeToString,
             baton_dot_owner_dot_v1_dot_owner__pb2.AcceptHandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/DrainSessions',
+            baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/AdoptSession',
+            baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,16 @@ class OwnerServiceStub:
     hooks, and start it with the trigger. Nothing is written unless the
     transfer commits. A repeat of a handoff id returns the first outcome.
     """
+    DrainSessions: _grpc.UnaryUnaryMultiCallable[_owner_pb2.DrainSessionsRequest, _owner_pb2.DrainSessionsResponse]
+    """Operator: hand every session this instance holds to an exact target
+    deployment through the ordinary handoff, each as soon as it is idle
+    (parked sessions are woken for it). Safe to repeat; answers what is left.
+    """
+    AdoptSession: _grpc.UnaryUnaryMultiCallable[_owner_pb2.AdoptSessionRequest, _owner_pb2.AdoptSessionResponse]
+    """Adopt a session whose deployment has no live owner instance left and
+    whose last commit left it settled (a fenced Transfer, as a handoff).
+    Refused, and logged for operators, while it is not settled.
+    """
 
 @_typing.type_check_only
 class OwnerServiceAsyncStub(OwnerServiceStub):
@@ -58,6 +68,16 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     and still the latest commit), move the session here with one Transfer on
     hooks, and start it with the trigger. Nothing is written unless the
     transfer commits. A repeat of a handoff id returns the first outcome.
+    """
+    DrainSessions: _aio.UnaryUnaryMultiCallable[_owner_pb2.DrainSessionsRequest, _owner_pb2.DrainSessionsResponse]  # type: ignore[assignment]
+    """Operator: hand every session this instance holds to an exact target
+    deployment through the ordinary handoff, each as soon as it is idle
+    (parked sessions are woken for it). Safe to repeat; answers what is left.
+    """
+    AdoptSession: _aio.UnaryUnaryMultiCallable[_owner_pb2.AdoptSessionRequest, _owner_pb2.AdoptSessionResponse]  # type: ignore[assignment]
+    """Adopt a session whose deployment has no live owner instance left and
+    whose last commit left it settled (a fenced Transfer, as a handoff).
+    Refused, and logged for operators, while it is not settled.
     """
 
 class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -83,6 +103,28 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         and still the latest commit), move the session here with one Transfer on
         hooks, and start it with the trigger. Nothing is written unless the
         transfer commits. A repeat of a handoff id returns the first outcome.
+        """
+
+    @_abc_1.abstractmethod
+    def DrainSessions(
+        self,
+        request: _owner_pb2.DrainSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owner_pb2.DrainSessionsResponse, _abc.Awaitable[_owner_pb2.DrainSessionsResponse]]:
+        """Operator: hand every session this instance holds to an exact target
+        deployment through the ordinary handoff, each as soon as it is idle
+        (parked sessions are woken for it). Safe to repeat; answers what is left.
+        """
+
+    @_abc_1.abstractmethod
+    def AdoptSession(
+        self,
+        request: _owner_pb2.AdoptSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owner_pb2.AdoptSessionResponse, _abc.Awaitable[_owner_pb2.AdoptSessionResponse]]:
+        """Adopt a session whose deployment has no live owner instance left and
+        whose last commit left it settled (a fenced Transfer, as a handoff).
+        Refused, and logged for operators, while it is not settled.
         """
 
 def add_OwnerServiceServicer_to_server(servicer: OwnerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -47,6 +47,48 @@ TURN_POLICY_QUEUE: TurnPolicy.ValueType  # 2
 """Wait until the open turn settles."""
 Global___TurnPolicy: _TypeAlias = TurnPolicy  # noqa: Y015
 
+class _TransferReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_REASON_UNSPECIFIED: _TransferReason.ValueType  # 0
+    """Not set: a trigger (as TRANSFER_REASON_TRIGGER)."""
+    TRANSFER_REASON_TRIGGER: _TransferReason.ValueType  # 1
+    """A send accepted by another deployment reached the idle session; it is
+    the trigger, the last arrival, and the successor processes it.
+    """
+    TRANSFER_REASON_DRAIN: _TransferReason.ValueType  # 2
+    """An operator drains the session's deployment: the session is idle with
+    nothing unprocessed in its inbox.
+    """
+    TRANSFER_REASON_ADOPTION: _TransferReason.ValueType  # 3
+    """The session's deployment has no live owner instance left and its last
+    commit left it settled: an owner of the deployment that accepted a new
+    delivery adopts it, with every command still in its inbox.
+    """
+
+class TransferReason(_TransferReason, metaclass=_TransferReasonEnumTypeWrapper):
+    """TransferReason says why a session moves to another deployment."""
+
+TRANSFER_REASON_UNSPECIFIED: TransferReason.ValueType  # 0
+"""Not set: a trigger (as TRANSFER_REASON_TRIGGER)."""
+TRANSFER_REASON_TRIGGER: TransferReason.ValueType  # 1
+"""A send accepted by another deployment reached the idle session; it is
+the trigger, the last arrival, and the successor processes it.
+"""
+TRANSFER_REASON_DRAIN: TransferReason.ValueType  # 2
+"""An operator drains the session's deployment: the session is idle with
+nothing unprocessed in its inbox.
+"""
+TRANSFER_REASON_ADOPTION: TransferReason.ValueType  # 3
+"""The session's deployment has no live owner instance left and its last
+commit left it settled: an owner of the deployment that accepted a new
+delivery adopts it, with every command still in its inbox.
+"""
+Global___TransferReason: _TypeAlias = TransferReason  # noqa: Y015
+
 class _EventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -699,6 +741,7 @@ class Receipt(_message.Message):
     OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     DUPLICATE_FIELD_NUMBER: _builtins.int
+    OWNER_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the command was appended to."""
     owner_run_id: _builtins.str
@@ -707,6 +750,10 @@ class Receipt(_message.Message):
     """The inbox seq of the command."""
     duplicate: _builtins.bool
     """True when this is the receipt of an earlier delivery with the same id."""
+    owner_deployment_id: _builtins.str
+    """The deployment of the session's current owner (which may differ from
+    the deployment of the ingress that accepted the command).
+    """
     def __init__(
         self,
         *,
@@ -714,10 +761,11 @@ class Receipt(_message.Message):
         owner_run_id: _builtins.str = ...,
         seq: _builtins.int = ...,
         duplicate: _builtins.bool = ...,
+        owner_deployment_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "owner_deployment_id", b"owner_deployment_id", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,90 @@
+"""`baton deployments drain OLD --to NEW`: retire a deployment without
+stranding a session (DESIGN.md §13, docs/deploy.md).
+
+Asks every live owner instance of OLD to hand every session it holds to NEW
+through the ordinary handoff: idle ones at once, parked ones after waking
+them, busy ones the moment they are next idle. Reports progress and, when it
+stops waiting, what is left and why. Safe to repeat: each instance only
+(re)sets its drain target and answers its progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from baton.owner.v1 import owner_pb2 as owner_pb
+from services.common import ids
+from services.common.clients import HooksClient, OwnerClient
+from services.common.errors import BatonError
+
+EXIT_DRAINED = 0
+EXIT_USAGE = 2
+EXIT_LEFT = 3
+
+
+class DrainError(Exception):
+    """The drain could not be asked for (the message says why)."""
+
+
+async def drain(
+    hooks_address: str,
+    old: str,
+    new: str,
+    *,
+    wait_s: float = 60.0,
+    poll_s: float = 0.5,
+    write: Callable[[str], None] = print,
+) -> int:
+    """Drain `old` to `new`; EXIT_DRAINED once no instance of `old` holds a
+    session, EXIT_LEFT when some are still there after `wait_s`."""
+    old = ids.validate_deployment_id(old)
+    new = ids.validate_deployment_id(new)
+    if old == new:
+        raise DrainError(f"deployment {old} cannot be drained to itself")
+    hooks = HooksClient(hooks_address)
+    owners: dict[str, OwnerClient] = {}
+    try:
+        if not await hooks.list_instances(new):
+            raise DrainError(f"deployment {new} has no live owner instance to take sessions")
+        deadline = time.monotonic() + wait_s
+        last = ""
+        while True:
+            instances = await hooks.list_instances(old)
+            if not instances:
+                write(f"deployment {old} has no live owner instance: it holds no session")
+                return EXIT_DRAINED
+            reports: list[owner_pb.DrainSessionsResponse] = []
+            for instance in instances:
+                client = owners.get(instance.address)
+                if client is None:
+                    client = owners[instance.address] = OwnerClient(instance.address)
+                try:
+                    reports.append(await client.drain_sessions(new))
+                except BatonError as exc:  # gone meanwhile: its sessions are taken over
+                    write(f"  {instance.instance_id}: {exc.reason}: {exc.message}")
+            moved = sum(r.moved for r in reports)
+            left = sum(r.remaining for r in reports)
+            per_instance = ", ".join(f"{r.instance_id}: {r.remaining}" for r in reports)
+            line = f"  {moved} moved to {new}, {left} left on {old} ({per_instance})"
+            if line != last:
+                write(line)
+                last = line
+            if left == 0:
+                write(f"drained: nothing left on {old}; its fleet can be scaled to zero")
+                return EXIT_DRAINED
+            if time.monotonic() >= deadline:
+                write(f"{left} session(s) left on {old} after {wait_s:.0f}s:")
+                for report in reports:
+                    for blocker in report.blockers:
+                        write(f"  {blocker.session_id}  {blocker.reason}  {blocker.detail}")
+                write("run the same command again to keep draining")
+                return EXIT_LEFT
+            await asyncio.sleep(poll_s)
+    except BatonError as exc:
+        raise DrainError(f"{exc.reason}: {exc.message}") from exc
+    finally:
+        await hooks.close()
+        for client in owners.values():
+            await client.close()
