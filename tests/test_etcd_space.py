@@ -48,7 +48,8 @@ def compacting_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdProcess]:
 @pytest.fixture
 async def raw(compacting_etcd: EtcdProcess) -> AsyncIterator[aetcd.Client]:
     host, port = parse_endpoint(compacting_etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=10)
+    options = {"grpc.max_receive_message_length": 512 * 1024 * 1024}
+    client = aetcd.Client(host=host, port=port, timeout=30, options=options)
     await client.connect()
     try:
         yield client

@@ -266,3 +266,32 @@ async def test_two_hooks_instances_append_gaplessly_and_dedup(
     finally:
         for client in clients:
             await client.close()
+
+
+async def test_a_long_backlog_streams_in_pages(stack: Stack) -> None:
+    """An owner reading a backlog of 700 commands gets them in pages (no one
+    message holds the whole backlog), every seq once and in order, then the
+    live ones."""
+    hooks = HooksClient(stack.addr(stack.hooks), timeout=10)
+    try:
+        sid = await stack.create()
+        snapshot_owner = await hooks.get_owner(sid)
+        for i in range(700):
+            command = s.Command(
+                delivery=s.DeliveryMetadata(delivery_id=f"b{i}"),
+                send=s.SendCommand(text=f"m{i}", turn_policy=s.TURN_POLICY_QUEUE),
+            )
+            await hooks.resume(ids.inbox_token(sid), command)
+        # Read as the owner does (its own run also reads; both are allowed).
+        pages: list[int] = []
+        seqs: list[int] = []
+        stream = hooks.stream_inbox(snapshot_owner.fence, 0)
+        async for response in stream:
+            pages.append(len(response.entries))
+            seqs.extend(e.seq for e in response.entries)
+            if len(seqs) >= 700:
+                break
+        assert seqs == list(range(700))
+        assert len(pages) > 3 and max(pages) <= 256, pages
+    finally:
+        await hooks.close()

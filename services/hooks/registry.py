@@ -62,6 +62,9 @@ MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40
 MAX_BATCH_BYTES = 1024 * 1024
 MAX_APPEND_ATTEMPTS = 50
+_INBOX_PAGE_MIN = 16
+_INBOX_PAGE_MAX = 256
+_INBOX_PAGE_BYTES = 2 * 1024 * 1024
 _SESSION_CACHE_SIZE = 100_000
 _TOKEN_CACHE_SIZE = 100_000
 _LIST_CHUNK = 64
@@ -748,24 +751,39 @@ class HookRegistry:
         sid = fence.session_id
         expected = fence_value(fence.epoch, fence.owner_run_id)
         async with watch_then_read(self._store.client, k.control_prefix(sid)) as follower:
-            response = await self._store.txn(
-                [],
-                [
-                    op_get(k.fence(sid)),
-                    op_get(k.inbox_entry(sid, from_seq), prefix_end(k.inbox_prefix(sid))),
-                ],
-                [],
-            )
-            self._check_fence(fence, single_value(response.responses[0]))
+            # The backlog in pages (a long one after an outage must not become
+            # one message): small commands in pages of up to 256, large ones
+            # in pages of 16 (16 x MAX_COMMAND_BYTES = 4 MiB).
             next_seq = from_seq
-            initial = [
-                s.InboxEntry.FromString(kv.value) for kv in response.responses[1].response_range.kvs
-            ]
-            if initial:
-                next_seq = initial[-1].seq + 1
-                yield initial
+            limit = _INBOX_PAGE_MIN
+            first_revision = 0
+            while True:
+                response = await self._store.txn(
+                    [],
+                    [
+                        op_get(k.fence(sid)),
+                        op_get(
+                            k.inbox_entry(sid, next_seq),
+                            prefix_end(k.inbox_prefix(sid)),
+                            limit=limit,
+                        ),
+                    ],
+                    [],
+                )
+                self._check_fence(fence, single_value(response.responses[0]))
+                first_revision = first_revision or response.header.revision
+                page = response.responses[1].response_range
+                entries = [s.InboxEntry.FromString(kv.value) for kv in page.kvs]
+                if entries:
+                    next_seq = entries[-1].seq + 1
+                    yield entries
+                if not page.more:
+                    break
+                size = sum(len(kv.value) for kv in page.kvs)
+                if size < _INBOX_PAGE_BYTES // 2:
+                    limit = min(limit * 2, _INBOX_PAGE_MAX)
             fence_key = k.fence(sid)
-            async for event in follower.events(response.header.revision + 1):
+            async for event in follower.events(first_revision + 1):
                 key = event.kv.key
                 if key == fence_key:
                     if event.kv.value != expected:
