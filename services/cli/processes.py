@@ -209,15 +209,16 @@ class EtcdCluster:
         cluster = ",".join(
             f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
         )
-        for name, (client, peer) in zip(names, ports, strict=True):
+        for index, (name, (client, peer)) in enumerate(zip(names, ports, strict=True)):
             data_dir = os.path.join(self.base_dir, name)
             os.makedirs(data_dir, exist_ok=True)
-            log_dir = self.log_dir or data_dir
+            # etcd.log, etcd-2.log, ...: named as `baton up` labels the members.
+            log_name = "etcd.log" if index == 0 else f"etcd-{index + 1}.log"
             member = EtcdProcess(
                 client_port=client,
                 peer_port=peer,
                 data_dir=data_dir,
-                log_path=os.path.join(log_dir, f"etcd-{name}.log"),
+                log_path=os.path.join(self.log_dir or data_dir, log_name),
                 name=name,
                 initial_cluster=cluster,
             )
