@@ -74,14 +74,18 @@ class Rendered:
         return [*self.of("Deployment"), *self.of("StatefulSet"), *self.of("Job")]
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
-    secrets = tmp_path_factory.mktemp("secrets") / "dev"
-    subprocess.run(["sh", str(DEPLOY / "gen-secrets.sh"), str(secrets), "baton-dev"], check=True)
+def render_install(overlay: str, secrets_root: Path) -> Rendered:
+    namespace = {"dev": "baton-dev", "production": "baton"}[overlay]
+    secrets = secrets_root / overlay
+    subprocess.run(
+        ["sh", str(DEPLOY / "gen-secrets.sh"), str(secrets), namespace],
+        check=True,
+        capture_output=True,
+    )
     text = render(
         "install",
         "--overlay",
-        "dev",
+        overlay,
         "--deployment-id",
         DEPLOYMENT_ID,
         "--image",
@@ -90,6 +94,22 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
         str(secrets),
     )
     return Rendered([doc for doc in yaml.safe_load_all(text) if doc])
+
+
+@pytest.fixture(scope="module", params=["dev", "production"])
+def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    """Everything `render.py install` gives for an overlay."""
+    return render_install(request.param, tmp_path_factory.mktemp("secrets"))
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    return render_install("production", tmp_path_factory.mktemp("secrets"))
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    return render_install("dev", tmp_path_factory.mktemp("secrets"))
 
 
 def containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -134,8 +154,9 @@ def test_the_shared_tier_needs_an_exact_image() -> None:
 
 
 def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
-    rendered: Rendered,
+    production: Rendered,
 ) -> None:
+    rendered = production
     etcd = rendered.one("StatefulSet", "etcd")
     assert etcd["spec"]["replicas"] == 3
     assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
@@ -154,6 +175,18 @@ def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
     assert initial.count("https://") == 3
     assert rendered.one("Job", "etcd-auth-bootstrap")
     assert rendered.one("Service", "etcd")["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_dev_etcd_is_plaintext_until_the_services_speak_tls_to_it(dev: Rendered) -> None:
+    """The dev overlay runs today: its etcd takes plaintext clients without
+    auth (docs/deploy.md "TLS"), and keeps volumes, compaction and quota."""
+    etcd = dev.one("StatefulSet", "etcd")
+    args = containers(etcd)[0]["args"]
+    assert "--listen-client-urls=http://0.0.0.0:2379" in args
+    assert not any("cert" in a or "auth" in a for a in args)
+    assert {"--auto-compaction-mode=periodic", "--quota-backend-bytes=4294967296"} <= set(args)
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["volumeClaimTemplates"]
+    assert not dev.of("Job")
 
 
 def test_replicas_fleets_services_and_budgets(rendered: Rendered) -> None:
@@ -351,8 +384,9 @@ def started() -> Iterator[list[Started]]:
 
 
 async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
-    rendered: Rendered, etcd_endpoint: str, tmp_path: Path, started: list[Started]
+    dev: Rendered, etcd_endpoint: str, tmp_path: Path, started: list[Started]
 ) -> None:
+    rendered = dev
     ports = {role: free_port() for role in BATON_ROLES}
     loopback = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
     api_key = "key-deploy-0001"
