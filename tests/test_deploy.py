@@ -231,7 +231,10 @@ def test_probes_resources_and_grace(rendered: Rendered) -> None:
         port = container["ports"][0]["containerPort"]
         ready = container["readinessProbe"]["grpc"]
         assert ready["port"] == port and ready["service"].startswith(f"baton.{role}.v1.")
-        assert container["livenessProbe"]["grpc"]["port"] == port
+        # hooks' and anchor's health follows etcd: liveness must not.
+        live = "tcpSocket" if role in ("hooks", "anchor") else "grpc"
+        assert container["livenessProbe"][live]["port"] == port
+        assert container["startupProbe"][live]["port"] == port
         grace = float(env_of(container)["BATON_SHUTDOWN_GRACE"]["value"])
         # The service drains for its grace, then closes its clients (an owner
         # stops its runs and revokes its lease): the pod must not be killed first.

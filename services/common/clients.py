@@ -67,10 +67,14 @@ HOOKS_IDEMPOTENT = frozenset(
 ANCHOR_IDEMPOTENT = frozenset(
     {
         "GetSnapshot",
+        "LoadSession",
         "ReadEvents",
         # A retried commit whose first attempt applied is recognised
         # (byte-identical snapshot and first event) and reported as replayed.
         "CommitStep",
+        # Deletes the fenced session's entries in a range: a repeat finds
+        # fewer (or none) left to delete.
+        "RetireHistory",
     }
 )
 # A repeat with the same session id finds the session (created=false).
