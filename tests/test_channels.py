@@ -1,5 +1,5 @@
-"""Clients over several replicas: address settings, round-robin, health-aware
-rotation, and retries of idempotent calls only (services.common.channels).
+"""Clients over several replicas: address settings, round-robin, replicas
+shutting down, and retries of idempotent calls only (services.common.channels).
 
 Real hooks servers on loopback over the test etcd; one of them may be given
 an etcd that is not there, so that it answers UNAVAILABLE to everything.
@@ -7,6 +7,7 @@ an etcd that is not there, so that it answers UNAVAILABLE to everything.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,7 +53,7 @@ def test_a_bad_address_setting_fails_at_startup() -> None:
 def test_only_idempotent_methods_are_retried() -> None:
     config = json.loads(service_config("baton.hooks.v1.HookRegistryService", HOOKS_IDEMPOTENT))
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
-    assert config["healthCheckConfig"] == {"serviceName": "baton.hooks.v1.HookRegistryService"}
+    assert "healthCheckConfig" not in config
     (method_config,) = config["methodConfig"]
     retried = {name["method"] for name in method_config["name"]}
     assert retried == set(HOOKS_IDEMPOTENT)
@@ -82,7 +83,7 @@ async def replicas(stack: Stack) -> AsyncIterator[list[GrpcServer]]:
     yield [stack.hooks, second]
 
 
-async def test_calls_are_spread_over_replicas_and_skip_one_not_serving(
+async def test_calls_are_spread_over_replicas_and_leave_one_shutting_down(
     stack: Stack, replicas: list[GrpcServer]
 ) -> None:
     counts: Counter[int] = Counter()
@@ -96,13 +97,31 @@ async def test_calls_are_spread_over_replicas_and_skip_one_not_serving(
         # Round-robin once both are connected (the first calls may all go to
         # the replica that connected first).
         assert counts[replicas[0].port] >= 5 and counts[replicas[1].port] >= 5, counts
-        # A replica that reports NOT_SERVING (as one shutting down does) leaves
-        # the rotation; it comes back when it serves again.
-        await replicas[1].set_serving(False)
+        # A replica shutting down (SIGTERM: a grace period of draining) takes
+        # no new call; they all go to the other one, and none fails.
+        stopping = asyncio.create_task(replicas[1].stop(grace=2))
+        await asyncio.sleep(0.2)
         counts.clear()
         for _ in range(20):
             await client.lookup(ids.inbox_token(session_id))
         assert counts == {replicas[0].port: 20}
+        await stopping
+        stack.extra.remove(replicas[1])
+    finally:
+        await client.close()
+
+
+async def test_no_healthy_backend_never_hides_the_store_s_own_answer(
+    stack: Stack, replicas: list[GrpcServer]
+) -> None:
+    """Replicas whose health says NOT_SERVING (their etcd is full or gone,
+    as StoreHealth reports) still get the call, so the caller learns why."""
+    for server in replicas:
+        await server.set_serving(False)
+    client = HooksClient(",".join(stack.addr(r) for r in replicas))
+    try:
+        with pytest.raises(NotFound):
+            await client.lookup(ids.inbox_token(ids.new_session_id()))
     finally:
         await client.close()
 

@@ -4,11 +4,18 @@ round-robin over every replica of the callee with retries of idempotent calls.
 An address setting names one or more replicas (`grpc_target`): `host:port`;
 several `ip:port` separated by commas; or any gRPC target with a scheme, such
 as `dns:///hooks.baton.svc:50052` (every A record of a headless Service). The
-channel balances calls round-robin over the resolved addresses and skips a
-replica whose health service reports NOT_SERVING (gRPC client-side health
-checking: a replica shutting down leaves the rotation before it stops).
+channel balances calls round-robin over the resolved addresses that accept
+connections; a replica shutting down sends GOAWAY and takes no new calls.
 Methods the caller declares idempotent are retried on UNAVAILABLE by gRPC
 itself (on the next replica, with backoff, inside the call's deadline).
+
+No client-side health checking: hooks and anchor report NOT_SERVING while
+etcd is unreachable or full (services/common/store_health.py), which is true
+of every replica at once, and a client that skipped them all would answer
+"no healthy backend" instead of the replica's own reason (STORE_FULL). A
+replica whose etcd alone is unreachable answers UNAVAILABLE, and the
+idempotent call is retried on another one; readiness probes take it out of
+a Kubernetes Service.
 """
 
 from __future__ import annotations
@@ -93,12 +100,9 @@ def grpc_target(addresses: str) -> str:
 
 
 def service_config(service: str, idempotent: Iterable[str] = ()) -> str:
-    """Round-robin with health checking of `service` (its full proto name),
-    and a retry policy for the `idempotent` methods of it."""
-    config: dict[str, object] = {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "healthCheckConfig": {"serviceName": service},
-    }
+    """Round-robin, and a retry policy for the `idempotent` methods of
+    `service` (its full proto name)."""
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
     methods = [{"service": service, "method": m} for m in sorted(idempotent)]
     if methods:
         config["methodConfig"] = [{"name": methods, "retryPolicy": _RETRY_POLICY}]
