@@ -54,9 +54,12 @@ password >"$out/etcd/root-password"
 password >"$out/etcd/baton-password"
 
 ca "$out/tls" "baton services CA"
+# The role is the CN and a spiffe://baton/<role> URI SAN (owner and ingress
+# certificates name their deployment id too once issued per fleet:
+# spiffe://baton/owner/<id>; docs/deploy.md "TLS").
 for role in hooks anchor owner ingress; do
-    cert "$out/tls" "$out/tls" "$role" "$role" "DNS:$role.$svc,DNS:*.$role.$svc" \
-        "serverAuth,clientAuth"
+    cert "$out/tls" "$out/tls" "$role" "$role" \
+        "URI:spiffe://baton/$role,DNS:$role.$svc,DNS:*.$role.$svc" "serverAuth,clientAuth"
 done
 
 printf 'demo=%s' "$(openssl rand -hex 16)" >"$out/api-keys"
