@@ -42,9 +42,10 @@ _OPTIONS = [
 ]
 
 # gRPC retries a call only while no response has reached the caller, and
-# only on these codes: UNAVAILABLE means the call never ran (no connection,
-# a replica shutting down) or a dependency is down and the server says
-# "retry" (services.common.errors.Unavailable).
+# only on these codes. UNAVAILABLE: the call reached no replica (no
+# connection, a replica shutting down), or the replica could not finish it
+# (services.common.errors.Unavailable, e.g. its etcd unreachable) — then a
+# write's outcome may be unknown, which is why only idempotent methods retry.
 _RETRY_POLICY = {
     "maxAttempts": 4,
     "initialBackoff": "0.1s",
