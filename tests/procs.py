@@ -297,3 +297,199 @@ def check_history(events: list[s.Event], receipts: list[int]) -> None:
                 f"run {event.owner_run_id} wrote after its successor"
             )
             runs.append(event.owner_run_id)
+
+
+# -- the replicated topology ---------------------------------------------------------
+
+
+@dataclass
+class ReplicatedStack:
+    """`replicas` processes each of hooks, anchor, owner and ingress of one
+    deployment, every client given all replicas of what it calls and every
+    etcd member (`etcd_endpoint` may name several). Processes are named
+    hooks1, hooks2, anchor1, ..., o1, o2, ..., ingress1, ingress2, ..."""
+
+    etcd_endpoint: str
+    workdir: Path
+    replicas: int = 2
+    deployment_id: str = "dep-r"
+    lease_ttl: int = 5
+    prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def names(self, kind: str) -> list[str]:
+        return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def addrs(self, kind: str) -> str:
+        return ",".join(self.addr(name) for name in self.names(kind))
+
+    def _env(self, kind: str, name: str) -> dict[str, str]:
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            "BATON_LOG_LEVEL": "info",
+            "BATON_SHUTDOWN_GRACE": "1",
+        }
+        if kind in ("hooks", "anchor"):
+            return env | {
+                "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
+                "BATON_ETCD_PREFIX": self.prefix,
+                "BATON_ETCD_TIMEOUT": "2",
+            }
+        env |= {
+            "BATON_HOOKS_ADDR": self.addrs("hooks"),
+            "BATON_ANCHOR_ADDR": self.addrs("anchor"),
+            "BATON_DEPLOYMENT_ID": self.deployment_id,
+        }
+        if kind == "o":
+            return env | {
+                "BATON_INSTANCE_ID": name,
+                "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
+                "BATON_OWNER_PARK_AFTER": "0",
+            }
+        return env | {"BATON_API_KEYS": f"slack={API_KEY}", "BATON_OWNER_ADDR": self.addrs("o")}
+
+    def start_process(self, name: str, *, wait: bool = True) -> ServiceProcess:
+        """Start (or start again, on its port) the process called `name`."""
+        kind = name.rstrip("0123456789")
+        module = {"o": "owner"}.get(kind, kind)
+        proc = ServiceProcess(
+            module,
+            self.addr(name),
+            self._env(kind, name),
+            log_path=str(self.workdir / f"{name}.log"),
+        )
+        self.procs[name] = proc.start()
+        if wait:
+            wait_serving(self.addr(name))
+        return proc
+
+    def start(self) -> ReplicatedStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tiers = [self.names(k) for k in ("hooks", "anchor", "o", "ingress")]
+        for name in (n for tier in tiers for n in tier):
+            self.ports[name] = free_port()
+        for tier in tiers:
+            for name in tier:
+                self.start_process(name, wait=False)
+            for name in tier:
+                wait_serving(self.addr(name))
+        return self
+
+    def kill(self, name: str) -> None:
+        """kill -9."""
+        self.procs[name].kill()
+
+    def stop_process(self, name: str) -> None:
+        """SIGTERM: graceful shutdown."""
+        self.procs[name].stop()
+
+    def alive(self) -> dict[str, bool]:
+        return {
+            name: proc.proc is not None and proc.proc.poll() is None
+            for name, proc in self.procs.items()
+        }
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+
+
+class ReplicatedClients:
+    """A gateway's view: one balanced channel over every ingress (a send is
+    retried with its delivery id until accepted), one channel per ingress for
+    readers, and balanced internal clients for checks."""
+
+    def __init__(self, stack: ReplicatedStack) -> None:
+        self.stack = stack
+        self.channel = grpc.aio.insecure_channel(
+            f"ipv4:{stack.addrs('ingress')}", options=[("grpc.lb_policy_name", "round_robin")]
+        )
+        self.ingress = ingress_pb2_grpc.IngressServiceStub(self.channel)
+        self.channels = {
+            name: grpc.aio.insecure_channel(stack.addr(name)) for name in stack.names("ingress")
+        }
+        self.ingresses = {
+            name: ingress_pb2_grpc.IngressServiceStub(channel)
+            for name, channel in self.channels.items()
+        }
+        self.hooks = HooksClient(stack.addrs("hooks"), timeout=5)
+        self.anchor = AnchorClient(stack.addrs("anchor"), timeout=5)
+
+    async def close(self) -> None:
+        for channel in (self.channel, *self.channels.values()):
+            await channel.close()
+        await self.hooks.close()
+        await self.anchor.close()
+
+    async def wait_registered(self, timeout: float = 30.0) -> None:
+        async def registered() -> bool:
+            live = await self.hooks.list_instances(self.stack.deployment_id)
+            return set(self.stack.names("o")) <= {i.instance_id for i in live}
+
+        await eventually(registered, "every owner registered", timeout)
+
+    async def create(self) -> str:
+        request_id = uuid.uuid4().hex  # a retry finds the session the first try made
+
+        async def created() -> str:
+            response = await self.ingress.CreateSession(
+                ingress_pb.CreateSessionRequest(request_id=request_id),
+                metadata=SLACK,
+                timeout=10,
+            )
+            return response.session_id
+
+        return await eventually(created, "a session created")
+
+    async def send_until_accepted(self, sid: str, text: str, delivery_id: str) -> int:
+        """Retry with the same delivery id until accepted (a retry of a send
+        that was accepted but not answered returns its first receipt)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                response = await self.ingress.SendMessage(
+                    ingress_pb.SendMessageRequest(
+                        session_id=sid,
+                        text=text,
+                        delivery_id=delivery_id,
+                        turn_policy=s.TURN_POLICY_QUEUE,
+                    ),
+                    metadata=SLACK,
+                    timeout=10,
+                )
+                return response.receipt.seq
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline or exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise
+            await asyncio.sleep(0.1)
+
+    async def follow(self, sid: str, out: list[s.Event], via: list[str] | None = None) -> None:
+        """A live reader: reads through the ingresses in `via` (default all,
+        in order), moving to the next one whenever its stream breaks, and
+        always resuming from its cursor (the events it has)."""
+        names = via or list(self.ingresses)
+        turn = 0
+        while True:
+            stub = self.ingresses[names[turn % len(names)]]
+            call = stub.StreamEvents(
+                ingress_pb.StreamEventsRequest(session_id=sid, start_seq=len(out), follow=True),
+                metadata=SLACK,
+            )
+            try:
+                async for response in call:
+                    out.extend(response.events)
+            except grpc.aio.AioRpcError:
+                turn += 1
+                await asyncio.sleep(0.1)
+            finally:
+                call.cancel()
+
+    async def events(self, session_id: str) -> list[s.Event]:
+        return [e async for r in self.anchor.read_events(session_id) for e in r.events]

@@ -54,3 +54,25 @@ def test_long_session_bench_smoke(tmp_path: Path) -> None:
     assert late["written"]["snapshot"] - early["written"]["snapshot"] <= 8
     assert late["written"]["history_head"] > early["written"]["history_head"]
     assert figures["turn_young"]["n"] == figures["turn_old"]["n"] == 10
+
+
+def test_topology_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.topology --smoke`: the three topologies (one etcd
+    member or three; one or two replicas of each service) start, serve turns
+    and report both ratios."""
+    out = tmp_path / "topology.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.topology", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "one-step turn p50, 3 etcd members / 1:" in proc.stdout
+    assert "throughput, 2 replicas of each / 1:" in proc.stdout
+    figures = json.loads(out.read_text())
+    (round_,) = figures["rounds"]
+    assert set(round_) == {"1x/1", "1x/3", "2x/1"}
+    assert all(round_[t]["turn"]["n"] == 5 for t in round_)
+    assert set(figures["ratios"][0]) == {"p50_3_members_over_1", "throughput_2x_over_1x"}

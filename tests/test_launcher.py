@@ -36,7 +36,7 @@ TWO_DEPLOYMENTS = {
     "ingress of dep-2",
 }
 
-_STARTED = re.compile(r"^baton up: started (\w+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
+_STARTED = re.compile(r"^baton up: started ([\w-]+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
 _EVENT = re.compile(r"^#(\d+) +(\S+)")
 _RUN_DIR = re.compile(r"^baton up: run dir (\S+),")
 
@@ -323,6 +323,43 @@ async def test_two_deployments_demo_upgrades_mid_conversation() -> None:
         assert up.lines[-1] == "baton up: stopped", up.output
 
 
+REPLICATED = {
+    "etcd",
+    "etcd-2",
+    "etcd-3",
+    "hooks",
+    "hooks-2",
+    "anchor",
+    "anchor-2",
+    "owner of dep-1",
+    "owner-2 of dep-1",
+    "ingress of dep-1",
+    "ingress-2 of dep-1",
+}
+
+
+async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> None:
+    async with launched("--etcd-members", "3", "--replicas", "2", "--demo") as up:
+        await up.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
+        assert set(up.pids) == REPLICATED, up.output
+        await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
+        assert any("The result is 35." in line for line in up.lines), up.output
+        # The demo again, through the second ingress replica.
+        code, demo_output = await run_demo(up.addresses["ingress-2 of dep-1"], "--message", "hi")
+        assert code == 0, demo_output
+        # One log per process, etcd members included.
+        logs = Path(up.run_dir) / "logs"
+        assert {p.name for p in logs.glob("*.log")} >= {
+            "etcd.log",
+            "etcd-3.log",
+            "hooks-2.log",
+            "owner-2-dep-1.log",
+        }
+        up.proc.send_signal(signal.SIGTERM)
+        assert await up.wait_exit(STOP_TIMEOUT) == 0, up.output
+        assert_all_stopped(up, started=REPLICATED)
+
+
 @pytest.mark.parametrize(
     "value", ["dep-1,dep-1", "latest", "dep-1,"], ids=["repeated", "latest", "empty"]
 )
@@ -334,15 +371,15 @@ def test_bad_deployment_ids_are_refused(value: str, capsys: pytest.CaptureFixtur
 
 
 def test_port_plan_is_validated() -> None:
-    one = DeploymentPorts("dep-1", 50051, 50054)
-    assert Ports.plan(50051, 23790) == Ports(50052, 50053, 23790, 23791, (one,))
+    one = DeploymentPorts("dep-1", (50051,), (50054,))
+    assert Ports.plan(50051, 23790) == Ports((50052,), (50053,), ((23790, 23791),), (one,))
     two = Ports.plan(50051, 23790, ("dep-1", "dep-2", "dep-3"))
     assert two.deployments == (
         one,
-        DeploymentPorts("dep-2", 50055, 50056),
-        DeploymentPorts("dep-3", 50057, 50058),
+        DeploymentPorts("dep-2", (50055,), (50056,)),
+        DeploymentPorts("dep-3", (50057,), (50058,)),
     )
-    assert (two.ingress, two.hooks, two.anchor, two.owner) == (50051, 50052, 50053, 50054)
+    assert (two.ingress, two.hooks, two.anchors, two.owner) == (50051, (50052,), (50053,), 50054)
     assert two.summary() == (
         "etcd 23790 (peer 23791); hooks 50052; anchor 50053; "
         "dep-1: ingress 50051, owner 50054; dep-2: ingress 50055, owner 50056; "
@@ -358,3 +395,32 @@ def test_port_plan_is_validated() -> None:
         Ports.plan(50051, 50055, ("dep-1", "dep-2"))
     free = Ports.plan(0, 0, ("dep-1", "dep-2"))
     assert len({port for _, port in free.items()}) == 8
+
+
+def test_port_plan_with_replicas_and_etcd_members() -> None:
+    plan = Ports.plan(50051, 23790, ("dep-1", "dep-2"), replicas=2, etcd_members=3)
+    assert plan.hooks == (50052, 50152) and plan.anchors == (50053, 50153)
+    assert plan.deployments == (
+        DeploymentPorts("dep-1", (50051, 50151), (50054, 50154)),
+        DeploymentPorts("dep-2", (50055, 50155), (50056, 50156)),
+    )
+    assert plan.etcd == ((23790, 23791), (23792, 23793), (23794, 23795))
+    assert plan.summary() == (
+        "etcd 23790, 23792, 23794 (peers 23791, 23793, 23795); hooks 50052, 50152; "
+        "anchor 50053, 50153; dep-1: ingress 50051, 50151, owner 50054, 50154; "
+        "dep-2: ingress 50055, 50155, owner 50056, 50156"
+    )
+    names = [name for name, _ in plan.items()]
+    assert names[:6] == [
+        "etcd client",
+        "etcd peer",
+        "etcd-2 client",
+        "etcd-2 peer",
+        "etcd-3 client",
+        "etcd-3 peer",
+    ]
+    assert "owner-2 of dep-2" in names and "hooks-2" in names
+    free = Ports.plan(0, 0, ("dep-1",), replicas=3, etcd_members=3)
+    assert len({port for _, port in free.items()}) == 3 * 4 + 6
+    with pytest.raises(LaunchError, match="would both use"):
+        Ports.plan(50051, 50151, replicas=2)

@@ -33,5 +33,6 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
     )
     retention = Retention(store, keys, interval_seconds=config.retention_sweep_seconds)
     server.background += [StoreHealth(store, server.set_serving).run, retention.run]
+    server.app = journal
     server.on_stop.append(store.close)
     return server

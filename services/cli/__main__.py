@@ -1,8 +1,8 @@
 """The `baton` command (also `python -m services.cli`).
 
 baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
-         [--etcd-port 23790] [--demo] [--api-keys channel=key,... | --api-key-file FILE]
-         [--run-dir DIR]
+         [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
+         [--api-keys channel=key,... | --api-key-file FILE] [--run-dir DIR]
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            [--api-key demo-key-0001]
 baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
@@ -34,6 +34,16 @@ def _port(value: str) -> int:
     return port
 
 
+def _count(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from exc
+    if not 1 <= count <= 9:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 9, not {count}")
+    return count
+
+
 def _read_key_file(path: str) -> str:
     """`channel=key` entries, one per line or comma-separated; `#` comments."""
     try:
@@ -61,7 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
             "registered, print the endpoints and keep running until Ctrl-C/SIGTERM, which "
             "stops everything. Service ports: the first deployment's ingress PORT_BASE, "
             "hooks +1, anchor +2, the first deployment's owner +3; the N-th deployment "
-            "(N >= 2) ingress +2N, owner +2N+1."
+            "(N >= 2) ingress +2N, owner +2N+1; replica k >= 2 of any of them 100*(k-1) "
+            "higher."
         ),
     )
     up.add_argument(
@@ -95,6 +106,20 @@ def _build_parser() -> argparse.ArgumentParser:
         f"default {launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY})",
     )
     keys.add_argument("--api-key-file", help="file of channel=key lines")
+    up.add_argument(
+        "--replicas",
+        type=_count,
+        default=1,
+        help="processes of each service: hooks, anchor, and every deployment's owner and "
+        "ingress; replica k >= 2 listens 100*(k-1) above the first (default 1)",
+    )
+    up.add_argument(
+        "--etcd-members",
+        type=_count,
+        default=1,
+        help="etcd members forming one cluster; member m >= 2 uses ETCD_PORT+2*(m-1) and the "
+        "next port (default 1; 3 tolerates the loss of one)",
+    )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
         "--run-dir",
@@ -229,6 +254,8 @@ def _up(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         log_level=args.log_level,
         startup_timeout=args.startup_timeout,
+        replicas=args.replicas,
+        etcd_members=args.etcd_members,
     )
     return launcher.launch(settings)
 

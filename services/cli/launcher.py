@@ -1,7 +1,8 @@
 """`baton up`: the whole system on one machine, as real processes.
 
-Starts a single-member etcd, then hooks and anchor (shared), then an owner and
-an ingress for each deployment id given, each as a child process with its log
+Starts etcd (one member, or a cluster of `--etcd-members`), then hooks and
+anchor (shared), then an owner and an ingress for each deployment id given
+(each of them `--replicas` times), each as a child process with its log
 in the run directory. Waits until every process answers its health check and
 every owner has registered with hooks, prints the endpoints, optionally runs
 the demo, and then supervises: SIGINT/SIGTERM (or any child exiting) stops
@@ -11,8 +12,14 @@ removes the run directory unless the user chose it.
 Port plan, from `--port-base P` (default 50051): the first deployment's
 ingress P, hooks P+1, anchor P+2, the first deployment's owner P+3; the N-th
 deployment (N >= 2, in the order given) has its ingress at P+2N and its owner
-at P+2N+1 (dep 2: P+4, P+5; dep 3: P+6, P+7). etcd clients use `--etcd-port`
-(default 23790) and etcd peers the next port. Port 0 means "pick free ports".
+at P+2N+1 (dep 2: P+4, P+5; dep 3: P+6, P+7). With `--replicas R`, replica k
+(k >= 2) of each of them listens 100 (k - 1) above the first (hooks P+1,
+P+101, P+201, ...). etcd clients use `--etcd-port E` (default 23790) and etcd
+peers E+1; with `--etcd-members M`, member m (m >= 2) uses E+2(m-1) and the
+port after it. Port 0 means "pick free ports".
+
+Every client is given all replicas of what it calls (comma-separated
+addresses, balanced round-robin) and every etcd member's endpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from services.cli.processes import EtcdProcess, ServiceProcess
+from services.cli.processes import EtcdCluster, EtcdProcess, ServiceProcess
 
 DEFAULT_DEPLOYMENT_ID = "dep-1"
 DEFAULT_PORT_BASE = 50051
@@ -54,6 +61,11 @@ READY_LINE = "baton up: ready"
 # every deployment's owner and ingress together.
 SHARED_OFFSETS = {"hooks": 1, "anchor": 2}
 PER_DEPLOYMENT = ("owner", "ingress")
+# With --replicas N, replica k (k >= 2) of each service listens at the first
+# replica's port + REPLICA_STRIDE * (k - 1); with --etcd-members M, member m
+# (m >= 2) at the first member's client and peer ports + ETCD_MEMBER_STRIDE * (m - 1).
+REPLICA_STRIDE = 100
+ETCD_MEMBER_STRIDE = 2
 
 _PROBE_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -92,6 +104,10 @@ class LaunchSettings:
     log_level: str = "info"
     startup_timeout: float = 60.0
     stop_timeout: float = 10.0
+    # Processes per service (hooks, anchor, and each deployment's owner and
+    # ingress), and etcd members forming one cluster.
+    replicas: int = 1
+    etcd_members: int = 1
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -104,21 +120,40 @@ class LaunchSettings:
         return ",".join(f"{channel}={key}" for key, channel in self.api_keys.items())
 
 
+def replica_label(name: str, replica: int) -> str:
+    """ "hooks" for the first replica, "hooks-2" for the second, ..."""
+    return name if replica == 0 else f"{name}-{replica + 1}"
+
+
+def _listing(ports: Sequence[int]) -> str:
+    return ", ".join(str(port) for port in ports)
+
+
 @dataclass(frozen=True)
 class DeploymentPorts:
-    """The ports of one deployment's own processes."""
+    """The ports of one deployment's own processes, one per replica."""
 
     deployment_id: str
-    ingress: int
-    owner: int
+    ingresses: tuple[int, ...]
+    owners: tuple[int, ...]
+
+    @property
+    def ingress(self) -> int:
+        return self.ingresses[0]
+
+    @property
+    def owner(self) -> int:
+        return self.owners[0]
 
 
 @dataclass(frozen=True)
 class Ports:
-    hooks: int
-    anchor: int
-    etcd_client: int
-    etcd_peer: int
+    """Every port of one `baton up`: one per replica of each service, a
+    client and a peer port per etcd member."""
+
+    hooks: tuple[int, ...]
+    anchors: tuple[int, ...]
+    etcd: tuple[tuple[int, int], ...]  # (client, peer) per member
     deployments: tuple[DeploymentPorts, ...]
 
     @property
@@ -130,62 +165,98 @@ class Ports:
     def owner(self) -> int:
         return self.deployments[0].owner
 
+    @property
+    def etcd_client(self) -> int:
+        return self.etcd[0][0]
+
+    @property
+    def etcd_peer(self) -> int:
+        return self.etcd[0][1]
+
     @classmethod
     def plan(
         cls,
         port_base: int,
         etcd_port: int,
         deployment_ids: Sequence[str] = (DEFAULT_DEPLOYMENT_ID,),
+        *,
+        replicas: int = 1,
+        etcd_members: int = 1,
     ) -> Ports:
         """Ports from the bases (see the module doc); a base of 0 picks free
         ports instead."""
-        spare = iter(_distinct_free_ports(4 + 2 * len(deployment_ids)))
+        if replicas < 1 or etcd_members < 1:
+            raise LaunchError("--replicas and --etcd-members must be at least 1")
+        count = replicas * (2 + 2 * len(deployment_ids)) + 2 * etcd_members
+        spare = iter(_distinct_free_ports(count))
+
+        def ports(first: int) -> tuple[int, ...]:
+            if not port_base:
+                return tuple(next(spare) for _ in range(replicas))
+            return tuple(first + REPLICA_STRIDE * k for k in range(replicas))
+
         deployments = []
         for index, deployment_id in enumerate(deployment_ids):
-            if port_base:
-                ingress_offset, owner_offset = deployment_offsets(index)
-                ingress, owner = port_base + ingress_offset, port_base + owner_offset
-            else:
-                ingress, owner = next(spare), next(spare)
-            deployments.append(DeploymentPorts(deployment_id, ingress, owner))
-        if port_base:
-            shared = {name: port_base + offset for name, offset in SHARED_OFFSETS.items()}
-        else:
-            shared = {name: next(spare) for name in SHARED_OFFSETS}
+            ingress_offset, owner_offset = deployment_offsets(index)
+            deployments.append(
+                DeploymentPorts(
+                    deployment_id,
+                    ports(port_base + ingress_offset),
+                    ports(port_base + owner_offset),
+                )
+            )
         if etcd_port:
-            etcd_client, etcd_peer = etcd_port, etcd_port + 1
+            etcd = tuple(
+                (etcd_port + ETCD_MEMBER_STRIDE * m, etcd_port + ETCD_MEMBER_STRIDE * m + 1)
+                for m in range(etcd_members)
+            )
         else:
-            etcd_client, etcd_peer = next(spare), next(spare)
-        ports = cls(
-            etcd_client=etcd_client,
-            etcd_peer=etcd_peer,
+            etcd = tuple((next(spare), next(spare)) for _ in range(etcd_members))
+        plan = cls(
+            hooks=ports(port_base + SHARED_OFFSETS["hooks"]),
+            anchors=ports(port_base + SHARED_OFFSETS["anchor"]),
+            etcd=etcd,
             deployments=tuple(deployments),
-            **shared,
         )
-        ports.validate()
-        return ports
+        plan.validate()
+        return plan
+
+    def service_ports(self, name: str, dep: DeploymentPorts | None = None) -> tuple[int, ...]:
+        """The ports of every replica of `name` (of `dep`, for owner/ingress)."""
+        if dep is None:
+            return self.hooks if name == "hooks" else self.anchors
+        return dep.owners if name == "owner" else dep.ingresses
 
     def items(self) -> list[tuple[str, int]]:
-        items = [
-            ("etcd client", self.etcd_client),
-            ("etcd peer", self.etcd_peer),
-            ("hooks", self.hooks),
-            ("anchor", self.anchor),
-        ]
+        items = []
+        for m, (client, peer) in enumerate(self.etcd):
+            items += [(f"{replica_label('etcd', m)} client", client)]
+            items += [(f"{replica_label('etcd', m)} peer", peer)]
+        for name in SHARED_OFFSETS:
+            for k, port in enumerate(self.service_ports(name)):
+                items.append((replica_label(name, k), port))
         for dep in self.deployments:
-            items.append((f"ingress of {dep.deployment_id}", dep.ingress))
-            items.append((f"owner of {dep.deployment_id}", dep.owner))
+            for name in ("ingress", "owner"):
+                for k, port in enumerate(self.service_ports(name, dep)):
+                    items.append((f"{replica_label(name, k)} of {dep.deployment_id}", port))
         return items
 
     def summary(self) -> str:
         """The plan on one line, as `baton up` prints it before starting."""
+        clients = _listing([client for client, _ in self.etcd])
+        peers = _listing([peer for _, peer in self.etcd])
         parts = [
-            f"etcd {self.etcd_client} (peer {self.etcd_peer})",
-            f"hooks {self.hooks}",
-            f"anchor {self.anchor}",
+            f"etcd {clients} (peer {peers})"
+            if len(self.etcd) == 1
+            else f"etcd {clients} (peers {peers})",
+            f"hooks {_listing(self.hooks)}",
+            f"anchor {_listing(self.anchors)}",
         ]
         for dep in self.deployments:
-            parts.append(f"{dep.deployment_id}: ingress {dep.ingress}, owner {dep.owner}")
+            parts.append(
+                f"{dep.deployment_id}: ingress {_listing(dep.ingresses)}, "
+                f"owner {_listing(dep.owners)}"
+            )
         return "; ".join(parts)
 
     def validate(self) -> None:
@@ -266,6 +337,12 @@ class Child:
     stop: Callable[[float], None]
     # The deployment an owner or ingress serves; "" for shared processes.
     deployment_id: str = ""
+    # "owner" for every owner replica ("owner", "owner-2", ...); "" = `name`.
+    service: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.service or self.name
 
     @property
     def pid(self) -> int:
@@ -312,16 +389,18 @@ def _grpc_serving(stub: health_pb2_grpc.HealthStub) -> bool:
     return serving
 
 
-def _registered(stub: hooks_pb2_grpc.HookRegistryServiceStub, deployment_id: str) -> bool:
-    """Hooks lists a live owner instance of `deployment_id` (an owner reports
-    SERVING before its background registration is done)."""
+def _registered(
+    stub: hooks_pb2_grpc.HookRegistryServiceStub, deployment_id: str, count: int
+) -> bool:
+    """Hooks lists `count` live owner instances of `deployment_id` (an owner
+    reports SERVING before its background registration is done)."""
     try:
         response = stub.ListInstances(
             hooks_pb2.ListInstancesRequest(deployment_id=deployment_id), timeout=1
         )
     except grpc.RpcError:
         return False
-    return len(response.instances) > 0
+    return len(response.instances) >= count
 
 
 class LocalSystem:
@@ -344,28 +423,37 @@ class LocalSystem:
         """Start everything; False if a stop was requested meanwhile.
         Raises LaunchError if a process dies or is not ready in time."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        etcd = self._start_etcd()
-        self._await([etcd], lambda: _etcd_healthy(self.ports.etcd_client), "etcd health", signals)
-        if signals.requested:
-            return False
-        shared = [self._start_service(name) for name in SHARED_OFFSETS]
+        # Every member first: a cluster elects a leader (and reports healthy)
+        # only once a majority is up.
+        members = self._start_etcd()
+        for (client, _), member in zip(self.ports.etcd, members, strict=True):
+            probe = functools.partial(_etcd_healthy, client)
+            self._await(members, probe, f"{member.label} health", signals)
+            if signals.requested:
+                return False
+        shared = [
+            self._start_service(name, k)
+            for name in SHARED_OFFSETS
+            for k in range(len(self.ports.service_ports(name)))
+        ]
         if not self._await_serving(shared, signals):
             return False
         own = [
-            self._start_service(name, dep)
+            self._start_service(name, k, dep)
             for dep in self.ports.deployments
             for name in PER_DEPLOYMENT
+            for k in range(len(self.ports.service_ports(name, dep)))
         ]
         if not self._await_serving(own, signals):
             return False
-        hooks = f"127.0.0.1:{self.ports.hooks}"
+        hooks = f"127.0.0.1:{self.ports.hooks[0]}"
         with grpc.insecure_channel(hooks, options=_PROBE_OPTIONS) as channel:
             stub = hooks_pb2_grpc.HookRegistryServiceStub(channel)
             for dep in self.ports.deployments:
                 owners = [
-                    c for c in own if c.name == "owner" and c.deployment_id == dep.deployment_id
+                    c for c in own if c.kind == "owner" and c.deployment_id == dep.deployment_id
                 ]
-                probe = functools.partial(_registered, stub, dep.deployment_id)
+                probe = functools.partial(_registered, stub, dep.deployment_id, len(owners))
                 self._await(owners, probe, f"owner of {dep.deployment_id} registration", signals)
                 if signals.requested:
                     return False
@@ -382,21 +470,47 @@ class LocalSystem:
                 return False
         return True
 
-    def _start_etcd(self) -> Child:
+    def _start_etcd(self) -> list[Child]:
+        """Start every etcd member (one: a cluster of one, as before)."""
         data_dir = self.run_dir / "etcd"
         data_dir.mkdir(parents=True, exist_ok=True)
-        etcd = EtcdProcess(
-            client_port=self.ports.etcd_client,
-            peer_port=self.ports.etcd_peer,
-            data_dir=str(data_dir),
-            log_path=str(self.log_dir / "etcd.log"),
+        if len(self.ports.etcd) == 1:
+            member = EtcdProcess(
+                client_port=self.ports.etcd_client,
+                peer_port=self.ports.etcd_peer,
+                data_dir=str(data_dir),
+                log_path=str(self.log_dir / "etcd.log"),
+            )
+            try:
+                member.start(wait=False)
+            except OSError as exc:
+                raise LaunchError(f"could not start etcd: {exc}") from exc
+            assert member.proc is not None
+            return [
+                self._started(
+                    Child("etcd", member.endpoint, member.log_path, member.proc, member.stop)
+                )
+            ]
+        cluster = EtcdCluster(
+            size=len(self.ports.etcd),
+            base_dir=str(data_dir),
+            ports=list(self.ports.etcd),
+            log_dir=str(self.log_dir),
         )
         try:
-            etcd.start(wait=False)
+            cluster.start(wait=False)
         except OSError as exc:
             raise LaunchError(f"could not start etcd: {exc}") from exc
-        assert etcd.proc is not None
-        return self._started(Child("etcd", etcd.endpoint, etcd.log_path, etcd.proc, etcd.stop))
+        children = []
+        for m, member in enumerate(cluster.members):
+            assert member.proc is not None
+            name = replica_label("etcd", m)
+            child = Child(name, member.endpoint, member.log_path, member.proc, member.stop)
+            children.append(self._started(child))
+        return children
+
+    def _addresses(self, ports: Sequence[int]) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in ports)
 
     def _service_env(self, name: str, dep: DeploymentPorts | None) -> dict[str, str]:
         env = {
@@ -406,32 +520,29 @@ class LocalSystem:
         }
         if dep is None:
             return env | {
-                "BATON_ETCD_ENDPOINT": f"127.0.0.1:{self.ports.etcd_client}",
+                "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
             }
         env |= {
             "BATON_DEPLOYMENT_ID": dep.deployment_id,
-            "BATON_HOOKS_ADDR": f"127.0.0.1:{self.ports.hooks}",
-            "BATON_ANCHOR_ADDR": f"127.0.0.1:{self.ports.anchor}",
+            "BATON_HOOKS_ADDR": self._addresses(self.ports.hooks),
+            "BATON_ANCHOR_ADDR": self._addresses(self.ports.anchors),
         }
         if name == "ingress":
             env |= {
-                # Each ingress starts sessions on its own deployment's owner.
-                "BATON_OWNER_ADDR": f"127.0.0.1:{dep.owner}",
+                # Each ingress starts sessions on its own deployment's owners.
+                "BATON_OWNER_ADDR": self._addresses(dep.owners),
                 "BATON_API_KEYS": self.settings.api_keys_spec,
             }
         return env
 
-    def _start_service(self, name: str, dep: DeploymentPorts | None = None) -> Child:
-        if dep is None:
-            port = getattr(self.ports, name)
-            log_name = f"{name}.log"
-        else:
-            port = getattr(dep, name)
-            log_name = f"{name}-{dep.deployment_id}.log"
+    def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:
+        name = replica_label(kind, replica)
+        port = self.ports.service_ports(kind, dep)[replica]
+        log_name = f"{name}-{dep.deployment_id}.log" if dep else f"{name}.log"
         address = f"127.0.0.1:{port}"
         log_path = str(self.log_dir / log_name)
-        service = ServiceProcess(name, address, self._service_env(name, dep), log_path=log_path)
+        service = ServiceProcess(kind, address, self._service_env(kind, dep), log_path=log_path)
         label = f"{name} of {dep.deployment_id}" if dep else name
         try:
             service.start()
@@ -440,7 +551,7 @@ class LocalSystem:
         assert service.proc is not None
         deployment_id = dep.deployment_id if dep else ""
         return self._started(
-            Child(name, address, log_path, service.proc, service.stop, deployment_id)
+            Child(name, address, log_path, service.proc, service.stop, deployment_id, kind)
         )
 
     def _started(self, child: Child) -> Child:
@@ -482,10 +593,11 @@ class LocalSystem:
 
     def describe(self) -> list[str]:
         width = max(len("deployment"), *(len(c.deployment_id) for c in self.children))
-        lines = [f"  {'process':<8} {'deployment':<{width}}  {'address':<17} {'pid':>7}  log"]
+        named = max(len("process"), *(len(c.name) for c in self.children))
+        lines = [f"  {'process':<{named}} {'deployment':<{width}}  {'address':<17} {'pid':>7}  log"]
         for child in self.children:
             lines.append(
-                f"  {child.name:<8} {child.deployment_id or '-':<{width}}  "
+                f"  {child.name:<{named}} {child.deployment_id or '-':<{width}}  "
                 f"{child.address:<17} {child.pid:>7}  {child.log_path}"
             )
         return lines
@@ -588,7 +700,13 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
     err = sys.stderr
     with StopSignals().installed() as signals:
         try:
-            ports = Ports.plan(settings.port_base, settings.etcd_port, settings.deployment_ids)
+            ports = Ports.plan(
+                settings.port_base,
+                settings.etcd_port,
+                settings.deployment_ids,
+                replicas=settings.replicas,
+                etcd_members=settings.etcd_members,
+            )
             ports.check_free()
         except LaunchError as exc:
             print(f"baton up: {exc}", file=err, flush=True)

@@ -6,6 +6,7 @@ Used by `baton up`, the benchmarks and the tests that need real processes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -71,7 +72,8 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
 
 @dataclass
 class EtcdProcess:
-    """A single-member etcd on loopback with its own data dir."""
+    """An etcd member on loopback with its own data dir: a single-member
+    cluster, or one member of an `EtcdCluster` (`name`, `initial_cluster`)."""
 
     client_port: int = 0
     peer_port: int = 0
@@ -84,6 +86,10 @@ class EtcdProcess:
     # The backend quota (NOSPACE alarm above it); 0 = etcd's default, 2 GiB.
     quota_bytes: int = 0
     _own_dir: bool = False
+    name: str = "baton"
+    # Every member as `name=http://127.0.0.1:peer,...`; "" = this one alone.
+    # Read only on the first start (a restart finds the cluster in its data dir).
+    initial_cluster: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -104,7 +110,7 @@ class EtcdProcess:
             [
                 find_etcd(),
                 "--name",
-                "baton",
+                self.name,
                 "--data-dir",
                 os.path.join(self.data_dir, "data"),
                 "--listen-client-urls",
@@ -116,7 +122,7 @@ class EtcdProcess:
                 "--initial-advertise-peer-urls",
                 peer,
                 "--initial-cluster",
-                f"baton={peer}",
+                self.initial_cluster or f"{self.name}={peer}",
                 "--log-level",
                 "warn",
                 # A session may hold 256 addresses; claiming or releasing all of
@@ -156,6 +162,106 @@ class EtcdProcess:
             _terminate(self.proc, timeout)
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """kill -9 (the data dir stays: `start` again to restart the member)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def status(self) -> dict[str, str]:
+        """The member's maintenance status (its id, the leader's id), through
+        etcd's HTTP gateway; raises OSError when it does not answer."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.client_port}/v3/maintenance/status", data=b"{}"
+        )
+        with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310 - loopback
+            body = json.loads(response.read())
+        return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+
+
+@dataclass
+class EtcdCluster:
+    """`size` etcd members on loopback forming one cluster, each with its own
+    data dir under `base_dir`, started and stopped (or killed) one by one."""
+
+    size: int = 3
+    base_dir: str = ""
+    members: list[EtcdProcess] = field(default_factory=list)
+    # Client and peer ports of each member; empty = free ports.
+    ports: list[tuple[int, int]] = field(default_factory=list)
+    log_dir: str = ""
+    _own_dir: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's client address, comma-separated (what `--etcd` takes)."""
+        return ",".join(member.endpoint for member in self.members)
+
+    def start(self, timeout: float = 30.0, *, wait: bool = True) -> EtcdCluster:
+        if not self.base_dir:
+            self.base_dir = tempfile.mkdtemp(prefix="baton-etcd-cluster-")
+            self._own_dir = True
+        ports = self.ports or [(free_port(), free_port()) for _ in range(self.size)]
+        if len(ports) != self.size:
+            raise ValueError(f"{len(ports)} port pairs for {self.size} members")
+        names = [f"baton{i}" for i in range(self.size)]
+        cluster = ",".join(
+            f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
+        )
+        for index, (name, (client, peer)) in enumerate(zip(names, ports, strict=True)):
+            data_dir = os.path.join(self.base_dir, name)
+            os.makedirs(data_dir, exist_ok=True)
+            # etcd.log, etcd-2.log, ...: named as `baton up` labels the members.
+            log_name = "etcd.log" if index == 0 else f"etcd-{index + 1}.log"
+            member = EtcdProcess(
+                client_port=client,
+                peer_port=peer,
+                data_dir=data_dir,
+                log_path=os.path.join(self.log_dir or data_dir, log_name),
+                name=name,
+                initial_cluster=cluster,
+            )
+            self.members.append(member)
+            member.start(wait=False)
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Every member reports healthy (a cluster has a leader only once a
+        majority of members is up, so they are started first and awaited here)."""
+        for member in self.members:
+            member.wait_healthy(timeout)
+
+    def leader(self, timeout: float = 10.0) -> int:
+        """The index of the current leader, as the live members report it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            statuses = {}
+            for index, member in enumerate(self.members):
+                if member.proc is None or member.proc.poll() is not None:
+                    continue
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    statuses[index] = member.status()
+            leaders = {status["leader"] for status in statuses.values()}
+            for index, status in statuses.items():
+                if leaders == {status["member_id"]}:
+                    return index
+            time.sleep(0.05)
+        raise TimeoutError(f"no etcd leader agreed on after {timeout}s")
+
+    def restart(self, index: int, timeout: float = 30.0) -> None:
+        """Start member `index` again (after `kill` or `stop`) on its data dir."""
+        member = self.members[index]
+        member.start(wait=False)
+        member.wait_healthy(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for member in self.members:
+            member.stop(timeout)
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
 def wait_serving(target: str, service: str = "", timeout: float = 30.0) -> None:

@@ -1,5 +1,15 @@
 """Typed clients between Baton services: every call has a deadline, and a
-failed call raises the domain error it carried (see `grpc_errors`)."""
+failed call raises the domain error it carried (see `grpc_errors`).
+
+Each client balances over every replica its target names and lets gRPC
+retry the methods listed as idempotent below (`channels.open_channel`). A
+method is on the list when running it twice has the effect of running it
+once: reads, and writes the server deduplicates by an id in the request
+(a delivery id, a handoff id, the fence of a replayed commit). Left off:
+RegisterInstance (each call grants a new lease) and AcceptHandoff (the old
+owner settles an uncertain handoff itself, and a replay on another instance
+would be refused as a reused handoff id after the first one moved the
+session)."""
 
 from __future__ import annotations
 
@@ -16,11 +26,69 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.owner.v1 import owner_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.common import ids
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 
 _T = TypeVar("_T")
+
+HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
+ANCHOR_SERVICE = anchor_pb.DESCRIPTOR.services_by_name["AnchorService"].full_name
+OWNER_SERVICE = owner_pb.DESCRIPTOR.services_by_name["OwnerService"].full_name
+
+HOOKS_IDEMPOTENT = frozenset(
+    {
+        # Reads.
+        "LookupHook",
+        "StreamInbox",
+        "ListInstances",
+        "ListInstanceSessions",
+        "WatchBells",
+        "WatchInstances",
+        "GetTransfer",
+        "GetOwner",
+        # A repeat returns the first result: the same session and fence
+        # (CreateSession), the same claim set (ClaimHooks, DisposeHooks), the
+        # first receipt for a delivery id (ResumeHook; `HooksClient.resume`
+        # gives every command one), the replayed takeover or transfer
+        # (TakeOverSession, Transfer), the state already set (SetParked).
+        "CreateSession",
+        "ClaimHooks",
+        "DisposeHooks",
+        "ResumeHook",
+        "TakeOverSession",
+        "SetParked",
+        "Transfer",
+        # A lease refreshed or revoked twice is refreshed or revoked.
+        "KeepAliveInstance",
+        "DeregisterInstance",
+    }
+)
+ANCHOR_IDEMPOTENT = frozenset(
+    {
+        "GetSnapshot",
+        "LoadSession",
+        "ReadEvents",
+        # A retried commit whose first attempt applied is recognised
+        # (byte-identical snapshot and first event) and reported as replayed.
+        "CommitStep",
+        # Deletes the fenced session's entries in a range: a repeat finds
+        # fewer (or none) left to delete.
+        "RetireHistory",
+    }
+)
+OWNER_IDEMPOTENT = frozenset(
+    {
+        # A repeat with the same session id finds the session (created=false).
+        "StartSession",
+        # Sets the same drain target again and answers the progress.
+        "DrainSessions",
+        # One handoff id per (old fence, adopting instance): a repeat replays
+        # the same transfer.
+        "AdoptSession",
+    }
+)
 
 
 @dataclass
@@ -50,9 +118,15 @@ async def _stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[object]:
 
 
 class _Client:
+    """`target`: one address, several comma-separated, or a `dns:///` name
+    (see `channels.grpc_target`)."""
+
+    service = ""
+    idempotent: frozenset[str] = frozenset()
+
     def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
         self.target = target
-        self.channel = open_channel(target)
+        self.channel = open_channel(target, self.service, self.idempotent)
         self.timeout = timeout
 
     async def close(self) -> None:
@@ -60,6 +134,9 @@ class _Client:
 
 
 class HooksClient(_Client):
+    service = HOOKS_SERVICE
+    idempotent = HOOKS_IDEMPOTENT
+
     def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
         super().__init__(target, timeout)
         self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
@@ -73,6 +150,14 @@ class HooksClient(_Client):
         return await _unary(self.stub.CreateSession(request, timeout=self.timeout))
 
     async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
+        """Append `command` to the inbox `token` names. A command without a
+        delivery id gets a fresh one here, so that a retry of this call
+        (by gRPC, on another replica) is deduplicated, never appended twice."""
+        if not command.delivery.delivery_id:
+            stamped = s.Command()
+            stamped.CopyFrom(command)
+            stamped.delivery.delivery_id = ids.new_delivery_id()
+            command = stamped
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
         response = await _unary(self.stub.ResumeHook(request, timeout=self.timeout))
         return response.receipt
@@ -173,6 +258,9 @@ class HooksClient(_Client):
 
 
 class AnchorClient(_Client):
+    service = ANCHOR_SERVICE
+    idempotent = ANCHOR_IDEMPOTENT
+
     def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
         super().__init__(target, timeout)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
@@ -229,6 +317,9 @@ class AnchorClient(_Client):
 
 
 class OwnerClient(_Client):
+    service = OWNER_SERVICE
+    idempotent = OWNER_IDEMPOTENT
+
     def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
         super().__init__(target, timeout)
         self.stub = owner_pb2_grpc.OwnerServiceStub(self.channel)

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from services.common.channels import grpc_target
+
 
 class ConfigError(ValueError):
     """A missing or invalid setting. The process exits with its message."""
@@ -31,7 +33,12 @@ COMMON_SETTINGS = (
     Setting("--grace", "BATON_SHUTDOWN_GRACE", "graceful shutdown period, seconds", "5"),
 )
 ETCD_SETTINGS = (
-    Setting("--etcd", "BATON_ETCD_ENDPOINT", "etcd endpoint host:port", "127.0.0.1:2379"),
+    Setting(
+        "--etcd",
+        "BATON_ETCD_ENDPOINT",
+        "etcd endpoint host:port, or every member's, comma-separated",
+        "127.0.0.1:2379",
+    ),
     Setting("--etcd-prefix", "BATON_ETCD_PREFIX", "root key prefix in etcd", "/baton/"),
     Setting("--etcd-timeout", "BATON_ETCD_TIMEOUT", "timeout of each etcd call, seconds", "5"),
 )
@@ -80,6 +87,20 @@ def as_int(values: Mapping[str, str], key: str, *, minimum: int = 0) -> int:
     return number
 
 
+# The help of a setting that names the replicas of another service.
+ADDRESSES_HELP = "host:port, several ip:port comma-separated, or dns:///name:port"
+
+
+def as_addresses(values: Mapping[str, str], key: str) -> str:
+    """An address setting (see `channels.grpc_target`), checked now so a
+    bad one fails at startup."""
+    try:
+        grpc_target(values[key])
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    return values[key]
+
+
 def as_prefix(value: str) -> str:
     if not value.startswith("/") or not value.endswith("/"):
         raise ConfigError(f"etcd prefix must start and end with '/', got {value!r}")
@@ -94,6 +115,13 @@ class EtcdConfig:
 
     @classmethod
     def from_values(cls, values: Mapping[str, str]) -> EtcdConfig:
+        # Not at the top: etcd.py imports aetcd, which ingress and owner never need.
+        from services.common.etcd import etcd_target
+
+        try:
+            etcd_target(values["etcd"])
+        except ValueError as exc:
+            raise ConfigError(f"etcd: {exc}") from exc
         return cls(
             endpoint=values["etcd"],
             prefix=as_prefix(values["etcd_prefix"]),

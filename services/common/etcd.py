@@ -13,6 +13,7 @@ import structlog
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
+from services.common.channels import grpc_target
 from services.common.errors import (
     Aborted,
     BatonError,
@@ -30,6 +31,9 @@ _CHANNEL_OPTIONS = {
     "grpc.keepalive_timeout_ms": 2000,
     "grpc.http2.ping_timeout_ms": 2000,
     "grpc.max_receive_message_length": 48 * 1024 * 1024,
+    # A member back from a restart is dialled again within seconds.
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 5000,
 }
 
 
@@ -77,11 +81,30 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def etcd_target(endpoints: str) -> str:
+    """The gRPC target of one etcd endpoint or of every member's, comma-
+    separated (`http://` is ignored; see `channels.grpc_target`)."""
+    parts = [part.strip().removeprefix("http://") for part in endpoints.split(",")]
+    if len(parts) == 1:  # the name as given; `localhost` may resolve to [::1] first
+        host, port = parse_endpoint(parts[0])
+        parts = [f"{'127.0.0.1' if host == 'localhost' else host}:{port}"]
+    return grpc_target(",".join(parts))
+
+
 def make_client(endpoint: str, timeout: float) -> aetcd.Client:
-    host, port = parse_endpoint(endpoint)
-    if host == "localhost":
-        host = "127.0.0.1"
-    return aetcd.Client(host=host, port=port, timeout=timeout, options=dict(_CHANNEL_OPTIONS))
+    """A client of one etcd member or of several (`endpoint` comma-separated).
+
+    With several members the channel balances round-robin over them, as
+    etcd's own Go client does: a member that dies fails the calls in flight
+    on it (UNAVAILABLE, the outcome of a write unknown) and the next calls go
+    to the others; watches on it end and `follow_range` resumes them on
+    another member from the last revision delivered."""
+    target = etcd_target(endpoint)
+    options = dict(_CHANNEL_OPTIONS, **{"grpc.lb_policy_name": "round_robin"})
+    # aetcd dials f"{host}:{port}"; handing it the target split at its last
+    # colon makes that any gRPC target, a multi-address one included.
+    host, _, port = target.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 
 def store_unavailable(exc: BaseException) -> Unavailable:

@@ -30,6 +30,7 @@ log = structlog.get_logger("baton.server")
 _QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
 
 _C = TypeVar("_C", bound="_ServiceConfig")
 
@@ -201,6 +202,10 @@ def build_server(
             # Never share a port with another process silently.
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            # Clients reconnect every few minutes (streams in flight run to
+            # their end), and so resolve a dns:/// target again: replicas
+            # added since are balanced onto too.
+            ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         ],
     )
     for binding in bindings:

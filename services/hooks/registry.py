@@ -491,26 +491,39 @@ class HookRegistry:
 
     # -- token resolution ----------------------------------------------------
 
-    async def _token_value(self, token: str) -> bytes | None:
-        cached = self._tokens.get(token)
-        if cached is not None:
+    async def _token_value(self, token: str, *, cached: bool = True) -> bytes | None:
+        """The token's index entry: from the cache when `cached` (only for
+        callers whose txn compares the value, see `resume`), else from etcd
+        (refreshing the cache)."""
+        hit = self._tokens.get(token) if cached else None
+        if hit is not None:
             self._tokens.move_to_end(token)
-            return cached
+            return hit
         response = await self._store.txn([], [op_get(self._keys.token(token))], [])
         value = single_value(response.responses[0])
         if value is not None:
             self._tokens[token] = value
+            self._tokens.move_to_end(token)
             if len(self._tokens) > _TOKEN_CACHE_SIZE:
                 self._tokens.popitem(last=False)
+        else:
+            self._tokens.pop(token, None)
         return value
 
-    async def lookup(self, token: str, channel: str) -> TokenRecord:
+    async def lookup(self, token: str, channel: str, *, cached: bool = False) -> TokenRecord:
+        """The session `token` names, checked against the caller's tenancy.
+
+        Read from etcd: another hooks replica may have disposed the token (or
+        it may name another session since), and this process's cache would
+        not know. Only `resume` reads the cache (`cached=True`): its append
+        txn compares the token's entry, so a stale one costs a retry, never a
+        wrong append."""
         namespace, _ = ids.split_token(token)
         if channel and namespace not in (channel, ids.INBOX_NAMESPACE):
             raise PermissionDenied(
                 Reason.CROSS_TENANT, f"token {token!r} belongs to another channel", token=token
             )
-        raw = await self._token_value(token)
+        raw = await self._token_value(token, cached=cached)
         if raw is None:
             if namespace == ids.INBOX_NAMESPACE:
                 raise NotFound(Reason.SESSION_NOT_FOUND, f"session {token[8:]} not found")
@@ -531,7 +544,7 @@ class HookRegistry:
             )
         if command.delivery.delivery_id:
             ids.validate_id(command.delivery.delivery_id, "delivery_id")
-        record = await self.lookup(token, channel)
+        record = await self.lookup(token, channel, cached=True)
         raw = self._tokens.get(token)
         assert raw is not None
         loop = asyncio.get_running_loop()

@@ -34,6 +34,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         service="hooks",
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
+    server.app = registry
     server.on_stop.append(store.close)
     server.on_stop.append(registry.close)
     return server

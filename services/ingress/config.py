@@ -7,9 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.config import (
+    ADDRESSES_HELP,
     COMMON_SETTINGS,
     ConfigError,
     Setting,
+    as_addresses,
     as_float,
     as_int,
     read_settings,
@@ -65,12 +67,16 @@ class IngressConfig:
                     "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
                 ),
                 Setting("--api-keys", "BATON_API_KEYS", "channel=key[,channel=key...]"),
-                Setting("--hooks", "BATON_HOOKS_ADDR", "hooks host:port", "127.0.0.1:50052"),
-                Setting("--anchor", "BATON_ANCHOR_ADDR", "anchor host:port", "127.0.0.1:50053"),
+                Setting(
+                    "--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"
+                ),
+                Setting(
+                    "--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"
+                ),
                 Setting(
                     "--owner",
                     "BATON_OWNER_ADDR",
-                    "owner host:port of this deployment",
+                    f"owners of this deployment: {ADDRESSES_HELP}",
                     "127.0.0.1:50054",
                 ),
                 Setting(
@@ -92,9 +98,9 @@ class IngressConfig:
             listen=values["listen"],
             deployment_id=deployment_id,
             api_keys=parse_api_keys(values["api_keys"]),
-            hooks=values["hooks"],
-            anchor=values["anchor"],
-            owner=values["owner"],
+            hooks=as_addresses(values, "hooks"),
+            anchor=as_addresses(values, "anchor"),
+            owner=as_addresses(values, "owner"),
             max_message_bytes=as_int(values, "max_message_bytes", minimum=1),
             log_level=values["log_level"],
             grace=as_float(values, "grace"),

@@ -9,9 +9,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.config import (
+    ADDRESSES_HELP,
     COMMON_SETTINGS,
     ConfigError,
     Setting,
+    as_addresses,
     as_float,
     as_int,
     read_settings,
@@ -73,8 +75,12 @@ class OwnerConfig:
                     "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
                 ),
                 Setting("--instance-id", "BATON_INSTANCE_ID", "this instance's id", ""),
-                Setting("--hooks", "BATON_HOOKS_ADDR", "hooks host:port", "127.0.0.1:50052"),
-                Setting("--anchor", "BATON_ANCHOR_ADDR", "anchor host:port", "127.0.0.1:50053"),
+                Setting(
+                    "--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"
+                ),
+                Setting(
+                    "--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"
+                ),
                 Setting("--agent", "BATON_AGENT", "agent factory module:function", DEFAULT_AGENT),
                 Setting(
                     "--lease-ttl",
@@ -134,8 +140,8 @@ class OwnerConfig:
             listen=values["listen"],
             deployment_id=deployment_id,
             instance_id=values["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
-            hooks=values["hooks"],
-            anchor=values["anchor"],
+            hooks=as_addresses(values, "hooks"),
+            anchor=as_addresses(values, "anchor"),
             agent=values["agent"],
             log_level=values["log_level"],
             grace=as_float(values, "grace"),

