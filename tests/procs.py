@@ -137,6 +137,18 @@ class ProcessStack:
             wait_serving(self.addr(name))
         return self
 
+    def start_ingress(self, name: str, deployment_id: str, owners: list[str]) -> ServiceProcess:
+        """Another ingress, of `deployment_id`, creating sessions on `owners`."""
+        self.ingresses[name] = proc = self._spawn(
+            name,
+            "ingress",
+            BATON_API_KEYS=f"slack={API_KEY}",
+            BATON_OWNER_ADDR=",".join(self.addr(o) for o in owners),
+            BATON_DEPLOYMENT_ID=deployment_id,
+        )
+        wait_serving(self.addr(name))
+        return proc
+
     def start_owner(
         self,
         instance_id: str,
