@@ -151,7 +151,12 @@ class HookRegistry:
     # -- sessions and claims -------------------------------------------------
 
     async def create_session(
-        self, session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
+        self,
+        session_id: str,
+        owner: s.OwnerIdentity,
+        channel: str,
+        aliases: list[str],
+        parent: s.ParentLink | None = None,
     ) -> tuple[s.Fence, list[str]]:
         ids.validate_session_id(session_id)
         ids.validate_channel(channel)
@@ -166,7 +171,14 @@ class HookRegistry:
                 tokens.append(alias)
         _check_hook_count(len(tokens))
         fence = fence_value(1, owner.owner_run_id)
-        record = TokenRecord(session_id=session_id, channel=channel).encode()
+        link = b""
+        if parent is not None and parent.parent_session_id:
+            ids.validate_session_id(parent.parent_session_id)
+            kept = s.ParentLink()
+            kept.CopyFrom(parent)
+            del kept.outbox[:]
+            link = kept.SerializeToString()
+        record = TokenRecord(session_id=session_id, channel=channel, parent=link).encode()
         owner_record = _owner_record(owner, 1)
         owner_raw = owner_record.encode()
         compare = [cmp_absent(k.fence(session_id))] + [cmp_absent(k.token(t)) for t in tokens]

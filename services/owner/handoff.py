@@ -65,6 +65,7 @@ from services.common.errors import (
 )
 from services.common.tasks import Background
 from services.owner.checkpoint import Checkpoint
+from services.owner.handles import Handles
 
 log = structlog.get_logger("baton.owner.handoff")
 
@@ -434,6 +435,14 @@ class HandoffBroker:
                 Reason.SESSION_NOT_IDLE,
                 f"session {sid} is not idle at the checkpoint (open turn, or the trigger "
                 f"{trigger.seq} is not its next inbox entry {snapshot.inbox_next_seq})",
+            )
+        if snapshot.parent.parent_session_id or Handles(snapshot).busy():
+            # Parked and available handles cross (stable addresses); a running
+            # child keeps the parent where it is, and a child never moves.
+            raise FailedPrecondition(
+                Reason.SESSION_NOT_IDLE,
+                f"session {sid} is not idle at the checkpoint (a child session works for "
+                "it, or it is a child session)",
             )
         if trigger.command.WhichOneof("kind") != "send":
             raise InvalidArgument(Reason.INVALID_FIELD, "only a send triggers a handoff")

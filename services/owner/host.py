@@ -11,12 +11,16 @@ A session held here is in one of three states:
 - activating: in `_activating` while the snapshot is loaded (wake, takeover,
   retry after a failed run).
 
-Sessions arrive through StartSession (created here) and through takeovers of
-the sessions of dead instances of this deployment (`adopt`, driven by the
-fleet). A successor continues from the last committed snapshot and its inbox
-position: committed steps are never executed again; the one step in flight
-when the previous owner died (its model and tool calls were never committed)
-is executed again — at-least-once for that step only (DESIGN.md §4).
+Sessions arrive through StartSession (created here: by ingress, or, for a
+child session, by the owner of its parent, possibly this one; see
+services/owner/children.py) and through takeovers of the sessions of dead
+instances of this deployment (`adopt`, driven by the fleet). Which authored
+agent runs a session is the catalog's answer for its parent link (the root
+agent for a session without one). A successor continues from the last
+committed snapshot and its inbox position: committed steps are never
+executed again; the one step in flight when the previous owner died (its
+model and tool calls were never committed) is executed again — at-least-once
+for that step only (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
+    Aborted,
     AlreadyExists,
     BatonError,
     FailedPrecondition,
@@ -45,7 +50,8 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import Background
-from services.owner.agent import Agent
+from services.owner.agent import Agent, AgentCatalog
+from services.owner.children import Children
 from services.owner.handoff import HandoffBroker
 from services.owner.session import (
     SNAPSHOT_FORMAT,
@@ -111,6 +117,7 @@ class OwnerHost:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
         self.instance_id = ids.validate_id(instance_id, "instance_id")
         self.agent = agent
+        self.catalog = AgentCatalog(agent)
         self.hooks = hooks
         self.anchor = anchor
         self.park_after = park_after
@@ -142,6 +149,7 @@ class OwnerHost:
             self._launch_transferred,
             readable_formats=readable_formats,
         )
+        self.children = Children(self.deployment_id, self.instance_id, hooks, self._start_child)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -170,6 +178,7 @@ class OwnerHost:
         if self._drain_pump is not None:
             self._drain_pump.cancel()
         await self.handoffs.close()
+        await self.children.close()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -194,8 +203,13 @@ class OwnerHost:
         *,
         timeout_seconds: int = 0,
         token_budget: int = 0,
+        cost_budget_micros: int = 0,
+        parent: s.ParentLink | None = None,
     ) -> tuple[str, bool, str]:
-        """Create the session (epoch 1), commit session.started, run it.
+        """Create the session (epoch 1), commit session.started, run it. With
+        `parent`, a child session (DESIGN.md §11): its run id is derived from
+        the session and this instance, so a retried start (by the parent's
+        owner) repeats the same create and first commit.
 
         Returns (owner_run_id, created, inbox_token)."""
         ids.validate_session_id(session_id)
@@ -206,6 +220,8 @@ class OwnerHost:
                 Reason.WRONG_DEPLOYMENT,
                 f"this owner runs deployment {self.deployment_id}, not {deployment_id}",
             )
+        if parent is not None:
+            self._validate_parent_link(parent, aliases)
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
         running = self.runs.get(session_id)
@@ -214,12 +230,17 @@ class OwnerHost:
         parked = self.parked.get(session_id)
         if parked is not None:
             return parked.run_id, False, inbox
-        run_id = ids.new_run_id()
+        if parent is not None and session_id in self._activating:
+            return "", False, inbox
+        if parent is not None:
+            run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
+        else:
+            run_id = ids.new_run_id()
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
         try:
-            created = await self.hooks.create_session(session_id, owner, channel, aliases)
+            created = await self.hooks.create_session(session_id, owner, channel, aliases, parent)
         except AlreadyExists as exc:
             if exc.reason == Reason.SESSION_EXISTS:
                 return exc.metadata.get("owner_run_id", ""), False, inbox
@@ -232,11 +253,47 @@ class OwnerHost:
             list(created.hooks),
             timeout_seconds=timeout_seconds,
             token_budget=token_budget,
+            cost_budget_micros=cost_budget_micros,
+            parent=parent,
         )
-        revision = await self._commit_started(identity, snapshot)
+        try:
+            revision = await self._commit_started(identity, snapshot)
+        except Aborted:
+            if parent is None or session_id in self.runs or session_id in self._activating:
+                raise
+            # A retried child start whose first commit landed before: run it.
+            self._start_activation(created.fence)
+            return run_id, False, inbox
         self._launch(identity, snapshot, revision)
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return run_id, True, inbox
+
+    def _validate_parent_link(self, parent: s.ParentLink, aliases: list[str]) -> None:
+        ids.validate_session_id(parent.parent_session_id)
+        if aliases:
+            raise InvalidArgument(Reason.INVALID_FIELD, "a child session takes no aliases")
+        if parent.kind not in (
+            s.TASK_KIND_SUBAGENT,
+            s.TASK_KIND_BACKGROUND,
+            s.TASK_KIND_WORKFLOW,
+        ):
+            raise InvalidArgument(Reason.INVALID_FIELD, "parent.kind is required")
+        try:
+            self.catalog.agent_for(parent)
+        except LookupError as exc:
+            raise InvalidArgument(Reason.UNKNOWN_SUBAGENT, str(exc)) from exc
+
+    async def _start_child(self, request: owner_pb.StartSessionRequest) -> None:
+        """A child session a run of this instance starts here (see children.py)."""
+        await self.start_session(
+            request.session_id,
+            request.deployment_id,
+            request.channel,
+            [],
+            token_budget=request.token_budget,
+            cost_budget_micros=request.cost_budget_micros,
+            parent=request.parent,
+        )
 
     # -- runs ------------------------------------------------------------------
 
@@ -264,10 +321,17 @@ class OwnerHost:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
             return  # a stale activation: a newer run holds the session here
+        try:
+            agent = self.catalog.agent_for(snapshot.parent if snapshot.HasField("parent") else None)
+        except LookupError as exc:
+            # Not this build's code (cannot happen for a child created here):
+            # a deterministic failure, counted by the restart budget.
+            self._run_failed(identity.fence, FailedPrecondition(Reason.UNKNOWN_SUBAGENT, str(exc)))
+            return
         run = SessionRun(
             identity,
             snapshot,
-            self.agent,
+            agent,
             self.hooks,
             self.anchor,
             park_after=self.park_after,
@@ -278,6 +342,8 @@ class OwnerHost:
             context=context,
             drain=self.handoffs.drain,
             drain_to=self.drain_to,
+            children=self.children,
+            subagents=self.catalog.subagent,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -595,7 +661,8 @@ class OwnerHost:
         sid = identity.fence.session_id
         found = await self.hooks.lookup(ids.inbox_token(sid))
         tokens = await self.hooks.claim(identity.fence, [])
-        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens)
+        parent = found.parent if found.HasField("parent") else None
+        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens, parent=parent)
         revision = await self._commit_started(identity, snapshot)
         self._log.info("session started by its successor", session_id=sid)
         return snapshot, revision

@@ -25,6 +25,8 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             list(request.aliases),
             timeout_seconds=request.timeout_seconds,
             token_budget=request.token_budget,
+            cost_budget_micros=request.cost_budget_micros,
+            parent=request.parent if request.HasField("parent") else None,
         )
         return pb.StartSessionResponse(
             session_id=request.session_id, owner_run_id=run_id, created=created, inbox_token=inbox

@@ -6,8 +6,11 @@ through anchor as one fenced transaction: the step's events, the history
 entries it appended and the new snapshot, whose inbox position says which
 commands the step consumed. What commands and steps mean is decided by the
 pure turn rules (`services.owner.turns.SessionState`); this module does the
-I/O: the inbox, the model and tool calls, commits, the timer, parking and
-handoffs.
+I/O: the inbox, the model and tool calls, commits, the timer, parking,
+handoffs, and child sessions (work given in a step reaches the child before
+the step commits; cancels and resets for children before the commit that
+decides them; a child's reports reach its parent after the commit that
+makes them, or before it when the child finalizes).
 """
 
 from __future__ import annotations
@@ -18,28 +21,43 @@ import enum
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import ids, limits
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
     BatonError,
     DeadlineExceeded,
+    FailedPrecondition,
     Fenced,
     InvalidArgument,
+    NotFound,
     Reason,
     ResourceExhausted,
     Unavailable,
 )
-from services.owner.agent import Agent, ModelRejected, Tool, ToolContext
+from services.owner import handles as h
+from services.owner.agent import (
+    ASK_SUBAGENT,
+    CONTINUE_TASK,
+    Agent,
+    ModelRejected,
+    Tool,
+    ToolContext,
+    ToolMode,
+)
 from services.owner.checkpoint import Checkpoint
+from services.owner.children import Children
+from services.owner.handles import Refusal, Verdict
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
+    ChildWork,
     Outcome,
     RunIdentity,
     SessionState,
@@ -127,10 +145,15 @@ class SessionRun:
         context: Sequence[s.ChatMessage] = (),
         drain: Drain | None = None,
         drain_to: str = "",
+        children: Children | None = None,
+        subagents: Callable[[str], Agent | None] | None = None,
     ) -> None:
         self.identity = identity
         self.state = SessionState(identity, snapshot, agent, context)
         self.agent = agent
+        self._children = children
+        self._subagent = subagents or agent.subagent
+        self._delivering: asyncio.Task[None] | None = None
         self._hooks = hooks
         self._anchor = anchor
         self._on_exit = on_exit
@@ -215,6 +238,7 @@ class SessionRun:
                 # Moved by a drain or an adoption (no trigger in hand): say so
                 # on the stream now, not with whatever comes next.
                 await self._guarded(self._commit([]))
+            self._deliver_reports()  # a predecessor's, if it could not
             if state.turn_open and not state.still_waiting():
                 # Recovery: the step in flight at the predecessor's crash runs again.
                 turn = self.snapshot.open_turn
@@ -257,7 +281,7 @@ class SessionRun:
             exit = RunExit.FAILED
         finally:
             reader.cancel()
-            for task in (self._timer, self._retiring):
+            for task in (self._timer, self._retiring, self._delivering):
                 if task is not None:
                     task.cancel()
             if self._on_exit is not None:
@@ -381,6 +405,8 @@ class SessionRun:
         results, cancel, reset, clear, compact — never does."""
         if self._hand_off is None or self._snapshot_revision is None:
             return False  # unknown eligibility: skip
+        if not self.state.idle_for_handoff():
+            return False  # a child works for it (or it is a child): not idle
         command = entry.command
         if command.WhichOneof("kind") != "send":
             return False
@@ -426,7 +452,7 @@ class SessionRun:
             task.cancel()
 
     async def _try_park(self) -> bool:
-        if self._park_after is None or self._pending:
+        if self._park_after is None or self._pending or self._reports_pending():
             return False
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
@@ -449,12 +475,15 @@ class SessionRun:
         if kind == "send":
             if command.send.input_responses:
                 await self._answer_inputs(entry)
-            elif not command.send.text.strip():
+            elif not command.send.text.strip() or state.refuses_message(entry):
                 await self._reject(entry)
             elif state.turn_open:
                 events = state.abandon_waits()
                 state.admit_message(entry, events)
-                await self._turn_loop(events)
+                if state.still_waiting():  # for children: the model sees it with their results
+                    await self._commit(events)
+                else:
+                    await self._turn_loop(events)
             else:
                 await self._turn_loop(state.start_turn(entry, self._pending))
         elif kind == "cancel":
@@ -481,8 +510,28 @@ class SessionRun:
             await self._summarize(events, entry)
         elif kind == "authorization_callback":
             await self._authorization_callback(entry)
+        elif kind == "task_result":
+            await self._task_result(entry)
         else:
             await self._reject(entry)
+
+    async def _task_result(self, entry: s.InboxEntry) -> None:
+        """A child's report, between steps (see handles.py for what it means)."""
+        state = self.state
+        judgement = state.judge(entry)
+        if judgement.verdict is Verdict.REJECT:
+            await self._reject(entry, judgement.reason, judgement.message)
+            return
+        if judgement.verdict is Verdict.ADMIT and not state.turn_open:
+            await self._turn_loop(state.start_turn(entry, self._pending))
+            return
+        events: list[s.Event] = []
+        verdict = state.apply_report(entry, events)
+        goes_on = verdict in (Verdict.AWAITED, Verdict.ADMIT)
+        if goes_on and state.turn_open and not state.still_waiting():
+            await self._turn_loop(events)
+        else:
+            await self._commit(events)
 
     async def _reject(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> None:
         self.state.consume(entry)
@@ -507,7 +556,7 @@ class SessionRun:
                 await self._finalize(events, stop, error=error)
                 return
             max_steps = state.max_steps()
-            if self.snapshot.open_turn.steps >= max_steps:
+            if state.steps_taken() >= max_steps:
                 message = f"the turn reached {max_steps} steps"
                 error = s.ErrorDetail(reason=Reason.MAX_STEPS, message=message)
                 state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
@@ -526,8 +575,9 @@ class SessionRun:
                 state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
                 await self._commit(events)
                 return
-            if outcome is Outcome.PAUSED:
-                events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
+            if outcome in (Outcome.PAUSED, Outcome.AWAITING):
+                if state.waiting_for_user():
+                    events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
                 await self._commit(events)
                 return
             if outcome is Outcome.FINAL and not state.steer_pending(self._pending):
@@ -557,7 +607,7 @@ class SessionRun:
         state = self.state
         try:
             reply = await self.agent.model.complete(
-                self.agent.instructions, state.context.messages, self.agent.tools
+                self.agent.instructions, state.context.messages, self.agent.all_tools
             )
         except asyncio.CancelledError:
             raise
@@ -570,8 +620,106 @@ class SessionRun:
         progress.reply = reply
         progress.calls = state.tool_calls(reply)
         for index, call in enumerate(progress.calls):
-            if state.runs_now(call):
+            if state.starts_child(call):
+                await self._start_child_work(progress, index, call)
+            elif state.runs_now(call):
                 progress.results[index] = await self._call_tool(call)
+
+    async def _start_child_work(self, progress: StepProgress, index: int, call: s.ToolCall) -> None:
+        """Give a child its work. Not abortable half-way: a child that got
+        its work is recorded (then a cancel cancels it), so none is orphaned."""
+        reserved = frozenset(w.child_session_id for w in progress.children.values())
+        task = asyncio.ensure_future(self._give_work(call, reserved))
+        try:
+            outcome = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            outcome = await task
+            self._record_child_work(progress, index, call, outcome)
+            raise
+        self._record_child_work(progress, index, call, outcome)
+
+    def _record_child_work(
+        self, progress: StepProgress, index: int, call: s.ToolCall, outcome: ChildWork | Refusal
+    ) -> None:
+        if isinstance(outcome, ChildWork):
+            progress.children[index] = outcome
+        else:
+            progress.results[index] = s.ToolResult(
+                tool_call_id=call.id, name=call.name, output=outcome.output(), is_error=True
+            )
+
+    async def _give_work(self, call: s.ToolCall, reserved: frozenset[str]) -> ChildWork | Refusal:
+        """Start a child (or pick a parked or available one) and put the work
+        in its inbox; or say why not (the call's error result)."""
+        state = self.state
+        snapshot = self.snapshot
+        children = self._children
+        if children is None:
+            return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
+        try:
+            arguments: dict[str, Any] = json.loads(call.arguments_json)
+        except ValueError:
+            arguments = {}
+        background = bool(arguments.get("background"))
+        resumed = call.name == CONTINUE_TASK
+        if resumed:
+            child = str(arguments.get("handle", ""))
+            text = str(arguments.get("message", ""))
+            refusal = state.handles.refuse_continue(child, reserved)
+            if refusal is not None:
+                return refusal
+            handle = state.handles.find(child)
+            assert handle is not None
+            kind, name = handle.kind, handle.name
+        elif call.name == ASK_SUBAGENT:
+            kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
+            text = str(arguments.get("prompt", ""))
+            if self._subagent(name) is None:
+                return Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
+        else:
+            tool = self.agent.tool_index[call.name]
+            background = tool.mode is ToolMode.BACKGROUND
+            kind = s.TASK_KIND_BACKGROUND if background else s.TASK_KIND_WORKFLOW
+            name, text = tool.name, call.arguments_json
+        if not text.strip():
+            return Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
+        if not resumed:
+            refusal = state.handles.refuse_start()
+            depth = snapshot.parent.depth + 1
+            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
+                refusal = Refusal(
+                    Reason.TOO_MANY_TASKS,
+                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
+                )
+            if refusal is not None:
+                return refusal
+            child = ids.child_session_id(self.session_id, call.id)
+            tokens, cost = h.child_budget(snapshot)
+            link = s.ParentLink(
+                parent_session_id=self.session_id, kind=kind, name=name, depth=depth
+            )
+            await children.start(child, snapshot.channel, link, tokens, cost)
+        work = state.next_work(child) if resumed else 1
+        command = s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"work:{self.session_id}:{work}"),
+            send=s.SendCommand(text=text, parent_work=work),
+        )
+        try:
+            await children.send(child, command)
+        except (FailedPrecondition, NotFound) as exc:
+            return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
+        self._log.info(
+            "child given work", child_session_id=child, work=work, kind=h.kind_name(kind)
+        )
+        return ChildWork(
+            child_session_id=child,
+            kind=kind,
+            name=name,
+            deployment_id=self.identity.deployment_id,
+            text=text,
+            background=background,
+            resumed=resumed,
+        )
 
     async def _call_tool(self, call: s.ToolCall) -> s.ToolResult:
         tool: Tool | None = self.agent.tool_index.get(call.name)
@@ -653,7 +801,8 @@ class SessionRun:
             state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
             await self._commit(events)
         elif state.still_waiting():
-            events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
+            if state.waiting_for_user():
+                events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
             await self._commit(events)
         else:
             await self._turn_loop(events)
@@ -814,6 +963,11 @@ class SessionRun:
     ) -> None:
         carry, self._carry = self._carry, []
         events[:0] = carry
+        await self._send_outgoing()
+        if close and self.state.is_child:
+            # Finalization is reported before the commit that closes the
+            # stream (no run follows it); a repeat is deduplicated.
+            await self._deliver_reports_now()
         context = self.state.context
         # A commit that settles the session: a delivery arriving while it is in
         # flight arrives at an idle session (a reader may see the commit, and
@@ -842,6 +996,44 @@ class SessionRun:
         self._committed_snapshot = self.snapshot.SerializeToString()
         self.progressed = True
         self._start_retire()
+        self._deliver_reports()
+
+    # -- child sessions: controls out, reports up -----------------------------------
+
+    async def _send_outgoing(self) -> None:
+        """Cancels and resets the state decided for children, before the
+        commit that decides them (a repeat after a crash is deduplicated)."""
+        outgoing = self.state.outgoing
+        while outgoing:
+            child, command = outgoing[0]
+            if self._children is not None:
+                await self._children.send_control(child, command)
+            outgoing.pop(0)
+
+    def _reports_pending(self) -> bool:
+        busy = self._delivering is not None and not self._delivering.done()
+        return busy or bool(self.snapshot.parent.outbox)
+
+    def _deliver_reports(self) -> None:
+        """Deliver this child's committed reports in the background."""
+        if self._children is None or not self.snapshot.parent.outbox:
+            return
+        if self._delivering is not None and not self._delivering.done():
+            return
+        self._delivering = asyncio.get_running_loop().create_task(self._deliver_loop())
+
+    async def _deliver_loop(self) -> None:
+        assert self._children is not None
+        try:
+            await self._children.deliver_reports(self.snapshot.parent)
+        except BatonError as exc:
+            self._log.error("reports not delivered", reason=exc.reason, error=exc.message)
+
+    async def _deliver_reports_now(self) -> None:
+        if self._delivering is not None and not self._delivering.done():
+            await asyncio.shield(self._delivering)
+        if self._children is not None:
+            await self._children.deliver_reports(self.snapshot.parent)
 
     async def _guarded(self, work: Awaitable[None]) -> None:
         """Run `work`; a commit it makes that can never succeed (too large,

@@ -31,6 +31,8 @@ class StartSessionRequest(_message.Message):
     ALIASES_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    COST_BUDGET_MICROS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The new session's id."""
     deployment_id: _builtins.str
@@ -41,9 +43,17 @@ class StartSessionRequest(_message.Message):
     """Session lifetime in seconds; 0 means no timeout."""
     token_budget: _builtins.int
     """Session token budget; 0 is unlimited."""
+    cost_budget_micros: _builtins.int
+    """Session cost budget in micro-dollars; 0 is unlimited."""
     @_builtins.property
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Alias tokens (already namespaced by channel) to claim."""
+
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session (started by its parent's owner, DESIGN.md §11): the
+        parent and what runs in the child. Only owners set it.
+        """
 
     def __init__(
         self,
@@ -54,10 +64,12 @@ class StartSessionRequest(_message.Message):
         aliases: _abc.Iterable[_builtins.str] | None = ...,
         timeout_seconds: _builtins.int = ...,
         token_budget: _builtins.int = ...,
+        parent: _session_pb2.ParentLink | None = ...,
+        cost_budget_micros: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "deployment_id", b"deployment_id", "session_id", b"session_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "cost_budget_micros", b"cost_budget_micros", "deployment_id", b"deployment_id", "parent", b"parent", "session_id", b"session_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
