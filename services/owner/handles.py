@@ -304,11 +304,16 @@ def add_usage(total: s.Usage, step: s.Usage) -> None:
     total.cost_micros += step.cost_micros
 
 
-def child_budget(snapshot: s.SessionSnapshot) -> tuple[int, int]:
+def child_budget(snapshot: s.SessionSnapshot, step: s.Usage | None = None) -> tuple[int, int]:
     """(token budget, cost budget) of a new child: what the parent has left
-    (0 = unlimited, as the parent's). Everything the child spends is added to
-    the parent's usage when its result arrives."""
-    limits_, usage = snapshot.limits, snapshot.usage
+    after its session usage and the running `step` (0 = unlimited, as the
+    parent's). Everything the child spends is added to the parent's usage
+    when its result arrives."""
+    limits_ = snapshot.limits
+    usage = s.Usage()
+    usage.CopyFrom(snapshot.usage)
+    if step is not None:
+        add_usage(usage, step)
     tokens = 0
     if limits_.token_budget:
         used = usage.input_tokens + usage.output_tokens

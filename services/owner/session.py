@@ -65,6 +65,7 @@ from services.owner.turns import (
     initial_snapshot,
     make_event,
     safe_error,
+    usage_of,
 )
 
 __all__ = [
@@ -621,15 +622,17 @@ class SessionRun:
         progress.calls = state.tool_calls(reply)
         for index, call in enumerate(progress.calls):
             if state.starts_child(call):
-                await self._start_child_work(progress, index, call)
+                await self._start_child_work(progress, index, call, usage_of(reply))
             elif state.runs_now(call):
                 progress.results[index] = await self._call_tool(call)
 
-    async def _start_child_work(self, progress: StepProgress, index: int, call: s.ToolCall) -> None:
+    async def _start_child_work(
+        self, progress: StepProgress, index: int, call: s.ToolCall, step: s.Usage
+    ) -> None:
         """Give a child its work. Not abortable half-way: a child that got
         its work is recorded (then a cancel cancels it), so none is orphaned."""
         reserved = frozenset(w.child_session_id for w in progress.children.values())
-        task = asyncio.ensure_future(self._give_work(call, reserved))
+        task = asyncio.ensure_future(self._give_work(call, reserved, step))
         try:
             outcome = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -648,7 +651,9 @@ class SessionRun:
                 tool_call_id=call.id, name=call.name, output=outcome.output(), is_error=True
             )
 
-    async def _give_work(self, call: s.ToolCall, reserved: frozenset[str]) -> ChildWork | Refusal:
+    async def _give_work(
+        self, call: s.ToolCall, reserved: frozenset[str], step: s.Usage
+    ) -> ChildWork | Refusal:
         """Start a child (or pick a parked or available one) and put the work
         in its inbox; or say why not (the call's error result)."""
         state = self.state
@@ -694,7 +699,7 @@ class SessionRun:
             if refusal is not None:
                 return refusal
             child = ids.child_session_id(self.session_id, call.id)
-            tokens, cost = h.child_budget(snapshot)
+            tokens, cost = h.child_budget(snapshot, step)
             link = s.ParentLink(
                 parent_session_id=self.session_id, kind=kind, name=name, depth=depth
             )
