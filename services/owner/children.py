@@ -24,7 +24,7 @@ import structlog
 
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import failpoints, ids
 from services.common.clients import HooksClient, OwnerClient
 from services.common.errors import BatonError, FailedPrecondition, NotFound
 
@@ -159,8 +159,10 @@ class Children:
                 delivery=s.DeliveryMetadata(delivery_id=report.task_delivery_id),
                 task_result=report,
             )
+            await failpoints.hit("children.before_report")
             try:
                 await self.send(report.parent_session_id, command)
+                await failpoints.hit("children.after_report")
             except BatonError as exc:  # never retryable here: `send` retries those
                 log.info(
                     "parent takes no report; dropped",

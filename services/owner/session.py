@@ -27,7 +27,7 @@ import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
+from services.common import failpoints, ids, limits
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
@@ -524,8 +524,10 @@ class SessionRun:
             await self._reject(entry, judgement.reason, judgement.message)
             return
         if judgement.verdict is Verdict.ADMIT and not state.turn_open:
+            await failpoints.hit("children.apply_result")
             await self._turn_loop(state.start_turn(entry, self._pending))
             return
+        await failpoints.hit("children.apply_result")
         events: list[s.Event] = []
         verdict = state.apply_report(entry, events)
         goes_on = verdict in (Verdict.AWAITED, Verdict.ADMIT)
@@ -1029,10 +1031,17 @@ class SessionRun:
 
     async def _deliver_loop(self) -> None:
         assert self._children is not None
+        count = len(self.snapshot.parent.outbox)
         try:
             await self._children.deliver_reports(self.snapshot.parent)
         except BatonError as exc:
             self._log.error("reports not delivered", reason=exc.reason, error=exc.message)
+            return
+        self._log.info(
+            "reports delivered",
+            reports=count,
+            parent_session_id=self.snapshot.parent.parent_session_id,
+        )
 
     async def _deliver_reports_now(self) -> None:
         if self._delivering is not None and not self._delivering.done():
