@@ -237,6 +237,27 @@ def test_settled_handles_are_bounded() -> None:
     assert handles.refuse_start().reason == Reason.TOO_MANY_TASKS  # type: ignore[union-attr]
 
 
+def test_an_idle_child_makes_room_least_recently_used_first() -> None:
+    st = state()
+    open_turn(st)
+    children = []
+    for _ in range(limits.MAX_LIVE_HANDLES):
+        child, _, _ = child_step(st)
+        st.apply_report(report(1, child, result="ok"), [])
+        children.append(child)
+    # The oldest is used again: the second oldest is now the least recent.
+    st.handles.resume(st.handles.find(children[0]), st.turn_id, "")  # type: ignore[arg-type]
+    st.apply_report(report(2, children[0], work=2, result="again"), [])
+    assert st.handles.refuse_start() is None
+    newest, _, _ = child_step(st)
+    [(evicted, command)] = st.outgoing
+    assert evicted == children[1] and command.WhichOneof("kind") == "reset"
+    assert st.handles.find(children[1]).state == s.HANDLE_STATE_SETTLED  # type: ignore[union-attr]
+    assert st.handles.find(newest).state == s.HANDLE_STATE_RUNNING  # type: ignore[union-attr]
+    live = [h for h in st.snapshot.handles if h.state != s.HANDLE_STATE_SETTLED]
+    assert len(live) == limits.MAX_LIVE_HANDLES
+
+
 def test_a_child_budget_is_what_the_parent_has_left() -> None:
     st = state(token_budget=100)
     st.snapshot.usage.input_tokens = 70

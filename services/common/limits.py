@@ -48,7 +48,8 @@ DELETE_BATCH = 512
 
 MAX_LIVE_HANDLES = 64
 """Child sessions a session may hold that are not settled (running, parked,
-available); starting another is refused (TOO_MANY_TASKS)."""
+available). Starting another finalizes the least recently used parked or
+available one; with every one running it is refused (TOO_MANY_TASKS)."""
 
 MAX_SETTLED_HANDLES = 16
 """Settled handles kept in a snapshot (the latest); older ones are forgotten."""

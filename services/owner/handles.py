@@ -89,7 +89,8 @@ def kind_name(kind: s.TaskKind.ValueType) -> str:
 
 
 class Handles:
-    """The handles in one session's snapshot, and the rules over them."""
+    """The handles in one session's snapshot, and the rules over them, in
+    order of last use (the least recently used first)."""
 
     def __init__(self, snapshot: s.SessionSnapshot) -> None:
         self._snapshot = snapshot
@@ -124,15 +125,44 @@ class Handles:
 
     # -- giving work -----------------------------------------------------------
 
-    def refuse_start(self) -> Refusal | None:
-        live = sum(1 for h in self._snapshot.handles if h.state != SETTLED)
-        if live >= limits.MAX_LIVE_HANDLES:
+    def refuse_start(self, reserved: int = 0) -> Refusal | None:
+        """Why no new child can start: every one of the MAX_LIVE_HANDLES
+        children the session may hold is running (`reserved`: children given
+        work earlier in the same step). An idle one would be evicted."""
+        running = sum(1 for h in self._snapshot.handles if h.state == RUNNING) + reserved
+        if running >= limits.MAX_LIVE_HANDLES:
             return Refusal(
                 Reason.TOO_MANY_TASKS,
-                f"this session already holds {live} child sessions "
-                f"(at most {limits.MAX_LIVE_HANDLES} that are not settled)",
+                f"this session already has {running} child sessions at work "
+                f"(at most {limits.MAX_LIVE_HANDLES})",
             )
         return None
+
+    def evict(self) -> s.ChildHandle | None:
+        """Over MAX_LIVE_HANDLES children that are not settled: the least
+        recently used idle one (parked or available) is settled here and
+        returned, for its child to be finalized."""
+        live = [h for h in self._snapshot.handles if h.state != SETTLED]
+        if len(live) <= limits.MAX_LIVE_HANDLES:
+            return None
+        idle = next((h for h in live if h.state in (PARKED, AVAILABLE)), None)
+        if idle is None:
+            return None
+        evicted = s.ChildHandle()
+        evicted.CopyFrom(idle)
+        self.settle(idle)
+        return evicted
+
+    def _to_end(self, handle: s.ChildHandle) -> s.ChildHandle:
+        """Most recently used last (eviction takes the first idle one)."""
+        handles = self._snapshot.handles
+        keep = [h for h in handles if h.child_session_id != handle.child_session_id]
+        moved = s.ChildHandle()
+        moved.CopyFrom(handle)
+        del handles[:]
+        handles.extend(keep)
+        handles.append(moved)
+        return handles[-1]
 
     def refuse_continue(
         self, child_session_id: str, reserved: frozenset[str] = frozenset()
@@ -181,6 +211,7 @@ class Handles:
 
     def resume(self, handle: s.ChildHandle, turn_id: str, tool_call_id: str) -> s.ChildHandle:
         """A parked or available child, given its next work."""
+        handle = self._to_end(handle)
         handle.state = RUNNING
         handle.work += 1
         handle.turn_id = turn_id
@@ -253,9 +284,11 @@ class Handles:
         handle.detached = handle.waiting = False
 
     def settle(self, handle: s.ChildHandle) -> None:
+        """The child finalized (`handle` is not to be used after this)."""
         handle.state = SETTLED
         handle.tool_call_id = ""
         handle.detached = handle.waiting = False
+        self._to_end(handle)
         self.prune()
 
     # -- the parent's turn ends ------------------------------------------------

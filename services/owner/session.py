@@ -691,7 +691,7 @@ class SessionRun:
         if not text.strip():
             return Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
         if not resumed:
-            refusal = state.handles.refuse_start()
+            refusal = state.handles.refuse_start(len(reserved))
             depth = snapshot.parent.depth + 1
             if refusal is None and depth > limits.MAX_CHILD_DEPTH:
                 refusal = Refusal(

@@ -577,6 +577,16 @@ class SessionState:
                 self.turn_id,
                 waiting_call,
             )
+            evicted = self.handles.evict()
+            if evicted is not None:
+                # The least recently used idle child makes room: finalized.
+                parent = self.identity.fence.session_id
+                command = s.Command(
+                    delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
+                    reset=s.ResetCommand(reason=f"session {parent} holds too many children"),
+                )
+                self.outgoing.append((evicted.child_session_id, command))
+                handle = self.handles.find(work.child_session_id) or handle
         events.append(
             self.event(
                 s.EVENT_KIND_TASK_STARTED,
