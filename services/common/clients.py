@@ -148,9 +148,15 @@ class HooksClient(_Client):
         channel: str,
         aliases: list[str],
         parent: s.ParentLink | None = None,
+        first_command: s.Command | None = None,
     ) -> hooks_pb.CreateSessionResponse:
         request = hooks_pb.CreateSessionRequest(
-            session_id=session_id, owner=owner, channel=channel, aliases=aliases, parent=parent
+            session_id=session_id,
+            owner=owner,
+            channel=channel,
+            aliases=aliases,
+            parent=parent,
+            first_command=first_command,
         )
         return await _unary(self.stub.CreateSession(request, timeout=self.timeout))
 

@@ -34,7 +34,8 @@ REGISTRY_CACHE_SECONDS = 5.0
 START_CALL_SECONDS = 10.0
 DELIVERY_RETRY_MAX_SECONDS = 2.0
 
-StartLocal = Callable[[owner_pb.StartSessionRequest], Awaitable[object]]
+StartLocal = Callable[[owner_pb.StartSessionRequest], Awaitable[tuple[str, bool, bool]]]
+Offer = Callable[[str, s.InboxEntry], None]
 
 
 class Children:
@@ -47,11 +48,13 @@ class Children:
         instance_id: str,
         hooks: HooksClient,
         start_local: StartLocal,
+        offer: Offer | None = None,
     ) -> None:
         self.deployment_id = deployment_id
         self.instance_id = instance_id
         self._hooks = hooks
         self._start_local = start_local
+        self._offer = offer
         self._peers: dict[str, OwnerClient] = {}
         self._instances: tuple[float, list[tuple[str, str]]] = (0.0, [])
 
@@ -77,22 +80,17 @@ class Children:
         return peers
 
     async def start(
-        self,
-        child_session_id: str,
-        channel: str,
-        parent: s.ParentLink,
-        token_budget: int,
-        cost_budget_micros: int,
-    ) -> None:
-        """Create the child session on this deployment (idempotent: a child
-        that exists already is left as it is)."""
+        self, child_session_id: str, channel: str, parent: s.ParentLink, work: s.Command
+    ) -> bool:
+        """Create the child session on this deployment with `work` as its
+        first inbox entry. Idempotent: a child that exists already is left as
+        it is; False then says the work still has to be sent."""
         request = owner_pb.StartSessionRequest(
             session_id=child_session_id,
             deployment_id=self.deployment_id,
             channel=channel,
-            token_budget=token_budget,
-            cost_budget_micros=cost_budget_micros,
             parent=parent,
+            first_command=work,
         )
         peers = await self._live_peers()
         if peers:
@@ -101,8 +99,8 @@ class Children:
             if peer is None:
                 peer = self._peers[address] = OwnerClient(address, timeout=START_CALL_SECONDS)
             try:
-                await peer.start_session(request)
-                return
+                response = await peer.start_session(request)
+                return response.first_command_appended
             except BatonError as exc:
                 if not exc.retryable:
                     raise
@@ -114,16 +112,21 @@ class Children:
                     child_session_id=child_session_id,
                     reason=exc.reason,
                 )
-        await self._start_local(request)
+        _, _, appended = await self._start_local(request)
+        return appended
 
     async def send(self, session_id: str, command: s.Command) -> s.Receipt:
         """Append `command` to the inbox of `session_id` (a child, or a
-        parent), retrying transient failures with the same delivery id.
-        Raises what cannot succeed (the session finalized or gone)."""
+        parent), retrying transient failures with the same delivery id; a run
+        of that session in this process gets it at once. Raises what cannot
+        succeed (the session finalized or gone)."""
         backoff = 0.05
         while True:
             try:
-                return await self._hooks.resume(ids.inbox_token(session_id), command)
+                receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
+                if self._offer is not None and not receipt.duplicate:
+                    self._offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
+                return receipt
             except BatonError as exc:
                 if not exc.retryable:
                     raise

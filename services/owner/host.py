@@ -39,7 +39,6 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
-    Aborted,
     AlreadyExists,
     BatonError,
     FailedPrecondition,
@@ -149,7 +148,9 @@ class OwnerHost:
             self._launch_transferred,
             readable_formats=readable_formats,
         )
-        self.children = Children(self.deployment_id, self.instance_id, hooks, self._start_child)
+        self.children = Children(
+            self.deployment_id, self.instance_id, hooks, self.start_child, self._offer
+        )
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -203,13 +204,8 @@ class OwnerHost:
         *,
         timeout_seconds: int = 0,
         token_budget: int = 0,
-        cost_budget_micros: int = 0,
-        parent: s.ParentLink | None = None,
     ) -> tuple[str, bool, str]:
-        """Create the session (epoch 1), commit session.started, run it. With
-        `parent`, a child session (DESIGN.md §11): its run id is derived from
-        the session and this instance, so a retried start (by the parent's
-        owner) repeats the same create and first commit.
+        """Create the session (epoch 1), commit session.started, run it.
 
         Returns (owner_run_id, created, inbox_token)."""
         ids.validate_session_id(session_id)
@@ -220,8 +216,6 @@ class OwnerHost:
                 Reason.WRONG_DEPLOYMENT,
                 f"this owner runs deployment {self.deployment_id}, not {deployment_id}",
             )
-        if parent is not None:
-            self._validate_parent_link(parent, aliases)
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
         running = self.runs.get(session_id)
@@ -230,17 +224,12 @@ class OwnerHost:
         parked = self.parked.get(session_id)
         if parked is not None:
             return parked.run_id, False, inbox
-        if parent is not None and session_id in self._activating:
-            return "", False, inbox
-        if parent is not None:
-            run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
-        else:
-            run_id = ids.new_run_id()
+        run_id = ids.new_run_id()
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
         try:
-            created = await self.hooks.create_session(session_id, owner, channel, aliases, parent)
+            created = await self.hooks.create_session(session_id, owner, channel, aliases)
         except AlreadyExists as exc:
             if exc.reason == Reason.SESSION_EXISTS:
                 return exc.metadata.get("owner_run_id", ""), False, inbox
@@ -253,20 +242,66 @@ class OwnerHost:
             list(created.hooks),
             timeout_seconds=timeout_seconds,
             token_budget=token_budget,
-            cost_budget_micros=cost_budget_micros,
-            parent=parent,
         )
-        try:
-            revision = await self._commit_started(identity, snapshot)
-        except Aborted:
-            if parent is None or session_id in self.runs or session_id in self._activating:
-                raise
-            # A retried child start whose first commit landed before: run it.
-            self._start_activation(created.fence)
-            return run_id, False, inbox
+        revision = await self._commit_started(identity, snapshot)
         self._launch(identity, snapshot, revision)
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return run_id, True, inbox
+
+    async def start_child(self, request: owner_pb.StartSessionRequest) -> tuple[str, bool, bool]:
+        """Create a child session (DESIGN.md §11) with its first work in its
+        inbox (one hooks transaction) and run it with that work in hand. Its
+        first commit carries session.started with its first turn (its stream
+        exists from the create: a follower waits for it); an owner that
+        finds no snapshot (this one died first) commits session.started from
+        the parent link hooks keeps. The run id is derived from the session
+        and this instance, so a retried start repeats the same create.
+
+        Returns (owner_run_id, created, first_command_appended)."""
+        session_id = ids.validate_session_id(request.session_id)
+        ids.validate_deployment_id(request.deployment_id)
+        ids.validate_channel(request.channel)
+        if request.deployment_id != self.deployment_id:
+            raise FailedPrecondition(
+                Reason.WRONG_DEPLOYMENT,
+                f"this owner runs deployment {self.deployment_id}, not {request.deployment_id}",
+            )
+        parent = request.parent
+        self._validate_parent_link(parent, list(request.aliases))
+        await self._wait_ready()
+        known = self.runs.get(session_id) or self.parked.get(session_id)
+        if known is not None:
+            return known.run_id, False, False
+        if session_id in self._activating:
+            return "", False, False
+        run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
+        owner = s.OwnerIdentity(
+            owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
+        )
+        first = request.first_command if request.HasField("first_command") else None
+        try:
+            created = await self.hooks.create_session(
+                session_id, owner, request.channel, [], parent, first
+            )
+        except AlreadyExists as exc:
+            if exc.reason == Reason.SESSION_EXISTS:
+                return exc.metadata.get("owner_run_id", ""), False, False
+            raise
+        if session_id in self.runs:  # a concurrent start of the same child won
+            return run_id, False, False
+        identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
+        snapshot = initial_snapshot(
+            session_id, request.channel, self.deployment_id, list(created.hooks), parent=parent
+        )
+        seed = [created.first_entry] if created.HasField("first_entry") else []
+        self._launch(identity, snapshot, 0, seed=seed, unstarted=True)
+        self._log.info(
+            "child session started",
+            session_id=session_id,
+            run_id=run_id,
+            parent_session_id=parent.parent_session_id,
+        )
+        return run_id, True, bool(seed)
 
     def _validate_parent_link(self, parent: s.ParentLink, aliases: list[str]) -> None:
         ids.validate_session_id(parent.parent_session_id)
@@ -283,17 +318,13 @@ class OwnerHost:
         except LookupError as exc:
             raise InvalidArgument(Reason.UNKNOWN_SUBAGENT, str(exc)) from exc
 
-    async def _start_child(self, request: owner_pb.StartSessionRequest) -> None:
-        """A child session a run of this instance starts here (see children.py)."""
-        await self.start_session(
-            request.session_id,
-            request.deployment_id,
-            request.channel,
-            [],
-            token_budget=request.token_budget,
-            cost_budget_micros=request.cost_budget_micros,
-            parent=request.parent,
-        )
+    def _offer(self, session_id: str, entry: s.InboxEntry) -> None:
+        """An entry this process just appended to a session's inbox: a run of
+        it here takes it at once (its inbox stream would deliver it a hop
+        later; the run ignores whichever comes second)."""
+        run = self.runs.get(session_id)
+        if run is not None:
+            run.offer(entry)
 
     # -- runs ------------------------------------------------------------------
 
@@ -317,6 +348,7 @@ class OwnerHost:
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
         context: Sequence[s.ChatMessage] = (),
+        unstarted: bool = False,
     ) -> None:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
@@ -344,6 +376,7 @@ class OwnerHost:
             drain_to=self.drain_to,
             children=self.children,
             subagents=self.catalog.subagent,
+            unstarted=unstarted,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))

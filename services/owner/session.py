@@ -148,6 +148,7 @@ class SessionRun:
         drain_to: str = "",
         children: Children | None = None,
         subagents: Callable[[str], Agent | None] | None = None,
+        unstarted: bool = False,
     ) -> None:
         self.identity = identity
         self.state = SessionState(identity, snapshot, agent, context)
@@ -166,6 +167,8 @@ class SessionRun:
         self.failure: BaseException | None = None  # why the run failed, when it did
         # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
         self._pending: collections.deque[s.InboxEntry] = collections.deque(seed)
+        self._next_seq = max(snapshot.inbox_next_seq, seed[-1].seq + 1 if seed else 0)
+        self._unstarted = unstarted  # session.started goes with the first commit
         self._arrived = asyncio.Event()
         self._reader_exit: RunExit | None = None
         self._step_task: asyncio.Task[None] | None = None
@@ -222,6 +225,8 @@ class SessionRun:
                 # fails and counts against the host's restart budget.
                 self.agent.on_load(self.snapshot)
             self._start_retire()
+            if self._unstarted:
+                self._carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
             arrived_from = self.snapshot.deployment_id
             handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
             if handed_off:
@@ -366,20 +371,13 @@ class SessionRun:
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
-        next_seq = max(
-            self.snapshot.inbox_next_seq, self._pending[-1].seq + 1 if self._pending else 0
-        )
         backoff = 0.05
         while True:
             try:
-                async for response in self._hooks.stream_inbox(self.identity.fence, next_seq):
+                async for response in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
                     for entry in response.entries:
-                        if entry.seq >= next_seq:
-                            next_seq = entry.seq + 1
-                            if self._idle and not self._pending and self._is_trigger(entry):
-                                self._trigger_seq = entry.seq
-                            self._pending.append(entry)
-                            self._push(entry)
+                        if entry.seq >= self._next_seq:
+                            self._arrive(entry)
                     self._arrived.set()
                     backoff = 0.05
             except Fenced:
@@ -395,6 +393,21 @@ class SessionRun:
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def _arrive(self, entry: s.InboxEntry) -> None:
+        self._next_seq = entry.seq + 1
+        if self._idle and not self._pending and self._is_trigger(entry):
+            self._trigger_seq = entry.seq
+        self._pending.append(entry)
+        self._push(entry)
+
+    def offer(self, entry: s.InboxEntry) -> None:
+        """An entry appended to this session's inbox by this process (a
+        child's work or report): taken now when it is the next one, instead
+        of a hop later from the inbox stream, which then skips it."""
+        if entry.seq == self._next_seq and self._reader_exit is None:
+            self._arrive(entry)
+            self._arrived.set()
 
     # -- handoff (DESIGN.md §6) ------------------------------------------------
 
@@ -701,20 +714,27 @@ class SessionRun:
             if refusal is not None:
                 return refusal
             child = ids.child_session_id(self.session_id, call.id)
-            tokens, cost = h.child_budget(snapshot, step)
-            link = s.ParentLink(
-                parent_session_id=self.session_id, kind=kind, name=name, depth=depth
-            )
-            await children.start(child, snapshot.channel, link, tokens, cost)
         work = state.next_work(child) if resumed else 1
         command = s.Command(
             delivery=s.DeliveryMetadata(delivery_id=f"work:{self.session_id}:{work}"),
             send=s.SendCommand(text=text, parent_work=work),
         )
-        try:
-            await children.send(child, command)
-        except (FailedPrecondition, NotFound) as exc:
-            return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
+        delivered = False
+        if not resumed:
+            tokens, cost = h.child_budget(snapshot, step)
+            link = s.ParentLink(
+                parent_session_id=self.session_id,
+                kind=kind,
+                name=name,
+                depth=depth,
+                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+            )
+            delivered = await children.start(child, snapshot.channel, link, command)
+        if not delivered:
+            try:
+                await children.send(child, command)
+            except (FailedPrecondition, NotFound) as exc:
+                return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
         self._log.info(
             "child given work", child_session_id=child, work=work, kind=h.kind_name(kind)
         )

@@ -143,6 +143,7 @@ def initial_snapshot(
         snapshot.parent.CopyFrom(parent)
         snapshot.parent.work = 0
         del snapshot.parent.outbox[:]
+        snapshot.limits.MergeFrom(parent.limits)
     if timeout_seconds:
         # The deadline is committed with session.started: it survives restarts.
         snapshot.timeout.duration_seconds = timeout_seconds

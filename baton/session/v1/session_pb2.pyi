@@ -1307,6 +1307,7 @@ class ParentLink(_message.Message):
     WORK_FIELD_NUMBER: _builtins.int
     OUTBOX_FIELD_NUMBER: _builtins.int
     DEPTH_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
     parent_session_id: _builtins.str
     """The parent session."""
     kind: Global___TaskKind.ValueType
@@ -1325,6 +1326,10 @@ class ParentLink(_message.Message):
         are delivered (again, deduplicated by delivery id) by every run.
         """
 
+    @_builtins.property
+    def limits(self) -> Global___Limits:
+        """The child's limits as created: what its parent had left."""
+
     def __init__(
         self,
         *,
@@ -1334,10 +1339,11 @@ class ParentLink(_message.Message):
         work: _builtins.int = ...,
         outbox: _abc.Iterable[Global___TaskResultCommand] | None = ...,
         depth: _builtins.int = ...,
+        limits: Global___Limits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["depth", b"depth", "kind", b"kind", "name", b"name", "outbox", b"outbox", "parent_session_id", b"parent_session_id", "work", b"work"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depth", b"depth", "kind", b"kind", "limits", b"limits", "name", b"name", "outbox", b"outbox", "parent_session_id", b"parent_session_id", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
