@@ -17,6 +17,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.grpc_errors import error_reason
+from services.owner.host import OwnerHost
 from tests.stack import WEB, Stack
 from tests.test_turns import (
     CANCEL,
@@ -422,3 +423,49 @@ async def test_bad_child_input_changes_nothing(stack: Stack) -> None:
     # The real result still arrives and is applied once.
     events += await follow_until(stack, sid, seen(TASK_COMPLETED), start_seq=len(events))
     assert len(of(await read_all(stack, sid), TASK_COMPLETED)) == 1
+
+
+async def test_a_child_whose_creator_died_before_its_first_commit_keeps_its_parent(
+    stack: Stack,
+) -> None:
+    """The create (with the first work) landed, the creator died before the
+    child's first commit: the owner that runs the child next finds no
+    snapshot and commits session.started from the parent link hooks kept,
+    with the child's limits, and the work runs."""
+    parent = await stack.create()
+    host = stack.owner.app
+    assert isinstance(host, OwnerHost)
+    child = ids.child_session_id(parent, "call_9")
+    link = s.ParentLink(
+        parent_session_id=parent,
+        kind=s.TASK_KIND_SUBAGENT,
+        name="helper",
+        depth=1,
+        limits=s.Limits(token_budget=500),
+    )
+    work = s.Command(
+        delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:1"),
+        send=s.SendCommand(text="what is 5*5", parent_work=1),
+    )
+    owner = s.OwnerIdentity(
+        owner_run_id="run_lost", deployment_id=stack.deployment_id, instance_id=host.instance_id
+    )
+    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    try:
+        created = await hooks.create_session(child, owner, "slack", [], link, work)
+        assert created.first_entry.seq == 0
+        found = await hooks.lookup(ids.inbox_token(child))
+        assert found.parent.parent_session_id == parent and found.parent.name == "helper"
+    finally:
+        await hooks.close()
+    host._start_activation(created.fence)  # what a takeover or a restart does
+    events = await follow_until(stack, child, waits(1))
+    assert kinds(events)[:2] == names(STARTED, TURN_STARTED)
+    assert texts(events, ANSWERED) == ["The result is 25."]
+    snapshot = await snapshot_of(stack, child)
+    assert snapshot.parent.parent_session_id == parent and snapshot.parent.depth == 1
+    assert snapshot.limits.token_budget == 500
+    # Its parent never recorded it (its step died with the creator): the
+    # report is rejected there, and changes nothing.
+    rejected = await follow_until(stack, parent, seen(REJECTED))
+    assert one(rejected, REJECTED).error.reason == "UNKNOWN_TASK"
