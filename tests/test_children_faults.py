@@ -26,6 +26,8 @@ import pytest
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.cli import deployments
+from services.common.clients import OwnerClient
 from tests.procs import SLACK, ProcessStack, StackClients, eventually, received_seqs
 
 K = s.EventKind
@@ -332,3 +334,70 @@ async def _wait_log(run: Run, instances: tuple[str, ...], text: str, timeout: fl
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"no {instances} log says {text!r} within {timeout}s")
+
+
+# -- retiring a deployment: a drain waits for running children, then moves all ----------
+
+
+async def test_a_drain_moves_a_parent_after_its_running_task_and_the_child_too(
+    etcd_endpoint: str, tmp_path: Path
+) -> None:
+    """A drain of dep-a to dep-b while a parent's background task runs: the
+    parent is not idle (a child works for it), so it moves once the result
+    was applied; the child moves once its turn settled (a drain, unlike an
+    upgrade trigger, moves children: retiring a deployment strands none).
+    The moved parent continues the moved child on dep-b."""
+    run = await start(
+        etcd_endpoint,
+        tmp_path,
+        {"a1": ("dep-a", ""), "b1": ("dep-b", "")},
+        {"ingress-b": ("dep-b", "b1")},
+    )
+    b_channel = grpc.aio.insecure_channel(run.stack.addr("ingress-b"))
+    b = ingress_pb2_grpc.IngressServiceStub(b_channel)
+    try:
+        receipts = [await run.send("task 2500 one")]
+        await run.clients.wait_events(run.session_id, settled(1), "the task started", 30)
+        [child] = await children_of(run)
+        lines: list[str] = []
+        drained = asyncio.create_task(
+            deployments.drain(
+                run.stack.addr("hooks"), "dep-a", "dep-b", wait_s=60, poll_s=0.2, write=lines.append
+            )
+        )
+        # While the task runs, the drain reports the parent as blocked by it.
+        owner = OwnerClient(run.stack.addr("a1"), timeout=5)
+        try:
+
+            async def blocked() -> bool:
+                report = await owner.drain_sessions("dep-b")
+                return any(
+                    b.session_id == run.session_id and "a child session works" in b.detail
+                    for b in report.blockers
+                )
+
+            await eventually(blocked, "the parent reported as blocked by its child", 20)
+        finally:
+            await owner.close()
+        assert await drained == deployments.EXIT_DRAINED, "\n".join(lines)
+        events = await run.clients.events(run.session_id)
+        done = [e for e in events if e.kind == K.EVENT_KIND_TASK_COMPLETED]
+        handed = [e for e in events if e.kind == K.EVENT_KIND_SESSION_HANDED_OFF]
+        assert len(done) == 1 and done[0].deployment_id == "dep-a"
+        assert len(handed) == 1 and handed[0].seq > done[0].seq, "moved before its result"
+        child_events = await run.clients.events(child)
+        assert [e.text for e in child_events if e.kind == K.EVENT_KIND_SESSION_HANDED_OFF] == [
+            "dep-a"
+        ]
+        receipts.append(await run.send(f"continue {child} two", via=b))
+        events = await run.clients.wait_events(run.session_id, settled(3), "continued on B", 30)
+        assert [e.text for e in events if e.kind == ANSWERED][-1] == "slow_task says: done: two"
+        check_stream(events)
+        assert [e.deployment_id for e in events if e.kind == ANSWERED][-1] == "dep-b"
+        child_events = await run.clients.events(child)
+        check_stream(child_events)
+        last_turn = [e for e in child_events if e.kind == K.EVENT_KIND_TURN_COMPLETED][-1]
+        assert last_turn.deployment_id == "dep-b"
+    finally:
+        await b_channel.close()
+        await stop(run)

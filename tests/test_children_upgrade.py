@@ -138,10 +138,9 @@ async def test_a_child_waiting_on_a_human_keeps_the_parent_on_its_deployment(env
     await child_stays_on_a(env, child)
 
 
-async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
-    """B's own check (A never asks while a child runs): the test plays the
-    old owner X with a committed snapshot that holds a running handle."""
-    b = env.b
+async def busy_on_x(env: Env) -> tuple[str, s.OwnerIdentity, s.Fence, int]:
+    """A session of deployment dep-x (no process: the test plays its owner)
+    whose last commit holds a running child handle."""
     sid = ids.new_session_id()
     x = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-x", instance_id="x1")
     created = await env.hooks.create_session(sid, x, "slack", [])
@@ -156,6 +155,15 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
     identity = RunIdentity(created.fence, "dep-x", "x1")
     started = make_event(identity, s.EVENT_KIND_SESSION_STARTED)
     revision = await commit_step(env.anchor, identity, snapshot, [started], False, 0)
+    assert revision is not None
+    return sid, x, created.fence, revision
+
+
+async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
+    """B's own checks (A never asks while a child runs), for a trigger and for
+    a drain; and no adoption of an orphan whose child was at work."""
+    b = env.b
+    sid, x, fence, revision = await busy_on_x(env)
     command = s.Command(
         delivery=s.DeliveryMetadata(delivery_id="d-1", accepted_deployment_id="dep-b"),
         send=s.SendCommand(text="whoami"),
@@ -163,17 +171,30 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
     receipt = await env.hooks.resume(ids.inbox_token(sid), command)
     request = owner_pb2.AcceptHandoffRequest(
         handoff_id="h-1",
-        fence=created.fence,
+        fence=fence,
         deployment_id="dep-b",
         from_owner=x,
         snapshot_revision=revision,
         trigger=s.InboxEntry(seq=receipt.seq, command=command),
     )
+    drain = owner_pb2.AcceptHandoffRequest(
+        handoff_id="h-2",
+        fence=fence,
+        deployment_id="dep-b",
+        from_owner=x,
+        snapshot_revision=revision,
+        reason=s.TRANSFER_REASON_DRAIN,
+    )
     client = OwnerClient(b.addr(b.owner), timeout=5)
     try:
+        for attempt in (request, drain):
+            with pytest.raises(BatonError) as refused:
+                await client.accept_handoff(attempt)
+            assert refused.value.reason == "SESSION_NOT_IDLE"
+        # dep-x has no live owner: an orphan, but not a settled one.
         with pytest.raises(BatonError) as refused:
-            await client.accept_handoff(request)
-        assert refused.value.reason == "SESSION_NOT_IDLE"
+            await client.adopt_session(sid)
+        assert refused.value.reason == "SESSION_NOT_SETTLED"
     finally:
         await client.close()
     assert await env.transfers(sid) == []

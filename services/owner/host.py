@@ -147,6 +147,7 @@ class OwnerHost:
             anchor,
             self._launch_transferred,
             readable_formats=readable_formats,
+            catalog=self.catalog,
         )
         self.children = Children(
             self.deployment_id, self.instance_id, hooks, self.start_child, self._offer
@@ -502,6 +503,8 @@ class OwnerHost:
             refusal = self.handoffs.last_refusal.get(sid)
             if run.state.turn_open:
                 blocked(sid, Reason.SESSION_BUSY, "a turn is open; it moves when it settles")
+            elif run.state.handles.busy():
+                blocked(sid, Reason.SESSION_BUSY, "a child session works for it; it moves after")
             elif run.pending:
                 blocked(sid, Reason.SESSION_BUSY, f"{run.pending} command(s) to process first")
             elif refusal is not None:

@@ -335,6 +335,7 @@ class SessionRun:
             or self._drain is None
             or self._pending
             or self.state.turn_open
+            or self.state.handles.busy()  # a child works for it: moves when it is done
             or self.snapshot.status != s.SESSION_STATUS_ACTIVE
         ):
             return None
