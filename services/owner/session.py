@@ -33,10 +33,8 @@ from services.common.errors import (
     Aborted,
     BatonError,
     DeadlineExceeded,
-    FailedPrecondition,
     Fenced,
     InvalidArgument,
-    NotFound,
     Reason,
     ResourceExhausted,
     Unavailable,
@@ -721,21 +719,27 @@ class SessionRun:
             send=s.SendCommand(text=text, parent_work=work),
         )
         delivered = False
-        if not resumed:
-            tokens, cost = h.child_budget(snapshot, step)
-            link = s.ParentLink(
-                parent_session_id=self.session_id,
-                kind=kind,
-                name=name,
-                depth=depth,
-                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
-            )
-            delivered = await children.start(child, snapshot.channel, link, command)
-        if not delivered:
-            try:
+        try:
+            if not resumed:
+                tokens, cost = h.child_budget(snapshot, step)
+                link = s.ParentLink(
+                    parent_session_id=self.session_id,
+                    kind=kind,
+                    name=name,
+                    depth=depth,
+                    limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+                )
+                delivered = await children.start(child, snapshot.channel, link, command)
+            if not delivered:
                 await children.send(child, command)
-            except (FailedPrecondition, NotFound) as exc:
+        except BatonError as exc:
+            if exc.retryable:
+                raise  # the run starts again from its last commit; the child is derived
+            if exc.reason in (Reason.SESSION_FINALIZED, Reason.SESSION_NOT_FOUND):
                 return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
+            # Never succeeds as asked (e.g. the work is over the command limit):
+            # the model sees why.
+            return Refusal(exc.reason, exc.message)
         self._log.info(
             "child given work", child_session_id=child, work=work, kind=h.kind_name(kind)
         )
