@@ -13,7 +13,7 @@ from services.common import ids, limits
 from services.common.errors import Reason
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from services.owner.fixture import build_agent
-from services.owner.handles import Handles, Verdict, child_budget
+from services.owner.handles import Handles, Refusal, Verdict, child_budget
 from services.owner.turns import (
     Admission,
     ChildWork,
@@ -363,3 +363,44 @@ def test_the_catalog_names_the_code_of_each_child() -> None:
         except LookupError:
             continue
         raise AssertionError(f"{bad} resolved")
+
+
+def test_planning_child_work() -> None:
+    st = state(token_budget=100)
+    open_turn(st)
+    [call] = st.tool_calls(
+        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
+    )
+    step = s.Usage(input_tokens=20, output_tokens=5)
+    plan = st.plan_child_work(call, frozenset(), step, lambda name: name == "helper")
+    assert not isinstance(plan, Refusal)
+    child = ids.child_session_id(SID, call.id)
+    assert plan.work.child_session_id == child and not plan.work.resumed
+    assert plan.command.delivery.delivery_id == f"work:{SID}:1"
+    assert plan.command.send.parent_work == 1 and plan.command.send.text == "hi"
+    assert plan.link is not None and plan.link.depth == 1
+    assert plan.link.limits.token_budget == 100 - 25, "the running step's spending counts"
+
+    def refused(name: str, arguments: dict[str, object]) -> str:
+        [bad] = st.tool_calls(ModelReply(tool_calls=[RequestedCall(name, arguments)]))
+        result = st.plan_child_work(bad, frozenset(), s.Usage(), lambda n: n == "helper")
+        assert isinstance(result, Refusal), result
+        return result.reason
+
+    assert refused("ask_subagent", {"agent": "nobody", "prompt": "x"}) == Reason.UNKNOWN_SUBAGENT
+    assert refused("ask_subagent", {"agent": "helper", "prompt": " "}) == Reason.EMPTY_MESSAGE
+    assert refused("continue_task", {"handle": child, "message": "x"}) == Reason.UNKNOWN_TASK
+    deep = state(
+        parent=s.ParentLink(
+            parent_session_id=PARENT,
+            kind=s.TASK_KIND_SUBAGENT,
+            name="planner",
+            depth=limits.MAX_CHILD_DEPTH,
+        )
+    )
+    deep.start_turn(send(0, "x", caller="", work=1), collections.deque())
+    [call] = deep.tool_calls(
+        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
+    )
+    nested = deep.plan_child_work(call, frozenset(), s.Usage(), lambda n: True)
+    assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS

@@ -21,13 +21,12 @@ import enum
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, limits
+from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
@@ -41,13 +40,10 @@ from services.common.errors import (
 )
 from services.owner import handles as h
 from services.owner.agent import (
-    ASK_SUBAGENT,
-    CONTINUE_TASK,
     Agent,
     ModelRejected,
     Tool,
     ToolContext,
-    ToolMode,
 )
 from services.owner.checkpoint import Checkpoint
 from services.owner.children import Children
@@ -670,68 +666,23 @@ class SessionRun:
     ) -> ChildWork | Refusal:
         """Start a child (or pick a parked or available one) and put the work
         in its inbox; or say why not (the call's error result)."""
-        state = self.state
-        snapshot = self.snapshot
         children = self._children
         if children is None:
             return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
-        try:
-            arguments: dict[str, Any] = json.loads(call.arguments_json)
-        except ValueError:
-            arguments = {}
-        background = bool(arguments.get("background"))
-        resumed = call.name == CONTINUE_TASK
-        if resumed:
-            child = str(arguments.get("handle", ""))
-            text = str(arguments.get("message", ""))
-            refusal = state.handles.refuse_continue(child, reserved)
-            if refusal is not None:
-                return refusal
-            handle = state.handles.find(child)
-            assert handle is not None
-            kind, name = handle.kind, handle.name
-        elif call.name == ASK_SUBAGENT:
-            kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
-            text = str(arguments.get("prompt", ""))
-            if self._subagent(name) is None:
-                return Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
-        else:
-            tool = self.agent.tool_index[call.name]
-            background = tool.mode is ToolMode.BACKGROUND
-            kind = s.TASK_KIND_BACKGROUND if background else s.TASK_KIND_WORKFLOW
-            name, text = tool.name, call.arguments_json
-        if not text.strip():
-            return Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
-        if not resumed:
-            refusal = state.handles.refuse_start(len(reserved))
-            depth = snapshot.parent.depth + 1
-            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
-                refusal = Refusal(
-                    Reason.TOO_MANY_TASKS,
-                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
-                )
-            if refusal is not None:
-                return refusal
-            child = ids.child_session_id(self.session_id, call.id)
-        work = state.next_work(child) if resumed else 1
-        command = s.Command(
-            delivery=s.DeliveryMetadata(delivery_id=f"work:{self.session_id}:{work}"),
-            send=s.SendCommand(text=text, parent_work=work),
+        plan = self.state.plan_child_work(
+            call, reserved, step, lambda name: self._subagent(name) is not None
         )
+        if isinstance(plan, Refusal):
+            return plan
+        child = plan.work.child_session_id
         delivered = False
         try:
-            if not resumed:
-                tokens, cost = h.child_budget(snapshot, step)
-                link = s.ParentLink(
-                    parent_session_id=self.session_id,
-                    kind=kind,
-                    name=name,
-                    depth=depth,
-                    limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+            if plan.link is not None:
+                delivered = await children.start(
+                    child, self.snapshot.channel, plan.link, plan.command
                 )
-                delivered = await children.start(child, snapshot.channel, link, command)
             if not delivered:
-                await children.send(child, command)
+                await children.send(child, plan.command)
         except BatonError as exc:
             if exc.retryable:
                 raise  # the run starts again from its last commit; the child is derived
@@ -741,17 +692,12 @@ class SessionRun:
             # the model sees why.
             return Refusal(exc.reason, exc.message)
         self._log.info(
-            "child given work", child_session_id=child, work=work, kind=h.kind_name(kind)
-        )
-        return ChildWork(
+            "child given work",
             child_session_id=child,
-            kind=kind,
-            name=name,
-            deployment_id=self.identity.deployment_id,
-            text=text,
-            background=background,
-            resumed=resumed,
+            work=plan.command.send.parent_work,
+            kind=h.kind_name(plan.work.kind),
         )
+        return plan.work
 
     async def _call_tool(self, call: s.ToolCall) -> s.ToolResult:
         tool: Tool | None = self.agent.tool_index.get(call.name)

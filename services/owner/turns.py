@@ -39,16 +39,23 @@ import collections
 import enum
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.session.v1 import session_pb2 as s
-from services.common import limits
+from services.common import ids, limits
 from services.common.errors import Reason
 from services.owner import handles as h
-from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ModelReply, dumps_arguments
+from services.owner.agent import (
+    ASK_SUBAGENT,
+    CONTINUE_TASK,
+    Agent,
+    ModelReply,
+    ToolMode,
+    dumps_arguments,
+)
 from services.owner.context import ContextWindow
 from services.owner.handles import Handles, Verdict
 
@@ -103,6 +110,17 @@ class ChildWork:
     text: str
     background: bool
     resumed: bool
+
+
+@dataclass(frozen=True)
+class ChildPlan:
+    """How a tool call gives work to a child: the work as the step will
+    record it, the command for the child's inbox, and, for a new child, its
+    parent link (None: the child exists)."""
+
+    work: ChildWork
+    command: s.Command
+    link: s.ParentLink | None
 
 
 @dataclass
@@ -602,6 +620,75 @@ class SessionState:
                 tool_call_id=call.id, name=call.name, output=h.started_output(handle)
             )
             self.record_result(result, events, step)
+
+    def plan_child_work(
+        self,
+        call: s.ToolCall,
+        reserved: frozenset[str],
+        step: s.Usage,
+        has_subagent: Callable[[str], bool],
+    ) -> ChildPlan | h.Refusal:
+        """What the child-starting tool `call` asks for (ask_subagent,
+        continue_task, a background or workflow tool), or why it cannot be
+        done (`reserved`: children given work earlier in this step; `step`:
+        what this step spent so far, which the new child's budget leaves out)."""
+        try:
+            arguments = json.loads(call.arguments_json)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = {}
+        background = bool(arguments.get("background"))
+        resumed = call.name == CONTINUE_TASK
+        if resumed:
+            child = str(arguments.get("handle", ""))
+            text = str(arguments.get("message", ""))
+            refusal = self.handles.refuse_continue(child, reserved)
+            if refusal is not None:
+                return refusal
+            handle = self.handles.find(child)
+            assert handle is not None
+            kind, name = handle.kind, handle.name
+        elif call.name == ASK_SUBAGENT:
+            kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
+            text = str(arguments.get("prompt", ""))
+            if not has_subagent(name):
+                return h.Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
+        else:
+            tool = self.agent.tool_index[call.name]
+            background = tool.mode is ToolMode.BACKGROUND
+            kind = s.TASK_KIND_BACKGROUND if background else s.TASK_KIND_WORKFLOW
+            name, text = tool.name, call.arguments_json
+        if not text.strip():
+            return h.Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
+        parent = self.identity.fence.session_id
+        link = None
+        if not resumed:
+            refusal = self.handles.refuse_start(len(reserved))
+            depth = self.snapshot.parent.depth + 1
+            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
+                refusal = h.Refusal(
+                    Reason.TOO_MANY_TASKS,
+                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
+                )
+            if refusal is not None:
+                return refusal
+            child = ids.child_session_id(parent, call.id)
+            tokens, cost = h.child_budget(self.snapshot, step)
+            link = s.ParentLink(
+                parent_session_id=parent,
+                kind=kind,
+                name=name,
+                depth=depth,
+                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+            )
+        work = self.next_work(child) if resumed else 1
+        command = s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:{work}"),
+            send=s.SendCommand(text=text, parent_work=work),
+        )
+        given = ChildWork(child, kind, name, self.identity.deployment_id, text, background, resumed)
+        return ChildPlan(given, command, link)
 
     def next_work(self, child_session_id: str) -> int:
         """The number of the next work a (known) child would get."""
