@@ -577,3 +577,47 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
     received = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]
     assert [e.inbox_seq for e in received] == [2]
     assert [e.seq for e in events] == list(range(len(events)))
+
+
+async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    owner = OwnerClient(stack.addr(stack.owner))
+    parent = ids.new_session_id()
+    good = s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_SUBAGENT, name="helper")
+    cases = [
+        (
+            s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_SUBAGENT, name="nobody"),
+            [],
+            Reason.UNKNOWN_SUBAGENT,
+        ),
+        (
+            s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_BACKGROUND, name="calculator"),
+            [],
+            Reason.UNKNOWN_SUBAGENT,
+        ),
+        (s.ParentLink(parent_session_id=parent, name="helper"), [], Reason.INVALID_FIELD),
+        (
+            s.ParentLink(parent_session_id="ses_x", kind=s.TASK_KIND_SUBAGENT, name="helper"),
+            [],
+            Reason.INVALID_SESSION_ID,
+        ),
+        (good, ["slack:child-alias"], Reason.INVALID_FIELD),
+    ]
+    before = await durable_state(stack, etcd)
+    try:
+        for link, aliases, reason in cases:
+            with pytest.raises(BatonError) as info:
+                await owner.start_session(
+                    owner_pb.StartSessionRequest(
+                        session_id=ids.new_session_id(),
+                        deployment_id=stack.deployment_id,
+                        channel="slack",
+                        aliases=aliases,
+                        parent=link,
+                    )
+                )
+            assert info.value.reason == reason, (link, aliases)
+    finally:
+        await owner.close()
+    assert await durable_state(stack, etcd) == before

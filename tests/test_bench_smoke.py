@@ -76,3 +76,20 @@ def test_topology_bench_smoke(tmp_path: Path) -> None:
     assert set(round_) == {"1x/1", "1x/3", "2x/1"}
     assert all(round_[t]["turn"]["n"] == 5 for t in round_)
     assert set(figures["ratios"][0]) == {"p50_3_members_over_1", "throughput_2x_over_1x"}
+
+
+def test_children_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "children.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.children", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "SUBAGENT TURN: asks a one-step subagent" in proc.stdout
+    assert "subagent turn p50 <= 2.5 x plain turn p50" in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["plain"]["n"] == figures["subagent"]["n"] == figures["continue"]["n"] == 4
+    assert figures["targets"]["subagent_p50_over_plain_p50"] > 0

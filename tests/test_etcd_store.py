@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
 
 from services.cli.processes import EtcdProcess
 from services.common.errors import Unavailable
-from services.common.etcd import Store, make_client, op_get, op_put
+from services.common.etcd import (
+    Store,
+    cancel_watch,
+    make_client,
+    op_get,
+    op_put,
+    open_watch,
+)
 from services.common.keys import prefix_end
 
 
@@ -58,3 +66,46 @@ async def test_a_read_only_txn_that_outlives_its_timeout_raises_unavailable() ->
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_watch_whose_creation_is_abandoned_misroutes_no_other_watch(
+    etcd_endpoint: str,
+) -> None:
+    """aetcd binds a watch's `created` answer to whichever creation is
+    pending when it arrives. A caller that goes away while its watch is being
+    created (a StreamInbox call cancelled by its owner) must not leave that
+    answer to the next creation: that one would get the first prefix's events
+    and lose its own. Many watches are created while others are abandoned
+    half-way; every kept watch must see its own key's put, and only that."""
+    client = make_client(etcd_endpoint, 5)
+    await client.connect()
+    root = f"/watch/{uuid.uuid4().hex}/"
+    try:
+        kept: dict[bytes, Any] = {}
+        for round_ in range(20):
+            abandoned = [
+                asyncio.create_task(open_watch(client, f"{root}x{round_}-{n}/".encode()))
+                for n in range(3)
+            ]
+            prefix = f"{root}k{round_}/".encode()
+            opening = asyncio.create_task(open_watch(client, prefix))
+            await asyncio.sleep(0)
+            for task in abandoned:
+                task.cancel()
+            kept[prefix] = await opening
+            await asyncio.gather(*abandoned, return_exceptions=True)
+        for prefix in kept:
+            await client.put(prefix + b"key", b"v")
+            await client.put(prefix.replace(b"/k", b"/x") + b"noise", b"v")
+
+        async def first_event(watch: Any) -> bytes:
+            async for event in watch:
+                return bytes(event.kv.key)
+            return b""
+
+        for prefix, watch in kept.items():
+            key = await asyncio.wait_for(first_event(watch), 5)
+            assert key == prefix + b"key", f"watch of {prefix!r} got {key!r}"
+            await cancel_watch(watch)
+    finally:
+        await client.close()

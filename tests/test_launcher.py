@@ -210,6 +210,13 @@ async def test_up_then_demo_then_sigterm_stops_everything() -> None:
         assert "The result is 35." in demo_output, demo_output
         assert '"echo: hello"' in demo_output
         assert "calculator(" in demo_output and "calculator -> 35" in demo_output
+        # A subagent (a child session) answers inside a turn.
+        assert '"helper says: The result is 42."' in demo_output, demo_output
+        assert re.search(
+            r"^subagent: helper \(child session ses_\w+\) answered inside turn_3 at #\d+",
+            demo_output,
+            re.M,
+        ), demo_output
         assert "demo finished" in demo_output
 
         launcher.proc.send_signal(signal.SIGTERM)

@@ -321,14 +321,18 @@ class Journal:
                 limit=limits.READ_PAGE_EVENTS,
             )
             .read("snapshot", k.snapshot(session_id), keys_only=True)
+            .read("fence", k.fence(session_id), keys_only=True)
             .read("closed", k.closed(session_id))
             .run(self._store)
         )
         closed = result.value("closed")
+        # A session exists from its creation (its fence), before its first
+        # commit (a child session commits session.started with its first turn).
+        exists = result.kv("snapshot") is not None or result.kv("fence") is not None
         return _Page(
             events=[kv.value for kv in result.kvs("events")],
             more=result.more("events"),
-            exists=result.kv("snapshot") is not None,
+            exists=exists,
             closed=int(closed) if closed is not None else None,
             revision=result.revision,
         )

@@ -3,7 +3,10 @@
 Creates a session, follows its event stream in a background task, sends the
 demo messages one at a time and prints every event as it arrives. Each message
 is sent once the previous one's turn has settled (its `session.waiting`
-event), so every message gets its own turn. Every RPC has a deadline.
+event), so every message gets its own turn. Every RPC has a deadline. One
+message asks the fixture's `helper` subagent: a child session answers inside
+the turn (`task.started` ... `task.completed` between the turn's own events),
+which the demo checks and reports.
 
 With upgrade ingresses (ingresses of other deployments), the demo then sends
 `UPGRADE_MESSAGE` through each in turn: the idle session hands off to that
@@ -33,8 +36,10 @@ from baton.session.v1 import session_pb2 as s
 DEFAULT_INGRESS = "127.0.0.1:50051"
 DEFAULT_API_KEY = "demo-key-0001"
 # The calculator message makes the fixture agent call a tool and answer
-# "The result is 35."; "whoami" makes it report its deployment id.
-DEFAULT_MESSAGES = ("hello", "calc (2+3)*7", "whoami")
+# "The result is 35."; the "ask helper" message makes it ask its `helper`
+# subagent (a child session, which uses the calculator) and answer
+# "helper says: The result is 42."; "whoami" makes it report its deployment id.
+DEFAULT_MESSAGES = ("hello", "calc (2+3)*7", "ask helper what is 6*7", "whoami")
 # Sent through each upgrade ingress; the fixture agent answers with the
 # deployment that ran the turn ("The result is dep-2.").
 UPGRADE_MESSAGE = "whoami"
@@ -69,6 +74,8 @@ def format_event(event: s.Event) -> str:
         result = event.tool_result
         marker = " (error)" if result.is_error else ""
         details.append(f"{result.name} -> {result.output}{marker}")
+    if event.child_session_id:
+        details.append(f"{event.task.name or 'child'} {event.child_session_id}")
     if event.kind == s.EVENT_KIND_SESSION_HANDED_OFF:
         details.append(f"from {event.text or '?'} to {event.deployment_id or '?'}")
     elif event.text:
@@ -146,6 +153,28 @@ def check_moved(turn: Sequence[s.Event], source: str, target: str) -> s.Event:
     if ran_on != [target]:
         raise DemoError(f"the upgrade turn ran on {', '.join(ran_on)}, not only on {target}")
     return first
+
+
+def check_children(turn: Sequence[s.Event]) -> list[str]:
+    """The child sessions a settled turn gave work to: each must have
+    answered inside the turn. Returns a line per child; raises DemoError."""
+    lines = []
+    for started in (e for e in turn if e.kind == s.EVENT_KIND_TASK_STARTED):
+        child = started.child_session_id
+        done = [
+            e
+            for e in turn
+            if e.child_session_id == child
+            and e.kind in (s.EVENT_KIND_TASK_COMPLETED, s.EVENT_KIND_TASK_FAILED)
+        ]
+        if started.task.tool_call_id and (not done or done[-1].turn_id != started.turn_id):
+            raise DemoError(f"child session {child} did not answer inside {started.turn_id}")
+        if done and done[-1].kind == s.EVENT_KIND_TASK_COMPLETED:
+            lines.append(
+                f"subagent: {started.task.name} (child session {child}) answered inside "
+                f"{started.turn_id} at #{done[-1].seq}: {json.dumps(done[-1].text)}"
+            )
+    return lines
 
 
 def _describe(exc: BaseException) -> str:
@@ -253,8 +282,11 @@ async def run_demo(
         async def converse() -> None:
             for text in messages:
                 write(f"> {text}")
+                first_seq = tracker.next_seq
                 sent = await send(stub, text, ingress)
                 await settle(sent.delivery_id)
+                for line in check_children(tracker.events[first_seq:]):
+                    write(line)
             for address in upgrade_ingresses:
                 await upgrade(address)
             if follower.done():

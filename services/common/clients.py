@@ -142,10 +142,21 @@ class HooksClient(_Client):
         self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
 
     async def create_session(
-        self, session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
+        self,
+        session_id: str,
+        owner: s.OwnerIdentity,
+        channel: str,
+        aliases: list[str],
+        parent: s.ParentLink | None = None,
+        first_command: s.Command | None = None,
     ) -> hooks_pb.CreateSessionResponse:
         request = hooks_pb.CreateSessionRequest(
-            session_id=session_id, owner=owner, channel=channel, aliases=aliases
+            session_id=session_id,
+            owner=owner,
+            channel=channel,
+            aliases=aliases,
+            parent=parent,
+            first_command=first_command,
         )
         return await _unary(self.stub.CreateSession(request, timeout=self.timeout))
 

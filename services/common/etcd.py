@@ -243,9 +243,38 @@ async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
     read revision + 1, with writes in between) can stall new events for up to
     that long. This one is in sync from the start; the read covers the rest."""
     try:
-        return await client.watch_prefix(prefix)
+        return await create_watch(client, prefix)
     except aetcd.ClientError as exc:
         raise store_unavailable(exc) from exc
+
+
+_ABANDONED: set[asyncio.Task[Any]] = set()
+
+
+async def create_watch(client: aetcd.Client, prefix: bytes, **kwargs: Any) -> Any:
+    """`client.watch_prefix`, run to its end even when the caller goes away.
+
+    aetcd creates one watch at a time and binds a `created` answer to
+    whichever creation is pending when it arrives. A creation abandoned
+    half-way (its caller cancelled: a stream reader leaving, an owner run
+    ending) leaves its answer to be bound to the next creation, which then
+    gets the first watch's events and loses its own (its answer finds no
+    creation pending and is cancelled). So the creation always finishes; a
+    watch nobody waits for any more is cancelled once it exists."""
+    task = asyncio.ensure_future(client.watch_prefix(prefix, **kwargs))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_cancel_abandoned)
+        raise
+
+
+def _cancel_abandoned(task: asyncio.Future[Any]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    cancelling = asyncio.ensure_future(cancel_watch(task.result()))
+    _ABANDONED.add(cancelling)
+    cancelling.add_done_callback(_ABANDONED.discard)
 
 
 class Follower:
@@ -303,7 +332,7 @@ async def follow_range(
         covered = start_revision if watch is not None else 0
         try:
             if watch is None:
-                watch = await client.watch_prefix(prefix, start_revision=next_revision)
+                watch = await create_watch(client, prefix, start_revision=next_revision)
             async for event in watch:
                 if event.kv.mod_revision < covered:
                     continue

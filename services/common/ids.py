@@ -50,6 +50,13 @@ def run_id_for(key: str) -> str:
     return "run_" + _b32(hashlib.sha256(key.encode()).digest())[:26]
 
 
+def child_session_id(parent_session_id: str, tool_call_id: str) -> str:
+    """The child session a parent's tool call starts: derived, so a step run
+    again (its owner died before committing it) finds the same child."""
+    digest = hashlib.sha256(f"child\0{parent_session_id}\0{tool_call_id}".encode()).digest()
+    return SESSION_PREFIX + _b32(digest)[:26]
+
+
 def new_handoff_id() -> str:
     return "ho_" + _ulid_like()
 

@@ -41,6 +41,7 @@ inbox append so that a bell is rung exactly while the session is parked).
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 
@@ -178,18 +179,25 @@ def canonical_json(data: object) -> bytes:
 
 @dataclass(frozen=True)
 class TokenRecord:
-    """What a token-index entry holds: the session and its tenant channel."""
+    """What a token-index entry holds: the session and its tenant channel;
+    for a child session, its parent link as created (a serialized
+    `ParentLink`, base64 in the JSON; absent for other sessions)."""
 
     session_id: str
     channel: str
+    parent: bytes = b""
 
     def encode(self) -> bytes:
-        return canonical_json({"channel": self.channel, "session_id": self.session_id})
+        data = {"channel": self.channel, "session_id": self.session_id}
+        if self.parent:
+            data["parent"] = base64.b64encode(self.parent).decode()
+        return canonical_json(data)
 
     @classmethod
     def decode(cls, value: bytes) -> TokenRecord:
         data = json.loads(value)
-        return cls(session_id=data["session_id"], channel=data["channel"])
+        parent = base64.b64decode(data["parent"]) if data.get("parent") else b""
+        return cls(session_id=data["session_id"], channel=data["channel"], parent=parent)
 
 
 @dataclass(frozen=True)

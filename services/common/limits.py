@@ -45,3 +45,19 @@ RETIRE_BATCH = 256
 
 DELETE_BATCH = 512
 """Keys deleted per transaction when a finalized session expires."""
+
+MAX_LIVE_HANDLES = 64
+"""Child sessions a session may hold that are not settled (running, parked,
+available). Starting another finalizes the least recently used parked or
+available one; with every one running it is refused (TOO_MANY_TASKS)."""
+
+MAX_SETTLED_HANDLES = 16
+"""Settled handles kept in a snapshot (the latest); older ones are forgotten."""
+
+MAX_TASK_RESULT_BYTES = 32 * 1024
+"""A child's result as reported to its parent (its full answer stays on the
+child's own stream); a larger one is reported as failed
+(TASK_RESULT_TOO_LARGE)."""
+
+MAX_CHILD_DEPTH = 4
+"""How deep child sessions nest (a child of a root session is at depth 1)."""

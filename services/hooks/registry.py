@@ -151,8 +151,16 @@ class HookRegistry:
     # -- sessions and claims -------------------------------------------------
 
     async def create_session(
-        self, session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
-    ) -> tuple[s.Fence, list[str]]:
+        self,
+        session_id: str,
+        owner: s.OwnerIdentity,
+        channel: str,
+        aliases: list[str],
+        parent: s.ParentLink | None = None,
+        first_command: s.Command | None = None,
+    ) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
+        """Create the session; with `first_command`, appended as inbox entry
+        0 by the same transaction. Returns (fence, claimed tokens, that entry)."""
         ids.validate_session_id(session_id)
         ids.validate_channel(channel)
         ids.validate_deployment_id(owner.deployment_id)
@@ -166,28 +174,53 @@ class HookRegistry:
                 tokens.append(alias)
         _check_hook_count(len(tokens))
         fence = fence_value(1, owner.owner_run_id)
-        record = TokenRecord(session_id=session_id, channel=channel).encode()
+        link = b""
+        if parent is not None and parent.parent_session_id:
+            ids.validate_session_id(parent.parent_session_id)
+            kept = s.ParentLink()
+            kept.CopyFrom(parent)
+            del kept.outbox[:]
+            link = kept.SerializeToString()
+        record = TokenRecord(session_id=session_id, channel=channel, parent=link).encode()
         owner_record = _owner_record(owner, 1)
         owner_raw = owner_record.encode()
+        first: s.InboxEntry | None = None
+        head = 0
+        inbox: list[rpc.RequestOp] = []
+        if first_command is not None and first_command.WhichOneof("kind"):
+            _check_command(first_command)
+            now = Timestamp()
+            now.GetCurrentTime()
+            first = s.InboxEntry(seq=0, command=first_command, accepted_at=now)
+            head = 1
+            inbox.append(op_put(k.inbox_entry(session_id, 0), first.SerializeToString()))
+            if first_command.delivery.delivery_id:
+                delivery = k.delivery(session_id, first_command.delivery.delivery_id)
+                inbox.append(op_put(delivery, b"0"))
         compare = [cmp_absent(k.fence(session_id))] + [cmp_absent(k.token(t)) for t in tokens]
         success = [
             op_put(k.fence(session_id), fence),
             op_put(k.owner(session_id), owner_raw),
             op_put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence),
             op_put(k.hooks(session_id), canonical_json(tokens)),
-            op_put(k.inbox_head(session_id), b"0"),
+            op_put(k.inbox_head(session_id), str(head).encode()),
+            *inbox,
         ] + [op_put(k.token(t), record) for t in tokens]
-        failure = [op_get(k.fence(session_id)), op_get(k.hooks(session_id))] + [
-            op_get(k.token(t)) for t in tokens
-        ]
+        failure = [
+            op_get(k.fence(session_id)),
+            op_get(k.hooks(session_id)),
+            op_get(k.inbox_entry(session_id, 0)),
+        ] + [op_get(k.token(t)) for t in tokens]
         response = await self._store.txn(compare, success, failure)
         result = s.Fence(session_id=session_id, owner_run_id=owner.owner_run_id, epoch=1)
         if response.succeeded:
-            self._remember(session_id, _SessionState(0, owner_raw, owner_record))
-            return result, tokens
+            self._remember(session_id, _SessionState(head, owner_raw, owner_record))
+            return result, tokens, first
         existing = single_value(response.responses[0])
         if existing == fence:  # a retry of the create that already succeeded
-            return result, json.loads(single_value(response.responses[1]) or b"[]")
+            raw = single_value(response.responses[2])
+            entry = s.InboxEntry.FromString(raw) if raw is not None and first else None
+            return result, json.loads(single_value(response.responses[1]) or b"[]"), entry
         if existing is not None:
             _, run = existing.decode().partition("/")[::2]
             raise AlreadyExists(
@@ -196,7 +229,7 @@ class HookRegistry:
                 session_id=session_id,
                 owner_run_id=run,
             )
-        for token, got in zip(tokens, response.responses[2:], strict=True):
+        for token, got in zip(tokens, response.responses[3:], strict=True):
             holder = single_value(got)
             if holder is not None:
                 held_by = TokenRecord.decode(holder).session_id
@@ -536,14 +569,7 @@ class HookRegistry:
 
     async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         """Durably append `command` to the inbox of the session `token` names."""
-        size = command.ByteSize()
-        if size > MAX_COMMAND_BYTES:
-            raise InvalidArgument(
-                Reason.MESSAGE_TOO_LARGE,
-                f"command is {size} bytes; the limit is {MAX_COMMAND_BYTES}",
-            )
-        if command.delivery.delivery_id:
-            ids.validate_id(command.delivery.delivery_id, "delivery_id")
+        _check_command(command)
         record = await self.lookup(token, channel, cached=True)
         raw = self._tokens.get(token)
         assert raw is not None
@@ -819,6 +845,17 @@ class HookRegistry:
 def _settle(item: _Append, receipt: s.Receipt) -> None:
     if not item.future.done():
         item.future.set_result(receipt)
+
+
+def _check_command(command: s.Command) -> None:
+    size = command.ByteSize()
+    if size > MAX_COMMAND_BYTES:
+        raise InvalidArgument(
+            Reason.MESSAGE_TOO_LARGE,
+            f"command is {size} bytes; the limit is {MAX_COMMAND_BYTES}",
+        )
+    if command.delivery.delivery_id:
+        ids.validate_id(command.delivery.delivery_id, "delivery_id")
 
 
 def _check_hook_count(count: int) -> None:

@@ -95,11 +95,19 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         if not request.HasField("owner"):
             raise InvalidArgument(Reason.MISSING_FIELD, "owner is required")
-        fence, hooks = await self._registry.create_session(
-            request.session_id, request.owner, request.channel, list(request.aliases)
+        fence, hooks, first = await self._registry.create_session(
+            request.session_id,
+            request.owner,
+            request.channel,
+            list(request.aliases),
+            request.parent if request.HasField("parent") else None,
+            request.first_command if request.HasField("first_command") else None,
         )
         return pb.CreateSessionResponse(
-            fence=fence, inbox_token=ids.inbox_token(request.session_id), hooks=hooks
+            fence=fence,
+            inbox_token=ids.inbox_token(request.session_id),
+            hooks=hooks,
+            first_entry=first,
         )
 
     async def ClaimHooks(
@@ -125,7 +133,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.LookupHookRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupHookResponse:
         record = await self._registry.lookup(request.token, request.channel)
-        return pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
+        response = pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
+        if record.parent:
+            response.parent.ParseFromString(record.parent)
+        return response
 
     async def DisposeHooks(
         self, request: pb.DisposeHooksRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,13 @@ from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
-from services.common.errors import InvalidArgument, PermissionDenied, Reason, Unauthenticated
+from services.common.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Reason,
+    Unauthenticated,
+)
 from services.ingress.orphans import OrphanWatch
 
 MAX_LABELS = 32
@@ -206,7 +212,13 @@ class Edge:
             raise InvalidArgument(Reason.MISSING_FIELD, "name the session by session_id or alias")
         ids.validate_session_id(session_id)
         # The snapshot names the tenant, and outlives the tokens of a finalized session.
-        snapshot = await self._anchor.snapshot(session_id)
+        try:
+            snapshot = await self._anchor.snapshot(session_id)
+        except NotFound:
+            # No commit yet (a child session commits session.started with its
+            # first turn): its inbox token names the tenant.
+            await self._hooks.lookup(ids.inbox_token(session_id), channel)
+            return session_id
         if snapshot.channel != channel:
             raise PermissionDenied(Reason.CROSS_TENANT, "the session belongs to another channel")
         return session_id

@@ -16,6 +16,20 @@ Scripted behaviour of its model, by the last message it sees:
 - "big <kib>"               -> a `big` tool call whose result is <kib> KiB of text;
 - "say <kib>"               -> an answer of <kib> KiB of text;
 - compaction instructions   -> "<N> messages about: <first user message>".
+Child sessions (DESIGN.md §11):
+- "ask <agent> <prompt>"    -> asks the subagent (`helper`, or `planner`, which
+                               can ask `helper` itself; `nobody` names none); the
+                               turn waits for the reply;
+- "bg <agent> <prompt>"     -> the same in the background (a handle at once);
+- "continue [<handle>] <message>" -> continues a parked subagent (the latest one
+                               asked in this conversation, or the named handle);
+- "task <ms> <text>"        -> the background tool `slow_task` (sleeps <ms>, then
+                               "done: <text>");
+- "workflow <ms> <text>"    -> the workflow tool `pipeline`: three durable steps
+                               (fetch, transform, store), each sleeping <ms>;
+- a child's result (as a tool result, or a background one as a message) ->
+  "<name> says: <result>", "Started <name> as <handle>.", "<name> finished: <result>",
+  or "<name> <failed|cancelled>: <error>".
 - anything else             -> "echo: <text>".
 Usage: prompt tokens are the words of the instructions and of the last message
 plus one per earlier message; completion tokens are the words of the answer.
@@ -26,13 +40,24 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import json
 import operator
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from baton.session.v1 import session_pb2 as s
-from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
+from services.owner.agent import (
+    ASK_SUBAGENT,
+    CONTINUE_TASK,
+    Agent,
+    ModelReply,
+    RequestedCall,
+    Tool,
+    ToolContext,
+    ToolMode,
+    WorkflowStep,
+)
 
 _CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
 _STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)
@@ -42,6 +67,10 @@ _TRANSFER = re.compile(r"^\s*transfer\s+(\S+)\s*$", re.IGNORECASE)
 _ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
 _BIG = re.compile(r"^\s*big\s+(\d+)\s*$", re.IGNORECASE)
 _SAY = re.compile(r"^\s*say\s+(\d+)\s*$", re.IGNORECASE)
+_ASK = re.compile(r"^\s*(ask|bg)\s+(helper|planner|nobody)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
+_CONTINUE = re.compile(r"^\s*continue\s+(?:(ses_[0-9a-z]{26})\s+)?(.+?)\s*$", re.DOTALL)
+_TASK = re.compile(r"^\s*task\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
+_WORKFLOW = re.compile(r"^\s*workflow\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 _QUESTION = "What is your name?"
 
 _OPS: dict[type, Any] = {
@@ -121,6 +150,24 @@ async def _big(arguments: dict[str, Any], ctx: ToolContext) -> str:
     return "x" * (int(arguments.get("kib", 0)) * 1024)
 
 
+async def _slow_task(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    """The background tool: runs in a child session of its own."""
+    await asyncio.sleep(int(arguments.get("ms", 0) or 0) / 1000)
+    text = str(arguments.get("text") or arguments.get("input") or "")
+    if text == "fail":
+        raise RuntimeError("the task was asked to fail")
+    return f"done: {text}"
+
+
+def _pipeline_step(name: str, verb: str) -> WorkflowStep:
+    async def step(arguments: dict[str, Any], ctx: ToolContext) -> str:
+        await asyncio.sleep(int(arguments.get("ms", 0) or 0) / 1000)
+        previous = str(arguments.get("previous", "")) or str(arguments.get("text", ""))
+        return f"{verb} {previous}"
+
+    return WorkflowStep(name, step)
+
+
 def _words(text: str) -> int:
     return len(text.split())
 
@@ -139,6 +186,10 @@ class FixtureModel:
             text = f"{len(history)} messages about: {first}"
             return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
         last = history[-1]
+        if last.role == s.ROLE_TOOL and (answer := _child_answer(last.content)):
+            return ModelReply(text=answer, input_tokens=prompt_tokens, output_tokens=_words(answer))
+        if last.role == s.ROLE_USER and (answer := _background_answer(last.content)):
+            return ModelReply(text=answer, input_tokens=prompt_tokens, output_tokens=_words(answer))
         if last.role == s.ROLE_TOOL:
             step, ms = _next_sleep_step(history)
             if step:
@@ -161,6 +212,8 @@ class FixtureModel:
                 return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
         user = last.content
         command = user.strip().lower()
+        if call := _child_call(user, history, tools):
+            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
         if match := _WAIT.match(user):
             await asyncio.sleep(int(match.group(1)) / 1000)
             text = f"echo: {user}"
@@ -198,6 +251,71 @@ class FixtureModel:
             return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
         text = f"echo: {user}"
         return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+
+
+def _child_call(
+    user: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+) -> RequestedCall | None:
+    """The child-session behaviours (only for agents that have those tools)."""
+    names = {t.name for t in tools}
+    if (match := _ASK.match(user)) and ASK_SUBAGENT in names:
+        arguments: dict[str, Any] = {"agent": match.group(2), "prompt": match.group(3)}
+        if match.group(1).lower() == "bg":
+            arguments["background"] = True
+        return RequestedCall(ASK_SUBAGENT, arguments)
+    if (match := _CONTINUE.match(user)) and CONTINUE_TASK in names:
+        handle = match.group(1) or _latest_subagent(history)
+        return RequestedCall(CONTINUE_TASK, {"handle": handle, "message": match.group(2)})
+    if (match := _TASK.match(user)) and "slow_task" in names:
+        return RequestedCall("slow_task", {"ms": int(match.group(1)), "text": match.group(2)})
+    if (match := _WORKFLOW.match(user)) and "pipeline" in names:
+        return RequestedCall("pipeline", {"ms": int(match.group(1)), "text": match.group(2)})
+    return None
+
+
+def _as_report(content: str) -> dict[str, Any] | None:
+    if not content.startswith("{"):
+        return None
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _child_answer(content: str) -> str:
+    """The answer to a child-tool result ("" when it is not one)."""
+    body = _as_report(content)
+    if body is None or "handle" not in body:
+        return ""
+    name, status = body.get("name", "?"), body.get("status", "")
+    if status == "running":
+        return f"Started {name} as {body['handle']}."
+    if status == "completed":
+        return f"{name} says: {body.get('result', '')}"
+    return f"{name} {status}: {body.get('error', '')}"
+
+
+def _background_answer(content: str) -> str:
+    body = _as_report(content)
+    report = body.get("task_result") if body else None
+    if not isinstance(report, dict):
+        return ""
+    name = report.get("name", "?")
+    if report.get("status") == "completed":
+        return f"{name} finished: {report.get('result', '')}"
+    return f"{name} {report.get('status', 'failed')}: {report.get('error', '')}"
+
+
+def _latest_subagent(history: Sequence[s.ChatMessage]) -> str:
+    """The handle of the latest subagent this conversation heard from."""
+    for message in reversed(history):
+        body = _as_report(message.content)
+        if body and body.get("task_result"):
+            body = body["task_result"]
+        if body and body.get("kind") == "subagent" and body.get("handle"):
+            return str(body["handle"])
+    return ""
 
 
 def _pending_echo_steps(history: Sequence[s.ChatMessage]) -> int:
@@ -277,13 +395,57 @@ TOOLS = (
 )
 
 
+CHILD_TOOLS = (
+    Tool(
+        "slow_task",
+        "Run a slow job in the background: sleeps <ms>, then reports done.",
+        {"type": "object", "properties": {"ms": {"type": "integer"}, "text": {"type": "string"}}},
+        _slow_task,
+        mode=ToolMode.BACKGROUND,
+    ),
+    Tool(
+        "pipeline",
+        "A durable three-step workflow (fetch, transform, store); the turn waits.",
+        {"type": "object", "properties": {"ms": {"type": "integer"}, "text": {"type": "string"}}},
+        _slow_task,
+        mode=ToolMode.WORKFLOW,
+        steps=(
+            _pipeline_step("fetch", "fetched"),
+            _pipeline_step("transform", "transformed"),
+            _pipeline_step("store", "stored"),
+        ),
+    ),
+)
+
+
+def build_helper(deployment_id: str) -> Agent:
+    """The `helper` subagent: the fixture model with the inline tools."""
+    return Agent(
+        name="helper",
+        deployment_id=deployment_id,
+        instructions="You are the helper subagent.",
+        model=FixtureModel(),
+        tools=TOOLS,
+    )
+
+
 def build_agent(deployment_id: str) -> Agent:
+    helper = build_helper(deployment_id)
+    planner = Agent(
+        name="planner",
+        deployment_id=deployment_id,
+        instructions="You are the planner subagent; you may ask the helper.",
+        model=FixtureModel(),
+        tools=TOOLS,
+        subagents=(helper,),
+    )
     return Agent(
         name="fixture",
         deployment_id=deployment_id,
         instructions="You are Baton's deterministic fixture agent.",
         model=FixtureModel(),
-        tools=TOOLS,
+        tools=TOOLS + CHILD_TOOLS,
+        subagents=(helper, planner),
     )
 
 

@@ -64,7 +64,9 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import Background
+from services.owner.agent import AgentCatalog
 from services.owner.checkpoint import Checkpoint
+from services.owner.handles import Handles
 
 log = structlog.get_logger("baton.owner.handoff")
 
@@ -100,8 +102,10 @@ class HandoffBroker:
         launch: Launch,
         *,
         readable_formats: frozenset[int],
+        catalog: AgentCatalog | None = None,
     ) -> None:
         self.deployment_id = deployment_id
+        self.catalog = catalog
         self.instance_id = instance_id
         self.hooks = hooks
         self.anchor = anchor
@@ -424,10 +428,12 @@ class HandoffBroker:
         if snapshot.status != s.SESSION_STATUS_ACTIVE:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
         if request.reason == s.TRANSFER_REASON_DRAIN:
-            if snapshot.HasField("open_turn"):
+            if snapshot.HasField("open_turn") or Handles(snapshot).busy():
                 raise FailedPrecondition(
-                    Reason.SESSION_NOT_IDLE, f"session {sid} has an open turn at the checkpoint"
+                    Reason.SESSION_NOT_IDLE,
+                    f"session {sid} has an open turn or a running child at the checkpoint",
                 )
+            self._check_child_code(snapshot)
             return  # nothing unprocessed: the transfer compares the inbox head
         if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != trigger.seq:
             raise FailedPrecondition(
@@ -435,8 +441,29 @@ class HandoffBroker:
                 f"session {sid} is not idle at the checkpoint (open turn, or the trigger "
                 f"{trigger.seq} is not its next inbox entry {snapshot.inbox_next_seq})",
             )
+        if snapshot.parent.parent_session_id or Handles(snapshot).busy():
+            # Parked and available handles cross (stable addresses); a running
+            # child keeps the parent where it is, and a child never moves.
+            raise FailedPrecondition(
+                Reason.SESSION_NOT_IDLE,
+                f"session {sid} is not idle at the checkpoint (a child session works for "
+                "it, or it is a child session)",
+            )
         if trigger.command.WhichOneof("kind") != "send":
             raise InvalidArgument(Reason.INVALID_FIELD, "only a send triggers a handoff")
+
+    def _check_child_code(self, snapshot: s.SessionSnapshot) -> None:
+        """A child session moves (by a drain or an adoption, never by an
+        upgrade trigger) only to a build that has its subagent or tool."""
+        if not snapshot.parent.parent_session_id or self.catalog is None:
+            return
+        try:
+            self.catalog.agent_for(snapshot.parent)
+        except LookupError as exc:
+            raise FailedPrecondition(
+                Reason.CHECKPOINT_INCOMPATIBLE,
+                f"child session {snapshot.session_id}: {exc} (deployment {self.deployment_id})",
+            ) from exc
 
     async def _transfer_and_start(
         self,
@@ -524,6 +551,17 @@ class HandoffBroker:
                 f"session {sid} was not settled when deployment {old} lost its last owner "
                 f"(turn {snapshot.open_turn.turn_id} open); it waits for deployment {old}",
             )
+        if Handles(snapshot).busy():
+            bound.warning(
+                "orphaned session not adopted: a child session was working for it; "
+                "it waits for an owner of its own deployment"
+            )
+            raise FailedPrecondition(
+                Reason.SESSION_NOT_SETTLED,
+                f"session {sid} was not settled when deployment {old} lost its last owner "
+                f"(a child session works for it); it waits for deployment {old}",
+            )
+        self._check_child_code(snapshot)
         # One handoff id per (old fence, adopting instance): a repeat here is a
         # replay; another instance's attempt races it on the fence.
         handoff_id = f"adopt_{owner.fence.epoch}_{self.instance_id}"

@@ -11,12 +11,16 @@ A session held here is in one of three states:
 - activating: in `_activating` while the snapshot is loaded (wake, takeover,
   retry after a failed run).
 
-Sessions arrive through StartSession (created here) and through takeovers of
-the sessions of dead instances of this deployment (`adopt`, driven by the
-fleet). A successor continues from the last committed snapshot and its inbox
-position: committed steps are never executed again; the one step in flight
-when the previous owner died (its model and tool calls were never committed)
-is executed again — at-least-once for that step only (DESIGN.md §4).
+Sessions arrive through StartSession (created here: by ingress, or, for a
+child session, by the owner of its parent, possibly this one; see
+services/owner/children.py) and through takeovers of the sessions of dead
+instances of this deployment (`adopt`, driven by the fleet). Which authored
+agent runs a session is the catalog's answer for its parent link (the root
+agent for a session without one). A successor continues from the last
+committed snapshot and its inbox position: committed steps are never
+executed again; the one step in flight when the previous owner died (its
+model and tool calls were never committed) is executed again — at-least-once
+for that step only (DESIGN.md §4).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import Background
-from services.owner.agent import Agent
+from services.owner.agent import Agent, AgentCatalog
+from services.owner.children import Children
 from services.owner.handoff import HandoffBroker
 from services.owner.session import (
     SNAPSHOT_FORMAT,
@@ -111,6 +116,7 @@ class OwnerHost:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
         self.instance_id = ids.validate_id(instance_id, "instance_id")
         self.agent = agent
+        self.catalog = AgentCatalog(agent)
         self.hooks = hooks
         self.anchor = anchor
         self.park_after = park_after
@@ -141,6 +147,10 @@ class OwnerHost:
             anchor,
             self._launch_transferred,
             readable_formats=readable_formats,
+            catalog=self.catalog,
+        )
+        self.children = Children(
+            self.deployment_id, self.instance_id, hooks, self.start_child, self._offer
         )
 
     # -- lifecycle ------------------------------------------------------------
@@ -170,6 +180,7 @@ class OwnerHost:
         if self._drain_pump is not None:
             self._drain_pump.cancel()
         await self.handoffs.close()
+        await self.children.close()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -238,6 +249,84 @@ class OwnerHost:
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return run_id, True, inbox
 
+    async def start_child(self, request: owner_pb.StartSessionRequest) -> tuple[str, bool, bool]:
+        """Create a child session (DESIGN.md §11) with its first work in its
+        inbox (one hooks transaction) and run it with that work in hand. Its
+        first commit carries session.started with its first turn (its stream
+        exists from the create: a follower waits for it); an owner that
+        finds no snapshot (this one died first) commits session.started from
+        the parent link hooks keeps. The run id is derived from the session
+        and this instance, so a retried start repeats the same create.
+
+        Returns (owner_run_id, created, first_command_appended)."""
+        session_id = ids.validate_session_id(request.session_id)
+        ids.validate_deployment_id(request.deployment_id)
+        ids.validate_channel(request.channel)
+        if request.deployment_id != self.deployment_id:
+            raise FailedPrecondition(
+                Reason.WRONG_DEPLOYMENT,
+                f"this owner runs deployment {self.deployment_id}, not {request.deployment_id}",
+            )
+        parent = request.parent
+        self._validate_parent_link(parent, list(request.aliases))
+        await self._wait_ready()
+        known = self.runs.get(session_id) or self.parked.get(session_id)
+        if known is not None:
+            return known.run_id, False, False
+        if session_id in self._activating:
+            return "", False, False
+        run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
+        owner = s.OwnerIdentity(
+            owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
+        )
+        first = request.first_command if request.HasField("first_command") else None
+        try:
+            created = await self.hooks.create_session(
+                session_id, owner, request.channel, [], parent, first
+            )
+        except AlreadyExists as exc:
+            if exc.reason == Reason.SESSION_EXISTS:
+                return exc.metadata.get("owner_run_id", ""), False, False
+            raise
+        if session_id in self.runs:  # a concurrent start of the same child won
+            return run_id, False, False
+        identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
+        snapshot = initial_snapshot(
+            session_id, request.channel, self.deployment_id, list(created.hooks), parent=parent
+        )
+        seed = [created.first_entry] if created.HasField("first_entry") else []
+        self._launch(identity, snapshot, 0, seed=seed, unstarted=True)
+        self._log.info(
+            "child session started",
+            session_id=session_id,
+            run_id=run_id,
+            parent_session_id=parent.parent_session_id,
+        )
+        return run_id, True, bool(seed)
+
+    def _validate_parent_link(self, parent: s.ParentLink, aliases: list[str]) -> None:
+        ids.validate_session_id(parent.parent_session_id)
+        if aliases:
+            raise InvalidArgument(Reason.INVALID_FIELD, "a child session takes no aliases")
+        if parent.kind not in (
+            s.TASK_KIND_SUBAGENT,
+            s.TASK_KIND_BACKGROUND,
+            s.TASK_KIND_WORKFLOW,
+        ):
+            raise InvalidArgument(Reason.INVALID_FIELD, "parent.kind is required")
+        try:
+            self.catalog.agent_for(parent)
+        except LookupError as exc:
+            raise InvalidArgument(Reason.UNKNOWN_SUBAGENT, str(exc)) from exc
+
+    def _offer(self, session_id: str, entry: s.InboxEntry) -> None:
+        """An entry this process just appended to a session's inbox: a run of
+        it here takes it at once (its inbox stream would deliver it a hop
+        later; the run ignores whichever comes second)."""
+        run = self.runs.get(session_id)
+        if run is not None:
+            run.offer(entry)
+
     # -- runs ------------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -260,14 +349,22 @@ class OwnerHost:
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
         context: Sequence[s.ChatMessage] = (),
+        unstarted: bool = False,
     ) -> None:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
             return  # a stale activation: a newer run holds the session here
+        try:
+            agent = self.catalog.agent_for(snapshot.parent if snapshot.HasField("parent") else None)
+        except LookupError as exc:
+            # Not this build's code (cannot happen for a child created here):
+            # a deterministic failure, counted by the restart budget.
+            self._run_failed(identity.fence, FailedPrecondition(Reason.UNKNOWN_SUBAGENT, str(exc)))
+            return
         run = SessionRun(
             identity,
             snapshot,
-            self.agent,
+            agent,
             self.hooks,
             self.anchor,
             park_after=self.park_after,
@@ -278,6 +375,9 @@ class OwnerHost:
             context=context,
             drain=self.handoffs.drain,
             drain_to=self.drain_to,
+            children=self.children,
+            subagents=self.catalog.subagent,
+            unstarted=unstarted,
         )
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
@@ -403,6 +503,8 @@ class OwnerHost:
             refusal = self.handoffs.last_refusal.get(sid)
             if run.state.turn_open:
                 blocked(sid, Reason.SESSION_BUSY, "a turn is open; it moves when it settles")
+            elif run.state.handles.busy():
+                blocked(sid, Reason.SESSION_BUSY, "a child session works for it; it moves after")
             elif run.pending:
                 blocked(sid, Reason.SESSION_BUSY, f"{run.pending} command(s) to process first")
             elif refusal is not None:
@@ -595,7 +697,8 @@ class OwnerHost:
         sid = identity.fence.session_id
         found = await self.hooks.lookup(ids.inbox_token(sid))
         tokens = await self.hooks.claim(identity.fence, [])
-        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens)
+        parent = found.parent if found.HasField("parent") else None
+        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens, parent=parent)
         revision = await self._commit_started(identity, snapshot)
         self._log.info("session started by its successor", session_id=sid)
         return snapshot, revision

@@ -7,6 +7,7 @@ import structlog
 
 from baton.owner.v1 import owner_pb2 as pb
 from baton.owner.v1 import owner_pb2_grpc
+from services.common import ids
 from services.owner.host import OwnerHost
 
 
@@ -18,6 +19,15 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
         self, request: pb.StartSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        if request.HasField("parent"):
+            run_id, created, appended = await self._host.start_child(request)
+            return pb.StartSessionResponse(
+                session_id=request.session_id,
+                owner_run_id=run_id,
+                created=created,
+                inbox_token=ids.inbox_token(request.session_id),
+                first_command_appended=appended,
+            )
         run_id, created, inbox = await self._host.start_session(
             request.session_id,
             request.deployment_id,

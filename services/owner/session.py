@@ -6,8 +6,11 @@ through anchor as one fenced transaction: the step's events, the history
 entries it appended and the new snapshot, whose inbox position says which
 commands the step consumed. What commands and steps mean is decided by the
 pure turn rules (`services.owner.turns.SessionState`); this module does the
-I/O: the inbox, the model and tool calls, commits, the timer, parking and
-handoffs.
+I/O: the inbox, the model and tool calls, commits, the timer, parking,
+handoffs, and child sessions (work given in a step reaches the child before
+the step commits; cancels and resets for children before the commit that
+decides them; a child's reports reach its parent after the commit that
+makes them, or before it when the child finalizes).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
@@ -35,11 +38,20 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.owner.agent import Agent, ModelRejected, Tool, ToolContext
+from services.owner import handles as h
+from services.owner.agent import (
+    Agent,
+    ModelRejected,
+    Tool,
+    ToolContext,
+)
 from services.owner.checkpoint import Checkpoint
+from services.owner.children import Children
+from services.owner.handles import Refusal, Verdict
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
+    ChildWork,
     Outcome,
     RunIdentity,
     SessionState,
@@ -47,6 +59,7 @@ from services.owner.turns import (
     initial_snapshot,
     make_event,
     safe_error,
+    usage_of,
 )
 
 __all__ = [
@@ -127,10 +140,16 @@ class SessionRun:
         context: Sequence[s.ChatMessage] = (),
         drain: Drain | None = None,
         drain_to: str = "",
+        children: Children | None = None,
+        subagents: Callable[[str], Agent | None] | None = None,
+        unstarted: bool = False,
     ) -> None:
         self.identity = identity
         self.state = SessionState(identity, snapshot, agent, context)
         self.agent = agent
+        self._children = children
+        self._subagent = subagents or agent.subagent
+        self._delivering: asyncio.Task[None] | None = None
         self._hooks = hooks
         self._anchor = anchor
         self._on_exit = on_exit
@@ -142,6 +161,8 @@ class SessionRun:
         self.failure: BaseException | None = None  # why the run failed, when it did
         # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
         self._pending: collections.deque[s.InboxEntry] = collections.deque(seed)
+        self._next_seq = max(snapshot.inbox_next_seq, seed[-1].seq + 1 if seed else 0)
+        self._unstarted = unstarted  # session.started goes with the first commit
         self._arrived = asyncio.Event()
         self._reader_exit: RunExit | None = None
         self._step_task: asyncio.Task[None] | None = None
@@ -198,6 +219,8 @@ class SessionRun:
                 # fails and counts against the host's restart budget.
                 self.agent.on_load(self.snapshot)
             self._start_retire()
+            if self._unstarted:
+                self._carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
             arrived_from = self.snapshot.deployment_id
             handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
             if handed_off:
@@ -215,6 +238,7 @@ class SessionRun:
                 # Moved by a drain or an adoption (no trigger in hand): say so
                 # on the stream now, not with whatever comes next.
                 await self._guarded(self._commit([]))
+            self._deliver_reports()  # a predecessor's, if it could not
             if state.turn_open and not state.still_waiting():
                 # Recovery: the step in flight at the predecessor's crash runs again.
                 turn = self.snapshot.open_turn
@@ -257,7 +281,7 @@ class SessionRun:
             exit = RunExit.FAILED
         finally:
             reader.cancel()
-            for task in (self._timer, self._retiring):
+            for task in (self._timer, self._retiring, self._delivering):
                 if task is not None:
                     task.cancel()
             if self._on_exit is not None:
@@ -305,6 +329,7 @@ class SessionRun:
             or self._drain is None
             or self._pending
             or self.state.turn_open
+            or self.state.handles.busy()  # a child works for it: moves when it is done
             or self.snapshot.status != s.SESSION_STATUS_ACTIVE
         ):
             return None
@@ -341,20 +366,13 @@ class SessionRun:
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
-        next_seq = max(
-            self.snapshot.inbox_next_seq, self._pending[-1].seq + 1 if self._pending else 0
-        )
         backoff = 0.05
         while True:
             try:
-                async for response in self._hooks.stream_inbox(self.identity.fence, next_seq):
+                async for response in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
                     for entry in response.entries:
-                        if entry.seq >= next_seq:
-                            next_seq = entry.seq + 1
-                            if self._idle and not self._pending and self._is_trigger(entry):
-                                self._trigger_seq = entry.seq
-                            self._pending.append(entry)
-                            self._push(entry)
+                        if entry.seq >= self._next_seq:
+                            self._arrive(entry)
                     self._arrived.set()
                     backoff = 0.05
             except Fenced:
@@ -371,6 +389,21 @@ class SessionRun:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
+    def _arrive(self, entry: s.InboxEntry) -> None:
+        self._next_seq = entry.seq + 1
+        if self._idle and not self._pending and self._is_trigger(entry):
+            self._trigger_seq = entry.seq
+        self._pending.append(entry)
+        self._push(entry)
+
+    def offer(self, entry: s.InboxEntry) -> None:
+        """An entry appended to this session's inbox by this process (a
+        child's work or report): taken now when it is the next one, instead
+        of a hop later from the inbox stream, which then skips it."""
+        if entry.seq == self._next_seq and self._reader_exit is None:
+            self._arrive(entry)
+            self._arrived.set()
+
     # -- handoff (DESIGN.md §6) ------------------------------------------------
 
     def _is_trigger(self, entry: s.InboxEntry) -> bool:
@@ -381,6 +414,8 @@ class SessionRun:
         results, cancel, reset, clear, compact — never does."""
         if self._hand_off is None or self._snapshot_revision is None:
             return False  # unknown eligibility: skip
+        if not self.state.idle_for_handoff():
+            return False  # a child works for it (or it is a child): not idle
         command = entry.command
         if command.WhichOneof("kind") != "send":
             return False
@@ -426,7 +461,7 @@ class SessionRun:
             task.cancel()
 
     async def _try_park(self) -> bool:
-        if self._park_after is None or self._pending:
+        if self._park_after is None or self._pending or self._reports_pending():
             return False
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
@@ -449,12 +484,15 @@ class SessionRun:
         if kind == "send":
             if command.send.input_responses:
                 await self._answer_inputs(entry)
-            elif not command.send.text.strip():
+            elif not command.send.text.strip() or state.refuses_message(entry):
                 await self._reject(entry)
             elif state.turn_open:
                 events = state.abandon_waits()
                 state.admit_message(entry, events)
-                await self._turn_loop(events)
+                if state.still_waiting():  # for children: the model sees it with their results
+                    await self._commit(events)
+                else:
+                    await self._turn_loop(events)
             else:
                 await self._turn_loop(state.start_turn(entry, self._pending))
         elif kind == "cancel":
@@ -481,8 +519,30 @@ class SessionRun:
             await self._summarize(events, entry)
         elif kind == "authorization_callback":
             await self._authorization_callback(entry)
+        elif kind == "task_result":
+            await self._task_result(entry)
         else:
             await self._reject(entry)
+
+    async def _task_result(self, entry: s.InboxEntry) -> None:
+        """A child's report, between steps (see handles.py for what it means)."""
+        state = self.state
+        judgement = state.judge(entry)
+        if judgement.verdict is Verdict.REJECT:
+            await self._reject(entry, judgement.reason, judgement.message)
+            return
+        if judgement.verdict is Verdict.ADMIT and not state.turn_open:
+            await failpoints.hit("children.apply_result")
+            await self._turn_loop(state.start_turn(entry, self._pending))
+            return
+        await failpoints.hit("children.apply_result")
+        events: list[s.Event] = []
+        verdict = state.apply_report(entry, events)
+        goes_on = verdict in (Verdict.AWAITED, Verdict.ADMIT)
+        if goes_on and state.turn_open and not state.still_waiting():
+            await self._turn_loop(events)
+        else:
+            await self._commit(events)
 
     async def _reject(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> None:
         self.state.consume(entry)
@@ -507,7 +567,7 @@ class SessionRun:
                 await self._finalize(events, stop, error=error)
                 return
             max_steps = state.max_steps()
-            if self.snapshot.open_turn.steps >= max_steps:
+            if state.steps_taken() >= max_steps:
                 message = f"the turn reached {max_steps} steps"
                 error = s.ErrorDetail(reason=Reason.MAX_STEPS, message=message)
                 state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
@@ -526,8 +586,9 @@ class SessionRun:
                 state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
                 await self._commit(events)
                 return
-            if outcome is Outcome.PAUSED:
-                events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
+            if outcome in (Outcome.PAUSED, Outcome.AWAITING):
+                if state.waiting_for_user():
+                    events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
                 await self._commit(events)
                 return
             if outcome is Outcome.FINAL and not state.steer_pending(self._pending):
@@ -557,7 +618,7 @@ class SessionRun:
         state = self.state
         try:
             reply = await self.agent.model.complete(
-                self.agent.instructions, state.context.messages, self.agent.tools
+                self.agent.instructions, state.context.messages, self.agent.all_tools
             )
         except asyncio.CancelledError:
             raise
@@ -570,8 +631,73 @@ class SessionRun:
         progress.reply = reply
         progress.calls = state.tool_calls(reply)
         for index, call in enumerate(progress.calls):
-            if state.runs_now(call):
+            if state.starts_child(call):
+                await self._start_child_work(progress, index, call, usage_of(reply))
+            elif state.runs_now(call):
                 progress.results[index] = await self._call_tool(call)
+
+    async def _start_child_work(
+        self, progress: StepProgress, index: int, call: s.ToolCall, step: s.Usage
+    ) -> None:
+        """Give a child its work. Not abortable half-way: a child that got
+        its work is recorded (then a cancel cancels it), so none is orphaned."""
+        reserved = frozenset(w.child_session_id for w in progress.children.values())
+        task = asyncio.ensure_future(self._give_work(call, reserved, step))
+        try:
+            outcome = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            outcome = await task
+            self._record_child_work(progress, index, call, outcome)
+            raise
+        self._record_child_work(progress, index, call, outcome)
+
+    def _record_child_work(
+        self, progress: StepProgress, index: int, call: s.ToolCall, outcome: ChildWork | Refusal
+    ) -> None:
+        if isinstance(outcome, ChildWork):
+            progress.children[index] = outcome
+        else:
+            progress.results[index] = s.ToolResult(
+                tool_call_id=call.id, name=call.name, output=outcome.output(), is_error=True
+            )
+
+    async def _give_work(
+        self, call: s.ToolCall, reserved: frozenset[str], step: s.Usage
+    ) -> ChildWork | Refusal:
+        """Start a child (or pick a parked or available one) and put the work
+        in its inbox; or say why not (the call's error result)."""
+        children = self._children
+        if children is None:
+            return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
+        plan = self.state.plan_child_work(
+            call, reserved, step, lambda name: self._subagent(name) is not None
+        )
+        if isinstance(plan, Refusal):
+            return plan
+        child = plan.work.child_session_id
+        delivered = False
+        try:
+            if plan.link is not None:
+                delivered = await children.start(
+                    child, self.snapshot.channel, plan.link, plan.command
+                )
+            if not delivered:
+                await children.send(child, plan.command)
+        except BatonError as exc:
+            if exc.retryable:
+                raise  # the run starts again from its last commit; the child is derived
+            if exc.reason in (Reason.SESSION_FINALIZED, Reason.SESSION_NOT_FOUND):
+                return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
+            # Never succeeds as asked (e.g. the work is over the command limit):
+            # the model sees why.
+            return Refusal(exc.reason, exc.message)
+        self._log.info(
+            "child given work",
+            child_session_id=child,
+            work=plan.command.send.parent_work,
+            kind=h.kind_name(plan.work.kind),
+        )
+        return plan.work
 
     async def _call_tool(self, call: s.ToolCall) -> s.ToolResult:
         tool: Tool | None = self.agent.tool_index.get(call.name)
@@ -653,7 +779,8 @@ class SessionRun:
             state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
             await self._commit(events)
         elif state.still_waiting():
-            events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
+            if state.waiting_for_user():
+                events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
             await self._commit(events)
         else:
             await self._turn_loop(events)
@@ -814,6 +941,11 @@ class SessionRun:
     ) -> None:
         carry, self._carry = self._carry, []
         events[:0] = carry
+        await self._send_outgoing()
+        if close and self.state.is_child:
+            # Finalization is reported before the commit that closes the
+            # stream (no run follows it); a repeat is deduplicated.
+            await self._deliver_reports_now()
         context = self.state.context
         # A commit that settles the session: a delivery arriving while it is in
         # flight arrives at an idle session (a reader may see the commit, and
@@ -842,6 +974,51 @@ class SessionRun:
         self._committed_snapshot = self.snapshot.SerializeToString()
         self.progressed = True
         self._start_retire()
+        self._deliver_reports()
+
+    # -- child sessions: controls out, reports up -----------------------------------
+
+    async def _send_outgoing(self) -> None:
+        """Cancels and resets the state decided for children, before the
+        commit that decides them (a repeat after a crash is deduplicated)."""
+        outgoing = self.state.outgoing
+        while outgoing:
+            child, command = outgoing[0]
+            if self._children is not None:
+                await self._children.send_control(child, command)
+            outgoing.pop(0)
+
+    def _reports_pending(self) -> bool:
+        busy = self._delivering is not None and not self._delivering.done()
+        return busy or bool(self.snapshot.parent.outbox)
+
+    def _deliver_reports(self) -> None:
+        """Deliver this child's committed reports in the background."""
+        if self._children is None or not self.snapshot.parent.outbox:
+            return
+        if self._delivering is not None and not self._delivering.done():
+            return
+        self._delivering = asyncio.get_running_loop().create_task(self._deliver_loop())
+
+    async def _deliver_loop(self) -> None:
+        assert self._children is not None
+        count = len(self.snapshot.parent.outbox)
+        try:
+            await self._children.deliver_reports(self.snapshot.parent)
+        except BatonError as exc:
+            self._log.error("reports not delivered", reason=exc.reason, error=exc.message)
+            return
+        self._log.info(
+            "reports delivered",
+            reports=count,
+            parent_session_id=self.snapshot.parent.parent_session_id,
+        )
+
+    async def _deliver_reports_now(self) -> None:
+        if self._delivering is not None and not self._delivering.done():
+            await asyncio.shield(self._delivering)
+        if self._children is not None:
+            await self._children.deliver_reports(self.snapshot.parent)
 
     async def _guarded(self, work: Awaitable[None]) -> None:
         """Run `work`; a commit it makes that can never succeed (too large,

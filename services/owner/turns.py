@@ -17,23 +17,47 @@ and tools, and commits what these rules produce.
   and is admitted into the same turn.
 - budgets are checked before each model call; a spent budget asks the user
   (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
+- child sessions (DESIGN.md §11; the handle rules are in handles.py): a step
+  may give work to children; a turn waiting for a child's result is open but
+  not waiting for the user (no session.waiting); a message arriving then is
+  admitted into the turn and the model sees it with the result. A child's
+  report is a `task_result` command: it answers the waiting tool call, joins
+  the open turn at its next boundary, starts a turn, or is only recorded.
+  Cancelling a turn cancels the children it gave work to; finalizing the
+  session finalizes every child. What children spend is added to this
+  session's usage and turn (budgets and the step limit see it).
+- a child session reports to its parent: the outcome of each turn that its
+  parent's work started, the waits it pauses on, and its finalization, as
+  reports in its snapshot's outbox (delivered by the run, deduplicated by
+  delivery ids derived from the child and the report). It takes
+  conversational messages only from its parent.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.session.v1 import session_pb2 as s
-from services.common import limits
+from services.common import ids, limits
 from services.common.errors import Reason
-from services.owner.agent import Agent, ModelReply, dumps_arguments
+from services.owner import handles as h
+from services.owner.agent import (
+    ASK_SUBAGENT,
+    CONTINUE_TASK,
+    Agent,
+    ModelReply,
+    ToolMode,
+    dumps_arguments,
+)
 from services.owner.context import ContextWindow
+from services.owner.handles import Handles, Verdict
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
@@ -54,7 +78,8 @@ class RunIdentity:
 class Admission(enum.Enum):
     """How a pending command joins an open turn at a model-call boundary."""
 
-    ADMIT = "admit"  # a steer message: joins the open turn
+    ADMIT = "admit"  # a steer message or a background result: joins the open turn
+    REPORT = "report"  # a child's report that only changes handles/the stream
     CANCEL = "cancel"  # settles the open turn as cancelled
     FINALIZE = "finalize"  # reset or own timeout: ends the session
     DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
@@ -68,8 +93,34 @@ class Outcome(enum.Enum):
     CONTINUE = "continue"  # tools ran; next step
     FINAL = "final"  # the model answered
     PAUSED = "paused"  # waits for input or sign-in
+    AWAITING = "awaiting"  # waits for children's results only
     ABORTED = "aborted"  # a pushed command aborted the step
     FAILED = "failed"  # the model failed
+
+
+@dataclass(frozen=True)
+class ChildWork:
+    """Work a step gave a child session (the I/O is done: the child exists
+    and the work is in its inbox); `apply_step` records the handle."""
+
+    child_session_id: str
+    kind: s.TaskKind.ValueType
+    name: str
+    deployment_id: str
+    text: str
+    background: bool
+    resumed: bool
+
+
+@dataclass(frozen=True)
+class ChildPlan:
+    """How a tool call gives work to a child: the work as the step will
+    record it, the command for the child's inbox, and, for a new child, its
+    parent link (None: the child exists)."""
+
+    work: ChildWork
+    command: s.Command
+    link: s.ParentLink | None
 
 
 @dataclass
@@ -81,6 +132,7 @@ class StepProgress:
     reason: str = Reason.MODEL_ERROR
     calls: list[s.ToolCall] = field(default_factory=list)
     results: dict[int, s.ToolResult] = field(default_factory=dict)
+    children: dict[int, ChildWork] = field(default_factory=dict)
     aborted: bool = False
 
 
@@ -92,6 +144,8 @@ def initial_snapshot(
     *,
     timeout_seconds: int = 0,
     token_budget: int = 0,
+    cost_budget_micros: int = 0,
+    parent: s.ParentLink | None = None,
     now: float | None = None,
 ) -> s.SessionSnapshot:
     snapshot = s.SessionSnapshot(
@@ -101,8 +155,13 @@ def initial_snapshot(
         deployment_id=deployment_id,
         hooks=hooks,
         status=s.SESSION_STATUS_ACTIVE,
-        limits=s.Limits(token_budget=token_budget),
+        limits=s.Limits(token_budget=token_budget, cost_budget_micros=cost_budget_micros),
     )
+    if parent is not None and parent.parent_session_id:
+        snapshot.parent.CopyFrom(parent)
+        snapshot.parent.work = 0
+        del snapshot.parent.outbox[:]
+        snapshot.limits.MergeFrom(parent.limits)
     if timeout_seconds:
         # The deadline is committed with session.started: it survives restarts.
         snapshot.timeout.duration_seconds = timeout_seconds
@@ -134,18 +193,14 @@ def make_event(
     return event
 
 
-def add_usage(total: s.Usage, step: s.Usage) -> None:
-    total.input_tokens += step.input_tokens
-    total.output_tokens += step.output_tokens
-    total.model_calls += step.model_calls
-    total.cost_micros += step.cost_micros
+add_usage = h.add_usage
 
 
 def usage_of(reply: ModelReply) -> s.Usage:
     return s.Usage(
         input_tokens=reply.input_tokens,
         output_tokens=reply.output_tokens,
-        model_calls=1,
+        model_calls=reply.model_calls,
         cost_micros=reply.cost_micros,
     )
 
@@ -189,15 +244,22 @@ class SessionState:
         self.snapshot = snapshot
         self.agent = agent
         self.context = ContextWindow(snapshot, context)
+        self.handles = Handles(snapshot)
         # What the last commit left (a refused commit rolls back to it).
         self.committed_turn_id = snapshot.open_turn.turn_id
         self.committed_next_seq = snapshot.next_event_seq
+        # Commands for children (cancels, resets) that must be in their inboxes
+        # before the next commit; derived delivery ids make a repeat harmless.
+        self.outgoing: list[tuple[str, s.Command]] = []
+        self.committed_reports = {r.task_delivery_id for r in snapshot.parent.outbox}
+        self.answer = ""  # the open turn's latest final answer (a child reports it)
 
     def mark_committed(self) -> None:
         """A commit of the current state succeeded."""
         self.context.mark_committed()
         self.committed_turn_id = self.snapshot.open_turn.turn_id
         self.committed_next_seq = self.snapshot.next_event_seq
+        self.committed_reports = {r.task_delivery_id for r in self.snapshot.parent.outbox}
 
     @property
     def run_id(self) -> str:
@@ -210,6 +272,18 @@ class SessionState:
     @property
     def turn_open(self) -> bool:
         return self.snapshot.HasField("open_turn")
+
+    @property
+    def is_child(self) -> bool:
+        return bool(self.snapshot.parent.parent_session_id)
+
+    def idle_for_handoff(self) -> bool:
+        """Nothing of this session works on: no open turn, no running child
+        (a running task, an active subagent turn or workflow tool, a child
+        waiting on a human), and not a child session itself (a child stays
+        on the deployment that owns it). Pending commands are the run's
+        business (DESIGN.md §6)."""
+        return not (self.turn_open or self.handles.busy() or self.is_child)
 
     def event(
         self, kind: s.EventKind.ValueType, entry: s.InboxEntry | None = None, **fields: object
@@ -227,6 +301,8 @@ class SessionState:
         kind = command.WhichOneof("kind")
         if kind == "send":
             send = command.send
+            if self.refuses_message(entry):
+                return Admission.REJECT
             if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
                 return Admission.BLOCK
             return Admission.ADMIT if send.text.strip() else Admission.REJECT
@@ -240,16 +316,41 @@ class SessionState:
         if kind == "authorization_callback":
             waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
             return Admission.BLOCK if waiting else Admission.DROP
-        if kind is None or kind == "task_result":
+        if kind == "task_result":
+            verdict = self.judge(entry).verdict
+            if verdict is Verdict.REJECT:
+                return Admission.REJECT
+            if verdict is Verdict.ADMIT:
+                return Admission.ADMIT
+            if verdict is Verdict.AWAITED:
+                return Admission.BLOCK  # the run resumes the waiting turn with it
+            return Admission.REPORT
+        if kind is None:
             return Admission.REJECT
         return Admission.BLOCK
+
+    def refuses_message(self, entry: s.InboxEntry) -> bool:
+        """A child session takes conversational messages only from its parent
+        (input responses and controls from its channel are fine)."""
+        send = entry.command.send
+        return (
+            self.is_child
+            and not send.parent_work
+            and not send.input_responses
+            and bool(send.text.strip())
+        )
+
+    def judge(self, entry: s.InboxEntry) -> h.Judgement:
+        return self.handles.judge(
+            self.identity.fence.session_id, self.turn_id, entry.command.task_result
+        )
 
     def aborts_step(self, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
         """A pushed command aborts the running step at once: cancel, reset or
         an own timeout, when every command ahead of it can join the turn."""
         if self.classify(entry) not in (Admission.CANCEL, Admission.FINALIZE):
             return False
-        joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT)
+        joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT, Admission.REPORT)
         return all(self.classify(e) in joinable for e in ahead)
 
     def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
@@ -275,8 +376,18 @@ class SessionState:
                 message = (
                     f"deployment {self.identity.deployment_id} does not know this command kind"
                 )
+            elif kind == "send" and self.refuses_message(entry):
+                parent = self.snapshot.parent.parent_session_id
+                reason = Reason.CHILD_SESSION
+                message = (
+                    f"this is a child session of {parent}: it takes messages from its "
+                    "parent only (input responses and controls are accepted)"
+                )
             elif kind == "send":
                 reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
+            elif kind == "task_result":
+                judgement = self.judge(entry)
+                reason, message = judgement.reason, judgement.message
             else:
                 reason = Reason.UNSUPPORTED_COMMAND
                 message = (
@@ -301,8 +412,9 @@ class SessionState:
         snap.open_turn.CopyFrom(
             s.OpenTurn(turn_id=f"turn_{snap.turn_count}", caller=entry.command.delivery.caller)
         )
+        self.answer = ""
         events = [self.event(s.EVENT_KIND_TURN_STARTED, entry)]
-        self.admit_message(entry, events)
+        self.admit(entry, events)
         admitted = 1
         who = principal(entry)
         while (
@@ -311,14 +423,24 @@ class SessionState:
             and self.classify(pending[0]) is Admission.ADMIT
             and principal(pending[0]) == who
         ):
-            self.admit_message(pending.popleft(), events)
+            self.admit(pending.popleft(), events)
             admitted += 1
         return events
 
+    def admit(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
+        """Admit a steer message or a background result into the open turn."""
+        if entry.command.WhichOneof("kind") == "task_result":
+            self.apply_report(entry, events)
+        else:
+            self.admit_message(entry, events)
+
     def admit_message(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
-        text = entry.command.send.text
+        send = entry.command.send
+        text = send.text
         self.consume(entry)
         self.snapshot.open_turn.inbox_seqs.append(entry.seq)
+        if send.parent_work and self.is_child:
+            self.snapshot.parent.work = send.parent_work
         self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=text))
         events.append(self.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
 
@@ -339,7 +461,9 @@ class SessionState:
                 admitted += 1
             pending.popleft()
             if verdict is Admission.ADMIT:
-                self.admit_message(entry, events)
+                self.admit(entry, events)
+            elif verdict is Admission.REPORT:
+                self.apply_report(entry, events)
             elif verdict is Admission.DROP:
                 self.consume(entry)
             elif verdict is Admission.REJECT:
@@ -352,6 +476,11 @@ class SessionState:
 
     def max_steps(self) -> int:
         return self.snapshot.limits.max_steps_per_turn or self.agent.max_steps_per_turn
+
+    def steps_taken(self) -> int:
+        """This turn's steps and those its children took (the step limit)."""
+        turn = self.snapshot.open_turn
+        return turn.steps + turn.child_steps
 
     def budget_spent(self) -> bool:
         limits_, usage = self.snapshot.limits, self.snapshot.usage
@@ -376,6 +505,13 @@ class SessionState:
         """A tool call the step runs itself (others wait for the user)."""
         tool = self.agent.tool_index.get(call.name)
         return tool is None or not (tool.needs_approval or tool.sign_in_attempts)
+
+    def starts_child(self, call: s.ToolCall) -> bool:
+        """A tool call that gives work to a child session."""
+        if call.name in (ASK_SUBAGENT, CONTINUE_TASK):
+            return call.name in self.agent.tool_index
+        tool = self.agent.tool_index.get(call.name)
+        return tool is not None and tool.starts_child and self.runs_now(call)
 
     def apply_step(self, progress: StepProgress, events: list[s.Event]) -> Outcome:
         """Fold a step's progress into history, usage and events."""
@@ -409,8 +545,14 @@ class SessionState:
                     self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
                 )
                 tool = self.agent.tool_index.get(call.name)
-                if index in progress.results:
-                    self.record_result(progress.results[index], events, step)
+                if index in progress.children:
+                    self.child_given_work(progress.children[index], call, events, step)
+                elif index in progress.results:
+                    result = progress.results[index]
+                    self.record_result(result, events, step)
+                    if result.is_error and self.agent.fail_on_tool_error:
+                        progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
+                        outcome = Outcome.FAILED
                 elif progress.aborted:
                     self.record_result(_error_result(call, "cancelled"), events, step)
                 elif tool is not None and tool.needs_approval:
@@ -426,7 +568,323 @@ class SessionState:
                     self.require_authorization(events, call, tool.sign_in_attempts, step)
                     outcome = Outcome.PAUSED
         events.append(self.event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
-        return Outcome.ABORTED if progress.aborted else outcome
+        if progress.aborted:
+            return Outcome.ABORTED
+        if outcome is Outcome.CONTINUE and self.handles.awaited(self.turn_id):
+            return Outcome.AWAITING
+        if outcome is Outcome.FINAL:
+            self.answer = reply.text
+        return outcome
+
+    # -- children: giving work, and their reports ----------------------------------
+
+    def child_given_work(
+        self, work: ChildWork, call: s.ToolCall, events: list[s.Event], step: int
+    ) -> None:
+        """A step gave `work` to a child: record its handle and say so; a
+        background call gets the handle as its result at once."""
+        waiting_call = "" if work.background else call.id
+        existing = self.handles.find(work.child_session_id)
+        if work.resumed and existing is not None:
+            handle = self.handles.resume(existing, self.turn_id, waiting_call)
+        else:
+            handle = self.handles.start(
+                work.child_session_id,
+                work.kind,
+                work.name,
+                work.deployment_id,
+                self.turn_id,
+                waiting_call,
+            )
+            evicted = self.handles.evict()
+            if evicted is not None:
+                # The least recently used idle child makes room: finalized.
+                parent = self.identity.fence.session_id
+                command = s.Command(
+                    delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
+                    reset=s.ResetCommand(reason=f"session {parent} holds too many children"),
+                )
+                self.outgoing.append((evicted.child_session_id, command))
+                handle = self.handles.find(work.child_session_id) or handle
+        events.append(
+            self.event(
+                s.EVENT_KIND_TASK_STARTED,
+                step=step,
+                text=work.text,
+                child_session_id=work.child_session_id,
+                task=_copy(handle),
+            )
+        )
+        if work.background:
+            result = s.ToolResult(
+                tool_call_id=call.id, name=call.name, output=h.started_output(handle)
+            )
+            self.record_result(result, events, step)
+
+    def plan_child_work(
+        self,
+        call: s.ToolCall,
+        reserved: frozenset[str],
+        step: s.Usage,
+        has_subagent: Callable[[str], bool],
+    ) -> ChildPlan | h.Refusal:
+        """What the child-starting tool `call` asks for (ask_subagent,
+        continue_task, a background or workflow tool), or why it cannot be
+        done (`reserved`: children given work earlier in this step; `step`:
+        what this step spent so far, which the new child's budget leaves out)."""
+        try:
+            arguments = json.loads(call.arguments_json)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = {}
+        background = bool(arguments.get("background"))
+        resumed = call.name == CONTINUE_TASK
+        if resumed:
+            child = str(arguments.get("handle", ""))
+            text = str(arguments.get("message", ""))
+            refusal = self.handles.refuse_continue(child, reserved)
+            if refusal is not None:
+                return refusal
+            handle = self.handles.find(child)
+            assert handle is not None
+            kind, name = handle.kind, handle.name
+        elif call.name == ASK_SUBAGENT:
+            kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
+            text = str(arguments.get("prompt", ""))
+            if not has_subagent(name):
+                return h.Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
+        else:
+            tool = self.agent.tool_index[call.name]
+            background = tool.mode is ToolMode.BACKGROUND
+            kind = s.TASK_KIND_BACKGROUND if background else s.TASK_KIND_WORKFLOW
+            name, text = tool.name, call.arguments_json
+        if not text.strip():
+            return h.Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
+        parent = self.identity.fence.session_id
+        link = None
+        if not resumed:
+            refusal = self.handles.refuse_start(len(reserved))
+            depth = self.snapshot.parent.depth + 1
+            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
+                refusal = h.Refusal(
+                    Reason.TOO_MANY_TASKS,
+                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
+                )
+            if refusal is not None:
+                return refusal
+            child = ids.child_session_id(parent, call.id)
+            tokens, cost = h.child_budget(self.snapshot, step)
+            link = s.ParentLink(
+                parent_session_id=parent,
+                kind=kind,
+                name=name,
+                depth=depth,
+                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+            )
+        work = self.next_work(child) if resumed else 1
+        command = s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:{work}"),
+            send=s.SendCommand(text=text, parent_work=work),
+        )
+        given = ChildWork(child, kind, name, self.identity.deployment_id, text, background, resumed)
+        return ChildPlan(given, command, link)
+
+    def next_work(self, child_session_id: str) -> int:
+        """The number of the next work a (known) child would get."""
+        handle = self.handles.find(child_session_id)
+        return handle.work + 1 if handle is not None else 1
+
+    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> Verdict:
+        """Apply a child's report (not a rejected one) and consume it. For
+        AWAITED the waiting tool call gets the result; for ADMIT it joins
+        the open turn (a caller with no open turn starts one first)."""
+        judgement = self.judge(entry)
+        handle = judgement.handle
+        verdict = judgement.verdict
+        assert handle is not None and verdict is not Verdict.REJECT
+        report = entry.command.task_result
+        self.consume(entry)
+        if verdict is Verdict.SURFACE:
+            handle.waiting = True
+            where = report.waiting_session_id or report.child_session_id
+            if report.attempt_id:
+                events.append(
+                    self.event(
+                        s.EVENT_KIND_AUTHORIZATION_REQUIRED,
+                        entry,
+                        attempt_id=report.attempt_id,
+                        child_session_id=where,
+                    )
+                )
+            else:
+                events.append(
+                    self.event(
+                        s.EVENT_KIND_INPUT_REQUESTED,
+                        entry,
+                        input_request=report.input_request,
+                        child_session_id=where,
+                    )
+                )
+            if self.is_child:  # surfaced further up: a wait of a descendant
+                self._report(
+                    s.TASK_STATUS_WAITING,
+                    f"wait:{self.identity.fence.session_id}:{where}:"
+                    f"{report.attempt_id or report.input_request.request_id}",
+                    work=self.snapshot.parent.work,
+                    input_request=report.input_request,
+                    attempt_id=report.attempt_id,
+                    waiting_session_id=where,
+                )
+            return verdict
+        if verdict is Verdict.SETTLE:
+            self.handles.settle(handle)
+            return verdict
+        call_id = handle.tool_call_id
+        add_usage(self.snapshot.usage, report.usage)
+        if verdict in (Verdict.AWAITED, Verdict.ADMIT) and self.turn_open:
+            turn = self.snapshot.open_turn
+            add_usage(turn.usage, report.usage)
+            turn.child_steps += report.steps
+            turn.inbox_seqs.append(entry.seq)
+        self.handles.finish(handle, report)
+        failed = report.status != s.TASK_STATUS_COMPLETED
+        events.append(
+            self.event(
+                s.EVENT_KIND_TASK_FAILED if failed else s.EVENT_KIND_TASK_COMPLETED,
+                entry,
+                text=report.result,
+                usage=report.usage,
+                error=report.error if failed else None,
+                child_session_id=handle.child_session_id,
+                task=_copy(handle),
+            )
+        )
+        if verdict is Verdict.AWAITED:
+            result = s.ToolResult(
+                tool_call_id=call_id,
+                name=handle.name,
+                output=h.tool_output(handle, report),
+                is_error=failed,
+            )
+            self.record_result(result, events)
+        elif verdict is Verdict.ADMIT:
+            content = h.message_content(handle, report)
+            self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
+        self.handles.prune()
+        return verdict
+
+    def cancel_children(self, events: list[s.Event]) -> None:
+        """The open turn is cancelled: so is the work it gave children that
+        still run (cancels go out before the commit); a call that waited for
+        one gets a cancelled result."""
+        for handle in self.handles.detach(self.turn_id):
+            if handle.tool_call_id:
+                output = json.dumps(
+                    {
+                        "handle": handle.child_session_id,
+                        "name": handle.name,
+                        "status": "cancelled",
+                    },
+                    sort_keys=True,
+                )
+                result = s.ToolResult(
+                    tool_call_id=handle.tool_call_id,
+                    name=handle.name,
+                    output=output,
+                    is_error=True,
+                )
+                self.record_result(result, events)
+                handle.tool_call_id = ""
+            parent = self.identity.fence.session_id
+            command = s.Command(
+                delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent}:{handle.work}"),
+                cancel=s.CancelCommand(reason=f"the turn of session {parent} was cancelled"),
+            )
+            self.outgoing.append((handle.child_session_id, command))
+
+    # -- a child session's reports to its parent -----------------------------------
+
+    def _report(self, status: s.TaskStatus.ValueType, key: str, **fields: object) -> None:
+        link = self.snapshot.parent
+        report = s.TaskResultCommand(
+            task_delivery_id=key,
+            child_session_id=self.identity.fence.session_id,
+            parent_session_id=link.parent_session_id,
+            status=status,
+            deployment_id=self.identity.deployment_id,
+            **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
+        )
+        link.outbox.append(report)
+
+    def report_work(
+        self, kind: s.EventKind.ValueType, error: s.ErrorDetail | None, usage: s.Usage
+    ) -> None:
+        """A turn of a child settled (`kind`): report the outcome of the
+        parent's work it served, if any."""
+        link = self.snapshot.parent
+        if not self.is_child or not link.work:
+            return
+        work = link.work
+        link.work = 0
+        turn = self.snapshot.open_turn
+        steps = turn.steps + turn.child_steps if self.turn_open else 0
+        key = f"task:{self.identity.fence.session_id}:{work}"
+        if kind == s.EVENT_KIND_TURN_COMPLETED:
+            answer = self.answer
+            if len(answer.encode()) > limits.MAX_TASK_RESULT_BYTES:
+                error = s.ErrorDetail(
+                    reason=Reason.TASK_RESULT_TOO_LARGE,
+                    message=f"the answer is {len(answer.encode())} bytes; a result may have "
+                    f"{limits.MAX_TASK_RESULT_BYTES} (the whole answer is on session "
+                    f"{self.identity.fence.session_id}'s stream)",
+                )
+                self._report(
+                    s.TASK_STATUS_FAILED, key, work=work, error=error, usage=usage, steps=steps
+                )
+                return
+            self._report(
+                s.TASK_STATUS_COMPLETED, key, work=work, result=answer, usage=usage, steps=steps
+            )
+        elif kind == s.EVENT_KIND_TURN_CANCELLED:
+            cancelled = s.ErrorDetail(reason=Reason.CANCELLED, message="the work was cancelled")
+            self._report(
+                s.TASK_STATUS_CANCELLED, key, work=work, error=cancelled, usage=usage, steps=steps
+            )
+        else:
+            failed = error or s.ErrorDetail(reason=Reason.INTERNAL, message="the work failed")
+            self._report(
+                s.TASK_STATUS_FAILED, key, work=work, error=failed, usage=usage, steps=steps
+            )
+
+    def _unreport_refused(self) -> None:
+        """A refused commit settled the turn that served the parent's work:
+        take back the outcome it reported (never committed) so the turn's
+        failure is reported instead."""
+        link = self.snapshot.parent
+        kept = []
+        for report in link.outbox:
+            fresh = report.task_delivery_id not in self.committed_reports
+            if fresh and report.status in h.OUTCOMES:
+                link.work = report.work
+            else:
+                kept.append(report)
+        if len(kept) != len(link.outbox):
+            del link.outbox[:]
+            link.outbox.extend(kept)
+
+    def report_wait(self, *, request: s.InputRequest | None = None, attempt_id: str = "") -> None:
+        if not self.is_child:
+            return
+        sid = self.identity.fence.session_id
+        self._report(
+            s.TASK_STATUS_WAITING,
+            f"wait:{sid}:{attempt_id or (request.request_id if request else '')}",
+            work=self.snapshot.parent.work,
+            input_request=request,
+            attempt_id=attempt_id,
+            waiting_session_id=sid,
+        )
 
     def record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
         events.append(self.event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
@@ -452,6 +910,7 @@ class SessionState:
         )
         self.snapshot.open_turn.pending_inputs.append(request)
         events.append(self.event(s.EVENT_KIND_INPUT_REQUESTED, step=step, input_request=request))
+        self.report_wait(request=request)
 
     def ask_to_extend_budget(self, events: list[s.Event]) -> None:
         self.request_input(
@@ -474,6 +933,7 @@ class SessionState:
                     attempt_id=attempt,
                 )
             )
+            self.report_wait(attempt_id=attempt)
         self.snapshot.open_turn.pending_authorizations.append(wait)
 
     def settle(
@@ -485,10 +945,15 @@ class SessionState:
         error: s.ErrorDetail | None = None,
         waiting: bool = True,
     ) -> None:
-        """Close the open turn; with `waiting`, the session then waits."""
+        """Close the open turn; with `waiting`, the session then waits. A
+        cancelled turn cancels the work it gave children; a child reports the
+        outcome to its parent."""
         usage = s.Usage()
         usage.CopyFrom(self.snapshot.open_turn.usage)
+        if kind == s.EVENT_KIND_TURN_CANCELLED:
+            self.cancel_children(events)
         events.append(self.event(kind, entry, usage=usage, error=error))
+        self.report_work(kind, error, usage)
         self.snapshot.ClearField("open_turn")
         if waiting:
             events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
@@ -532,9 +997,13 @@ class SessionState:
         del turn.pending_authorizations[:]
         turn.pending_authorizations.extend(remaining)
 
-    def still_waiting(self) -> bool:
+    def waiting_for_user(self) -> bool:
         turn = self.snapshot.open_turn
         return bool(turn.pending_inputs or turn.pending_authorizations)
+
+    def still_waiting(self) -> bool:
+        """The open turn waits: for the user, or for children's results."""
+        return self.waiting_for_user() or bool(self.handles.awaited(self.turn_id))
 
     # -- context: clear, compaction, finalization ---------------------------------
 
@@ -590,12 +1059,28 @@ class SessionState:
         self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None
     ) -> None:
         """Terminal: the stream closes with this commit; the history is
-        retired (nothing will read it again)."""
+        retired (nothing will read it again). Every child that is not settled
+        is finalized too (resets go out before the commit); a child reports
+        its finalization to its parent."""
         self.consume(entry)
         if self.turn_open:
             events += self.cancel_waiting_turn(entry)
+        parent = self.identity.fence.session_id
+        for handle in self.handles.settle_all():
+            command = s.Command(
+                delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
+                reset=s.ResetCommand(reason=f"its parent session {parent} finalized"),
+            )
+            self.outgoing.append((handle.child_session_id, command))
         self.context.reset()
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
+        if self.is_child:
+            reason = error.reason if error is not None else Reason.RESET
+            self._report(
+                s.TASK_STATUS_FINALIZED,
+                f"final:{parent}",
+                error=s.ErrorDetail(reason=reason, message=f"child session {parent} finalized"),
+            )
         events.append(self.event(s.EVENT_KIND_SESSION_COMPLETED, entry, error=error))
 
     def refused(
@@ -620,6 +1105,9 @@ class SessionState:
             if settled:
                 turn_id = settled[-1].turn_id
                 usage.CopyFrom(settled[-1].usage)
+        if turn_id:
+            self._unreport_refused()
+            self.report_work(s.EVENT_KIND_TURN_FAILED, error, usage)
         snap.ClearField("open_turn")
         events: list[s.Event] = []
         if turn_id:
@@ -641,3 +1129,9 @@ class SessionState:
 
 def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
     return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)
+
+
+def _copy(handle: s.ChildHandle) -> s.ChildHandle:
+    copy = s.ChildHandle()
+    copy.CopyFrom(handle)
+    return copy

@@ -583,6 +583,8 @@ class CreateSessionRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     CHANNEL_FIELD_NUMBER: _builtins.int
     ALIASES_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    FIRST_COMMAND_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The new session id."""
     channel: _builtins.str
@@ -595,6 +597,19 @@ class CreateSessionRequest(_message.Message):
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Alias tokens to claim besides the stable inbox token."""
 
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session: its parent and what it runs (without the outbox).
+        Kept with the session's inbox token, so an owner that must commit the
+        child's first snapshot (its creator died first) rebuilds the link.
+        """
+
+    @_builtins.property
+    def first_command(self) -> _session_pb2.Command:
+        """A command appended as inbox entry 0 by the same transaction (a child's
+        first work); its delivery id is recorded as for ResumeHook.
+        """
+
     def __init__(
         self,
         *,
@@ -602,10 +617,12 @@ class CreateSessionRequest(_message.Message):
         owner: _session_pb2.OwnerIdentity | None = ...,
         channel: _builtins.str = ...,
         aliases: _abc.Iterable[_builtins.str] | None = ...,
+        parent: _session_pb2.ParentLink | None = ...,
+        first_command: _session_pb2.Command | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_command", b"first_command", "owner", b"owner", "parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "owner", b"owner", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "first_command", b"first_command", "owner", b"owner", "parent", b"parent", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -620,6 +637,7 @@ class CreateSessionResponse(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     INBOX_TOKEN_FIELD_NUMBER: _builtins.int
     HOOKS_FIELD_NUMBER: _builtins.int
+    FIRST_ENTRY_FIELD_NUMBER: _builtins.int
     inbox_token: _builtins.str
     """The stable inbox token."""
     @_builtins.property
@@ -630,16 +648,21 @@ class CreateSessionResponse(_message.Message):
     def hooks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Every claimed token, inbox token first."""
 
+    @_builtins.property
+    def first_entry(self) -> _session_pb2.InboxEntry:
+        """With `first_command`: the inbox entry it became."""
+
     def __init__(
         self,
         *,
         fence: _session_pb2.Fence | None = ...,
         inbox_token: _builtins.str = ...,
         hooks: _abc.Iterable[_builtins.str] | None = ...,
+        first_entry: _session_pb2.InboxEntry | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "first_entry", b"first_entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "hooks", b"hooks", "inbox_token", b"inbox_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "first_entry", b"first_entry", "hooks", b"hooks", "inbox_token", b"inbox_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -789,19 +812,25 @@ class LookupHookResponse(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CHANNEL_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session the token resolves to."""
     channel: _builtins.str
     """The session's tenant channel."""
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session: its parent link, as created."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         channel: _builtins.str = ...,
+        parent: _session_pb2.ParentLink | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "parent", b"parent", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,6 +31,8 @@ class StartSessionRequest(_message.Message):
     ALIASES_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    FIRST_COMMAND_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The new session's id."""
     deployment_id: _builtins.str
@@ -45,6 +47,18 @@ class StartSessionRequest(_message.Message):
     def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Alias tokens (already namespaced by channel) to claim."""
 
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session (started by its parent's owner, DESIGN.md §11): the
+        parent, what runs in the child and its limits. Only owners set it.
+        """
+
+    @_builtins.property
+    def first_command(self) -> _session_pb2.Command:
+        """For a child session: its first work, appended to its inbox by the
+        transaction that creates it.
+        """
+
     def __init__(
         self,
         *,
@@ -54,10 +68,12 @@ class StartSessionRequest(_message.Message):
         aliases: _abc.Iterable[_builtins.str] | None = ...,
         timeout_seconds: _builtins.int = ...,
         token_budget: _builtins.int = ...,
+        parent: _session_pb2.ParentLink | None = ...,
+        first_command: _session_pb2.Command | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_command", b"first_command", "parent", b"parent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "deployment_id", b"deployment_id", "session_id", b"session_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "deployment_id", b"deployment_id", "first_command", b"first_command", "parent", b"parent", "session_id", b"session_id", "timeout_seconds", b"timeout_seconds", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -73,6 +89,7 @@ class StartSessionResponse(_message.Message):
     OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
     CREATED_FIELD_NUMBER: _builtins.int
     INBOX_TOKEN_FIELD_NUMBER: _builtins.int
+    FIRST_COMMAND_APPENDED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id."""
     owner_run_id: _builtins.str
@@ -81,6 +98,10 @@ class StartSessionResponse(_message.Message):
     """False when the session already existed (a retried request)."""
     inbox_token: _builtins.str
     """The session's stable inbox token."""
+    first_command_appended: _builtins.bool
+    """True when `first_command` was appended by this call (false: the session
+    existed; send the command again, its delivery id deduplicates it).
+    """
     def __init__(
         self,
         *,
@@ -88,10 +109,11 @@ class StartSessionResponse(_message.Message):
         owner_run_id: _builtins.str = ...,
         created: _builtins.bool = ...,
         inbox_token: _builtins.str = ...,
+        first_command_appended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "inbox_token", b"inbox_token", "owner_run_id", b"owner_run_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "first_command_appended", b"first_command_appended", "inbox_token", b"inbox_token", "owner_run_id", b"owner_run_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

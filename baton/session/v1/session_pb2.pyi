@@ -47,6 +47,46 @@ TURN_POLICY_QUEUE: TurnPolicy.ValueType  # 2
 """Wait until the open turn settles."""
 Global___TurnPolicy: _TypeAlias = TurnPolicy  # noqa: Y015
 
+class _TaskStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_STATUS_UNSPECIFIED: _TaskStatus.ValueType  # 0
+    """Never used."""
+    TASK_STATUS_COMPLETED: _TaskStatus.ValueType  # 1
+    """The work finished; `result` holds its answer."""
+    TASK_STATUS_FAILED: _TaskStatus.ValueType  # 2
+    """The work failed; `error` says why."""
+    TASK_STATUS_CANCELLED: _TaskStatus.ValueType  # 3
+    """The work was cancelled (the parent's turn was cancelled, or the child's)."""
+    TASK_STATUS_WAITING: _TaskStatus.ValueType  # 4
+    """Not a result: the child waits for human input or a sign-in
+    (`input_request` or `attempt_id`); the parent surfaces it on its stream.
+    """
+    TASK_STATUS_FINALIZED: _TaskStatus.ValueType  # 5
+    """The child session finalized (reset, timeout): its handle is settled."""
+
+class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper):
+    """TaskStatus is what a child session reports to its parent."""
+
+TASK_STATUS_UNSPECIFIED: TaskStatus.ValueType  # 0
+"""Never used."""
+TASK_STATUS_COMPLETED: TaskStatus.ValueType  # 1
+"""The work finished; `result` holds its answer."""
+TASK_STATUS_FAILED: TaskStatus.ValueType  # 2
+"""The work failed; `error` says why."""
+TASK_STATUS_CANCELLED: TaskStatus.ValueType  # 3
+"""The work was cancelled (the parent's turn was cancelled, or the child's)."""
+TASK_STATUS_WAITING: TaskStatus.ValueType  # 4
+"""Not a result: the child waits for human input or a sign-in
+(`input_request` or `attempt_id`); the parent surfaces it on its stream.
+"""
+TASK_STATUS_FINALIZED: TaskStatus.ValueType  # 5
+"""The child session finalized (reset, timeout): its handle is settled."""
+Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
+
 class _TransferReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -146,6 +186,16 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     restart budget is spent (`error` says why). Accepted commands stay in the
     inbox until an operator restarts the owner or another owner takes over.
     """
+    EVENT_KIND_TASK_STARTED: _EventKind.ValueType  # 23
+    """The session gave work to a child session (a new one, or a parked or
+    available one continued): `task` names it, `text` is what was asked.
+    """
+    EVENT_KIND_TASK_COMPLETED: _EventKind.ValueType  # 24
+    """A child's work finished; `text` is its result, `usage` what it spent."""
+    EVENT_KIND_TASK_FAILED: _EventKind.ValueType  # 25
+    """A child's work failed, was cancelled, or the child finalized; `error`
+    says why.
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
     """EventKind names a public stream event."""
@@ -201,7 +251,93 @@ EVENT_KIND_SESSION_STALLED: EventKind.ValueType  # 22
 restart budget is spent (`error` says why). Accepted commands stay in the
 inbox until an operator restarts the owner or another owner takes over.
 """
+EVENT_KIND_TASK_STARTED: EventKind.ValueType  # 23
+"""The session gave work to a child session (a new one, or a parked or
+available one continued): `task` names it, `text` is what was asked.
+"""
+EVENT_KIND_TASK_COMPLETED: EventKind.ValueType  # 24
+"""A child's work finished; `text` is its result, `usage` what it spent."""
+EVENT_KIND_TASK_FAILED: EventKind.ValueType  # 25
+"""A child's work failed, was cancelled, or the child finalized; `error`
+says why.
+"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
+
+class _TaskKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_KIND_UNSPECIFIED: _TaskKind.ValueType  # 0
+    """Never used."""
+    TASK_KIND_SUBAGENT: _TaskKind.ValueType  # 1
+    """A subagent: another agent of the deployment, in a conversation the
+    parent can continue.
+    """
+    TASK_KIND_BACKGROUND: _TaskKind.ValueType  # 2
+    """A background task: a tool run as its own session; the call returns a
+    handle at once and the result arrives later.
+    """
+    TASK_KIND_WORKFLOW: _TaskKind.ValueType  # 3
+    """A workflow tool: a tool whose durable steps run as their own session;
+    the calling turn waits for its result.
+    """
+
+class TaskKind(_TaskKind, metaclass=_TaskKindEnumTypeWrapper):
+    """TaskKind says what runs in a child session."""
+
+TASK_KIND_UNSPECIFIED: TaskKind.ValueType  # 0
+"""Never used."""
+TASK_KIND_SUBAGENT: TaskKind.ValueType  # 1
+"""A subagent: another agent of the deployment, in a conversation the
+parent can continue.
+"""
+TASK_KIND_BACKGROUND: TaskKind.ValueType  # 2
+"""A background task: a tool run as its own session; the call returns a
+handle at once and the result arrives later.
+"""
+TASK_KIND_WORKFLOW: TaskKind.ValueType  # 3
+"""A workflow tool: a tool whose durable steps run as their own session;
+the calling turn waits for its result.
+"""
+Global___TaskKind: _TypeAlias = TaskKind  # noqa: Y015
+
+class _HandleState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HandleStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HandleState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HANDLE_STATE_UNSPECIFIED: _HandleState.ValueType  # 0
+    """Never used."""
+    HANDLE_STATE_RUNNING: _HandleState.ValueType  # 1
+    """The child works for the parent: the parent is not idle."""
+    HANDLE_STATE_PARKED: _HandleState.ValueType  # 2
+    """A subagent conversation waiting to be continued (a stable address)."""
+    HANDLE_STATE_AVAILABLE: _HandleState.ValueType  # 3
+    """A task-owned child that finished its work and can be resumed (a stable
+    address).
+    """
+    HANDLE_STATE_SETTLED: _HandleState.ValueType  # 4
+    """The child finalized; nothing more can be asked of it."""
+
+class HandleState(_HandleState, metaclass=_HandleStateEnumTypeWrapper):
+    """HandleState is where a child stands, as its parent sees it."""
+
+HANDLE_STATE_UNSPECIFIED: HandleState.ValueType  # 0
+"""Never used."""
+HANDLE_STATE_RUNNING: HandleState.ValueType  # 1
+"""The child works for the parent: the parent is not idle."""
+HANDLE_STATE_PARKED: HandleState.ValueType  # 2
+"""A subagent conversation waiting to be continued (a stable address)."""
+HANDLE_STATE_AVAILABLE: HandleState.ValueType  # 3
+"""A task-owned child that finished its work and can be resumed (a stable
+address).
+"""
+HANDLE_STATE_SETTLED: HandleState.ValueType  # 4
+"""The child finalized; nothing more can be asked of it."""
+Global___HandleState: _TypeAlias = HandleState  # noqa: Y015
 
 class _InputKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -448,10 +584,17 @@ class SendCommand(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     INPUT_RESPONSES_FIELD_NUMBER: _builtins.int
     TURN_POLICY_FIELD_NUMBER: _builtins.int
+    PARENT_WORK_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The message text."""
     turn_policy: Global___TurnPolicy.ValueType
     """How to admit the message while a turn is open."""
+    parent_work: _builtins.int
+    """Set only by a parent session's owner, on work it gives a child session
+    (DESIGN.md §11): the number of that piece of work. The child reports the
+    outcome of the turn it starts back to the parent as a task_result for
+    this number. A child session refuses other conversational messages.
+    """
     @_builtins.property
     def input_responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputResponse]:
         """Answers to pending input requests."""
@@ -462,10 +605,11 @@ class SendCommand(_message.Message):
         text: _builtins.str = ...,
         input_responses: _abc.Iterable[Global___InputResponse] | None = ...,
         turn_policy: Global___TurnPolicy.ValueType = ...,
+        parent_work: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_responses", b"input_responses", "text", b"text", "turn_policy", b"turn_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_responses", b"input_responses", "parent_work", b"parent_work", "text", b"text", "turn_policy", b"turn_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -577,25 +721,87 @@ Global___AuthorizationCallbackCommand: _TypeAlias = AuthorizationCallbackCommand
 
 @_typing.final
 class TaskResultCommand(_message.Message):
-    """TaskResultCommand carries the result of a child session or background task."""
+    """TaskResultCommand carries a report of a child session (a background task,
+    a subagent or a workflow tool) to its parent: the outcome of one piece of
+    work, a wait surfaced from the child, or its finalization.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_DELIVERY_ID_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    INPUT_REQUEST_FIELD_NUMBER: _builtins.int
+    ATTEMPT_ID_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    WAITING_SESSION_ID_FIELD_NUMBER: _builtins.int
     task_delivery_id: _builtins.str
-    """Deduplication key of the task delivery."""
+    """Deduplication key of the task delivery (also the delivery id): derived
+    from the child and what it reports, so a replay is appended once.
+    """
     result: _builtins.str
-    """The task's result payload."""
+    """The task's result payload (TASK_STATUS_COMPLETED)."""
+    child_session_id: _builtins.str
+    """The child session that reports."""
+    parent_session_id: _builtins.str
+    """The parent the child reports to (its parent link)."""
+    work: _builtins.int
+    """The piece of work this reports on (SendCommand.parent_work); 0 for a
+    finalization or a wait outside parent work.
+    """
+    status: Global___TaskStatus.ValueType
+    """What the child reports."""
+    steps: _builtins.int
+    """Steps the child took for this work; they count against the parent turn's
+    step limit.
+    """
+    attempt_id: _builtins.str
+    """TASK_STATUS_WAITING: the sign-in attempt the child waits on."""
+    deployment_id: _builtins.str
+    """The deployment of the child's owner run that reported."""
+    waiting_session_id: _builtins.str
+    """TASK_STATUS_WAITING: the session that waits (the child, or one of its
+    own children that surfaced it); input responses and sign-in callbacks
+    go there.
+    """
+    @_builtins.property
+    def error(self) -> Global___ErrorDetail:
+        """Why the work failed or was cancelled."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """What the child spent on this work; rolled up into the parent's usage."""
+
+    @_builtins.property
+    def input_request(self) -> Global___InputRequest:
+        """TASK_STATUS_WAITING: the input request the child waits on."""
+
     def __init__(
         self,
         *,
         task_delivery_id: _builtins.str = ...,
         result: _builtins.str = ...,
+        child_session_id: _builtins.str = ...,
+        parent_session_id: _builtins.str = ...,
+        work: _builtins.int = ...,
+        status: Global___TaskStatus.ValueType = ...,
+        error: Global___ErrorDetail | None = ...,
+        usage: Global___Usage | None = ...,
+        steps: _builtins.int = ...,
+        input_request: Global___InputRequest | None = ...,
+        attempt_id: _builtins.str = ...,
+        deployment_id: _builtins.str = ...,
+        waiting_session_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "input_request", b"input_request", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "task_delivery_id", b"task_delivery_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "child_session_id", b"child_session_id", "deployment_id", b"deployment_id", "error", b"error", "input_request", b"input_request", "parent_session_id", b"parent_session_id", "result", b"result", "status", b"status", "steps", b"steps", "task_delivery_id", b"task_delivery_id", "usage", b"usage", "waiting_session_id", b"waiting_session_id", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -920,6 +1126,8 @@ class Event(_message.Message):
     ATTEMPT_ID_FIELD_NUMBER: _builtins.int
     HANDOFF_ID_FIELD_NUMBER: _builtins.int
     CONTEXT_CHANGE_FIELD_NUMBER: _builtins.int
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     seq: _builtins.int
@@ -945,6 +1153,10 @@ class Event(_message.Message):
     handoff_id: _builtins.str
     """The handoff that moved the session here (session.handed_off), when
     known; hooks' GetTransfer looks it up.
+    """
+    child_session_id: _builtins.str
+    """The child session the event is about (task.*, and input.requested or
+    authorization.required surfaced from a child: answer it there).
     """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
@@ -976,6 +1188,10 @@ class Event(_message.Message):
         (context.cleared, context.compacted).
         """
 
+    @_builtins.property
+    def task(self) -> Global___ChildHandle:
+        """The child's handle as the event leaves it (task.*)."""
+
     def __init__(
         self,
         *,
@@ -998,14 +1214,140 @@ class Event(_message.Message):
         attempt_id: _builtins.str = ...,
         handoff_id: _builtins.str = ...,
         context_change: Global___ContextChange | None = ...,
+        child_session_id: _builtins.str = ...,
+        task: Global___ChildHandle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["context_change", b"context_change", "error", b"error", "input_request", b"input_request", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context_change", b"context_change", "error", b"error", "input_request", b"input_request", "task", b"task", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "context_change", b"context_change", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "handoff_id", b"handoff_id", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_id", b"attempt_id", "child_session_id", b"child_session_id", "context_change", b"context_change", "delivery_id", b"delivery_id", "deployment_id", b"deployment_id", "error", b"error", "handoff_id", b"handoff_id", "inbox_seq", b"inbox_seq", "input_request", b"input_request", "kind", b"kind", "owner_run_id", b"owner_run_id", "seq", b"seq", "session_id", b"session_id", "step", b"step", "task", b"task", "text", b"text", "time", b"time", "tool_call", b"tool_call", "tool_result", b"tool_result", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Event: _TypeAlias = Event  # noqa: Y015
+
+@_typing.final
+class ChildHandle(_message.Message):
+    """ChildHandle is a parent's record of one child session. It only names the
+    child's stable address: the child runs on its own deployment.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
+    DETACHED_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    child_session_id: _builtins.str
+    """The child session (its stable address)."""
+    kind: Global___TaskKind.ValueType
+    """What runs in it."""
+    name: _builtins.str
+    """The subagent's or the tool's name."""
+    state: Global___HandleState.ValueType
+    """Where it stands."""
+    turn_id: _builtins.str
+    """The turn that gave it its current (or last) work."""
+    tool_call_id: _builtins.str
+    """The tool call waiting for its result, when that turn waits for it
+    (a subagent asked in the foreground, a workflow tool); empty otherwise.
+    """
+    work: _builtins.int
+    """Pieces of work given so far; the running one's number."""
+    detached: _builtins.bool
+    """The turn that gave the running work was cancelled: its result is
+    recorded, not admitted into a turn.
+    """
+    waiting: _builtins.bool
+    """The child surfaced a wait (human input or sign-in) not answered yet."""
+    deployment_id: _builtins.str
+    """The deployment the child was created on (it stays there)."""
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Everything the child reported spending (rolled up into the parent's)."""
+
+    def __init__(
+        self,
+        *,
+        child_session_id: _builtins.str = ...,
+        kind: Global___TaskKind.ValueType = ...,
+        name: _builtins.str = ...,
+        state: Global___HandleState.ValueType = ...,
+        turn_id: _builtins.str = ...,
+        tool_call_id: _builtins.str = ...,
+        work: _builtins.int = ...,
+        detached: _builtins.bool = ...,
+        waiting: _builtins.bool = ...,
+        usage: Global___Usage | None = ...,
+        deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_session_id", b"child_session_id", "deployment_id", b"deployment_id", "detached", b"detached", "kind", b"kind", "name", b"name", "state", b"state", "tool_call_id", b"tool_call_id", "turn_id", b"turn_id", "usage", b"usage", "waiting", b"waiting", "work", b"work"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChildHandle: _TypeAlias = ChildHandle  # noqa: Y015
+
+@_typing.final
+class ParentLink(_message.Message):
+    """ParentLink is a child session's record of its parent (DESIGN.md §11)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    WORK_FIELD_NUMBER: _builtins.int
+    OUTBOX_FIELD_NUMBER: _builtins.int
+    DEPTH_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    parent_session_id: _builtins.str
+    """The parent session."""
+    kind: Global___TaskKind.ValueType
+    """What runs in this child."""
+    name: _builtins.str
+    """The subagent's or the tool's name (which authored code runs the child)."""
+    work: _builtins.int
+    """The parent's work this child serves now (0: none): reported when the
+    turn it started settles.
+    """
+    depth: _builtins.int
+    """How deep this child is: 1 for a child of a root session."""
+    @_builtins.property
+    def outbox(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskResultCommand]:
+        """Reports committed but not yet known to be in the parent's inbox; they
+        are delivered (again, deduplicated by delivery id) by every run.
+        """
+
+    @_builtins.property
+    def limits(self) -> Global___Limits:
+        """The child's limits as created: what its parent had left."""
+
+    def __init__(
+        self,
+        *,
+        parent_session_id: _builtins.str = ...,
+        kind: Global___TaskKind.ValueType = ...,
+        name: _builtins.str = ...,
+        work: _builtins.int = ...,
+        outbox: _abc.Iterable[Global___TaskResultCommand] | None = ...,
+        depth: _builtins.int = ...,
+        limits: Global___Limits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depth", b"depth", "kind", b"kind", "limits", b"limits", "name", b"name", "outbox", b"outbox", "parent_session_id", b"parent_session_id", "work", b"work"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ParentLink: _TypeAlias = ParentLink  # noqa: Y015
 
 @_typing.final
 class ContextChange(_message.Message):
@@ -1236,12 +1578,17 @@ class OpenTurn(_message.Message):
     PENDING_INPUTS_FIELD_NUMBER: _builtins.int
     PENDING_AUTHORIZATIONS_FIELD_NUMBER: _builtins.int
     CALLER_FIELD_NUMBER: _builtins.int
+    CHILD_STEPS_FIELD_NUMBER: _builtins.int
     turn_id: _builtins.str
     """The turn id."""
     steps: _builtins.int
     """Steps committed so far."""
     caller: _builtins.str
     """The principal whose message started the turn."""
+    child_steps: _builtins.int
+    """Steps child sessions took for this turn: they count against the step
+    limit together with `steps`.
+    """
     @_builtins.property
     def usage(self) -> Global___Usage:
         """Usage accumulated by the turn."""
@@ -1268,10 +1615,11 @@ class OpenTurn(_message.Message):
         pending_inputs: _abc.Iterable[Global___InputRequest] | None = ...,
         pending_authorizations: _abc.Iterable[Global___AuthorizationWait] | None = ...,
         caller: _builtins.str = ...,
+        child_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "inbox_seqs", b"inbox_seqs", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "steps", b"steps", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "child_steps", b"child_steps", "inbox_seqs", b"inbox_seqs", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "steps", b"steps", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1301,6 +1649,8 @@ class SessionSnapshot(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     ID_COUNT_FIELD_NUMBER: _builtins.int
     HISTORY_LOG_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    HANDLES_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1357,6 +1707,16 @@ class SessionSnapshot(_message.Message):
         outside the snapshot, one per index, written by the commits that add them.
         """
 
+    @_builtins.property
+    def parent(self) -> Global___ParentLink:
+        """Set when this session is a child session: its parent and what it runs."""
+
+    @_builtins.property
+    def handles(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChildHandle]:
+        """This session's child sessions (running, parked, available, and the
+        latest settled ones).
+        """
+
     def __init__(
         self,
         *,
@@ -1378,10 +1738,12 @@ class SessionSnapshot(_message.Message):
         timeout: Global___SessionTimeout | None = ...,
         id_count: _builtins.int = ...,
         history_log: Global___HistoryLog | None = ...,
+        parent: Global___ParentLink | None = ...,
+        handles: _abc.Iterable[Global___ChildHandle] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "parent", b"parent", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,177 @@
+"""Child sessions, the I/O (DESIGN.md §11; the rules are in handles.py and
+turns.py): where a child is created, how work and controls reach it, and how
+its reports reach its parent. Every delivery is an inbox append through
+hooks (`ResumeHook`) with a delivery id derived from what it carries, so a
+repeat (a step run again, a run restarted) is appended once; no transaction
+ever spans a parent and a child (DESIGN.md §10).
+
+Placement: a child is created on the parent's deployment, on another live
+instance of it when there is one (chosen by a hash of the child's id), so one
+crash does not take a parent and its running children down together; with
+no other instance, on this one. It then stays where it was created (its own
+fleet takes it over, like any session); a parent that moves to another
+deployment keeps addressing it by its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from baton.owner.v1 import owner_pb2 as owner_pb
+from baton.session.v1 import session_pb2 as s
+from services.common import failpoints, ids
+from services.common.clients import HooksClient, OwnerClient
+from services.common.errors import BatonError, FailedPrecondition, NotFound
+
+log = structlog.get_logger("baton.owner.children")
+
+REGISTRY_CACHE_SECONDS = 5.0
+START_CALL_SECONDS = 10.0
+DELIVERY_RETRY_MAX_SECONDS = 2.0
+
+StartLocal = Callable[[owner_pb.StartSessionRequest], Awaitable[tuple[str, bool, bool]]]
+Offer = Callable[[str, s.InboxEntry], None]
+
+
+class Children:
+    """Creates child sessions and carries commands between parents and
+    children, for the runs of one owner instance."""
+
+    def __init__(
+        self,
+        deployment_id: str,
+        instance_id: str,
+        hooks: HooksClient,
+        start_local: StartLocal,
+        offer: Offer | None = None,
+    ) -> None:
+        self.deployment_id = deployment_id
+        self.instance_id = instance_id
+        self._hooks = hooks
+        self._start_local = start_local
+        self._offer = offer
+        self._peers: dict[str, OwnerClient] = {}
+        self._instances: tuple[float, list[tuple[str, str]]] = (0.0, [])
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            await peer.close()
+        self._peers.clear()
+
+    async def _live_peers(self) -> list[tuple[str, str]]:
+        """(instance id, address) of the other live instances (cached)."""
+        expires, peers = self._instances
+        if expires > time.monotonic():
+            return peers
+        try:
+            live = await self._hooks.list_instances(self.deployment_id)
+        except BatonError as exc:
+            log.info("instance lookup failed; starting children here", reason=exc.reason)
+            return []
+        peers = sorted(
+            (i.instance_id, i.address) for i in live if i.instance_id != self.instance_id
+        )
+        self._instances = (time.monotonic() + REGISTRY_CACHE_SECONDS, peers)
+        return peers
+
+    async def start(
+        self, child_session_id: str, channel: str, parent: s.ParentLink, work: s.Command
+    ) -> bool:
+        """Create the child session on this deployment with `work` as its
+        first inbox entry. Idempotent: a child that exists already is left as
+        it is; False then says the work still has to be sent."""
+        request = owner_pb.StartSessionRequest(
+            session_id=child_session_id,
+            deployment_id=self.deployment_id,
+            channel=channel,
+            parent=parent,
+            first_command=work,
+        )
+        peers = await self._live_peers()
+        if peers:
+            instance_id, address = peers[zlib.crc32(child_session_id.encode()) % len(peers)]
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = OwnerClient(address, timeout=START_CALL_SECONDS)
+            try:
+                response = await peer.start_session(request)
+                return response.first_command_appended
+            except BatonError as exc:
+                if not exc.retryable:
+                    raise
+                # The peer may be gone: start it here (the registry catches up).
+                self._instances = (0.0, [])
+                log.info(
+                    "peer could not start a child; starting it here",
+                    peer_instance_id=instance_id,
+                    child_session_id=child_session_id,
+                    reason=exc.reason,
+                )
+        _, _, appended = await self._start_local(request)
+        return appended
+
+    async def send(self, session_id: str, command: s.Command) -> s.Receipt:
+        """Append `command` to the inbox of `session_id` (a child, or a
+        parent), retrying transient failures with the same delivery id; a run
+        of that session in this process gets it at once. Raises what cannot
+        succeed (the session finalized or gone)."""
+        backoff = 0.05
+        while True:
+            try:
+                receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
+                if self._offer is not None and not receipt.duplicate:
+                    self._offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
+                return receipt
+            except BatonError as exc:
+                if not exc.retryable:
+                    raise
+                log.warning(
+                    "delivery retry",
+                    to_session_id=session_id,
+                    delivery_id=command.delivery.delivery_id,
+                    reason=exc.reason,
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, DELIVERY_RETRY_MAX_SECONDS)
+
+    async def send_control(self, session_id: str, command: s.Command) -> None:
+        """A cancel or reset for a child: one that is finalized or gone needs none."""
+        try:
+            await self.send(session_id, command)
+        except (FailedPrecondition, NotFound) as exc:
+            log.info(
+                "child needs no control",
+                child_session_id=session_id,
+                delivery_id=command.delivery.delivery_id,
+                reason=exc.reason,
+            )
+
+    async def deliver_reports(self, link: s.ParentLink) -> None:
+        """Deliver a child's outbox to its parent, in order; each delivered
+        report leaves the outbox (the next commit persists that). A parent
+        that finalized or is gone takes none: the report is dropped."""
+        while link.outbox:
+            report = s.TaskResultCommand()
+            report.CopyFrom(link.outbox[0])
+            command = s.Command(
+                delivery=s.DeliveryMetadata(delivery_id=report.task_delivery_id),
+                task_result=report,
+            )
+            await failpoints.hit("children.before_report")
+            try:
+                await self.send(report.parent_session_id, command)
+                await failpoints.hit("children.after_report")
+            except BatonError as exc:  # never retryable here: `send` retries those
+                log.info(
+                    "parent takes no report; dropped",
+                    parent_session_id=report.parent_session_id,
+                    delivery_id=report.task_delivery_id,
+                    reason=exc.reason,
+                )
+            if link.outbox and link.outbox[0].task_delivery_id == report.task_delivery_id:
+                del link.outbox[0]
