@@ -83,5 +83,7 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         channel = self._channel(context)
         session_id = await self._edge.resolve_session(channel, request.session_id, request.alias)
         structlog.contextvars.bind_contextvars(session_id=session_id)
-        async for events in self._edge.stream(session_id, request.start_seq, request.follow):
+        async for events in self._edge.stream(
+            channel, session_id, request.start_seq, request.follow
+        ):
             yield pb.StreamEventsResponse(events=events)
