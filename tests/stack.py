@@ -19,6 +19,7 @@ from services.anchor.server import create_server as create_anchor
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.config import EtcdConfig
 from services.common.identity import Role
+from services.common.pki import LocalPki
 from services.common.server import GrpcServer
 from services.common.tls import Security, load_material
 from services.hooks.config import HooksConfig
@@ -39,10 +40,10 @@ SLACK = (("authorization", f"Bearer {SLACK_KEY}"),)
 WEB = (("authorization", f"Bearer {WEB_KEY}"),)
 
 
-def public_channel(target: str) -> grpc.aio.Channel:
+def public_channel(target: str, pki: LocalPki | None = None) -> grpc.aio.Channel:
     """A gateway's channel to an ingress: TLS, trusting the test CA, with no
     client certificate (gateways authenticate with API keys)."""
-    ca = load_material(certs.files(Role.OPERATOR)).ca
+    ca = load_material((pki or certs.pki()).files(Role.OPERATOR)).ca
     return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
 
 
@@ -69,13 +70,19 @@ class Stack:
     ingress: GrpcServer
     channel: grpc.aio.Channel
     ingress_stub: ingress_pb2_grpc.IngressServiceStub
+    # The CA and certificates of the services' gRPC hops (etcd's are the
+    # test PKI's: the module's etcd trusts only that CA).
+    pki: LocalPki
     extra: list[GrpcServer] = field(default_factory=list)
 
     def addr(self, server: GrpcServer) -> str:
         return f"127.0.0.1:{server.port}"
 
+    def security(self, role: Role, deployment_id: str = "") -> Security:
+        return self.pki.security(role, deployment_id)
+
     def owner_security(self) -> Security:
-        return certs.owner(self.deployment_id)
+        return self.security(Role.OWNER, self.deployment_id)
 
     def hooks_client(self, security: Security | None = None, **kwargs: float) -> HooksClient:
         """A client of hooks, by default as this deployment's owner."""
@@ -95,7 +102,7 @@ class Stack:
         """A client of an owner, by default as this deployment's ingress."""
         return OwnerClient(
             self.addr(server or self.owner),
-            security=security or certs.ingress(self.deployment_id),
+            security=security or self.security(Role.INGRESS, self.deployment_id),
             **kwargs,
         )
 
@@ -159,19 +166,21 @@ class Stack:
         return out
 
 
-def hooks_config(etcd: EtcdConfig) -> HooksConfig:
+def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None) -> HooksConfig:
     return HooksConfig(
         listen="127.0.0.1:0",
         etcd=etcd_as(etcd, Role.HOOKS),
-        tls=certs.security(Role.HOOKS),
+        tls=(pki or certs.pki()).security(Role.HOOKS),
     )
 
 
-def anchor_config(etcd: EtcdConfig, **options: object) -> AnchorConfig:
+def anchor_config(
+    etcd: EtcdConfig, pki: LocalPki | None = None, **options: object
+) -> AnchorConfig:
     return AnchorConfig(
         listen="127.0.0.1:0",
         etcd=etcd_as(etcd, Role.ANCHOR),
-        tls=certs.security(Role.ANCHOR),
+        tls=(pki or certs.pki()).security(Role.ANCHOR),
         **options,  # type: ignore[arg-type]
     )
 
@@ -188,22 +197,35 @@ async def start_stack(
     anchor_options: dict[str, object] | None = None,
     limits: ChannelLimits | None = None,
     api_keys: ApiKeys | None = None,
+    pki: LocalPki | None = None,
     **owner_options: object,
 ) -> Stack:
+    """The four services; their gRPC certificates from `pki` (default: the
+    test PKI)."""
+    pki = pki or certs.pki()
     etcd = etcd_config(etcd_endpoint)
-    hooks = await create_hooks(hooks_config(etcd))
+    hooks = await create_hooks(hooks_config(etcd, pki))
     await hooks.start()
-    anchor = await create_anchor(anchor_config(etcd, **(anchor_options or {})))
+    anchor = await create_anchor(anchor_config(etcd, pki, **(anchor_options or {})))
     await anchor.start()
     return await _start_deployment(
-        etcd, hooks, anchor, deployment_id, limits=limits, api_keys=api_keys, **owner_options
+        etcd,
+        hooks,
+        anchor,
+        deployment_id,
+        pki,
+        limits=limits,
+        api_keys=api_keys,
+        **owner_options,
     )
 
 
 async def add_deployment(base: Stack, deployment_id: str, **owner: object) -> Stack:
     """Owner + ingress of another deployment next to `base`, sharing its
     hooks, anchor and etcd (stop it with `stop_deployment`)."""
-    return await _start_deployment(base.etcd, base.hooks, base.anchor, deployment_id, **owner)
+    return await _start_deployment(
+        base.etcd, base.hooks, base.anchor, deployment_id, base.pki, **owner
+    )
 
 
 async def stop_deployment(stack: Stack) -> None:
@@ -217,6 +239,7 @@ async def _start_deployment(
     hooks: GrpcServer,
     anchor: GrpcServer,
     deployment_id: str,
+    pki: LocalPki,
     *,
     limits: ChannelLimits | None = None,
     api_keys: ApiKeys | None = None,
@@ -229,7 +252,7 @@ async def _start_deployment(
             deployment_id=deployment_id,
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
-            tls=certs.owner(deployment_id),
+            tls=pki.security(Role.OWNER, deployment_id),
             **owner_options,  # type: ignore[arg-type]
         )
     )
@@ -242,12 +265,12 @@ async def _start_deployment(
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
             owner=f"127.0.0.1:{owner.port}",
-            tls=certs.ingress(deployment_id),
+            tls=pki.security(Role.INGRESS, deployment_id),
             limits=limits or ChannelLimits(),
         )
     )
     await ingress.start()
-    channel = public_channel(f"127.0.0.1:{ingress.port}")
+    channel = public_channel(f"127.0.0.1:{ingress.port}", pki)
     return Stack(
         etcd=etcd,
         deployment_id=deployment_id,
@@ -257,6 +280,7 @@ async def _start_deployment(
         ingress=ingress,
         channel=channel,
         ingress_stub=ingress_pb2_grpc.IngressServiceStub(channel),
+        pki=pki,
     )
 
 

@@ -628,3 +628,94 @@ async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
     finally:
         await owner.close()
     assert await durable_state(stack, etcd) == before
+
+
+# -- found by fuzzing the edge (issue 10) -----------------------------------------------
+
+
+async def test_out_of_range_numbers_are_refused_before_anything_is_written(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    """A timeout of 10^12 s used to fail after hooks had written the session
+    (INTERNAL, then a zombie session on retry). Now every number is range
+    checked first; the same request id then creates the session normally."""
+    before = await durable_state(stack, etcd)
+    for fields in ({"timeout_seconds": 10**12}, {"token_budget": 2**63}):
+        for _ in range(2):  # a retry with the same request id: the same refusal
+            err = await refused(
+                create(stack, request_id="huge", **fields),
+                Code.INVALID_ARGUMENT,
+                Reason.INVALID_FIELD,
+            )
+            assert next(iter(fields)) in err.message
+    await refused(
+        read(stack, session_id=ids.new_session_id(), start_seq=2**64 - 1),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_FIELD,
+    )
+    assert await durable_state(stack, etcd) == before
+    response = await create(stack, request_id="huge", timeout_seconds=3600)
+    assert response.created
+    sent = await stack.send(response.session_id, "alive?")
+    await follow_until(stack, response.session_id, answered("alive?"))
+    assert sent.receipt.seq == 0
+
+
+@pytest.mark.parametrize("field", ["request_id", "session_id", "alias", "delivery_id"])
+async def test_an_oversize_value_is_refused_without_echoing_it(
+    stack: Stack, etcd: aetcd.Client, field: str
+) -> None:
+    """A 20,000-character value used to come back whole in the error message,
+    overflowing a default client's 16 KiB trailer limit (RESOURCE_EXHAUSTED
+    with no reason). The refusal quotes a short prefix only."""
+    huge = "x" * 20_000
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    if field == "request_id":
+        call = create(stack, request_id=huge)
+    elif field == "delivery_id":
+        call = send(stack, session_id=session_id, text="hi", delivery_id=huge)
+    else:
+        call = send(stack, text="hi", **{field: huge})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    err = from_rpc_error(info.value)
+    assert err.reason in (Reason.INVALID_FIELD, Reason.INVALID_SESSION_ID, Reason.INVALID_TOKEN)
+    assert len(err.message) < 300 and "20000 characters" in err.message
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: Stack) -> None:
+    """gRPC decodes before the handler runs; the servers decode themselves, so
+    bytes that are not the method's message get INVALID_ARGUMENT with a
+    reason (it used to be UNKNOWN), on public and internal servers alike."""
+    from services.common.channels import open_channel
+    from services.common.identity import Role
+    from tests.stack import public_channel
+
+    garbage = b"\xff\xff\xff\xff\x0f"  # a field 0 / truncated varint: never a message
+    cases = [
+        (public_channel(stack.addr(stack.ingress)), "/baton.ingress.v1.IngressService/SendMessage"),
+        (
+            open_channel(stack.addr(stack.hooks), stack.owner_security()),
+            "/baton.hooks.v1.HookRegistryService/ResumeHook",
+        ),
+        (
+            open_channel(stack.addr(stack.anchor), stack.owner_security()),
+            "/baton.anchor.v1.AnchorService/CommitStep",
+        ),
+        (
+            open_channel(stack.addr(stack.owner), stack.security(Role.INGRESS, "dep-a")),
+            "/baton.owner.v1.OwnerService/StartSession",
+        ),
+    ]
+    for channel, method in cases:
+        try:
+            call = channel.unary_unary(method)  # raw bytes both ways
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(garbage, metadata=SLACK, timeout=10)
+        finally:
+            await channel.close()
+        assert info.value.code() == Code.INVALID_ARGUMENT, (method, info.value.details())
+        assert from_rpc_error(info.value).reason == Reason.MALFORMED_REQUEST

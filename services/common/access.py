@@ -81,6 +81,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     # every server
     "/grpc.health.v1.Health/Check": ANY,
     "/grpc.health.v1.Health/Watch": ANY,
+    "/grpc.health.v1.Health/List": ANY,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
 }
 

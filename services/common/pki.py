@@ -73,10 +73,13 @@ class CertificateAuthority:
     """A CA whose key lives in memory and whose certificate is in `directory`."""
 
     directory: Path
-    name: str = "Baton throwaway CA"
+    # Distinct per CA (a rotation's bundle holds two; chains are built by name).
+    name: str = field(default_factory=lambda: f"Baton throwaway CA {os.urandom(4).hex()}")
     validity: datetime.timedelta = DEFAULT_VALIDITY
     key: ec.EllipticCurvePrivateKey = field(default_factory=_key)
     cert: x509.Certificate | None = None
+    # Write ca.crt (False while rotating: the caller writes the bundle).
+    write_ca: bool = True
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -94,6 +97,10 @@ class CertificateAuthority:
                 .not_valid_after(now + self.validity)
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                 .add_extension(
+                    x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()),
+                    critical=False,
+                )
+                .add_extension(
                     x509.KeyUsage(
                         digital_signature=True,
                         key_cert_sign=True,
@@ -109,7 +116,13 @@ class CertificateAuthority:
                 )
                 .sign(self.key, hashes.SHA256())
             )
-        _write(self.ca_path, _pem_cert(self.cert))
+        if self.write_ca:
+            _write(self.ca_path, _pem_cert(self.cert))
+
+    @property
+    def pem(self) -> bytes:
+        assert self.cert is not None
+        return _pem_cert(self.cert)
 
     @property
     def ca_path(self) -> Path:
@@ -148,6 +161,10 @@ class CertificateAuthority:
             .not_valid_after(now + (validity or self.validity))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
         )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -181,6 +198,29 @@ class LocalPki:
         self.check_every = check_every
         self._issued: dict[tuple[Role, str], TlsFiles] = {}
         self._etcd: dict[str, TlsFiles] = {}
+        self._retiring: CertificateAuthority | None = None
+
+    # A CA rotation, in the order every process can follow without a failed
+    # handshake: trust both CAs, then reissue every certificate from the new
+    # one, then stop trusting the old one (wait for the processes' reload
+    # checks in between). The files keep their paths.
+
+    def trust_new_ca(self) -> None:
+        """Step 1: a new CA; the bundle (ca.crt) holds the old and the new."""
+        new = CertificateAuthority(self.ca.directory, write_ca=False)
+        _write(self.ca.ca_path, self.ca.pem + new.pem)
+        self._retiring, self.ca = self.ca, new
+
+    def reissue(self) -> None:
+        """Step 2: every certificate issued so far, again, by the current CA."""
+        for role, deployment_id in list(self._issued):
+            self._issued[(role, deployment_id)] = self.ca.issue_role(role, deployment_id)
+        self._etcd.clear()
+
+    def retire_old_ca(self) -> None:
+        """Step 3: the bundle holds the current CA only."""
+        _write(self.ca.ca_path, self.ca.pem)
+        self._retiring = None
 
     @property
     def ca_path(self) -> str:
