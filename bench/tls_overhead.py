@@ -68,13 +68,22 @@ async def measure_round(
             _progress(f"{mode}: {args.turns} sequential one-step turns")
             seq = await measure_sequential(stub, args.turns, args.warmup_turns, lambda: None)
             _progress(f"{mode}: {args.concurrent_turns} turns over {args.sessions} sessions")
+            marks: dict[str, dict[str, float]] = {}
             tput = await measure_throughput(
-                stub, args.sessions, args.concurrent_turns, lambda: None
+                stub,
+                args.sessions,
+                args.concurrent_turns,
+                lambda marks=marks, stack=stack: marks.__setitem__("start", stack.cpu()),
             )
+            after = stack.cpu()
         finally:
             await channel.close()
         stack.check_alive()
-        out[mode] = {"turn": seq["turn"], "turns_per_s": tput["turns_per_s"]}
+        cpu = {
+            name: (after[name] - marks["start"][name]) * 1000 / args.concurrent_turns
+            for name in after
+        }
+        out[mode] = {"turn": seq["turn"], "turns_per_s": tput["turns_per_s"], "cpu_ms": cpu}
     return out
 
 
@@ -88,11 +97,15 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
     for mode in MODES:
         turns = Dist([s for r in rounds for s in r[mode]["turn"].samples])
         rates = [r[mode]["turns_per_s"] for r in rounds]
+        names = rounds[0][mode]["cpu_ms"].keys()
         summary[mode] = {
             "turn": turns,
             "turns_per_s": statistics.median(rates),
             "turns_per_s_rounds": rates,
             "turn_p50_rounds": [r[mode]["turn"].pct(50) for r in rounds],
+            # CPU ms per turn under load, by process (median over rounds):
+            # the cost, less sensitive than wall time to other load.
+            "cpu_ms": {n: statistics.median(r[mode]["cpu_ms"][n] for r in rounds) for n in names},
         }
     tls, plain = summary["tls"], summary["plaintext"]
     return {
@@ -104,6 +117,9 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
             "turn_p50_tls_over_plaintext": tls["turn"].pct(50) / plain["turn"].pct(50),
             "turn_p90_tls_over_plaintext": tls["turn"].pct(90) / plain["turn"].pct(90),
             "throughput_plaintext_over_tls": plain["turns_per_s"] / tls["turns_per_s"],
+            # (CPU time is counted in clock ticks: meaningless for --smoke counts)
+            "cpu_per_turn_tls_over_plaintext": sum(tls["cpu_ms"].values())
+            / max(sum(plain["cpu_ms"].values()), 1e-9),
         },
     }
 
@@ -129,6 +145,18 @@ def report(results: dict[str, Any]) -> str:
             f"  {mode:<10} {t.pct(50):>12.3f} {t.pct(90):>9.3f} {t.pct(99):>9.3f} "
             f"{m['turns_per_s']:>9.0f}   {per_round}"
         )
+    names = list(modes["tls"]["cpu_ms"])
+    lines += [
+        "",
+        "  CPU ms per turn under load " + " ".join(f"{n:>9}" for n in names) + "     total",
+    ]
+    for mode in MODES:
+        cpu = modes[mode]["cpu_ms"]
+        lines.append(
+            f"    {mode:<25} "
+            + " ".join(f"{cpu[n]:>9.2f}" for n in names)
+            + f" {sum(cpu.values()):>9.2f}"
+        )
     p50 = ratios["turn_p50_tls_over_plaintext"]
     tput = ratios["throughput_plaintext_over_tls"]
     lines += [
@@ -138,6 +166,7 @@ def report(results: dict[str, Any]) -> str:
         f"  turn p90, TLS / plaintext           {ratios['turn_p90_tls_over_plaintext']:.3f}x",
         f"  throughput, plaintext / TLS         {tput:.3f}x  "
         f"({'within' if tput <= TARGET_RATIO else 'OVER'} the {TARGET_RATIO}x target)",
+        f"  CPU per turn, TLS / plaintext       {ratios['cpu_per_turn_tls_over_plaintext']:.3f}x",
     ]
     return "\n".join(lines)
 
