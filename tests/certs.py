@@ -84,3 +84,15 @@ async def etcd_client(endpoint: str, timeout: float = 5) -> aetcd.Client:
     client = make_client(endpoint, timeout, etcd_security())
     await client.connect()
     return client
+
+
+async def etcd_root_client(
+    endpoint: str, timeout: float = 5, max_receive_bytes: int = 0
+) -> aetcd.Client:
+    """A connected etcd client as `root` (the operator: every key, alarms,
+    compaction, defragmentation)."""
+    client = make_client(endpoint, timeout, Security(files=pki().etcd_user("root")))
+    if max_receive_bytes:
+        client._options["grpc.max_receive_message_length"] = max_receive_bytes
+    await client.connect()
+    return client

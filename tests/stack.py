@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -40,11 +42,15 @@ SLACK = (("authorization", f"Bearer {SLACK_KEY}"),)
 WEB = (("authorization", f"Bearer {WEB_KEY}"),)
 
 
-def public_channel(target: str, pki: LocalPki | None = None) -> grpc.aio.Channel:
+def public_channel(
+    target: str, pki: LocalPki | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """A gateway's channel to an ingress: TLS, trusting the test CA, with no
     client certificate (gateways authenticate with API keys)."""
     ca = load_material((pki or certs.pki()).files(Role.OPERATOR)).ca
-    return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca))
+    return grpc.aio.secure_channel(
+        target, grpc.ssl_channel_credentials(root_certificates=ca), options=list(options)
+    )
 
 
 def etcd_config(endpoint: str) -> EtcdConfig:
@@ -174,9 +180,7 @@ def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None) -> HooksConfig:
     )
 
 
-def anchor_config(
-    etcd: EtcdConfig, pki: LocalPki | None = None, **options: object
-) -> AnchorConfig:
+def anchor_config(etcd: EtcdConfig, pki: LocalPki | None = None, **options: object) -> AnchorConfig:
     return AnchorConfig(
         listen="127.0.0.1:0",
         etcd=etcd_as(etcd, Role.ANCHOR),

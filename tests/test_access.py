@@ -366,6 +366,8 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
             snapshot=s.SessionSnapshot(session_id=sid, next_event_seq=1_001),
         ),
         "GetSnapshot": a.GetSnapshotRequest(session_id=sid),
+        "LoadSession": a.LoadSessionRequest(session_id=sid),
+        "RetireHistory": a.RetireHistoryRequest(fence=fence, below_index=10**6),
         "ReadEvents": a.ReadEventsRequest(session_id=sid),
         "StartSession": o.StartSessionRequest(
             session_id=ids.new_session_id(), deployment_id=deployment_id, channel="slack"
@@ -524,6 +526,7 @@ async def test_an_owner_acts_only_for_its_own_deployment(
     requests = forged_requests(target, stack.deployment_id)
     evil = stack.security(Role.OWNER, "dep-evil")
     scoped = [
+        "RetireHistory",
         "CreateSession",
         "ClaimHooks",
         "DisposeHooks",

@@ -65,6 +65,7 @@ MAX_DEPTH = 3
 # RPCs that never write: no need to wait for the stack to settle after them.
 READ_ONLY = {
     "GetSnapshot",
+    "LoadSession",
     "ReadEvents",
     "LookupHook",
     "ListInstances",
@@ -301,6 +302,8 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "timeout_seconds": [0, 86_400],
         "token_budget": [0, 1_000],
         "lease_id": [1],
+        "below_index": [0, 2, 4],
+        "from_index": [0],
         "parked": [True],
     }
     known = [
