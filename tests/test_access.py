@@ -642,18 +642,20 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
     hooks = Store(make_client(stack.etcd.endpoint, 2, certs.security(Role.HOOKS)), 2)
     await hooks.connect()
     try:
-        from aetcd import rpc
-
-        status = await rpc.AuthStub(hooks.client.channel).AuthStatus(
-            rpc.AuthStatusRequest(), timeout=5
-        )
-        assert status.enabled  # user/role auth is on in the suite's etcd
         await hooks.txn([], [op_get(stack.etcd.prefix.encode())])
         with pytest.raises(BatonError) as outside:
             await hooks.txn([], [op_put(b"/elsewhere", b"x")])
         assert "permission denied" in outside.value.message
     finally:
         await hooks.close()
+    root = await certs.etcd_root_client(stack.etcd.endpoint)
+    try:
+        from aetcd import rpc
+
+        status = await rpc.AuthStub(root.channel).AuthStatus(rpc.AuthStatusRequest(), timeout=5)
+        assert status.enabled  # user/role auth is on in the suite's etcd
+    finally:
+        await root.close()
     stranger = Store(make_client(stack.etcd.endpoint, 2, certs.operator()), 2)
     await stranger.connect()
     try:
