@@ -96,7 +96,8 @@ class ResourceExhausted(BatonError):
     def __init__(
         self, reason: str, message: str, *, retry_after: float | None = None, **metadata: str
     ) -> None:
-        super().__init__(reason, message, retry_after=retry_after, **metadata)
+        super().__init__(reason, message, **metadata)
+        self.retry_after = retry_after
         self.retryable = retry_after is not None
 
 

@@ -117,7 +117,7 @@ def make_client(endpoint: str, timeout: float, security: Security | None = None)
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 
-class TlsClient(aetcd.Client):
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hints)
     """aetcd's client over a TLS channel. aetcd 1.0 only opens plaintext
     channels; this opens the channel itself and uses aetcd's own stubs and
     watcher on it, so the rest of aetcd (and `Store`, which calls the KV stub
@@ -133,7 +133,7 @@ class TlsClient(aetcd.Client):
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        if self._is_connecting:
+        if self._is_connecting:  # type: ignore[has-type]
             await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
             return
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -100,7 +101,7 @@ class Caller:
         return cls(role=role, deployment_id=deployment_id)
 
     @classmethod
-    def from_peer(cls, identities: list[bytes] | None) -> Caller:
+    def from_peer(cls, identities: Iterable[bytes] | None) -> Caller:
         """The caller named by the peer certificate's SANs (gRPC's
         `peer_identities()`): exactly one `spiffe://baton/...` URI."""
         ids = [i for i in identities or () if i.startswith(b"spiffe://")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -11,7 +12,7 @@ import structlog
 MAX_LOGGED_CHARS = 512
 
 
-def clip_values(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def clip_values(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """No log line carries an oversize value a caller sent (a 20,000
     character id is logged as its prefix and length)."""
     for key, value in event.items():

@@ -303,7 +303,7 @@ class GrpcServer:
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # Run on SIGHUP, after certificate watchers were told to re-check (e.g.
     # ingress re-reads its API keys).
-    on_reload: list[Callable[[], None]] = field(default_factory=list)
+    on_reload: list[Callable[[], object]] = field(default_factory=list)
     # The service's root object (e.g. the owner host), for in-process tests.
     app: object = None
     # Supervised loops that run while the server serves (e.g. store health,
