@@ -255,3 +255,23 @@ def test_key_files_hold_hashes_or_strong_keys() -> None:
             parse_key_lines(bad, "keys")
         # A refusal names the line, never the key.
         assert OLD_KEY not in str(info.value)
+
+
+def test_hash_key_reads_the_key_from_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`baton hash-key CHANNEL < key` prints the key file line (never takes
+    the key from argv)."""
+    import io
+
+    from services.cli.__main__ import main as baton_main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(NEW_KEY + "\n"))
+    with pytest.raises(SystemExit) as exited:
+        baton_main(["hash-key", "web"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"web=sha256:{_sha(NEW_KEY)}"
+    monkeypatch.setattr("sys.stdin", io.StringIO("short\n"))
+    with pytest.raises(SystemExit) as refused:
+        baton_main(["hash-key", "web"])
+    assert refused.value.code == 2
