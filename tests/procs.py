@@ -244,10 +244,13 @@ class StackClients:
         # As an owner of the stack's deployment (lists its instances and sessions).
         self.hooks = HooksClient(stack.addr("hooks"), timeout=5, security=stack.security())
         self.anchor = AnchorClient(stack.addr("anchor"), timeout=5, security=stack.security())
+        # As an operator: looks at any deployment.
+        self.operator_hooks = HooksClient(stack.addr("hooks"), timeout=5, security=stack.probe)
 
     async def close(self) -> None:
         await self.channel.close()
         await self.hooks.close()
+        await self.operator_hooks.close()
         await self.anchor.close()
 
     async def wait_registered(self, *instance_ids: str, timeout: float = 30.0) -> None:

@@ -360,6 +360,9 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
             snapshot_revision=t.snapshot_revision,
         ),
         "GetTransfer": h.GetTransferRequest(session_id=sid, handoff_id="ho_steal"),
+        "GetOwner": h.GetOwnerRequest(session_id=sid),
+        "DrainSessions": o.DrainSessionsRequest(to_deployment_id="dep-b"),
+        "AdoptSession": o.AdoptSessionRequest(session_id=sid),
         "CommitStep": a.CommitStepRequest(
             fence=fence,
             events=[forged],
@@ -552,15 +555,17 @@ async def test_an_owner_acts_only_for_its_own_deployment(
             await channel.close()
         assert info.value.code() == Code.PERMISSION_DENIED, (name, info.value.details())
         assert from_rpc_error(info.value).reason == Reason.DEPLOYMENT_NOT_ALLOWED, name
-    # An ingress may start sessions only on its own deployment's owner.
+    # An ingress may start sessions, and ask for adoptions, only on its own
+    # deployment's owner.
     channel = open_channel(stack.addr(stack.owner), stack.security(Role.INGRESS, "dep-evil"))
     try:
-        method, _, response, streaming = rpcs["StartSession"]
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await invoke(channel, method, requests["StartSession"], response, streaming)
+        for name in ("StartSession", "AdoptSession"):
+            method, _, response, streaming = rpcs[name]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await invoke(channel, method, requests[name], response, streaming)
+            assert from_rpc_error(info.value).reason == Reason.DEPLOYMENT_NOT_ALLOWED, name
     finally:
         await channel.close()
-    assert from_rpc_error(info.value).reason == Reason.DEPLOYMENT_NOT_ALLOWED
     assert await store_revision(etcd, stack) == before, "a refused call wrote to etcd"
 
 

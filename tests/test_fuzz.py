@@ -64,6 +64,7 @@ SERVICES = {
 MAX_DEPTH = 3
 # RPCs that never write: no need to wait for the stack to settle after them.
 READ_ONLY = {
+    "GetOwner",
     "GetSnapshot",
     "LoadSession",
     "ReadEvents",
@@ -305,6 +306,7 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "below_index": [0, 2, 4],
         "from_index": [0],
         "parked": [True],
+        "to_deployment_id": ["dep-b"],
     }
     known = [
         "",
@@ -339,16 +341,20 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "owner-as-owner": open_channel(
             stack.addr(stack.owner), stack.security(Role.OWNER, "dep-b")
         ),
+        "owner-as-operator": open_channel(stack.addr(stack.owner), stack.security(Role.OPERATOR)),
         "baton.ingress.v1.IngressService": public_channel(stack.addr(stack.ingress), stack.pki),
     }
     return Target(stack, etcd, channels, known, hints)
 
 
 def channel_for(target: Target, rpc: Rpc) -> grpc.aio.Channel:
+    """A channel with a certificate of a role the table allows for `rpc`."""
     allowed = access.allowed_roles(rpc.path)
     assert allowed is not None
     if rpc.service == "baton.owner.v1.OwnerService" and Role.INGRESS not in allowed:
-        return target.channels["owner-as-owner"]  # AcceptHandoff: another deployment's owner
+        if Role.OWNER in allowed:
+            return target.channels["owner-as-owner"]  # AcceptHandoff: another deployment's
+        return target.channels["owner-as-operator"]  # DrainSessions
     return target.channels[rpc.service]
 
 

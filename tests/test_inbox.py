@@ -274,7 +274,7 @@ async def test_a_long_backlog_streams_in_pages(stack: Stack) -> None:
     """An owner reading a backlog of 700 commands gets them in pages (no one
     message holds the whole backlog), every seq once and in order, then the
     live ones."""
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=10)
+    hooks = stack.hooks_client(timeout=10)
     try:
         sid = await stack.create()
         snapshot_owner = await hooks.get_owner(sid)
