@@ -16,7 +16,7 @@ import tempfile
 import aetcd
 
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import EtcdProcess, EtcdTls
+from services.cli.processes import EtcdCluster, EtcdProcess, EtcdTls
 from services.common.etcd import make_client
 from services.common.identity import Role
 from services.common.pki import LocalPki
@@ -72,6 +72,14 @@ def start_etcd(**kwargs: object) -> EtcdProcess:
     server = EtcdProcess(tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
     enable_auth(server.endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
     return server
+
+
+def start_etcd_cluster(size: int = 3, **kwargs: object) -> EtcdCluster:
+    """`size` members, every one with TLS and the same auth as `start_etcd`
+    (auth is enabled once, through the first member: it is cluster state)."""
+    cluster = EtcdCluster(size=size, tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
+    enable_auth(cluster.members[0].endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
+    return cluster
 
 
 def etcd_security() -> Security:

@@ -25,7 +25,7 @@ from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError
 from services.common.identity import Role
-from services.common.tls import Security
+from services.common.tls import Security, tls_options
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.stack import SLACK_KEY, public_channel
@@ -166,11 +166,10 @@ class ProcessStack:
         self.ingresses[name] = proc = self._spawn(
             name,
             "ingress",
-            BATON_API_KEYS=f"slack={API_KEY}",
             BATON_OWNER_ADDR=",".join(self.addr(o) for o in owners),
             BATON_DEPLOYMENT_ID=deployment_id,
         )
-        wait_serving(self.addr(name))
+        wait_serving(self.addr(name), self.probe)
         return proc
 
     def start_owner(
@@ -359,7 +358,7 @@ class ReplicatedStack:
     replicas: int = 2
     deployment_id: str = "dep-r"
     lease_ttl: int = 5
-    prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
+    prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -372,8 +371,18 @@ class ReplicatedStack:
     def addrs(self, kind: str) -> str:
         return ",".join(self.addr(name) for name in self.names(kind))
 
+    def security(self, role: Role) -> Security:
+        """A certificate of `role` (for owners and ingresses: of the stack's
+        deployment)."""
+        return certs.security(role, self.deployment_id if role in _PER_DEPLOYMENT else "")
+
     def _env(self, kind: str, name: str) -> dict[str, str]:
+        files = self.security(Role({"o": "owner"}.get(kind, kind))).files
+        assert files is not None
         env = {
+            "BATON_TLS_CERT": files.cert,
+            "BATON_TLS_KEY": files.key,
+            "BATON_TLS_CA": files.ca,
             "PYTHONUNBUFFERED": "1",
             "BATON_LOG_LEVEL": "info",
             "BATON_SHUTDOWN_GRACE": "1",
@@ -395,7 +404,10 @@ class ReplicatedStack:
                 "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
                 "BATON_OWNER_PARK_AFTER": "0",
             }
-        return env | {"BATON_API_KEYS": f"slack={API_KEY}", "BATON_OWNER_ADDR": self.addrs("o")}
+        keys = self.workdir / "api-keys"
+        if not keys.exists():
+            keys.write_text(f"slack={API_KEY}\n")
+        return env | {"BATON_API_KEYS_FILE": str(keys), "BATON_OWNER_ADDR": self.addrs("o")}
 
     def start_process(self, name: str, *, wait: bool = True) -> ServiceProcess:
         """Start (or start again, on its port) the process called `name`."""
@@ -409,7 +421,7 @@ class ReplicatedStack:
         )
         self.procs[name] = proc.start()
         if wait:
-            wait_serving(self.addr(name))
+            wait_serving(self.addr(name), certs.operator())
         return proc
 
     def start(self) -> ReplicatedStack:
@@ -421,7 +433,7 @@ class ReplicatedStack:
             for name in tier:
                 self.start_process(name, wait=False)
             for name in tier:
-                wait_serving(self.addr(name))
+                wait_serving(self.addr(name), certs.operator())
         return self
 
     def kill(self, name: str) -> None:
@@ -450,19 +462,19 @@ class ReplicatedClients:
 
     def __init__(self, stack: ReplicatedStack) -> None:
         self.stack = stack
-        self.channel = grpc.aio.insecure_channel(
-            f"ipv4:{stack.addrs('ingress')}", options=[("grpc.lb_policy_name", "round_robin")]
+        target = f"ipv4:{stack.addrs('ingress')}"
+        self.channel = public_channel(
+            target, options=tls_options(target, [("grpc.lb_policy_name", "round_robin")])
         )
         self.ingress = ingress_pb2_grpc.IngressServiceStub(self.channel)
-        self.channels = {
-            name: grpc.aio.insecure_channel(stack.addr(name)) for name in stack.names("ingress")
-        }
+        self.channels = {name: public_channel(stack.addr(name)) for name in stack.names("ingress")}
         self.ingresses = {
             name: ingress_pb2_grpc.IngressServiceStub(channel)
             for name, channel in self.channels.items()
         }
-        self.hooks = HooksClient(stack.addrs("hooks"), timeout=5)
-        self.anchor = AnchorClient(stack.addrs("anchor"), timeout=5)
+        owner = stack.security(Role.OWNER)
+        self.hooks = HooksClient(stack.addrs("hooks"), timeout=5, security=owner)
+        self.anchor = AnchorClient(stack.addrs("anchor"), timeout=5, security=owner)
 
     async def close(self) -> None:
         for channel in (self.channel, *self.channels.values()):

@@ -36,7 +36,7 @@ from services.common.identity import CERTIFICATE_ROLES, Caller, Role
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.common.pki import LocalPki
 from services.common.server import ServiceBinding, build_server
-from services.common.tls import Security, load_material
+from services.common.tls import Security, load_material, server_name
 from tests.stack import Stack, start_stack, stop_stack
 
 Code = grpc.StatusCode
@@ -668,3 +668,14 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
             await stranger.txn([], [op_get(stack.etcd.prefix.encode())])
     finally:
         await stranger.close()
+
+
+def test_replicas_on_one_host_are_verified_against_that_host() -> None:
+    """gRPC's authority for a multi-address target is no host name; replicas
+    listed by one host's IP are verified against it, other lists need a
+    dns:/// name their certificates carry."""
+    assert server_name("ipv4:127.0.0.1:1,127.0.0.1:2") == "127.0.0.1"
+    assert server_name("ipv6:[::1]:1,[::1]:2") == "::1"
+    assert server_name("ipv4:10.0.0.1:1,10.0.0.2:1") is None
+    assert server_name("127.0.0.1:50052") is None
+    assert server_name("dns:///hooks.baton.svc:50052") is None

@@ -572,8 +572,9 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
 
 
 class _FlakyHooks:
-    """B's hooks client, losing Transfer answers for `lose_for` seconds after
-    the first call (each call does reach hooks), and failing every lookup."""
+    """B's hooks client, losing the first Transfer answer and every one for
+    `lose_for` seconds after the first call (each call does reach hooks), and
+    failing every lookup."""
 
     def __init__(self, real: HooksClient, lose_for: float) -> None:
         self._real = real
@@ -590,7 +591,9 @@ class _FlakyHooks:
             self._lose_until = loop.time() + self._lose_for
         self.calls += 1
         response = await self._real.transfer(request, deadline_s)  # type: ignore[arg-type]
-        if loop.time() < self._lose_until:
+        # The first answer is always lost (however long the call took), then
+        # every answer until `lose_for` has passed.
+        if self.calls == 1 or loop.time() < self._lose_until:
             raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "answer lost")
         return response
 

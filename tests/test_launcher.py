@@ -364,7 +364,9 @@ async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> No
         await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in up.lines), up.output
         # The demo again, through the second ingress replica.
-        code, demo_output = await run_demo(up.addresses["ingress-2 of dep-1"], "--message", "hi")
+        code, demo_output = await run_demo(
+            up, up.addresses["ingress-2 of dep-1"], "--message", "hi"
+        )
         assert code == 0, demo_output
         # One log per process, etcd members included.
         logs = Path(up.run_dir) / "logs"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tls import Security, TlsFiles, channel_credentials, load_material
@@ -202,15 +203,26 @@ class EtcdProcess:
             self.proc.wait(5)
 
     def status(self) -> dict[str, str]:
-        """The member's maintenance status (its id, the leader's id), through
-        etcd's HTTP gateway; raises OSError when it does not answer."""
-        request = urllib.request.Request(
-            f"{self.scheme}://127.0.0.1:{self.client_port}/v3/maintenance/status", data=b"{}"
-        )
-        context = _client_context(self.tls.root) if self.tls else None
-        with urllib.request.urlopen(request, timeout=2, context=context) as response:  # noqa: S310
-            body = json.loads(response.read())
-        return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+        """The member's maintenance status (its id, the leader's id); raises
+        OSError when it does not answer. Plaintext members answer through
+        etcd's HTTP gateway; TLS members over gRPC as `root` (with auth on,
+        the gateway refuses client certificates that carry a common name)."""
+        if self.tls is None:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.client_port}/v3/maintenance/status", data=b"{}"
+            )
+            with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310
+                body = json.loads(response.read())
+            return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+        channel = sync_channel(f"127.0.0.1:{self.client_port}", Security(files=self.tls.root))
+        stub = rpc_pb2_grpc.MaintenanceStub(channel)
+        try:
+            status = stub.Status(rpc_pb2.StatusRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            raise OSError(f"etcd status: {exc}") from exc
+        finally:
+            channel.close()
+        return {"member_id": str(status.header.member_id), "leader": str(status.leader)}
 
 
 @dataclass

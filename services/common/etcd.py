@@ -24,7 +24,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import mark_retrieved
-from services.common.tls import Security, channel_credentials, load_material
+from services.common.tls import Security, channel_credentials, load_material, tls_options
 
 log = structlog.get_logger("baton.etcd")
 
@@ -113,6 +113,7 @@ def make_client(endpoint: str, timeout: float, security: Security | None = None)
     host, _, port = target.rpartition(":")
     if security is not None and security.files is not None:
         credentials = channel_credentials(load_material(security.files))
+        options.update(tls_options(target, []))
         return TlsClient(credentials, host=host, port=int(port), timeout=timeout, options=options)
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 

@@ -219,6 +219,26 @@ def channel_credentials(material: Material) -> grpc.ChannelCredentials:
     )
 
 
+def server_name(target: str) -> str | None:
+    """The name to verify the servers of a multi-address `ipv4:`/`ipv6:`
+    target against. gRPC's default authority for such a target is not a host
+    name, so hostname verification would fail; when every address has the
+    same host (replicas on one machine: `baton up --replicas`, the tests),
+    that host is the name. Otherwise None: give such a fleet a `dns:///` name
+    its certificates carry."""
+    scheme, sep, rest = target.partition(":")
+    if not sep or scheme not in ("ipv4", "ipv6") or "," not in rest:
+        return None
+    hosts = {part.rpartition(":")[0].strip("[]") for part in rest.split(",")}
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def tls_options(target: str, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    name = server_name(target)
+    extra = [("grpc.ssl_target_name_override", name)] if name else []
+    return [*options, *extra]
+
+
 def open_secure_channel(
     target: str, security: Security, options: Sequence[tuple[str, Any]]
 ) -> grpc.aio.Channel:
@@ -226,6 +246,7 @@ def open_secure_channel(
     certificate rotations (see the module doc); plaintext when so configured."""
     if security.files is None:
         return grpc.aio.insecure_channel(target, options=options)
+    options = tls_options(target, options)
     watcher = CertificateWatcher(security.files, security.check_every)
     return ReloadingChannel(  # type: ignore[return-value]
         lambda material: grpc.aio.secure_channel(
