@@ -679,3 +679,92 @@ def test_replicas_on_one_host_are_verified_against_that_host() -> None:
     assert server_name("ipv4:10.0.0.1:1,10.0.0.2:1") is None
     assert server_name("127.0.0.1:50052") is None
     assert server_name("dns:///hooks.baton.svc:50052") is None
+
+
+def test_servers_dialled_by_ip_are_verified_against_the_configured_name() -> None:
+    """Owners dial other deployments' owners at their registered pod IP; with
+    --tls-ip-server-name the certificate must carry that name instead."""
+    name = "owner.baton.svc.cluster.local"
+    assert server_name("10.1.2.3:50054", name) == name
+    assert server_name("ipv4:10.1.2.3:1,10.1.2.4:1", name) == name
+    assert server_name("[fd00::1]:50054", name) == name
+    assert server_name("dns:///hooks.baton.svc:50052", name) is None
+    assert server_name("hooks:50052", name) is None
+    assert server_name("10.1.2.3:50054") is None
+
+
+async def test_the_ip_server_name_is_what_the_server_certificate_must_carry() -> None:
+    from dataclasses import replace
+
+    from tests import certs
+
+    async def hold(request: Any, context: Any) -> Any:
+        return health_pb2.HealthCheckResponse()
+
+    server = build_server(
+        "127.0.0.1:0", [probe_binding(hold)], service="probe", security=certs.owner("dep-1")
+    )
+    await server.start()
+    try:
+        # The test certificates name localhost (and the loopback IPs).
+        for ip_name, works in (("", True), ("localhost", True), ("owner.baton.example", False)):
+            security = replace(certs.owner("dep-2"), ip_server_name=ip_name)
+            channel = open_channel(f"127.0.0.1:{server.port}", security)
+            try:
+                request = health_pb2.HealthCheckRequest()
+                check = channel.unary_unary(
+                    "/grpc.health.v1.Health/Check",
+                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                    response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                )
+                if works:
+                    await check(request, timeout=10)
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await check(request, timeout=10)
+                    assert info.value.code() == Code.UNAVAILABLE
+            finally:
+                await channel.close()
+    finally:
+        await server.stop(0.1)
+
+
+async def test_a_plaintext_health_listener_serves_health_and_nothing_else() -> None:
+    """--health-listen: Kubernetes' gRPC probes cannot speak TLS. The listener
+    answers the same statuses as the server, on any address, and serves no
+    other service; the API port still demands TLS."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    from tests import certs
+
+    async def hold(request: Any, context: Any) -> Any:
+        return health_pb2.HealthCheckResponse()
+
+    server = build_server(
+        "127.0.0.1:0",
+        [probe_binding(hold)],
+        service="probe",
+        security=certs.security(Role.HOOKS),
+        health_listen="0.0.0.0:0",
+    )
+    await server.start()
+    probe = grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}")
+    api = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        health = health_pb2_grpc.HealthStub(probe)
+        for service in ("", PROBE):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call_probe(probe)
+        assert info.value.code() == Code.UNIMPLEMENTED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(api).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert info.value.code() == Code.UNAVAILABLE  # no TLS, no answer
+        await server.set_serving(False)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=PROBE), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await probe.close()
+        await api.close()
+        await server.stop(0.1)

@@ -226,6 +226,50 @@ async def test_api_keys_rotate_on_sighup_while_sessions_run(
         stack.stop()
 
 
+async def test_an_api_key_file_replaced_in_place_is_reloaded_without_sighup(
+    etcd_endpoint: str, tmp_path: Path
+) -> None:
+    """A Kubernetes secret volume swaps its files (a symlink to a new
+    directory) and nothing sends SIGHUP: ingress notices the change at its
+    certificate check interval. A broken replacement keeps the keys."""
+    secret = tmp_path / "secret"
+    (secret / "v1").mkdir(parents=True)
+    (secret / "v1" / "api-keys").write_text(f"slack={OLD_KEY}\n")
+    (secret / "..data").symlink_to("v1")
+    (secret / "api-keys").symlink_to("..data/api-keys")
+    stack = await start_stack(etcd_endpoint, api_keys=ApiKeys(str(secret / "api-keys")))
+
+    def swap(version: str, text: str) -> None:
+        (secret / version).mkdir()
+        (secret / version / "api-keys").write_text(text)
+        (secret / "..data.new").symlink_to(version)
+        os.replace(secret / "..data.new", secret / "..data")
+
+    async def works(key: str) -> bool:
+        try:
+            await stack.ingress_stub.CreateSession(
+                ingress_pb.CreateSessionRequest(), metadata=bearer(key), timeout=10
+            )
+        except grpc.aio.AioRpcError as exc:
+            assert from_rpc_error(exc).reason == Reason.INVALID_API_KEY
+            return False
+        return True
+
+    try:
+        assert await works(OLD_KEY) and not await works(NEW_KEY)
+        swap("v2", f"slack=sha256:{_sha(NEW_KEY)}\n")
+
+        async def rotated() -> bool:
+            return await works(NEW_KEY) and not await works(OLD_KEY)
+
+        await eventually(rotated, "the new key file read without SIGHUP", 20)
+        swap("v3", "not a key file\n")
+        await asyncio.sleep(SETTLE)
+        assert await works(NEW_KEY)
+    finally:
+        await stop_stack(stack)
+
+
 def _sha(key: str) -> str:
     import hashlib
 

@@ -28,6 +28,8 @@ class AnchorConfig:
     retention_seconds: float = 7 * 24 * 3600.0
     retention_sweep_seconds: float = 30.0
     capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @classmethod
     def load(
@@ -67,4 +69,5 @@ class AnchorConfig:
             retention_seconds=as_float(values, "finalized_retention"),
             retention_sweep_seconds=as_float(values, "retention_sweep", minimum=0.05),
             capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

@@ -212,6 +212,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--tls-ca", default=os.environ.get("BATON_TLS_CA", ""), help="env BATON_TLS_CA"
     )
     drain.add_argument(
+        "--tls-ip-server-name",
+        default=os.environ.get("BATON_TLS_IP_SERVER_NAME", ""),
+        help="name the owners, dialled at the IP they registered, are verified against "
+        "(env BATON_TLS_IP_SERVER_NAME; default the IP)",
+    )
+    drain.add_argument(
         "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
     )
     hash_key = commands.add_parser(
@@ -240,7 +246,9 @@ def _drain(args: argparse.Namespace) -> int:
     if args.plaintext:
         security = Security.plaintext()
     elif args.tls_cert and args.tls_key and args.tls_ca:
-        security = Security.tls(args.tls_cert, args.tls_key, args.tls_ca)
+        security = Security.tls(
+            args.tls_cert, args.tls_key, args.tls_ca, ip_server_name=args.tls_ip_server_name
+        )
     else:
         print(
             "baton deployments drain: pass an operator certificate (--tls-cert/--tls-key/"

@@ -48,6 +48,13 @@ TLS_SETTINGS = (
         switch=True,
     ),
     Setting(
+        "--tls-ip-server-name",
+        "BATON_TLS_IP_SERVER_NAME",
+        "name that servers dialled by IP address (other deployments' owners, at the address "
+        "they registered) are verified against; their certificates carry it (default: the IP)",
+        "",
+    ),
+    Setting(
         "--tls-reload-seconds",
         "BATON_TLS_RELOAD_SECONDS",
         "how often clients check the certificate files for a rotation (SIGHUP: at once)",
@@ -70,6 +77,13 @@ CAPACITY_SETTINGS = (
 )
 COMMON_SETTINGS = (
     Setting("--log-level", "BATON_LOG_LEVEL", "debug|info|warning|error", "info"),
+    Setting(
+        "--health-listen",
+        "BATON_HEALTH_LISTEN",
+        "host:port of a plaintext listener serving only grpc.health.v1, for probes that "
+        "cannot speak TLS (Kubernetes' gRPC probes); empty: none",
+        "",
+    ),
     Setting("--grace", "BATON_SHUTDOWN_GRACE", "graceful shutdown period, seconds", "5"),
     *TLS_SETTINGS,
     *CAPACITY_SETTINGS,
@@ -138,8 +152,11 @@ def security_from_values(values: Mapping[str, str]) -> Security:
     files = (values["tls_cert"], values["tls_key"], values["tls_ca"])
     check = as_float(values, "tls_reload_seconds", minimum=0.1)
     if as_switch(values, "plaintext"):
-        if any(files):
-            raise ConfigError("--plaintext and --tls-cert/--tls-key/--tls-ca exclude each other")
+        if any(files) or values["tls_ip_server_name"]:
+            raise ConfigError(
+                "--plaintext and --tls-cert/--tls-key/--tls-ca/--tls-ip-server-name exclude "
+                "each other"
+            )
         return Security.plaintext()
     if not all(files):
         raise ConfigError(
@@ -147,7 +164,7 @@ def security_from_values(values: Mapping[str, str]) -> Security:
             "BATON_TLS_CA); for local development without TLS pass --plaintext "
             "(BATON_PLAINTEXT=1)"
         )
-    return Security.tls(*files, check_every=check)
+    return Security.tls(*files, check_every=check, ip_server_name=values["tls_ip_server_name"])
 
 
 def read_settings(

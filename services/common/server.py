@@ -312,6 +312,10 @@ class GrpcServer:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The server's certificate files, when serving TLS.
     certificates: CertificateWatcher | None = None
+    # The plaintext health-only listener (`--health-listen`), if any: the
+    # same health statuses, nothing else.
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
     def reload(self) -> None:
         """What SIGHUP does: re-read certificates and reloadable settings."""
@@ -323,6 +327,8 @@ class GrpcServer:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(True)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(run()) for run in self.background]
@@ -344,6 +350,8 @@ class GrpcServer:
         self._tasks = []
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for callback in reversed(self.on_stop):
             await callback()
 
@@ -358,6 +366,7 @@ def build_server(
     deployment_id: str = "",
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     capacity: Capacity | None = None,
+    health_listen: str = "",
 ) -> GrpcServer:
     """Assemble a server: interceptor, services, health, reflection, port.
 
@@ -365,7 +374,12 @@ def build_server(
     handshake demand a certificate from the CA bundle and the interceptor
     check each call's role; without it (ingress) any TLS client may connect
     and only RPCs open to the public are served. Plaintext must be asked for
-    and binds only loopback addresses."""
+    and binds only loopback addresses.
+
+    `health_listen` adds a plaintext listener that serves grpc.health.v1 and
+    nothing else, with the same statuses, on any address: Kubernetes' gRPC
+    probes cannot speak TLS. Health says SERVING or NOT_SERVING per service
+    name and carries no data; the API stays behind TLS."""
     if not security.is_tls and not is_loopback(listen):
         raise ConfigError(
             f"{service}: refusing to serve plaintext on {listen}: plaintext is for "
@@ -414,12 +428,22 @@ def build_server(
         port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"could not bind {listen}")
+    health_server: grpc.aio.Server | None = None
+    health_port = 0
+    if health_listen:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(health_listen)
+        if health_port == 0:
+            raise RuntimeError(f"could not bind {health_listen}")
     return GrpcServer(
         server=server,
         health=health_servicer,
         port=port,
         service_names=names,
         certificates=watcher,
+        health_server=health_server,
+        health_port=health_port,
     )
 
 
@@ -431,7 +455,12 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reloader(server))
     await server.start()
-    log.info("serving", port=server.port, services=list(server.service_names))
+    log.info(
+        "serving",
+        port=server.port,
+        services=list(server.service_names),
+        **({"health_port": server.health_port} if server.health_server else {}),
+    )
     await stop.wait()
     log.info("shutting down", grace_s=grace)
     await server.stop(grace)

@@ -69,6 +69,9 @@ class Security:
     files: TlsFiles | None
     # Seconds between checks of the files for a rotation (clients).
     check_every: float = DEFAULT_CHECK_SECONDS
+    # The name servers dialled by IP address are verified against (see
+    # `server_name`); empty: the IP itself.
+    ip_server_name: str = ""
 
     @classmethod
     def plaintext(cls) -> Security:
@@ -76,9 +79,14 @@ class Security:
 
     @classmethod
     def tls(
-        cls, cert: str, key: str, ca: str, check_every: float = DEFAULT_CHECK_SECONDS
+        cls,
+        cert: str,
+        key: str,
+        ca: str,
+        check_every: float = DEFAULT_CHECK_SECONDS,
+        ip_server_name: str = "",
     ) -> Security:
-        return cls(files=TlsFiles(cert, key, ca), check_every=check_every)
+        return cls(TlsFiles(cert, key, ca), check_every, ip_server_name)
 
     @property
     def is_tls(self) -> bool:
@@ -219,22 +227,53 @@ def channel_credentials(material: Material) -> grpc.ChannelCredentials:
     )
 
 
-def server_name(target: str) -> str | None:
-    """The name to verify the servers of a multi-address `ipv4:`/`ipv6:`
-    target against. gRPC's default authority for such a target is not a host
-    name, so hostname verification would fail; when every address has the
-    same host (replicas on one machine: `baton up --replicas`, the tests),
-    that host is the name. Otherwise None: give such a fleet a `dns:///` name
-    its certificates carry."""
+def _hosts(target: str) -> list[str]:
+    """The hosts a gRPC target names (none for `dns:///` and other schemes)."""
     scheme, sep, rest = target.partition(":")
-    if not sep or scheme not in ("ipv4", "ipv6") or "," not in rest:
+    if sep and scheme in ("ipv4", "ipv6"):
+        parts = rest.split(",")
+    elif "://" in target or target.startswith(("dns:", "unix:")):
+        return []
+    else:
+        parts = [target]
+    return [part.rpartition(":")[0].strip("[]") for part in parts]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def server_name(target: str, ip_server_name: str = "") -> str | None:
+    """The name to verify the servers of `target` against, when it is not
+    what gRPC would take from the target itself.
+
+    - Servers dialled by IP address, with `ip_server_name` set: that name.
+      Owners reach other deployments' owners at the address they registered,
+      a pod IP no certificate can name in advance; their certificates carry a
+      name for their role (`--tls-ip-server-name`).
+    - A multi-address `ipv4:`/`ipv6:` target: gRPC's default authority for it
+      is not a host name, so hostname verification would fail; when every
+      address has the same host (replicas on one machine: `baton up
+      --replicas`, the tests), that host.
+    Otherwise None: gRPC verifies the target's host (or `dns:///` name)."""
+    hosts = _hosts(target)
+    if not hosts:
         return None
-    hosts = {part.rpartition(":")[0].strip("[]") for part in rest.split(",")}
-    return hosts.pop() if len(hosts) == 1 else None
+    if ip_server_name and all(_is_ip(host) for host in hosts):
+        return ip_server_name
+    if len(hosts) > 1 and len(set(hosts)) == 1:
+        return hosts[0]
+    return None
 
 
-def tls_options(target: str, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    name = server_name(target)
+def tls_options(
+    target: str, options: Sequence[tuple[str, Any]], ip_server_name: str = ""
+) -> list[tuple[str, Any]]:
+    name = server_name(target, ip_server_name)
     extra = [("grpc.ssl_target_name_override", name)] if name else []
     return [*options, *extra]
 
@@ -246,7 +285,7 @@ def open_secure_channel(
     certificate rotations (see the module doc); plaintext when so configured."""
     if security.files is None:
         return grpc.aio.insecure_channel(target, options=options)
-    options = tls_options(target, options)
+    options = tls_options(target, options, security.ip_server_name)
     watcher = CertificateWatcher(security.files, security.check_every)
     return ReloadingChannel(  # type: ignore[return-value]
         lambda material: grpc.aio.secure_channel(

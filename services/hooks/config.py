@@ -26,6 +26,8 @@ class HooksConfig:
     log_level: str = "info"
     grace: float = 5.0
     capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @classmethod
     def load(
@@ -51,4 +53,5 @@ class HooksConfig:
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
             capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

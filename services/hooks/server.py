@@ -40,6 +40,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         service="hooks",
         security=config.tls,
         capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
     server.app = registry

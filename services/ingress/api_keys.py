@@ -14,13 +14,17 @@ reported by its line number only.
 
 `ApiKeys.reload()` re-reads the file: the new set replaces the old one at
 once (a removed key stops working for the next call), and a file that does
-not parse leaves the old set in place.
+not parse leaves the old set in place. Ingress calls it on SIGHUP, and
+`watch` calls it when the file changes (a Kubernetes secret volume is
+updated in place, and nothing sends SIGHUP then).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
+import os
 import re
 import string
 import threading
@@ -128,8 +132,20 @@ class ApiKeys:
         if not path and keys is None:
             raise ConfigError("an API key file is required")
         self.path = path
+        self._stamp = self._file_stamp()
         self._keys: dict[bytes, str] = dict(keys) if keys is not None else read_key_file(path)
         self._lock = threading.Lock()
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        """What changes when the file is replaced or rewritten (following
+        symlinks, as a secret volume's are)."""
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     @classmethod
     def of(cls, keys: Mapping[str, str]) -> ApiKeys:
@@ -148,6 +164,7 @@ class ApiKeys:
         old set). A bad file keeps the old set and is logged, keys never."""
         if not self.path:
             return False
+        self._stamp = self._file_stamp()
         try:
             keys = read_key_file(self.path)
         except ConfigError as exc:
@@ -157,3 +174,15 @@ class ApiKeys:
             self._keys = keys
         log.info("API keys reloaded", channels=sorted(set(keys.values())), keys=len(keys))
         return True
+
+    def reload_if_changed(self) -> bool:
+        """Reload when the file changed since it was last read."""
+        if self.path and self._file_stamp() != self._stamp:
+            return self.reload()
+        return False
+
+    async def watch(self, every: float) -> None:
+        """Check the file for a change every `every` seconds, for ever."""
+        while True:
+            await asyncio.sleep(every)
+            self.reload_if_changed()

@@ -42,6 +42,8 @@ class IngressConfig:
     grace: float = 5.0
     limits: ChannelLimits = ChannelLimits()
     capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @classmethod
     def load(
@@ -123,4 +125,5 @@ class IngressConfig:
                 sessions_per_minute=as_float(values, "max_sessions_per_minute"),
             ),
             capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

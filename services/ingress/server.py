@@ -44,8 +44,12 @@ async def create_server(config: IngressConfig) -> GrpcServer:
         deployment_id=config.deployment_id,
         max_message_bytes=1024 * 1024,
         capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     server.on_reload.append(config.api_keys.reload)
+    # A key file updated in place (a Kubernetes secret volume) is re-read
+    # without a SIGHUP, as often as certificate files are checked.
+    server.background.append(lambda: config.api_keys.watch(config.tls.check_every))
     for client in (hooks, anchor, owner):
         server.on_stop.append(client.close)
     server.on_stop.append(orphans.close)

@@ -62,6 +62,8 @@ class OwnerConfig:
     # the session stalls (session.stalled on its stream).
     restart_budget: int = 5
     capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @property
     def keepalive_every(self) -> float:
@@ -160,4 +162,5 @@ class OwnerConfig:
             snapshot_formats=formats,
             restart_budget=as_int(values, "restart_budget"),
             capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

@@ -65,6 +65,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         security=config.tls,
         deployment_id=config.deployment_id,
         capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     fleet = FleetMembership(
         host,
