@@ -768,3 +768,28 @@ async def test_a_plaintext_health_listener_serves_health_and_nothing_else() -> N
         await probe.close()
         await api.close()
         await server.stop(0.1)
+
+
+async def test_the_demo_verifies_the_ingress_against_a_given_server_name(stack: Stack) -> None:
+    """`baton demo --tls-server-name`: through a port-forward the address
+    dialled is not a name the ingress certificate carries."""
+    import io
+
+    from services.cli import demo
+    from tests.stack import SLACK_KEY
+
+    address = stack.addr(stack.ingress)
+    out = io.StringIO()
+    session_id = await demo.run_demo(
+        address, SLACK_KEY, ["hi"], ca_cert=stack.pki.ca_path, server_name="localhost", out=out
+    )
+    assert session_id in out.getvalue()
+    with pytest.raises(demo.DemoError, match="CreateSession"):
+        await demo.run_demo(
+            address,
+            SLACK_KEY,
+            ["hi"],
+            ca_cert=stack.pki.ca_path,
+            server_name="ingress.baton.example",
+            out=io.StringIO(),
+        )

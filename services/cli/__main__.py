@@ -166,6 +166,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
     )
     run.add_argument(
+        "--tls-server-name",
+        default="",
+        help="the name to verify the ingress certificate against, when it is not the "
+        "address dialled (e.g. through kubectl port-forward)",
+    )
+    run.add_argument(
         "--message",
         action="append",
         dest="messages",
@@ -331,6 +337,7 @@ def _demo(args: argparse.Namespace) -> int:
                 upgrade_ingresses=args.upgrade_ingresses,
                 time_limit=args.time_limit,
                 ca_cert="" if args.plaintext else args.ca_cert,
+                server_name=args.tls_server_name,
             )
         )
     except demo.DemoError as exc:

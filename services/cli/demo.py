@@ -204,17 +204,21 @@ async def run_demo(
     time_limit: float = 60.0,
     out: TextIO | None = None,
     ca_cert: str = "",
+    server_name: str = "",
 ) -> str:
     """Run the demo conversation; returns the session id. Raises DemoError.
-    Talks TLS to the ingresses, trusting the CA in `ca_cert`; plaintext when
-    `ca_cert` is empty (a `baton up --plaintext` system)."""
+    Talks TLS to the ingresses, trusting the CA in `ca_cert` (verifying
+    their certificates against `server_name` when given, e.g. through a
+    port-forward); plaintext when `ca_cert` is empty (a `baton up
+    --plaintext` system)."""
     stream = out or sys.stdout
     credentials = _trusting(ca_cert) if ca_cert else None
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
 
     def connect(address: str) -> grpc.aio.Channel:
         if credentials is None:
             return grpc.aio.insecure_channel(address)
-        return grpc.aio.secure_channel(address, credentials)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
     def write(line: str) -> None:
         print(line, file=stream, flush=True)
