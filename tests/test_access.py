@@ -30,7 +30,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import access, ids
 from services.common.channels import open_channel
 from services.common.config import ConfigError
-from services.common.errors import Reason
+from services.common.errors import PermissionDenied, Reason
 from services.common.grpc_errors import from_rpc_error
 from services.common.identity import CERTIFICATE_ROLES, Caller, Role
 from services.common.keys import Keys, OwnerRecord, parse_fence
@@ -566,6 +566,42 @@ async def test_an_owner_acts_only_for_its_own_deployment(
             assert from_rpc_error(info.value).reason == Reason.DEPLOYMENT_NOT_ALLOWED, name
     finally:
         await channel.close()
+    assert await store_revision(etcd, stack) == before, "a refused call wrote to etcd"
+
+
+async def test_owners_start_child_sessions_and_ingresses_tenant_sessions(
+    quiet_stack: Stack, etcd: aetcd.Client
+) -> None:
+    """StartSession is open to owners for child sessions (a parent's owner
+    places the child on an instance of its own deployment) and to ingresses
+    for tenants' sessions; not the other way round, and not across
+    deployments. Nothing is written."""
+    stack = quiet_stack
+    parent = (await target_of(stack, etcd)).session_id  # (and the stack settled)
+    link = s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_SUBAGENT, name="helper")
+
+    def request(parent: bool) -> owner_pb2.StartSessionRequest:
+        started = owner_pb2.StartSessionRequest(
+            session_id=ids.new_session_id(), deployment_id=stack.deployment_id, channel="slack"
+        )
+        if parent:
+            started.parent.CopyFrom(link)
+        return started
+
+    cases = [
+        (stack.owner_security(), False, Reason.ROLE_NOT_ALLOWED),
+        (stack.security(Role.INGRESS, stack.deployment_id), True, Reason.ROLE_NOT_ALLOWED),
+        (stack.security(Role.OWNER, "dep-evil"), True, Reason.DEPLOYMENT_NOT_ALLOWED),
+    ]
+    before = await store_revision(etcd, stack)
+    for security, parent, reason in cases:
+        client = stack.owner_client(security=security)
+        try:
+            with pytest.raises(PermissionDenied) as info:
+                await client.start_session(request(parent))
+        finally:
+            await client.close()
+        assert info.value.reason == reason, info.value
     assert await store_revision(etcd, stack) == before, "a refused call wrote to etcd"
 
 

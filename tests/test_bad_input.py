@@ -589,7 +589,7 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
 async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
     stack: Stack, etcd: aetcd.Client
 ) -> None:
-    owner = OwnerClient(stack.addr(stack.owner))
+    owner = stack.owner_client(security=stack.owner_security())  # a parent's owner
     parent = ids.new_session_id()
     good = s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_SUBAGENT, name="helper")
     cases = [
