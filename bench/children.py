@@ -37,8 +37,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from baton.ingress.v1 import ingress_pb2_grpc
 from bench.turn_latency import (
     BenchStack,
@@ -69,7 +67,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-children-")
     stack = BenchStack(log_dir=log_dir, second_deployment=False)
     stack.start()
-    channel = grpc.aio.insecure_channel(stack.addrs["ingress"])
+    channel = stack.public_channel("ingress")  # TLS, as every bench since issue 10
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     dists = {kind: Dist() for kind in KINDS}
     cpu_ms = {kind: {name: 0.0 for name in stack.cpu()} for kind in KINDS}

@@ -34,9 +34,13 @@ from dataclasses import dataclass, field
 
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.cli.etcd_auth import enable_auth
+from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
 from services.common import ids
 from services.common.clients import HooksClient, OwnerClient
+from services.common.identity import Role
+from services.common.pki import LocalPki
+from services.common.tls import Security
 
 DEPLOYMENT_ID = "bench-idle"
 INSTANCE_ID = "bench-idle-i1"
@@ -56,7 +60,8 @@ def rss_bytes(pid: int) -> int:
 
 @dataclass
 class IdleStack:
-    """etcd + hooks + anchor + one owner, as processes."""
+    """etcd + hooks + anchor + one owner, as processes, with TLS on every hop
+    and etcd over TLS with auth (as in production)."""
 
     log_dir: str
     park_after: float
@@ -64,14 +69,27 @@ class IdleStack:
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    pki: LocalPki | None = None
+
+    def security(self, role: Role, deployment_id: str = "") -> Security:
+        assert self.pki is not None
+        return self.pki.security(role, deployment_id)
+
+    def _tls_env(self, role: Role) -> dict[str, str]:
+        files = self.security(role, DEPLOYMENT_ID if role is Role.OWNER else "").files
+        assert files is not None
+        return {"BATON_TLS_CERT": files.cert, "BATON_TLS_KEY": files.key, "BATON_TLS_CA": files.ca}
 
     def start(self) -> None:
-        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
+        self.pki = LocalPki(os.path.join(self.log_dir, "certs"))
+        tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
+        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log"), tls=tls).start()
+        enable_auth(self.etcd.endpoint, tls.root, ("hooks", "anchor"), "/b/")
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ("hooks", "anchor", "owner")}
         self.env = env = {
             "BATON_LOG_LEVEL": "warning",
             "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
-            "BATON_ETCD_PREFIX": f"/bench/{uuid.uuid4().hex[:12]}/",
+            "BATON_ETCD_PREFIX": f"/b/idle/{uuid.uuid4().hex[:12]}/",
             "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
             "BATON_INSTANCE_ID": INSTANCE_ID,
             "BATON_HOOKS_ADDR": self.addrs["hooks"],
@@ -83,11 +101,11 @@ class IdleStack:
             self.services[name] = ServiceProcess(
                 name=name,
                 listen=self.addrs[name],
-                env=env,
+                env={**env, **self._tls_env(Role(name))},
                 log_path=os.path.join(self.log_dir, f"{name}.log"),
             ).start()
         for name in self.services:
-            wait_serving(self.addrs[name], timeout=30)
+            wait_serving(self.addrs[name], self.security(Role.OPERATOR), timeout=30)
 
     @property
     def owner_pid(self) -> int:
@@ -98,10 +116,10 @@ class IdleStack:
         proc = self.services["successor"] = ServiceProcess(
             name="owner",
             listen=self.addrs["successor"],
-            env={**self.env, "BATON_INSTANCE_ID": SUCCESSOR_ID},
+            env={**self.env, **self._tls_env(Role.OWNER), "BATON_INSTANCE_ID": SUCCESSOR_ID},
             log_path=os.path.join(self.log_dir, "successor.log"),
         ).start()
-        wait_serving(self.addrs["successor"], timeout=30)
+        wait_serving(self.addrs["successor"], self.security(Role.OPERATOR), timeout=30)
         return proc
 
     def stop(self) -> None:
@@ -148,8 +166,13 @@ async def wait_parked(
 
 
 async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float]:
-    owner = OwnerClient(stack.addrs["owner"], timeout=30)
-    hooks = HooksClient(stack.addrs["hooks"], timeout=60)
+    # As the deployment's ingress (starts sessions) and owner (lists, sends).
+    owner = OwnerClient(
+        stack.addrs["owner"], timeout=30, security=stack.security(Role.INGRESS, DEPLOYMENT_ID)
+    )
+    hooks = HooksClient(
+        stack.addrs["hooks"], timeout=60, security=stack.security(Role.OWNER, DEPLOYMENT_ID)
+    )
     try:
         await create_sessions(owner, hooks, args.baseline, args.concurrency, args.send)
         await wait_parked(hooks, args.baseline, 60)

@@ -41,8 +41,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
@@ -61,6 +59,7 @@ from bench.turn_latency import (
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.etcd import Store, make_client
+from services.common.identity import Role
 from services.common.keys import Keys
 from services.common.txn import Txn
 from services.owner.session import RunIdentity, make_event
@@ -114,6 +113,9 @@ async def last_commit_bytes(store: Store, keys: Keys, session_id: str) -> dict[s
     }
 
 
+SCRATCH_DEPLOYMENT = "bench-scratch"
+
+
 class ScratchCommits:
     """One-step-turn commits through anchor on a scratch session whose
     snapshot is a copy of a real session's (`template`)."""
@@ -127,11 +129,11 @@ class ScratchCommits:
     async def start(self, template: s.SessionSnapshot) -> None:
         sid = ids.new_session_id()
         owner = s.OwnerIdentity(
-            owner_run_id=ids.new_run_id(), deployment_id="bench-scratch", instance_id="scratch"
+            owner_run_id=ids.new_run_id(), deployment_id=SCRATCH_DEPLOYMENT, instance_id="scratch"
         )
         created = await self.hooks.create_session(sid, owner, template.channel, [])
         self.fence = created.fence
-        self.identity = RunIdentity(created.fence, "bench-scratch", "scratch")
+        self.identity = RunIdentity(created.fence, SCRATCH_DEPLOYMENT, "scratch")
         self.snapshot = s.SessionSnapshot()
         self.snapshot.CopyFrom(template)
         self.snapshot.session_id = sid
@@ -181,12 +183,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     stack = BenchStack(log_dir=log_dir, second_deployment=args.upgrade_turns > 0)
     stack.start()
     assert stack.etcd is not None
-    store = Store(make_client(stack.etcd.endpoint, 10.0), 10.0)
+    store = Store(make_client(stack.etcd.endpoint, 10.0, stack.etcd_security), 10.0)
     await store.connect()
     keys = Keys(stack.prefix)
-    anchor = AnchorClient(stack.addrs["anchor"], timeout=10)
-    hooks = HooksClient(stack.addrs["hooks"], timeout=10)
-    channel = grpc.aio.insecure_channel(stack.addrs["ingress"])
+    # The scratch session's owner (a deployment without processes).
+    as_scratch = stack.security(Role.OWNER, SCRATCH_DEPLOYMENT)
+    anchor = AnchorClient(stack.addrs["anchor"], timeout=10, security=as_scratch)
+    hooks = HooksClient(stack.addrs["hooks"], timeout=10, security=as_scratch)
+    channel = stack.public_channel("ingress")
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     results: dict[str, Any] = {"load_start": load_average(), "log_dir": log_dir}
     first = 10
@@ -247,8 +251,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"3: a session of {args.upgrade_prelude} turns of 4 KiB, then "
                 f"{args.upgrade_turns} upgrade turns, each with a control turn"
             )
-            await wait_registered(stack.addrs["hooks"], (DEPLOYMENT_ID, DEPLOYMENT_ID_B))
-            channel_b = grpc.aio.insecure_channel(stack.addrs["ingress-b"])
+            await wait_registered(
+                stack.addrs["hooks"],
+                (DEPLOYMENT_ID, DEPLOYMENT_ID_B),
+                stack.security(Role.OPERATOR),
+            )
+            channel_b = stack.public_channel("ingress-b")
             try:
                 stubs = {
                     DEPLOYMENT_ID: stub,

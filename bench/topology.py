@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,6 +52,7 @@ import grpc
 from baton.ingress.v1 import ingress_pb2_grpc
 from bench.turn_latency import (
     API_KEY,
+    BENCH_PREFIX,
     CHANNEL,
     SERVICE_NAMES,
     Dist,
@@ -59,8 +61,19 @@ from bench.turn_latency import (
     measure_throughput,
     versions,
 )
-from services.cli.processes import EtcdCluster, EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.cli.etcd_auth import enable_auth
+from services.cli.processes import (
+    EtcdCluster,
+    EtcdProcess,
+    EtcdTls,
+    ServiceProcess,
+    free_port,
+    wait_serving,
+)
 from services.common.clients import HooksClient
+from services.common.identity import Role
+from services.common.pki import LocalPki
+from services.common.tls import Security, tls_options
 
 DEPLOYMENT_ID = "bench-topology"
 SMOKE = {"turns": 5, "warmup_turns": 2, "sessions": 2, "concurrent_turns": 6, "rounds": 1}
@@ -83,13 +96,29 @@ TOPOLOGIES = (
 
 @dataclass
 class TopologyStack:
-    """etcd (one member or a cluster) and `replicas` processes of each service."""
+    """etcd (one member or a cluster) and `replicas` processes of each service,
+    with TLS on every hop and etcd over TLS with auth (as in production)."""
 
     topology: Topology
     log_dir: str
     etcd: EtcdProcess | EtcdCluster | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
+    pki: LocalPki | None = None
+
+    def security(self, role: Role) -> Security:
+        assert self.pki is not None
+        own = DEPLOYMENT_ID if role in (Role.OWNER, Role.INGRESS) else ""
+        return self.pki.security(role, own)
+
+    def ca(self) -> bytes:
+        assert self.pki is not None
+        return Path(self.pki.ca_path).read_bytes()
+
+    def _tls_env(self, role: Role) -> dict[str, str]:
+        files = self.security(role).files
+        assert files is not None
+        return {"BATON_TLS_CERT": files.cert, "BATON_TLS_KEY": files.key, "BATON_TLS_CA": files.ca}
 
     def names(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.topology.replicas + 1)]
@@ -98,18 +127,32 @@ class TopologyStack:
         return ",".join(self.addrs[name] for name in self.names(kind))
 
     def start(self) -> None:
+        self.pki = LocalPki(os.path.join(self.log_dir, "certs"))
+        tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
         if self.topology.etcd_members == 1:
-            self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
+            self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log"), tls=tls)
+            self.etcd.start()
+            first = self.etcd.endpoint
         else:
-            self.etcd = EtcdCluster(size=self.topology.etcd_members, log_dir=self.log_dir).start()
+            self.etcd = EtcdCluster(
+                size=self.topology.etcd_members, log_dir=self.log_dir, tls=tls
+            ).start()
+            first = self.etcd.members[0].endpoint
+        enable_auth(first, tls.root, ("hooks", "anchor"), BENCH_PREFIX)
+        key_file = os.path.join(self.log_dir, "api-keys")
+        with open(key_file, "w") as f:
+            f.write(f"{CHANNEL}={API_KEY}\n")
         kinds = ("hooks", "anchor", "owner", "ingress")
         self.addrs = {n: f"127.0.0.1:{free_port()}" for k in kinds for n in self.names(k)}
         env = {
             "BATON_LOG_LEVEL": "warning",
             "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
-            "BATON_ETCD_PREFIX": f"/bench/{uuid.uuid4().hex[:12]}/",
+            "BATON_ETCD_PREFIX": f"{BENCH_PREFIX}topology/{uuid.uuid4().hex[:12]}/",
             "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
-            "BATON_API_KEYS": f"{CHANNEL}={API_KEY}",
+            "BATON_API_KEYS_FILE": key_file,
+            # The bench drives one channel past the default per-channel rates.
+            "BATON_MAX_SENDS_PER_SECOND": "1000000",
+            "BATON_MAX_SESSIONS_PER_MINUTE": "1000000",
             "BATON_HOOKS_ADDR": self.joined("hooks"),
             "BATON_ANCHOR_ADDR": self.joined("anchor"),
             "BATON_OWNER_ADDR": self.joined("owner"),
@@ -120,11 +163,16 @@ class TopologyStack:
                 self.services[name] = ServiceProcess(
                     name=kind,
                     listen=self.addrs[name],
-                    env={**env, **extra},
+                    env={**env, **extra, **self._tls_env(Role(kind))},
                     log_path=os.path.join(self.log_dir, f"{name}.log"),
                 ).start()
         for name in self.services:
-            wait_serving(self.addrs[name], SERVICE_NAMES[name.rstrip("0123456789")], timeout=60)
+            wait_serving(
+                self.addrs[name],
+                self.security(Role.OPERATOR),
+                SERVICE_NAMES[name.rstrip("0123456789")],
+                timeout=60,
+            )
 
     def check_alive(self) -> None:
         for name, proc in self.services.items():
@@ -142,7 +190,7 @@ class TopologyStack:
 
 
 async def wait_owners(stack: TopologyStack) -> None:
-    hooks = HooksClient(stack.joined("hooks"), timeout=5)
+    hooks = HooksClient(stack.joined("hooks"), timeout=5, security=stack.security(Role.OPERATOR))
     try:
         deadline = time.monotonic() + 30
         want = set(stack.names("owner"))
@@ -157,8 +205,11 @@ async def wait_owners(stack: TopologyStack) -> None:
 async def measure(stack: TopologyStack, args: argparse.Namespace) -> dict[str, Any]:
     await wait_owners(stack)
     # The bench client is a gateway: one channel balanced over every ingress.
-    channel = grpc.aio.insecure_channel(
-        f"ipv4:{stack.joined('ingress')}", options=[("grpc.lb_policy_name", "round_robin")]
+    target = f"ipv4:{stack.joined('ingress')}"
+    channel = grpc.aio.secure_channel(
+        target,
+        grpc.ssl_channel_credentials(root_certificates=stack.ca()),
+        options=tls_options(target, [("grpc.lb_policy_name", "round_robin")]),
     )
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     try:

@@ -51,6 +51,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -62,7 +63,8 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+from services.cli.etcd_auth import enable_auth
+from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
 from services.common.clients import HooksClient
 from services.common.etcd import (
     Store,
@@ -74,7 +76,10 @@ from services.common.etcd import (
     op_put,
     single_value,
 )
+from services.common.identity import Role
 from services.common.keys import Keys, TokenRecord, fence_value
+from services.common.pki import LocalPki
+from services.common.tls import Security
 
 # Targets from the project brief.
 TARGET_RATIO = 2.5  # one-step turn p50 within 2.5x the floor p50
@@ -85,9 +90,11 @@ TARGET_CPU_MS_PER_TURN = 1.5  # the four services together, throughput phase
 SERVICES = ("hooks", "anchor", "owner", "ingress")
 TARGET_UPGRADE_RATIO = 2.0  # upgrade turn p50 within 2x the one-step turn p50
 
-API_KEY = "bench-key-00001"
+API_KEY = "bench-key-00001-loopback-Zq4v"
 CHANNEL = "bench"
 METADATA = (("authorization", f"Bearer {API_KEY}"),)
+# Every key the bench writes lives under this prefix (the etcd role's scope).
+BENCH_PREFIX = "/b/"
 DEPLOYMENT_ID = "bench-dep-1"
 DEPLOYMENT_ID_B = "bench-dep-2"
 WAIT_TIMEOUT_S = 30.0
@@ -175,31 +182,76 @@ Sample = dict[str, tuple[float, int]]
 @dataclass
 class BenchStack:
     """etcd + hooks + anchor + owner + ingress as separate processes; with
-    `second_deployment`, also owner-b + ingress-b of deployment DEPLOYMENT_ID_B."""
+    `second_deployment`, also owner-b + ingress-b of deployment DEPLOYMENT_ID_B.
+
+    With `tls` (the default, as in production): a throwaway CA in the log dir,
+    TLS with client certificates on every hop, and etcd over TLS with
+    client-certificate user/role auth (role limited to BENCH_PREFIX). Without
+    it: everything plaintext (explicit `--plaintext`), etcd without auth."""
 
     log_dir: str
     second_deployment: bool = True
     log_level: str = "warning"
+    tls: bool = True
     etcd: EtcdProcess | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     prefix: str = ""
+    pki: LocalPki | None = None
 
     @property
     def names(self) -> list[str]:
         return [n for n in PROCESSES if self.second_deployment or not n.endswith("-b")]
 
+    def security(self, role: Role, deployment_id: str = "") -> Security:
+        return Security.plaintext() if self.pki is None else self.pki.security(role, deployment_id)
+
+    @property
+    def etcd_security(self) -> Security:
+        """How the bench reads and writes etcd itself (as the hooks user)."""
+        return self.security(Role.HOOKS)
+
+    def public_channel(self, name: str) -> grpc.aio.Channel:
+        """A gateway's channel to an ingress: TLS trusting the CA, no client cert."""
+        if self.pki is None:
+            return grpc.aio.insecure_channel(self.addrs[name])
+        ca = Path(self.pki.ca_path).read_bytes()
+        return grpc.aio.secure_channel(
+            self.addrs[name], grpc.ssl_channel_credentials(root_certificates=ca)
+        )
+
+    def _tls_env(self, role: Role, deployment_id: str = "") -> dict[str, str]:
+        files = self.security(role, deployment_id).files
+        if files is None:
+            return {"BATON_PLAINTEXT": "1"}
+        return {"BATON_TLS_CERT": files.cert, "BATON_TLS_KEY": files.key, "BATON_TLS_CA": files.ca}
+
     def start(self) -> None:
-        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log")).start()
-        self.prefix = f"/bench/{uuid.uuid4().hex[:12]}/"
+        etcd_tls = None
+        if self.tls:
+            self.pki = LocalPki(os.path.join(self.log_dir, "certs"))
+            etcd_tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
+        self.etcd = EtcdProcess(
+            log_path=os.path.join(self.log_dir, "etcd.log"), tls=etcd_tls
+        ).start()
+        if etcd_tls is not None:
+            enable_auth(self.etcd.endpoint, etcd_tls.root, ("hooks", "anchor"), BENCH_PREFIX)
+        self.prefix = f"{BENCH_PREFIX}bench/{uuid.uuid4().hex[:12]}/"
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in self.names}
+        key_file = os.path.join(self.log_dir, "api-keys")
+        with open(key_file, "w") as f:
+            f.write(f"{CHANNEL}={API_KEY}\n")
         common = {
             "BATON_LOG_LEVEL": self.log_level,
             "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
             "BATON_ETCD_PREFIX": self.prefix,
             "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
             "BATON_INSTANCE_ID": f"{DEPLOYMENT_ID}-i1",
-            "BATON_API_KEYS": f"{CHANNEL}={API_KEY}",
+            "BATON_API_KEYS_FILE": key_file,
+            # The bench drives one channel far past the default per-channel
+            # rates; the checks still run on every call.
+            "BATON_MAX_SENDS_PER_SECOND": "1000000",
+            "BATON_MAX_SESSIONS_PER_MINUTE": "1000000",
             "BATON_HOOKS_ADDR": self.addrs["hooks"],
             "BATON_ANCHOR_ADDR": self.addrs["anchor"],
             "BATON_OWNER_ADDR": self.addrs["owner"],
@@ -211,16 +263,27 @@ class BenchStack:
             "BATON_OWNER_ADDR": self.addrs.get("owner-b", ""),
         }
         for name in self.names:
+            role = Role(PROCESSES[name])
+            deployment = DEPLOYMENT_ID_B if name.endswith("-b") else DEPLOYMENT_ID
+            own = deployment if role in (Role.OWNER, Role.INGRESS) else ""
             proc = ServiceProcess(
                 name=PROCESSES[name],
                 listen=self.addrs[name],
-                env=deployment_b if name.endswith("-b") else common,
+                env={
+                    **(deployment_b if name.endswith("-b") else common),
+                    **self._tls_env(role, own),
+                },
                 log_path=os.path.join(self.log_dir, f"{name}.log"),
             ).start()
             self.services[name] = proc
         for name, proc in self.services.items():
             try:
-                wait_serving(self.addrs[name], SERVICE_NAMES[PROCESSES[name]], timeout=30)
+                wait_serving(
+                    self.addrs[name],
+                    self.security(Role.OPERATOR),
+                    SERVICE_NAMES[PROCESSES[name]],
+                    timeout=30,
+                )
             except TimeoutError:
                 if proc.proc is not None and proc.proc.poll() is not None:
                     raise RuntimeError(
@@ -527,11 +590,11 @@ class FloorSession:
 
 
 async def measure_floor(
-    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int
+    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int, security: Security
 ) -> dict[str, Any]:
     """Sequential append+commit txns; then the same with watches in between."""
-    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
-    store = Store(make_client(endpoint, 5.0), 5.0)
+    keys = Keys(f"{BENCH_PREFIX}floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0, security), 5.0)
     await store.connect()
     try:
         session = FloorSession(store, keys, FLOOR_SESSION, snapshot_bytes)
@@ -547,7 +610,9 @@ async def measure_floor(
                 append.samples.append(t1 - t0)
                 commit.samples.append(t2 - t1)
                 both.samples.append(t2 - t0)
-        pipeline = await _floor_pipeline(endpoint, keys, iterations, warmup, snapshot_bytes)
+        pipeline = await _floor_pipeline(
+            endpoint, keys, iterations, warmup, snapshot_bytes, security
+        )
         return {
             "sizes_bytes": {
                 "inbox_entry": len(session.entry),
@@ -564,14 +629,19 @@ async def measure_floor(
 
 
 async def _floor_pipeline(
-    endpoint: str, keys: Keys, iterations: int, warmup: int, snapshot_bytes: int
+    endpoint: str,
+    keys: Keys,
+    iterations: int,
+    warmup: int,
+    snapshot_bytes: int,
+    security: Security,
 ) -> Dist:
     """append -> inbox watch sees it -> fenced commit -> events watch sees the last event.
 
     Two clients, like hooks (append, inbox watch) and anchor (commit, events watch)."""
     sid = "ses_" + "p" * 26
-    hooks_store = Store(make_client(endpoint, 5.0), 5.0)
-    anchor_store = Store(make_client(endpoint, 5.0), 5.0)
+    hooks_store = Store(make_client(endpoint, 5.0, security), 5.0)
+    anchor_store = Store(make_client(endpoint, 5.0, security), 5.0)
     await hooks_store.connect()
     await anchor_store.connect()
     inbox_seen: asyncio.Queue[bytes] = asyncio.Queue()
@@ -622,10 +692,12 @@ async def _floor_pipeline(
         await anchor_store.close()
 
 
-async def commit_floor_at(endpoint: str, iterations: int, warmup: int, snapshot_bytes: int) -> Dist:
+async def commit_floor_at(
+    endpoint: str, iterations: int, warmup: int, snapshot_bytes: int, security: Security
+) -> Dist:
     """The fenced commit alone with a snapshot of the given size."""
-    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
-    store = Store(make_client(endpoint, 5.0), 5.0)
+    keys = Keys(f"{BENCH_PREFIX}floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0, security), 5.0)
     await store.connect()
     try:
         session = FloorSession(store, keys, "ses_" + "g" * 26, snapshot_bytes)
@@ -828,10 +900,10 @@ async def measure_throughput(
         await asyncio.gather(*(f.close() for f in followers))
 
 
-async def wait_registered(hooks_addr: str, deployments: Sequence[str]) -> None:
+async def wait_registered(hooks_addr: str, deployments: Sequence[str], security: Security) -> None:
     """Until an owner instance of every deployment is live in the registry
     (a handoff to a deployment with none is skipped)."""
-    hooks = HooksClient(hooks_addr, timeout=5)
+    hooks = HooksClient(hooks_addr, timeout=5, security=security)
     try:
         deadline = time.monotonic() + 30
         for deployment in deployments:
@@ -943,8 +1015,8 @@ async def measure_upgrades(
         await follower.close()
 
 
-async def snapshot_size(endpoint: str, prefix: str, session_id: str) -> int:
-    store = Store(make_client(endpoint, 5.0), 5.0)
+async def snapshot_size(endpoint: str, prefix: str, session_id: str, security: Security) -> int:
+    store = Store(make_client(endpoint, 5.0, security), 5.0)
     await store.connect()
     try:
         response = await store.txn([], [op_get(Keys(prefix).snapshot(session_id))])
@@ -966,11 +1038,11 @@ def per_turn(before: Sample, after: Sample, turns: int) -> dict[str, dict[str, f
 
 
 async def measure_floor_throughput(
-    endpoint: str, sessions: int, total: int, snapshot_bytes: int
+    endpoint: str, sessions: int, total: int, snapshot_bytes: int, security: Security
 ) -> dict[str, Any]:
     """etcd alone: `sessions` concurrent append+commit pairs over one client, no watches."""
-    keys = Keys(f"/floor/{uuid.uuid4().hex[:12]}/")
-    store = Store(make_client(endpoint, 5.0), 5.0)
+    keys = Keys(f"{BENCH_PREFIX}floor/{uuid.uuid4().hex[:12]}/")
+    store = Store(make_client(endpoint, 5.0, security), 5.0)
     await store.connect()
     try:
         floor_sessions = [
@@ -1046,15 +1118,16 @@ async def run(
     }
 
     _progress("a: etcd floor")
+    etcd_as = stack.etcd_security
     floor = await measure_floor(
-        endpoint, args.floor_iterations, args.floor_warmup, args.snapshot_bytes
+        endpoint, args.floor_iterations, args.floor_warmup, args.snapshot_bytes, etcd_as
     )
     floor["throughput"] = await measure_floor_throughput(
-        endpoint, args.sessions, args.concurrent_turns, args.snapshot_bytes
+        endpoint, args.sessions, args.concurrent_turns, args.snapshot_bytes, etcd_as
     )
     results["floor"] = floor
 
-    channel = grpc.aio.insecure_channel(stack.addrs["ingress"])
+    channel = stack.public_channel("ingress")
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     try:
         results["hop"] = await measure_hop(channel, stack, args.floor_iterations)
@@ -1068,7 +1141,9 @@ async def run(
             seq = await measure_sequential(stub, args.turns, args.warmup_turns, mark("seq"))
             seq["per_turn"] = per_turn(marks["seq"], stack.sample(), args.turns)
         stack.check_alive()
-        seq["final_snapshot_bytes"] = await snapshot_size(endpoint, stack.prefix, seq["session_id"])
+        seq["final_snapshot_bytes"] = await snapshot_size(
+            endpoint, stack.prefix, seq["session_id"], etcd_as
+        )
         results["sequential"] = seq
 
         if args.upgrade_turns > 0:
@@ -1076,8 +1151,12 @@ async def run(
                 f"u: {args.upgrade_turns} upgrade turns {DEPLOYMENT_ID} <-> {DEPLOYMENT_ID_B}, "
                 "each followed by a same-deployment control turn"
             )
-            await wait_registered(stack.addrs["hooks"], (DEPLOYMENT_ID, DEPLOYMENT_ID_B))
-            channel_b = grpc.aio.insecure_channel(stack.addrs["ingress-b"])
+            await wait_registered(
+                stack.addrs["hooks"],
+                (DEPLOYMENT_ID, DEPLOYMENT_ID_B),
+                stack.security(Role.OPERATOR),
+            )
+            channel_b = stack.public_channel("ingress-b")
             try:
                 stubs = {
                     DEPLOYMENT_ID: stub,
@@ -1114,7 +1193,11 @@ async def run(
             f"a': fenced commit floor at the final snapshot size ({seq['final_snapshot_bytes']} B)"
         )
         results["floor"]["commit_final_snapshot"] = await commit_floor_at(
-            endpoint, args.floor_iterations // 2, args.floor_warmup, seq["final_snapshot_bytes"]
+            endpoint,
+            args.floor_iterations // 2,
+            args.floor_warmup,
+            seq["final_snapshot_bytes"],
+            etcd_as,
         )
     results["load_end"] = load_average()
     return results
@@ -1397,6 +1480,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="service log level (info logs each handoff's took_ms; it slows every figure)",
     )
     parser.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="run the stack without TLS and etcd auth (default: TLS on every hop, "
+        "etcd over TLS with auth, as in production)",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny iteration counts everywhere (a few seconds; checks the bench runs, "
@@ -1428,7 +1517,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    stack = BenchStack(log_dir, second_deployment=args.upgrade_turns > 0, log_level=args.log_level)
+    stack = BenchStack(
+        log_dir,
+        second_deployment=args.upgrade_turns > 0,
+        log_level=args.log_level,
+        tls=not args.plaintext,
+    )
     profiler = (
         Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
         if args.profile

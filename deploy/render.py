@@ -3,16 +3,20 @@
     python deploy/render.py shared  --overlay dev [--image REF]
     python deploy/render.py fleet   --overlay dev --deployment-id ID [--image REF]
     python deploy/render.py public  --overlay dev --deployment-id ID
-    python deploy/render.py secrets --from DIR [--overlay dev]
+    python deploy/render.py secrets --from DIR [--overlay dev] [--deployment-id ID ...]
     python deploy/render.py install --overlay dev --deployment-id ID --secrets DIR [--image REF]
+    python deploy/render.py drain   --overlay dev --from OLD --to NEW [--image REF]
     python deploy/render.py check   [--kubernetes-version 1.33.0]
 
 `shared` is the tier every deployment uses (etcd, hooks, anchor, network
 policies); `fleet` is one deployment id's owner and ingress (names suffixed
 with the id, everything labelled baton.dev/deployment-id=ID; the image tag
 defaults to the id); `public` is the public entry pointing at that id's
-ingress; `secrets` turns the files deploy/gen-secrets.sh writes into Secrets;
-`install` is all of them, for a first install. Output is YAML on stdout, for
+ingress; `secrets` turns the files deploy/gen-secrets.sh writes into Secrets
+(the shared ones, and each named deployment id's owner and ingress
+certificates); `install` is all of them, for a first install; `drain` is a
+Job that drains one deployment id into another (`baton deployments drain`,
+as the operator). Output is YAML on stdout, for
 `kubectl apply -f -`. `check` renders every overlay (with a sample id and
 throwaway secrets) and validates the result offline against the Kubernetes
 JSON schemas (kubernetes-validate, strict). docs/deploy.md walks through an
@@ -44,7 +48,10 @@ DEPLOYMENT_LABEL = "baton.dev/deployment-id"
 _K8S_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,53}[a-z0-9])?$")
 SAMPLE_ID = "build-2026-11-30"
 DEFAULT_KUBERNETES_VERSION = "1.33.0"
-ROLES = ("hooks", "anchor", "owner", "ingress")
+# Roles with one certificate for the installation; owner and ingress get one
+# per deployment id (their certificates name it).
+SHARED_ROLES = ("hooks", "anchor", "operator")
+FLEET_ROLES = ("owner", "ingress")
 
 
 class RenderError(Exception):
@@ -100,6 +107,15 @@ def _image_entry(image: str) -> dict[str, str]:
     return {"name": "baton", "newName": image}
 
 
+def _tagged(overlay: str, part: str, tag: str) -> list[dict[str, str]]:
+    """The overlay's image for `part`, tagged `tag`. An overlay may rename
+    the image (production: registry.example.com/baton); the tag must then
+    be set on that name, which is what the outer kustomization sees."""
+    text = (_overlay(overlay, part) / "kustomization.yaml").read_text()
+    match = re.search(r"^\s*newName:\s*(\S+)", text, re.M)
+    return [{"name": match.group(1) if match else "baton", "newTag": tag}]
+
+
 def _render_on_top(base: Path, kustomization: dict[str, object]) -> str:
     """Render `base` through a throwaway kustomization adding `kustomization`."""
     with tempfile.TemporaryDirectory(prefix="baton-render-") as tmp:
@@ -123,11 +139,36 @@ def render_shared(overlay: str, image: str) -> str:
     return _render_on_top(_overlay(overlay), {"images": [_image_entry(image)]})
 
 
+def _tls_secret_patch(role: str, deployment_id: str) -> dict[str, object]:
+    """Point the `tls` volume of `role`'s Deployment at the deployment id's
+    certificate Secret (a strategic merge: volumes merge by name)."""
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": role},
+        "spec": {
+            "template": {
+                "spec": {
+                    "volumes": [
+                        {"name": "tls", "secret": {"secretName": tls_secret(role, deployment_id)}}
+                    ]
+                }
+            }
+        },
+    }
+    return {"patch": json.dumps(patch), "target": {"kind": "Deployment", "name": role}}
+
+
+def tls_secret(role: str, deployment_id: str = "") -> str:
+    return f"baton-tls-{role}-{deployment_id}" if deployment_id else f"baton-tls-{role}"
+
+
 def render_fleet(overlay: str, deployment_id: str, image: str = "") -> str:
-    """The owner and ingress of `deployment_id`. Without `image`, the
-    overlay's image name with the deployment id as its tag."""
+    """The owner and ingress of `deployment_id`, with the id's certificates.
+    Without `image`, the overlay's image name with the deployment id as its
+    tag."""
     check_deployment_id(deployment_id)
-    images = [_image_entry(image)] if image else [{"name": "baton", "newTag": deployment_id}]
+    images = [_image_entry(image)] if image else _tagged(overlay, "fleet", deployment_id)
     return _render_on_top(
         _overlay(overlay, "fleet"),
         {
@@ -140,6 +181,33 @@ def render_fleet(overlay: str, deployment_id: str, image: str = "") -> str:
                 }
             ],
             "images": images,
+            "patches": [_tls_secret_patch(role, deployment_id) for role in FLEET_ROLES],
+        },
+    )
+
+
+# What the drain Job's hooks address expands to in its pod.
+HOOKS_TARGET = "dns:///hooks.$(POD_NAMESPACE).svc.$(CLUSTER_DOMAIN):50052"
+
+
+def render_drain(overlay: str, old: str, new: str, image: str = "") -> str:
+    """A Job that runs `baton deployments drain OLD --to NEW` in the cluster
+    with the operator's certificate. Without `image`, the overlay's image
+    tagged with NEW (the build the sessions move to)."""
+    check_deployment_id(old)
+    check_deployment_id(new)
+    if old == new:
+        raise RenderError("drain: --from and --to must differ")
+    images = [_image_entry(image)] if image else _tagged(overlay, "drain", new)
+    args = ["baton", "deployments", "drain", old, "--to", new, "--hooks", HOOKS_TARGET]
+    args += ["--wait", "300"]
+    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": args}]
+    return _render_on_top(
+        _overlay(overlay, "drain"),
+        {
+            "nameSuffix": f"-{old}",
+            "images": images,
+            "patches": [{"patch": json.dumps(patch), "target": {"kind": "Job", "name": "drain"}}],
         },
     )
 
@@ -189,23 +257,44 @@ SECRETS: dict[str, tuple[str, dict[str, str]]] = {
         {"root-password": "etcd/root-password", "baton-password": "etcd/baton-password"},
     ),
     **{
-        f"baton-tls-{role}": (
+        tls_secret(role): (
             "kubernetes.io/tls",
             {"tls.crt": f"tls/{role}.crt", "tls.key": f"tls/{role}.key", "ca.crt": "tls/ca.crt"},
         )
-        for role in ROLES
+        for role in SHARED_ROLES
     },
 }
+
+
+def fleet_secrets(deployment_id: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """The owner and ingress certificates of one deployment id (gen-secrets.sh
+    fleet DIR ID writes them)."""
+    check_deployment_id(deployment_id)
+    return {
+        tls_secret(role, deployment_id): (
+            "kubernetes.io/tls",
+            {
+                "tls.crt": f"tls/{role}-{deployment_id}.crt",
+                "tls.key": f"tls/{role}-{deployment_id}.key",
+                "ca.crt": "tls/ca.crt",
+            },
+        )
+        for role in FLEET_ROLES
+    }
+
+
 # Optional: the model endpoint's API key (owner env BATON_OPENAI_API_KEY).
 OPTIONAL_SECRETS = {"baton-model": ("Opaque", {"openai-api-key": "openai-api-key"})}
 
 
-def render_secrets(source: Path, namespace: str) -> str:
-    """Secrets from the files under `source` (see SECRETS; gen-secrets.sh
-    writes them all). Values are only base64-encoded here: keep the output
-    out of version control."""
+def render_secrets(source: Path, namespace: str, deployment_ids: Sequence[str] = ()) -> str:
+    """Secrets from the files under `source` (see SECRETS and fleet_secrets;
+    gen-secrets.sh writes them). Values are only base64-encoded here: keep
+    the output out of version control."""
     documents = []
     wanted = list(SECRETS.items())
+    for deployment_id in deployment_ids:
+        wanted += list(fleet_secrets(deployment_id).items())
     for name, (kind, files) in OPTIONAL_SECRETS.items():
         if all((source / relative).exists() for relative in files.values()):
             wanted.append((name, (kind, files)))
@@ -244,13 +333,17 @@ def join(*documents: str) -> str:
 # -- check ------------------------------------------------------------------------
 
 
-def generate_secrets(out: Path, namespace: str) -> None:
+def generate_secrets(out: Path, namespace: str, deployment_ids: Sequence[str] = ()) -> None:
+    """gen-secrets.sh: the shared files, then each deployment id's."""
     script = DEPLOY / "gen-secrets.sh"
-    result = subprocess.run(
-        ["sh", str(script), str(out), namespace], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        raise RenderError(f"gen-secrets.sh failed:\n{result.stdout}{result.stderr}")
+    runs = [[str(out), namespace]]
+    runs += [["fleet", str(out), deployment_id, namespace] for deployment_id in deployment_ids]
+    for args in runs:
+        result = subprocess.run(
+            ["sh", str(script), *args], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise RenderError(f"gen-secrets.sh failed:\n{result.stdout}{result.stderr}")
 
 
 def validate(files: Iterable[Path], kubernetes_version: str) -> None:
@@ -270,20 +363,21 @@ def validate(files: Iterable[Path], kubernetes_version: str) -> None:
 
 
 def check(kubernetes_version: str, out: Path | None = None) -> list[Path]:
-    """Render every overlay's shared tier, fleet (sample id), public entry
-    and secrets; validate all of it. Returns the rendered files."""
+    """Render every overlay's shared tier, fleet (sample id), public entry,
+    drain Job and secrets; validate all of it. Returns the rendered files."""
     with tempfile.TemporaryDirectory(prefix="baton-check-") as tmp:
         target = out or Path(tmp)
         target.mkdir(parents=True, exist_ok=True)
         files = []
         for overlay in overlays():
             secrets_dir = Path(tmp) / f"secrets-{overlay}"
-            generate_secrets(secrets_dir, namespace_of(overlay))
+            generate_secrets(secrets_dir, namespace_of(overlay), [SAMPLE_ID])
             rendered = {
                 "shared": render_shared(overlay, f"baton:{SAMPLE_ID}"),
                 "fleet": render_fleet(overlay, SAMPLE_ID),
                 "public": render_public(overlay, SAMPLE_ID),
-                "secrets": render_secrets(secrets_dir, namespace_of(overlay)),
+                "drain": render_drain(overlay, "build-2026-11-01", SAMPLE_ID),
+                "secrets": render_secrets(secrets_dir, namespace_of(overlay), [SAMPLE_ID]),
             }
             for part, text in rendered.items():
                 path = target / f"{overlay}-{part}.yaml"
@@ -324,8 +418,18 @@ def _parser() -> argparse.ArgumentParser:
     add("public", "the public entry, pointing at one deployment id's ingress", deployment=True)
     secrets = add("secrets", "Secrets from the files gen-secrets.sh writes")
     secrets.add_argument("--from", dest="source", required=True, type=Path)
+    secrets.add_argument(
+        "--deployment-id",
+        dest="deployment_ids",
+        action="append",
+        default=[],
+        help="also this deployment id's owner and ingress certificates (repeatable)",
+    )
     install = add("install", "everything for a first install", deployment=True, image=True)
     install.add_argument("--secrets", required=True, type=Path)
+    drain = add("drain", "a Job draining one deployment id into another", image=True)
+    drain.add_argument("--from", dest="old", required=True, help="the deployment id to drain")
+    drain.add_argument("--to", dest="new", required=True, help="the deployment id to move to")
     checking = add("check", "render every overlay and validate it offline", overlay=False)
     checking.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
     checking.add_argument("--out", type=Path, help="keep the rendered files here")
@@ -345,10 +449,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "public":
             text = render_public(args.overlay, args.deployment_id)
         elif args.command == "secrets":
-            text = render_secrets(args.source, namespace_of(args.overlay))
+            text = render_secrets(args.source, namespace_of(args.overlay), args.deployment_ids)
+        elif args.command == "drain":
+            text = render_drain(args.overlay, args.old, args.new, args.image)
         else:
             text = join(
-                render_secrets(args.secrets, namespace_of(args.overlay)),
+                render_secrets(args.secrets, namespace_of(args.overlay), [args.deployment_id]),
                 render_shared(args.overlay, args.image),
                 render_fleet(args.overlay, args.deployment_id, args.image),
                 render_public(args.overlay, args.deployment_id),

@@ -6,15 +6,16 @@ import aetcd
 import pytest
 
 from services.cli.processes import EtcdProcess
-from services.common.etcd import parse_endpoint
+from tests.certs import etcd_client, start_etcd
 from tests.stack import Stack, start_stack, stop_stack
 
 
 @pytest.fixture(scope="module")
 def etcd_server() -> Iterator[EtcdProcess]:
-    """One real etcd per test module; tests isolate by key prefix. (Per module,
-    not per session: a module that leaves etcd busy cannot slow the next.)"""
-    server = EtcdProcess().start()
+    """One real etcd per test module, with TLS and auth on; tests isolate by
+    key prefix. (Per module, not per session: a module that leaves etcd busy
+    cannot slow the next.)"""
+    server = start_etcd()
     try:
         yield server
     finally:
@@ -38,9 +39,7 @@ async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
 @pytest.fixture
 async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
     """A raw etcd client, to inspect what the stack wrote."""
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
+    client = await etcd_client(stack.etcd.endpoint)
     try:
         yield client
     finally:

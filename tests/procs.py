@@ -1,6 +1,8 @@
 """Baton as real processes, for recovery tests: hooks, anchor, ingress and N
 owner instances of one deployment over a real etcd, with the means to kill,
-pause and start them, and checks of the history invariants (DESIGN.md §9)."""
+pause and start them, and checks of the history invariants (DESIGN.md §9).
+Every process gets its role's certificate from the test PKI (TLS on every
+hop and to etcd) and ingress reads its API keys from a file."""
 
 from __future__ import annotations
 
@@ -22,8 +24,14 @@ from baton.session.v1 import session_pb2 as s
 from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError
+from services.common.identity import Role
+from services.common.tls import Security, tls_options
+from tests import certs
+from tests.certs import TEST_PREFIX
+from tests.stack import SLACK_KEY, public_channel
 
-API_KEY = "key-slack-0001"
+API_KEY = SLACK_KEY
+_PER_DEPLOYMENT = (Role.OWNER, Role.INGRESS)
 SLACK = (("authorization", f"Bearer {API_KEY}"),)
 K = s.EventKind
 _T = TypeVar("_T")
@@ -56,7 +64,7 @@ class ProcessStack:
     lease_ttl: int = 2
     park_after: float | None = None
     owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
-    prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
+    prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
     ingress: ServiceProcess | None = None
@@ -67,8 +75,12 @@ class ProcessStack:
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def _env(self, **extra: str) -> dict[str, str]:
+    def _env(self, security: Security, **extra: str) -> dict[str, str]:
+        assert security.files is not None
         return {
+            "BATON_TLS_CERT": security.files.cert,
+            "BATON_TLS_KEY": security.files.key,
+            "BATON_TLS_CA": security.files.ca,
             "PYTHONUNBUFFERED": "1",
             "BATON_LOG_LEVEL": os.environ.get("BATON_TEST_LOG_LEVEL", "info"),
             "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
@@ -83,13 +95,31 @@ class ProcessStack:
 
     def _spawn(self, name: str, module: str, **extra: str) -> ServiceProcess:
         self.ports.setdefault(name, free_port())
+        deployment_id = extra.get("BATON_DEPLOYMENT_ID", self.deployment_id)
+        role = Role(module)
+        security = certs.security(role, deployment_id if role in _PER_DEPLOYMENT else "")
+        if module == "ingress":
+            extra.setdefault("BATON_API_KEYS_FILE", self._key_file())
         proc = ServiceProcess(
             module,
             self.addr(name),
-            self._env(**extra),
+            self._env(security, **extra),
             log_path=str(self.workdir / f"{name}.log"),
         )
         return proc.start()
+
+    def _key_file(self) -> str:
+        path = self.workdir / "api-keys"
+        if not path.exists():
+            path.write_text(f"slack={API_KEY}\n")
+        return str(path)
+
+    def security(self, role: Role = Role.OWNER, deployment_id: str = "") -> Security:
+        """A certificate of `role` (for owners and ingresses: of the stack's
+        deployment unless named)."""
+        if role in _PER_DEPLOYMENT:
+            return certs.security(role, deployment_id or self.deployment_id)
+        return certs.security(role)
 
     def start(self, owners: int = 2) -> ProcessStack:
         """Start everything and wait until it serves (owners registered)."""
@@ -100,14 +130,9 @@ class ProcessStack:
         self.anchor = self._spawn("anchor", "anchor")
         for i in range(1, owners + 1):
             self.start_owner(f"o{i}", wait=False)
-        self.ingress = self._spawn(
-            "ingress",
-            "ingress",
-            BATON_API_KEYS=f"slack={API_KEY}",
-            BATON_OWNER_ADDR=self.addr("o1"),
-        )
+        self.ingress = self._spawn("ingress", "ingress", BATON_OWNER_ADDR=self.addr("o1"))
         for name in ("hooks", "anchor", "ingress", *self.owners):
-            wait_serving(self.addr(name))
+            wait_serving(self.addr(name), self.probe)
         return self
 
     def start_deployments(
@@ -129,12 +154,11 @@ class ProcessStack:
             self.ingresses[name] = self._spawn(
                 name,
                 "ingress",
-                BATON_API_KEYS=f"slack={API_KEY}",
                 BATON_OWNER_ADDR=self.addr(owner),
                 BATON_DEPLOYMENT_ID=deployment_id,
             )
         for name in ("hooks", "anchor", *ingresses, *owners):
-            wait_serving(self.addr(name))
+            wait_serving(self.addr(name), self.probe)
         return self
 
     def start_ingress(self, name: str, deployment_id: str, owners: list[str]) -> ServiceProcess:
@@ -142,11 +166,10 @@ class ProcessStack:
         self.ingresses[name] = proc = self._spawn(
             name,
             "ingress",
-            BATON_API_KEYS=f"slack={API_KEY}",
             BATON_OWNER_ADDR=",".join(self.addr(o) for o in owners),
             BATON_DEPLOYMENT_ID=deployment_id,
         )
-        wait_serving(self.addr(name))
+        wait_serving(self.addr(name), self.probe)
         return proc
 
     def start_owner(
@@ -169,8 +192,13 @@ class ProcessStack:
         }
         self.owners[instance_id] = proc = self._spawn(instance_id, "owner", **extra)
         if wait:
-            wait_serving(self.addr(instance_id))
+            wait_serving(self.addr(instance_id), self.probe)
         return proc
+
+    @property
+    def probe(self) -> Security:
+        """What health probes present: an operator's certificate."""
+        return certs.operator()
 
     def kill(self, instance_id: str) -> None:
         """kill -9."""
@@ -210,14 +238,18 @@ class StackClients:
 
     def __init__(self, stack: ProcessStack) -> None:
         self.stack = stack
-        self.channel = grpc.aio.insecure_channel(stack.addr("ingress"))
+        self.channel = public_channel(stack.addr("ingress"))
         self.ingress = ingress_pb2_grpc.IngressServiceStub(self.channel)
-        self.hooks = HooksClient(stack.addr("hooks"), timeout=5)
-        self.anchor = AnchorClient(stack.addr("anchor"), timeout=5)
+        # As an owner of the stack's deployment (lists its instances and sessions).
+        self.hooks = HooksClient(stack.addr("hooks"), timeout=5, security=stack.security())
+        self.anchor = AnchorClient(stack.addr("anchor"), timeout=5, security=stack.security())
+        # As an operator: looks at any deployment.
+        self.operator_hooks = HooksClient(stack.addr("hooks"), timeout=5, security=stack.probe)
 
     async def close(self) -> None:
         await self.channel.close()
         await self.hooks.close()
+        await self.operator_hooks.close()
         await self.anchor.close()
 
     async def wait_registered(self, *instance_ids: str, timeout: float = 30.0) -> None:
@@ -326,7 +358,7 @@ class ReplicatedStack:
     replicas: int = 2
     deployment_id: str = "dep-r"
     lease_ttl: int = 5
-    prefix: str = field(default_factory=lambda: f"/p/{uuid.uuid4().hex}/")
+    prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -339,8 +371,18 @@ class ReplicatedStack:
     def addrs(self, kind: str) -> str:
         return ",".join(self.addr(name) for name in self.names(kind))
 
+    def security(self, role: Role) -> Security:
+        """A certificate of `role` (for owners and ingresses: of the stack's
+        deployment)."""
+        return certs.security(role, self.deployment_id if role in _PER_DEPLOYMENT else "")
+
     def _env(self, kind: str, name: str) -> dict[str, str]:
+        files = self.security(Role({"o": "owner"}.get(kind, kind))).files
+        assert files is not None
         env = {
+            "BATON_TLS_CERT": files.cert,
+            "BATON_TLS_KEY": files.key,
+            "BATON_TLS_CA": files.ca,
             "PYTHONUNBUFFERED": "1",
             "BATON_LOG_LEVEL": "info",
             "BATON_SHUTDOWN_GRACE": "1",
@@ -362,7 +404,10 @@ class ReplicatedStack:
                 "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
                 "BATON_OWNER_PARK_AFTER": "0",
             }
-        return env | {"BATON_API_KEYS": f"slack={API_KEY}", "BATON_OWNER_ADDR": self.addrs("o")}
+        keys = self.workdir / "api-keys"
+        if not keys.exists():
+            keys.write_text(f"slack={API_KEY}\n")
+        return env | {"BATON_API_KEYS_FILE": str(keys), "BATON_OWNER_ADDR": self.addrs("o")}
 
     def start_process(self, name: str, *, wait: bool = True) -> ServiceProcess:
         """Start (or start again, on its port) the process called `name`."""
@@ -376,7 +421,7 @@ class ReplicatedStack:
         )
         self.procs[name] = proc.start()
         if wait:
-            wait_serving(self.addr(name))
+            wait_serving(self.addr(name), certs.operator())
         return proc
 
     def start(self) -> ReplicatedStack:
@@ -388,7 +433,7 @@ class ReplicatedStack:
             for name in tier:
                 self.start_process(name, wait=False)
             for name in tier:
-                wait_serving(self.addr(name))
+                wait_serving(self.addr(name), certs.operator())
         return self
 
     def kill(self, name: str) -> None:
@@ -417,19 +462,19 @@ class ReplicatedClients:
 
     def __init__(self, stack: ReplicatedStack) -> None:
         self.stack = stack
-        self.channel = grpc.aio.insecure_channel(
-            f"ipv4:{stack.addrs('ingress')}", options=[("grpc.lb_policy_name", "round_robin")]
+        target = f"ipv4:{stack.addrs('ingress')}"
+        self.channel = public_channel(
+            target, options=tls_options(target, [("grpc.lb_policy_name", "round_robin")])
         )
         self.ingress = ingress_pb2_grpc.IngressServiceStub(self.channel)
-        self.channels = {
-            name: grpc.aio.insecure_channel(stack.addr(name)) for name in stack.names("ingress")
-        }
+        self.channels = {name: public_channel(stack.addr(name)) for name in stack.names("ingress")}
         self.ingresses = {
             name: ingress_pb2_grpc.IngressServiceStub(channel)
             for name, channel in self.channels.items()
         }
-        self.hooks = HooksClient(stack.addrs("hooks"), timeout=5)
-        self.anchor = AnchorClient(stack.addrs("anchor"), timeout=5)
+        owner = stack.security(Role.OWNER)
+        self.hooks = HooksClient(stack.addrs("hooks"), timeout=5, security=owner)
+        self.anchor = AnchorClient(stack.addrs("anchor"), timeout=5, security=owner)
 
     async def close(self) -> None:
         for channel in (self.channel, *self.channels.values()):

@@ -1,11 +1,15 @@
 """An in-process Baton stack for tests: the four services on loopback ports
-(real gRPC), over the test session's real etcd, under a unique key prefix."""
+(real gRPC with TLS on every hop, each server and client with its role's
+certificate from the test PKI), over the test module's TLS etcd with auth,
+under a unique key prefix."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -14,18 +18,50 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.anchor.config import AnchorConfig
 from services.anchor.server import create_server as create_anchor
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.config import EtcdConfig
+from services.common.identity import Role
+from services.common.pki import LocalPki
 from services.common.server import GrpcServer
+from services.common.tls import Security, load_material
 from services.hooks.config import HooksConfig
 from services.hooks.server import create_server as create_hooks
+from services.ingress.api_keys import ApiKeys
 from services.ingress.config import IngressConfig
+from services.ingress.limits import ChannelLimits
 from services.ingress.server import create_server as create_ingress
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server as create_owner
+from tests import certs
+from tests.certs import TEST_PREFIX
 
-API_KEYS = {"key-slack-0001": "slack", "key-web-00001": "web"}
-SLACK = (("authorization", "Bearer key-slack-0001"),)
-WEB = (("authorization", "Bearer key-web-00001"),)
+SLACK_KEY = "slack-test-key-0001-Xq7w"
+WEB_KEY = "web-test-key-00001-Pz4k"
+API_KEYS = {SLACK_KEY: "slack", WEB_KEY: "web"}
+SLACK = (("authorization", f"Bearer {SLACK_KEY}"),)
+WEB = (("authorization", f"Bearer {WEB_KEY}"),)
+
+
+def public_channel(
+    target: str, pki: LocalPki | None = None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
+    """A gateway's channel to an ingress: TLS, trusting the test CA, with no
+    client certificate (gateways authenticate with API keys)."""
+    ca = load_material((pki or certs.pki()).files(Role.OPERATOR)).ca
+    return grpc.aio.secure_channel(
+        target, grpc.ssl_channel_credentials(root_certificates=ca), options=list(options)
+    )
+
+
+def etcd_config(endpoint: str) -> EtcdConfig:
+    """A unique root under the test prefix; TLS as the services' etcd users."""
+    return EtcdConfig(
+        endpoint=endpoint,
+        prefix=f"{TEST_PREFIX}{uuid.uuid4().hex}/",
+        timeout=5,
+        security=certs.security(Role.HOOKS),
+    )
+
 
 TERMINAL = {s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED}
 
@@ -40,10 +76,41 @@ class Stack:
     ingress: GrpcServer
     channel: grpc.aio.Channel
     ingress_stub: ingress_pb2_grpc.IngressServiceStub
+    # The CA and certificates of the services' gRPC hops (etcd's are the
+    # test PKI's: the module's etcd trusts only that CA).
+    pki: LocalPki
     extra: list[GrpcServer] = field(default_factory=list)
 
     def addr(self, server: GrpcServer) -> str:
         return f"127.0.0.1:{server.port}"
+
+    def security(self, role: Role, deployment_id: str = "") -> Security:
+        return self.pki.security(role, deployment_id)
+
+    def owner_security(self) -> Security:
+        return self.security(Role.OWNER, self.deployment_id)
+
+    def hooks_client(self, security: Security | None = None, **kwargs: float) -> HooksClient:
+        """A client of hooks, by default as this deployment's owner."""
+        return HooksClient(
+            self.addr(self.hooks), security=security or self.owner_security(), **kwargs
+        )
+
+    def anchor_client(self, security: Security | None = None, **kwargs: float) -> AnchorClient:
+        """A client of anchor, by default as this deployment's owner."""
+        return AnchorClient(
+            self.addr(self.anchor), security=security or self.owner_security(), **kwargs
+        )
+
+    def owner_client(
+        self, server: GrpcServer | None = None, security: Security | None = None, **kwargs: float
+    ) -> OwnerClient:
+        """A client of an owner, by default as this deployment's ingress."""
+        return OwnerClient(
+            self.addr(server or self.owner),
+            security=security or self.security(Role.INGRESS, self.deployment_id),
+            **kwargs,
+        )
 
     async def create(self, metadata: tuple[tuple[str, str], ...] = SLACK, **kwargs: object) -> str:
         response = await self.ingress_stub.CreateSession(
@@ -105,27 +172,64 @@ class Stack:
         return out
 
 
+def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None) -> HooksConfig:
+    return HooksConfig(
+        listen="127.0.0.1:0",
+        etcd=etcd_as(etcd, Role.HOOKS),
+        tls=(pki or certs.pki()).security(Role.HOOKS),
+    )
+
+
+def anchor_config(etcd: EtcdConfig, pki: LocalPki | None = None, **options: object) -> AnchorConfig:
+    return AnchorConfig(
+        listen="127.0.0.1:0",
+        etcd=etcd_as(etcd, Role.ANCHOR),
+        tls=(pki or certs.pki()).security(Role.ANCHOR),
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def etcd_as(etcd: EtcdConfig, role: Role) -> EtcdConfig:
+    """The same etcd and prefix, reached as `role`'s etcd user."""
+    return EtcdConfig(etcd.endpoint, etcd.prefix, etcd.timeout, certs.security(role))
+
+
 async def start_stack(
     etcd_endpoint: str,
     deployment_id: str = "dep-a",
     *,
     anchor_options: dict[str, object] | None = None,
+    limits: ChannelLimits | None = None,
+    api_keys: ApiKeys | None = None,
+    pki: LocalPki | None = None,
     **owner_options: object,
 ) -> Stack:
-    etcd = EtcdConfig(endpoint=etcd_endpoint, prefix=f"/t/{uuid.uuid4().hex}/", timeout=5)
-    hooks = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=etcd))
+    """The four services; their gRPC certificates from `pki` (default: the
+    test PKI)."""
+    pki = pki or certs.pki()
+    etcd = etcd_config(etcd_endpoint)
+    hooks = await create_hooks(hooks_config(etcd, pki))
     await hooks.start()
-    anchor = await create_anchor(
-        AnchorConfig(listen="127.0.0.1:0", etcd=etcd, **(anchor_options or {}))  # type: ignore[arg-type]
-    )
+    anchor = await create_anchor(anchor_config(etcd, pki, **(anchor_options or {})))
     await anchor.start()
-    return await _start_deployment(etcd, hooks, anchor, deployment_id, **owner_options)
+    return await _start_deployment(
+        etcd,
+        hooks,
+        anchor,
+        deployment_id,
+        pki,
+        limits=limits,
+        api_keys=api_keys,
+        **owner_options,
+    )
 
 
 async def add_deployment(base: Stack, deployment_id: str, **owner: object) -> Stack:
     """Owner + ingress of another deployment next to `base`, sharing its
     hooks, anchor and etcd (stop it with `stop_deployment`)."""
-    return await _start_deployment(base.etcd, base.hooks, base.anchor, deployment_id, **owner)
+    return await _start_deployment(
+        base.etcd, base.hooks, base.anchor, deployment_id, base.pki, **owner
+    )
 
 
 async def stop_deployment(stack: Stack) -> None:
@@ -139,6 +243,10 @@ async def _start_deployment(
     hooks: GrpcServer,
     anchor: GrpcServer,
     deployment_id: str,
+    pki: LocalPki,
+    *,
+    limits: ChannelLimits | None = None,
+    api_keys: ApiKeys | None = None,
     **owner_options: object,
 ) -> Stack:
     owner_options.setdefault("instance_id", f"{deployment_id}-i1")
@@ -148,6 +256,7 @@ async def _start_deployment(
             deployment_id=deployment_id,
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
+            tls=pki.security(Role.OWNER, deployment_id),
             **owner_options,  # type: ignore[arg-type]
         )
     )
@@ -156,14 +265,16 @@ async def _start_deployment(
         IngressConfig(
             listen="127.0.0.1:0",
             deployment_id=deployment_id,
-            api_keys=API_KEYS,
+            api_keys=api_keys or ApiKeys.of(API_KEYS),
             hooks=f"127.0.0.1:{hooks.port}",
             anchor=f"127.0.0.1:{anchor.port}",
             owner=f"127.0.0.1:{owner.port}",
+            tls=pki.security(Role.INGRESS, deployment_id),
+            limits=limits or ChannelLimits(),
         )
     )
     await ingress.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ingress.port}")
+    channel = public_channel(f"127.0.0.1:{ingress.port}", pki)
     return Stack(
         etcd=etcd,
         deployment_id=deployment_id,
@@ -173,6 +284,7 @@ async def _start_deployment(
         ingress=ingress,
         channel=channel,
         ingress_stub=ingress_pb2_grpc.IngressServiceStub(channel),
+        pki=pki,
     )
 
 

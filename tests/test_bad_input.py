@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aetcd
@@ -16,14 +17,13 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import HooksClient, OwnerClient
 from services.common.config import ConfigError
 from services.common.errors import BatonError, InvalidArgument, Reason
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, prefix_end
 from services.ingress.config import IngressConfig
 from services.owner.config import OwnerConfig
-from tests.stack import SLACK, WEB, Stack
+from tests.stack import SLACK, SLACK_KEY, WEB, Stack
 
 K = s.EventKind
 Code = grpc.StatusCode
@@ -260,9 +260,9 @@ async def test_bad_delivery_fields_are_invalid(stack: Stack, etcd: aetcd.Client)
         ((("authorization", ""),), Reason.MISSING_API_KEY),
         ((("authorization", "Bearer not-a-known-key"),), Reason.INVALID_API_KEY),
         ((("authorization", "Bearer "),), Reason.INVALID_API_KEY),
-        ((("authorization", "Basic key-slack-0001"),), Reason.INVALID_API_KEY),
-        ((("authorization", "key-slack-0001"),), Reason.INVALID_API_KEY),
-        ((("authorization", "Bearer key-slack-000"),), Reason.INVALID_API_KEY),
+        ((("authorization", f"Basic {SLACK_KEY}"),), Reason.INVALID_API_KEY),
+        ((("authorization", SLACK_KEY),), Reason.INVALID_API_KEY),
+        ((("authorization", f"Bearer {SLACK_KEY[:-1]}"),), Reason.INVALID_API_KEY),
     ],
     ids=["none", "empty", "unknown", "no-key", "basic", "no-scheme", "prefix"],
 )
@@ -306,39 +306,37 @@ async def test_another_channels_alias_is_cross_tenant(stack: Stack, etcd: aetcd.
     assert response.receipt.session_id == slack_session
 
 
-async def test_another_channels_session_id_is_cross_tenant(
+async def test_another_channels_session_id_answers_like_an_unknown_one(
     stack: Stack, etcd: aetcd.Client
 ) -> None:
+    """Google AIP-211: a caller must not learn that a session it may not
+    address exists. Another channel's session id gets exactly the answer an
+    unknown id gets (code, reason and message), for every call."""
     slack_session = await stack.create(SLACK)
     await stack.send(slack_session, "private")
     await follow_until(stack, slack_session, answered("private"))
+    unknown = ids.new_session_id()
     before = await durable_state(stack, etcd)
-    await refused(
-        send(stack, WEB, session_id=slack_session, text="let me in"),
-        Code.PERMISSION_DENIED,
-        Reason.CROSS_TENANT,
-    )
-    await refused(
-        read(stack, WEB, session_id=slack_session, follow=False),
-        Code.PERMISSION_DENIED,
-        Reason.CROSS_TENANT,
-    )
-    await refused(
-        read(stack, WEB, session_id=slack_session, follow=True, start_seq=3),
-        Code.PERMISSION_DENIED,
-        Reason.CROSS_TENANT,
-    )
-    await refused(
-        stack.ingress_stub.SendControl(
-            ingress_pb.SendControlRequest(
-                session_id=slack_session, kind=ingress_pb.CONTROL_KIND_RESET
+
+    def calls(session_id: str) -> list[Any]:
+        return [
+            send(stack, WEB, session_id=session_id, text="let me in"),
+            read(stack, WEB, session_id=session_id, follow=False),
+            read(stack, WEB, session_id=session_id, follow=True, start_seq=3),
+            stack.ingress_stub.SendControl(
+                ingress_pb.SendControlRequest(
+                    session_id=session_id, kind=ingress_pb.CONTROL_KIND_RESET
+                ),
+                metadata=WEB,
+                timeout=10,
             ),
-            metadata=WEB,
-            timeout=10,
-        ),
-        Code.PERMISSION_DENIED,
-        Reason.CROSS_TENANT,
-    )
+        ]
+
+    for theirs, nobodys in zip(calls(slack_session), calls(unknown), strict=True):
+        a = await refused(theirs, Code.NOT_FOUND, Reason.SESSION_NOT_FOUND)
+        b = await refused(nobodys, Code.NOT_FOUND, Reason.SESSION_NOT_FOUND)
+        assert a.message.replace(slack_session, "?") == b.message.replace(unknown, "?")
+        assert a.metadata == b.metadata
     assert await durable_state(stack, etcd) == before
 
 
@@ -384,7 +382,7 @@ async def test_a_session_can_hold_256_addresses_and_release_them(
     at that size (not only below etcd's per-transaction operation limit)."""
     aliases = [f"a{i}" for i in range(ids.MAX_HOOKS_PER_SESSION - 1)]
     session_id = await stack.create(request_id="full", aliases=aliases)
-    hooks = HooksClient(stack.addr(stack.hooks))
+    hooks = stack.hooks_client()
     try:
         assert (await hooks.lookup("slack:a254", "slack")).session_id == session_id
         await stack.ingress_stub.SendControl(
@@ -467,12 +465,21 @@ async def test_unknown_control_kind_is_refused(stack: Stack, etcd: aetcd.Client)
 
 # -- deployments ------------------------------------------------------------------------
 
-INGRESS_ENV = {"BATON_API_KEYS": "slack=key-slack-0001"}
+PLAINTEXT = {"BATON_PLAINTEXT": "1"}
+
+
+@pytest.fixture
+def ingress_env(tmp_path: Path) -> dict[str, str]:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"slack={SLACK_KEY}\n")
+    return {"BATON_API_KEYS_FILE": str(keys), **PLAINTEXT}
 
 
 @pytest.mark.parametrize("bad", [None, "", "latest", "LATEST", "Latest", "dep a", "-dep"])
-def test_config_refuses_a_missing_or_latest_deployment_id(bad: str | None) -> None:
-    environ = dict(INGRESS_ENV)
+def test_config_refuses_a_missing_or_latest_deployment_id(
+    bad: str | None, ingress_env: dict[str, str]
+) -> None:
+    environ = dict(ingress_env)
     if bad is not None:
         environ["BATON_DEPLOYMENT_ID"] = bad
     with pytest.raises(ConfigError):
@@ -481,15 +488,15 @@ def test_config_refuses_a_missing_or_latest_deployment_id(bad: str | None) -> No
         OwnerConfig.load(argv=[], environ={k: v for k, v in environ.items() if "API" not in k})
     if bad:
         with pytest.raises(ConfigError):
-            IngressConfig.load(argv=[f"--deployment-id={bad}"], environ=INGRESS_ENV)
+            IngressConfig.load(argv=[f"--deployment-id={bad}"], environ=ingress_env)
         with pytest.raises(ConfigError):
-            OwnerConfig.load(argv=[f"--deployment-id={bad}"], environ={})
+            OwnerConfig.load(argv=[f"--deployment-id={bad}"], environ=PLAINTEXT)
 
 
-def test_config_accepts_an_exact_deployment_id() -> None:
-    environ = dict(INGRESS_ENV, BATON_DEPLOYMENT_ID="build-2024.06.01-7")
+def test_config_accepts_an_exact_deployment_id(ingress_env: dict[str, str]) -> None:
+    environ = dict(ingress_env, BATON_DEPLOYMENT_ID="build-2024.06.01-7")
     assert IngressConfig.load(argv=[], environ=environ).deployment_id == "build-2024.06.01-7"
-    owner = OwnerConfig.load(argv=["--deployment-id", "build-7"], environ={})
+    owner = OwnerConfig.load(argv=["--deployment-id", "build-7"], environ=PLAINTEXT)
     assert owner.deployment_id == "build-7"
 
 
@@ -503,8 +510,8 @@ def test_validate_deployment_id_refuses_empty_and_latest(bad: str) -> None:
 async def test_no_start_uses_latest_or_an_absent_deployment(
     stack: Stack, etcd: aetcd.Client
 ) -> None:
-    owner = OwnerClient(stack.addr(stack.owner))
-    hooks = HooksClient(stack.addr(stack.hooks))
+    owner = stack.owner_client()
+    hooks = stack.hooks_client()
     before = await durable_state(stack, etcd)
     try:
         for deployment in ("", "latest", "LATEST"):
@@ -556,7 +563,7 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
     stack: Stack,
 ) -> None:
     session_id = await stack.create()
-    hooks = HooksClient(stack.addr(stack.hooks))
+    hooks = stack.hooks_client()
     try:
         receipts = [
             await hooks.resume(ids.inbox_token(session_id), command)
@@ -582,7 +589,7 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
 async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
     stack: Stack, etcd: aetcd.Client
 ) -> None:
-    owner = OwnerClient(stack.addr(stack.owner))
+    owner = stack.owner_client(security=stack.owner_security())  # a parent's owner
     parent = ids.new_session_id()
     good = s.ParentLink(parent_session_id=parent, kind=s.TASK_KIND_SUBAGENT, name="helper")
     cases = [
@@ -621,3 +628,94 @@ async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
     finally:
         await owner.close()
     assert await durable_state(stack, etcd) == before
+
+
+# -- found by fuzzing the edge (issue 10) -----------------------------------------------
+
+
+async def test_out_of_range_numbers_are_refused_before_anything_is_written(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    """A timeout of 10^12 s used to fail after hooks had written the session
+    (INTERNAL, then a zombie session on retry). Now every number is range
+    checked first; the same request id then creates the session normally."""
+    before = await durable_state(stack, etcd)
+    for fields in ({"timeout_seconds": 10**12}, {"token_budget": 2**63}):
+        for _ in range(2):  # a retry with the same request id: the same refusal
+            err = await refused(
+                create(stack, request_id="huge", **fields),
+                Code.INVALID_ARGUMENT,
+                Reason.INVALID_FIELD,
+            )
+            assert next(iter(fields)) in err.message
+    await refused(
+        read(stack, session_id=ids.new_session_id(), start_seq=2**64 - 1),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_FIELD,
+    )
+    assert await durable_state(stack, etcd) == before
+    response = await create(stack, request_id="huge", timeout_seconds=3600)
+    assert response.created
+    sent = await stack.send(response.session_id, "alive?")
+    await follow_until(stack, response.session_id, answered("alive?"))
+    assert sent.receipt.seq == 0
+
+
+@pytest.mark.parametrize("field", ["request_id", "session_id", "alias", "delivery_id"])
+async def test_an_oversize_value_is_refused_without_echoing_it(
+    stack: Stack, etcd: aetcd.Client, field: str
+) -> None:
+    """A 20,000-character value used to come back whole in the error message,
+    overflowing a default client's 16 KiB trailer limit (RESOURCE_EXHAUSTED
+    with no reason). The refusal quotes a short prefix only."""
+    huge = "x" * 20_000
+    session_id = await stack.create()
+    before = await durable_state(stack, etcd)
+    if field == "request_id":
+        call = create(stack, request_id=huge)
+    elif field == "delivery_id":
+        call = send(stack, session_id=session_id, text="hi", delivery_id=huge)
+    else:
+        call = send(stack, text="hi", **{field: huge})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    err = from_rpc_error(info.value)
+    assert err.reason in (Reason.INVALID_FIELD, Reason.INVALID_SESSION_ID, Reason.INVALID_TOKEN)
+    assert len(err.message) < 300 and "20000 characters" in err.message
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: Stack) -> None:
+    """gRPC decodes before the handler runs; the servers decode themselves, so
+    bytes that are not the method's message get INVALID_ARGUMENT with a
+    reason (it used to be UNKNOWN), on public and internal servers alike."""
+    from services.common.channels import open_channel
+    from services.common.identity import Role
+    from tests.stack import public_channel
+
+    garbage = b"\xff\xff\xff\xff\x0f"  # a field 0 / truncated varint: never a message
+    cases = [
+        (public_channel(stack.addr(stack.ingress)), "/baton.ingress.v1.IngressService/SendMessage"),
+        (
+            open_channel(stack.addr(stack.hooks), stack.owner_security()),
+            "/baton.hooks.v1.HookRegistryService/ResumeHook",
+        ),
+        (
+            open_channel(stack.addr(stack.anchor), stack.owner_security()),
+            "/baton.anchor.v1.AnchorService/CommitStep",
+        ),
+        (
+            open_channel(stack.addr(stack.owner), stack.security(Role.INGRESS, "dep-a")),
+            "/baton.owner.v1.OwnerService/StartSession",
+        ),
+    ]
+    for channel, method in cases:
+        try:
+            call = channel.unary_unary(method)  # raw bytes both ways
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(garbage, metadata=SLACK, timeout=10)
+        finally:
+            await channel.close()
+        assert info.value.code() == Code.INVALID_ARGUMENT, (method, info.value.details())
+        assert from_rpc_error(info.value).reason == Reason.MALFORMED_REQUEST

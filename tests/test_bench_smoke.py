@@ -93,3 +93,24 @@ def test_children_bench_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["plain"]["n"] == figures["subagent"]["n"] == figures["continue"]["n"] == 4
     assert figures["targets"]["subagent_p50_over_plain_p50"] > 0
+
+
+def test_tls_overhead_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.tls_overhead --smoke`: both stacks (TLS on every hop
+    and on etcd with auth; plaintext) start, run turns, and the ratios are
+    reported. No timing is asserted."""
+    out = tmp_path / "tls.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.tls_overhead", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "turn p50, TLS / plaintext" in proc.stdout
+    figures = json.loads(out.read_text())
+    for mode in ("tls", "plaintext"):
+        assert figures["modes"][mode]["turn"]["n"] == 5
+        assert figures["modes"][mode]["turns_per_s"] > 0
+    assert figures["ratios"]["turn_p50_tls_over_plaintext"] > 0

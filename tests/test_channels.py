@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +24,10 @@ from services.common.clients import HOOKS_IDEMPOTENT, HooksClient
 from services.common.config import ConfigError, EtcdConfig
 from services.common.errors import NotFound, Unavailable
 from services.common.server import GrpcServer
-from services.hooks.config import HooksConfig
 from services.hooks.registry import HookRegistry
 from services.hooks.server import create_server as create_hooks
 from services.ingress.config import IngressConfig
-from tests.stack import Stack
+from tests.stack import SLACK_KEY, Stack, hooks_config
 
 
 def test_address_settings() -> None:
@@ -42,8 +42,14 @@ def test_address_settings() -> None:
             grpc_target(bad)
 
 
-def test_a_bad_address_setting_fails_at_startup() -> None:
-    env = {"BATON_DEPLOYMENT_ID": "dep-a", "BATON_API_KEYS": "slack=key-slack-0001"}
+def test_a_bad_address_setting_fails_at_startup(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"slack={SLACK_KEY}\n")
+    env = {
+        "BATON_DEPLOYMENT_ID": "dep-a",
+        "BATON_API_KEYS_FILE": str(keys),
+        "BATON_PLAINTEXT": "1",
+    }
     config = IngressConfig.load(["--hooks", "127.0.0.1:1,127.0.0.1:2"], env)
     assert config.hooks == "127.0.0.1:1,127.0.0.1:2"
     with pytest.raises(ConfigError, match="dns:///"):
@@ -77,7 +83,7 @@ def count_calls(server: GrpcServer, method: str, counts: Counter[int]) -> None:
 @pytest.fixture
 async def replicas(stack: Stack) -> AsyncIterator[list[GrpcServer]]:
     """The stack's hooks and a second replica over the same etcd."""
-    second = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    second = await create_hooks(hooks_config(stack.etcd, stack.pki))
     await second.start()
     stack.extra.append(second)
     yield [stack.hooks, second]
@@ -90,7 +96,7 @@ async def test_calls_are_spread_over_replicas_and_leave_one_shutting_down(
     for server in replicas:
         count_calls(server, "lookup", counts)
     session_id = await stack.create()
-    client = HooksClient(",".join(stack.addr(r) for r in replicas))
+    client = HooksClient(",".join(stack.addr(r) for r in replicas), security=stack.owner_security())
     try:
         for _ in range(20):
             await client.lookup(ids.inbox_token(session_id))
@@ -118,7 +124,7 @@ async def test_no_healthy_backend_never_hides_the_store_s_own_answer(
     as StoreHealth reports) still get the call, so the caller learns why."""
     for server in replicas:
         await server.set_serving(False)
-    client = HooksClient(",".join(stack.addr(r) for r in replicas))
+    client = HooksClient(",".join(stack.addr(r) for r in replicas), security=stack.owner_security())
     try:
         with pytest.raises(NotFound):
             await client.lookup(ids.inbox_token(ids.new_session_id()))
@@ -130,15 +136,22 @@ async def test_idempotent_calls_are_retried_on_another_replica(stack: Stack) -> 
     """A replica without etcd answers UNAVAILABLE to everything: reads and
     delivery-id appends are retried on the good one and all succeed; a lease
     grant (not idempotent) is not retried, so some fail."""
-    nowhere = EtcdConfig(endpoint=f"127.0.0.1:{free_port()}", prefix=stack.etcd.prefix, timeout=1)
-    broken = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=nowhere))
+    nowhere = EtcdConfig(
+        endpoint=f"127.0.0.1:{free_port()}",
+        prefix=stack.etcd.prefix,
+        timeout=1,
+        security=stack.etcd.security,
+    )
+    broken = await create_hooks(hooks_config(nowhere, stack.pki))
     await broken.start()
     stack.extra.append(broken)
     counts: Counter[int] = Counter()
     count_calls(broken, "resume", counts)
     session_id = await stack.create()
     token = ids.inbox_token(session_id)
-    client = HooksClient(f"{stack.addr(stack.hooks)},{stack.addr(broken)}")
+    client = HooksClient(
+        f"{stack.addr(stack.hooks)},{stack.addr(broken)}", security=stack.owner_security()
+    )
     try:
         seqs = []
         for i in range(12):

@@ -15,7 +15,6 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
 from services.common.grpc_errors import error_reason
 from services.owner.host import OwnerHost
 from tests.stack import WEB, Stack
@@ -70,7 +69,7 @@ def handle(snapshot: s.SessionSnapshot, child: str) -> s.ChildHandle:
 
 
 async def snapshot_of(stack: Stack, session_id: str) -> s.SessionSnapshot:
-    anchor = AnchorClient(stack.addr(stack.anchor), timeout=5)
+    anchor = stack.anchor_client(timeout=5)
     try:
         return await anchor.snapshot(session_id)
     finally:
@@ -79,7 +78,7 @@ async def snapshot_of(stack: Stack, session_id: str) -> s.SessionSnapshot:
 
 async def inject(stack: Stack, session_id: str, report: s.TaskResultCommand) -> int:
     """Append a task_result to a session's inbox as an internal caller would."""
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    hooks = stack.hooks_client(timeout=5)
     try:
         command = s.Command(
             delivery=s.DeliveryMetadata(delivery_id=report.task_delivery_id), task_result=report
@@ -139,8 +138,9 @@ async def test_a_subagent_answers_inside_a_turn(stack: Stack) -> None:
     assert [e.seq for e in child_events] == list(range(len(child_events)))
     with pytest.raises(grpc.aio.AioRpcError) as denied:
         await stack.events(child, metadata=WEB, follow=False)
-    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert error_reason(denied.value) == "CROSS_TENANT"
+    # Another channel's session is as unknown as a missing one (AIP-211).
+    assert denied.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_reason(denied.value) == "SESSION_NOT_FOUND"
 
     parent = await snapshot_of(stack, sid)
     assert handle(parent, child).state == s.HANDLE_STATE_PARKED
@@ -450,7 +450,7 @@ async def test_a_child_whose_creator_died_before_its_first_commit_keeps_its_pare
     owner = s.OwnerIdentity(
         owner_run_id="run_lost", deployment_id=stack.deployment_id, instance_id=host.instance_id
     )
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    hooks = stack.hooks_client(timeout=5)
     try:
         created = await hooks.create_session(child, owner, "slack", [], link, work)
         assert created.first_entry.seq == 0

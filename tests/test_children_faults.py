@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
@@ -29,6 +28,7 @@ from baton.session.v1 import session_pb2 as s
 from services.cli import deployments
 from services.common.clients import OwnerClient
 from tests.procs import SLACK, ProcessStack, StackClients, eventually, received_seqs
+from tests.stack import public_channel
 
 K = s.EventKind
 WAITING = K.EVENT_KIND_SESSION_WAITING
@@ -284,7 +284,7 @@ async def test_a_lost_accept_answer_while_a_report_is_in_flight(
         },
         {"ingress-b": ("dep-b", "b1")},
     )
-    b_channel = grpc.aio.insecure_channel(run.stack.addr("ingress-b"))
+    b_channel = public_channel(run.stack.addr("ingress-b"))
     b = ingress_pb2_grpc.IngressServiceStub(b_channel)
     try:
         receipts = [await run.send("ask helper what is 2+3")]
@@ -353,7 +353,7 @@ async def test_a_drain_moves_a_parent_after_its_running_task_and_the_child_too(
         {"a1": ("dep-a", ""), "b1": ("dep-b", "")},
         {"ingress-b": ("dep-b", "b1")},
     )
-    b_channel = grpc.aio.insecure_channel(run.stack.addr("ingress-b"))
+    b_channel = public_channel(run.stack.addr("ingress-b"))
     b = ingress_pb2_grpc.IngressServiceStub(b_channel)
     try:
         receipts = [await run.send("task 2500 one")]
@@ -362,11 +362,17 @@ async def test_a_drain_moves_a_parent_after_its_running_task_and_the_child_too(
         lines: list[str] = []
         drained = asyncio.create_task(
             deployments.drain(
-                run.stack.addr("hooks"), "dep-a", "dep-b", wait_s=60, poll_s=0.2, write=lines.append
+                run.stack.addr("hooks"),
+                "dep-a",
+                "dep-b",
+                run.stack.probe,
+                wait_s=60,
+                poll_s=0.2,
+                write=lines.append,
             )
         )
         # While the task runs, the drain reports the parent as blocked by it.
-        owner = OwnerClient(run.stack.addr("a1"), timeout=5)
+        owner = OwnerClient(run.stack.addr("a1"), timeout=5, security=run.stack.probe)
         try:
 
             async def blocked() -> bool:

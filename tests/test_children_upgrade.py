@@ -15,9 +15,10 @@ import pytest
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import OwnerClient
 from services.common.errors import BatonError
+from services.common.identity import Role
 from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (
     ANSWERED,
@@ -143,18 +144,24 @@ async def busy_on_x(env: Env) -> tuple[str, s.OwnerIdentity, s.Fence, int]:
     whose last commit holds a running child handle."""
     sid = ids.new_session_id()
     x = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-x", instance_id="x1")
-    created = await env.hooks.create_session(sid, x, "slack", [])
-    snapshot = initial_snapshot(sid, "slack", "dep-x", list(created.hooks))
-    snapshot.handles.add(
-        child_session_id=ids.child_session_id(sid, "call_1"),
-        kind=s.TASK_KIND_BACKGROUND,
-        name="slow_task",
-        state=s.HANDLE_STATE_RUNNING,
-        work=1,
-    )
-    identity = RunIdentity(created.fence, "dep-x", "x1")
-    started = make_event(identity, s.EVENT_KIND_SESSION_STARTED)
-    revision = await commit_step(env.anchor, identity, snapshot, [started], False, 0)
+    as_x = certs.owner("dep-x")  # owners act only for their own deployment
+    hooks_x, anchor_x = env.a.hooks_client(as_x), env.a.anchor_client(as_x)
+    try:
+        created = await hooks_x.create_session(sid, x, "slack", [])
+        snapshot = initial_snapshot(sid, "slack", "dep-x", list(created.hooks))
+        snapshot.handles.add(
+            child_session_id=ids.child_session_id(sid, "call_1"),
+            kind=s.TASK_KIND_BACKGROUND,
+            name="slow_task",
+            state=s.HANDLE_STATE_RUNNING,
+            work=1,
+        )
+        identity = RunIdentity(created.fence, "dep-x", "x1")
+        started = make_event(identity, s.EVENT_KIND_SESSION_STARTED)
+        revision = await commit_step(anchor_x, identity, snapshot, [started], False, 0)
+    finally:
+        await hooks_x.close()
+        await anchor_x.close()
     assert revision is not None
     return sid, x, created.fence, revision
 
@@ -185,7 +192,10 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
         snapshot_revision=revision,
         reason=s.TRANSFER_REASON_DRAIN,
     )
-    client = OwnerClient(b.addr(b.owner), timeout=5)
+    # As dep-x's owner (a handoff comes from the session's owner), then as
+    # dep-b's ingress (which asks its owner to adopt).
+    client = b.owner_client(security=b.security(Role.OWNER, "dep-x"), timeout=5)
+    adopter = b.owner_client(timeout=5)
     try:
         for attempt in (request, drain):
             with pytest.raises(BatonError) as refused:
@@ -193,10 +203,11 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
             assert refused.value.reason == "SESSION_NOT_IDLE"
         # dep-x has no live owner: an orphan, but not a settled one.
         with pytest.raises(BatonError) as refused:
-            await client.adopt_session(sid)
+            await adopter.adopt_session(sid)
         assert refused.value.reason == "SESSION_NOT_SETTLED"
     finally:
         await client.close()
+        await adopter.close()
     assert await env.transfers(sid) == []
 
 

@@ -4,16 +4,23 @@ container's entrypoint runs the commands the manifests give it.
 - `render.py check` renders every overlay and validates it offline against
   the Kubernetes schemas (what CI runs).
 - The rendered objects are read back: a three-member etcd with volumes, TLS,
-  auth, compaction and a quota; two or more hooks and anchor replicas; a
-  fleet per deployment id labelled with it; headless Services; gRPC probes;
-  PodDisruptionBudgets; only ingress reachable from outside; Secrets for
-  what pods reference; requests and limits; grace periods that cover the
-  services' own shutdown grace.
+  auth, compaction and a quota (in every overlay); two or more hooks and
+  anchor replicas; a fleet per deployment id labelled with it, with that
+  id's certificates; TLS settings pointing at mounted Secrets in every
+  container, etcd client certificates for hooks and anchor, the API key
+  file for ingress, nothing plaintext; headless Services; gRPC probes on
+  the plaintext health port; PodDisruptionBudgets; only ingress reachable
+  from outside; Secrets for what pods reference; requests and limits; grace
+  periods that cover the services' own shutdown grace; the drain Job.
+- The certificates gen-secrets.sh writes name the roles (and deployment
+  ids) Baton reads, and verify under the names the manifests dial.
 - Every BATON_* variable a manifest sets is a setting of that service
   (`python -m services.<name> --help`), so the manifests invent no flags.
 - The image's entrypoint script starts hooks, anchor, owner and ingress with
   the arguments and environment of their rendered Deployments (addresses
-  moved to loopback), and a conversation runs through them.
+  moved to loopback, mounted files to the test PKI's), they answer the
+  kubelet's probes on the health port, and a conversation runs through
+  them over TLS (and etcd with auth).
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 
@@ -37,7 +43,12 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import free_port, wait_serving
+from services.common.identity import Role
+from services.common.tls import Security
+from tests import certs
+from tests.certs import TEST_PREFIX
 from tests.procs import eventually
+from tests.stack import SLACK_KEY, public_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -74,14 +85,22 @@ class Rendered:
         return [*self.of("Deployment"), *self.of("StatefulSet"), *self.of("Job")]
 
 
+def gen_secrets(secrets: Path, namespace: str, *deployment_ids: str) -> None:
+    """gen-secrets.sh: the shared files, then each deployment id's."""
+    script = str(DEPLOY / "gen-secrets.sh")
+    subprocess.run(["sh", script, str(secrets), namespace], check=True, capture_output=True)
+    for deployment_id in deployment_ids:
+        subprocess.run(
+            ["sh", script, "fleet", str(secrets), deployment_id, namespace],
+            check=True,
+            capture_output=True,
+        )
+
+
 def render_install(overlay: str, secrets_root: Path) -> Rendered:
     namespace = {"dev": "baton-dev", "production": "baton"}[overlay]
     secrets = secrets_root / overlay
-    subprocess.run(
-        ["sh", str(DEPLOY / "gen-secrets.sh"), str(secrets), namespace],
-        check=True,
-        capture_output=True,
-    )
+    gen_secrets(secrets, namespace, DEPLOYMENT_ID)
     text = render(
         "install",
         "--overlay",
@@ -100,11 +119,6 @@ def render_install(overlay: str, secrets_root: Path) -> Rendered:
 def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     """Everything `render.py install` gives for an overlay."""
     return render_install(request.param, tmp_path_factory.mktemp("secrets"))
-
-
-@pytest.fixture(scope="module")
-def production(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
-    return render_install("production", tmp_path_factory.mktemp("secrets"))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +146,7 @@ def test_check_renders_and_validates_every_overlay_offline(tmp_path: Path) -> No
     assert names == sorted(
         f"{overlay}-{part}.yaml"
         for overlay in ("dev", "production")
-        for part in ("shared", "fleet", "public", "secrets")
+        for part in ("shared", "fleet", "public", "drain", "secrets")
     )
     assert result.stderr.count("valid (Kubernetes") == len(names)
 
@@ -154,9 +168,8 @@ def test_the_shared_tier_needs_an_exact_image() -> None:
 
 
 def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
-    production: Rendered,
+    rendered: Rendered,
 ) -> None:
-    rendered = production
     etcd = rendered.one("StatefulSet", "etcd")
     assert etcd["spec"]["replicas"] == 3
     assert etcd["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
@@ -175,18 +188,6 @@ def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
     assert initial.count("https://") == 3
     assert rendered.one("Job", "etcd-auth-bootstrap")
     assert rendered.one("Service", "etcd")["spec"]["publishNotReadyAddresses"] is True
-
-
-def test_dev_etcd_is_plaintext_until_the_services_speak_tls_to_it(dev: Rendered) -> None:
-    """The dev overlay runs today: its etcd takes plaintext clients without
-    auth (docs/deploy.md "TLS"), and keeps volumes, compaction and quota."""
-    etcd = dev.one("StatefulSet", "etcd")
-    args = containers(etcd)[0]["args"]
-    assert "--listen-client-urls=http://0.0.0.0:2379" in args
-    assert not any("cert" in a or "auth" in a for a in args)
-    assert {"--auto-compaction-mode=periodic", "--quota-backend-bytes=4294967296"} <= set(args)
-    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["volumeClaimTemplates"]
-    assert not dev.of("Job")
 
 
 def test_replicas_fleets_services_and_budgets(rendered: Rendered) -> None:
@@ -228,13 +229,20 @@ def test_probes_resources_and_grace(rendered: Rendered) -> None:
         (container,) = pod["containers"]
         role = container["args"][0]
         assert role in BATON_ROLES
-        port = container["ports"][0]["containerPort"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        # The kubelet's gRPC probes cannot speak TLS: they ask the plaintext
+        # health-only listener.
+        health = env_of(container)["BATON_HEALTH_LISTEN"]["value"]
+        assert health == f"0.0.0.0:{ports['health']}" and ports["grpc"] != ports["health"]
         ready = container["readinessProbe"]["grpc"]
-        assert ready["port"] == port and ready["service"].startswith(f"baton.{role}.v1.")
-        # hooks' and anchor's health follows etcd: liveness must not.
-        live = "tcpSocket" if role in ("hooks", "anchor") else "grpc"
-        assert container["livenessProbe"][live]["port"] == port
-        assert container["startupProbe"][live]["port"] == port
+        assert ready["port"] == ports["health"]
+        assert ready["service"].startswith(f"baton.{role}.v1.")
+        for probe in ("livenessProbe", "startupProbe"):
+            if role in ("hooks", "anchor"):
+                # Their health follows etcd: liveness must not.
+                assert container[probe]["tcpSocket"]["port"] == ports["grpc"]
+            else:
+                assert container[probe]["grpc"]["port"] == ports["health"]
         grace = float(env_of(container)["BATON_SHUTDOWN_GRACE"]["value"])
         # The service drains for its grace, then closes its clients (an owner
         # stops its runs and revokes its lease): the pod must not be killed first.
@@ -278,6 +286,162 @@ def test_every_secret_a_pod_needs_is_rendered(rendered: Rendered) -> None:
                 ref = env.get("valueFrom", {}).get("secretKeyRef")
                 if ref and not ref.get("optional"):
                     assert ref["key"] in have[ref["name"]]["data"], ref
+
+
+def mounted_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in the container."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container["volumeMounts"]:
+        directory = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(directory):
+            volume = volumes[mount["name"]]
+            assert "secret" in volume, (path, volume)
+            return volume["secret"]["secretName"], path[len(directory) :]
+    raise AssertionError(f"{path} is not mounted in {container['name']}")
+
+
+def test_every_hop_is_tls_from_mounted_secrets(rendered: Rendered) -> None:
+    """Every Baton container's certificate, key and CA are files of a
+    mounted TLS Secret (owner and ingress: their deployment id's); hooks and
+    anchor reach etcd with its client certificate; ingress reads its API
+    keys from a Secret file; nothing asks for plaintext."""
+    secrets = {s["metadata"]["name"]: s for s in rendered.of("Secret")}
+    for workload in rendered.of("Deployment"):
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        role = container["args"][0]
+        env = {k: v.get("value", "") for k, v in env_of(container).items()}
+        assert not {"BATON_PLAINTEXT", "BATON_ETCD_PLAINTEXT", "BATON_API_KEYS"} & set(env)
+        wanted = {"BATON_TLS_CERT": "tls.crt", "BATON_TLS_KEY": "tls.key", "BATON_TLS_CA": "ca.crt"}
+        if role in ("hooks", "anchor"):
+            wanted |= {"BATON_ETCD_CERT": "tls.crt", "BATON_ETCD_KEY": "tls.key"}
+            wanted |= {"BATON_ETCD_CA": "ca.crt"}
+        if role == "ingress":
+            wanted["BATON_API_KEYS_FILE"] = "api-keys"
+        for setting, key in wanted.items():
+            secret, file = mounted_file(pod, container, env[setting])
+            assert file == key and key in secrets[secret]["data"], (role, setting)
+        tls_secret, _ = mounted_file(pod, container, env["BATON_TLS_CERT"])
+        own = f"-{DEPLOYMENT_ID}" if role in ("owner", "ingress") else ""
+        assert tls_secret == f"baton-tls-{role}{own}", role
+        if role in ("hooks", "anchor"):
+            assert mounted_file(pod, container, env["BATON_ETCD_CERT"])[0] == "etcd-baton-client"
+        if role == "owner":
+            assert env["BATON_TLS_IP_SERVER_NAME"] == "owner.$(POD_NAMESPACE).svc.$(CLUSTER_DOMAIN)"
+
+
+def test_the_drain_job_runs_as_the_operator_and_may_reach_hooks_and_owners(
+    rendered: Rendered,
+) -> None:
+    namespace = rendered.one("Deployment", "hooks")["metadata"]["namespace"]
+    overlay = {"baton-dev": "dev", "baton": "production"}[namespace]
+    old = "build-2026-11-01"
+    text = render("drain", "--overlay", overlay, "--from", old, "--to", DEPLOYMENT_ID)
+    (job,) = [doc for doc in yaml.safe_load_all(text) if doc]
+    assert job["kind"] == "Job" and job["metadata"]["name"] == "drain-build-2026-11-01"
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:6] == [
+        "baton",
+        "deployments",
+        "drain",
+        "build-2026-11-01",
+        "--to",
+        DEPLOYMENT_ID,
+    ]
+    assert container["image"].endswith(f"baton:{DEPLOYMENT_ID}")
+    env = {k: v.get("value", "") for k, v in env_of(container).items()}
+    assert mounted_file(pod, container, env["BATON_TLS_CERT"])[0] == "baton-tls-operator"
+    assert "baton-tls-operator" in {s["metadata"]["name"] for s in rendered.of("Secret")}
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    policies = {p["metadata"]["name"]: p["spec"] for p in rendered.of("NetworkPolicy")}
+
+    def admitted(policy: str, port: int) -> bool:
+        for rule in policies[policy]["ingress"]:
+            if port not in [p["port"] for p in rule["ports"]]:
+                continue
+            for source in rule["from"]:
+                selector = source["podSelector"]
+                expressions = selector.get("matchExpressions", [])
+                if selector.get("matchLabels", {}).items() <= labels.items() and all(
+                    labels.get(e["key"]) in e["values"] for e in expressions
+                ):
+                    return True
+        return False
+
+    assert admitted("hooks-and-anchor", 50052) and admitted("owner", 50054)
+    assert not admitted("hooks-and-anchor", 50053) and not admitted("etcd", 2379)
+
+
+async def test_gen_secrets_certificates_carry_the_identities_and_names_baton_checks(
+    tmp_path: Path,
+) -> None:
+    """Each certificate names its role (owner and ingress: and deployment id)
+    in the one spiffe://baton/ URI SAN Baton reads, and carries the DNS names
+    the manifests dial it by (hooks' Service, owner-<id>'s, the shared owner
+    name for pod-IP dials, the public entry)."""
+    from cryptography import x509
+
+    from services.common.identity import Caller, Role
+
+    secrets = tmp_path / "secrets"
+    gen_secrets(secrets, "baton", "build-1")
+    svc = "baton.svc.cluster.local"
+    expected = {
+        "hooks": (Role.HOOKS, "", {f"hooks.{svc}"}),
+        "anchor": (Role.ANCHOR, "", {f"anchor.{svc}"}),
+        "operator": (Role.OPERATOR, "", set()),
+        "owner-build-1": (Role.OWNER, "build-1", {f"owner.{svc}", f"owner-build-1.{svc}"}),
+        "ingress-build-1": (
+            Role.INGRESS,
+            "build-1",
+            {f"ingress-build-1.{svc}", f"baton-public.{svc}"},
+        ),
+    }
+    for stem, (role, deployment_id, names) in expected.items():
+        cert = x509.load_pem_x509_certificate((secrets / "tls" / f"{stem}.crt").read_bytes())
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = [u.encode() for u in sans.get_values_for_type(x509.UniformResourceIdentifier)]
+        caller = Caller.from_peer(uris)
+        assert (caller.role, caller.deployment_id) == (role, deployment_id), stem
+        assert names <= set(sans.get_values_for_type(x509.DNSName)), stem
+    await handshakes(secrets / "tls", svc)
+
+
+async def handshakes(tls: Path, svc: str) -> None:
+    """Servers with gen-secrets.sh's certificates, on loopback, answer
+    clients with the callers' certificates that verify them by the names the
+    manifests dial (dns:/// Service names, the shared owner name for pod IPs
+    through BATON_TLS_IP_SERVER_NAME, the public entry's name)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.channels import open_channel
+    from services.common.server import build_server
+
+    def security(stem: str, server_name: str = "") -> Security:
+        files = (str(tls / f"{stem}.crt"), str(tls / f"{stem}.key"), str(tls / "ca.crt"))
+        return Security.tls(*files, ip_server_name=server_name)
+
+    cases = [  # server, client, name the client verifies the server by
+        ("hooks", "owner-build-1", f"hooks.{svc}"),
+        ("anchor", "ingress-build-1", f"anchor.{svc}"),
+        ("hooks", "operator", f"hooks.{svc}"),
+        ("owner-build-1", "ingress-build-1", f"owner-build-1.{svc}"),
+        ("owner-build-1", "owner-build-1", f"owner.{svc}"),
+        ("ingress-build-1", "operator", f"baton-public.{svc}"),
+    ]
+    for server_stem, client_stem, name in cases:
+        server = build_server("127.0.0.1:0", [], service="probe", security=security(server_stem))
+        await server.start()
+        channel = open_channel(f"127.0.0.1:{server.port}", security(client_stem, name))
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await channel.close()
+            await server.stop(0)
 
 
 def settings_of(role: str) -> set[str]:
@@ -392,16 +556,23 @@ async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
     rendered = dev
     ports = {role: free_port() for role in BATON_ROLES}
     loopback = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
-    api_key = "key-deploy-0001"
-    secrets = {("baton-api-keys", "api-keys"): f"slack={api_key}"}
-    # Where Kubernetes names would resolve to pods, loopback addresses instead.
+    health = {role: f"127.0.0.1:{free_port()}" for role in BATON_ROLES}
+    api_key = SLACK_KEY
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"slack={api_key}\n")
+    secrets: dict[tuple[str, str], str] = {}
+    # Where Kubernetes names would resolve to pods, loopback addresses
+    # instead; where Secrets are mounted, the test PKI's files (its
+    # certificates name localhost, its etcd users are hooks and anchor).
     overrides = {
         "BATON_ETCD_ENDPOINT": etcd_endpoint,
-        "BATON_ETCD_PREFIX": f"/deploy-test/{tmp_path.name}/",
+        "BATON_ETCD_PREFIX": f"{TEST_PREFIX}deploy-test/{tmp_path.name}/",
         "BATON_HOOKS_ADDR": loopback["hooks"],
         "BATON_ANCHOR_ADDR": loopback["anchor"],
         "BATON_OWNER_ADDR": loopback["owner"],
         "BATON_OWNER_ADVERTISE": loopback["owner"],
+        "BATON_TLS_IP_SERVER_NAME": "localhost",
+        "BATON_API_KEYS_FILE": str(key_file),
     }
     names = {
         "hooks": "hooks",
@@ -420,19 +591,27 @@ async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
             **{f"metadata.labels['{k}']": v for k, v in pod_spec["metadata"]["labels"].items()},
         }
         env = pod_env(container, pod, secrets)
-        listen = next(k for k in env if k.endswith("_LISTEN"))
+        listen = next(k for k in env if k.endswith("_LISTEN") and k != "BATON_HEALTH_LISTEN")
         env[listen] = loopback[role]
-        env |= {k: v for k, v in overrides.items() if k in env}
+        env["BATON_HEALTH_LISTEN"] = health[role]
+        own = certs.files(Role(role), DEPLOYMENT_ID if role in ("owner", "ingress") else "")
+        files = {"BATON_TLS_CERT": own.cert, "BATON_TLS_KEY": own.key, "BATON_TLS_CA": own.ca}
+        files |= {"BATON_ETCD_CERT": own.cert, "BATON_ETCD_KEY": own.key}
+        files["BATON_ETCD_CA"] = own.ca
+        env |= {k: v for k, v in (overrides | files).items() if k in env}
         args = [expand(a, env) for a in container["args"]]
         proc = spawn(args, env, tmp_path / f"{role}.log")
         started.append(
             Started(role, loopback[role], proc, pod_spec["spec"]["terminationGracePeriodSeconds"])
         )
+        # The kubelet's readiness probe: plaintext, on the health port.
         service = container["readinessProbe"]["grpc"]["service"]
-        await asyncio.to_thread(wait_serving, loopback[role], service, 60)
+        await asyncio.to_thread(wait_serving, health[role], Security.plaintext(), service, 60)
         assert env["BATON_DEPLOYMENT_ID" if role in ("owner", "ingress") else listen]
+    with pytest.raises(TimeoutError):  # the API port itself speaks TLS only
+        await asyncio.to_thread(wait_serving, loopback["hooks"], Security.plaintext(), "", 1)
 
-    channel = grpc.aio.insecure_channel(loopback["ingress"])
+    channel = public_channel(loopback["ingress"])
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     auth = (("authorization", f"Bearer {api_key}"),)
     try:

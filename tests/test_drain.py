@@ -20,7 +20,6 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
@@ -28,6 +27,7 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli import deployments
 from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventually
+from tests.stack import public_channel
 
 K = s.EventKind
 
@@ -57,7 +57,7 @@ class Ingress:
     """A client of one ingress process."""
 
     def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = public_channel(address)
         self.stub = ingress_pb2_grpc.IngressServiceStub(self.channel)
 
     async def create(self) -> str:
@@ -93,7 +93,7 @@ def settled(events: list[s.Event], answers: int) -> bool:
 
 async def owned(c: StackClients, deployment_id: str, instance_id: str) -> dict[str, bool]:
     """Session -> parked, for the sessions an instance owns."""
-    listed = await c.hooks.list_instance_sessions(deployment_id, instance_id)
+    listed = await c.operator_hooks.list_instance_sessions(deployment_id, instance_id)
     return {o.fence.session_id: o.parked for o in listed}
 
 
@@ -205,7 +205,13 @@ async def drain_parked_sessions(
 
         drained, _ = await asyncio.gather(
             deployments.drain(
-                stack.addr("hooks"), "dep-1", "dep-2", wait_s=240, poll_s=0.2, write=lines.append
+                stack.addr("hooks"),
+                "dep-1",
+                "dep-2",
+                stack.probe,  # an operator's certificate
+                wait_s=240,
+                poll_s=0.2,
+                write=lines.append,
             ),
             messages(),
         )
@@ -225,7 +231,7 @@ async def drain_parked_sessions(
         # Safe to repeat: nothing left, nothing moves.
         again: list[str] = []
         code = await deployments.drain(
-            stack.addr("hooks"), "dep-1", "dep-2", wait_s=5, write=again.append
+            stack.addr("hooks"), "dep-1", "dep-2", stack.probe, wait_s=5, write=again.append
         )
         assert code == deployments.EXIT_DRAINED, again
     finally:

@@ -29,12 +29,13 @@ from services.common.etcd import (
     op_put,
 )
 from services.common.keys import prefix_end
+from tests import certs
 from tests.procs import eventually
 
 
 @pytest.fixture
 def cluster() -> Iterator[EtcdCluster]:
-    running = EtcdCluster(size=3).start()
+    running = certs.start_etcd_cluster(3)
     try:
         yield running
     finally:
@@ -65,9 +66,10 @@ async def put_once(store: Store, key: bytes, value: bytes) -> int:
 
 
 async def test_the_client_fails_over_when_members_die(cluster: EtcdCluster) -> None:
-    store = Store(make_client(cluster.endpoint, 2), 2)
+    # TLS to every member, as the hooks etcd user (auth is on).
+    store = Store(make_client(cluster.endpoint, 2, certs.etcd_security()), 2)
     await store.connect()
-    prefix = f"/cluster/{uuid.uuid4().hex}/".encode()
+    prefix = f"{certs.TEST_PREFIX}cluster/{uuid.uuid4().hex}/".encode()
     seen: list[bytes] = []
 
     async def follow() -> None:
@@ -104,7 +106,7 @@ async def test_the_client_fails_over_when_members_die(cluster: EtcdCluster) -> N
         await eventually(caught_up, "the follower to see every write", timeout=30)
         assert seen == written, "the follower missed, repeated or reordered a key"
         # The restarted member serves reads of everything written meanwhile.
-        alone = Store(make_client(cluster.members[leader].endpoint, 2), 2)
+        alone = Store(make_client(cluster.members[leader].endpoint, 2, certs.etcd_security()), 2)
         await alone.connect()
         try:
             response = await alone.txn([], [op_get(prefix, prefix_end(prefix), keys_only=True)])

@@ -24,9 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import EtcdProcess
-from services.common.clients import AnchorClient
-from services.common.etcd import parse_endpoint
+from services.common.channels import open_channel
 from services.common.grpc_errors import error_reason
+from services.ingress.limits import ChannelLimits
+from tests import certs
+from tests.certs import etcd_root_client, start_etcd
 from tests.procs import check_history, eventually
 from tests.stack import Stack, start_stack, stop_stack
 
@@ -38,7 +40,7 @@ def compacting_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdProcess]:
     """An etcd that compacts every 2 s; with the `small_quota` marker, a
     48 MiB quota (etcd's default, 2 GiB, otherwise)."""
     quota = 48 * 1024 * 1024 if request.node.get_closest_marker("small_quota") else 0
-    server = EtcdProcess(compaction_retention="2s", quota_bytes=quota).start()
+    server = start_etcd(compaction_retention="2s", quota_bytes=quota)
     try:
         yield server
     finally:
@@ -47,10 +49,9 @@ def compacting_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdProcess]:
 
 @pytest.fixture
 async def raw(compacting_etcd: EtcdProcess) -> AsyncIterator[aetcd.Client]:
-    host, port = parse_endpoint(compacting_etcd.endpoint)
-    options = {"grpc.max_receive_message_length": 512 * 1024 * 1024}
-    client = aetcd.Client(host=host, port=port, timeout=30, options=options)
-    await client.connect()
+    client = await etcd_root_client(
+        compacting_etcd.endpoint, timeout=30, max_receive_bytes=512 * 1024 * 1024
+    )
     try:
         yield client
     finally:
@@ -59,7 +60,8 @@ async def raw(compacting_etcd: EtcdProcess) -> AsyncIterator[aetcd.Client]:
 
 @pytest.fixture
 async def busy(compacting_etcd: EtcdProcess) -> AsyncIterator[Stack]:
-    stack = await start_stack(compacting_etcd.endpoint)
+    # A load test: no per-channel send limit.
+    stack = await start_stack(compacting_etcd.endpoint, limits=ChannelLimits(sends_per_second=0))
     try:
         yield stack
     finally:
@@ -96,7 +98,7 @@ async def drive(stack: Stack, session_id: str, senders: int, each: int) -> list[
 async def processed(stack: Stack, session_id: str, count: int) -> list[s.Event]:
     """Every one of the first `count` inbox entries consumed and the session
     waiting; then its whole stream."""
-    anchor = AnchorClient(stack.addr(stack.anchor), timeout=10)
+    anchor = stack.anchor_client(timeout=10)
 
     async def done() -> bool:
         snapshot = await anchor.snapshot(session_id)
@@ -143,7 +145,7 @@ async def test_one_busy_session_keeps_etcd_near_its_live_data_slow(
 
 
 async def health(address: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, certs.operator()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         return response.status
@@ -203,7 +205,7 @@ async def test_health_follows_the_store_through_an_etcd_restart(tmp_path: Path) 
     while, and SERVING again when it is back (DESIGN.md §8, issue 9)."""
     data_dir = tmp_path / "etcd"
     data_dir.mkdir()
-    etcd = EtcdProcess(data_dir=str(data_dir)).start()
+    etcd = start_etcd(data_dir=str(data_dir))
     stack = await start_stack(etcd.endpoint)
     try:
         addresses = [stack.addr(stack.hooks), stack.addr(stack.anchor)]
@@ -216,9 +218,9 @@ async def test_health_follows_the_store_through_an_etcd_restart(tmp_path: Path) 
             return all([await health(a) == status for a in addresses])
 
         await eventually(lambda: both(not_serving), "NOT_SERVING while etcd is down", 20)
-        etcd = EtcdProcess(
+        etcd = start_etcd(
             client_port=etcd.client_port, peer_port=etcd.peer_port, data_dir=str(data_dir)
-        ).start()
+        )
         await eventually(lambda: both(serving), "SERVING once etcd is back", 20)
         sid = await stack.create()
         assert (await stack.send(sid, "hello")).receipt.seq == 0

@@ -27,6 +27,7 @@ from services.common.etcd import (
     open_watch,
 )
 from services.common.keys import prefix_end
+from tests import certs
 
 
 async def test_cancelled_read_only_txns_do_not_crash_etcd() -> None:
@@ -77,9 +78,9 @@ async def test_a_watch_whose_creation_is_abandoned_misroutes_no_other_watch(
     answer to the next creation: that one would get the first prefix's events
     and lose its own. Many watches are created while others are abandoned
     half-way; every kept watch must see its own key's put, and only that."""
-    client = make_client(etcd_endpoint, 5)
+    client = make_client(etcd_endpoint, 5, certs.etcd_security())  # TLS, as the hooks user
     await client.connect()
-    root = f"/watch/{uuid.uuid4().hex}/"
+    root = f"{certs.TEST_PREFIX}watch/{uuid.uuid4().hex}/"
     try:
         kept: dict[bytes, Any] = {}
         for round_ in range(20):

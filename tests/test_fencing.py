@@ -22,13 +22,13 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import BatonError, Fenced, Reason
-from services.common.etcd import parse_endpoint
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, fence_value, parse_fence, prefix_end
 from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
 from services.owner.config import OwnerConfig
 from services.owner.host import OwnerHost
 from services.owner.server import create_server as create_owner
+from tests import certs
 from tests.stack import Stack
 
 K = s.EventKind
@@ -46,15 +46,24 @@ class Env:
     anchor: AnchorClient
     anchor_stub: anchor_pb2_grpc.AnchorServiceStub
     hooks_stub: hooks_pb2_grpc.HookRegistryServiceStub
+    # The same as an owner of the stack's deployment: the stale owner of the
+    # stack's own sessions.
+    stack_anchor_stub: anchor_pb2_grpc.AnchorServiceStub
+    stack_hooks_stub: hooks_pb2_grpc.HookRegistryServiceStub
+
+
+# The test's own sessions run on this deployment, which has no owner process;
+# the test acts as its owner (certificate included). Its stale fences of the
+# stack's sessions are refused as FENCED by the journal.
+OWN_DEPLOYMENT = "dep-t"
 
 
 @pytest.fixture
 async def env(stack: Stack) -> AsyncIterator[Env]:
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
-    hooks = HooksClient(stack.addr(stack.hooks))
-    anchor = AnchorClient(stack.addr(stack.anchor))
+    client = await certs.etcd_client(stack.etcd.endpoint)
+    hooks = stack.hooks_client(certs.owner(OWN_DEPLOYMENT))
+    anchor = stack.anchor_client(certs.owner(OWN_DEPLOYMENT))
+    stack_hooks, stack_anchor = stack.hooks_client(), stack.anchor_client()
     try:
         yield Env(
             stack=stack,
@@ -64,10 +73,12 @@ async def env(stack: Stack) -> AsyncIterator[Env]:
             anchor=anchor,
             anchor_stub=anchor.stub,
             hooks_stub=hooks.stub,
+            stack_anchor_stub=stack_anchor.stub,
+            stack_hooks_stub=stack_hooks.stub,
         )
     finally:
-        await hooks.close()
-        await anchor.close()
+        for closing in (hooks, anchor, stack_hooks, stack_anchor):
+            await closing.close()
         await client.close()
 
 
@@ -156,14 +167,19 @@ async def own_session(env: Env) -> tuple[s.Fence, s.SessionSnapshot]:
     """A session owned by the test itself (no owner run competes), with
     session.started committed at seq 0."""
     session_id = ids.new_session_id()
-    owner = s.OwnerIdentity(owner_run_id=ids.new_run_id(), deployment_id="dep-t", instance_id="t1")
+    # A deployment without an owner fleet (none would take the session over);
+    # the test's clients hold its owner certificate.
+    deployment_id = OWN_DEPLOYMENT
+    owner = s.OwnerIdentity(
+        owner_run_id=ids.new_run_id(), deployment_id=deployment_id, instance_id="t1"
+    )
     created = await env.hooks.create_session(session_id, owner, "slack", [])
     fence = created.fence
     snapshot = s.SessionSnapshot(
         format_version=1,
         session_id=session_id,
         channel="slack",
-        deployment_id="dep-t",
+        deployment_id=deployment_id,
         hooks=list(created.hooks),
         status=s.SESSION_STATUS_ACTIVE,
     )
@@ -219,7 +235,7 @@ async def test_stale_fence_commit_is_fenced_and_writes_nothing(env: Env, stale: 
         fence, [event(session_id, head, K.EVENT_KIND_MESSAGE_COMPLETED, "forged")], forged
     )
     await expect_error(
-        env.anchor_stub.CommitStep(request, timeout=10),
+        env.stack_anchor_stub.CommitStep(request, timeout=10),
         grpc.StatusCode.FAILED_PRECONDITION,
         Reason.FENCED,
     )
@@ -228,7 +244,7 @@ async def test_stale_fence_commit_is_fenced_and_writes_nothing(env: Env, stale: 
         fence, [event(session_id, head, K.EVENT_KIND_SESSION_COMPLETED)], forged, close=True
     )
     await expect_error(
-        env.anchor_stub.CommitStep(closing, timeout=10),
+        env.stack_anchor_stub.CommitStep(closing, timeout=10),
         grpc.StatusCode.FAILED_PRECONDITION,
         Reason.FENCED,
     )
@@ -317,13 +333,14 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
             instance_id="dep-gate-i1",
             hooks=stack.addr(stack.hooks),
             anchor=stack.addr(stack.anchor),
+            tls=certs.owner("dep-gate"),
             agent=f"{__name__}:build_gate_agent",
         )
     )
     await owner.start()
     stack.extra.append(owner)
     host = owner_host(owner)
-    client = OwnerClient(stack.addr(owner))
+    client = OwnerClient(stack.addr(owner), security=certs.ingress("dep-gate"))
     session_id = ids.new_session_id()
     entered, release = asyncio.Event(), asyncio.Event()
     GATES[session_id] = (entered, release)
@@ -656,7 +673,7 @@ async def test_claim_and_dispose_with_a_stale_fence_are_fenced(env: Env) -> None
     before = await session_state(env, session_id)
     for stale in stale_fences(fence):
         await expect_error(
-            env.hooks_stub.ClaimHooks(
+            env.stack_hooks_stub.ClaimHooks(
                 hooks_pb.ClaimHooksRequest(fence=stale, tokens=["slack:claim-me"]), timeout=10
             ),
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -664,7 +681,7 @@ async def test_claim_and_dispose_with_a_stale_fence_are_fenced(env: Env) -> None
         )
         for tokens in ([], ["slack:keep-me"]):
             await expect_error(
-                env.hooks_stub.DisposeHooks(
+                env.stack_hooks_stub.DisposeHooks(
                     hooks_pb.DisposeHooksRequest(fence=stale, tokens=tokens), timeout=10
                 ),
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -680,14 +697,14 @@ async def test_claim_and_dispose_with_a_stale_fence_are_fenced(env: Env) -> None
     await take_over(env, session_id)
     before = await session_state(env, session_id)
     await expect_error(
-        env.hooks_stub.ClaimHooks(
+        env.stack_hooks_stub.ClaimHooks(
             hooks_pb.ClaimHooksRequest(fence=fence, tokens=["slack:claim-me"]), timeout=10
         ),
         grpc.StatusCode.FAILED_PRECONDITION,
         Reason.FENCED,
     )
     await expect_error(
-        env.hooks_stub.DisposeHooks(hooks_pb.DisposeHooksRequest(fence=fence), timeout=10),
+        env.stack_hooks_stub.DisposeHooks(hooks_pb.DisposeHooksRequest(fence=fence), timeout=10),
         grpc.StatusCode.FAILED_PRECONDITION,
         Reason.FENCED,
     )

@@ -20,41 +20,45 @@ from typing import Any
 
 import pytest
 
-from services.cli.launcher import DEFAULT_PORT_BASE, DEMO_API_KEY
-from services.common.clients import HooksClient
+from services.cli.launcher import CERTIFICATE_FILES, DEFAULT_PORT_BASE, DEMO_API_KEY
+from services.common.identity import Role
+from tests import certs
 from tests.procs import eventually
-from tests.stack import Stack, add_deployment, stop_deployment
+from tests.stack import SLACK_KEY, Stack, add_deployment, stop_deployment
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "grpcurl.md"
-KEY = "key-slack-0001"
+KEY = SLACK_KEY
 CALL_TIMEOUT = 30.0
 
 INGRESS = "baton.ingress.v1.IngressService"
 AUTH = '-H "authorization: Bearer $KEY"'
-LIST = "grpcurl -plaintext $HOST list"
-DESCRIBE = f"grpcurl -plaintext $HOST describe {INGRESS}"
-CREATE = f'grpcurl -plaintext {AUTH} -d \'{{"request_id":"r1"}}\' $HOST {INGRESS}/CreateSession'
+TLS = "-cacert $CERTS/ca.crt"
+MTLS = "-cacert $CERTS/ca.crt -cert $CERTS/operator.crt -key $CERTS/operator.key"
+LIST = f"grpcurl {TLS} $HOST list"
+DESCRIBE = f"grpcurl {TLS} $HOST describe {INGRESS}"
+CREATE = f'grpcurl {TLS} {AUTH} -d \'{{"request_id":"r1"}}\' $HOST {INGRESS}/CreateSession'
 SEND = (
-    f"grpcurl -plaintext {AUTH} "
+    f"grpcurl {TLS} {AUTH} "
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"text\\":\\"calc 6*7\\"}" '
     f"$HOST {INGRESS}/SendMessage"
 )
 READ = (
-    f"grpcurl -plaintext {AUTH} "
+    f"grpcurl {TLS} {AUTH} "
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"follow\\":false}" '
     f"$HOST {INGRESS}/StreamEvents"
 )
-HEALTH = "grpcurl -plaintext $HOST grpc.health.v1.Health/Check"
+HEALTH = f"grpcurl {TLS} $HOST grpc.health.v1.Health/Check"
 HEALTH_OF_SERVICE = (
-    f'grpcurl -plaintext -d \'{{"service":"{INGRESS}"}}\' $HOST grpc.health.v1.Health/Check'
+    f'grpcurl {TLS} -d \'{{"service":"{INGRESS}"}}\' $HOST grpc.health.v1.Health/Check'
 )
+HEALTH_INTERNAL = f"grpcurl {MTLS} 127.0.0.1:$PORT grpc.health.v1.Health/Check"
 UPGRADE = (
-    f"grpcurl -plaintext {AUTH} "
+    f"grpcurl {TLS} {AUTH} "
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"text\\":\\"whoami\\"}" '
     f"$HOST2 {INGRESS}/SendMessage"
 )
 GET_TRANSFER = (
-    "grpcurl -plaintext "
+    f"grpcurl {MTLS} "
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"handoff_id\\":\\"$HANDOFF\\"}" '
     "$HOOKS baton.hooks.v1.HookRegistryService/GetTransfer"
 )
@@ -66,6 +70,7 @@ DOCUMENTED = (
     READ,
     HEALTH,
     HEALTH_OF_SERVICE,
+    HEALTH_INTERNAL,
     UPGRADE,
     GET_TRANSFER,
 )
@@ -99,9 +104,11 @@ class Grpcurl:
     binary: str
 
     async def run(self, command: str, *, check: bool = True, **variables: str) -> CommandResult:
-        """Run one documented command line through bash with `variables` set."""
+        """Run one documented command line through bash with `variables` set
+        (and CERTS, the test PKI's directory, laid out as `baton up`'s)."""
         assert command.startswith("grpcurl "), command
         script = shlex.quote(self.binary) + command.removeprefix("grpcurl")
+        variables = {"CERTS": certs_dir(), **variables}
         proc = await asyncio.create_subprocess_exec(
             "bash",
             "-c",
@@ -157,10 +164,20 @@ def test_readme_includes_the_doc_verbatim() -> None:
     assert body in (DOC.parent.parent / "README.md").read_text()
 
 
+def certs_dir() -> str:
+    """The test PKI's directory: the same file names as `baton up`'s."""
+    certs.files(Role.OPERATOR)  # issued on first use
+    return str(Path(certs.pki().ca_path).parent)
+
+
 def test_doc_variables_match_baton_up_defaults() -> None:
     doc = DOC.read_text()
     assert f"HOST=127.0.0.1:{DEFAULT_PORT_BASE} " in doc
     assert f"KEY={DEMO_API_KEY} " in doc
+    # The files baton up writes into its certificate directory.
+    for name in ("ca.crt", "operator.crt", "operator.key"):
+        assert f"$CERTS/{name}" in doc
+        assert name in CERTIFICATE_FILES
     # The launcher's plan: hooks at base + 1, the second ingress at base + 4.
     assert f"HOOKS=127.0.0.1:{DEFAULT_PORT_BASE + 1} " in doc
     assert f"HOST2=127.0.0.1:{DEFAULT_PORT_BASE + 4} " in doc
@@ -177,9 +194,14 @@ async def test_reflection_and_health_on_every_server(stack: Stack, grpcurl: Grpc
     for rpc in ("CreateSession", "SendMessage", "StreamEvents"):
         assert f"rpc {rpc}" in described
 
-    for server in (stack.hooks, stack.anchor, stack.owner, stack.ingress):
-        checked = await grpcurl.run(HEALTH, HOST=stack.addr(server))
+    checked = await grpcurl.run(HEALTH, HOST=host)
+    assert json_messages(checked.stdout) == [{"status": "SERVING"}]
+    for server in (stack.hooks, stack.anchor, stack.owner):
+        checked = await grpcurl.run(HEALTH_INTERNAL, PORT=str(server.port))
         assert json_messages(checked.stdout) == [{"status": "SERVING"}], server.service_names
+        # Without the client certificate the handshake fails.
+        refused = await grpcurl.run(HEALTH, check=False, HOST=stack.addr(server))
+        assert refused.returncode != 0
     checked = await grpcurl.run(HEALTH_OF_SERVICE, HOST=host)
     assert json_messages(checked.stdout) == [{"status": "SERVING"}]
 
@@ -245,7 +267,7 @@ async def test_upgrade_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
     second = await add_deployment(stack, "dep-b")
     try:
         host, host2 = stack.addr(stack.ingress), second.addr(second.ingress)
-        hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+        hooks = stack.hooks_client(timeout=5)
         try:
             await eventually(lambda: hooks.list_instances("dep-b"), "dep-b registered", 15)
         finally:

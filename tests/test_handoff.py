@@ -19,13 +19,14 @@ import pytest
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.clients import HooksClient
 from services.common.errors import BatonError, Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.owner import handoff
 from services.owner.host import OwnerHost
 from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_turns import follow_until, of, read_all, respond, waits
@@ -46,8 +47,8 @@ class Env:
         self.b = b
         self.etcd = etcd
         self.keys = Keys(a.etcd.prefix)
-        self.hooks = HooksClient(a.addr(a.hooks), timeout=5)
-        self.anchor = AnchorClient(a.addr(a.anchor), timeout=5)
+        self.hooks = a.hooks_client(timeout=5)
+        self.anchor = a.anchor_client(timeout=5)
 
     def host(self, stack: Stack) -> OwnerHost:
         host = stack.owner.app
@@ -453,12 +454,18 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
     b = env.b
     sid = ids.new_session_id()
     x = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-x", instance_id="x1")
-    created = await env.hooks.create_session(sid, x, "slack", ["slack:acc"])
-    fence = created.fence
-    snapshot = initial_snapshot(sid, "slack", "dep-x", list(created.hooks))
-    identity = RunIdentity(fence, "dep-x", "x1")
-    started = make_event(identity, K.EVENT_KIND_SESSION_STARTED)
-    await commit_step(env.anchor, identity, snapshot, [started], False, 0)
+    as_x = certs.owner("dep-x")
+    hooks_x, anchor_x = env.a.hooks_client(as_x), env.a.anchor_client(as_x)
+    try:
+        created = await hooks_x.create_session(sid, x, "slack", ["slack:acc"])
+        fence = created.fence
+        snapshot = initial_snapshot(sid, "slack", "dep-x", list(created.hooks))
+        identity = RunIdentity(fence, "dep-x", "x1")
+        started = make_event(identity, K.EVENT_KIND_SESSION_STARTED)
+        await commit_step(anchor_x, identity, snapshot, [started], False, 0)
+    finally:
+        await hooks_x.close()
+        await anchor_x.close()
     command = s.Command(
         delivery=s.DeliveryMetadata(delivery_id="d-1", accepted_deployment_id="dep-b"),
         send=s.SendCommand(text="whoami"),
@@ -484,7 +491,8 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"deployment_id": ""}, "INVALID_DEPLOYMENT_ID"),
         ({"deployment_id": "dep-a"}, "WRONG_DEPLOYMENT"),
         ({"from_owner": on_latest}, "INVALID_DEPLOYMENT_ID"),
-        ({"from_owner": on_b}, "INVALID_FIELD"),
+        # Only the owner named as the current one may offer the session.
+        ({"from_owner": on_b}, "DEPLOYMENT_NOT_ALLOWED"),
         ({"snapshot_revision": 0}, "MISSING_FIELD"),
         ({"snapshot_revision": revision - 1}, "STALE_CHECKPOINT"),
         ({"trigger": s.InboxEntry(seq=5, command=command)}, "SESSION_NOT_IDLE"),
@@ -492,7 +500,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"handoff_id": ""}, "INVALID_FIELD"),
         ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
     ]
-    client = OwnerClient(b.addr(b.owner), timeout=5)
+    client = b.owner_client(security=as_x, timeout=5)
     try:
         for change, reason in cases:
             request = owner_pb2.AcceptHandoffRequest(**{**good, **change})  # type: ignore[arg-type]
@@ -564,8 +572,9 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
 
 
 class _FlakyHooks:
-    """B's hooks client, losing Transfer answers for `lose_for` seconds after
-    the first call (each call does reach hooks), and failing every lookup."""
+    """B's hooks client, losing the first Transfer answer and every one for
+    `lose_for` seconds after the first call (each call does reach hooks), and
+    failing every lookup."""
 
     def __init__(self, real: HooksClient, lose_for: float) -> None:
         self._real = real
@@ -582,7 +591,9 @@ class _FlakyHooks:
             self._lose_until = loop.time() + self._lose_for
         self.calls += 1
         response = await self._real.transfer(request, deadline_s)  # type: ignore[arg-type]
-        if loop.time() < self._lose_until:
+        # The first answer is always lost (however long the call took), then
+        # every answer until `lose_for` has passed.
+        if self.calls == 1 or loop.time() < self._lose_until:
             raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "answer lost")
         return response
 

@@ -18,15 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aetcd
 import grpc
 import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common.etcd import parse_endpoint
 from services.common.keys import Keys
+from tests import certs
 from tests.procs import (
     SLACK,
     ProcessStack,
@@ -36,6 +35,7 @@ from tests.procs import (
     eventually,
     received_seqs,
 )
+from tests.stack import public_channel
 
 K = s.EventKind
 ALIAS = "fault-7"
@@ -77,7 +77,7 @@ async def start(etcd_endpoint: str, workdir: Path, a1: str = "", b: str = "") ->
         ingresses={"ingress": ("dep-a", "a1"), "ingress-b": ("dep-b", "b1")},
     )
     clients = stack.clients()
-    b_channel = grpc.aio.insecure_channel(stack.addr("ingress-b"))
+    b_channel = public_channel(stack.addr("ingress-b"))
     run = Run(
         stack,
         clients,
@@ -172,8 +172,7 @@ def trigger_ran_on(events: list[s.Event], seq: int) -> str:
 
 async def transfers(run: Run) -> int:
     keys = Keys(run.stack.prefix)
-    host, port = parse_endpoint(run.stack.etcd_endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
+    client = await certs.etcd_client(run.stack.etcd_endpoint)
     try:
         return len(await client.get_prefix(keys.transfer(run.session_id, "")))
     finally:

@@ -16,11 +16,11 @@ import pytest
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
-from services.common.etcd import parse_endpoint
 from services.common.grpc_errors import error_reason
 from services.common.keys import Keys
+from tests.certs import etcd_client
 from tests.procs import eventually
-from tests.stack import Stack, start_stack, stop_stack
+from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import (
     ANSWERED,
     CLEARED,
@@ -42,9 +42,7 @@ SMALL_CONTEXT = "services.owner.fixture:build_small_context_agent"
 
 @pytest.fixture
 async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
-    host, port = parse_endpoint(etcd_endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    await client.connect()
+    client = await etcd_client(etcd_endpoint)
     try:
         yield client
     finally:
@@ -156,7 +154,7 @@ async def test_clear_and_compact_retire_history_and_bound_what_the_model_sees(
     start = await converse(stack, sid, [f"hello {i}" for i in range(10)])
     await stack.ingress_stub.SendControl(
         ingress_pb.SendControlRequest(session_id=sid, kind=ingress_pb.CONTROL_KIND_CLEAR),
-        metadata=(("authorization", "Bearer key-slack-0001"),),
+        metadata=SLACK,
         timeout=10,
     )
     cleared = await follow_until(stack, sid, lambda ev: bool(of(ev, CLEARED)), start_seq=start)
@@ -172,7 +170,7 @@ async def test_clear_and_compact_retire_history_and_bound_what_the_model_sees(
     start = await converse(stack, sid, [f"again {i}" for i in range(5)], start)
     await stack.ingress_stub.SendControl(
         ingress_pb.SendControlRequest(session_id=sid, kind=ingress_pb.CONTROL_KIND_COMPACT),
-        metadata=(("authorization", "Bearer key-slack-0001"),),
+        metadata=SLACK,
         timeout=10,
     )
     compacted = await follow_until(stack, sid, lambda ev: bool(of(ev, COMPACTED)), start_seq=start)
@@ -235,7 +233,7 @@ async def test_retention_deletes_every_key_of_a_finalized_session(
     start = await converse(small, sid, ["hello", "calc 1+2"])
     await small.ingress_stub.SendControl(
         ingress_pb.SendControlRequest(session_id=sid, kind=ingress_pb.CONTROL_KIND_RESET),
-        metadata=(("authorization", "Bearer key-slack-0001"),),
+        metadata=SLACK,
         timeout=10,
     )
     closed = await small.events(sid, start_seq=start)

@@ -13,9 +13,8 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import HooksClient
 from services.common.keys import Keys, prefix_end, seq_of
-from services.hooks.config import HooksConfig
 from services.hooks.server import create_server as create_hooks
-from tests.stack import SLACK, Stack
+from tests.stack import SLACK, Stack, hooks_config
 
 K = s.EventKind
 
@@ -237,10 +236,13 @@ async def test_two_hooks_instances_append_gaplessly_and_dedup(
 ) -> None:
     """Two hooks processes on the same etcd: the inbox-head CAS, not the
     in-process group commit, has to keep seqs gapless and deliveries unique."""
-    second = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    second = await create_hooks(hooks_config(stack.etcd))
     await second.start()
     stack.extra.append(second)
-    clients = [HooksClient(stack.addr(stack.hooks)), HooksClient(stack.addr(second))]
+    clients = [
+        stack.hooks_client(),
+        HooksClient(stack.addr(second), security=stack.owner_security()),
+    ]
     try:
         session_id = await stack.create()
         token = ids.inbox_token(session_id)
@@ -272,7 +274,7 @@ async def test_a_long_backlog_streams_in_pages(stack: Stack) -> None:
     """An owner reading a backlog of 700 commands gets them in pages (no one
     message holds the whole backlog), every seq once and in order, then the
     live ones."""
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=10)
+    hooks = stack.hooks_client(timeout=10)
     try:
         sid = await stack.create()
         snapshot_owner = await hooks.get_owner(sid)

@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from services.cli.__main__ import main as baton_main
-from services.cli.launcher import DEMO_API_KEY, READY_LINE, DeploymentPorts, LaunchError, Ports
+from services.cli.launcher import (
+    CERTS_DIR,
+    DEMO_API_KEY,
+    READY_LINE,
+    DeploymentPorts,
+    LaunchError,
+    Ports,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 90.0
@@ -166,7 +173,9 @@ async def launched(*args: str, env: Mapping[str, str] | None = None) -> AsyncIte
         await launcher.kill_everything()
 
 
-async def run_demo(ingress: str, *args: str) -> tuple[int, str]:
+async def run_demo(launcher: Launcher, ingress: str, *args: str) -> tuple[int, str]:
+    """`baton demo` against `ingress`, over TLS trusting the launcher's CA,
+    with the demo key from the environment."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -174,10 +183,11 @@ async def run_demo(ingress: str, *args: str) -> tuple[int, str]:
         "demo",
         "--ingress",
         ingress,
-        "--api-key",
-        DEMO_API_KEY,
+        "--ca-cert",
+        str(Path(launcher.run_dir) / CERTS_DIR / "ca.crt"),
         *args,
         cwd=ROOT,
+        env={**os.environ, "BATON_API_KEY": DEMO_API_KEY},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
@@ -205,7 +215,7 @@ async def test_up_then_demo_then_sigterm_stops_everything() -> None:
         assert set(launcher.pids) == PROCESSES
         assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
 
-        code, demo_output = await run_demo(launcher.addresses["ingress of dep-1"])
+        code, demo_output = await run_demo(launcher, launcher.addresses["ingress of dep-1"])
         assert code == 0, demo_output
         assert "The result is 35." in demo_output, demo_output
         assert '"echo: hello"' in demo_output
@@ -315,12 +325,14 @@ async def test_two_deployments_demo_upgrades_mid_conversation() -> None:
         assert all(is_running(pid) for pid in up.pids.values()), up.output
 
         # `baton demo` on its own: back the other way (dep-2 -> dep-1) ...
-        code, demo_output = await run_demo(second, "--upgrade-ingress", first, "--message", "hi")
+        code, demo_output = await run_demo(
+            up, second, "--upgrade-ingress", first, "--message", "hi"
+        )
         assert code == 0, demo_output
         assert "session.handed_off     from dep-2 to dep-1" in demo_output, demo_output
         assert '"The result is dep-1."' in demo_output, demo_output
         # ... and an "upgrade" to the deployment the session is on is refused.
-        code, demo_output = await run_demo(first, "--upgrade-ingress", first, "--message", "hi")
+        code, demo_output = await run_demo(up, first, "--upgrade-ingress", first, "--message", "hi")
         assert code == 1, demo_output
         assert "an upgrade ingress must serve another deployment" in demo_output, demo_output
 
@@ -352,7 +364,9 @@ async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> No
         await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in up.lines), up.output
         # The demo again, through the second ingress replica.
-        code, demo_output = await run_demo(up.addresses["ingress-2 of dep-1"], "--message", "hi")
+        code, demo_output = await run_demo(
+            up, up.addresses["ingress-2 of dep-1"], "--message", "hi"
+        )
         assert code == 0, demo_output
         # One log per process, etcd members included.
         logs = Path(up.run_dir) / "logs"

@@ -25,9 +25,10 @@ import pytest
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common.etcd import parse_endpoint
 from services.common.keys import Keys
+from tests.certs import etcd_client
 from tests.procs import SLACK, ProcessStack, check_history
+from tests.stack import public_channel
 
 K = s.EventKind
 CRASHING = "services.owner.fixture:build_crash_on_load_agent"
@@ -100,17 +101,14 @@ async def test_a_crashing_run_spends_its_budget_stalls_and_loses_nothing(
 
 
 async def raw_client(endpoint: str) -> aetcd.Client:
-    host, port = parse_endpoint(endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=10)
-    await client.connect()
-    return client
+    return await etcd_client(endpoint, timeout=10)
 
 
 class Follower:
     """One StreamEvents call through an ingress, read as turns settle."""
 
     def __init__(self, address: str, session_id: str) -> None:
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = public_channel(
             address, options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         )
         stub = ingress_pb2_grpc.IngressServiceStub(self.channel)
@@ -192,7 +190,7 @@ async def long_session(
             stack.kill("o1")
             await follower.until_waits(turns + 1, timeout=stack.lease_ttl + 30)
             # A handoff of the long session: the context crosses, not its age.
-            channel = grpc.aio.insecure_channel(stack.addr("ingress-b"))
+            channel = public_channel(stack.addr("ingress-b"))
             ingress_b = ingress_pb2_grpc.IngressServiceStub(channel)
             try:
                 sent = await ingress_b.SendMessage(

@@ -9,15 +9,16 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
-
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
+from services.common.clients import AnchorClient, HooksClient
+from services.common.identity import Role
 from services.owner.session import RunIdentity, initial_snapshot, make_event
 from tests.procs import SLACK, ProcessStack
+from tests.stack import public_channel
 
 EVENTS = 100_000
 PER_COMMIT = 100
@@ -34,11 +35,14 @@ def rss(pid: int) -> int:
 
 
 async def write_stream(stack: ProcessStack, session_id: str) -> None:
-    """Play an owner: create the session and commit EVENTS events."""
-    c = stack.clients()
+    """Play an owner of dep-w (a deployment without processes, so nobody takes
+    the session over): create the session and commit EVENTS events."""
+    as_w = stack.security(Role.OWNER, "dep-w")
+    hooks = HooksClient(stack.addr("hooks"), timeout=5, security=as_w)
+    anchor = AnchorClient(stack.addr("anchor"), timeout=5, security=as_w)
     try:
         owner = s.OwnerIdentity(owner_run_id="run_w1", deployment_id="dep-w", instance_id="w1")
-        created = await c.hooks.create_session(session_id, owner, "slack", [])
+        created = await hooks.create_session(session_id, owner, "slack", [])
         identity = RunIdentity(created.fence, "dep-w", "w1")
         snapshot = initial_snapshot(session_id, "slack", "dep-w", list(created.hooks))
         revision = 0
@@ -53,7 +57,7 @@ async def write_stream(stack: ProcessStack, session_id: str) -> None:
                 if event.kind == s.EVENT_KIND_MESSAGE_COMPLETED:
                     event.text = f"event {event.seq} " + "w" * 64
             snapshot.next_event_seq = first + PER_COMMIT
-            response = await c.anchor.commit(
+            response = await anchor.commit(
                 anchor_pb.CommitStepRequest(
                     fence=created.fence,
                     events=events,
@@ -63,7 +67,8 @@ async def write_stream(stack: ProcessStack, session_id: str) -> None:
             )
             revision = response.revision
     finally:
-        await c.close()
+        await hooks.close()
+        await anchor.close()
 
 
 async def test_a_100k_event_stream_read_slowly_from_zero(
@@ -79,7 +84,7 @@ async def test_a_100k_event_stream_read_slowly_from_zero(
         pids = {"anchor": stack.anchor.pid, "ingress": stack.ingress.pid}
         base = {name: rss(pid) for name, pid in pids.items()}
         peak = dict(base)
-        async with grpc.aio.insecure_channel(stack.addr("ingress")) as channel:
+        async with public_channel(stack.addr("ingress")) as channel:
             stub = ingress_pb2_grpc.IngressServiceStub(channel)
             call = stub.StreamEvents(
                 ingress_pb.StreamEventsRequest(session_id=sid, follow=True), metadata=SLACK

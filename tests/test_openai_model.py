@@ -346,7 +346,9 @@ async def test_500_exhausts_retries(server: ChatServer, make_model: Any) -> None
     assert time.monotonic() - started >= 0.05 + 0.1  # exponential backoff between attempts
     error = caught.value
     assert (error.status, error.attempts) == (500, 3)
-    assert "HTTP 500" in str(error) and "internal kaboom" in str(error)
+    assert "HTTP 500" in str(error) and "internal kaboom" in error.body
+    # The message is what a session publishes: no upstream text, no URL.
+    assert "kaboom" not in str(error) and server.base_url not in str(error)
     assert not isinstance(error, ModelTimeout)
     assert not isinstance(error, ModelRejected)
 
@@ -371,7 +373,7 @@ async def test_long_error_body_is_excerpted(server: ChatServer, make_model: Any)
     with pytest.raises(ModelError) as caught:
         await make_model().complete("", USER_HELLO, ())
     assert caught.value.status == 401
-    assert len(str(caught.value)) < 700
+    assert len(caught.value.body) < 700 and "x" * 10 not in str(caught.value)
 
 
 async def test_hanging_server_times_out_after_retries(server: ChatServer, make_model: Any) -> None:
@@ -404,6 +406,8 @@ async def test_connection_refused_exhausts_retries(models: list[OpenAIChatModel]
     with pytest.raises(ModelError, match="failed after 3 attempts: ConnectError") as caught:
         await model.complete("", USER_HELLO, ())
     assert caught.value.status is None
+    assert f"127.0.0.1:{port}" not in str(caught.value)
+    assert f"127.0.0.1:{port}" in caught.value.detail
 
 
 async def test_authorization_header_sent_with_api_key(server: ChatServer, make_model: Any) -> None:
@@ -477,3 +481,33 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
     sent = [t["function"]["name"] for t in request.body["tools"]]
     assert sent == [t.name for t in fixture.TOOLS]
     assert {"calculator", "deployment", "echo"} <= set(sent)
+
+
+async def test_a_failed_model_call_publishes_a_safe_summary(
+    server: ChatServer, monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str
+) -> None:
+    """DESIGN.md §12: public events carry safe summaries of upstream failures.
+    A session on the OpenAI agent whose endpoint fails: the stream's
+    turn.failed names the HTTP status, not the endpoint or what it said."""
+    from tests.stack import start_stack, stop_stack
+
+    secret = "upstream-secret-detail-7f3a"
+    server.script = [Reply(500, {"error": {"message": secret}})]
+    monkeypatch.setenv("BATON_OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("BATON_OPENAI_MODEL", "m")
+    stack = await start_stack(
+        etcd_endpoint, "dep-oai", agent="services.owner.openai_model:build_agent"
+    )
+    try:
+        session_id = await stack.create()
+        await stack.send(session_id, "hello")
+        events = await stack.events(session_id, until=1)
+    finally:
+        await stop_stack(stack)
+    [failed] = [e for e in events if e.kind == s.EVENT_KIND_TURN_FAILED]
+    assert failed.error.reason == "MODEL_ERROR"
+    assert "HTTP 500" in failed.error.message
+    public = b"".join(e.SerializeToString() for e in events)
+    assert secret.encode() not in public
+    assert server.base_url.encode() not in public
+    assert b"127.0.0.1" not in public

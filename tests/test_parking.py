@@ -23,15 +23,16 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.config import ConfigError
-from services.common.errors import Aborted, FailedPrecondition, Fenced
+from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
 from services.common.keys import Keys
 from services.common.server import GrpcServer
-from services.hooks.config import HooksConfig
+from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server as create_owner
+from tests import certs
 from tests.procs import answered, check_history, eventually
-from tests.stack import Stack
+from tests.stack import Stack, hooks_config
 
 K = s.EventKind
 
@@ -39,10 +40,11 @@ K = s.EventKind
 @pytest.fixture
 async def two_hooks(stack: Stack) -> AsyncIterator[tuple[HooksClient, HooksClient]]:
     """Clients of the stack's hooks and of a second hooks server (own caches)."""
-    second = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    second = await create_hooks(hooks_config(stack.etcd))
     await second.start()
-    a = HooksClient(stack.addr(stack.hooks), timeout=5)
-    b = HooksClient(f"127.0.0.1:{second.port}", timeout=5)
+    # Both act as an owner of dep-p, the deployment of `new_session`'s sessions.
+    a = stack.hooks_client(certs.owner("dep-p"), timeout=5)
+    b = HooksClient(f"127.0.0.1:{second.port}", timeout=5, security=certs.owner("dep-p"))
     try:
         yield a, b
     finally:
@@ -157,16 +159,25 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     assert await bell_value(etcd, keys, "dead-1", rung.session_id) is None
     assert await a.list_instance_sessions("dep-p", "dead-1") == []
 
-    with pytest.raises(FailedPrecondition) as wrong:
-        other_deployment = s.OwnerIdentity(
-            owner_run_id=ids.new_run_id(), deployment_id="dep-q", instance_id="x"
-        )
+    other_deployment = s.OwnerIdentity(
+        owner_run_id=ids.new_run_id(), deployment_id="dep-q", instance_id="x"
+    )
+    # An owner of dep-p cannot name a successor of another deployment...
+    with pytest.raises(PermissionDenied) as denied:
         await a.take_over_session(taken.fence, "inst-a", other_deployment)
-    assert wrong.value.reason == "WRONG_DEPLOYMENT"
+    assert denied.value.reason == "DEPLOYMENT_NOT_ALLOWED"
+    # ...and an owner of dep-q cannot take a session of dep-p.
+    q = stack.hooks_client(certs.owner("dep-q"), timeout=5)
+    try:
+        with pytest.raises(FailedPrecondition) as wrong:
+            await q.take_over_session(taken.fence, "inst-a", other_deployment)
+        assert wrong.value.reason == "WRONG_DEPLOYMENT"
+    finally:
+        await q.close()
 
 
 async def test_leases_register_expire_and_report_the_dead(stack: Stack) -> None:
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
+    hooks = stack.hooks_client(certs.owner("dep-l"), timeout=5)
     try:
         registered = await hooks.register_instance("dep-l", "live-1", 1, "127.0.0.1:1")
         assert registered.ttl_seconds >= 1  # etcd may raise it to its minimum (2 s)
@@ -210,6 +221,7 @@ async def parking_owner(stack: Stack) -> AsyncIterator[GrpcServer]:
             anchor=stack.addr(stack.anchor),
             park_after=0.2,
             lease_ttl=2,
+            tls=certs.owner("dep-park"),
         )
     )
     await owner.start()
@@ -222,9 +234,11 @@ async def parking_owner(stack: Stack) -> AsyncIterator[GrpcServer]:
 async def test_an_idle_session_parks_and_wakes_on_input(
     stack: Stack, parking_owner: GrpcServer
 ) -> None:
-    owner = OwnerClient(f"127.0.0.1:{parking_owner.port}", timeout=10)
-    hooks = HooksClient(stack.addr(stack.hooks), timeout=5)
-    anchor = AnchorClient(stack.addr(stack.anchor), timeout=5)
+    owner = OwnerClient(
+        f"127.0.0.1:{parking_owner.port}", timeout=10, security=certs.ingress("dep-park")
+    )
+    hooks = stack.hooks_client(certs.owner("dep-park"), timeout=5)
+    anchor = stack.anchor_client(certs.owner("dep-park"), timeout=5)
     rng = random.Random(3)
     try:
         sid = ids.new_session_id()
@@ -270,6 +284,7 @@ def test_owner_config_reads_lease_and_parking_settings() -> None:
         "BATON_OWNER_LEASE_TTL": "4",
         "BATON_OWNER_PARK_AFTER": "0.5",
         "BATON_OWNER_ADVERTISE": "owner-1.internal:50054",
+        "BATON_PLAINTEXT": "1",
     }
     config = OwnerConfig.load([], env)
     assert (config.lease_ttl, config.keepalive_every, config.park_after) == (4, 4 / 3, 0.5)
@@ -291,8 +306,8 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         "dep-u",
         "unit-1",
         build_agent("dep-u"),
-        HooksClient("127.0.0.1:1"),
-        AnchorClient("127.0.0.1:1"),
+        HooksClient("127.0.0.1:1", security=Security.plaintext()),
+        AnchorClient("127.0.0.1:1", security=Security.plaintext()),
     )
     woken: list[tuple[str, bool]] = []
 

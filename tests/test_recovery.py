@@ -29,9 +29,9 @@ import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdProcess
 from services.common import ids
 from services.owner.server import EXIT_LEASE_LOST
+from tests.certs import start_etcd
 from tests.procs import (
     SLACK,
     ProcessStack,
@@ -320,7 +320,7 @@ async def etcd_restart_under_load(
     make_stack: MakeStack, *, sessions: int, messages: int, restarts: int
 ) -> None:
     data_dir = tempfile.mkdtemp(prefix="baton-etcd-restart-")
-    etcd = EtcdProcess(data_dir=data_dir).start()
+    etcd = start_etcd(data_dir=data_dir)
     stack = make_stack(owners=2, endpoint=etcd.endpoint, lease_ttl=5)
     c = stack.clients()
     followers: list[asyncio.Task[None]] = []
@@ -351,9 +351,9 @@ async def etcd_restart_under_load(
 
             await eventually(reached, f"{target} messages accepted", timeout=60)
             etcd.stop()  # SIGTERM; data dir kept
-            etcd = EtcdProcess(
+            etcd = start_etcd(
                 client_port=etcd.client_port, peer_port=etcd.peer_port, data_dir=data_dir
-            ).start()
+            )
         await asyncio.gather(*senders)
         for sid in sids:
             events = await c.wait_events(

@@ -29,20 +29,21 @@ import pytest
 
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.anchor.config import AnchorConfig
 from services.anchor.server import create_server as create_anchor
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import NotFound
+from services.common.identity import Role
 from services.common.keys import Keys
 from services.common.server import GrpcServer
-from services.hooks.config import HooksConfig
+from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
+from services.ingress.api_keys import ApiKeys
 from services.ingress.config import IngressConfig
 from services.ingress.server import create_server as create_ingress
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server as create_owner
-from tests.stack import API_KEYS, Stack
+from tests.stack import API_KEYS, Stack, anchor_config, hooks_config, public_channel
 from tests.test_inbox import assert_admitted_once_in_order, read_until_idle, received
 
 GHOST_DEPLOYMENT = "dep-ghost"  # no owner runs it: sessions stay as the test leaves them
@@ -85,8 +86,8 @@ class Replicated:
 
     async def start(self, deployment_id: str = "dep-r") -> Replicated:
         stack = self.stack
-        hooks = await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
-        anchor = await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+        hooks = await create_hooks(hooks_config(stack.etcd, stack.pki))
+        anchor = await create_anchor(anchor_config(stack.etcd, stack.pki))
         for server in (hooks, anchor):
             await server.start()
             stack.extra.append(server)
@@ -104,6 +105,7 @@ class Replicated:
                 instance_id=f"{deployment_id}-i1",
                 hooks=self.addrs(self.hooks),
                 anchor=self.addrs(self.anchors),
+                tls=stack.security(Role.OWNER, deployment_id),
             )
         )
         await owner.start()
@@ -112,15 +114,16 @@ class Replicated:
             IngressConfig(
                 listen="127.0.0.1:0",
                 deployment_id=deployment_id,
-                api_keys=API_KEYS,
+                api_keys=ApiKeys.of(API_KEYS),
                 hooks=self.addrs(self.hooks),
                 anchor=self.addrs(self.anchors),
                 owner=stack.addr(owner),
+                tls=stack.security(Role.INGRESS, deployment_id),
             )
         )
         await ingress.start()
         stack.extra.insert(0, ingress)
-        self._channel = grpc.aio.insecure_channel(stack.addr(ingress))
+        self._channel = public_channel(stack.addr(ingress), stack.pki)
         self.ingress_stub = ingress_pb2_grpc.IngressServiceStub(self._channel)
         return self
 
@@ -136,6 +139,7 @@ class Replicated:
             ingress=self.stack.ingress,
             channel=self._channel,
             ingress_stub=self.ingress_stub,
+            pki=self.stack.pki,
         )
 
     async def close(self) -> None:
@@ -192,12 +196,20 @@ async def ghost_session(client: HooksClient, aliases: list[str]) -> s.Fence:
     return response.fence
 
 
+def ghost(replicated: Replicated) -> Security:
+    """The certificate of the ghost deployment's owner, which these tests
+    play: owners act only on sessions of their own deployment."""
+    return replicated.stack.security(Role.OWNER, GHOST_DEPLOYMENT)
+
+
 def send(text: str) -> s.Command:
     return s.Command(send=s.SendCommand(text=text, turn_policy=s.TURN_POLICY_QUEUE))
 
 
 async def test_a_token_moved_by_one_replica_is_seen_by_the_other(replicated: Replicated) -> None:
-    one, two = (HooksClient(replicated.stack.addr(h)) for h in replicated.hooks)
+    one, two = (
+        HooksClient(replicated.stack.addr(h), security=ghost(replicated)) for h in replicated.hooks
+    )
     try:
         alias = "slack:moving-thread"
         first = await ghost_session(one, [alias])
@@ -231,7 +243,9 @@ async def test_parking_and_takeover_on_one_replica_are_seen_by_the_other(
     """The append txn rings the owner's bell exactly while the owner record
     says parked; a replica whose cached record is stale must still get the
     bell and the current owner right."""
-    one, two = (HooksClient(replicated.stack.addr(h)) for h in replicated.hooks)
+    one, two = (
+        HooksClient(replicated.stack.addr(h), security=ghost(replicated)) for h in replicated.hooks
+    )
     keys = Keys(replicated.stack.etcd.prefix)
     try:
         fence = await ghost_session(one, [])
@@ -269,8 +283,10 @@ async def test_concurrent_appends_through_both_replicas_dedup_across_them(
 ) -> None:
     """Both replicas group-commit into one session at once; every delivery id
     is sent through both. One seq per delivery, gapless, nothing twice."""
-    one, two = (HooksClient(replicated.stack.addr(h)) for h in replicated.hooks)
-    balanced = HooksClient(replicated.addrs(replicated.hooks))
+    one, two = (
+        HooksClient(replicated.stack.addr(h), security=ghost(replicated)) for h in replicated.hooks
+    )
+    balanced = HooksClient(replicated.addrs(replicated.hooks), security=ghost(replicated))
     try:
         fence = await ghost_session(one, [])
         token = ids.inbox_token(fence.session_id)
@@ -303,7 +319,10 @@ async def test_two_anchors_serve_one_stream(replicated: Replicated) -> None:
     gapless stream, and a reader moving from one to the other at its cursor
     neither misses nor repeats an event."""
     stack = replicated.as_stack()
-    one, two = (AnchorClient(replicated.stack.addr(a)) for a in replicated.anchors)
+    security = stack.security(Role.OWNER, "dep-r")
+    one, two = (
+        AnchorClient(replicated.stack.addr(a), security=security) for a in replicated.anchors
+    )
     try:
         session_id = await stack.create()
         on_one: list[s.Event] = []

@@ -29,6 +29,7 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import EtcdCluster
+from tests import certs
 from tests.procs import (
     ReplicatedClients,
     ReplicatedStack,
@@ -42,7 +43,7 @@ Fault = Callable[[], Awaitable[None]]
 
 @pytest.fixture
 def cluster() -> Iterator[EtcdCluster]:
-    running = EtcdCluster(size=3).start()
+    running = certs.start_etcd_cluster(3)
     try:
         yield running
     finally:

@@ -80,7 +80,13 @@ async def rolling_upgrade(
         # 4. drain what is still on dep-1 (idle ones that got no message, busy ones).
         lines: list[str] = []
         code = await deployments.drain(
-            stack.addr("hooks"), "dep-1", "dep-2", wait_s=120, poll_s=0.2, write=lines.append
+            stack.addr("hooks"),
+            "dep-1",
+            "dep-2",
+            stack.probe,
+            wait_s=120,
+            poll_s=0.2,
+            write=lines.append,
         )
         assert code == deployments.EXIT_DRAINED, "\n".join(lines)
         for instance_id in ("a1", "a2"):

@@ -19,12 +19,13 @@ from baton.anchor.v1 import anchor_pb2
 from baton.hooks.v1 import hooks_pb2
 from baton.ingress.v1 import ingress_pb2
 from baton.owner.v1 import owner_pb2
-from services.anchor.config import AnchorConfig
 from services.anchor.server import create_server as create_anchor
+from services.cli.processes import sync_channel
+from services.common.channels import open_channel
 from services.common.server import GrpcServer
-from services.hooks.config import HooksConfig
 from services.hooks.server import create_server as create_hooks
-from tests.stack import Stack
+from tests import certs
+from tests.stack import Stack, anchor_config, hooks_config, public_channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -44,11 +45,17 @@ def server_of(stack: Stack, name: str) -> GrpcServer:
     return server
 
 
+def channel_to(stack: Stack, name: str) -> grpc.aio.Channel:
+    """An operator's channel to an internal server; a gateway's to ingress."""
+    address = stack.addr(server_of(stack, name))
+    if name == "ingress":
+        return public_channel(address)
+    return open_channel(address, certs.operator())
+
+
 @pytest.fixture
 async def channels(stack: Stack) -> AsyncIterator[dict[str, grpc.aio.Channel]]:
-    opened = {
-        name: grpc.aio.insecure_channel(stack.addr(server_of(stack, name))) for name in SERVICES
-    }
+    opened = {name: channel_to(stack, name) for name in SERVICES}
     try:
         yield opened
     finally:
@@ -123,7 +130,7 @@ async def test_reflection_descriptor_database_resolves_every_method(stack: Stack
     reflection alone (a sync client, run off the event loop)."""
 
     def resolve(address: str, full_name: str) -> list[str]:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address, certs.operator()) as channel:
             pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
             service = pool.FindServiceByName(full_name)
             return [f"{m.name}({m.input_type.full_name})" for m in service.methods]
@@ -139,11 +146,11 @@ Factory = Callable[[Stack], Awaitable[GrpcServer]]
 
 
 async def _extra_hooks(stack: Stack) -> GrpcServer:
-    return await create_hooks(HooksConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    return await create_hooks(hooks_config(stack.etcd))
 
 
 async def _extra_anchor(stack: Stack) -> GrpcServer:
-    return await create_anchor(AnchorConfig(listen="127.0.0.1:0", etcd=stack.etcd))
+    return await create_anchor(anchor_config(stack.etcd))
 
 
 @pytest.mark.parametrize(
@@ -160,7 +167,7 @@ async def test_stopped_server_is_no_longer_serving(
     server = await factory(stack)
     await server.start()
     stopped = False
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    channel = open_channel(f"127.0.0.1:{server.port}", certs.operator())
     try:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", full_name):

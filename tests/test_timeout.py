@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import HooksClient
 from tests.stack import Stack
 
 
 async def test_a_predecessors_timeout_is_ignored(stack: Stack) -> None:
     session_id = await stack.create(timeout_seconds=3600)
-    hooks = HooksClient(stack.addr(stack.hooks))
+    hooks = stack.hooks_client()
     try:
         stale = s.Command(
             delivery=s.DeliveryMetadata(delivery_id="timeout-run_predecessor"),

@@ -15,9 +15,11 @@ from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.hooks.v1 import hooks_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.etcd import parse_endpoint
+from services.common.channels import open_channel
+from services.common.errors import Fenced
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
+from tests import certs
 from tests.stack import Stack
 
 
@@ -31,9 +33,9 @@ class Env:
 
 @pytest.fixture
 async def env(stack: Stack) -> AsyncIterator[Env]:
-    host, port = parse_endpoint(stack.etcd.endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=5)
-    channel = grpc.aio.insecure_channel(stack.addr(stack.hooks))
+    client = await certs.etcd_client(stack.etcd.endpoint)
+    # Transfer is called by the successor: an owner of dep-b (SUCCESSOR).
+    channel = open_channel(stack.addr(stack.hooks), certs.owner("dep-b"))
     try:
         yield Env(
             stack, client, Keys(stack.etcd.prefix), hooks_pb2_grpc.HookRegistryServiceStub(channel)
@@ -136,12 +138,19 @@ async def test_transfer_moves_the_session_in_one_step_and_replays(env: Env) -> N
     assert found.fence == response.fence and found.successor == SUCCESSOR
     assert found.trigger_seq == trigger
     # The old owner's run is fenced: its next commit would be refused.
+    old_owner = env.stack.hooks_client()
+    try:
+        with pytest.raises(Fenced):
+            await old_owner.claim(fence, ["slack:x"])
+    finally:
+        await old_owner.close()
+    # And the new owner's deployment cannot use the old fence either.
     await expect(
         env.hooks.ClaimHooks(
             hooks_pb.ClaimHooksRequest(fence=fence, tokens=["slack:x"]), timeout=10
         ),
-        grpc.StatusCode.FAILED_PRECONDITION,
-        "FENCED",
+        grpc.StatusCode.PERMISSION_DENIED,
+        "DEPLOYMENT_NOT_ALLOWED",
     )
 
 

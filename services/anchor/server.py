@@ -9,6 +9,7 @@ from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
 from services.common.etcd import Store, make_client
 from services.common.keys import Keys
+from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 
@@ -16,11 +17,14 @@ SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 
 
 async def create_server(config: AnchorConfig) -> GrpcServer:
-    store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
+    store = Store(
+        make_client(config.etcd.endpoint, config.etcd.timeout, config.etcd.security),
+        config.etcd.timeout,
+    )
     await store.connect()
     keys = Keys(config.etcd.prefix)
     journal = Journal(store, keys, retention_seconds=config.retention_seconds)
-    servicer = AnchorServicer(journal)
+    servicer = AnchorServicer(journal, DeploymentScope(store, keys))
     server = build_server(
         config.listen,
         [
@@ -30,6 +34,9 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
             )
         ],
         service="anchor",
+        security=config.tls,
+        capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     retention = Retention(store, keys, interval_seconds=config.retention_sweep_seconds)
     server.background += [StoreHealth(store, server.set_serving).run, retention.run]

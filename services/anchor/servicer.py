@@ -11,7 +11,10 @@ from baton.anchor.v1 import anchor_pb2 as pb
 from baton.anchor.v1 import anchor_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.anchor.journal import Journal, LoadedSnapshot
+from services.common import identity
+from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
+from services.common.scope import DeploymentScope
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -29,8 +32,12 @@ def _chunks(items: Sequence[bytes], limit: int) -> Iterator[Sequence[bytes]]:
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
-    def __init__(self, journal: Journal) -> None:
+    """Role checks are the interceptor's; an owner commits to, and retires
+    history of, only sessions of its own deployment (`DeploymentScope`)."""
+
+    def __init__(self, journal: Journal, scope: DeploymentScope) -> None:
         self._journal = journal
+        self._scope = scope
 
     async def CommitStep(
         self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext
@@ -40,6 +47,10 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
+        check_seq(request.fence.epoch, "fence.epoch")
+        if request.HasField("expected_snapshot_revision"):
+            check_seq(request.expected_snapshot_revision, "expected_snapshot_revision")
+        await self._scope.check(identity.current(), request.fence)
         revision, replayed = await self._journal.commit(
             request.fence,
             request.events,
@@ -63,6 +74,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         self, request: pb.ReadEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ReadEventsResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        check_seq(request.start_seq, "start_seq")
         async for events in self._journal.read(
             request.session_id, request.start_seq, request.follow
         ):
@@ -73,7 +85,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     ) -> AsyncIterator[pb.LoadSessionResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         expected = (
-            request.expected_snapshot_revision
+            check_seq(request.expected_snapshot_revision, "expected_snapshot_revision")
             if request.HasField("expected_snapshot_revision")
             else None
         )
@@ -94,6 +106,10 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
+        check_seq(request.fence.epoch, "fence.epoch")
+        check_seq(request.below_index, "below_index")
+        check_seq(request.from_index, "from_index")
+        await self._scope.check(identity.current(), request.fence)
         deleted = await self._journal.retire_history(
             request.fence, request.below_index, request.from_index
         )

@@ -2,10 +2,15 @@
 
 baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
-         [--api-keys channel=key,... | --api-key-file FILE] [--run-dir DIR]
+         [--api-key-file FILE] [--run-dir DIR] [--plaintext]
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
-           [--api-key demo-key-0001]
+           (--ca-cert CA | --plaintext)              (API key: env BATON_API_KEY)
 baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
+                                     (operator certificate: BATON_TLS_CERT/KEY/CA, or --plaintext)
+baton hash-key CHANNEL                               (reads the key from stdin)
+
+API keys never come from argv: the ingress reads a key file, `baton demo`
+the environment (default: the loopback demo key).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from pathlib import Path
 from services.cli import demo, deployments, launcher
 from services.common.config import ConfigError
 from services.common.errors import BatonError
-from services.common.ids import validate_deployment_id
-from services.ingress.config import parse_api_keys
+from services.common.ids import validate_channel, validate_deployment_id
+from services.common.tls import Security
+from services.ingress import api_keys
 
 
 def _port(value: str) -> int:
@@ -42,20 +48,6 @@ def _count(value: str) -> int:
     if not 1 <= count <= 9:
         raise argparse.ArgumentTypeError(f"must be between 1 and 9, not {count}")
     return count
-
-
-def _read_key_file(path: str) -> str:
-    """`channel=key` entries, one per line or comma-separated; `#` comments."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read API key file {path}: {exc.strerror}") from exc
-    entries = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            entries.append(line)
-    return ",".join(entries)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -99,13 +91,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="etcd client port; the peer port is the next one (0 = free ports) "
         f"(default {launcher.DEFAULT_ETCD_PORT})",
     )
-    keys = up.add_mutually_exclusive_group()
-    keys.add_argument(
-        "--api-keys",
-        help="channel=key[,channel=key...] (keys >= 8 characters; "
-        f"default {launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY})",
+    up.add_argument(
+        "--api-key-file",
+        help="the ingresses' API key file: channel=sha256:<hex> or channel=<key> lines, "
+        "re-read on SIGHUP (default: a file granting the loopback demo key "
+        f"{launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY})",
     )
-    keys.add_argument("--api-key-file", help="file of channel=key lines")
+    up.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="no TLS and no etcd auth (local development; everything binds loopback)",
+    )
     up.add_argument(
         "--replicas",
         type=_count,
@@ -159,10 +155,21 @@ def _build_parser() -> argparse.ArgumentParser:
         f"{demo.UPGRADE_MESSAGE!r} through it and expect the session to move there "
         "(repeatable: one move per ingress, in order)",
     )
+    tls = run.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--ca-cert",
+        default=os.environ.get("BATON_TLS_CA", ""),
+        help="CA certificate the ingress's TLS certificate chains to (env BATON_TLS_CA; "
+        "`baton up` prints it)",
+    )
+    tls.add_argument(
+        "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
+    )
     run.add_argument(
-        "--api-key",
-        default=os.environ.get("BATON_API_KEY", demo.DEFAULT_API_KEY),
-        help=f"API key (env BATON_API_KEY, default {demo.DEFAULT_API_KEY})",
+        "--tls-server-name",
+        default="",
+        help="the name to verify the ingress certificate against, when it is not the "
+        "address dialled (e.g. through kubectl port-forward)",
     )
     run.add_argument(
         "--message",
@@ -199,12 +206,66 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
     )
+    drain.add_argument(
+        "--tls-cert",
+        default=os.environ.get("BATON_TLS_CERT", ""),
+        help="an operator certificate (env BATON_TLS_CERT)",
+    )
+    drain.add_argument(
+        "--tls-key", default=os.environ.get("BATON_TLS_KEY", ""), help="env BATON_TLS_KEY"
+    )
+    drain.add_argument(
+        "--tls-ca", default=os.environ.get("BATON_TLS_CA", ""), help="env BATON_TLS_CA"
+    )
+    drain.add_argument(
+        "--tls-ip-server-name",
+        default=os.environ.get("BATON_TLS_IP_SERVER_NAME", ""),
+        help="name the owners, dialled at the IP they registered, are verified against "
+        "(env BATON_TLS_IP_SERVER_NAME; default the IP)",
+    )
+    drain.add_argument(
+        "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
+    )
+    hash_key = commands.add_parser(
+        "hash-key",
+        help="print the API key file line that grants a key (read from stdin) as a hash",
+        description=(
+            "Read an API key from stdin (never argv) and print `CHANNEL=sha256:<hex>`, "
+            "the key file line that grants it without storing it."
+        ),
+    )
+    hash_key.add_argument("channel")
     return parser
 
 
-def _drain(args: argparse.Namespace) -> int:
+def _hash_key(args: argparse.Namespace) -> int:
+    key = sys.stdin.readline().strip()
     try:
-        return asyncio.run(deployments.drain(args.hooks, args.old, args.new, wait_s=args.wait))
+        print(api_keys.hash_line(validate_channel(args.channel), key))
+    except (ConfigError, BatonError) as exc:
+        print(f"baton hash-key: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    if args.plaintext:
+        security = Security.plaintext()
+    elif args.tls_cert and args.tls_key and args.tls_ca:
+        security = Security.tls(
+            args.tls_cert, args.tls_key, args.tls_ca, ip_server_name=args.tls_ip_server_name
+        )
+    else:
+        print(
+            "baton deployments drain: pass an operator certificate (--tls-cert/--tls-key/"
+            "--tls-ca or BATON_TLS_*; `baton up` writes operator.crt/.key) or --plaintext",
+            file=sys.stderr,
+        )
+        return deployments.EXIT_USAGE
+    try:
+        return asyncio.run(
+            deployments.drain(args.hooks, args.old, args.new, security, wait_s=args.wait)
+        )
     except (deployments.DrainError, BatonError) as exc:
         message = exc.message if isinstance(exc, BatonError) else str(exc)
         print(f"baton deployments drain: {message}", file=sys.stderr)
@@ -235,21 +296,20 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2
-    try:
-        if args.api_key_file:
-            spec = _read_key_file(args.api_key_file)
-        else:
-            spec = args.api_keys or f"{launcher.DEMO_CHANNEL}={launcher.DEMO_API_KEY}"
-        api_keys = parse_api_keys(spec)
-    except ConfigError as exc:
-        print(f"baton up: {exc}", file=sys.stderr)
-        return 2
+    key_file = ""
+    if args.api_key_file:
+        key_file = str(Path(args.api_key_file).resolve())
+        try:
+            api_keys.read_key_file(key_file)
+        except ConfigError as exc:
+            print(f"baton up: {exc}", file=sys.stderr)
+            return 2
     settings = launcher.LaunchSettings(
         deployment_ids=deployment_ids,
         port_base=args.port_base,
         etcd_port=args.etcd_port,
-        api_keys=api_keys,
-        show_keys=not (args.api_keys or args.api_key_file),
+        api_key_file=key_file,
+        plaintext=args.plaintext,
         demo=args.demo,
         run_dir=args.run_dir,
         log_level=args.log_level,
@@ -262,14 +322,22 @@ def _up(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     messages = args.messages or demo.DEFAULT_MESSAGES
+    if not args.ca_cert and not args.plaintext:
+        print(
+            "baton demo: pass --ca-cert CA (the CA `baton up` prints) or --plaintext",
+            file=sys.stderr,
+        )
+        return 2
     try:
         asyncio.run(
             demo.run_demo(
                 args.ingress,
-                args.api_key,
+                os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
                 messages,
                 upgrade_ingresses=args.upgrade_ingresses,
                 time_limit=args.time_limit,
+                ca_cert="" if args.plaintext else args.ca_cert,
+                server_name=args.tls_server_name,
             )
         )
     except demo.DemoError as exc:
@@ -289,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_demo(args))
     if args.command == "deployments" and getattr(args, "action", None) == "drain":
         sys.exit(_drain(args))
+    if args.command == "hash-key":
+        sys.exit(_hash_key(args))
     parser.print_help(sys.stderr)
     sys.exit(2)
 

@@ -25,6 +25,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 import grpc
@@ -34,7 +35,7 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 
 DEFAULT_INGRESS = "127.0.0.1:50051"
-DEFAULT_API_KEY = "demo-key-0001"
+DEFAULT_API_KEY = "demo-key-0001-loopback-only"
 # The calculator message makes the fixture agent call a tool and answer
 # "The result is 35."; the "ask helper" message makes it ask its `helper`
 # subagent (a child session, which uses the calculator) and answer
@@ -185,6 +186,15 @@ def _describe(exc: BaseException) -> str:
     return repr(exc)
 
 
+def _trusting(ca_cert: str) -> grpc.ChannelCredentials:
+    """TLS credentials trusting the CA bundle at `ca_cert` (no client cert:
+    gateways authenticate with API keys)."""
+    try:
+        return grpc.ssl_channel_credentials(Path(ca_cert).read_bytes())
+    except OSError as exc:
+        raise DemoError(f"cannot read the CA certificate {ca_cert}: {exc.strerror}") from exc
+
+
 async def run_demo(
     ingress: str = DEFAULT_INGRESS,
     api_key: str = DEFAULT_API_KEY,
@@ -193,15 +203,28 @@ async def run_demo(
     upgrade_ingresses: Sequence[str] = (),
     time_limit: float = 60.0,
     out: TextIO | None = None,
+    ca_cert: str = "",
+    server_name: str = "",
 ) -> str:
-    """Run the demo conversation; returns the session id. Raises DemoError."""
+    """Run the demo conversation; returns the session id. Raises DemoError.
+    Talks TLS to the ingresses, trusting the CA in `ca_cert` (verifying
+    their certificates against `server_name` when given, e.g. through a
+    port-forward); plaintext when `ca_cert` is empty (a `baton up
+    --plaintext` system)."""
     stream = out or sys.stdout
+    credentials = _trusting(ca_cert) if ca_cert else None
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+    def connect(address: str) -> grpc.aio.Channel:
+        if credentials is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
     def write(line: str) -> None:
         print(line, file=stream, flush=True)
 
     metadata = (("authorization", f"Bearer {api_key}"),)
-    async with grpc.aio.insecure_channel(ingress) as channel:
+    async with connect(ingress) as channel:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
         try:
             created = await stub.CreateSession(
@@ -262,7 +285,7 @@ async def run_demo(
             source = tracker.deployment_id or created.deployment_id
             first_seq = tracker.next_seq
             write(f"> {UPGRADE_MESSAGE}   (via the ingress at {address})")
-            async with grpc.aio.insecure_channel(address) as other:
+            async with connect(address) as other:
                 sent = await send(
                     ingress_pb2_grpc.IngressServiceStub(other), UPGRADE_MESSAGE, address
                 )

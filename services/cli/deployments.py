@@ -18,6 +18,7 @@ from baton.owner.v1 import owner_pb2 as owner_pb
 from services.common import ids
 from services.common.clients import HooksClient, OwnerClient
 from services.common.errors import BatonError
+from services.common.tls import Security
 
 EXIT_DRAINED = 0
 EXIT_USAGE = 2
@@ -32,6 +33,7 @@ async def drain(
     hooks_address: str,
     old: str,
     new: str,
+    security: Security,
     *,
     wait_s: float = 60.0,
     poll_s: float = 0.5,
@@ -43,7 +45,7 @@ async def drain(
     new = ids.validate_deployment_id(new)
     if old == new:
         raise DrainError(f"deployment {old} cannot be drained to itself")
-    hooks = HooksClient(hooks_address)
+    hooks = HooksClient(hooks_address, security=security)  # as an operator
     owners: dict[str, OwnerClient] = {}
     try:
         if not await hooks.list_instances(new):
@@ -59,7 +61,9 @@ async def drain(
             for instance in instances:
                 client = owners.get(instance.address)
                 if client is None:
-                    client = owners[instance.address] = OwnerClient(instance.address)
+                    client = owners[instance.address] = OwnerClient(
+                        instance.address, security=security
+                    )
                 try:
                     reports.append(await client.drain_sessions(new))
                 except BatonError as exc:  # gone meanwhile: its sessions are taken over

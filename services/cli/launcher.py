@@ -1,9 +1,13 @@
 """`baton up`: the whole system on one machine, as real processes.
 
-Starts etcd (one member, or a cluster of `--etcd-members`), then hooks and
-anchor (shared), then an owner and an ingress for each deployment id given
-(each of them `--replicas` times), each as a child process with its log
-in the run directory. Waits until every process answers its health check and
+Creates a throwaway CA and one certificate per role in `{run dir}/certs`
+(TLS on every hop; see `services.common.pki`), starts etcd (one member, or a
+cluster of `--etcd-members`) with TLS and user/role auth (the hooks and
+anchor certificates are etcd users limited to the `/baton/` prefix), then
+hooks and anchor (shared), then an owner and an ingress for each deployment
+id given (each of them `--replicas` times), each as a child process with its
+log in the run directory. `--plaintext` runs all of it without TLS or etcd
+auth, on loopback. Waits until every process answers its health check and
 every owner has registered with hooks, prints the endpoints, optionally runs
 the demo, and then supervises: SIGINT/SIGTERM (or any child exiting) stops
 everything it started, by PID — SIGTERM first, a kill after a timeout — and
@@ -34,9 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -46,13 +49,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from services.cli.processes import EtcdCluster, EtcdProcess, ServiceProcess
+from services.cli.etcd_auth import enable_auth
+from services.cli.processes import (
+    EtcdCluster,
+    EtcdProcess,
+    EtcdTls,
+    ServiceProcess,
+    etcd_healthy,
+    sync_channel,
+)
+from services.common.identity import Role
+from services.common.pki import LocalPki
+from services.common.tls import Security
 
 DEFAULT_DEPLOYMENT_ID = "dep-1"
 DEFAULT_PORT_BASE = 50051
 DEFAULT_ETCD_PORT = 23790
 DEMO_CHANNEL = "demo"
-DEMO_API_KEY = "demo-key-0001"
+# Well known, so loopback-only: `baton up` grants it unless given a key file.
+DEMO_API_KEY = "demo-key-0001-loopback-only"
+CERTS_DIR = "certs"
+# What the certificate directory holds (besides owner-<dep>/ingress-<dep>).
+CERTIFICATE_FILES = ("ca.crt", "operator.crt", "operator.key", "hooks.crt", "anchor.crt")
+ETCD_USERS = ("hooks", "anchor")
 ETCD_PREFIX = "/baton/"
 READY_LINE = "baton up: ready"
 
@@ -95,10 +114,10 @@ class LaunchSettings:
     deployment_ids: tuple[str, ...] = (DEFAULT_DEPLOYMENT_ID,)
     port_base: int = DEFAULT_PORT_BASE
     etcd_port: int = DEFAULT_ETCD_PORT
-    # API key -> channel, as the ingress parses BATON_API_KEYS.
-    api_keys: Mapping[str, str] = field(default_factory=lambda: {DEMO_API_KEY: DEMO_CHANNEL})
-    # Print the keys themselves (only for the built-in demo key).
-    show_keys: bool = True
+    # The ingress's API key file; "" grants the demo key (written to the run dir).
+    api_key_file: str = ""
+    # No TLS, no etcd auth (loopback only).
+    plaintext: bool = False
     demo: bool = False
     run_dir: str | None = None
     log_level: str = "info"
@@ -114,10 +133,6 @@ class LaunchSettings:
             raise ValueError("at least one deployment id is required")
         if len(set(self.deployment_ids)) != len(self.deployment_ids):
             raise ValueError(f"deployment ids repeat: {', '.join(self.deployment_ids)}")
-
-    @property
-    def api_keys_spec(self) -> str:
-        return ",".join(f"{channel}={key}" for key, channel in self.api_keys.items())
 
 
 def replica_label(name: str, replica: int) -> str:
@@ -371,15 +386,6 @@ def _log_tail(path: str, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _etcd_healthy(port: int) -> bool:
-    url = f"http://127.0.0.1:{port}/health"
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback
-            return b'"health":"true"' in response.read()
-    except OSError:
-        return False
-
-
 def _grpc_serving(stub: health_pb2_grpc.HealthStub) -> bool:
     try:
         response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
@@ -411,8 +417,42 @@ class LocalSystem:
         self.ports = ports
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
+        self.cert_dir = run_dir / CERTS_DIR
         self.children: list[Child] = []
         self._out = out
+        self.pki: LocalPki | None = None
+        self.api_key_file = settings.api_key_file
+
+    def security(self, role: Role, deployment_id: str = "") -> Security:
+        if self.pki is None:
+            return Security.plaintext()
+        return self.pki.security(role, deployment_id)
+
+    @property
+    def ca_cert(self) -> str:
+        return self.pki.ca_path if self.pki is not None else ""
+
+    @property
+    def operator(self) -> Security:
+        """What health probes and registration checks present."""
+        return self.security(Role.OPERATOR)
+
+    def _prepare(self) -> None:
+        """The certificates (unless plaintext) and the demo key file."""
+        if not self.settings.plaintext:
+            self.pki = LocalPki(self.cert_dir, check_every=10.0)
+            self.pki.files(Role.OPERATOR)
+            for role in (Role.HOOKS, Role.ANCHOR):
+                self.pki.files(role)
+            for dep in self.ports.deployments:
+                self.pki.files(Role.OWNER, dep.deployment_id)
+                self.pki.files(Role.INGRESS, dep.deployment_id)
+            self.say(f"baton up: certificates in {self.cert_dir} (CA: {self.pki.ca_path})")
+        if not self.api_key_file:
+            path = self.run_dir / "api-keys"
+            path.write_text(f"# baton up's demo key\n{DEMO_CHANNEL}={DEMO_API_KEY}\n")
+            path.chmod(0o600)
+            self.api_key_file = str(path)
 
     def say(self, line: str) -> None:
         print(line, file=self._out, flush=True)
@@ -423,14 +463,22 @@ class LocalSystem:
         """Start everything; False if a stop was requested meanwhile.
         Raises LaunchError if a process dies or is not ready in time."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare()
         # Every member first: a cluster elects a leader (and reports healthy)
         # only once a majority is up.
-        members = self._start_etcd()
+        members, etcd_tls = self._start_etcd()
+        root = etcd_tls.root if etcd_tls else None
         for (client, _), member in zip(self.ports.etcd, members, strict=True):
-            probe = functools.partial(_etcd_healthy, client)
+            probe = functools.partial(etcd_healthy, f"127.0.0.1:{client}", root)
             self._await(members, probe, f"{member.label} health", signals)
             if signals.requested:
                 return False
+        if etcd_tls is not None:
+            endpoint = f"127.0.0.1:{self.ports.etcd[0][0]}"
+            try:
+                enable_auth(endpoint, etcd_tls.root, ETCD_USERS, ETCD_PREFIX)
+            except grpc.RpcError as exc:
+                raise LaunchError(f"could not enable etcd auth: {exc}") from exc
         shared = [
             self._start_service(name, k)
             for name in SHARED_OFFSETS
@@ -447,7 +495,7 @@ class LocalSystem:
         if not self._await_serving(own, signals):
             return False
         hooks = f"127.0.0.1:{self.ports.hooks[0]}"
-        with grpc.insecure_channel(hooks, options=_PROBE_OPTIONS) as channel:
+        with sync_channel(hooks, self.operator, _PROBE_OPTIONS) as channel:
             stub = hooks_pb2_grpc.HookRegistryServiceStub(channel)
             for dep in self.ports.deployments:
                 owners = [
@@ -462,7 +510,7 @@ class LocalSystem:
     def _await_serving(self, started: list[Child], signals: StopSignals) -> bool:
         """Wait until each of `started` is SERVING; False on a stop request."""
         for child in started:
-            with grpc.insecure_channel(child.address, options=_PROBE_OPTIONS) as channel:
+            with sync_channel(child.address, self.operator, _PROBE_OPTIONS) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 probe = functools.partial(_grpc_serving, stub)
                 self._await(started, probe, f"{child.label} health", signals)
@@ -470,32 +518,35 @@ class LocalSystem:
                 return False
         return True
 
-    def _start_etcd(self) -> list[Child]:
-        """Start every etcd member (one: a cluster of one, as before)."""
+    def _start_etcd(self) -> tuple[list[Child], EtcdTls | None]:
+        """Start every etcd member (one: a cluster of one, as before), with
+        TLS for clients unless plaintext."""
         data_dir = self.run_dir / "etcd"
         data_dir.mkdir(parents=True, exist_ok=True)
+        tls = None
+        if self.pki is not None:
+            tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
         if len(self.ports.etcd) == 1:
             member = EtcdProcess(
                 client_port=self.ports.etcd_client,
                 peer_port=self.ports.etcd_peer,
                 data_dir=str(data_dir),
                 log_path=str(self.log_dir / "etcd.log"),
+                tls=tls,
             )
             try:
                 member.start(wait=False)
             except OSError as exc:
                 raise LaunchError(f"could not start etcd: {exc}") from exc
             assert member.proc is not None
-            return [
-                self._started(
-                    Child("etcd", member.endpoint, member.log_path, member.proc, member.stop)
-                )
-            ]
+            child = Child("etcd", member.endpoint, member.log_path, member.proc, member.stop)
+            return [self._started(child)], tls
         cluster = EtcdCluster(
             size=len(self.ports.etcd),
             base_dir=str(data_dir),
             ports=list(self.ports.etcd),
             log_dir=str(self.log_dir),
+            tls=tls,
         )
         try:
             cluster.start(wait=False)
@@ -507,7 +558,7 @@ class LocalSystem:
             name = replica_label("etcd", m)
             child = Child(name, member.endpoint, member.log_path, member.proc, member.stop)
             children.append(self._started(child))
-        return children
+        return children, tls
 
     def _addresses(self, ports: Sequence[int]) -> str:
         return ",".join(f"127.0.0.1:{port}" for port in ports)
@@ -518,6 +569,17 @@ class LocalSystem:
             "PYTHONUNBUFFERED": "1",
             "BATON_LOG_LEVEL": self.settings.log_level,
         }
+        security = self.security(Role(name), dep.deployment_id if dep else "")
+        if security.files is None:
+            env["BATON_PLAINTEXT"] = "1"
+        else:
+            # The service's own certificate also authenticates it to etcd (its
+            # CN is the etcd user).
+            env |= {
+                "BATON_TLS_CERT": security.files.cert,
+                "BATON_TLS_KEY": security.files.key,
+                "BATON_TLS_CA": security.files.ca,
+            }
         if dep is None:
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
@@ -532,7 +594,7 @@ class LocalSystem:
             env |= {
                 # Each ingress starts sessions on its own deployment's owners.
                 "BATON_OWNER_ADDR": self._addresses(dep.owners),
-                "BATON_API_KEYS": self.settings.api_keys_spec,
+                "BATON_API_KEYS_FILE": self.api_key_file,
             }
         return env
 
@@ -621,19 +683,21 @@ class LocalSystem:
         return problems
 
 
-def demo_command(ports: Ports) -> list[str]:
+def demo_command(ports: Ports, ca_cert: str = "") -> list[str]:
     """`baton demo` arguments for this system: the session starts on the first
-    deployment's ingress and, with more deployments, moves through the others'."""
+    deployment's ingress and, with more deployments, moves through the others';
+    TLS trusting `ca_cert`, else plaintext."""
     args = ["--ingress", f"127.0.0.1:{ports.ingress}"]
     for dep in ports.deployments[1:]:
         args += ["--upgrade-ingress", f"127.0.0.1:{dep.ingress}"]
-    return args
+    return args + (["--ca-cert", ca_cert] if ca_cert else ["--plaintext"])
 
 
 def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float) -> None:
-    """Run `baton demo` as a child process against this system, supervising it."""
-    key = next(iter(system.settings.api_keys))
-    env = {**os.environ, "PYTHONPATH": _python_path(), "BATON_API_KEY": key}
+    """Run `baton demo` as a child process against this system, supervising it.
+    It uses the demo key, or BATON_API_KEY when given a key file."""
+    key = os.environ.get("BATON_API_KEY", "") if system.settings.api_key_file else ""
+    env = {**os.environ, "PYTHONPATH": _python_path(), "BATON_API_KEY": key or DEMO_API_KEY}
     system.say("baton up: running the demo")
     demo = subprocess.Popen(
         [
@@ -641,7 +705,7 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
             "-m",
             "services.cli",
             "demo",
-            *demo_command(system.ports),
+            *demo_command(system.ports, system.ca_cert),
             "--time-limit",
             f"{time_limit:g}",
         ],
@@ -682,14 +746,24 @@ def _announce(system: LocalSystem) -> None:
         system.say(f"Baton is up: deployments {apis}")
     for line in system.describe():
         system.say(line)
-    if settings.show_keys:
-        for key, channel in settings.api_keys.items():
-            system.say(f"API key: channel {channel!r}, key {key!r} (authorization: Bearer {key})")
+    if not settings.api_key_file:
+        system.say(
+            f"API key: channel {DEMO_CHANNEL!r}, key {DEMO_API_KEY!r} "
+            f"(authorization: Bearer {DEMO_API_KEY}; loopback demo only)"
+        )
     else:
-        channels = ", ".join(sorted(set(settings.api_keys.values())))
-        system.say(f"API keys: channels {channels} (keys as given)")
-    system.say(f"Try:  baton demo {' '.join(demo_command(system.ports))}")
-    system.say(f"      grpcurl -plaintext 127.0.0.1:{system.ports.ingress} list")
+        system.say(f"API keys: from {settings.api_key_file} (re-read on SIGHUP to the ingress)")
+    if system.pki is not None:
+        system.say(
+            f"TLS on every hop: CA {system.ca_cert}, certificates in {system.cert_dir} "
+            "(operator.crt/.key for internal servers)"
+        )
+        tls = f"-cacert {system.ca_cert}"
+    else:
+        system.say("PLAINTEXT: no TLS and no etcd auth (--plaintext; loopback only)")
+        tls = "-plaintext"
+    system.say(f"Try:  baton demo {' '.join(demo_command(system.ports, system.ca_cert))}")
+    system.say(f"      grpcurl {tls} 127.0.0.1:{system.ports.ingress} list")
     system.say("Ctrl-C or SIGTERM stops everything.")
     system.say(READY_LINE)
 

@@ -11,17 +11,22 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.tls import Security, TlsFiles, channel_credentials, load_material
 
 _HANDED_OUT: set[int] = set()
 
@@ -70,6 +75,17 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait(5)
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """etcd over TLS: its server certificate and the CA that signs client
+    certificates (`--client-cert-auth`), plus a `root` client certificate for
+    health checks and setting up auth. Peers stay on loopback plaintext (one
+    member)."""
+
+    server: TlsFiles
+    root: TlsFiles
+
+
 @dataclass
 class EtcdProcess:
     """An etcd member on loopback with its own data dir: a single-member
@@ -79,6 +95,7 @@ class EtcdProcess:
     peer_port: int = 0
     data_dir: str = ""
     log_path: str = ""
+    tls: EtcdTls | None = None
     proc: subprocess.Popen[bytes] | None = None
     # Every etcd Baton starts compacts its history (periodic: keeps this
     # window of revisions, compacting as often); see README "etcd space".
@@ -95,6 +112,10 @@ class EtcdProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> EtcdProcess:
         """Spawn etcd; with `wait` (default), block until it reports healthy."""
         self.client_port = self.client_port or free_port()
@@ -102,8 +123,19 @@ class EtcdProcess:
         if not self.data_dir:
             self.data_dir = tempfile.mkdtemp(prefix="baton-etcd-")
             self._own_dir = True
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"{self.scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls_flags: list[str] = []
+        if self.tls is not None:
+            tls_flags = [
+                "--cert-file",
+                self.tls.server.cert,
+                "--key-file",
+                self.tls.server.key,
+                "--trusted-ca-file",
+                self.tls.server.ca,
+                "--client-cert-auth",
+            ]
         self.log_path = self.log_path or os.path.join(self.data_dir, "etcd.log")
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
@@ -134,6 +166,7 @@ class EtcdProcess:
                 "--auto-compaction-retention",
                 self.compaction_retention,
                 *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
+                *tls_flags,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -144,16 +177,16 @@ class EtcdProcess:
             self.wait_healthy(timeout)
         return self
 
+    def healthy(self) -> bool:
+        return etcd_healthy(self.endpoint, self.tls.root if self.tls else None)
+
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.client_port}/health"
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback
-                    if b'"health":"true"' in response.read():
-                        return
+            if self.healthy():
+                return
             time.sleep(0.05)
         raise TimeoutError(f"etcd not healthy after {timeout}s; see {self.log_path}")
 
@@ -170,14 +203,26 @@ class EtcdProcess:
             self.proc.wait(5)
 
     def status(self) -> dict[str, str]:
-        """The member's maintenance status (its id, the leader's id), through
-        etcd's HTTP gateway; raises OSError when it does not answer."""
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.client_port}/v3/maintenance/status", data=b"{}"
-        )
-        with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310 - loopback
-            body = json.loads(response.read())
-        return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+        """The member's maintenance status (its id, the leader's id); raises
+        OSError when it does not answer. Plaintext members answer through
+        etcd's HTTP gateway; TLS members over gRPC as `root` (with auth on,
+        the gateway refuses client certificates that carry a common name)."""
+        if self.tls is None:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.client_port}/v3/maintenance/status", data=b"{}"
+            )
+            with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310
+                body = json.loads(response.read())
+            return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+        channel = sync_channel(f"127.0.0.1:{self.client_port}", Security(files=self.tls.root))
+        stub = rpc_pb2_grpc.MaintenanceStub(channel)
+        try:
+            status = stub.Status(rpc_pb2.StatusRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            raise OSError(f"etcd status: {exc}") from exc
+        finally:
+            channel.close()
+        return {"member_id": str(status.header.member_id), "leader": str(status.leader)}
 
 
 @dataclass
@@ -191,6 +236,8 @@ class EtcdCluster:
     # Client and peer ports of each member; empty = free ports.
     ports: list[tuple[int, int]] = field(default_factory=list)
     log_dir: str = ""
+    # Clients talk TLS to every member (peers stay loopback plaintext).
+    tls: EtcdTls | None = None
     _own_dir: bool = False
 
     @property
@@ -221,6 +268,7 @@ class EtcdCluster:
                 log_path=os.path.join(self.log_dir or data_dir, log_name),
                 name=name,
                 initial_cluster=cluster,
+                tls=self.tls,
             )
             self.members.append(member)
             member.start(wait=False)
@@ -264,10 +312,40 @@ class EtcdCluster:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
-def wait_serving(target: str, service: str = "", timeout: float = 30.0) -> None:
+def _client_context(client: TlsFiles) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=client.ca)
+    context.load_cert_chain(client.cert, client.key)
+    return context
+
+
+def etcd_healthy(endpoint: str, client: TlsFiles | None = None) -> bool:
+    """etcd's /health says true (over https with a client certificate when
+    `client` is given, as `--client-cert-auth` demands)."""
+    if client is None:
+        url, context = f"http://{endpoint}/health", None
+    else:
+        url, context = f"https://{endpoint}/health", _client_context(client)
+    with contextlib.suppress(OSError):
+        with urllib.request.urlopen(url, timeout=1, context=context) as response:  # noqa: S310
+            return b'"health":"true"' in response.read()
+    return False
+
+
+def sync_channel(
+    target: str, security: Security, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A blocking channel with this identity (for probes and CLI calls)."""
+    options = list(options)
+    if security.files is None:
+        return grpc.insecure_channel(target, options=options)
+    material = load_material(security.files)
+    return grpc.secure_channel(target, channel_credentials(material), options=options)
+
+
+def wait_serving(target: str, security: Security, service: str = "", timeout: float = 30.0) -> None:
     """Block until the gRPC health check of `service` at `target` is SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with sync_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

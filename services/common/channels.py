@@ -1,5 +1,6 @@
-"""Client channels between Baton services: keepalive, bounded calls, and
-round-robin over every replica of the callee with retries of idempotent calls.
+"""Client channels between Baton services: TLS with this process's identity
+(services/common/tls.py), keepalive, bounded calls, and round-robin over
+every replica of the callee with retries of idempotent calls.
 
 An address setting names one or more replicas (`grpc_target`): `host:port`;
 several `ip:port` separated by commas; or any gRPC target with a scheme, such
@@ -25,6 +26,8 @@ import json
 from collections.abc import Iterable
 
 import grpc
+
+from services.common.tls import Security, open_secure_channel
 
 DEFAULT_CALL_TIMEOUT = 10.0
 
@@ -111,11 +114,15 @@ def service_config(service: str, idempotent: Iterable[str] = ()) -> str:
 
 
 def open_channel(
-    addresses: str, service: str = "", idempotent: Iterable[str] = ()
+    addresses: str, security: Security, service: str = "", idempotent: Iterable[str] = ()
 ) -> grpc.aio.Channel:
-    """A channel to every replica `addresses` names (see `grpc_target`);
-    with `service`, balanced and retried as `service_config` says."""
+    """A channel to every replica `addresses` names (see `grpc_target`) with
+    this process's identity (TLS, following certificate rotations; plaintext
+    when so configured); with `service`, balanced and retried as
+    `service_config` says. With TLS, each replica's certificate must name the
+    host the target names (for `ip:port` lists, their IP; for `dns:///name`,
+    the name)."""
     options = list(_OPTIONS)
     if service:
         options.append(("grpc.service_config", service_config(service, idempotent)))
-    return grpc.aio.insecure_channel(grpc_target(addresses), options=options)
+    return open_secure_channel(grpc_target(addresses), security, options)

@@ -30,6 +30,7 @@ from services.common import ids
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
+from services.common.tls import Security
 
 _T = TypeVar("_T")
 
@@ -119,14 +120,18 @@ async def _stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[object]:
 
 class _Client:
     """`target`: one address, several comma-separated, or a `dns:///` name
-    (see `channels.grpc_target`)."""
+    (see `channels.grpc_target`); `security`: this process's identity, which
+    the server checks against its roles."""
 
     service = ""
     idempotent: frozenset[str] = frozenset()
 
-    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
         self.target = target
-        self.channel = open_channel(target, self.service, self.idempotent)
+        self.security = security
+        self.channel = open_channel(target, security, self.service, self.idempotent)
         self.timeout = timeout
 
     async def close(self) -> None:
@@ -137,8 +142,10 @@ class HooksClient(_Client):
     service = HOOKS_SERVICE
     idempotent = HOOKS_IDEMPOTENT
 
-    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-        super().__init__(target, timeout)
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
+        super().__init__(target, timeout, security=security)
         self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
 
     async def create_session(
@@ -272,8 +279,10 @@ class AnchorClient(_Client):
     service = ANCHOR_SERVICE
     idempotent = ANCHOR_IDEMPOTENT
 
-    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-        super().__init__(target, timeout)
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
+        super().__init__(target, timeout, security=security)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> anchor_pb.CommitStepResponse:
@@ -331,8 +340,10 @@ class OwnerClient(_Client):
     service = OWNER_SERVICE
     idempotent = OWNER_IDEMPOTENT
 
-    def __init__(self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
-        super().__init__(target, timeout)
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
+        super().__init__(target, timeout, security=security)
         self.stub = owner_pb2_grpc.OwnerServiceStub(self.channel)
 
     async def start_session(

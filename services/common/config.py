@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.channels import grpc_target
+from services.common.tls import DEFAULT_CHECK_SECONDS, Security
 
 
 class ConfigError(ValueError):
@@ -21,6 +22,8 @@ class Setting:
     env: str
     help: str
     default: str | None = None
+    # A flag without a value (its presence means "1"); env takes 1/0.
+    switch: bool = False
 
     @property
     def dest(self) -> str:
@@ -28,9 +31,62 @@ class Setting:
 
 
 LISTEN = "--listen"
+TLS_SETTINGS = (
+    Setting(
+        "--tls-cert",
+        "BATON_TLS_CERT",
+        "PEM certificate of this process, naming its role in a spiffe://baton/ URI SAN",
+        "",
+    ),
+    Setting("--tls-key", "BATON_TLS_KEY", "PEM private key of --tls-cert", ""),
+    Setting("--tls-ca", "BATON_TLS_CA", "PEM CA bundle that peers' certificates must chain to", ""),
+    Setting(
+        "--plaintext",
+        "BATON_PLAINTEXT",
+        "no TLS: local development only; binds loopback addresses only",
+        "0",
+        switch=True,
+    ),
+    Setting(
+        "--tls-ip-server-name",
+        "BATON_TLS_IP_SERVER_NAME",
+        "name that servers dialled by IP address (other deployments' owners, at the address "
+        "they registered) are verified against; their certificates carry it (default: the IP)",
+        "",
+    ),
+    Setting(
+        "--tls-reload-seconds",
+        "BATON_TLS_RELOAD_SECONDS",
+        "how often clients check the certificate files for a rotation (SIGHUP: at once)",
+        str(int(DEFAULT_CHECK_SECONDS)),
+    ),
+)
+CAPACITY_SETTINGS = (
+    Setting(
+        "--max-concurrent-rpcs",
+        "BATON_MAX_CONCURRENT_RPCS",
+        "unary calls served at once; more get RESOURCE_EXHAUSTED with retry info",
+        "2000",
+    ),
+    Setting(
+        "--max-concurrent-streams",
+        "BATON_MAX_CONCURRENT_STREAMS",
+        "server streams open at once; more get RESOURCE_EXHAUSTED with retry info",
+        "100000",
+    ),
+)
 COMMON_SETTINGS = (
     Setting("--log-level", "BATON_LOG_LEVEL", "debug|info|warning|error", "info"),
+    Setting(
+        "--health-listen",
+        "BATON_HEALTH_LISTEN",
+        "host:port of a plaintext listener serving only grpc.health.v1, for probes that "
+        "cannot speak TLS (Kubernetes' gRPC probes); empty: none",
+        "",
+    ),
     Setting("--grace", "BATON_SHUTDOWN_GRACE", "graceful shutdown period, seconds", "5"),
+    *TLS_SETTINGS,
+    *CAPACITY_SETTINGS,
 )
 ETCD_SETTINGS = (
     Setting(
@@ -41,7 +97,74 @@ ETCD_SETTINGS = (
     ),
     Setting("--etcd-prefix", "BATON_ETCD_PREFIX", "root key prefix in etcd", "/baton/"),
     Setting("--etcd-timeout", "BATON_ETCD_TIMEOUT", "timeout of each etcd call, seconds", "5"),
+    Setting(
+        "--etcd-cert",
+        "BATON_ETCD_CERT",
+        "client certificate for etcd; its CN is the etcd user (default --tls-cert)",
+        "",
+    ),
+    Setting("--etcd-key", "BATON_ETCD_KEY", "key of --etcd-cert (default --tls-key)", ""),
+    Setting("--etcd-ca", "BATON_ETCD_CA", "CA bundle of etcd's certificate (default --tls-ca)", ""),
+    Setting(
+        "--etcd-plaintext",
+        "BATON_ETCD_PLAINTEXT",
+        "reach etcd without TLS (implied by --plaintext unless --etcd-ca is set)",
+        "0",
+        switch=True,
+    ),
 )
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Calls a server runs at once; more are refused with RESOURCE_EXHAUSTED
+    and RetryInfo (nothing is accepted). Unary calls and server streams are
+    counted apart: a hooks server holds one inbox stream per live session.
+
+    (Not grpc.aio's `maximum_concurrent_rpcs`: its limiter lets every call
+    through after the first refusals, grpc/grpc#41531, and its refusal has
+    no reason or retry info.)"""
+
+    max_unary: int = 2000
+    max_streams: int = 100_000
+    retry_after: float = 0.1
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, str]) -> Capacity:
+        return cls(
+            max_unary=as_int(values, "max_concurrent_rpcs", minimum=1),
+            max_streams=as_int(values, "max_concurrent_streams", minimum=1),
+        )
+
+
+def as_switch(values: Mapping[str, str], key: str) -> bool:
+    value = values[key].strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{key} must be 1 or 0, got {values[key]!r}")
+
+
+def security_from_values(values: Mapping[str, str]) -> Security:
+    """TLS from the three files, or plaintext when explicitly asked for;
+    anything else fails fast."""
+    files = (values["tls_cert"], values["tls_key"], values["tls_ca"])
+    check = as_float(values, "tls_reload_seconds", minimum=0.1)
+    if as_switch(values, "plaintext"):
+        if any(files) or values["tls_ip_server_name"]:
+            raise ConfigError(
+                "--plaintext and --tls-cert/--tls-key/--tls-ca/--tls-ip-server-name exclude "
+                "each other"
+            )
+        return Security.plaintext()
+    if not all(files):
+        raise ConfigError(
+            "TLS needs --tls-cert, --tls-key and --tls-ca (env BATON_TLS_CERT, BATON_TLS_KEY, "
+            "BATON_TLS_CA); for local development without TLS pass --plaintext "
+            "(BATON_PLAINTEXT=1)"
+        )
+    return Security.tls(*files, check_every=check, ip_server_name=values["tls_ip_server_name"])
 
 
 def read_settings(
@@ -54,7 +177,12 @@ def read_settings(
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(prog=prog)
     for s in settings:
-        parser.add_argument(s.flag, dest=s.dest, help=f"{s.help} (env {s.env})")
+        if s.switch:
+            parser.add_argument(
+                s.flag, dest=s.dest, action="store_const", const="1", help=f"{s.help} (env {s.env})"
+            )
+        else:
+            parser.add_argument(s.flag, dest=s.dest, help=f"{s.help} (env {s.env})")
     args = parser.parse_args(argv)
     values: dict[str, str] = {}
     for s in settings:
@@ -112,9 +240,14 @@ class EtcdConfig:
     endpoint: str
     prefix: str
     timeout: float
+    # TLS to etcd with a client certificate (its CN is the etcd user), or
+    # plaintext.
+    security: Security
 
     @classmethod
-    def from_values(cls, values: Mapping[str, str]) -> EtcdConfig:
+    def from_values(cls, values: Mapping[str, str], service: Security) -> EtcdConfig:
+        """etcd's TLS defaults to the service's own identity; plaintext only
+        with --etcd-plaintext, or with --plaintext and no --etcd-ca."""
         # Not at the top: etcd.py imports aetcd, which ingress and owner never need.
         from services.common.etcd import etcd_target
 
@@ -122,8 +255,18 @@ class EtcdConfig:
             etcd_target(values["etcd"])
         except ValueError as exc:
             raise ConfigError(f"etcd: {exc}") from exc
+        ca = values["etcd_ca"] or (service.files.ca if service.files else "")
+        if as_switch(values, "etcd_plaintext") or not ca:
+            security = Security.plaintext()
+        else:
+            cert = values["etcd_cert"] or (service.files.cert if service.files else "")
+            key = values["etcd_key"] or (service.files.key if service.files else "")
+            if not cert or not key:
+                raise ConfigError("etcd TLS needs --etcd-cert and --etcd-key (or --tls-cert/key)")
+            security = Security.tls(cert, key, ca)
         return cls(
             endpoint=values["etcd"],
             prefix=as_prefix(values["etcd_prefix"]),
             timeout=as_float(values, "etcd_timeout", minimum=0.1),
+            security=security,
         )

@@ -32,13 +32,17 @@ class BatonError(Exception):
     """Base of every Baton error: a kind, a reason and a message."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
-    retryable: ClassVar[bool] = False
+    retryable: bool = False
 
-    def __init__(self, reason: str, message: str, **metadata: str) -> None:
+    def __init__(
+        self, reason: str, message: str, *, retry_after: float | None = None, **metadata: str
+    ) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
         self.metadata = metadata
+        # Seconds after which a retry may succeed (sent as google.rpc.RetryInfo).
+        self.retry_after = retry_after
 
 
 class InvalidArgument(BatonError):
@@ -83,7 +87,18 @@ class Unavailable(BatonError):
 
 
 class ResourceExhausted(BatonError):
+    """A limit was hit; nothing was accepted. Retryable when the server said
+    when (`retry_after`, from google.rpc.RetryInfo); a message over gRPC's
+    size limit (no retry info) is not."""
+
     kind = ErrorKind.RESOURCE_EXHAUSTED
+
+    def __init__(
+        self, reason: str, message: str, *, retry_after: float | None = None, **metadata: str
+    ) -> None:
+        super().__init__(reason, message, **metadata)
+        self.retry_after = retry_after
+        self.retryable = retry_after is not None
 
 
 class DeadlineExceeded(BatonError):
@@ -159,6 +174,14 @@ class Reason:
     CHECKPOINT_INCOMPATIBLE = "CHECKPOINT_INCOMPATIBLE"
     SESSION_NOT_IDLE = "SESSION_NOT_IDLE"
     TRANSFER_NOT_FOUND = "TRANSFER_NOT_FOUND"
+    MALFORMED_REQUEST = "MALFORMED_REQUEST"
+    NO_CLIENT_IDENTITY = "NO_CLIENT_IDENTITY"
+    ROLE_NOT_ALLOWED = "ROLE_NOT_ALLOWED"
+    RPC_NOT_ALLOWED = "RPC_NOT_ALLOWED"
+    DEPLOYMENT_NOT_ALLOWED = "DEPLOYMENT_NOT_ALLOWED"
+    RATE_LIMITED = "RATE_LIMITED"
+    TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+    SERVER_BUSY = "SERVER_BUSY"
     UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE"
     TIMEOUT = "TIMEOUT"
     INTERNAL = "INTERNAL"

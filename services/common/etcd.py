@@ -11,6 +11,7 @@ import aetcd
 import grpc
 import structlog
 from aetcd import rpc
+from aetcd import watcher as aetcd_watcher
 from grpc.aio import AioRpcError
 
 from services.common.channels import grpc_target
@@ -23,6 +24,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tasks import mark_retrieved
+from services.common.tls import Security, channel_credentials, load_material, tls_options
 
 log = structlog.get_logger("baton.etcd")
 
@@ -83,16 +85,21 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 def etcd_target(endpoints: str) -> str:
     """The gRPC target of one etcd endpoint or of every member's, comma-
-    separated (`http://` is ignored; see `channels.grpc_target`)."""
-    parts = [part.strip().removeprefix("http://") for part in endpoints.split(",")]
+    separated (`http://` and `https://` are ignored; see `channels.grpc_target`)."""
+    parts = [
+        part.strip().removeprefix("http://").removeprefix("https://")
+        for part in endpoints.split(",")
+    ]
     if len(parts) == 1:  # the name as given; `localhost` may resolve to [::1] first
         host, port = parse_endpoint(parts[0])
         parts = [f"{'127.0.0.1' if host == 'localhost' else host}:{port}"]
     return grpc_target(",".join(parts))
 
 
-def make_client(endpoint: str, timeout: float) -> aetcd.Client:
-    """A client of one etcd member or of several (`endpoint` comma-separated).
+def make_client(endpoint: str, timeout: float, security: Security | None = None) -> aetcd.Client:
+    """A client of one etcd member or of several (`endpoint` comma-separated);
+    over TLS with this process's certificate when `security` says so (etcd
+    then takes the certificate's CN as its user).
 
     With several members the channel balances round-robin over them, as
     etcd's own Go client does: a member that dies fails the calls in flight
@@ -104,7 +111,49 @@ def make_client(endpoint: str, timeout: float) -> aetcd.Client:
     # aetcd dials f"{host}:{port}"; handing it the target split at its last
     # colon makes that any gRPC target, a multi-address one included.
     host, _, port = target.rpartition(":")
+    if security is not None and security.files is not None:
+        credentials = channel_credentials(load_material(security.files))
+        options.update(tls_options(target, []))
+        return TlsClient(credentials, host=host, port=int(port), timeout=timeout, options=options)
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
+
+
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hints)
+    """aetcd's client over a TLS channel. aetcd 1.0 only opens plaintext
+    channels; this opens the channel itself and uses aetcd's own stubs and
+    watcher on it, so the rest of aetcd (and `Store`, which calls the KV stub
+    directly) is unchanged. Auth is by client certificate: with etcd's
+    `--client-cert-auth` and auth enabled, etcd maps the certificate's common
+    name to its user, so there is no token to attach to (or refresh on) the
+    raw txn path, and no password to keep."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(
+                f"{self._host}:{self._port}",
+                self._credentials,
+                options=list(self._options.items()),
+            )
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd_watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 def store_unavailable(exc: BaseException) -> Unavailable:

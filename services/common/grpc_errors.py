@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -42,14 +42,39 @@ def status_code(err: e.BatonError) -> grpc.StatusCode:
     return _TO_CODE.get(err.kind, grpc.StatusCode.INTERNAL)
 
 
+# Bounds on what a status carries back: a default client refuses trailers
+# over 16 KiB, and a refusal must never echo a caller's oversize value.
+MAX_STATUS_MESSAGE = 1024
+MAX_METADATA_VALUE = 256
+MAX_METADATA_ENTRIES = 16
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
 def to_status(err: e.BatonError) -> grpc.Status:
-    """A rich status: code, message and one ErrorInfo with the reason."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=e.DOMAIN, metadata=err.metadata)
+    """A rich status: code, message, one ErrorInfo with the reason and, for a
+    retryable refusal that says when, a RetryInfo."""
+    metadata = {
+        _clip(k, 64): _clip(str(v), MAX_METADATA_VALUE)
+        for k, v in list(err.metadata.items())[:MAX_METADATA_ENTRIES]
+    }
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=e.DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
+    details = [detail]
+    if err.retry_after is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(max(err.retry_after, 0.0) * 1e9))
+        retry = any_pb2.Any()
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(retry)
     code = status_code(err)
     proto = status_pb2.Status(
-        code=getattr(code_pb2, code.name), message=err.message, details=[detail]
+        code=getattr(code_pb2, code.name),
+        message=_clip(err.message, MAX_STATUS_MESSAGE),
+        details=details,
     )
     return rpc_status.to_status(proto)
 
@@ -64,6 +89,7 @@ def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
         grpc.StatusCode.CANCELLED: e.Reason.UPSTREAM_UNAVAILABLE,
     }.get(code, e.Reason.INTERNAL)
     metadata: dict[str, str] = {}
+    retry_after: float | None = None
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]
     except (ValueError, AttributeError):
@@ -75,10 +101,14 @@ def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
                 detail.Unpack(info)
                 reason = info.reason
                 metadata = dict(info.metadata)
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_after = retry.retry_delay.ToNanoseconds() / 1e9
     cls = _FROM_CODE.get(code, e.Internal)
     if reason == e.Reason.FENCED:
         return e.Fenced(details or "fenced", **metadata)
-    return cls(reason, details or code.name, **metadata)
+    return cls(reason, details or code.name, retry_after=retry_after, **metadata)
 
 
 def error_reason(exc: grpc.RpcError) -> str:

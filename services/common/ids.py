@@ -21,6 +21,17 @@ _ID_RE = re.compile(r"^[A-Za-z0-9._:@+=-]{1,128}$")
 _DEPLOYMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+BRIEF_CHARS = 40
+
+
+def brief(value: str, limit: int = BRIEF_CHARS) -> str:
+    """A bad value as an error message may quote it: its repr, cut to a short
+    prefix (and its length) so a refusal never echoes an oversize input."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _b32(data: bytes) -> str:
     return base64.b32encode(data).decode().lower().rstrip("=")
 
@@ -82,7 +93,7 @@ def validate_session_id(session_id: str) -> str:
     if not _SESSION_RE.match(session_id):
         raise InvalidArgument(
             Reason.INVALID_SESSION_ID,
-            f"session id {session_id!r} is not of the form ses_<26 base32 chars>",
+            f"session id {brief(session_id)} is not of the form ses_<26 base32 chars>",
         )
     return session_id
 
@@ -90,7 +101,7 @@ def validate_session_id(session_id: str) -> str:
 def validate_channel(channel: str) -> str:
     if not _CHANNEL_RE.match(channel) or channel == INBOX_NAMESPACE:
         raise InvalidArgument(
-            Reason.INVALID_FIELD, f"channel {channel!r} must match {_CHANNEL_RE.pattern}"
+            Reason.INVALID_FIELD, f"channel {brief(channel)} must match {_CHANNEL_RE.pattern}"
         )
     return channel
 
@@ -99,7 +110,7 @@ def validate_raw_token(raw: str) -> str:
     if not _RAW_TOKEN_RE.match(raw):
         raise InvalidArgument(
             Reason.INVALID_TOKEN,
-            f"token {raw!r} must be 1-200 characters of [A-Za-z0-9._@+=-]",
+            f"token {brief(raw)} must be 1-200 characters of [A-Za-z0-9._@+=-]",
         )
     return raw
 
@@ -109,7 +120,7 @@ def split_token(token: str) -> tuple[str, str]:
     namespace, sep, raw = token.partition(":")
     if not sep or not _CHANNEL_RE.match(namespace):
         raise InvalidArgument(
-            Reason.INVALID_TOKEN, f"token {token!r} must be <namespace>:<raw token>"
+            Reason.INVALID_TOKEN, f"token {brief(token)} must be <namespace>:<raw token>"
         )
     if namespace == INBOX_NAMESPACE:
         validate_session_id(raw)
@@ -122,7 +133,7 @@ def validate_id(value: str, field: str) -> str:
     if not _ID_RE.match(value):
         raise InvalidArgument(
             Reason.INVALID_FIELD,
-            f"{field} {value!r} must be 1-128 characters of [A-Za-z0-9._:@+=-]",
+            f"{field} {brief(value)} must be 1-128 characters of [A-Za-z0-9._:@+=-]",
         )
     return value
 
@@ -139,6 +150,6 @@ def validate_deployment_id(deployment_id: str) -> str:
     if not _DEPLOYMENT_RE.match(deployment_id):
         raise InvalidArgument(
             Reason.INVALID_DEPLOYMENT_ID,
-            f"deployment id {deployment_id!r} must match {_DEPLOYMENT_RE.pattern}",
+            f"deployment id {brief(deployment_id)} must match {_DEPLOYMENT_RE.pattern}",
         )
     return deployment_id

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+MAX_LOGGED_CHARS = 512
+
+
+def clip_values(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """No log line carries an oversize value a caller sent (a 20,000
+    character id is logged as its prefix and length)."""
+    for key, value in event.items():
+        if isinstance(value, str) and len(value) > MAX_LOGGED_CHARS and key != "exception":
+            event[key] = f"{value[:MAX_LOGGED_CHARS]}... ({len(value)} characters)"
+    return event
 
 
 def configure_logging(level: str = "info") -> None:
@@ -25,6 +37,7 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            clip_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

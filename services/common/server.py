@@ -1,8 +1,10 @@
 """One grpc.aio server bootstrap for every Baton service.
 
-Health (overall and per service), reflection, a logging/error interceptor that
-binds request ids and maps domain errors through `grpc_errors`, and graceful
-shutdown on SIGTERM/SIGINT within a bounded grace period.
+TLS (mutual for internal services) or explicit loopback plaintext, health
+(overall and per service), reflection, one interceptor (caller identity and
+the per-RPC role table, a cap on concurrent calls, request decoding, error
+mapping through `grpc_errors`, one log line per call), graceful shutdown on
+SIGTERM/SIGINT within a bounded grace period, and reload on SIGHUP.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import errors
+from services.common import access, errors, identity
+from services.common.config import Capacity, ConfigError
 from services.common.grpc_errors import status_code, to_status
+from services.common.identity import Caller, Role
 from services.common.ids import new_request_id
+from services.common.tls import (
+    CertificateWatcher,
+    Security,
+    is_loopback,
+    request_reload,
+    server_credentials,
+)
 
 log = structlog.get_logger("baton.server")
 
@@ -50,13 +61,64 @@ def _request_id(details: grpc.HandlerCallDetails) -> str:
     return new_request_id()
 
 
-class LoggingInterceptor(grpc.aio.ServerInterceptor):
-    """Binds service/rpc/request ids, maps errors, logs one line per call."""
+class _Gate:
+    """Counts calls in flight against a `Capacity`."""
 
-    def __init__(self, service: str, deployment_id: str = "") -> None:
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.unary = 0
+        self.streams = 0
+
+    def refuse(self, what: str) -> errors.ResourceExhausted:
+        return errors.ResourceExhausted(
+            errors.Reason.SERVER_BUSY,
+            f"the server is at its limit of concurrent {what}; retry later",
+            retry_after=self.capacity.retry_after,
+        )
+
+
+def _decoder(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    if deserializer is None:
+        return lambda raw: raw
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - any decoder failure is the caller's bad body
+            raise errors.InvalidArgument(
+                errors.Reason.MALFORMED_REQUEST,
+                f"the request body does not decode as the method's message ({type(exc).__name__})",
+            ) from exc
+
+    return decode
+
+
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    """The one interceptor of every server. Per call, in this order:
+
+    1. binds service/rpc/request ids for the logs;
+    2. identifies the caller from its verified certificate and checks the
+       per-RPC role table (`services.common.access`; deny by default);
+    3. admits the call against the server's `Capacity`;
+    4. decodes the request body itself (gRPC hands over raw bytes), so an
+       undecodable body is INVALID_ARGUMENT/MALFORMED_REQUEST, not UNKNOWN;
+    5. maps domain errors to statuses with ErrorInfo (anything unmapped is
+       INTERNAL) and writes one log line per call.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        deployment_id: str = "",
+        *,
+        verify_callers: bool = True,
+        capacity: Capacity | None = None,
+    ) -> None:
         self._context = {"service": service}
         if deployment_id:
             self._context["deployment_id"] = deployment_id
+        self._verify = verify_callers
+        self._gate = _Gate(capacity or Capacity())
 
     async def intercept_service(
         self,
@@ -64,16 +126,152 @@ class LoggingInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(_QUIET_PREFIXES):
+        if handler is None:
             return handler
-        request_id = _request_id(handler_call_details)
-        bound = dict(self._context, rpc=method, request_id=request_id)
+        method = handler_call_details.method
+        allowed = access.allowed_roles(method)
+        if allowed == access.ANY and method.startswith(_QUIET_PREFIXES):
+            return handler  # health and reflection: no per-call work
+        call = _Call(
+            dict(self._context, rpc=method, request_id=_request_id(handler_call_details)),
+            allowed,
+            self._verify,
+            self._gate,
+        )
+        decode = _decoder(handler.request_deserializer)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, bound))
+            return handler._replace(
+                request_deserializer=None, unary_unary=call.unary(handler.unary_unary, decode)
+            )
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, bound))
-        return handler
+            return handler._replace(
+                request_deserializer=None, unary_stream=call.stream(handler.unary_stream, decode)
+            )
+        if allowed == access.ANY:
+            return handler
+        # Client-streaming methods are not part of Baton's API; never serve
+        # one that has no open entry.
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=call.denied)
+        return handler._replace(stream_stream=call.denied)
+
+
+class _Call:
+    """What the interceptor knows about one call before it runs."""
+
+    __slots__ = ("bound", "allowed", "verify", "gate")
+
+    def __init__(
+        self,
+        bound: dict[str, str],
+        allowed: frozenset[Role] | None,
+        verify: bool,
+        gate: _Gate,
+    ) -> None:
+        self.bound = bound
+        self.allowed = allowed
+        self.verify = verify
+        self.gate = gate
+
+    def admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Identify the caller and check the table (raises when refused)."""
+        allowed = self.allowed
+        if allowed is None:
+            raise errors.PermissionDenied(
+                errors.Reason.RPC_NOT_ALLOWED, "this RPC has no entry in the access table"
+            )
+        if not self.verify:
+            identity.bind(Caller.UNVERIFIED)
+            return
+        if Role.PUBLIC in allowed:
+            identity.bind(PUBLIC_CALLER)
+            return
+        caller = Caller.from_peer(context.peer_identities())
+        if not caller.has(allowed):
+            raise errors.PermissionDenied(
+                errors.Reason.ROLE_NOT_ALLOWED,
+                f"a certificate of role {caller.describe()} may not call this RPC",
+            )
+        identity.bind(caller)
+        structlog.contextvars.bind_contextvars(caller=caller.describe())
+
+    async def denied(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        structlog.contextvars.bind_contextvars(**self.bound)
+        _log_call("PERMISSION_DENIED", errors.Reason.RPC_NOT_ALLOWED, time.perf_counter())
+        await _abort(
+            context,
+            errors.PermissionDenied(
+                errors.Reason.RPC_NOT_ALLOWED, "this RPC has no entry in the access table"
+            ),
+        )
+
+    def unary(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
+        gate = self.gate
+
+        async def wrapped(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            structlog.contextvars.bind_contextvars(**self.bound)
+            start = time.perf_counter()
+            code = "OK"
+            reason = ""
+            admitted = False
+            try:
+                self.admit(context)
+                if gate.unary >= gate.capacity.max_unary:
+                    raise gate.refuse("calls")
+                gate.unary += 1
+                admitted = True
+                return await behavior(decode(raw), context)
+            except errors.BatonError as exc:
+                code, reason = status_code(exc).name, exc.reason
+                await _abort(context, exc)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
+                code, reason = "INTERNAL", errors.Reason.INTERNAL
+                await _abort(context, exc)
+            finally:
+                if admitted:
+                    gate.unary -= 1
+                _log_call(code, reason, start)
+
+        return wrapped
+
+    def stream(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
+        gate = self.gate
+
+        async def wrapped(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            structlog.contextvars.bind_contextvars(**self.bound)
+            start = time.perf_counter()
+            code = "OK"
+            reason = ""
+            admitted = False
+            try:
+                self.admit(context)
+                if gate.streams >= gate.capacity.max_streams:
+                    raise gate.refuse("streams")
+                gate.streams += 1
+                admitted = True
+                async for item in behavior(decode(raw), context):
+                    yield item
+            except errors.BatonError as exc:
+                code, reason = status_code(exc).name, exc.reason
+                await _abort(context, exc)
+            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
+                code, reason = "INTERNAL", errors.Reason.INTERNAL
+                await _abort(context, exc)
+            finally:
+                if admitted:
+                    gate.streams -= 1
+                _log_call(code, reason, start)
+
+        return wrapped
+
+
+PUBLIC_CALLER = Caller(role=Role.PUBLIC)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -84,53 +282,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         err = errors.Internal(errors.Reason.INTERNAL, "internal error")
     status = to_status(err)
     await context.abort(status.code, status.details, status.trailing_metadata)
-
-
-def _wrap_unary(behavior: Any, bound: dict[str, str]) -> Any:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        structlog.contextvars.bind_contextvars(**bound)
-        start = time.perf_counter()
-        code = "OK"
-        reason = ""
-        try:
-            return await behavior(request, context)
-        except errors.BatonError as exc:
-            code, reason = status_code(exc).name, exc.reason
-            await _abort(context, exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            code = "CANCELLED"
-            raise
-        except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
-            code, reason = "INTERNAL", errors.Reason.INTERNAL
-            await _abort(context, exc)
-        finally:
-            _log_call(code, reason, start)
-
-    return wrapped
-
-
-def _wrap_stream(behavior: Any, bound: dict[str, str]) -> Any:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        structlog.contextvars.bind_contextvars(**bound)
-        start = time.perf_counter()
-        code = "OK"
-        reason = ""
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except errors.BatonError as exc:
-            code, reason = status_code(exc).name, exc.reason
-            await _abort(context, exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
-            code, reason = "INTERNAL", errors.Reason.INTERNAL
-            await _abort(context, exc)
-        finally:
-            _log_call(code, reason, start)
-
-    return wrapped
 
 
 def _log_call(code: str, reason: str, start: float) -> None:
@@ -150,15 +301,34 @@ class GrpcServer:
     port: int
     service_names: Sequence[str]
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Run on SIGHUP, after certificate watchers were told to re-check (e.g.
+    # ingress re-reads its API keys).
+    on_reload: list[Callable[[], object]] = field(default_factory=list)
     # The service's root object (e.g. the owner host), for in-process tests.
     app: object = None
     # Supervised loops that run while the server serves (e.g. store health,
     # sweeps); cancelled before `on_stop`.
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The server's certificate files, when serving TLS.
+    certificates: CertificateWatcher | None = None
+    # The plaintext health-only listener (`--health-listen`), if any: the
+    # same health statuses, nothing else.
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
+
+    def reload(self) -> None:
+        """What SIGHUP does: re-read certificates and reloadable settings."""
+        request_reload()
+        if self.certificates is not None:
+            self.certificates.refresh()
+        for callback in self.on_reload:
+            callback()
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(True)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(run()) for run in self.background]
@@ -180,6 +350,8 @@ class GrpcServer:
         self._tasks = []
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for callback in reversed(self.on_stop):
             await callback()
 
@@ -189,12 +361,39 @@ def build_server(
     bindings: Sequence[ServiceBinding],
     *,
     service: str,
+    security: Security,
+    client_certificates: bool = True,
     deployment_id: str = "",
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    capacity: Capacity | None = None,
+    health_listen: str = "",
 ) -> GrpcServer:
-    """Assemble a server: interceptor, services, health, reflection, port."""
+    """Assemble a server: interceptor, services, health, reflection, port.
+
+    With TLS, `client_certificates` (hooks, anchor, owner) makes the
+    handshake demand a certificate from the CA bundle and the interceptor
+    check each call's role; without it (ingress) any TLS client may connect
+    and only RPCs open to the public are served. Plaintext must be asked for
+    and binds only loopback addresses.
+
+    `health_listen` adds a plaintext listener that serves grpc.health.v1 and
+    nothing else, with the same statuses, on any address: Kubernetes' gRPC
+    probes cannot speak TLS. Health says SERVING or NOT_SERVING per service
+    name and carries no data; the API stays behind TLS."""
+    if not security.is_tls and not is_loopback(listen):
+        raise ConfigError(
+            f"{service}: refusing to serve plaintext on {listen}: plaintext is for "
+            "local development on a loopback address; configure --tls-cert/--tls-key/--tls-ca"
+        )
     server = grpc.aio.server(
-        interceptors=[LoggingInterceptor(service, deployment_id)],
+        interceptors=[
+            CallInterceptor(
+                service,
+                deployment_id,
+                verify_callers=security.is_tls,
+                capacity=capacity,
+            )
+        ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -221,10 +420,31 @@ def build_server(
         ],
         server,
     )
-    port = server.add_insecure_port(listen)
+    watcher: CertificateWatcher | None = None
+    if security.is_tls:
+        credentials, watcher = server_credentials(security, require_client_auth=client_certificates)
+        port = server.add_secure_port(listen, credentials)
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"could not bind {listen}")
-    return GrpcServer(server=server, health=health_servicer, port=port, service_names=names)
+    health_server: grpc.aio.Server | None = None
+    health_port = 0
+    if health_listen:
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(health_listen)
+        if health_port == 0:
+            raise RuntimeError(f"could not bind {health_listen}")
+    return GrpcServer(
+        server=server,
+        health=health_servicer,
+        port=port,
+        service_names=names,
+        certificates=watcher,
+        health_server=health_server,
+        health_port=health_port,
+    )
 
 
 async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
@@ -233,12 +453,29 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(server))
     await server.start()
-    log.info("serving", port=server.port, services=list(server.service_names))
+    log.info(
+        "serving",
+        port=server.port,
+        services=list(server.service_names),
+        **({"health_port": server.health_port} if server.health_server else {}),
+    )
     await stop.wait()
     log.info("shutting down", grace_s=grace)
     await server.stop(grace)
     log.info("stopped")
+
+
+def _reloader(server: GrpcServer) -> Callable[[], None]:
+    def reload() -> None:
+        log.info("SIGHUP: reloading certificates and settings")
+        try:
+            server.reload()
+        except Exception:  # noqa: BLE001 - a bad reload keeps the old settings
+            log.exception("reload failed; keeping the previous settings")
+
+    return reload
 
 
 class _ServiceConfig(Protocol):
@@ -251,7 +488,6 @@ class _ServiceConfig(Protocol):
 
 def run_main(load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]]) -> None:
     """The `python -m services.<name>` entry: config, logging, serve, exit."""
-    from services.common.config import ConfigError
     from services.common.logs import configure_logging
 
     try:
@@ -264,4 +500,7 @@ def run_main(load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer
         server = await create(config)
         await run_until_signalled(server, grace=config.grace)
 
-    asyncio.run(_serve())
+    try:
+        asyncio.run(_serve())
+    except ConfigError as exc:
+        sys.exit(str(exc))

@@ -8,19 +8,26 @@ from dataclasses import dataclass
 from services.common.config import (
     COMMON_SETTINGS,
     ETCD_SETTINGS,
+    Capacity,
     EtcdConfig,
     Setting,
     as_float,
     read_settings,
+    security_from_values,
 )
+from services.common.tls import Security
 
 
 @dataclass(frozen=True)
 class HooksConfig:
     listen: str
     etcd: EtcdConfig
+    tls: Security
     log_level: str = "info"
     grace: float = 5.0
+    capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @classmethod
     def load(
@@ -38,9 +45,13 @@ class HooksConfig:
             argv,
             environ,
         )
+        tls = security_from_values(values)
         return cls(
             listen=values["listen"],
-            etcd=EtcdConfig.from_values(values),
+            etcd=EtcdConfig.from_values(values, tls),
+            tls=tls,
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
+            capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

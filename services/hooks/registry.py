@@ -110,15 +110,22 @@ class OwnedSession:
 def check_tenant(namespace: str, record: TokenRecord, channel: str, token: str) -> None:
     """A channel may address only its own aliases and its own sessions.
 
-    An empty channel is an internal caller (an owner) and may address anything.
+    An empty channel addresses every tenant: the servicer lets only internal
+    callers (owners, by certificate) leave it empty. Another channel's alias
+    is refused as such (its namespace says so without a lookup), but another
+    channel's session id answers exactly like an unknown one (Google
+    AIP-211: no existence leak).
     """
     if not channel:
         return
-    owner_channel = record.channel if namespace == ids.INBOX_NAMESPACE else namespace
-    if owner_channel != channel:
+    if namespace == ids.INBOX_NAMESPACE:
+        if record.channel != channel:
+            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {record.session_id} not found")
+        return
+    if namespace != channel:
         raise PermissionDenied(
             Reason.CROSS_TENANT,
-            f"token {token!r} belongs to another channel",
+            f"token {ids.brief(token)} belongs to another channel",
             token=token,
         )
 

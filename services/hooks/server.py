@@ -5,6 +5,7 @@ from __future__ import annotations
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.common.etcd import Store, make_client
 from services.common.keys import Keys
+from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
@@ -17,12 +18,17 @@ SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full
 
 
 async def create_server(config: HooksConfig) -> GrpcServer:
-    store = Store(make_client(config.etcd.endpoint, config.etcd.timeout), config.etcd.timeout)
+    store = Store(
+        make_client(config.etcd.endpoint, config.etcd.timeout, config.etcd.security),
+        config.etcd.timeout,
+    )
     await store.connect()
     keys = Keys(config.etcd.prefix)
     registry = HookRegistry(store, keys)
     transfers = Transfers(store, keys, on_moved=registry.owner_moved)
-    servicer = HookRegistryServicer(registry, InstanceRegistry(store, keys), transfers)
+    servicer = HookRegistryServicer(
+        registry, InstanceRegistry(store, keys), transfers, DeploymentScope(store, keys)
+    )
     server = build_server(
         config.listen,
         [
@@ -32,6 +38,9 @@ async def create_server(config: HooksConfig) -> GrpcServer:
             )
         ],
         service="hooks",
+        security=config.tls,
+        capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
     server.app = registry

@@ -10,26 +10,52 @@ import structlog
 from baton.hooks.v1 import hooks_pb2 as pb
 from baton.hooks.v1 import hooks_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import identity, ids
+from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
 from services.common.keys import InstanceRecord
+from services.common.scope import DeploymentScope
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.transfer import Transfers
 
 
-def _require_fence(fence: object, present: bool) -> None:
+def _require_fence(fence: s.Fence, present: bool) -> None:
     if not present:
         raise InvalidArgument(Reason.MISSING_FIELD, "fence is required")
+    check_seq(fence.epoch, "fence.epoch")
+
+
+def _tenant_channel(channel: str) -> str:
+    """The channel a call addresses tokens as. Only internal callers (owners,
+    or anyone in plaintext mode) may leave it empty, which addresses every
+    channel; an ingress always names the tenant it authenticated."""
+    if not channel and not identity.current().internal:
+        raise InvalidArgument(Reason.MISSING_FIELD, "channel is required")
+    return channel
 
 
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
+    """Role checks are the interceptor's (services.common.access); here,
+    owners are held to their own deployment: they create, register, list,
+    take over and transfer (as successor) only within it, and fenced calls
+    must name a session of it (`DeploymentScope`)."""
+
     def __init__(
-        self, registry: HookRegistry, instances: InstanceRegistry, transfers: Transfers
+        self,
+        registry: HookRegistry,
+        instances: InstanceRegistry,
+        transfers: Transfers,
+        scope: DeploymentScope,
     ) -> None:
         self._registry = registry
         self._instances = instances
         self._transfers = transfers
+        self._scope = scope
+
+    async def _fenced(self, fence: s.Fence, present: bool) -> None:
+        _require_fence(fence, present)
+        await self._scope.check(identity.current(), fence)
 
     async def Transfer(
         self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
@@ -37,6 +63,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         for name in ("expected", "expected_owner", "successor"):
             if not request.HasField(name):
                 raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
+        identity.current().require_deployment(request.successor.deployment_id, "the successor")
+        check_seq(request.expected.epoch, "expected.epoch")
+        check_seq(request.trigger_seq, "trigger_seq")
+        check_seq(request.snapshot_revision, "snapshot_revision")
         structlog.contextvars.bind_contextvars(
             session_id=request.expected.session_id,
             run_id=request.expected.owner_run_id,
@@ -95,6 +125,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         if not request.HasField("owner"):
             raise InvalidArgument(Reason.MISSING_FIELD, "owner is required")
+        identity.current().require_deployment(request.owner.deployment_id, "the owner")
         fence, hooks, first = await self._registry.create_session(
             request.session_id,
             request.owner,
@@ -113,7 +144,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ClaimHooks(
         self, request: pb.ClaimHooksRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClaimHooksResponse:
-        _require_fence(request.fence, request.HasField("fence"))
+        await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
@@ -125,14 +156,15 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     ) -> pb.ResumeHookResponse:
         if not request.HasField("command"):
             raise InvalidArgument(Reason.MISSING_FIELD, "command is required")
-        receipt = await self._registry.resume(request.token, request.command, request.channel)
+        channel = _tenant_channel(request.channel)
+        receipt = await self._registry.resume(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
 
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupHookResponse:
-        record = await self._registry.lookup(request.token, request.channel)
+        record = await self._registry.lookup(request.token, _tenant_channel(request.channel))
         response = pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
         if record.parent:
             response.parent.ParseFromString(record.parent)
@@ -141,7 +173,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def DisposeHooks(
         self, request: pb.DisposeHooksRequest, context: grpc.aio.ServicerContext
     ) -> pb.DisposeHooksResponse:
-        _require_fence(request.fence, request.HasField("fence"))
+        await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
@@ -151,10 +183,11 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def StreamInbox(
         self, request: pb.StreamInboxRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamInboxResponse]:
-        _require_fence(request.fence, request.HasField("fence"))
+        await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
+        check_seq(request.from_seq, "from_seq")
         async for entries in self._registry.stream_inbox(request.fence, request.from_seq):
             yield pb.StreamInboxResponse(entries=entries)
 
@@ -166,6 +199,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
+        identity.current().require_deployment(request.deployment_id, "the instance")
         lease_id, ttl = await self._instances.register(
             request.deployment_id, request.instance_id, request.ttl_seconds, request.address
         )
@@ -193,6 +227,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.WatchInstancesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchInstancesResponse]:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
+        identity.current().require_deployment(request.deployment_id, "the deployment")
         async for change in self._instances.watch(request.deployment_id):
             yield pb.WatchInstancesResponse(
                 instances=[_instance_info(r) for r in change.live],
@@ -205,6 +240,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
+        identity.current().require_deployment(request.deployment_id, "the instance")
         owned = await self._registry.list_owned(request.deployment_id, request.instance_id)
         return pb.ListInstanceSessionsResponse(
             sessions=[
@@ -227,6 +263,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         _require_fence(request.expected, request.HasField("expected"))
         if not request.HasField("successor"):
             raise InvalidArgument(Reason.MISSING_FIELD, "successor is required")
+        identity.current().require_deployment(request.successor.deployment_id, "the successor")
         structlog.contextvars.bind_contextvars(
             session_id=request.expected.session_id, run_id=request.successor.owner_run_id
         )
@@ -240,10 +277,11 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def SetParked(
         self, request: pb.SetParkedRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetParkedResponse:
-        _require_fence(request.fence, request.HasField("fence"))
+        await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
+        check_seq(request.inbox_next_seq, "inbox_next_seq")
         head = await self._registry.set_parked(
             request.fence, request.parked, request.inbox_next_seq
         )

@@ -165,16 +165,17 @@ class Transfers:
         ]
         if head is not None:
             compare.append(cmp_value(k.inbox_head(sid), str(head).encode()))
+        old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
+        new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
+        moved_index = [op_put(new_index, fence_value(epoch, successor.owner_run_id))]
+        if old_index != new_index:  # (one txn may not name a key twice)
+            moved_index.insert(0, op_delete(old_index))
         response = await self._store.txn(
             compare,
             [
                 op_put(k.fence(sid), fence_value(epoch, successor.owner_run_id)),
                 op_put(k.owner(sid), record.encode()),
-                op_delete(k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)),
-                op_put(
-                    k.owned(successor.deployment_id, successor.instance_id, sid),
-                    fence_value(epoch, successor.owner_run_id),
-                ),
+                *moved_index,
                 op_delete(k.bell(expected_owner.instance_id, sid)),
                 op_put(k.transfer(sid, handoff_id), outcome.encode()),
             ],

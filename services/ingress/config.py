@@ -1,5 +1,5 @@
 """ingress configuration. Refuses to start without an exact deployment id or
-without API keys."""
+without an API key file (keys never come from argv or the environment)."""
 
 from __future__ import annotations
 
@@ -9,49 +9,41 @@ from dataclasses import dataclass
 from services.common.config import (
     ADDRESSES_HELP,
     COMMON_SETTINGS,
+    Capacity,
     ConfigError,
     Setting,
     as_addresses,
     as_float,
     as_int,
     read_settings,
+    security_from_values,
 )
 from services.common.errors import BatonError
-from services.common.ids import validate_channel, validate_deployment_id
-
-
-def parse_api_keys(spec: str) -> dict[str, str]:
-    """`channel=key,channel=key` -> {key: channel}."""
-    keys: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        channel, sep, key = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"API key entry {item!r} must be channel=key")
-        try:
-            validate_channel(channel)
-        except BatonError as exc:
-            raise ConfigError(exc.message) from exc
-        if len(key) < 8:
-            raise ConfigError(f"API key of channel {channel!r} is shorter than 8 characters")
-        if key in keys:
-            raise ConfigError(f"API key of channel {channel!r} is used by another channel")
-        keys[key] = channel
-    if not keys:
-        raise ConfigError("at least one API key is required (BATON_API_KEYS=channel=key,...)")
-    return keys
+from services.common.ids import validate_deployment_id
+from services.common.tls import Security
+from services.ingress.api_keys import ApiKeys
+from services.ingress.limits import ChannelLimits
 
 
 @dataclass(frozen=True)
 class IngressConfig:
     listen: str
     deployment_id: str
-    api_keys: dict[str, str]
+    # Channel API keys (hashes), reloaded from their file on SIGHUP.
+    api_keys: ApiKeys
     hooks: str
     anchor: str
     owner: str
+    # Serves TLS to gateways (no client certificate asked) and calls hooks,
+    # anchor and owner with this identity; or plaintext.
+    tls: Security
     max_message_bytes: int = 32 * 1024
     log_level: str = "info"
     grace: float = 5.0
+    limits: ChannelLimits = ChannelLimits()
+    capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @classmethod
     def load(
@@ -66,7 +58,11 @@ class IngressConfig:
                 Setting(
                     "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
                 ),
-                Setting("--api-keys", "BATON_API_KEYS", "channel=key[,channel=key...]"),
+                Setting(
+                    "--api-keys-file",
+                    "BATON_API_KEYS_FILE",
+                    "file of channel=sha256:<hex> (or channel=<key>) lines; re-read on SIGHUP",
+                ),
                 Setting(
                     "--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"
                 ),
@@ -85,6 +81,24 @@ class IngressConfig:
                     "largest message text",
                     "32768",
                 ),
+                Setting(
+                    "--max-follow-streams",
+                    "BATON_MAX_FOLLOW_STREAMS",
+                    "open following StreamEvents calls per channel (0 = no limit)",
+                    str(ChannelLimits.follow_streams),
+                ),
+                Setting(
+                    "--max-sends-per-second",
+                    "BATON_MAX_SENDS_PER_SECOND",
+                    "SendMessage + SendControl calls per second per channel (0 = no limit)",
+                    str(ChannelLimits.sends_per_second),
+                ),
+                Setting(
+                    "--max-sessions-per-minute",
+                    "BATON_MAX_SESSIONS_PER_MINUTE",
+                    "CreateSession calls per minute per channel (0 = no limit)",
+                    str(ChannelLimits.sessions_per_minute),
+                ),
                 *COMMON_SETTINGS,
             ),
             argv,
@@ -97,11 +111,19 @@ class IngressConfig:
         return cls(
             listen=values["listen"],
             deployment_id=deployment_id,
-            api_keys=parse_api_keys(values["api_keys"]),
+            api_keys=ApiKeys(values["api_keys_file"]),
             hooks=as_addresses(values, "hooks"),
             anchor=as_addresses(values, "anchor"),
             owner=as_addresses(values, "owner"),
+            tls=security_from_values(values),
             max_message_bytes=as_int(values, "max_message_bytes", minimum=1),
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
+            limits=ChannelLimits(
+                follow_streams=as_int(values, "max_follow_streams"),
+                sends_per_second=as_float(values, "max_sends_per_second"),
+                sessions_per_minute=as_float(values, "max_sessions_per_minute"),
+            ),
+            capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
+from services.common.bounds import check_seq, check_session_settings
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import (
     InvalidArgument,
@@ -17,10 +17,21 @@ from services.common.errors import (
     Reason,
     Unauthenticated,
 )
+from services.ingress.api_keys import ApiKeys
+from services.ingress.limits import ChannelBudget, ChannelLimits
 from services.ingress.orphans import OrphanWatch
 
 MAX_LABELS = 32
 MAX_LABEL_BYTES = 256
+MAX_ALIASES = ids.MAX_HOOKS_PER_SESSION
+MAX_INPUT_RESPONSES = 64
+
+
+def session_not_found(session_id: str) -> NotFound:
+    """The one answer for a session id the caller's channel cannot address,
+    whether it does not exist or belongs to another channel (Google AIP-211:
+    no existence leak; see README)."""
+    return NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
 
 
 class Edge:
@@ -29,15 +40,17 @@ class Edge:
     def __init__(
         self,
         deployment_id: str,
-        api_keys: Mapping[str, str],
+        api_keys: ApiKeys,
         hooks: HooksClient,
         anchor: AnchorClient,
         owner: OwnerClient,
         max_message_bytes: int,
         orphans: OrphanWatch | None = None,
+        limits: ChannelLimits | None = None,
     ) -> None:
         self.deployment_id = ids.validate_deployment_id(deployment_id)
-        self._api_keys = dict(api_keys)
+        self.api_keys = api_keys
+        self.budget = ChannelBudget(limits or ChannelLimits())
         self._hooks = hooks
         self._anchor = anchor
         self._owner = owner
@@ -57,10 +70,10 @@ class Edge:
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise Unauthenticated(Reason.INVALID_API_KEY, "authorization must be 'Bearer <key>'")
-        for known, channel in self._api_keys.items():
-            if hmac.compare_digest(known.encode(), key.strip().encode()):
-                return channel
-        raise Unauthenticated(Reason.INVALID_API_KEY, "unknown API key")
+        channel = self.api_keys.channel_of(key.strip())
+        if channel is None:
+            raise Unauthenticated(Reason.INVALID_API_KEY, "unknown API key")
+        return channel
 
     def alias_token(self, channel: str, alias: str) -> str:
         """A raw alias is namespaced by the caller's channel; a qualified one
@@ -96,12 +109,19 @@ class Edge:
             session_id = ids.session_id_for_request(channel, request_id)
         else:
             session_id = ids.new_session_id()
+        check_session_settings(timeout_seconds, token_budget)
+        if len(aliases) > MAX_ALIASES:
+            raise InvalidArgument(
+                Reason.TOO_MANY_HOOKS,
+                f"a session may hold at most {ids.MAX_HOOKS_PER_SESSION} addresses",
+            )
         tokens = list(dict.fromkeys(self.alias_token(channel, a) for a in aliases))
         if len(tokens) + 1 > ids.MAX_HOOKS_PER_SESSION:
             raise InvalidArgument(
                 Reason.TOO_MANY_HOOKS,
                 f"a session may hold at most {ids.MAX_HOOKS_PER_SESSION} addresses",
             )
+        self.budget.admit_create(channel)
         response = await self._owner.start_session(
             owner_pb.StartSessionRequest(
                 session_id=session_id,
@@ -145,6 +165,19 @@ class Edge:
     ) -> s.Command:
         """A send command, stamped with this ingress's deployment id."""
         responses = list(input_responses)
+        if len(responses) > MAX_INPUT_RESPONSES:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, f"at most {MAX_INPUT_RESPONSES} input responses"
+            )
+        for response in responses:
+            if response.request_id:
+                ids.validate_id(response.request_id, "input_responses.request_id")
+        if turn_policy not in (
+            s.TURN_POLICY_UNSPECIFIED,
+            s.TURN_POLICY_STEER,
+            s.TURN_POLICY_QUEUE,
+        ):
+            raise InvalidArgument(Reason.INVALID_FIELD, f"unknown turn_policy {int(turn_policy)}")
         if not text.strip() and not responses:
             raise InvalidArgument(Reason.EMPTY_MESSAGE, "the message text is empty")
         size = len(text.encode()) + sum(len(r.text.encode()) for r in responses)
@@ -199,6 +232,9 @@ class Edge:
         return command
 
     async def send(self, channel: str, token: str, command: s.Command) -> s.Receipt:
+        """Deliver (within the channel's send rate); a session id the channel
+        cannot address answers as if it did not exist."""
+        self.budget.admit_send(channel)
         receipt = await self._hooks.resume(token, command, channel)
         if self._orphans is not None:
             self._orphans.accepted(receipt)
@@ -216,15 +252,27 @@ class Edge:
             snapshot = await self._anchor.snapshot(session_id)
         except NotFound:
             # No commit yet (a child session commits session.started with its
-            # first turn): its inbox token names the tenant.
-            await self._hooks.lookup(ids.inbox_token(session_id), channel)
+            # first turn): its inbox token names the tenant (another
+            # channel's session is as unknown as a missing one, AIP-211).
+            try:
+                await self._hooks.lookup(ids.inbox_token(session_id), channel)
+            except NotFound:
+                raise session_not_found(session_id) from None
             return session_id
         if snapshot.channel != channel:
-            raise PermissionDenied(Reason.CROSS_TENANT, "the session belongs to another channel")
+            raise session_not_found(session_id)
         return session_id
 
     async def stream(
-        self, session_id: str, start_seq: int, follow: bool
+        self, channel: str, session_id: str, start_seq: int, follow: bool
     ) -> AsyncIterator[Sequence[s.Event]]:
-        async for response in self._anchor.read_events(session_id, start_seq, follow):
-            yield response.events
+        """The session's events; a following read holds one of the channel's
+        follow-stream slots while it is open."""
+        check_seq(start_seq, "start_seq")
+        if not follow:
+            async for response in self._anchor.read_events(session_id, start_seq, False):
+                yield response.events
+            return
+        with self.budget.follow_stream(channel):
+            async for response in self._anchor.read_events(session_id, start_seq, True):
+                yield response.events

@@ -14,9 +14,9 @@ SERVICE_NAME = ingress_pb2.DESCRIPTOR.services_by_name["IngressService"].full_na
 
 
 async def create_server(config: IngressConfig) -> GrpcServer:
-    hooks = HooksClient(config.hooks)
-    anchor = AnchorClient(config.anchor)
-    owner = OwnerClient(config.owner)
+    hooks = HooksClient(config.hooks, security=config.tls)
+    anchor = AnchorClient(config.anchor, security=config.tls)
+    owner = OwnerClient(config.owner, security=config.tls)
     orphans = OrphanWatch(config.deployment_id, hooks, owner)
     edge = Edge(
         config.deployment_id,
@@ -26,6 +26,7 @@ async def create_server(config: IngressConfig) -> GrpcServer:
         owner,
         config.max_message_bytes,
         orphans,
+        config.limits,
     )
     servicer = IngressServicer(edge)
     server = build_server(
@@ -37,9 +38,18 @@ async def create_server(config: IngressConfig) -> GrpcServer:
             )
         ],
         service="ingress",
+        security=config.tls,
+        # Gateways authenticate with API keys, not certificates.
+        client_certificates=False,
         deployment_id=config.deployment_id,
         max_message_bytes=1024 * 1024,
+        capacity=config.capacity,
+        health_listen=config.health_listen,
     )
+    server.on_reload.append(config.api_keys.reload)
+    # A key file updated in place (a Kubernetes secret volume) is re-read
+    # without a SIGHUP, as often as certificate files are checked.
+    server.background.append(lambda: config.api_keys.watch(config.tls.check_every))
     for client in (hooks, anchor, owner):
         server.on_stop.append(client.close)
     server.on_stop.append(orphans.close)

@@ -9,6 +9,7 @@ import structlog
 
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.ingress.v1 import ingress_pb2_grpc
+from services.common.bounds import check_seq
 from services.ingress.edge import Edge
 
 
@@ -81,7 +82,10 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamEventsResponse]:
         channel = self._channel(context)
+        check_seq(request.start_seq, "start_seq")  # validated before any lookup
         session_id = await self._edge.resolve_session(channel, request.session_id, request.alias)
         structlog.contextvars.bind_contextvars(session_id=session_id)
-        async for events in self._edge.stream(session_id, request.start_seq, request.follow):
+        async for events in self._edge.stream(
+            channel, session_id, request.start_seq, request.follow
+        ):
             yield pb.StreamEventsResponse(events=events)

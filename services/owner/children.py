@@ -97,7 +97,9 @@ class Children:
             instance_id, address = peers[zlib.crc32(child_session_id.encode()) % len(peers)]
             peer = self._peers.get(address)
             if peer is None:
-                peer = self._peers[address] = OwnerClient(address, timeout=START_CALL_SECONDS)
+                peer = self._peers[address] = OwnerClient(
+                    address, timeout=START_CALL_SECONDS, security=self._hooks.security
+                )
             try:
                 response = await peer.start_session(request)
                 return response.first_command_appended

@@ -11,15 +11,18 @@ from dataclasses import dataclass
 from services.common.config import (
     ADDRESSES_HELP,
     COMMON_SETTINGS,
+    Capacity,
     ConfigError,
     Setting,
     as_addresses,
     as_float,
     as_int,
     read_settings,
+    security_from_values,
 )
 from services.common.errors import BatonError
 from services.common.ids import validate_deployment_id
+from services.common.tls import Security
 
 DEFAULT_AGENT = "services.owner.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
@@ -33,6 +36,8 @@ class OwnerConfig:
     instance_id: str
     hooks: str
     anchor: str
+    # This instance's identity (serves and calls with it), or plaintext.
+    tls: Security
     agent: str = DEFAULT_AGENT
     log_level: str = "info"
     grace: float = 5.0
@@ -56,6 +61,9 @@ class OwnerConfig:
     # Failed runs of a session in a row (deterministic failures only) before
     # the session stalls (session.stalled on its stream).
     restart_budget: int = 5
+    capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
 
     @property
     def keepalive_every(self) -> float:
@@ -142,6 +150,7 @@ class OwnerConfig:
             instance_id=values["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
             hooks=as_addresses(values, "hooks"),
             anchor=as_addresses(values, "anchor"),
+            tls=security_from_values(values),
             agent=values["agent"],
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
@@ -152,4 +161,6 @@ class OwnerConfig:
             exit_on_lease_loss=True,
             snapshot_formats=formats,
             restart_budget=as_int(values, "restart_budget"),
+            capacity=Capacity.from_values(values),
+            health_listen=values["health_listen"],
         )

@@ -128,7 +128,9 @@ class HandoffBroker:
     def _peer(self, address: str) -> OwnerClient:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = OwnerClient(address, timeout=ACCEPT_CALL_SECONDS)
+            peer = self._peers[address] = OwnerClient(
+                address, timeout=ACCEPT_CALL_SECONDS, security=self.hooks.security
+            )
         return peer
 
     async def _instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:

@@ -47,17 +47,31 @@ DEFAULT_INSTRUCTIONS = (
 class ModelError(Exception):
     """A model call that failed: an HTTP error, a transport failure, or a bad reply.
 
-    `status` is the HTTP status when the server answered (None otherwise),
-    `body` an excerpt of its answer, `attempts` how many requests were made.
+    Its message is a safe summary (what failed, an HTTP status, how many
+    attempts): the session publishes it in `turn.failed`. The endpoint URL,
+    transport error text and anything the upstream returned stay out of it;
+    they are logged where the error is raised (`detail`) and kept here for
+    the caller: `status` is the HTTP status when the server answered (None
+    otherwise), `body` an excerpt of its answer, `attempts` how many requests
+    were made.
     """
 
     def __init__(
-        self, message: str, *, status: int | None = None, body: str = "", attempts: int = 1
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        body: str = "",
+        attempts: int = 1,
+        detail: str = "",
     ) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
         self.attempts = attempts
+        self.detail = detail
+        if detail or body:
+            log.warning("model call failed", error=message, detail=detail, body=body)
 
 
 class ModelTimeout(ModelError):
@@ -172,17 +186,19 @@ class OpenAIChatModel:
             except httpx.TimeoutException as exc:
                 if attempt == attempts:
                     raise ModelTimeout(
-                        f"model request to {self.url} timed out after {self.timeout}s "
+                        f"model request timed out after {self.timeout}s "
                         f"({attempts} attempt{'s' if attempts != 1 else ''})",
                         attempts=attempt,
+                        detail=f"POST {self.url}",
                     ) from exc
                 reason = f"timeout ({type(exc).__name__})"
             except httpx.TransportError as exc:
                 if attempt == attempts:
                     raise ModelError(
-                        f"model request to {self.url} failed after {attempts} "
-                        f"attempt{'s' if attempts != 1 else ''}: {type(exc).__name__}: {exc}",
+                        f"model request failed after {attempts} "
+                        f"attempt{'s' if attempts != 1 else ''}: {type(exc).__name__}",
                         attempts=attempt,
+                        detail=f"POST {self.url}: {type(exc).__name__}: {exc}",
                     ) from exc
                 reason = f"transport error ({type(exc).__name__})"
             else:
@@ -192,8 +208,7 @@ class OpenAIChatModel:
                         return response.json()
                     except ValueError as exc:
                         raise ModelError(
-                            f"model endpoint returned invalid JSON (HTTP {status}): "
-                            f"{_excerpt(response.text)}",
+                            f"model endpoint returned invalid JSON (HTTP {status})",
                             status=status,
                             body=_excerpt(response.text),
                             attempts=attempt,
@@ -204,10 +219,11 @@ class OpenAIChatModel:
                     tried = f" after {attempt} attempts" if attempt > 1 else ""
                     error = ModelError if retryable else ModelRequestRejected
                     raise error(
-                        f"model endpoint returned HTTP {status}{tried}: {body}",
+                        f"model endpoint returned HTTP {status}{tried}",
                         status=status,
                         body=body,
                         attempts=attempt,
+                        detail=f"POST {self.url}",
                     )
                 reason = f"HTTP {status}"
                 retry_after = _retry_after(response.headers)
@@ -233,13 +249,13 @@ class OpenAIChatModel:
 
     def parse_reply(self, data: Any) -> ModelReply:
         if not isinstance(data, Mapping):
-            raise ModelError(f"model reply is not a JSON object: {_excerpt(json.dumps(data))}")
+            raise ModelError("model reply is not a JSON object", body=_excerpt(json.dumps(data)))
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
-            raise ModelError(f"model reply has no choices: {_excerpt(json.dumps(data))}")
+            raise ModelError("model reply has no choices", body=_excerpt(json.dumps(data)))
         message = choices[0].get("message")
         if not isinstance(message, Mapping):
-            raise ModelError(f"model reply choice has no message: {_excerpt(json.dumps(data))}")
+            raise ModelError("model reply choice has no message", body=_excerpt(json.dumps(data)))
         content = message.get("content")
         text = content if isinstance(content, str) else ""
         calls = [_requested_call(raw) for raw in message.get("tool_calls") or ()]
@@ -297,7 +313,7 @@ def _message(m: s.ChatMessage) -> dict[str, Any]:
 def _requested_call(raw: Any) -> RequestedCall:
     function = raw.get("function") if isinstance(raw, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ModelError(f"model returned a malformed tool call: {_excerpt(json.dumps(raw))}")
+        raise ModelError("model returned a malformed tool call", body=_excerpt(json.dumps(raw)))
     name = function["name"]
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
@@ -309,17 +325,22 @@ def _requested_call(raw: Any) -> RequestedCall:
             parsed = json.loads(arguments)
         except ValueError as exc:
             raise ModelError(
-                f"model returned invalid JSON arguments for tool {name!r}: {exc}: "
-                f"{_excerpt(arguments)}"
+                f"model returned invalid JSON arguments for tool {_tool_name(name)}",
+                body=f"{exc}: {_excerpt(arguments)}",
             ) from exc
     else:
         parsed = arguments
     if not isinstance(parsed, dict):
         raise ModelError(
-            f"model returned arguments for tool {name!r} that are not a JSON object: "
-            f"{_excerpt(json.dumps(parsed))}"
+            f"model returned arguments for tool {_tool_name(name)} that are not a JSON object",
+            body=_excerpt(json.dumps(parsed)),
         )
     return RequestedCall(name, parsed)
+
+
+def _tool_name(name: str) -> str:
+    """A tool name as the public summary may quote it (the model chose it)."""
+    return repr(name[:64])
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:

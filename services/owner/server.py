@@ -40,8 +40,8 @@ def advertised_address(listen: str, port: int) -> str:
 
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
-    hooks = HooksClient(config.hooks)
-    anchor = AnchorClient(config.anchor)
+    hooks = HooksClient(config.hooks, security=config.tls)
+    anchor = AnchorClient(config.anchor, security=config.tls)
     host = OwnerHost(
         config.deployment_id,
         config.instance_id,
@@ -62,7 +62,10 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
             )
         ],
         service="owner",
+        security=config.tls,
         deployment_id=config.deployment_id,
+        capacity=config.capacity,
+        health_listen=config.health_listen,
     )
     fleet = FleetMembership(
         host,

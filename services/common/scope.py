@@ -1,0 +1,63 @@
+"""An owner acts only for sessions of the deployment its certificate names.
+
+A fenced call (commit, claim, dispose, park, inbox stream) names a session
+and a fence `(epoch, owner run)`. The deployment a fence belongs to never
+changes: epochs only grow, and each `(session, epoch)` is written once, by
+the create, takeover or transfer that also wrote the owner record naming its
+deployment. So the first call with a fence reads the owner record once, and
+the answer is cached for good (bounded LRU).
+
+A fence that is not the current one is let through unchecked: the domain
+operation compares the fence in its own transaction and refuses it (FENCED),
+and a fence that does not exist yet cannot become current without a create,
+takeover or transfer, which are themselves scoped to the caller's deployment.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.etcd import Store, op_get, single_value
+from services.common.identity import Caller, Role
+from services.common.keys import Keys, OwnerRecord
+
+_CACHE_SIZE = 100_000
+
+
+class DeploymentScope:
+    """Checks that a fence's session runs on the caller's deployment."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+        self._deployments: OrderedDict[tuple[str, int, str], str] = OrderedDict()
+
+    async def check(self, caller: Caller, fence: s.Fence) -> None:
+        if not caller.verified or caller.role is not Role.OWNER:
+            return  # plaintext mode, or a role the access table already limits
+        ids.validate_session_id(fence.session_id)
+        key = (fence.session_id, fence.epoch, fence.owner_run_id)
+        deployment = self._deployments.get(key)
+        if deployment is None:
+            deployment = await self._read(fence)
+            if deployment is None:
+                return  # not the current fence (or no session): the domain refuses it
+        else:
+            self._deployments.move_to_end(key)
+        caller.require_deployment(deployment, f"session {fence.session_id}")
+
+    async def _read(self, fence: s.Fence) -> str | None:
+        response = await self._store.txn([], [op_get(self._keys.owner(fence.session_id))], [])
+        raw = single_value(response.responses[0])
+        if raw is None:
+            return None
+        record = OwnerRecord.decode(raw)
+        if record.epoch != fence.epoch or record.owner_run_id != fence.owner_run_id:
+            return None
+        key = (fence.session_id, fence.epoch, fence.owner_run_id)
+        self._deployments[key] = record.deployment_id
+        if len(self._deployments) > _CACHE_SIZE:
+            self._deployments.popitem(last=False)
+        return record.deployment_id

@@ -1,0 +1,106 @@
+"""The test suite's throwaway PKI and TLS-with-auth etcd.
+
+One CA per test process (created on first use, removed at exit); every
+in-process server, every service process and every client of the suite talks
+TLS with a certificate of its role from it (`security(role, deployment)`),
+and etcd runs with TLS, client-certificate auth and user/role auth limited
+to the `/t/` prefix that every test's keys live under.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+
+import aetcd
+
+from services.cli.etcd_auth import enable_auth
+from services.cli.processes import EtcdCluster, EtcdProcess, EtcdTls
+from services.common.etcd import make_client
+from services.common.identity import Role
+from services.common.pki import LocalPki
+from services.common.tls import Security, TlsFiles
+
+# Every test keeps its etcd keys under this prefix (a unique root each); the
+# etcd role of the services' certificates may touch nothing else.
+TEST_PREFIX = "/t/"
+ETCD_USERS = ("hooks", "anchor")
+
+_pki: LocalPki | None = None
+
+
+def pki() -> LocalPki:
+    global _pki
+    if _pki is None:
+        directory = tempfile.mkdtemp(prefix="baton-test-pki-")
+        atexit.register(shutil.rmtree, directory, True)
+        _pki = LocalPki(directory, check_every=0.2)
+    return _pki
+
+
+def security(role: Role, deployment_id: str = "") -> Security:
+    return pki().security(role, deployment_id)
+
+
+def files(role: Role, deployment_id: str = "") -> TlsFiles:
+    return pki().files(role, deployment_id)
+
+
+OPERATOR = Role.OPERATOR
+
+
+def operator() -> Security:
+    return security(Role.OPERATOR)
+
+
+def owner(deployment_id: str) -> Security:
+    return security(Role.OWNER, deployment_id)
+
+
+def ingress(deployment_id: str) -> Security:
+    return security(Role.INGRESS, deployment_id)
+
+
+def etcd_tls() -> EtcdTls:
+    return EtcdTls(server=pki().etcd_server(), root=pki().etcd_user("root"))
+
+
+def start_etcd(**kwargs: object) -> EtcdProcess:
+    """A TLS etcd with auth on: hooks' and anchor's certificates are users
+    whose role reads and writes `/t/` only."""
+    server = EtcdProcess(tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
+    enable_auth(server.endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
+    return server
+
+
+def start_etcd_cluster(size: int = 3, **kwargs: object) -> EtcdCluster:
+    """`size` members, every one with TLS and the same auth as `start_etcd`
+    (auth is enabled once, through the first member: it is cluster state)."""
+    cluster = EtcdCluster(size=size, tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
+    enable_auth(cluster.members[0].endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
+    return cluster
+
+
+def etcd_security() -> Security:
+    """How tests read etcd directly: as the `hooks` etcd user."""
+    return security(Role.HOOKS)
+
+
+async def etcd_client(endpoint: str, timeout: float = 5) -> aetcd.Client:
+    """A connected raw etcd client (TLS, as the hooks user) for inspection."""
+    client = make_client(endpoint, timeout, etcd_security())
+    await client.connect()
+    return client
+
+
+async def etcd_root_client(
+    endpoint: str, timeout: float = 5, max_receive_bytes: int = 0
+) -> aetcd.Client:
+    """A connected etcd client as `root` (the operator: every key, alarms,
+    compaction, defragmentation)."""
+    client = make_client(endpoint, timeout, Security(files=pki().etcd_user("root")))
+    if max_receive_bytes:
+        client._options["grpc.max_receive_message_length"] = max_receive_bytes
+    await client.connect()
+    return client
