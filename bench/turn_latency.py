@@ -14,7 +14,7 @@ a. the etcd floor: the two fenced transactions a turn needs (the inbox append
    services/hooks/registry.py and services/anchor/journal.py, run back to back
    from this process with aetcd; plus the same pair with the watches in
    between (append -> inbox watch -> commit -> events watch), the "one-step
-   turn floor" of ETCD-NOTES.md;
+   turn floor" of docs/etcd.md;
 b. one-step turn latency through the public API: SendMessage start -> the
    turn's SESSION_WAITING on an already-open following StreamEvents reader;
 u. upgrade turns: a one-step message for a session idle on one deployment,
@@ -83,7 +83,7 @@ from services.common.tls import Security
 
 # Targets from the project brief.
 TARGET_RATIO = 2.5  # one-step turn p50 within 2.5x the floor p50
-ETCD_NOTES_FLOOR_P50_MS = 1.11  # ETCD-NOTES.md "one-step turn floor"
+ETCD_NOTES_FLOOR_P50_MS = 1.11  # docs/etcd.md "one-step turn floor"
 TARGET_ABS_P50_MS = TARGET_RATIO * ETCD_NOTES_FLOOR_P50_MS  # ~2.8 ms
 TARGET_TURNS_PER_S = 700.0
 TARGET_CPU_MS_PER_TURN = 1.5  # the four services together, throughput phase
@@ -1257,7 +1257,7 @@ def report(results: dict[str, Any]) -> str:
         _row("inbox append txn", floor["append"]),
         _row("fenced commit txn (7 events + snapshot)", floor["commit"]),
         _row("FLOOR: append + commit, back to back", floor["two_txns"]),
-        _row("floor + both watches (ETCD-NOTES definition)", floor["pipeline"]),
+        _row("floor + both watches (docs/etcd.md definition)", floor["pipeline"]),
     ]
     if "commit_final_snapshot" in floor:
         lines.append(
@@ -1346,7 +1346,7 @@ def report(results: dict[str, Any]) -> str:
             ratio <= TARGET_RATIO,
         ),
         _target(
-            f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x ETCD-NOTES floor "
+            f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x docs/etcd.md floor "
             f"{ETCD_NOTES_FLOOR_P50_MS} ms)",
             f"{turn_p50:.3f} ms",
             turn_p50 <= TARGET_ABS_P50_MS,

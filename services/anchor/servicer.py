@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-import grpc
 import structlog
 
 from baton.anchor.v1 import anchor_pb2 as pb
@@ -15,6 +14,7 @@ from services.common import identity
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
 from services.common.scope import DeploymentScope
+from services.common.server import Context
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -40,7 +40,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         self._scope = scope
 
     async def CommitStep(
-        self, request: pb.CommitStepRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CommitStepRequest, context: Context
     ) -> pb.CommitStepResponse:
         if not request.HasField("fence") or not request.HasField("snapshot"):
             raise InvalidArgument(Reason.MISSING_FIELD, "fence and snapshot are required")
@@ -64,14 +64,14 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
     async def GetSnapshot(
-        self, request: pb.GetSnapshotRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetSnapshotRequest, context: Context
     ) -> pb.GetSnapshotResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         snapshot, revision = await self._journal.snapshot(request.session_id)
         return pb.GetSnapshotResponse(snapshot=snapshot, revision=revision)
 
     async def ReadEvents(
-        self, request: pb.ReadEventsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReadEventsRequest, context: Context
     ) -> AsyncIterator[pb.ReadEventsResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         check_seq(request.start_seq, "start_seq")
@@ -81,7 +81,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             yield pb.ReadEventsResponse(events=events)
 
     async def LoadSession(
-        self, request: pb.LoadSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.LoadSessionRequest, context: Context
     ) -> AsyncIterator[pb.LoadSessionResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         expected = (
@@ -99,7 +99,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
                     )
 
     async def RetireHistory(
-        self, request: pb.RetireHistoryRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RetireHistoryRequest, context: Context
     ) -> pb.RetireHistoryResponse:
         if not request.HasField("fence"):
             raise InvalidArgument(Reason.MISSING_FIELD, "fence is required")

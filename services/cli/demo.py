@@ -258,7 +258,7 @@ async def run_demo(
         follower = asyncio.create_task(follow())
 
         async def send(
-            target: ingress_pb2_grpc.IngressServiceStub, text: str, where: str
+            target: ingress_pb2_grpc.IngressServiceAsyncStub, text: str, where: str
         ) -> ingress_pb.SendMessageResponse:
             try:
                 sent: ingress_pb.SendMessageResponse = await target.SendMessage(

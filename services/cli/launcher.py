@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -386,7 +386,8 @@ def _log_tail(path: str, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _grpc_serving(stub: health_pb2_grpc.HealthStub) -> bool:
+def _grpc_serving(stub: Any) -> bool:
+    """`stub`: a HealthStub (Any: its stubs declare no methods)."""
     try:
         response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
     except grpc.RpcError:
@@ -511,7 +512,8 @@ class LocalSystem:
         """Wait until each of `started` is SERVING; False on a stop request."""
         for child in started:
             with sync_channel(child.address, self.operator, _PROBE_OPTIONS) as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
+                # Any: types-grpcio-health-checking's HealthStub declares no methods.
+                stub: Any = health_pb2_grpc.HealthStub(channel)
                 probe = functools.partial(_grpc_serving, stub)
                 self._await(started, probe, f"{child.label} health", signals)
             if signals.requested:

@@ -346,7 +346,8 @@ def wait_serving(target: str, security: Security, service: str = "", timeout: fl
     """Block until the gRPC health check of `service` at `target` is SERVING."""
     deadline = time.monotonic() + timeout
     with sync_channel(target, security) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        # Any: types-grpcio-health-checking's HealthStub declares no methods.
+        stub: Any = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
                 response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)

@@ -122,7 +122,7 @@ def open_channel(
     `service_config` says. With TLS, each replica's certificate must name the
     host the target names (for `ip:port` lists, their IP; for `dns:///name`,
     the name)."""
-    options = list(_OPTIONS)
+    options: list[tuple[str, int | str]] = list(_OPTIONS)
     if service:
         options.append(("grpc.service_config", service_config(service, idempotent)))
     return open_secure_channel(grpc_target(addresses), security, options)

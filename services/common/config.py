@@ -7,6 +7,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.channels import grpc_target
 from services.common.tls import DEFAULT_CHECK_SECONDS, Security
@@ -270,3 +271,43 @@ class EtcdConfig:
             timeout=as_float(values, "etcd_timeout", minimum=0.1),
             security=security,
         )
+
+
+@dataclass(frozen=True)
+class StoreServiceConfig:
+    """What hooks and anchor, etcd's two front doors, are configured with
+    alike: a listen address, etcd, TLS, logging, shutdown grace, capacity and
+    the plaintext health listener. Each adds its own settings on top."""
+
+    listen: str
+    etcd: EtcdConfig
+    tls: Security
+    log_level: str = "info"
+    grace: float = 5.0
+    capacity: Capacity = Capacity()
+    # A plaintext listener serving only health (probes without TLS); empty: none.
+    health_listen: str = ""
+
+    @staticmethod
+    def read(
+        module: str,
+        listen: Setting,
+        extra: Sequence[Setting],
+        argv: Sequence[str] | None,
+        environ: Mapping[str, str] | None,
+    ) -> tuple[dict[str, Any], Mapping[str, str]]:
+        """The shared fields (as keyword arguments) and every value read."""
+        values = read_settings(
+            module, (listen, *extra, *ETCD_SETTINGS, *COMMON_SETTINGS), argv, environ
+        )
+        tls = security_from_values(values)
+        shared: dict[str, Any] = {
+            "listen": values["listen"],
+            "etcd": EtcdConfig.from_values(values, tls),
+            "tls": tls,
+            "log_level": values["log_level"],
+            "grace": as_float(values, "grace"),
+            "capacity": Capacity.from_values(values),
+            "health_listen": values["health_listen"],
+        }
+        return shared, values

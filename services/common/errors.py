@@ -73,7 +73,7 @@ class Fenced(FailedPrecondition):
     """A write by an owner run that no longer holds the session."""
 
     def __init__(self, message: str, **metadata: str) -> None:
-        super().__init__(Reason.FENCED, message, **metadata)
+        super().__init__(Reason.FENCED, message, retry_after=None, **metadata)
 
 
 class Aborted(BatonError):
@@ -96,8 +96,7 @@ class ResourceExhausted(BatonError):
     def __init__(
         self, reason: str, message: str, *, retry_after: float | None = None, **metadata: str
     ) -> None:
-        super().__init__(reason, message, **metadata)
-        self.retry_after = retry_after
+        super().__init__(reason, message, retry_after=retry_after, **metadata)
         self.retryable = retry_after is not None
 
 

@@ -1,4 +1,4 @@
-"""etcd client construction and the watch resume loop (see ETCD-NOTES.md)."""
+"""etcd client construction and the watch resume loop (docs/etcd.md)."""
 
 from __future__ import annotations
 

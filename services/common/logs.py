@@ -44,8 +44,3 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-
-
-def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    logger: structlog.stdlib.BoundLogger = structlog.get_logger(name)
-    return logger

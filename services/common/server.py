@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 import grpc
 import structlog
@@ -36,6 +36,12 @@ from services.common.tls import (
 )
 
 log = structlog.get_logger("baton.server")
+
+# What a servicer method is handed, and what the interceptor wraps. (grpc's
+# stubs are generic over request and response types; Baton's servicers and
+# interceptor serve many.)
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 # Paths that are polled constantly; not worth a log line each.
 _QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
@@ -122,9 +128,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -140,20 +146,31 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         )
         decode = _decoder(handler.request_deserializer)
         if handler.unary_unary is not None:
-            return handler._replace(
-                request_deserializer=None, unary_unary=call.unary(handler.unary_unary, decode)
+            return _replaced(
+                handler,
+                request_deserializer=None,
+                unary_unary=call.unary(handler.unary_unary, decode),
             )
         if handler.unary_stream is not None:
-            return handler._replace(
-                request_deserializer=None, unary_stream=call.stream(handler.unary_stream, decode)
+            return _replaced(
+                handler,
+                request_deserializer=None,
+                unary_stream=call.stream(handler.unary_stream, decode),
             )
         if allowed == access.ANY:
             return handler
         # Client-streaming methods are not part of Baton's API; never serve
         # one that has no open entry.
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=call.denied)
-        return handler._replace(stream_stream=call.denied)
+            return _replaced(handler, stream_unary=call.denied)
+        return _replaced(handler, stream_stream=call.denied)
+
+
+def _replaced(handler: Handler, **fields: Any) -> Handler:
+    """`handler` with `fields` replaced: grpc's handlers are namedtuples, which
+    its type stubs declare only as the abstract RpcMethodHandler."""
+    replaced: Handler = cast(Any, handler)._replace(**fields)
+    return replaced
 
 
 class _Call:
@@ -173,7 +190,7 @@ class _Call:
         self.verify = verify
         self.gate = gate
 
-    def admit(self, context: grpc.aio.ServicerContext) -> None:
+    def admit(self, context: Context) -> None:
         """Identify the caller and check the table (raises when refused)."""
         allowed = self.allowed
         if allowed is None:
@@ -195,7 +212,7 @@ class _Call:
         identity.bind(caller)
         structlog.contextvars.bind_contextvars(caller=caller.describe())
 
-    async def denied(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def denied(self, request: Any, context: Context) -> Any:
         structlog.contextvars.bind_contextvars(**self.bound)
         _log_call("PERMISSION_DENIED", errors.Reason.RPC_NOT_ALLOWED, time.perf_counter())
         await _abort(
@@ -208,7 +225,7 @@ class _Call:
     def unary(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
         gate = self.gate
 
-        async def wrapped(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapped(raw: bytes, context: Context) -> Any:
             structlog.contextvars.bind_contextvars(**self.bound)
             start = time.perf_counter()
             code = "OK"
@@ -240,7 +257,7 @@ class _Call:
     def stream(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
         gate = self.gate
 
-        async def wrapped(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def wrapped(raw: bytes, context: Context) -> AsyncIterator[Any]:
             structlog.contextvars.bind_contextvars(**self.bound)
             start = time.perf_counter()
             code = "OK"
@@ -274,7 +291,7 @@ class _Call:
 PUBLIC_CALLER = Caller(role=Role.PUBLIC)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def _abort(context: Context, exc: BaseException) -> None:
     if isinstance(exc, errors.BatonError):
         err = exc
     else:

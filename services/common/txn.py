@@ -73,7 +73,8 @@ class TxnResult:
         self._names = names
 
     def kvs(self, name: str) -> Sequence[Any]:
-        return self._response.responses[self._names[name]].response_range.kvs
+        kvs: Sequence[Any] = self._response.responses[self._names[name]].response_range.kvs
+        return kvs
 
     def kv(self, name: str) -> Any | None:
         found = self.kvs(name)

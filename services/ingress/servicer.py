@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 import structlog
 
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from services.common.bounds import check_seq
+from services.common.server import Context
 from services.ingress.edge import Edge
 
 
@@ -17,13 +17,13 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
     def __init__(self, edge: Edge) -> None:
         self._edge = edge
 
-    def _channel(self, context: grpc.aio.ServicerContext) -> str:
+    def _channel(self, context: Context) -> str:
         channel = self._edge.authenticate(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(channel=channel)
         return channel
 
     async def CreateSession(
-        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CreateSessionRequest, context: Context
     ) -> pb.CreateSessionResponse:
         channel = self._channel(context)
         session_id, created = await self._edge.create_session(
@@ -39,7 +39,7 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         )
 
     async def SendMessage(
-        self, request: pb.SendMessageRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SendMessageRequest, context: Context
     ) -> pb.SendMessageResponse:
         channel = self._channel(context)
         token = self._edge.target_token(channel, request.session_id, request.alias)
@@ -61,7 +61,7 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         )
 
     async def SendControl(
-        self, request: pb.SendControlRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SendControlRequest, context: Context
     ) -> pb.SendControlResponse:
         channel = self._channel(context)
         token = self._edge.target_token(channel, request.session_id, request.alias)
@@ -79,7 +79,7 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         return pb.SendControlResponse(receipt=receipt, delivery_id=command.delivery.delivery_id)
 
     async def StreamEvents(
-        self, request: pb.StreamEventsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StreamEventsRequest, context: Context
     ) -> AsyncIterator[pb.StreamEventsResponse]:
         channel = self._channel(context)
         check_seq(request.start_seq, "start_seq")  # validated before any lookup
