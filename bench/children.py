@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from baton.ingress.v1 import ingress_pb2_grpc
+from bench.common import log_dir, write_json
 from bench.turn_latency import (
     BenchStack,
     Dist,
@@ -63,15 +62,14 @@ def _text(kind: str, n: int) -> str:
     return f"continue bench {n}"
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-children-")
-    stack = BenchStack(log_dir=log_dir, second_deployment=False)
+async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
+    stack = BenchStack(log_dir=logs, second_deployment=False)
     stack.start()
     channel = stack.public_channel("ingress")  # TLS, as every bench since issue 10
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
     dists = {kind: Dist() for kind in KINDS}
     cpu_ms = {kind: {name: 0.0 for name in stack.cpu()} for kind in KINDS}
-    results: dict[str, Any] = {"load_start": load_average(), "log_dir": log_dir}
+    results: dict[str, Any] = {"load_start": load_average(), "log_dir": logs}
     follower: Follower | None = None
     try:
         _progress(
@@ -175,11 +173,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(run(args))
+    with log_dir(args.log_dir, "baton-bench-children-") as logs:
+        results = asyncio.run(run(args, logs))
     print(report(results))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(to_json(results), out, indent=2)
+    write_json(args.json, to_json(results))
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
+from bench.common import write_json
 from services.cli.etcd_auth import enable_auth
 from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
 from services.common import ids
@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"logs: {log_dir}", file=sys.stderr)
         else:
             shutil.rmtree(log_dir, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
+    write_json(args.json, result)
     return 0 if result["meets_target"] else 1
 
 

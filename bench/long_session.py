@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +42,7 @@ from typing import Any
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from bench.common import log_dir, write_json
 from bench.turn_latency import (
     DEPLOYMENT_ID,
     DEPLOYMENT_ID_B,
@@ -178,9 +177,8 @@ class ScratchCommits:
         self.count += 1
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-long-")
-    stack = BenchStack(log_dir=log_dir, second_deployment=args.upgrade_turns > 0)
+async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
+    stack = BenchStack(log_dir=logs, second_deployment=args.upgrade_turns > 0)
     stack.start()
     assert stack.etcd is not None
     store = Store(make_client(stack.etcd.endpoint, 10.0, stack.etcd_security), 10.0)
@@ -192,7 +190,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     hooks = HooksClient(stack.addrs["hooks"], timeout=10, security=as_scratch)
     channel = stack.public_channel("ingress")
     stub = ingress_pb2_grpc.IngressServiceStub(channel)
-    results: dict[str, Any] = {"load_start": load_average(), "log_dir": log_dir}
+    results: dict[str, Any] = {"load_start": load_average(), "log_dir": logs}
     first = 10
     try:
         session_id = await create_session(stub)
@@ -395,11 +393,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(run(args))
+    with log_dir(args.log_dir, "baton-bench-long-") as logs:
+        results = asyncio.run(run(args, logs))
     print(report(results))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(to_json(results), out, indent=2)
+    write_json(args.json, to_json(results))
     return 0
 
 

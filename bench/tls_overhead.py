@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 from baton.ingress.v1 import ingress_pb2_grpc
+from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     BenchStack,
     Dist,
@@ -200,10 +198,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", help="keep service and etcd logs (and certificates) here")
     parser.add_argument("--smoke", action="store_true", help="tiny counts: checks the bench runs")
     args = parser.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+    apply_smoke(parser, args, SMOKE)
     if args.rounds < 1 or args.turns < 1 or args.concurrent_turns < args.sessions:
         parser.error("need --rounds >= 1, --turns >= 1, --concurrent-turns >= --sessions")
     return args
@@ -211,36 +206,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-tls-")
-    stacks = {
-        mode: BenchStack(
-            os.path.join(log_dir, mode),
-            second_deployment=False,
-            tls=mode == "tls",
-        )
-        for mode in MODES
-    }
-    ok = False
-    try:
-        for mode, stack in stacks.items():
-            os.makedirs(stack.log_dir, exist_ok=True)
-            _progress(f"starting the {mode} stack (logs in {stack.log_dir})")
-            stack.start()
-        results = asyncio.run(run(args, stacks))
-        print(report(results), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(to_json(results), f, indent=2)
-                f.write("\n")
-        ok = True
-    finally:
-        for stack in stacks.values():
-            stack.stop()
-        if not args.log_dir:
-            if ok:
-                shutil.rmtree(log_dir, ignore_errors=True)
-            else:
-                print(f"logs kept in {log_dir}", file=sys.stderr)
+    with log_dir(args.log_dir, "baton-bench-tls-") as logs:
+        stacks = {
+            mode: BenchStack(os.path.join(logs, mode), second_deployment=False, tls=mode == "tls")
+            for mode in MODES
+        }
+        try:
+            for mode, stack in stacks.items():
+                os.makedirs(stack.log_dir, exist_ok=True)
+                _progress(f"starting the {mode} stack (logs in {stack.log_dir})")
+                stack.start()
+            results = asyncio.run(run(args, stacks))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    print(report(results), flush=True)
+    write_json(args.json, to_json(results))
     return 0
 
 

@@ -34,12 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -50,6 +47,7 @@ from typing import Any
 import grpc
 
 from baton.ingress.v1 import ingress_pb2_grpc
+from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     API_KEY,
     BENCH_PREFIX,
@@ -315,10 +313,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", help="keep the logs here")
     parser.add_argument("--smoke", action="store_true", help="tiny counts: checks it runs")
     args = parser.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+    apply_smoke(parser, args, SMOKE)
     if args.turns < 1 or args.rounds < 1 or args.concurrent_turns < args.sessions:
         parser.error("need --turns >= 1, --rounds >= 1, --concurrent-turns >= --sessions")
     return args
@@ -326,25 +321,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    log_root = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-topology-")
-    ok = False
-    try:
+    with log_dir(args.log_dir, "baton-bench-topology-") as log_root:
         load_start = load_average()
         results = asyncio.run(run_all(args, log_root))
         results["load_start"], results["load_end"] = load_start, load_average()
         results["versions"] = versions()
-        print(report(results, args), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(to_json(results, args), f, indent=2)
-                f.write("\n")
-        ok = True
-    finally:
-        if not args.log_dir:
-            if ok:
-                shutil.rmtree(log_root, ignore_errors=True)
-            else:
-                print(f"logs kept in {log_root}", file=sys.stderr)
+    print(report(results, args), flush=True)
+    write_json(args.json, to_json(results, args))
     return 0
 
 

@@ -45,7 +45,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -63,6 +62,7 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
+from bench.common import apply_smoke, log_dir, write_json
 from services.cli.etcd_auth import enable_auth
 from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
 from services.common.clients import HooksClient
@@ -1502,10 +1502,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--profile-rate", type=int, default=250, help="samples per second")
     args = parser.parse_args(argv)
-    if args.smoke:  # tiny counts for the options not given explicitly
-        for name, value in SMOKE.items():
-            if getattr(args, name) == parser.get_default(name):
-                setattr(args, name, value)
+    apply_smoke(parser, args, SMOKE)
     if args.upgrade_turns < 0 or args.upgrade_warmup < 0:
         parser.error("need --upgrade-turns >= 0 and --upgrade-warmup >= 0")
     if args.turns < 1 or args.sessions < 1 or args.concurrent_turns < args.sessions:
@@ -1515,39 +1512,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="baton-bench-")
-    os.makedirs(log_dir, exist_ok=True)
-    stack = BenchStack(
-        log_dir,
-        second_deployment=args.upgrade_turns > 0,
-        log_level=args.log_level,
-        tls=not args.plaintext,
-    )
     profiler = (
         Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
         if args.profile
         else None
     )
-    ok = False
-    try:
-        _progress(f"starting etcd and services (logs in {log_dir})")
-        stack.start()
-        results = asyncio.run(run(args, stack, profiler))
-        print(report(results), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(to_json(results), f, indent=2)
-                f.write("\n")
-        ok = True
-    finally:
-        if profiler is not None:
-            profiler.stop()
-        stack.stop()
-        if not args.log_dir:
-            if ok:
-                shutil.rmtree(log_dir, ignore_errors=True)
-            else:
-                print(f"logs kept in {log_dir}", file=sys.stderr)
+    with log_dir(args.log_dir, "baton-bench-") as logs:
+        stack = BenchStack(
+            logs,
+            second_deployment=args.upgrade_turns > 0,
+            log_level=args.log_level,
+            tls=not args.plaintext,
+        )
+        try:
+            _progress(f"starting etcd and services (logs in {logs})")
+            stack.start()
+            results = asyncio.run(run(args, stack, profiler))
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            stack.stop()
+    print(report(results), flush=True)
+    write_json(args.json, to_json(results))
     return 0
 
 
