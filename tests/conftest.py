@@ -7,6 +7,7 @@ import pytest
 
 from services.cli.processes import EtcdProcess
 from tests.certs import etcd_client, start_etcd
+from tests.procs import ProcessStack
 from tests.stack import Stack, start_stack, stop_stack
 
 
@@ -44,3 +45,15 @@ async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
         yield client
     finally:
         await client.close()
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[ProcessStack]]:
+    """Stacks of real service processes a test starts (append them); every
+    one is stopped when the test ends, however it ends."""
+    made: list[ProcessStack] = []
+    try:
+        yield made
+    finally:
+        for stack in made:
+            stack.stop()

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
@@ -30,16 +27,6 @@ from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventu
 from tests.stack import public_channel
 
 K = s.EventKind
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[ProcessStack]]:
-    made: list[ProcessStack] = []
-    try:
-        yield made
-    finally:
-        for stack in made:
-            stack.stop()
 
 
 def two_deployments(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import aetcd
@@ -37,16 +37,6 @@ CRASHING = "services.owner.fixture:build_crash_on_load_agent"
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[ProcessStack]]:
-    made: list[ProcessStack] = []
-    try:
-        yield made
-    finally:
-        for stack in made:
-            stack.stop()
 
 
 def of(events: list[s.Event], kind: int) -> list[s.Event]:

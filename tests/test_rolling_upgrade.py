@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,16 +27,6 @@ from tests.procs import ProcessStack, check_history, eventually
 from tests.test_drain import Ingress, of, settled
 
 K = s.EventKind
-
-
-@pytest.fixture
-def stacks() -> Iterator[list[ProcessStack]]:
-    made: list[ProcessStack] = []
-    try:
-        yield made
-    finally:
-        for stack in made:
-            stack.stop()
 
 
 async def rolling_upgrade(
