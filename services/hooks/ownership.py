@@ -16,6 +16,7 @@ from services.common import ids
 from services.common.errors import (
     Aborted,
     FailedPrecondition,
+    Fenced,
     NotFound,
     Reason,
     Unavailable,
@@ -61,10 +62,11 @@ class Ownership:
         """Move a session from a dead instance to `successor` with epoch + 1.
 
         A compare-and-swap of the fence and the owner record: the first caller
-        wins; the others get ABORTED/FENCED. A replay by the winner (same
-        successor run) returns the same result. The ownership index moves in
-        the same txn. A parked session stays parked when nothing arrived since
-        it parked (no bell rang); then the successor need not load it.
+        wins; the others get FENCED (FAILED_PRECONDITION, as every fenced
+        refusal, DESIGN.md §2). A replay by the winner (same successor run)
+        returns the same result. The ownership index moves in the same txn. A
+        parked session stays parked when nothing arrived since it parked (no
+        bell rang); then the successor need not load it.
         """
         sid = ids.validate_session_id(expected.session_id)
         ids.validate_id(expected_instance_id, "expected_instance_id")
@@ -97,8 +99,7 @@ class Ownership:
                 self._sessions.learn(sid, head_raw, owner_raw)
                 return TakeOver(new.proto(), record.parked, int(head_raw))
             if not old.holds(fence_now) or record.instance_id != expected_instance_id:
-                raise Aborted(
-                    Reason.FENCED,
+                raise Fenced(
                     f"session {sid} is no longer owned by run {expected.owner_run_id} "
                     f"on instance {expected_instance_id}",
                     session_id=sid,
