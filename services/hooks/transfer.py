@@ -25,6 +25,7 @@ from services.common import ids
 from services.common.errors import (
     Aborted,
     AlreadyExists,
+    BatonError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -32,7 +33,7 @@ from services.common.errors import (
 )
 from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_value
 from services.common.keys import Keys, OwnerRecord, canonical_json
-from services.common.txn import Fence, Txn
+from services.common.txn import Fence, Txn, TxnResult
 
 
 @dataclass(frozen=True)
@@ -108,29 +109,15 @@ class Transfers:
         refused, an earlier copy of it still in flight cannot commit either,
         and the old owner may process the trigger itself."""
         sid = ids.validate_session_id(expected.session_id)
-        if snapshot_revision <= 0:
-            raise InvalidArgument(
-                Reason.MISSING_FIELD, "snapshot_revision (the checkpoint) is required"
-            )
-        ids.validate_id(handoff_id, "handoff_id")
-        ids.validate_deployment_id(expected_owner.deployment_id)
-        ids.validate_deployment_id(successor.deployment_id)
-        ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
-        ids.validate_id(successor.instance_id, "successor.instance_id")
-        ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
-        if reason == s.TRANSFER_REASON_UNSPECIFIED:
-            reason = s.TRANSFER_REASON_TRIGGER
-        if reason not in (
-            s.TRANSFER_REASON_TRIGGER,
-            s.TRANSFER_REASON_DRAIN,
-            s.TRANSFER_REASON_ADOPTION,
-        ):
-            raise InvalidArgument(Reason.INVALID_FIELD, f"unknown transfer reason {int(reason)}")
-        # The inbox head this transfer requires; None: any (an adoption).
-        head: int | None = {
-            s.TRANSFER_REASON_TRIGGER: trigger_seq + 1,
-            s.TRANSFER_REASON_DRAIN: inbox_head,
-        }.get(reason)
+        reason, head = _check_request(
+            handoff_id,
+            expected_owner,
+            successor,
+            trigger_seq,
+            snapshot_revision,
+            reason,
+            inbox_head,
+        )
         k = self._keys
         owner = Fence.of(expected)
         moved_to = Fence(sid, successor.owner_run_id, expected.epoch + 1)
@@ -186,32 +173,7 @@ class Transfers:
                 )
             return previous, True
         owner.check(result.value("fence"))
-        if result.value("closed") is not None:
-            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
-        head_now = result.value("head")
-        if head is not None and head_now != str(head).encode():
-            raise Aborted(
-                Reason.LATER_ARRIVAL,
-                f"the inbox head is {head_now.decode() if head_now else '?'}, not {head}: "
-                + (
-                    "the trigger is not the last arrival"
-                    if reason == s.TRANSFER_REASON_TRIGGER
-                    else "a command arrived since the checkpoint"
-                ),
-            )
-        snapshot = result.kv("snapshot")
-        snapshot_now = snapshot.mod_revision if snapshot is not None else 0
-        if snapshot_now != snapshot_revision:
-            raise Aborted(
-                Reason.STALE_CHECKPOINT,
-                f"the session committed since the checkpoint (snapshot revision "
-                f"{snapshot_now}, not {snapshot_revision})",
-            )
-        raise Aborted(
-            Reason.HOOKS_CHANGED,
-            f"the claimed hook set is {(result.value('hooks') or b'').decode()}, "
-            f"not {claimed.decode()}",
-        )
+        raise _refusal(result, sid, reason, head, snapshot_revision, claimed)
 
     async def owner(self, session_id: str) -> tuple[OwnerRecord, int]:
         """The session's owner record and inbox head."""
@@ -240,3 +202,77 @@ class Transfers:
                 Reason.TRANSFER_NOT_FOUND, f"no transfer {handoff_id} of session {session_id}"
             )
         return TransferOutcome.decode(session_id, value)
+
+
+def _check_request(
+    handoff_id: str,
+    expected_owner: s.OwnerIdentity,
+    successor: s.OwnerIdentity,
+    trigger_seq: int,
+    snapshot_revision: int,
+    reason: s.TransferReason.ValueType,
+    inbox_head: int,
+) -> tuple[s.TransferReason.ValueType, int | None]:
+    """Validate a transfer request: its reason (UNSPECIFIED means TRIGGER)
+    and the inbox head it requires (None: any, an adoption)."""
+    if snapshot_revision <= 0:
+        raise InvalidArgument(
+            Reason.MISSING_FIELD, "snapshot_revision (the checkpoint) is required"
+        )
+    ids.validate_id(handoff_id, "handoff_id")
+    ids.validate_deployment_id(expected_owner.deployment_id)
+    ids.validate_deployment_id(successor.deployment_id)
+    ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
+    ids.validate_id(successor.instance_id, "successor.instance_id")
+    ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
+    if reason == s.TRANSFER_REASON_UNSPECIFIED:
+        reason = s.TRANSFER_REASON_TRIGGER
+    if reason not in (
+        s.TRANSFER_REASON_TRIGGER,
+        s.TRANSFER_REASON_DRAIN,
+        s.TRANSFER_REASON_ADOPTION,
+    ):
+        raise InvalidArgument(Reason.INVALID_FIELD, f"unknown transfer reason {int(reason)}")
+    head = {
+        s.TRANSFER_REASON_TRIGGER: trigger_seq + 1,
+        s.TRANSFER_REASON_DRAIN: inbox_head,
+    }.get(reason)
+    return reason, head
+
+
+def _refusal(
+    result: TxnResult,
+    sid: str,
+    reason: s.TransferReason.ValueType,
+    head: int | None,
+    snapshot_revision: int,
+    claimed: bytes,
+) -> BatonError:
+    """Why a transfer by the session's owner was refused, from its failure
+    branch: finalized, a later arrival, a newer commit, or other hooks."""
+    if result.value("closed") is not None:
+        return FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+    head_now = result.value("head")
+    if head is not None and head_now != str(head).encode():
+        return Aborted(
+            Reason.LATER_ARRIVAL,
+            f"the inbox head is {head_now.decode() if head_now else '?'}, not {head}: "
+            + (
+                "the trigger is not the last arrival"
+                if reason == s.TRANSFER_REASON_TRIGGER
+                else "a command arrived since the checkpoint"
+            ),
+        )
+    snapshot = result.kv("snapshot")
+    snapshot_now = snapshot.mod_revision if snapshot is not None else 0
+    if snapshot_now != snapshot_revision:
+        return Aborted(
+            Reason.STALE_CHECKPOINT,
+            f"the session committed since the checkpoint (snapshot revision "
+            f"{snapshot_now}, not {snapshot_revision})",
+        )
+    return Aborted(
+        Reason.HOOKS_CHANGED,
+        f"the claimed hook set is {(result.value('hooks') or b'').decode()}, "
+        f"not {claimed.decode()}",
+    )
