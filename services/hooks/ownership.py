@@ -87,11 +87,9 @@ class Ownership:
                 .read("live", k.instance(successor.deployment_id, expected_instance_id))
                 .run(self._store)
             )
-            fence_now, owner_raw, head_raw = (
-                read.value("fence"),
-                read.value("owner"),
-                read.value("head"),
-            )
+            fence_now = read.value("fence")
+            owner_raw = read.value("owner")
+            head_raw = read.value("head")
             if fence_now is None or owner_raw is None or head_raw is None:
                 raise NotFound(Reason.SESSION_NOT_FOUND, f"session {sid} not found")
             record = OwnerRecord.decode(owner_raw)
