@@ -11,7 +11,7 @@ waits for SERVING, then measures, in one run:
 
 a. the etcd floor: the two fenced transactions a turn needs (the inbox append
    and the fenced commit of 7 events + snapshot), shaped like the ones in
-   services/hooks/registry.py and services/anchor/journal.py, run back to back
+   services/hooks/inbox.py and services/anchor/journal.py, run back to back
    from this process with aetcd; plus the same pair with the watches in
    between (append -> inbox watch -> commit -> events watch), the "one-step
    turn floor" of docs/etcd.md;
@@ -534,7 +534,7 @@ class FloorSession:
         )
 
     async def append(self) -> None:
-        """services/hooks/registry.py _commit_batch for one command."""
+        """services/hooks/inbox.py Inbox._commit_batch for one command."""
         k, sid, head = self.keys, self.sid, self.head
         delivery = f"dlv_floor_{head}"
         response = await self.store.txn(

@@ -15,6 +15,7 @@ import random
 from collections.abc import AsyncIterator
 
 import aetcd
+import grpc
 import pytest
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
@@ -140,6 +141,9 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], Fenced)
+    # On the wire too: FENCED is FAILED_PRECONDITION everywhere (DESIGN.md §2).
+    assert isinstance(lost[0].__cause__, grpc.aio.AioRpcError)
+    assert lost[0].__cause__.code() == grpc.StatusCode.FAILED_PRECONDITION
     taken = won[0]
     winner = contenders[results.index(taken)]
     assert taken.fence.epoch == quiet.epoch + 1

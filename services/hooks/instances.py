@@ -11,14 +11,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import grpc
-from aetcd import rpc
-from grpc.aio import AioRpcError
-
 from services.common import ids
 from services.common.errors import InvalidArgument, Reason
-from services.common.etcd import Store, follow_range, op_get, op_put, store_unavailable
+from services.common.etcd import Store, follow_range
 from services.common.keys import InstanceRecord, Keys, prefix_end
+from services.common.txn import Txn
 
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 300
@@ -63,52 +60,30 @@ class InstanceRegistry:
             )
         if len(address) > 256:
             raise InvalidArgument(Reason.INVALID_FIELD, "address is longer than 256 characters")
-        try:
-            grant = await self._store.client.leasestub.LeaseGrant(
-                rpc.LeaseGrantRequest(TTL=ttl_seconds), timeout=self._store.timeout
-            )
-        except (AioRpcError, AttributeError) as exc:
-            raise store_unavailable(exc) from exc
+        lease_id, ttl = await self._store.grant_lease(ttl_seconds)
         record = InstanceRecord(deployment_id, instance_id, address)
         key = self._keys.instance(deployment_id, instance_id)
-        await self._store.txn([], [op_put(key, record.encode(), lease=grant.ID)], [])
-        return grant.ID, grant.TTL
+        await Txn().put(key, record.encode(), lease=lease_id).run(self._store)
+        return lease_id, ttl
 
     async def keep_alive(self, lease_id: int) -> int:
         """Refresh a lease; the remaining TTL, 0 when it expired (or never was)."""
         if lease_id <= 0:
             raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
-        try:
-            call = self._store.client.leasestub.LeaseKeepAlive(
-                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self._store.timeout
-            )
-            async for reply in call:
-                ttl: int = reply.TTL
-                return max(ttl, 0)
-        except (AioRpcError, AttributeError) as exc:
-            raise store_unavailable(exc) from exc
-        return 0
+        return await self._store.keep_lease_alive(lease_id)
 
     async def deregister(self, lease_id: int) -> None:
         """Revoke a lease: its registry key goes at once (the watchers take
         the instance's sessions over). An unknown or expired lease is fine."""
         if lease_id <= 0:
             raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
-        try:
-            await self._store.client.leasestub.LeaseRevoke(
-                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self._store.timeout
-            )
-        except AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise store_unavailable(exc) from exc
-        except AttributeError as exc:
-            raise store_unavailable(exc) from exc
+        await self._store.revoke_lease(lease_id)
 
     async def live(self, deployment_id: str) -> list[InstanceRecord]:
         ids.validate_deployment_id(deployment_id)
         prefix = self._keys.deployment_prefix(deployment_id)
-        response = await self._store.txn([], [op_get(prefix, prefix_end(prefix))], [])
-        return [InstanceRecord.decode(kv.value) for kv in response.responses[0].response_range.kvs]
+        result = await Txn().read("live", prefix, prefix_end(prefix)).run(self._store)
+        return [InstanceRecord.decode(kv.value) for kv in result.kvs("live")]
 
     async def watch(self, deployment_id: str) -> AsyncIterator[InstanceSet]:
         """The live set now (with every indexed instance that is not live),
@@ -117,30 +92,19 @@ class InstanceRegistry:
         k = self._keys
         prefix = k.deployment_prefix(deployment_id)
         owned = k.owned_prefix(deployment_id)
-        response = await self._store.txn(
-            [],
-            [
-                op_get(prefix, prefix_end(prefix)),
-                rpc.RequestOp(
-                    request_range=rpc.RangeRequest(
-                        key=owned, range_end=prefix_end(owned), keys_only=True
-                    )
-                ),
-            ],
-            [],
+        result = await (
+            Txn()
+            .read("live", prefix, prefix_end(prefix))
+            .read("owned", owned, prefix_end(owned), keys_only=True)
+            .run(self._store)
         )
         live = {
             record.instance_id: record
-            for record in (
-                InstanceRecord.decode(kv.value) for kv in response.responses[0].response_range.kvs
-            )
+            for record in (InstanceRecord.decode(kv.value) for kv in result.kvs("live"))
         }
-        indexed = {
-            kv.key[len(owned) :].decode().partition("/")[0]
-            for kv in response.responses[1].response_range.kvs
-        }
+        indexed = {kv.key[len(owned) :].decode().partition("/")[0] for kv in result.kvs("owned")}
         yield InstanceSet(list(live.values()), sorted(indexed - live.keys()))
-        async for event in follow_range(self._store.client, prefix, response.header.revision + 1):
+        async for event in follow_range(self._store.client, prefix, result.revision + 1):
             instance_id = event.kv.key[len(prefix) :].decode()
             if event.kv.value:
                 live[instance_id] = InstanceRecord.decode(event.kv.value)
@@ -155,13 +119,12 @@ class InstanceRegistry:
         woke): the owner compares heads."""
         ids.validate_id(instance_id, "instance_id")
         prefix = self._keys.bell_prefix(instance_id)
-        response = await self._store.txn([], [op_get(prefix, prefix_end(prefix))], [])
+        result = await Txn().read("bells", prefix, prefix_end(prefix)).run(self._store)
         initial = [
-            Bell(kv.key[len(prefix) :].decode(), int(kv.value))
-            for kv in response.responses[0].response_range.kvs
+            Bell(kv.key[len(prefix) :].decode(), int(kv.value)) for kv in result.kvs("bells")
         ]
         if initial:
             yield initial
-        async for event in follow_range(self._store.client, prefix, response.header.revision + 1):
+        async for event in follow_range(self._store.client, prefix, result.revision + 1):
             if event.kv.value:  # deletes (unpark, takeover) are not bells
                 yield [Bell(event.kv.key[len(prefix) :].decode(), int(event.kv.value))]

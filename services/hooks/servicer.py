@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import structlog
@@ -58,7 +59,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         await self._scope.check(identity.current(), fence)
 
     async def Transfer(
-        self, request: pb.TransferRequest, context: grpc.aio.ServicerContext
+        self, request: pb.TransferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TransferResponse:
         for name in ("expected", "expected_owner", "successor"):
             if not request.HasField(name):
@@ -86,7 +87,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
 
     async def GetTransfer(
-        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetTransferResponse:
         structlog.contextvars.bind_contextvars(
             session_id=request.session_id, handoff_id=request.handoff_id
@@ -100,7 +101,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def GetOwner(
-        self, request: pb.GetOwnerRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetOwnerRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetOwnerResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         record, head = await self._transfers.owner(request.session_id)
@@ -120,7 +121,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def CreateSession(
-        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CreateSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         if not request.HasField("owner"):
@@ -142,7 +143,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def ClaimHooks(
-        self, request: pb.ClaimHooksRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ClaimHooksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ClaimHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -152,7 +153,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.ClaimHooksResponse(hooks=hooks)
 
     async def ResumeHook(
-        self, request: pb.ResumeHookRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ResumeHookRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ResumeHookResponse:
         if not request.HasField("command"):
             raise InvalidArgument(Reason.MISSING_FIELD, "command is required")
@@ -162,7 +163,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.ResumeHookResponse(receipt=receipt)
 
     async def LookupHook(
-        self, request: pb.LookupHookRequest, context: grpc.aio.ServicerContext
+        self, request: pb.LookupHookRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.LookupHookResponse:
         record = await self._registry.lookup(request.token, _tenant_channel(request.channel))
         response = pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
@@ -171,7 +172,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return response
 
     async def DisposeHooks(
-        self, request: pb.DisposeHooksRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DisposeHooksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DisposeHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -181,7 +182,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.DisposeHooksResponse(hooks=hooks)
 
     async def StreamInbox(
-        self, request: pb.StreamInboxRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StreamInboxRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.StreamInboxResponse]:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -194,7 +195,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     # -- owner instances, takeover, parking --------------------------------------
 
     async def RegisterInstance(
-        self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RegisterInstanceResponse:
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
@@ -206,25 +207,25 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.RegisterInstanceResponse(lease_id=lease_id, ttl_seconds=ttl)
 
     async def KeepAliveInstance(
-        self, request: pb.KeepAliveInstanceRequest, context: grpc.aio.ServicerContext
+        self, request: pb.KeepAliveInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.KeepAliveInstanceResponse:
         ttl = await self._instances.keep_alive(request.lease_id)
         return pb.KeepAliveInstanceResponse(ttl_seconds=ttl)
 
     async def DeregisterInstance(
-        self, request: pb.DeregisterInstanceRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeregisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeregisterInstanceResponse:
         await self._instances.deregister(request.lease_id)
         return pb.DeregisterInstanceResponse()
 
     async def ListInstances(
-        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListInstancesResponse:
         records = await self._instances.live(request.deployment_id)
         return pb.ListInstancesResponse(instances=[_instance_info(r) for r in records])
 
     async def WatchInstances(
-        self, request: pb.WatchInstancesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchInstancesResponse]:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
         identity.current().require_deployment(request.deployment_id, "the deployment")
@@ -235,7 +236,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             )
 
     async def ListInstanceSessions(
-        self, request: pb.ListInstanceSessionsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListInstanceSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListInstanceSessionsResponse:
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
@@ -258,7 +259,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def TakeOverSession(
-        self, request: pb.TakeOverSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.TakeOverSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.TakeOverSessionResponse:
         _require_fence(request.expected, request.HasField("expected"))
         if not request.HasField("successor"):
@@ -275,7 +276,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def SetParked(
-        self, request: pb.SetParkedRequest, context: grpc.aio.ServicerContext
+        self, request: pb.SetParkedRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SetParkedResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -288,7 +289,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.SetParkedResponse(inbox_head=head)
 
     async def WatchBells(
-        self, request: pb.WatchBellsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.WatchBellsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchBellsResponse]:
         structlog.contextvars.bind_contextvars(instance_id=request.instance_id)
         async for bells in self._instances.watch_bells(request.instance_id):

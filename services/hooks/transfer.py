@@ -25,23 +25,15 @@ from services.common import ids
 from services.common.errors import (
     Aborted,
     AlreadyExists,
+    BatonError,
     FailedPrecondition,
-    Fenced,
     InvalidArgument,
     NotFound,
     Reason,
 )
-from services.common.etcd import (
-    Store,
-    cmp_absent,
-    cmp_mod,
-    cmp_value,
-    op_delete,
-    op_get,
-    op_put,
-    single_value,
-)
-from services.common.keys import Keys, OwnerRecord, canonical_json, fence_value
+from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_value
+from services.common.keys import Keys, OwnerRecord, canonical_json
+from services.common.txn import Fence, Txn, TxnResult
 
 
 @dataclass(frozen=True)
@@ -117,34 +109,20 @@ class Transfers:
         refused, an earlier copy of it still in flight cannot commit either,
         and the old owner may process the trigger itself."""
         sid = ids.validate_session_id(expected.session_id)
-        if snapshot_revision <= 0:
-            raise InvalidArgument(
-                Reason.MISSING_FIELD, "snapshot_revision (the checkpoint) is required"
-            )
-        ids.validate_id(handoff_id, "handoff_id")
-        ids.validate_deployment_id(expected_owner.deployment_id)
-        ids.validate_deployment_id(successor.deployment_id)
-        ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
-        ids.validate_id(successor.instance_id, "successor.instance_id")
-        ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
-        if reason == s.TRANSFER_REASON_UNSPECIFIED:
-            reason = s.TRANSFER_REASON_TRIGGER
-        if reason not in (
-            s.TRANSFER_REASON_TRIGGER,
-            s.TRANSFER_REASON_DRAIN,
-            s.TRANSFER_REASON_ADOPTION,
-        ):
-            raise InvalidArgument(Reason.INVALID_FIELD, f"unknown transfer reason {int(reason)}")
-        # The inbox head this transfer requires; None: any (an adoption).
-        head: int | None = {
-            s.TRANSFER_REASON_TRIGGER: trigger_seq + 1,
-            s.TRANSFER_REASON_DRAIN: inbox_head,
-        }.get(reason)
+        reason, head = _check_request(
+            handoff_id,
+            expected_owner,
+            successor,
+            trigger_seq,
+            snapshot_revision,
+            reason,
+            inbox_head,
+        )
         k = self._keys
-        expected_fence = fence_value(expected.epoch, expected.owner_run_id)
-        epoch = expected.epoch + 1
+        owner = Fence.of(expected)
+        moved_to = Fence(sid, successor.owner_run_id, expected.epoch + 1)
         outcome = TransferOutcome(
-            fence=s.Fence(session_id=sid, owner_run_id=successor.owner_run_id, epoch=epoch),
+            fence=moved_to.proto(),
             successor=successor,
             trigger_seq=trigger_seq if reason == s.TRANSFER_REASON_TRIGGER else 0,
             reason=reason,
@@ -153,50 +131,38 @@ class Transfers:
             owner_run_id=successor.owner_run_id,
             deployment_id=successor.deployment_id,
             instance_id=successor.instance_id,
-            epoch=epoch,
+            epoch=moved_to.epoch,
         )
         claimed = canonical_json(list(hooks))
-        compare = [
-            cmp_value(k.fence(sid), expected_fence),
+        txn = Txn().require(
+            owner.compare(k),
             cmp_value(k.hooks(sid), claimed),
             cmp_mod(k.snapshot(sid), snapshot_revision),
             cmp_absent(k.closed(sid)),
             cmp_absent(k.transfer(sid, handoff_id)),
-        ]
+        )
         if head is not None:
-            compare.append(cmp_value(k.inbox_head(sid), str(head).encode()))
+            txn.require(cmp_value(k.inbox_head(sid), str(head).encode()))
+        txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
         old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
         new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
-        moved_index = [op_put(new_index, fence_value(epoch, successor.owner_run_id))]
         if old_index != new_index:  # (one txn may not name a key twice)
-            moved_index.insert(0, op_delete(old_index))
-        response = await self._store.txn(
-            compare,
-            [
-                op_put(k.fence(sid), fence_value(epoch, successor.owner_run_id)),
-                op_put(k.owner(sid), record.encode()),
-                *moved_index,
-                op_delete(k.bell(expected_owner.instance_id, sid)),
-                op_put(k.transfer(sid, handoff_id), outcome.encode()),
-            ],
-            [
-                op_get(k.transfer(sid, handoff_id)),
-                op_get(k.fence(sid)),
-                op_get(k.hooks(sid)),
-                op_get(k.inbox_head(sid)),
-                op_get(k.closed(sid)),
-                op_get(k.snapshot(sid), keys_only=True),
-            ],
-        )
-        if response.succeeded:
+            txn.delete(old_index)
+        txn.put(new_index, moved_to.value)
+        txn.delete(k.bell(expected_owner.instance_id, sid))
+        txn.put(k.transfer(sid, handoff_id), outcome.encode())
+        txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
+        txn.read_on_failure("fence", k.fence(sid))
+        txn.read_on_failure("hooks", k.hooks(sid))
+        txn.read_on_failure("head", k.inbox_head(sid))
+        txn.read_on_failure("closed", k.closed(sid))
+        txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
+        result = await txn.run(self._store)
+        if result.succeeded:
             if self._on_moved is not None and head is not None:
                 self._on_moved(sid, head, record.encode())
             return outcome, False
-        stored, fence_now, hooks_now, head_now, closed = (
-            single_value(r) for r in response.responses[:5]
-        )
-        snapshot_kvs = response.responses[5].response_range.kvs
-        snapshot_now = snapshot_kvs[0].mod_revision if snapshot_kvs else 0
+        stored = result.value("transfer")
         if stored is not None:
             previous = TransferOutcome.decode(sid, stored)
             if previous.successor.owner_run_id != successor.owner_run_id:
@@ -206,44 +172,20 @@ class Transfers:
                     f"{previous.successor.owner_run_id}",
                 )
             return previous, True
-        if fence_now is None:
-            raise NotFound(Reason.SESSION_NOT_FOUND, f"session {sid} not found")
-        if fence_now != expected_fence:
-            raise Fenced(
-                f"run {expected.owner_run_id} epoch {expected.epoch} no longer owns {sid}",
-                session_id=sid,
-            )
-        if closed is not None:
-            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
-        if head is not None and head_now != str(head).encode():
-            raise Aborted(
-                Reason.LATER_ARRIVAL,
-                f"the inbox head is {head_now.decode() if head_now else '?'}, not {head}: "
-                + (
-                    "the trigger is not the last arrival"
-                    if reason == s.TRANSFER_REASON_TRIGGER
-                    else "a command arrived since the checkpoint"
-                ),
-            )
-        if snapshot_now != snapshot_revision:
-            raise Aborted(
-                Reason.STALE_CHECKPOINT,
-                f"the session committed since the checkpoint (snapshot revision "
-                f"{snapshot_now}, not {snapshot_revision})",
-            )
-        raise Aborted(
-            Reason.HOOKS_CHANGED,
-            f"the claimed hook set is {(hooks_now or b'').decode()}, not {claimed.decode()}",
-        )
+        owner.check(result.value("fence"))
+        raise _refusal(result, sid, reason, head, snapshot_revision, claimed)
 
     async def owner(self, session_id: str) -> tuple[OwnerRecord, int]:
         """The session's owner record and inbox head."""
         ids.validate_session_id(session_id)
         k = self._keys
-        response = await self._store.txn(
-            [], [op_get(k.owner(session_id)), op_get(k.inbox_head(session_id))], []
+        result = await (
+            Txn()
+            .read("owner", k.owner(session_id))
+            .read("head", k.inbox_head(session_id))
+            .run(self._store)
         )
-        owner, head = (single_value(r) for r in response.responses)
+        owner, head = result.value("owner"), result.value("head")
         if owner is None or head is None:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
         return OwnerRecord.decode(owner), int(head)
@@ -251,12 +193,86 @@ class Transfers:
     async def get(self, session_id: str, handoff_id: str) -> TransferOutcome:
         ids.validate_session_id(session_id)
         ids.validate_id(handoff_id, "handoff_id")
-        response = await self._store.txn(
-            [], [op_get(self._keys.transfer(session_id, handoff_id))], []
+        result = await (
+            Txn().read("transfer", self._keys.transfer(session_id, handoff_id)).run(self._store)
         )
-        value = single_value(response.responses[0])
+        value = result.value("transfer")
         if value is None:
             raise NotFound(
                 Reason.TRANSFER_NOT_FOUND, f"no transfer {handoff_id} of session {session_id}"
             )
         return TransferOutcome.decode(session_id, value)
+
+
+def _check_request(
+    handoff_id: str,
+    expected_owner: s.OwnerIdentity,
+    successor: s.OwnerIdentity,
+    trigger_seq: int,
+    snapshot_revision: int,
+    reason: s.TransferReason.ValueType,
+    inbox_head: int,
+) -> tuple[s.TransferReason.ValueType, int | None]:
+    """Validate a transfer request: its reason (UNSPECIFIED means TRIGGER)
+    and the inbox head it requires (None: any, an adoption)."""
+    if snapshot_revision <= 0:
+        raise InvalidArgument(
+            Reason.MISSING_FIELD, "snapshot_revision (the checkpoint) is required"
+        )
+    ids.validate_id(handoff_id, "handoff_id")
+    ids.validate_deployment_id(expected_owner.deployment_id)
+    ids.validate_deployment_id(successor.deployment_id)
+    ids.validate_id(successor.owner_run_id, "successor.owner_run_id")
+    ids.validate_id(successor.instance_id, "successor.instance_id")
+    ids.validate_id(expected_owner.instance_id, "expected_owner.instance_id")
+    if reason == s.TRANSFER_REASON_UNSPECIFIED:
+        reason = s.TRANSFER_REASON_TRIGGER
+    if reason not in (
+        s.TRANSFER_REASON_TRIGGER,
+        s.TRANSFER_REASON_DRAIN,
+        s.TRANSFER_REASON_ADOPTION,
+    ):
+        raise InvalidArgument(Reason.INVALID_FIELD, f"unknown transfer reason {int(reason)}")
+    head = {
+        s.TRANSFER_REASON_TRIGGER: trigger_seq + 1,
+        s.TRANSFER_REASON_DRAIN: inbox_head,
+    }.get(reason)
+    return reason, head
+
+
+def _refusal(
+    result: TxnResult,
+    sid: str,
+    reason: s.TransferReason.ValueType,
+    head: int | None,
+    snapshot_revision: int,
+    claimed: bytes,
+) -> BatonError:
+    """Why a transfer by the session's owner was refused, from its failure
+    branch: finalized, a later arrival, a newer commit, or other hooks."""
+    if result.value("closed") is not None:
+        return FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+    head_now = result.value("head")
+    if head is not None and head_now != str(head).encode():
+        return Aborted(
+            Reason.LATER_ARRIVAL,
+            f"the inbox head is {head_now.decode() if head_now else '?'}, not {head}: "
+            + (
+                "the trigger is not the last arrival"
+                if reason == s.TRANSFER_REASON_TRIGGER
+                else "a command arrived since the checkpoint"
+            ),
+        )
+    snapshot = result.kv("snapshot")
+    snapshot_now = snapshot.mod_revision if snapshot is not None else 0
+    if snapshot_now != snapshot_revision:
+        return Aborted(
+            Reason.STALE_CHECKPOINT,
+            f"the session committed since the checkpoint (snapshot revision "
+            f"{snapshot_now}, not {snapshot_revision})",
+        )
+    return Aborted(
+        Reason.HOOKS_CHANGED,
+        f"the claimed hook set is {(result.value('hooks') or b'').decode()}, "
+        f"not {claimed.decode()}",
+    )

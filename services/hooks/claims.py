@@ -1,0 +1,201 @@
+"""Claims: a session's creation with its first tokens (and, optionally, its
+first inbox entry), and claiming and disposing tokens under its fence.
+
+The session's own record of its claim set (`s/{sid}/hooks`) is compared by
+every change of it, so concurrent claims and disposes retry instead of
+losing each other's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.errors import AlreadyExists, Reason, Unavailable
+from services.common.etcd import Store, cmp_absent, cmp_value
+from services.common.keys import Keys, TokenRecord, canonical_json, parse_fence
+from services.common.txn import Fence, Txn
+from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
+from services.hooks.sessions import SessionCache, SessionState, owner_record
+from services.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
+
+
+class Claims:
+    """CreateSession, ClaimHooks and DisposeHooks over one etcd store."""
+
+    def __init__(
+        self, store: Store, keys: Keys, tokens: TokenIndex, sessions: SessionCache
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._tokens = tokens
+        self._sessions = sessions
+
+    async def create_session(
+        self,
+        session_id: str,
+        owner: s.OwnerIdentity,
+        channel: str,
+        aliases: list[str],
+        parent: s.ParentLink | None = None,
+        first_command: s.Command | None = None,
+    ) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
+        """Create the session; with `first_command`, appended as inbox entry
+        0 by the same transaction. Returns (fence, claimed tokens, that entry)."""
+        ids.validate_session_id(session_id)
+        ids.validate_channel(channel)
+        ids.validate_deployment_id(owner.deployment_id)
+        ids.validate_id(owner.owner_run_id, "owner_run_id")
+        ids.validate_id(owner.instance_id, "instance_id")
+        k = self._keys
+        tokens = [ids.inbox_token(session_id)]
+        for alias in aliases:
+            ids.split_token(alias)
+            if alias not in tokens:
+                tokens.append(alias)
+        check_hook_count(len(tokens))
+        fence = Fence(session_id, owner.owner_run_id, 1)
+        record = TokenRecord(session_id=session_id, channel=channel, parent=_link(parent)).encode()
+        owner_now = owner_record(owner, 1)
+        owner_raw = owner_now.encode()
+        first = _first_entry(first_command)
+        head = 0 if first is None else 1
+        txn = (
+            Txn()
+            .require(cmp_absent(k.fence(session_id)), *(cmp_absent(k.token(t)) for t in tokens))
+            .put(k.fence(session_id), fence.value)
+            .put(k.owner(session_id), owner_raw)
+            .put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence.value)
+            .put(k.hooks(session_id), canonical_json(tokens))
+            .put(k.inbox_head(session_id), str(head).encode())
+        )
+        if first is not None:
+            txn.put(k.inbox_entry(session_id, 0), first.SerializeToString())
+            if first.command.delivery.delivery_id:
+                txn.put(k.delivery(session_id, first.command.delivery.delivery_id), b"0")
+        for token in tokens:
+            txn.put(k.token(token), record)
+        txn.read_on_failure("fence", k.fence(session_id))
+        txn.read_on_failure("hooks", k.hooks(session_id))
+        txn.read_on_failure("first", k.inbox_entry(session_id, 0))
+        txn.read_each("tokens", [k.token(t) for t in tokens], on="failure")
+        result = await txn.run(self._store)
+        if result.succeeded:
+            self._sessions.remember(session_id, SessionState(head, owner_raw, owner_now))
+            return fence.proto(), tokens, first
+        existing = result.value("fence")
+        if existing == fence.value:  # a retry of the create that already succeeded
+            raw = result.value("first")
+            entry = s.InboxEntry.FromString(raw) if raw is not None and first else None
+            return fence.proto(), json.loads(result.value("hooks") or b"[]"), entry
+        if existing is not None:
+            raise AlreadyExists(
+                Reason.SESSION_EXISTS,
+                f"session {session_id} already exists",
+                session_id=session_id,
+                owner_run_id=parse_fence(existing)[1],
+            )
+        check_unclaimed(tokens, result.values("tokens"))
+        raise Unavailable(Reason.CONFLICT, "create raced a concurrent change; retry")
+
+    async def claim(self, fence: s.Fence, tokens: list[str], channel: str = "") -> list[str]:
+        """Claim tokens for the fenced session, all or nothing."""
+        for token in tokens:
+            ids.split_token(token)
+        k = self._keys
+        sid = fence.session_id
+        owner = Fence.of(fence)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            current_raw, current = await self._read_hooks(owner)
+            new = [t for t in dict.fromkeys(tokens) if t not in current]
+            if not new:
+                return current
+            updated = current + new
+            check_hook_count(len(updated))
+            record = await self._session_record(sid, channel)
+            txn = (
+                Txn()
+                .require(
+                    owner.compare(k),
+                    cmp_value(k.hooks(sid), current_raw),
+                    *(cmp_absent(k.token(t)) for t in new),
+                )
+                .put(k.hooks(sid), canonical_json(updated))
+            )
+            for token in new:
+                txn.put(k.token(token), record)
+            txn.read_on_failure("fence", k.fence(sid))
+            txn.read_each("tokens", [k.token(t) for t in new], on="failure")
+            result = await txn.run(self._store)
+            if result.succeeded:
+                return updated
+            owner.check(result.value("fence"))
+            check_unclaimed(new, result.values("tokens"))
+        raise Unavailable(Reason.CONFLICT, "claim kept racing concurrent changes; retry")
+
+    async def dispose(self, fence: s.Fence, tokens: list[str]) -> list[str]:
+        """Release tokens (all when `tokens` is empty) held by the fenced session."""
+        k = self._keys
+        sid = fence.session_id
+        owner = Fence.of(fence)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            current_raw, current = await self._read_hooks(owner)
+            drop = [t for t in current if not tokens or t in tokens]
+            remaining = [t for t in current if t not in drop]
+            txn = (
+                Txn()
+                .require(owner.compare(k), cmp_value(k.hooks(sid), current_raw))
+                .put(k.hooks(sid), canonical_json(remaining))
+            )
+            for token in drop:
+                txn.delete(k.token(token))
+            result = await txn.read_on_failure("fence", k.fence(sid)).run(self._store)
+            if result.succeeded:
+                for token in drop:
+                    self._tokens.forget(token)
+                return remaining
+            owner.check(result.value("fence"))
+        raise Unavailable(Reason.CONFLICT, "dispose kept racing concurrent changes; retry")
+
+    async def _read_hooks(self, owner: Fence) -> tuple[bytes, list[str]]:
+        """The session's claim set (raw, to compare, and parsed), fenced."""
+        k = self._keys
+        sid = owner.session_id
+        result = (
+            await Txn().read("fence", k.fence(sid)).read("hooks", k.hooks(sid)).run(self._store)
+        )
+        owner.check(result.value("fence"))
+        raw = result.value("hooks") or b"[]"
+        current: list[str] = json.loads(raw)
+        return raw, current
+
+    async def _session_record(self, session_id: str, channel: str) -> bytes:
+        """The index entry a new alias gets: the session's own (its inbox token's)."""
+        raw = await self._tokens.entry(ids.inbox_token(session_id))
+        if raw is None:
+            return TokenRecord(session_id=session_id, channel=channel).encode()
+        return raw
+
+
+def _link(parent: s.ParentLink | None) -> bytes:
+    """A child session's parent link as its index entries keep it (no outbox)."""
+    if parent is None or not parent.parent_session_id:
+        return b""
+    ids.validate_session_id(parent.parent_session_id)
+    kept = s.ParentLink()
+    kept.CopyFrom(parent)
+    del kept.outbox[:]
+    return kept.SerializeToString()
+
+
+def _first_entry(command: s.Command | None) -> s.InboxEntry | None:
+    """Inbox entry 0 for a session created with its first command."""
+    if command is None or not command.WhichOneof("kind"):
+        return None
+    check_command(command)
+    now = Timestamp()
+    now.GetCurrentTime()
+    return s.InboxEntry(seq=0, command=command, accepted_at=now)

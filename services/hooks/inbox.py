@@ -1,0 +1,345 @@
+"""The durable inbox (DESIGN.md §3): appends, and the fenced inbox stream.
+
+Appends to one session's inbox are group committed inside this process (one
+appender task per session, one txn per batch); the inbox-head compare-and-swap
+is the cross-process fallback. A delivery id repeated inside a batch is
+appended once; one already in the inbox answers with its first receipt.
+
+Parking: the append txn also compares the owner record against the cached copy
+(`sessions`, corrected from the failure branch), and while that record says
+parked it puts the owner instance's bell in the same txn. So a bell is rung
+exactly for the arrivals after a successful park, with no race against
+(un)parking, and an unparked session still costs one round trip per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
+from services.common.etcd import Store, cmp_absent, cmp_value, watch_then_read
+from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
+from services.common.tasks import Background
+from services.common.txn import Fence, Txn, TxnResult
+from services.hooks.sessions import SessionCache, SessionState
+from services.hooks.tokens import TokenIndex
+
+MAX_COMMAND_BYTES = 256 * 1024
+MAX_BATCH_ENTRIES = 40
+MAX_BATCH_BYTES = 1024 * 1024
+MAX_APPEND_ATTEMPTS = 50
+_INBOX_PAGE_MIN = 16
+_INBOX_PAGE_MAX = 256
+_INBOX_PAGE_BYTES = 2 * 1024 * 1024
+
+
+def check_command(command: s.Command) -> None:
+    size = command.ByteSize()
+    if size > MAX_COMMAND_BYTES:
+        raise InvalidArgument(
+            Reason.MESSAGE_TOO_LARGE,
+            f"command is {size} bytes; the limit is {MAX_COMMAND_BYTES}",
+        )
+    if command.delivery.delivery_id:
+        ids.validate_id(command.delivery.delivery_id, "delivery_id")
+
+
+@dataclass
+class _Append:
+    """One accepted command waiting for its receipt."""
+
+    token: str
+    token_entry: bytes  # the index entry it was resolved with (compared)
+    command: s.Command
+    future: asyncio.Future[s.Receipt]
+
+    @property
+    def delivery_id(self) -> str:
+        return self.command.delivery.delivery_id
+
+
+@dataclass
+class _SessionQueue:
+    pending: list[_Append] = field(default_factory=list)
+    running: bool = False
+
+
+@dataclass
+class _Attempt:
+    """One try at appending a batch at inbox head `head`: the commands it
+    writes (the first of each delivery id, in order) and the repeats that
+    share their seq."""
+
+    head: int
+    appended: list[_Append]
+    repeats: list[tuple[_Append, _Append]]  # (repeat, the first of its delivery id)
+    tokens: dict[str, bytes]  # token -> index entry, each compared
+    delivery_ids: list[str]  # each compared absent
+
+    @classmethod
+    def of(cls, head: int, batch: list[_Append]) -> _Attempt:
+        first_by_delivery: dict[str, _Append] = {}
+        appended: list[_Append] = []
+        repeats: list[tuple[_Append, _Append]] = []
+        for item in batch:
+            if item.delivery_id and item.delivery_id in first_by_delivery:
+                repeats.append((item, first_by_delivery[item.delivery_id]))
+                continue
+            if item.delivery_id:
+                first_by_delivery[item.delivery_id] = item
+            appended.append(item)
+        tokens = {item.token: item.token_entry for item in appended}
+        return cls(head, appended, repeats, tokens, list(first_by_delivery))
+
+    @property
+    def new_head(self) -> int:
+        return self.head + len(self.appended)
+
+    def seqs(self) -> dict[int, int]:
+        """id(item) -> the seq it is appended at."""
+        return {id(item): self.head + offset for offset, item in enumerate(self.appended)}
+
+
+class Inbox:
+    """ResumeHook and StreamInbox over one etcd store."""
+
+    def __init__(
+        self, store: Store, keys: Keys, tokens: TokenIndex, sessions: SessionCache
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._tokens = tokens
+        self._sessions = sessions
+        self._queues: dict[str, _SessionQueue] = {}
+        self._background = Background()
+
+    async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
+        """Durably append `command` to the inbox of the session `token` names."""
+        check_command(command)
+        record, entry = await self._tokens.resolve(token, channel, cached=True)
+        future: asyncio.Future[s.Receipt] = asyncio.get_running_loop().create_future()
+        queue = self._queues.get(record.session_id)
+        if queue is None:
+            queue = self._queues[record.session_id] = _SessionQueue()
+        queue.pending.append(_Append(token, entry, command, future))
+        if not queue.running:
+            queue.running = True
+            self._background.spawn(self._drain(record.session_id, queue))
+        return await asyncio.shield(future)
+
+    async def close(self) -> None:
+        await self._background.cancel_all()
+
+    # -- the appender: one task per session with pending commands ---------------
+
+    async def _drain(self, session_id: str, queue: _SessionQueue) -> None:
+        try:
+            while queue.pending:
+                batch = _take_batch(queue)
+                try:
+                    await self._commit_batch(session_id, batch)
+                except Exception as exc:  # noqa: BLE001 - handed to every waiter
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(exc)
+        finally:
+            queue.running = False
+            if not queue.pending and self._queues.get(session_id) is queue:
+                del self._queues[session_id]
+
+    async def _commit_batch(self, session_id: str, batch: list[_Append]) -> None:
+        """Append `batch` in one txn, retried (after learning why from its
+        failure branch) until every command has its receipt."""
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            if not batch:
+                return
+            state = await self._sessions.state(session_id)
+            attempt = _Attempt.of(state.head, batch)
+            result = await self._append_txn(session_id, state, attempt).run(self._store)
+            if result.succeeded:
+                state.head = attempt.new_head
+                _settle_appended(session_id, state.owner, attempt)
+                return
+            batch = self._after_refusal(session_id, batch, attempt, result)
+        raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
+
+    def _append_txn(self, session_id: str, state: SessionState, attempt: _Attempt) -> Txn:
+        """Compares: the head, not finalized, the owner record as cached, each
+        token's entry, each delivery id absent. Writes: the entries, their
+        delivery ids, the new head, and the bell while parked. Reads on
+        failure: all that was compared."""
+        k, sid = self._keys, session_id
+        txn = Txn().require(
+            cmp_value(k.inbox_head(sid), str(attempt.head).encode()),
+            cmp_absent(k.closed(sid)),
+            cmp_value(k.owner(sid), state.owner_raw),
+            *(cmp_value(k.token(t), v) for t, v in attempt.tokens.items()),
+            *(cmp_absent(k.delivery(sid, d)) for d in attempt.delivery_ids),
+        )
+        now = Timestamp()
+        now.GetCurrentTime()
+        for offset, item in enumerate(attempt.appended):
+            seq = attempt.head + offset
+            entry = s.InboxEntry(seq=seq, command=item.command, accepted_at=now)
+            txn.put(k.inbox_entry(sid, seq), entry.SerializeToString())
+            if item.delivery_id:
+                txn.put(k.delivery(sid, item.delivery_id), str(seq).encode())
+        new_head = str(attempt.new_head).encode()
+        txn.put(k.inbox_head(sid), new_head)
+        if state.owner.parked:
+            txn.put(k.bell(state.owner.instance_id, sid), new_head)
+        txn.read_on_failure("head", k.inbox_head(sid))
+        txn.read_on_failure("closed", k.closed(sid))
+        txn.read_on_failure("owner", k.owner(sid))
+        txn.read_each("tokens", [k.token(t) for t in attempt.tokens], on="failure")
+        txn.read_each(
+            "deliveries", [k.delivery(sid, d) for d in attempt.delivery_ids], on="failure"
+        )
+        return txn
+
+    def _after_refusal(
+        self, session_id: str, batch: list[_Append], attempt: _Attempt, result: TxnResult
+    ) -> list[_Append]:
+        """Learn why the append was refused; settle the commands already
+        delivered, resubmit those whose token moved, and return the rest to
+        try again. Raises when the session is gone or finalized."""
+        state = self._sessions.learn(session_id, result.value("head"), result.value("owner"))
+        if result.value("closed") is not None:
+            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {session_id} is finalized")
+        moved = {
+            token
+            for (token, entry), now in zip(
+                attempt.tokens.items(), result.values("tokens"), strict=True
+            )
+            if now != entry
+        }
+        delivered = {
+            delivery_id: int(seq)
+            for delivery_id, seq in zip(
+                attempt.delivery_ids, result.values("deliveries"), strict=True
+            )
+            if seq is not None
+        }
+        remaining: list[_Append] = []
+        for item in batch:
+            if item.delivery_id in delivered:
+                seq = delivered[item.delivery_id]
+                _settle(item, _receipt(session_id, state.owner, seq, duplicate=True))
+            elif item.token in moved:
+                self._tokens.forget(item.token)
+                self._resubmit(item)
+            else:
+                remaining.append(item)
+        return remaining
+
+    def _resubmit(self, item: _Append) -> None:
+        """The token changed under us: resolve it again and append there."""
+
+        async def again() -> None:
+            try:
+                receipt = await self.resume(item.token, item.command, "")
+            except Exception as exc:  # noqa: BLE001 - handed to the waiter
+                if not item.future.done():
+                    item.future.set_exception(exc)
+                return
+            _settle(item, receipt)
+
+        self._background.spawn(again())
+
+    # -- the stream ---------------------------------------------------------------
+
+    async def stream(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
+        """The inbox from `from_seq`, then live, until the fence moves."""
+        k = self._keys
+        sid = fence.session_id
+        owner = Fence.of(fence)
+        async with watch_then_read(self._store.client, k.control_prefix(sid)) as follower:
+            # The backlog in pages (a long one after an outage must not become
+            # one message): small commands in pages of up to 256, large ones
+            # in pages of 16 (16 x MAX_COMMAND_BYTES = 4 MiB).
+            next_seq = from_seq
+            limit = _INBOX_PAGE_MIN
+            first_revision = 0
+            while True:
+                result = await (
+                    Txn()
+                    .read("fence", k.fence(sid))
+                    .read(
+                        "page",
+                        k.inbox_entry(sid, next_seq),
+                        prefix_end(k.inbox_prefix(sid)),
+                        limit=limit,
+                    )
+                    .run(self._store)
+                )
+                owner.check(result.value("fence"))
+                first_revision = first_revision or result.revision
+                page = result.kvs("page")
+                entries = [s.InboxEntry.FromString(kv.value) for kv in page]
+                if entries:
+                    next_seq = entries[-1].seq + 1
+                    yield entries
+                if not result.more("page"):
+                    break
+                size = sum(len(kv.value) for kv in page)
+                if size < _INBOX_PAGE_BYTES // 2:
+                    limit = min(limit * 2, _INBOX_PAGE_MAX)
+            fence_key = k.fence(sid)
+            async for event in follower.events(first_revision + 1):
+                key = event.kv.key
+                if key == fence_key:
+                    owner.check(event.kv.value)  # a deleted fence (b"") is lost too
+                    continue
+                if not event.kv.value:
+                    continue
+                seq = seq_of(key)
+                if seq >= next_seq:
+                    next_seq = seq + 1
+                    yield [s.InboxEntry.FromString(event.kv.value)]
+
+
+def _take_batch(queue: _SessionQueue) -> list[_Append]:
+    """The next batch off the queue: up to MAX_BATCH_ENTRIES commands and
+    MAX_BATCH_BYTES (at least one command)."""
+    batch: list[_Append] = []
+    size = 0
+    while queue.pending and len(batch) < MAX_BATCH_ENTRIES:
+        item_size = queue.pending[0].command.ByteSize()
+        if batch and size + item_size > MAX_BATCH_BYTES:
+            break
+        batch.append(queue.pending.pop(0))
+        size += item_size
+    return batch
+
+
+def _receipt(
+    session_id: str, owner: OwnerRecord, seq: int, *, duplicate: bool = False
+) -> s.Receipt:
+    return s.Receipt(
+        session_id=session_id,
+        owner_run_id=owner.owner_run_id,
+        seq=seq,
+        duplicate=duplicate,
+        owner_deployment_id=owner.deployment_id,
+    )
+
+
+def _settle_appended(session_id: str, owner: OwnerRecord, attempt: _Attempt) -> None:
+    """Receipts for an append that committed: each command its seq, each
+    repeat of a delivery id the seq of its first."""
+    seqs = attempt.seqs()
+    for item in attempt.appended:
+        _settle(item, _receipt(session_id, owner, seqs[id(item)]))
+    for item, first in attempt.repeats:
+        _settle(item, _receipt(session_id, owner, seqs[id(first)], duplicate=True))
+
+
+def _settle(item: _Append, receipt: s.Receipt) -> None:
+    if not item.future.done():
+        item.future.set_result(receipt)

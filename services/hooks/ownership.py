@@ -1,0 +1,242 @@
+"""Ownership (DESIGN.md §5): takeover of a dead instance's sessions, parking,
+and the ownership index an instance lists its sessions from.
+
+A takeover is a compare-and-swap of the fence and the owner record with epoch
++ 1; the ownership index entry moves in the same txn. Parking flips the owner
+record's `parked` flag; the inbox append (services/hooks/inbox.py) rings the
+owner instance's bell while it is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    Fenced,
+    NotFound,
+    Reason,
+    Unavailable,
+)
+from services.common.etcd import Store, cmp_value
+from services.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
+from services.common.txn import Fence, Txn, TxnResult
+from services.hooks.inbox import MAX_APPEND_ATTEMPTS
+from services.hooks.sessions import SessionCache, SessionState, owner_record
+
+_LIST_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """The result of a takeover: the successor's fence, and whether the
+    session stays parked (then `inbox_head` is its consumed position)."""
+
+    fence: s.Fence
+    parked: bool
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class OwnedSession:
+    """A session in an instance's ownership index."""
+
+    fence: s.Fence
+    owner: OwnerRecord
+
+
+class Ownership:
+    """TakeOverSession, SetParked and ListInstanceSessions over one etcd store."""
+
+    def __init__(self, store: Store, keys: Keys, sessions: SessionCache) -> None:
+        self._store = store
+        self._keys = keys
+        self._sessions = sessions
+
+    async def take_over(
+        self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
+    ) -> TakeOver:
+        """Move a session from a dead instance to `successor` with epoch + 1.
+
+        A compare-and-swap of the fence and the owner record: the first caller
+        wins; the others get FENCED (FAILED_PRECONDITION, as every fenced
+        refusal, DESIGN.md §2). A replay by the winner (same successor run)
+        returns the same result. The ownership index moves in the same txn. A
+        parked session stays parked when nothing arrived since it parked (no
+        bell rang); then the successor need not load it.
+        """
+        sid = ids.validate_session_id(expected.session_id)
+        ids.validate_id(expected_instance_id, "expected_instance_id")
+        ids.validate_deployment_id(successor.deployment_id)
+        ids.validate_id(successor.owner_run_id, "owner_run_id")
+        ids.validate_id(successor.instance_id, "instance_id")
+        k = self._keys
+        old = Fence.of(expected)
+        new = Fence(sid, successor.owner_run_id, expected.epoch + 1)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            read = await (
+                Txn()
+                .read("fence", k.fence(sid))
+                .read("owner", k.owner(sid))
+                .read("head", k.inbox_head(sid))
+                .read("closed", k.closed(sid))
+                .read("bell", k.bell(expected_instance_id, sid))
+                .read("live", k.instance(successor.deployment_id, expected_instance_id))
+                .run(self._store)
+            )
+            fence_now = read.value("fence")
+            owner_raw = read.value("owner")
+            head_raw = read.value("head")
+            if fence_now is None or owner_raw is None or head_raw is None:
+                raise NotFound(Reason.SESSION_NOT_FOUND, f"session {sid} not found")
+            record = OwnerRecord.decode(owner_raw)
+            if fence_now == new.value:  # a replay of our own takeover
+                self._sessions.learn(sid, head_raw, owner_raw)
+                return TakeOver(new.proto(), record.parked, int(head_raw))
+            if not old.holds(fence_now) or record.instance_id != expected_instance_id:
+                raise Fenced(
+                    f"session {sid} is no longer owned by run {expected.owner_run_id} "
+                    f"on instance {expected_instance_id}",
+                    session_id=sid,
+                )
+            await self._check_movable(old, record, expected_instance_id, successor, read)
+            parked = record.parked and read.value("bell") is None
+            new_record = owner_record(successor, new.epoch, parked)
+            new_raw = new_record.encode()
+            txn = (
+                Txn()
+                .require(
+                    old.compare(k),
+                    cmp_value(k.owner(sid), owner_raw),
+                    cmp_value(k.inbox_head(sid), head_raw),
+                )
+                .put(k.fence(sid), new.value)
+                .put(k.owner(sid), new_raw)
+                .put(k.owned(successor.deployment_id, successor.instance_id, sid), new.value)
+            )
+            if expected_instance_id != successor.instance_id:
+                txn.delete(k.owned(record.deployment_id, expected_instance_id, sid))
+            if read.value("bell") is not None:
+                txn.delete(k.bell(expected_instance_id, sid))
+            if (await txn.run(self._store)).succeeded:
+                self._sessions.remember(sid, SessionState(int(head_raw), new_raw, new_record))
+                return TakeOver(new.proto(), parked, int(head_raw))
+            # Something moved (an arrival, a park) between the read and the txn: again.
+        raise Unavailable(Reason.CONFLICT, "takeover kept racing concurrent changes; retry")
+
+    async def _check_movable(
+        self,
+        old: Fence,
+        record: OwnerRecord,
+        expected_instance_id: str,
+        successor: s.OwnerIdentity,
+        read: TxnResult,
+    ) -> None:
+        """Refuse a takeover to another deployment, of a finalized session
+        (dropping its index entry, fenced), or from an instance still live."""
+        k, sid = self._keys, old.session_id
+        if record.deployment_id != successor.deployment_id:
+            raise FailedPrecondition(
+                Reason.WRONG_DEPLOYMENT,
+                f"session {sid} runs deployment {record.deployment_id}, "
+                f"not {successor.deployment_id}",
+            )
+        if read.value("closed") is not None:
+            # Finalized: nothing to run. Drop its index entry, fenced.
+            old_index = k.owned(record.deployment_id, expected_instance_id, sid)
+            await Txn().require(old.compare(k)).delete(old_index).run(self._store)
+            raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+        if read.value("live") is not None and expected_instance_id != successor.instance_id:
+            raise FailedPrecondition(
+                Reason.INSTANCE_LIVE,
+                f"instance {expected_instance_id} still holds its lease",
+                instance_id=expected_instance_id,
+            )
+
+    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int) -> int:
+        """Park (only when every inbox entry is consumed) or unpark a session.
+
+        One txn comparing the fence, the owner record and, when parking, that
+        the inbox head equals `inbox_next_seq`. Unparking deletes the bell.
+        Returns the inbox head. Repeating a request that took effect succeeds.
+        """
+        sid = ids.validate_session_id(fence.session_id)
+        k = self._keys
+        owner = Fence.of(fence)
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            state = await self._sessions.state(sid)
+            if not owner.holds(state.owner.fence) or state.owner.parked == parked:
+                # Our cache may be stale: verify against etcd before refusing or
+                # answering "already done".
+                state = await self._sessions.refresh(sid)
+                owner.check(state.owner.fence)
+                if state.owner.parked == parked:
+                    return state.head
+            record = state.owner
+            new_record = OwnerRecord(
+                owner_run_id=record.owner_run_id,
+                deployment_id=record.deployment_id,
+                instance_id=record.instance_id,
+                epoch=record.epoch,
+                parked=parked,
+            )
+            new_raw = new_record.encode()
+            txn = (
+                Txn()
+                .require(owner.compare(k), cmp_value(k.owner(sid), state.owner_raw))
+                .put(k.owner(sid), new_raw)
+            )
+            if parked:
+                txn.require(cmp_value(k.inbox_head(sid), str(inbox_next_seq).encode()))
+            else:
+                txn.delete(k.bell(record.instance_id, sid))
+            txn.read("head", k.inbox_head(sid))
+            txn.read_on_failure("fence", k.fence(sid))
+            txn.read_on_failure("owner", k.owner(sid))
+            txn.read_on_failure("head", k.inbox_head(sid))
+            result = await txn.run(self._store)
+            if result.succeeded:
+                head = int(result.value("head") or b"0")
+                self._sessions.remember(sid, SessionState(head, new_raw, new_record))
+                return head
+            used_raw = state.owner_raw
+            owner.check(result.value("fence"))
+            state = self._sessions.learn(sid, result.value("head"), result.value("owner"))
+            if parked and state.owner_raw == used_raw and state.head != inbox_next_seq:
+                raise Aborted(
+                    Reason.INBOX_NOT_DRAINED,
+                    f"session {sid} has inbox entries up to {state.head}; "
+                    f"consumed up to {inbox_next_seq}",
+                    session_id=sid,
+                    inbox_head=str(state.head),
+                )
+            # The owner record changed under our cache: again with the fresh one.
+        raise Unavailable(Reason.CONFLICT, "park kept racing concurrent changes; retry")
+
+    async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
+        """The sessions an instance owns (its ownership index), with their
+        current owner records (read in chunks, one read txn each)."""
+        ids.validate_deployment_id(deployment_id)
+        ids.validate_id(instance_id, "instance_id")
+        k = self._keys
+        prefix = k.owned_prefix(deployment_id, instance_id)
+        listed = await Txn().read("owned", prefix, prefix_end(prefix)).run(self._store)
+        entries = [(kv.key[len(prefix) :].decode(), kv.value) for kv in listed.kvs("owned")]
+        owned: list[OwnedSession] = []
+        for start in range(0, len(entries), _LIST_CHUNK):
+            chunk = entries[start : start + _LIST_CHUNK]
+            read = (
+                await Txn().read_each("owners", [k.owner(sid) for sid, _ in chunk]).run(self._store)
+            )
+            for (sid, indexed), raw in zip(chunk, read.values("owners"), strict=True):
+                if raw is None:
+                    continue
+                record = OwnerRecord.decode(raw)
+                if record.fence != indexed or record.instance_id != instance_id:
+                    continue  # moved on since the listing
+                epoch, run = parse_fence(indexed)
+                owned.append(OwnedSession(fence=Fence(sid, run, epoch).proto(), owner=record))
+        return owned
