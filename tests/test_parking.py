@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.clients import AnchorClient, HooksClient, OwnerClient, TakenOver
 from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
 from services.common.keys import Keys
@@ -136,7 +135,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
         b.take_over_session(quiet, "dead-1", contenders[1]),
         return_exceptions=True,
     )
-    won = [r for r in results if isinstance(r, hooks_pb.TakeOverSessionResponse)]
+    won = [r for r in results if isinstance(r, TakenOver)]
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], Fenced)

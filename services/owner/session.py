@@ -498,9 +498,9 @@ class SessionRun:
         elif kind == "cancel":
             if state.turn_open:
                 state.consume(entry)
-                events: list[s.Event] = []
-                state.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
-                await self._commit(events)
+                cancelled: list[s.Event] = []
+                state.settle(cancelled, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
+                await self._commit(cancelled)
             else:
                 await self._reject(entry, Reason.NOTHING_TO_CANCEL, "no turn is running")
         elif kind == "reset":
