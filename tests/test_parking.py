@@ -91,10 +91,10 @@ async def test_a_bell_rings_exactly_while_parked(
     # a's cache still says unparked: its append must learn better and ring.
     assert (await a.resume(inbox, command("two"))).seq == 1
     first = await asyncio.wait_for(anext(bells), 5)
-    assert [(x.session_id, x.inbox_head) for x in first.bells] == [(sid, 2)]
+    assert [(x.session_id, x.inbox_head) for x in first] == [(sid, 2)]
     await b.resume(inbox, command("three"))
     second = await asyncio.wait_for(anext(bells), 5)
-    assert [(x.session_id, x.inbox_head) for x in second.bells] == [(sid, 3)]
+    assert [(x.session_id, x.inbox_head) for x in second] == [(sid, 3)]
     await bells.aclose()  # type: ignore[attr-defined]
 
     assert await a.set_parked(fence, False) == 3  # unpark deletes the bell
@@ -251,7 +251,7 @@ async def test_an_idle_session_parks_and_wakes_on_input(
             return any(o.fence.session_id == sid and o.parked for o in owned)
 
         async def events() -> list[s.Event]:
-            return [e async for r in anchor.read_events(sid) for e in r.events]
+            return [e async for page in anchor.read_events(sid) for e in page]
 
         receipts: list[int] = []
         for burst in range(6):

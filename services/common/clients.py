@@ -11,13 +11,14 @@ owner settles an uncertain handoff itself, and a replay on another instance
 would be refused as a reused handoff id after the first one moved the
 session).
 
-Unary calls answer with domain values (the frozen dataclasses below, or the
-stored `session_pb2` messages: fences, snapshots, receipts), never with a
-`…Response` proto: a caller needs no generated module to read an answer."""
+Calls answer with domain values (the frozen dataclasses below, or the stored
+`session_pb2` messages: fences, snapshots, receipts, inbox entries, events),
+never with a `…Response` proto: a caller needs no generated module to read
+an answer. A stream yields one value per message the server sends."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ from services.common.grpc_errors import from_rpc_error
 from services.common.tls import Security
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 ANCHOR_SERVICE = anchor_pb.DESCRIPTOR.services_by_name["AnchorService"].full_name
@@ -103,6 +105,42 @@ class LoadedSession:
     snapshot: s.SessionSnapshot
     revision: int
     context: list[s.ChatMessage]
+
+
+@dataclass(frozen=True)
+class OwnerInstance:
+    """A live owner instance as the registry lists it."""
+
+    deployment_id: str
+    instance_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class InstanceChange:
+    """What a watch of a deployment's instances reports: the live ones, and
+    the instances that died (their sessions are to be taken over)."""
+
+    instances: tuple[OwnerInstance, ...]
+    dead_instance_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OwnedSession:
+    """A session with its current owner (and whether it is parked, as of the
+    listing)."""
+
+    fence: s.Fence
+    owner: s.OwnerIdentity
+    parked: bool
+
+
+@dataclass(frozen=True)
+class Bell:
+    """A parked session has input up to `inbox_head`."""
+
+    session_id: str
+    inbox_head: int
 
 
 @dataclass(frozen=True)
@@ -233,14 +271,44 @@ async def _unary(call: Awaitable[_T]) -> _T:
         raise from_rpc_error(exc) from exc
 
 
-async def _stream(call: grpc.aio.UnaryStreamCall[Any, Any]) -> AsyncIterator[object]:
+async def _stream(
+    call: grpc.aio.UnaryStreamCall[Any, _R], convert: Callable[[_R], _T]
+) -> AsyncIterator[_T]:
+    """The messages of `call`, each as `convert` makes it; the call is
+    cancelled when the iteration ends (or the iterator is closed)."""
     try:
         async for item in call:
-            yield item
+            yield convert(item)
     except grpc.aio.AioRpcError as exc:
         raise from_rpc_error(exc) from exc
     finally:
         call.cancel()
+
+
+def _inbox_page(response: hooks_pb.StreamInboxResponse) -> list[s.InboxEntry]:
+    return list(response.entries)
+
+
+def _instance(info: hooks_pb.InstanceInfo) -> OwnerInstance:
+    return OwnerInstance(info.deployment_id, info.instance_id, info.address)
+
+
+def _instance_change(response: hooks_pb.WatchInstancesResponse) -> InstanceChange:
+    return InstanceChange(
+        tuple(_instance(info) for info in response.instances), tuple(response.dead_instance_ids)
+    )
+
+
+def _bells(response: hooks_pb.WatchBellsResponse) -> list[Bell]:
+    return [Bell(bell.session_id, bell.inbox_head) for bell in response.bells]
+
+
+def _events_page(response: anchor_pb.ReadEventsResponse) -> list[s.Event]:
+    return list(response.events)
+
+
+def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSessionResponse:
+    return response
 
 
 class _Client:
@@ -327,11 +395,10 @@ class HooksClient(_Client):
         response = await _unary(self.stub.DisposeHooks(request, timeout=self.timeout))
         return list(response.hooks)
 
-    def stream_inbox(
-        self, fence: s.Fence, from_seq: int
-    ) -> AsyncIterator[hooks_pb.StreamInboxResponse]:
+    def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
+        """The inbox from `from_seq` on, one page of entries at a time."""
         call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
-        return _stream(call)  # type: ignore[return-value]
+        return _stream(call, _inbox_page)
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
@@ -355,23 +422,23 @@ class HooksClient(_Client):
         request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)
         await _unary(self.stub.DeregisterInstance(request, timeout=self.timeout))
 
-    async def list_instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+    async def list_instances(self, deployment_id: str) -> list[OwnerInstance]:
         request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
         response = await _unary(self.stub.ListInstances(request, timeout=self.timeout))
-        return list(response.instances)
+        return [_instance(info) for info in response.instances]
 
-    def watch_instances(self, deployment_id: str) -> AsyncIterator[hooks_pb.WatchInstancesResponse]:
+    def watch_instances(self, deployment_id: str) -> AsyncIterator[InstanceChange]:
         request = hooks_pb.WatchInstancesRequest(deployment_id=deployment_id)
-        return _stream(self.stub.WatchInstances(request))  # type: ignore[return-value]
+        return _stream(self.stub.WatchInstances(request), _instance_change)
 
     async def list_instance_sessions(
         self, deployment_id: str, instance_id: str
-    ) -> list[hooks_pb.OwnedSession]:
+    ) -> list[OwnedSession]:
         request = hooks_pb.ListInstanceSessionsRequest(
             deployment_id=deployment_id, instance_id=instance_id
         )
         response = await _unary(self.stub.ListInstanceSessions(request, timeout=self.timeout))
-        return list(response.sessions)
+        return [OwnedSession(o.fence, o.owner, o.parked) for o in response.sessions]
 
     async def take_over_session(
         self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
@@ -391,9 +458,10 @@ class HooksClient(_Client):
         response = await _unary(self.stub.SetParked(request, timeout=self.timeout))
         return response.inbox_head
 
-    def watch_bells(self, instance_id: str) -> AsyncIterator[hooks_pb.WatchBellsResponse]:
+    def watch_bells(self, instance_id: str) -> AsyncIterator[list[Bell]]:
+        """The bells of this instance's parked sessions, in arrival order."""
         request = hooks_pb.WatchBellsRequest(instance_id=instance_id)
-        return _stream(self.stub.WatchBells(request))  # type: ignore[return-value]
+        return _stream(self.stub.WatchBells(request), _bells)
 
     async def transfer(
         self, request: hooks_pb.TransferRequest, deadline_s: float | None = None
@@ -451,8 +519,7 @@ class AnchorClient(_Client):
         )
         call = self.stub.LoadSession(request, timeout=self.timeout * 3)
         loaded: LoadedSession | None = None
-        async for part in _stream(call):
-            assert isinstance(part, anchor_pb.LoadSessionResponse)
+        async for part in _stream(call, _load_part):
             if loaded is None:
                 loaded = LoadedSession(part.snapshot, part.revision, [])
             else:
@@ -471,11 +538,13 @@ class AnchorClient(_Client):
 
     def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False
-    ) -> AsyncIterator[anchor_pb.ReadEventsResponse]:
+    ) -> AsyncIterator[list[s.Event]]:
+        """The session's events from `start_seq`, a page at a time; with
+        `follow`, new ones as they are committed."""
         request = anchor_pb.ReadEventsRequest(
             session_id=session_id, start_seq=start_seq, follow=follow
         )
-        return _stream(self.stub.ReadEvents(request))  # type: ignore[return-value]
+        return _stream(self.stub.ReadEvents(request), _events_page)
 
 
 class OwnerClient(_Client):

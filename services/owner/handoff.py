@@ -57,6 +57,7 @@ from services.common.clients import (
     LoadedSession,
     Moved,
     OwnerClient,
+    OwnerInstance,
 )
 from services.common.errors import (
     Aborted,
@@ -110,7 +111,7 @@ class HandoffOffer:
 @dataclass
 class _Targets:
     expires: float
-    instances: list[hooks_pb.InstanceInfo]
+    instances: list[OwnerInstance]
 
 
 class HandoffBroker:
@@ -156,7 +157,7 @@ class HandoffBroker:
             )
         return peer
 
-    async def _instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+    async def _instances(self, deployment_id: str) -> list[OwnerInstance]:
         """Live instances of a deployment, from the registry (cached briefly;
         a failed call drops the cache)."""
         now = time.monotonic()

@@ -33,7 +33,6 @@ from typing import Any
 
 import structlog
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import (
@@ -43,6 +42,7 @@ from services.common.clients import (
     HandoffAccepted,
     HooksClient,
     Moved,
+    OwnedSession,
     StartedSession,
 )
 from services.common.errors import (
@@ -710,7 +710,7 @@ class OwnerHost:
 
     # -- takeover ----------------------------------------------------------------
 
-    async def adopt(self, owned: hooks_pb.OwnedSession) -> bool:
+    async def adopt(self, owned: OwnedSession) -> bool:
         """Take over a session of a dead instance of this deployment.
 
         True when this host now holds it; False when another instance won the

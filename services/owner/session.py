@@ -369,8 +369,8 @@ class SessionRun:
         backoff = 0.05
         while True:
             try:
-                async for response in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
-                    for entry in response.entries:
+                async for page in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
+                    for entry in page:
                         if entry.seq >= self._next_seq:
                             self._arrive(entry)
                     self._arrived.set()
