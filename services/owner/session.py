@@ -46,18 +46,17 @@ from services.owner.agent import (
     ToolContext,
 )
 from services.owner.checkpoint import Checkpoint
+from services.owner.child_rules import ChildWork
 from services.owner.children import Children
 from services.owner.handles import Refusal, Verdict
+from services.owner.held import RunIdentity, make_event
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
-    ChildWork,
     Outcome,
-    RunIdentity,
     SessionState,
     StepProgress,
     initial_snapshot,
-    make_event,
     safe_error,
     usage_of,
 )
