@@ -332,6 +332,8 @@ class ChildRules(HeldSession):
             parent_session_id=link.parent_session_id,
             status=status,
             deployment_id=self.identity.deployment_id,
+            # Only the fields given a value; `fields` are keywords of the message,
+            # which the stub types one by one (a dict of objects cannot match).
             **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
         )
         link.outbox.append(report)

@@ -45,6 +45,8 @@ def make_event(
         turn_id=turn_id,
         owner_run_id=identity.fence.owner_run_id,
         deployment_id=identity.deployment_id,
+        # Only the fields given a value; `fields` are keywords of the message,
+        # which the stub types one by one (a dict of objects cannot match).
         **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
     )
     if entry is not None:
