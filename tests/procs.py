@@ -280,7 +280,7 @@ class StackClients:
         )
 
     async def events(self, session_id: str) -> list[s.Event]:
-        return [e async for r in self.anchor.read_events(session_id) for e in r.events]
+        return [e async for page in self.anchor.read_events(session_id) for e in page]
 
     async def wait_events(
         self,
@@ -549,4 +549,4 @@ class ReplicatedClients:
                 call.cancel()
 
     async def events(self, session_id: str) -> list[s.Event]:
-        return [e async for r in self.anchor.read_events(session_id) for e in r.events]
+        return [e async for page in self.anchor.read_events(session_id) for e in page]

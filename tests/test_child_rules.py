@@ -1,7 +1,8 @@
-"""The pure rules of child sessions (services/owner/handles.py and their use in
-services/owner/turns.py): handle states, what a child's report means for
-its parent, eligibility for a handoff, budget roll-up, what a child reports
-to its parent. No etcd, no gRPC, no event loop."""
+"""The pure rules of child sessions (services/owner/handles.py,
+services/owner/child_rules.py and their use in services/owner/turns.py):
+handle states, what a child's report means for its parent, eligibility for a
+handoff, budget roll-up, what a child reports to its parent. No etcd, no
+gRPC, no event loop."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import Reason
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
+from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
 from services.owner.handles import Handles, Refusal, Verdict, child_budget
+from services.owner.held import RunIdentity
 from services.owner.turns import (
     Admission,
-    ChildWork,
     Outcome,
-    RunIdentity,
     SessionState,
     StepProgress,
     initial_snapshot,

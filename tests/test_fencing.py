@@ -132,7 +132,7 @@ async def current_fence(env: Env, session_id: str) -> s.Fence:
 
 
 async def stream(env: Env, session_id: str) -> list[s.Event]:
-    return [e async for r in env.anchor.read_events(session_id) for e in r.events]  # type: ignore[attr-defined]
+    return [e async for page in env.anchor.read_events(session_id) for e in page]  # type: ignore[attr-defined]
 
 
 async def expect_error(call: Any, code: grpc.StatusCode, reason: str) -> BatonError:
@@ -648,8 +648,8 @@ async def test_live_inbox_stream_ends_fenced_when_ownership_moves(env: Env) -> N
     first_seen = asyncio.Event()
 
     async def follow() -> None:
-        async for response in env.hooks.stream_inbox(fence, 0):
-            seen.extend(e.seq for e in response.entries)
+        async for page in env.hooks.stream_inbox(fence, 0):
+            seen.extend(e.seq for e in page)
             first_seen.set()
 
     reader = asyncio.get_running_loop().create_task(follow())

@@ -288,9 +288,9 @@ async def test_a_long_backlog_streams_in_pages(stack: Stack) -> None:
         pages: list[int] = []
         seqs: list[int] = []
         stream = hooks.stream_inbox(snapshot_owner.fence, 0)
-        async for response in stream:
-            pages.append(len(response.entries))
-            seqs.extend(e.seq for e in response.entries)
+        async for page in stream:
+            pages.append(len(page))
+            seqs.extend(e.seq for e in page)
             if len(seqs) >= 700:
                 break
         assert seqs == list(range(700))

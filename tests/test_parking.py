@@ -18,11 +18,10 @@ import aetcd
 import grpc
 import pytest
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.clients import AnchorClient, HooksClient, OwnerClient, TakenOver
 from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
 from services.common.keys import Keys
@@ -93,10 +92,10 @@ async def test_a_bell_rings_exactly_while_parked(
     # a's cache still says unparked: its append must learn better and ring.
     assert (await a.resume(inbox, command("two"))).seq == 1
     first = await asyncio.wait_for(anext(bells), 5)
-    assert [(x.session_id, x.inbox_head) for x in first.bells] == [(sid, 2)]
+    assert [(x.session_id, x.inbox_head) for x in first] == [(sid, 2)]
     await b.resume(inbox, command("three"))
     second = await asyncio.wait_for(anext(bells), 5)
-    assert [(x.session_id, x.inbox_head) for x in second.bells] == [(sid, 3)]
+    assert [(x.session_id, x.inbox_head) for x in second] == [(sid, 3)]
     await bells.aclose()  # type: ignore[attr-defined]
 
     assert await a.set_parked(fence, False) == 3  # unpark deletes the bell
@@ -137,7 +136,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
         b.take_over_session(quiet, "dead-1", contenders[1]),
         return_exceptions=True,
     )
-    won = [r for r in results if isinstance(r, hooks_pb.TakeOverSessionResponse)]
+    won = [r for r in results if isinstance(r, TakenOver)]
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], Fenced)
@@ -256,7 +255,7 @@ async def test_an_idle_session_parks_and_wakes_on_input(
             return any(o.fence.session_id == sid and o.parked for o in owned)
 
         async def events() -> list[s.Event]:
-            return [e async for r in anchor.read_events(sid) for e in r.events]
+            return [e async for page in anchor.read_events(sid) for e in page]
 
         receipts: list[int] = []
         for burst in range(6):

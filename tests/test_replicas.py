@@ -329,8 +329,8 @@ async def test_two_anchors_serve_one_stream(replicated: Replicated) -> None:
         on_two: list[s.Event] = []
 
         async def follow(client: AnchorClient, out: list[s.Event], stop: int) -> None:
-            async for response in client.read_events(session_id, len(out), follow=True):
-                out.extend(response.events)
+            async for page in client.read_events(session_id, len(out), follow=True):
+                out.extend(page)
                 if len(received(out)) >= stop and out[-1].kind == s.EVENT_KIND_SESSION_WAITING:
                     return
 

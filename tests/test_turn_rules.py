@@ -11,10 +11,10 @@ from baton.session.v1 import session_pb2 as s
 from services.common import limits
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
+from services.owner.held import RunIdentity
 from services.owner.turns import (
     Admission,
     Outcome,
-    RunIdentity,
     SessionState,
     StepProgress,
     initial_snapshot,

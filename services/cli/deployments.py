@@ -14,9 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from baton.owner.v1 import owner_pb2 as owner_pb
 from services.common import ids
-from services.common.clients import HooksClient, OwnerClient
+from services.common.clients import DrainReport, HooksClient, OwnerClient
 from services.common.errors import BatonError
 from services.common.tls import Security
 
@@ -57,7 +56,7 @@ async def drain(
             if not instances:
                 write(f"deployment {old} has no live owner instance: it holds no session")
                 return EXIT_DRAINED
-            reports: list[owner_pb.DrainSessionsResponse] = []
+            reports: list[DrainReport] = []
             for instance in instances:
                 client = owners.get(instance.address)
                 if client is None:

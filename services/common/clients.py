@@ -9,13 +9,18 @@ once: reads, and writes the server deduplicates by an id in the request
 RegisterInstance (each call grants a new lease) and AcceptHandoff (the old
 owner settles an uncertain handoff itself, and a replay on another instance
 would be refused as a reused handoff id after the first one moved the
-session)."""
+session).
+
+Calls answer with domain values (the frozen dataclasses below, or the stored
+`session_pb2` messages: fences, snapshots, receipts, inbox entries, events),
+never with a `…Response` proto: a caller needs no generated module to read
+an answer. A stream yields one value per message the server sends."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -33,6 +38,7 @@ from services.common.grpc_errors import from_rpc_error
 from services.common.tls import Security
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 ANCHOR_SERVICE = anchor_pb.DESCRIPTOR.services_by_name["AnchorService"].full_name
@@ -101,6 +107,163 @@ class LoadedSession:
     context: list[s.ChatMessage]
 
 
+@dataclass(frozen=True)
+class OwnerInstance:
+    """A live owner instance as the registry lists it."""
+
+    deployment_id: str
+    instance_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class InstanceChange:
+    """What a watch of a deployment's instances reports: the live ones, and
+    the instances that died (their sessions are to be taken over)."""
+
+    instances: tuple[OwnerInstance, ...]
+    dead_instance_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OwnedSession:
+    """A session with its current owner (and whether it is parked, as of the
+    listing)."""
+
+    fence: s.Fence
+    owner: s.OwnerIdentity
+    parked: bool
+
+
+@dataclass(frozen=True)
+class Bell:
+    """A parked session has input up to `inbox_head`."""
+
+    session_id: str
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class CreatedSession:
+    """A session hooks created (CreateSession): its first fence, every token
+    it claimed (inbox token first), and the inbox entry its first command
+    became (None without a first command)."""
+
+    fence: s.Fence
+    inbox_token: str
+    hooks: tuple[str, ...]
+    first_entry: s.InboxEntry | None
+
+
+@dataclass(frozen=True)
+class HookTarget:
+    """What a token resolves to (LookupHook): the session, its channel and,
+    for a child session, its parent link as created."""
+
+    session_id: str
+    channel: str
+    parent: s.ParentLink | None
+
+
+@dataclass(frozen=True)
+class InstanceLease:
+    """An owner instance's registration (RegisterInstance): the lease to keep
+    alive and its granted TTL."""
+
+    lease_id: int
+    ttl_seconds: int
+
+
+@dataclass(frozen=True)
+class TakenOver:
+    """A takeover's outcome (TakeOverSession): the successor's fence; whether
+    the session stays parked under it, and the inbox head at the takeover."""
+
+    fence: s.Fence
+    parked: bool
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A session moved to a successor (Transfer, AdoptSession): its fence,
+    and whether this answers a replay of a move already applied."""
+
+    fence: s.Fence
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class RecordedTransfer:
+    """A transfer's outcome as hooks recorded it under its handoff id."""
+
+    fence: s.Fence
+    successor: s.OwnerIdentity
+    trigger_seq: int
+    reason: s.TransferReason.ValueType
+
+
+@dataclass(frozen=True)
+class SessionOwner:
+    """Who owns a session now (GetOwner)."""
+
+    fence: s.Fence
+    owner: s.OwnerIdentity
+    parked: bool
+    inbox_head: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A step committed (CommitStep): the etcd revision, and whether an
+    identical earlier commit was found (a retried request)."""
+
+    revision: int
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class StartedSession:
+    """A session an owner started (StartSession), or found started."""
+
+    session_id: str
+    owner_run_id: str
+    created: bool
+    inbox_token: str
+    first_command_appended: bool = False
+
+
+@dataclass(frozen=True)
+class HandoffAccepted:
+    """A handoff the target accepted (AcceptHandoff): the successor run now
+    holding the session, its fence, and whether this answers a repeat."""
+
+    successor: s.OwnerIdentity
+    fence: s.Fence
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class DrainBlocker:
+    """A session a drain has not moved yet, and why."""
+
+    session_id: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """One owner instance's drain progress (DrainSessions)."""
+
+    deployment_id: str
+    instance_id: str
+    to_deployment_id: str
+    moved: int
+    remaining: int
+    blockers: tuple[DrainBlocker, ...]
+
+
 async def _unary(call: Awaitable[_T]) -> _T:
     try:
         return await call
@@ -108,14 +271,44 @@ async def _unary(call: Awaitable[_T]) -> _T:
         raise from_rpc_error(exc) from exc
 
 
-async def _stream(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[object]:
+async def _stream(
+    call: grpc.aio.UnaryStreamCall[Any, _R], convert: Callable[[_R], _T]
+) -> AsyncIterator[_T]:
+    """The messages of `call`, each as `convert` makes it; the call is
+    cancelled when the iteration ends (or the iterator is closed)."""
     try:
         async for item in call:
-            yield item
+            yield convert(item)
     except grpc.aio.AioRpcError as exc:
         raise from_rpc_error(exc) from exc
     finally:
         call.cancel()
+
+
+def _inbox_page(response: hooks_pb.StreamInboxResponse) -> list[s.InboxEntry]:
+    return list(response.entries)
+
+
+def _instance(info: hooks_pb.InstanceInfo) -> OwnerInstance:
+    return OwnerInstance(info.deployment_id, info.instance_id, info.address)
+
+
+def _instance_change(response: hooks_pb.WatchInstancesResponse) -> InstanceChange:
+    return InstanceChange(
+        tuple(_instance(info) for info in response.instances), tuple(response.dead_instance_ids)
+    )
+
+
+def _bells(response: hooks_pb.WatchBellsResponse) -> list[Bell]:
+    return [Bell(bell.session_id, bell.inbox_head) for bell in response.bells]
+
+
+def _events_page(response: anchor_pb.ReadEventsResponse) -> list[s.Event]:
+    return list(response.events)
+
+
+def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSessionResponse:
+    return response
 
 
 class _Client:
@@ -156,7 +349,7 @@ class HooksClient(_Client):
         aliases: list[str],
         parent: s.ParentLink | None = None,
         first_command: s.Command | None = None,
-    ) -> hooks_pb.CreateSessionResponse:
+    ) -> CreatedSession:
         request = hooks_pb.CreateSessionRequest(
             session_id=session_id,
             owner=owner,
@@ -165,7 +358,13 @@ class HooksClient(_Client):
             parent=parent,
             first_command=first_command,
         )
-        return await _unary(self.stub.CreateSession(request, timeout=self.timeout))
+        response = await _unary(self.stub.CreateSession(request, timeout=self.timeout))
+        return CreatedSession(
+            response.fence,
+            response.inbox_token,
+            tuple(response.hooks),
+            response.first_entry if response.HasField("first_entry") else None,
+        )
 
     async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
         """Append `command` to the inbox `token` names. A command without a
@@ -180,9 +379,11 @@ class HooksClient(_Client):
         response = await _unary(self.stub.ResumeHook(request, timeout=self.timeout))
         return response.receipt
 
-    async def lookup(self, token: str, channel: str = "") -> hooks_pb.LookupHookResponse:
+    async def lookup(self, token: str, channel: str = "") -> HookTarget:
         request = hooks_pb.LookupHookRequest(token=token, channel=channel)
-        return await _unary(self.stub.LookupHook(request, timeout=self.timeout))
+        response = await _unary(self.stub.LookupHook(request, timeout=self.timeout))
+        parent = response.parent if response.HasField("parent") else None
+        return HookTarget(response.session_id, response.channel, parent)
 
     async def claim(self, fence: s.Fence, tokens: list[str]) -> list[str]:
         request = hooks_pb.ClaimHooksRequest(fence=fence, tokens=tokens)
@@ -194,22 +395,22 @@ class HooksClient(_Client):
         response = await _unary(self.stub.DisposeHooks(request, timeout=self.timeout))
         return list(response.hooks)
 
-    def stream_inbox(
-        self, fence: s.Fence, from_seq: int
-    ) -> AsyncIterator[hooks_pb.StreamInboxResponse]:
+    def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
+        """The inbox from `from_seq` on, one page of entries at a time."""
         call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
-        return _stream(call)  # type: ignore[return-value]
+        return _stream(call, _inbox_page)
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
-    ) -> hooks_pb.RegisterInstanceResponse:
+    ) -> InstanceLease:
         request = hooks_pb.RegisterInstanceRequest(
             deployment_id=deployment_id,
             instance_id=instance_id,
             ttl_seconds=ttl_seconds,
             address=address,
         )
-        return await _unary(self.stub.RegisterInstance(request, timeout=self.timeout))
+        response = await _unary(self.stub.RegisterInstance(request, timeout=self.timeout))
+        return InstanceLease(response.lease_id, response.ttl_seconds)
 
     async def keep_alive_instance(self, lease_id: int) -> int:
         """The lease's remaining TTL in seconds; 0 when it expired."""
@@ -221,31 +422,32 @@ class HooksClient(_Client):
         request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)
         await _unary(self.stub.DeregisterInstance(request, timeout=self.timeout))
 
-    async def list_instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+    async def list_instances(self, deployment_id: str) -> list[OwnerInstance]:
         request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
         response = await _unary(self.stub.ListInstances(request, timeout=self.timeout))
-        return list(response.instances)
+        return [_instance(info) for info in response.instances]
 
-    def watch_instances(self, deployment_id: str) -> AsyncIterator[hooks_pb.WatchInstancesResponse]:
+    def watch_instances(self, deployment_id: str) -> AsyncIterator[InstanceChange]:
         request = hooks_pb.WatchInstancesRequest(deployment_id=deployment_id)
-        return _stream(self.stub.WatchInstances(request))  # type: ignore[return-value]
+        return _stream(self.stub.WatchInstances(request), _instance_change)
 
     async def list_instance_sessions(
         self, deployment_id: str, instance_id: str
-    ) -> list[hooks_pb.OwnedSession]:
+    ) -> list[OwnedSession]:
         request = hooks_pb.ListInstanceSessionsRequest(
             deployment_id=deployment_id, instance_id=instance_id
         )
         response = await _unary(self.stub.ListInstanceSessions(request, timeout=self.timeout))
-        return list(response.sessions)
+        return [OwnedSession(o.fence, o.owner, o.parked) for o in response.sessions]
 
     async def take_over_session(
         self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
-    ) -> hooks_pb.TakeOverSessionResponse:
+    ) -> TakenOver:
         request = hooks_pb.TakeOverSessionRequest(
             expected=expected, expected_instance_id=expected_instance_id, successor=successor
         )
-        return await _unary(self.stub.TakeOverSession(request, timeout=self.timeout))
+        response = await _unary(self.stub.TakeOverSession(request, timeout=self.timeout))
+        return TakenOver(response.fence, response.parked, response.inbox_head)
 
     async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0) -> int:
         """Park (every inbox entry consumed up to `inbox_next_seq`, else
@@ -256,23 +458,30 @@ class HooksClient(_Client):
         response = await _unary(self.stub.SetParked(request, timeout=self.timeout))
         return response.inbox_head
 
-    def watch_bells(self, instance_id: str) -> AsyncIterator[hooks_pb.WatchBellsResponse]:
+    def watch_bells(self, instance_id: str) -> AsyncIterator[list[Bell]]:
+        """The bells of this instance's parked sessions, in arrival order."""
         request = hooks_pb.WatchBellsRequest(instance_id=instance_id)
-        return _stream(self.stub.WatchBells(request))  # type: ignore[return-value]
+        return _stream(self.stub.WatchBells(request), _bells)
 
     async def transfer(
         self, request: hooks_pb.TransferRequest, deadline_s: float | None = None
-    ) -> hooks_pb.TransferResponse:
+    ) -> Moved:
         """`deadline_s` overrides the client's call deadline for this call."""
-        return await _unary(self.stub.Transfer(request, timeout=deadline_s or self.timeout))
+        call = self.stub.Transfer(request, timeout=deadline_s or self.timeout)
+        response = await _unary(call)
+        return Moved(response.fence, response.replayed)
 
-    async def get_owner(self, session_id: str) -> hooks_pb.GetOwnerResponse:
+    async def get_owner(self, session_id: str) -> SessionOwner:
         request = hooks_pb.GetOwnerRequest(session_id=session_id)
-        return await _unary(self.stub.GetOwner(request, timeout=self.timeout))
+        response = await _unary(self.stub.GetOwner(request, timeout=self.timeout))
+        return SessionOwner(response.fence, response.owner, response.parked, response.inbox_head)
 
-    async def get_transfer(self, session_id: str, handoff_id: str) -> hooks_pb.GetTransferResponse:
+    async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
-        return await _unary(self.stub.GetTransfer(request, timeout=self.timeout))
+        response = await _unary(self.stub.GetTransfer(request, timeout=self.timeout))
+        return RecordedTransfer(
+            response.fence, response.successor, response.trigger_seq, response.reason
+        )
 
 
 class AnchorClient(_Client):
@@ -285,8 +494,9 @@ class AnchorClient(_Client):
         super().__init__(target, timeout, security=security)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
 
-    async def commit(self, request: anchor_pb.CommitStepRequest) -> anchor_pb.CommitStepResponse:
-        return await _unary(self.stub.CommitStep(request, timeout=self.timeout))
+    async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
+        response = await _unary(self.stub.CommitStep(request, timeout=self.timeout))
+        return Committed(response.revision, response.replayed)
 
     async def snapshot(self, session_id: str) -> s.SessionSnapshot:
         return (await self.snapshot_with_revision(session_id))[0]
@@ -309,8 +519,7 @@ class AnchorClient(_Client):
         )
         call = self.stub.LoadSession(request, timeout=self.timeout * 3)
         loaded: LoadedSession | None = None
-        async for part in _stream(call):
-            assert isinstance(part, anchor_pb.LoadSessionResponse)
+        async for part in _stream(call, _load_part):
             if loaded is None:
                 loaded = LoadedSession(part.snapshot, part.revision, [])
             else:
@@ -329,11 +538,13 @@ class AnchorClient(_Client):
 
     def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False
-    ) -> AsyncIterator[anchor_pb.ReadEventsResponse]:
+    ) -> AsyncIterator[list[s.Event]]:
+        """The session's events from `start_seq`, a page at a time; with
+        `follow`, new ones as they are committed."""
         request = anchor_pb.ReadEventsRequest(
             session_id=session_id, start_seq=start_seq, follow=follow
         )
-        return _stream(self.stub.ReadEvents(request))  # type: ignore[return-value]
+        return _stream(self.stub.ReadEvents(request), _events_page)
 
 
 class OwnerClient(_Client):
@@ -346,20 +557,33 @@ class OwnerClient(_Client):
         super().__init__(target, timeout, security=security)
         self.stub = owner_pb2_grpc.OwnerServiceStub(self.channel)
 
-    async def start_session(
-        self, request: owner_pb.StartSessionRequest
-    ) -> owner_pb.StartSessionResponse:
-        return await _unary(self.stub.StartSession(request, timeout=self.timeout))
+    async def start_session(self, request: owner_pb.StartSessionRequest) -> StartedSession:
+        response = await _unary(self.stub.StartSession(request, timeout=self.timeout))
+        return StartedSession(
+            response.session_id,
+            response.owner_run_id,
+            response.created,
+            response.inbox_token,
+            response.first_command_appended,
+        )
 
-    async def accept_handoff(
-        self, request: owner_pb.AcceptHandoffRequest
-    ) -> owner_pb.AcceptHandoffResponse:
-        return await _unary(self.stub.AcceptHandoff(request, timeout=self.timeout))
+    async def accept_handoff(self, request: owner_pb.AcceptHandoffRequest) -> HandoffAccepted:
+        response = await _unary(self.stub.AcceptHandoff(request, timeout=self.timeout))
+        return HandoffAccepted(response.successor, response.fence, response.replayed)
 
-    async def drain_sessions(self, to_deployment_id: str) -> owner_pb.DrainSessionsResponse:
+    async def drain_sessions(self, to_deployment_id: str) -> DrainReport:
         request = owner_pb.DrainSessionsRequest(to_deployment_id=to_deployment_id)
-        return await _unary(self.stub.DrainSessions(request, timeout=self.timeout))
+        response = await _unary(self.stub.DrainSessions(request, timeout=self.timeout))
+        return DrainReport(
+            response.deployment_id,
+            response.instance_id,
+            response.to_deployment_id,
+            response.moved,
+            response.remaining,
+            tuple(DrainBlocker(b.session_id, b.reason, b.detail) for b in response.blockers),
+        )
 
-    async def adopt_session(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+    async def adopt_session(self, session_id: str) -> Moved:
         request = owner_pb.AdoptSessionRequest(session_id=session_id)
-        return await _unary(self.stub.AdoptSession(request, timeout=self.timeout))
+        response = await _unary(self.stub.AdoptSession(request, timeout=self.timeout))
+        return Moved(response.fence, response.replayed)

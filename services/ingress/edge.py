@@ -270,9 +270,9 @@ class Edge:
         follow-stream slots while it is open."""
         check_seq(start_seq, "start_seq")
         if not follow:
-            async for response in self._anchor.read_events(session_id, start_seq, False):
-                yield response.events
+            async for page in self._anchor.read_events(session_id, start_seq, False):
+                yield page
             return
         with self.budget.follow_stream(channel):
-            async for response in self._anchor.read_events(session_id, start_seq, True):
-                yield response.events
+            async for page in self._anchor.read_events(session_id, start_seq, True):
+                yield page

@@ -19,13 +19,14 @@ import asyncio
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import structlog
 
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import HooksClient, OwnerClient
+from services.common.clients import HooksClient, OwnerClient, StartedSession
 from services.common.errors import BatonError, FailedPrecondition, NotFound
 
 log = structlog.get_logger("baton.owner.children")
@@ -34,7 +35,32 @@ REGISTRY_CACHE_SECONDS = 5.0
 START_CALL_SECONDS = 10.0
 DELIVERY_RETRY_MAX_SECONDS = 2.0
 
-StartLocal = Callable[[owner_pb.StartSessionRequest], Awaitable[tuple[str, bool, bool]]]
+
+@dataclass(frozen=True)
+class ChildStart:
+    """A child session to start (StartSession with a parent link): where it
+    runs, its parent link, and its first work (None: none given)."""
+
+    session_id: str
+    deployment_id: str
+    channel: str
+    parent: s.ParentLink
+    first_command: s.Command | None
+    aliases: tuple[str, ...] = ()  # refused: a child session takes none
+
+    def request(self) -> owner_pb.StartSessionRequest:
+        """The StartSession request that asks a peer instance for it."""
+        return owner_pb.StartSessionRequest(
+            session_id=self.session_id,
+            deployment_id=self.deployment_id,
+            channel=self.channel,
+            aliases=self.aliases,
+            parent=self.parent,
+            first_command=self.first_command,
+        )
+
+
+StartLocal = Callable[[ChildStart], Awaitable[StartedSession]]
 Offer = Callable[[str, s.InboxEntry], None]
 
 
@@ -85,13 +111,7 @@ class Children:
         """Create the child session on this deployment with `work` as its
         first inbox entry. Idempotent: a child that exists already is left as
         it is; False then says the work still has to be sent."""
-        request = owner_pb.StartSessionRequest(
-            session_id=child_session_id,
-            deployment_id=self.deployment_id,
-            channel=channel,
-            parent=parent,
-            first_command=work,
-        )
+        start = ChildStart(child_session_id, self.deployment_id, channel, parent, work)
         peers = await self._live_peers()
         if peers:
             instance_id, address = peers[zlib.crc32(child_session_id.encode()) % len(peers)]
@@ -101,8 +121,8 @@ class Children:
                     address, timeout=START_CALL_SECONDS, security=self._hooks.security
                 )
             try:
-                response = await peer.start_session(request)
-                return response.first_command_appended
+                started = await peer.start_session(start.request())
+                return started.first_command_appended
             except BatonError as exc:
                 if not exc.retryable:
                     raise
@@ -114,8 +134,7 @@ class Children:
                     child_session_id=child_session_id,
                     reason=exc.reason,
                 )
-        _, _, appended = await self._start_local(request)
-        return appended
+        return (await self._start_local(start)).first_command_appended
 
     async def send(self, session_id: str, command: s.Command) -> s.Receipt:
         """Append `command` to the inbox of `session_id` (a child, or a

@@ -25,8 +25,7 @@ from typing import Any
 
 import structlog
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from services.common.clients import HooksClient
+from services.common.clients import HooksClient, OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
 from services.common.tasks import Background
 from services.owner.host import OwnerHost
@@ -204,7 +203,7 @@ class FleetMembership:
                 backoff = min(backoff * 2, BACKOFF_MAX)
         bound.warning("sessions still indexed under the dead instance after every round")
 
-    async def _adopt_all(self, owned: list[hooks_pb.OwnedSession]) -> tuple[int, bool]:
+    async def _adopt_all(self, owned: list[OwnedSession]) -> tuple[int, bool]:
         """Race for each session, a bounded number at a time (a few workers,
         not one task per session: a dead instance may have held thousands).
         Returns (won, whether the instance turned out live)."""
@@ -237,8 +236,8 @@ class FleetMembership:
         backoff = BACKOFF_FIRST
         while True:
             try:
-                async for response in self.hooks.watch_bells(self.instance_id):
-                    for bell in response.bells:
+                async for bells in self.hooks.watch_bells(self.instance_id):
+                    for bell in bells:
                         self.host.ring(bell.session_id, bell.inbox_head)
                     backoff = BACKOFF_FIRST
             except BatonError as exc:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -95,7 +96,7 @@ class Handles:
     def __init__(self, snapshot: s.SessionSnapshot) -> None:
         self._snapshot = snapshot
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[s.ChildHandle]:
         return iter(self._snapshot.handles)
 
     def find(self, child_session_id: str) -> s.ChildHandle | None:

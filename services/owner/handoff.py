@@ -50,7 +50,15 @@ from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import AnchorClient, HooksClient, LoadedSession, OwnerClient
+from services.common.clients import (
+    AnchorClient,
+    HandoffAccepted,
+    HooksClient,
+    LoadedSession,
+    Moved,
+    OwnerClient,
+    OwnerInstance,
+)
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -84,10 +92,26 @@ Launch = Callable[
 ]
 
 
+@dataclass(frozen=True)
+class HandoffOffer:
+    """A handoff the old owner offers this one (AcceptHandoff, decoded by
+    the servicer): a missing message field is None, checked by `accept`."""
+
+    handoff_id: str
+    fence: s.Fence | None
+    deployment_id: str
+    from_owner: s.OwnerIdentity | None
+    snapshot_revision: int
+    trigger: s.InboxEntry | None
+    reason: s.TransferReason.ValueType
+    checkpoint: bytes = b""  # the serialized snapshot, sent along when small
+    context: tuple[s.ChatMessage, ...] = ()  # with `checkpoint`: its context
+
+
 @dataclass
 class _Targets:
     expires: float
-    instances: list[hooks_pb.InstanceInfo]
+    instances: list[OwnerInstance]
 
 
 class HandoffBroker:
@@ -133,7 +157,7 @@ class HandoffBroker:
             )
         return peer
 
-    async def _instances(self, deployment_id: str) -> list[hooks_pb.InstanceInfo]:
+    async def _instances(self, deployment_id: str) -> list[OwnerInstance]:
         """Live instances of a deployment, from the registry (cached briefly;
         a failed call drops the cache)."""
         now = time.monotonic()
@@ -260,21 +284,17 @@ class HandoffBroker:
 
     # -- the new owner --------------------------------------------------------
 
-    async def accept(
-        self, request: owner_pb.AcceptHandoffRequest
-    ) -> owner_pb.AcceptHandoffResponse:
+    async def accept(self, offer: HandoffOffer) -> HandoffAccepted:
         """Prepare, transfer, start; see the module doc. Shielded: a caller
         that goes away (the old owner died, its deadline passed) must not
         cancel a transfer in flight or the start of a transferred session."""
-        task = self._background.spawn(self._accept(request), outcome_optional=True)
+        task = self._background.spawn(self._accept(offer), outcome_optional=True)
         return await asyncio.shield(task)
 
-    async def _accept(
-        self, request: owner_pb.AcceptHandoffRequest
-    ) -> owner_pb.AcceptHandoffResponse:
-        handoff_id = ids.validate_id(request.handoff_id, "handoff_id")
-        drain = request.reason == s.TRANSFER_REASON_DRAIN
-        if request.reason not in (
+    async def _accept(self, offer: HandoffOffer) -> HandoffAccepted:
+        handoff_id = ids.validate_id(offer.handoff_id, "handoff_id")
+        drain = offer.reason == s.TRANSFER_REASON_DRAIN
+        if offer.reason not in (
             s.TRANSFER_REASON_UNSPECIFIED,
             s.TRANSFER_REASON_TRIGGER,
             s.TRANSFER_REASON_DRAIN,
@@ -282,14 +302,17 @@ class HandoffBroker:
             raise InvalidArgument(
                 Reason.INVALID_FIELD, "a handoff moves for a trigger or a drain only"
             )
+        given = {"fence": offer.fence, "from_owner": offer.from_owner, "trigger": offer.trigger}
         for name in ("fence", "from_owner", *(() if drain else ("trigger",))):
-            if not request.HasField(name):
+            if given[name] is None:
                 raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
-        if drain and request.HasField("trigger"):
+        if drain and offer.trigger is not None:
             raise InvalidArgument(Reason.INVALID_FIELD, "a drain has no trigger")
-        sid = ids.validate_session_id(request.fence.session_id)
-        target = ids.validate_deployment_id(request.deployment_id)
-        source = ids.validate_deployment_id(request.from_owner.deployment_id)
+        fence, from_owner = offer.fence, offer.from_owner
+        assert fence is not None and from_owner is not None  # checked just above
+        sid = ids.validate_session_id(fence.session_id)
+        target = ids.validate_deployment_id(offer.deployment_id)
+        source = ids.validate_deployment_id(from_owner.deployment_id)
         if target != self.deployment_id:
             raise FailedPrecondition(
                 Reason.WRONG_DEPLOYMENT,
@@ -299,16 +322,16 @@ class HandoffBroker:
             raise InvalidArgument(
                 Reason.INVALID_FIELD, f"session {sid} already runs on deployment {source}"
             )
-        if request.snapshot_revision <= 0:
+        if offer.snapshot_revision <= 0:
             raise InvalidArgument(Reason.MISSING_FIELD, "snapshot_revision is required")
         bound = self._log.bind(session_id=sid, handoff_id=handoff_id, from_deployment_id=source)
         self.accepting[handoff_id] = sid
         try:
             await failpoints.hit("handoff.prepare")
             try:
-                loaded = await self._load_checkpoint(request)
+                loaded = await self._load_checkpoint(sid, offer)
                 snapshot, revision = loaded.snapshot, loaded.revision
-                self._validate(snapshot, revision, request)
+                self._validate(snapshot, revision, sid, offer)
             except REFUSALS:
                 # A repeat of a handoff that moved the session already finds
                 # the checkpoint gone: answer with the recorded outcome.
@@ -328,16 +351,16 @@ class HandoffBroker:
             await failpoints.hit("handoff.before_transfer")
             transfer = hooks_pb.TransferRequest(
                 handoff_id=handoff_id,
-                expected=request.fence,
-                expected_owner=request.from_owner,
+                expected=fence,
+                expected_owner=from_owner,
                 successor=successor,
                 hooks=list(snapshot.hooks),
-                trigger_seq=request.trigger.seq,
+                trigger_seq=offer.trigger.seq if offer.trigger is not None else 0,
                 snapshot_revision=revision,
-                reason=request.reason or s.TRANSFER_REASON_TRIGGER,
+                reason=offer.reason or s.TRANSFER_REASON_TRIGGER,
                 inbox_head=snapshot.inbox_next_seq,
             )
-            seed = [] if drain else [request.trigger]
+            seed = [] if offer.trigger is None else [offer.trigger]
             # Settled in the background (replays until a definite answer) and
             # started there on success: the caller waits a bounded time only.
             settling = self._background.spawn(
@@ -352,39 +375,32 @@ class HandoffBroker:
                     Reason.UPSTREAM_UNAVAILABLE,
                     f"the transfer of handoff {handoff_id} is not settled yet",
                 ) from exc
-            return owner_pb.AcceptHandoffResponse(
-                successor=successor, fence=moved.fence, replayed=moved.replayed
-            )
+            return HandoffAccepted(successor, moved.fence, moved.replayed)
         finally:
             self.accepting.pop(handoff_id, None)
 
-    async def _recorded(
-        self, session_id: str, handoff_id: str
-    ) -> owner_pb.AcceptHandoffResponse | None:
+    async def _recorded(self, session_id: str, handoff_id: str) -> HandoffAccepted | None:
         try:
             found = await self.hooks.get_transfer(session_id, handoff_id)
         except NotFound:
             return None
-        return owner_pb.AcceptHandoffResponse(
-            successor=found.successor, fence=found.fence, replayed=True
-        )
+        return HandoffAccepted(found.successor, found.fence, replayed=True)
 
-    async def _load_checkpoint(self, request: owner_pb.AcceptHandoffRequest) -> LoadedSession:
+    async def _load_checkpoint(self, session_id: str, offer: HandoffOffer) -> LoadedSession:
         """The checkpoint the old owner sent, or else the one anchor has at the
         revision it names (the bounded snapshot and the history its context
         names, read at that snapshot's revision). Either way what crosses
         does not grow with the session's age: the context is bounded by the
         agent's budget."""
-        session_id = request.fence.session_id
-        if request.checkpoint:
+        if offer.checkpoint:
             try:
-                snapshot = s.SessionSnapshot.FromString(request.checkpoint)
+                snapshot = s.SessionSnapshot.FromString(offer.checkpoint)
             except DecodeError as exc:
                 raise FailedPrecondition(
                     Reason.CHECKPOINT_UNREADABLE,
                     f"the checkpoint of session {session_id} cannot be parsed",
                 ) from exc
-            context = list(request.context)
+            context = list(offer.context)
             log = snapshot.history_log
             size = sum(m.ByteSize() for m in context)
             if len(context) != log.next_index - log.context_start or size != log.context_bytes:
@@ -394,9 +410,9 @@ class HandoffBroker:
                     f"{log.next_index - log.context_start} entries and {log.context_bytes} "
                     f"bytes; {len(context)} entries and {size} bytes came with it",
                 )
-            return LoadedSession(snapshot, request.snapshot_revision, context)
+            return LoadedSession(snapshot, offer.snapshot_revision, context)
         try:
-            return await self.anchor.load_session(session_id, request.snapshot_revision)
+            return await self.anchor.load_session(session_id, offer.snapshot_revision)
         except BatonError as exc:
             if exc.retryable:
                 raise
@@ -406,10 +422,8 @@ class HandoffBroker:
             ) from exc
 
     def _validate(
-        self, snapshot: s.SessionSnapshot, revision: int, request: owner_pb.AcceptHandoffRequest
+        self, snapshot: s.SessionSnapshot, revision: int, sid: str, offer: HandoffOffer
     ) -> None:
-        sid = request.fence.session_id
-        trigger = request.trigger
         if snapshot.session_id != sid:
             raise FailedPrecondition(
                 Reason.CHECKPOINT_UNREADABLE,
@@ -421,15 +435,15 @@ class HandoffBroker:
                 f"snapshot format {snapshot.format_version} is not one deployment "
                 f"{self.deployment_id} reads ({sorted(self.readable_formats)})",
             )
-        if revision != request.snapshot_revision:
+        if revision != offer.snapshot_revision:
             raise Aborted(
                 Reason.STALE_CHECKPOINT,
                 f"the session committed since the checkpoint (revision {revision}, "
-                f"not {request.snapshot_revision})",
+                f"not {offer.snapshot_revision})",
             )
         if snapshot.status != s.SESSION_STATUS_ACTIVE:
             raise FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
-        if request.reason == s.TRANSFER_REASON_DRAIN:
+        if offer.reason == s.TRANSFER_REASON_DRAIN:
             if snapshot.HasField("open_turn") or Handles(snapshot).busy():
                 raise FailedPrecondition(
                     Reason.SESSION_NOT_IDLE,
@@ -437,6 +451,8 @@ class HandoffBroker:
                 )
             self._check_child_code(snapshot)
             return  # nothing unprocessed: the transfer compares the inbox head
+        trigger = offer.trigger
+        assert trigger is not None  # `_accept` requires one unless draining
         if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != trigger.seq:
             raise FailedPrecondition(
                 Reason.SESSION_NOT_IDLE,
@@ -473,7 +489,7 @@ class HandoffBroker:
         loaded: LoadedSession,
         seed: Sequence[s.InboxEntry],
         bound: structlog.BoundLogger,
-    ) -> hooks_pb.TransferResponse:
+    ) -> Moved:
         """Transfer, replaying the identical request until the outcome is
         definite (a refusal is final; only these errors leave it unknown),
         then start the successor with the trigger in hand."""
@@ -503,7 +519,7 @@ class HandoffBroker:
 
     # -- adoption (issue 12: retiring a deployment strands nothing) -------------
 
-    async def adopt(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+    async def adopt(self, session_id: str) -> Moved:
         """Take over a session whose deployment has no live owner instance
         left, if its last commit left it settled: the same checkpoint checks
         and the same fenced Transfer as a handoff (reason ADOPTION: its inbox
@@ -584,4 +600,4 @@ class HandoffBroker:
         bound = bound.bind(handoff_id=handoff_id, successor_run_id=successor.owner_run_id)
         moved = await self._transfer_and_start(transfer, loaded, [], bound)
         bound.info("orphaned session adopted", epoch=moved.fence.epoch, replayed=moved.replayed)
-        return owner_pb.AdoptSessionResponse(fence=moved.fence, replayed=moved.replayed)
+        return moved

@@ -33,11 +33,18 @@ from typing import Any
 
 import structlog
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
+from services.common.clients import (
+    AnchorClient,
+    DrainBlocker,
+    DrainReport,
+    HandoffAccepted,
+    HooksClient,
+    Moved,
+    OwnedSession,
+    StartedSession,
+)
 from services.common.errors import (
     AlreadyExists,
     BatonError,
@@ -50,8 +57,8 @@ from services.common.errors import (
 )
 from services.common.tasks import Background
 from services.owner.agent import Agent, AgentCatalog
-from services.owner.children import Children
-from services.owner.handoff import HandoffBroker
+from services.owner.children import Children, ChildStart
+from services.owner.handoff import HandoffBroker, HandoffOffer
 from services.owner.session import (
     SNAPSHOT_FORMAT,
     RunExit,
@@ -205,10 +212,9 @@ class OwnerHost:
         *,
         timeout_seconds: int = 0,
         token_budget: int = 0,
-    ) -> tuple[str, bool, str]:
-        """Create the session (epoch 1), commit session.started, run it.
-
-        Returns (owner_run_id, created, inbox_token)."""
+    ) -> StartedSession:
+        """Create the session (epoch 1), commit session.started, run it; or
+        find it started."""
         ids.validate_session_id(session_id)
         ids.validate_deployment_id(deployment_id)
         ids.validate_channel(channel)
@@ -221,10 +227,10 @@ class OwnerHost:
         await self._wait_ready()
         running = self.runs.get(session_id)
         if running is not None:
-            return running.run_id, False, inbox
+            return StartedSession(session_id, running.run_id, False, inbox)
         parked = self.parked.get(session_id)
         if parked is not None:
-            return parked.run_id, False, inbox
+            return StartedSession(session_id, parked.run_id, False, inbox)
         run_id = ids.new_run_id()
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
@@ -233,7 +239,8 @@ class OwnerHost:
             created = await self.hooks.create_session(session_id, owner, channel, aliases)
         except AlreadyExists as exc:
             if exc.reason == Reason.SESSION_EXISTS:
-                return exc.metadata.get("owner_run_id", ""), False, inbox
+                run_id = exc.metadata.get("owner_run_id", "")
+                return StartedSession(session_id, run_id, False, inbox)
             raise
         identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
         snapshot = initial_snapshot(
@@ -247,54 +254,53 @@ class OwnerHost:
         revision = await self._commit_started(identity, snapshot)
         self._launch(identity, snapshot, revision)
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
-        return run_id, True, inbox
+        return StartedSession(session_id, run_id, True, inbox)
 
-    async def start_child(self, request: owner_pb.StartSessionRequest) -> tuple[str, bool, bool]:
+    async def start_child(self, start: ChildStart) -> StartedSession:
         """Create a child session (DESIGN.md §11) with its first work in its
         inbox (one hooks transaction) and run it with that work in hand. Its
         first commit carries session.started with its first turn (its stream
         exists from the create: a follower waits for it); an owner that
         finds no snapshot (this one died first) commits session.started from
         the parent link hooks keeps. The run id is derived from the session
-        and this instance, so a retried start repeats the same create.
-
-        Returns (owner_run_id, created, first_command_appended)."""
-        session_id = ids.validate_session_id(request.session_id)
-        ids.validate_deployment_id(request.deployment_id)
-        ids.validate_channel(request.channel)
-        if request.deployment_id != self.deployment_id:
+        and this instance, so a retried start repeats the same create."""
+        session_id = ids.validate_session_id(start.session_id)
+        ids.validate_deployment_id(start.deployment_id)
+        ids.validate_channel(start.channel)
+        if start.deployment_id != self.deployment_id:
             raise FailedPrecondition(
                 Reason.WRONG_DEPLOYMENT,
-                f"this owner runs deployment {self.deployment_id}, not {request.deployment_id}",
+                f"this owner runs deployment {self.deployment_id}, not {start.deployment_id}",
             )
-        parent = request.parent
-        self._validate_parent_link(parent, list(request.aliases))
+        parent = start.parent
+        self._validate_parent_link(parent, list(start.aliases))
+        inbox = ids.inbox_token(session_id)
         await self._wait_ready()
         known = self.runs.get(session_id) or self.parked.get(session_id)
         if known is not None:
-            return known.run_id, False, False
+            return StartedSession(session_id, known.run_id, False, inbox)
         if session_id in self._activating:
-            return "", False, False
+            return StartedSession(session_id, "", False, inbox)
         run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
-        first = request.first_command if request.HasField("first_command") else None
         try:
             created = await self.hooks.create_session(
-                session_id, owner, request.channel, [], parent, first
+                session_id, owner, start.channel, [], parent, start.first_command
             )
         except AlreadyExists as exc:
             if exc.reason == Reason.SESSION_EXISTS:
-                return exc.metadata.get("owner_run_id", ""), False, False
+                found = exc.metadata.get("owner_run_id", "")
+                return StartedSession(session_id, found, False, inbox)
             raise
         if session_id in self.runs:  # a concurrent start of the same child won
-            return run_id, False, False
+            return StartedSession(session_id, run_id, False, inbox)
         identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
         snapshot = initial_snapshot(
-            session_id, request.channel, self.deployment_id, list(created.hooks), parent=parent
+            session_id, start.channel, self.deployment_id, list(created.hooks), parent=parent
         )
-        seed = [created.first_entry] if created.HasField("first_entry") else []
+        seed = [created.first_entry] if created.first_entry is not None else []
         self._launch(identity, snapshot, 0, seed=seed, unstarted=True)
         self._log.info(
             "child session started",
@@ -302,7 +308,7 @@ class OwnerHost:
             run_id=run_id,
             parent_session_id=parent.parent_session_id,
         )
-        return run_id, True, bool(seed)
+        return StartedSession(session_id, run_id, True, inbox, first_command_appended=bool(seed))
 
     def _validate_parent_link(self, parent: s.ParentLink, aliases: list[str]) -> None:
         ids.validate_session_id(parent.parent_session_id)
@@ -417,11 +423,9 @@ class OwnerHost:
 
     # -- handoffs to this deployment ------------------------------------------------
 
-    async def accept_handoff(
-        self, request: owner_pb.AcceptHandoffRequest
-    ) -> owner_pb.AcceptHandoffResponse:
+    async def accept_handoff(self, offer: HandoffOffer) -> HandoffAccepted:
         await self._wait_ready()
-        return await self.handoffs.accept(request)
+        return await self.handoffs.accept(offer)
 
     def _launch_transferred(
         self,
@@ -448,7 +452,7 @@ class OwnerHost:
 
     # -- drain and adoption (issue 12) -------------------------------------------------
 
-    def drain(self, to_deployment_id: str) -> owner_pb.DrainSessionsResponse:
+    def drain(self, to_deployment_id: str) -> DrainReport:
         """Hand every session held here to `to_deployment_id` through the
         ordinary handoff: running ones the next time they are idle, parked
         ones after waking them (DRAIN_CONCURRENCY at a time). Safe to repeat;
@@ -492,12 +496,12 @@ class OwnerHost:
             self._drain_waking.discard(session_id)
             self._drain_slots.release()
 
-    def drain_report(self) -> owner_pb.DrainSessionsResponse:
-        blockers: list[owner_pb.DrainBlocker] = []
+    def drain_report(self) -> DrainReport:
+        blockers: list[DrainBlocker] = []
 
         def blocked(sid: str, reason: str, detail: str) -> None:
             if len(blockers) < DRAIN_REPORT_BLOCKERS:
-                blockers.append(owner_pb.DrainBlocker(session_id=sid, reason=reason, detail=detail))
+                blockers.append(DrainBlocker(sid, reason, detail))
 
         for sid, run in self.runs.items():
             refusal = self.handoffs.last_refusal.get(sid)
@@ -517,16 +521,16 @@ class OwnerHost:
             blocked(sid, Reason.WAKING, "parked; woken for the drain")
         for sid in self.stalled:
             blocked(sid, Reason.STALLED, "the restart budget is spent (session.stalled)")
-        return owner_pb.DrainSessionsResponse(
+        return DrainReport(
             deployment_id=self.deployment_id,
             instance_id=self.instance_id,
             to_deployment_id=self.drain_to,
             moved=self.drained,
             remaining=self.held(),
-            blockers=blockers,
+            blockers=tuple(blockers),
         )
 
-    async def adopt_orphan(self, session_id: str) -> owner_pb.AdoptSessionResponse:
+    async def adopt_orphan(self, session_id: str) -> Moved:
         await self._wait_ready()
         return await self.handoffs.adopt(session_id)
 
@@ -697,15 +701,16 @@ class OwnerHost:
         sid = identity.fence.session_id
         found = await self.hooks.lookup(ids.inbox_token(sid))
         tokens = await self.hooks.claim(identity.fence, [])
-        parent = found.parent if found.HasField("parent") else None
-        snapshot = initial_snapshot(sid, found.channel, self.deployment_id, tokens, parent=parent)
+        snapshot = initial_snapshot(
+            sid, found.channel, self.deployment_id, tokens, parent=found.parent
+        )
         revision = await self._commit_started(identity, snapshot)
         self._log.info("session started by its successor", session_id=sid)
         return snapshot, revision
 
     # -- takeover ----------------------------------------------------------------
 
-    async def adopt(self, owned: hooks_pb.OwnedSession) -> bool:
+    async def adopt(self, owned: OwnedSession) -> bool:
         """Take over a session of a dead instance of this deployment.
 
         True when this host now holds it; False when another instance won the

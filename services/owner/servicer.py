@@ -1,17 +1,28 @@
-"""OwnerService: translates between protos and the owner host."""
+"""OwnerService: translates between protos and the owner host.
+
+Each RPC decodes its request into domain values (the stored `session_pb2`
+messages pass as they are: fences, owner identities, inbox entries, parent
+links), calls the host, and builds its response from the host's answer."""
 
 from __future__ import annotations
+
+from typing import Any, TypeAlias
 
 import grpc
 import structlog
 
 from baton.owner.v1 import owner_pb2 as pb
 from baton.owner.v1 import owner_pb2_grpc
-from services.common import identity, ids
+from services.common import identity
 from services.common.bounds import check_session_settings
+from services.common.clients import StartedSession
 from services.common.errors import PermissionDenied, Reason
 from services.common.identity import Role
+from services.owner.children import ChildStart
+from services.owner.handoff import HandoffOffer
 from services.owner.host import OwnerHost
+
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
 class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
@@ -24,7 +35,7 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
         self._host = host
 
     async def StartSession(
-        self, request: pb.StartSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.StartSessionRequest, context: Context
     ) -> pb.StartSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         caller = identity.current()
@@ -38,29 +49,36 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             )
         # Checked before anything is written (a bad value must leave no session).
         check_session_settings(request.timeout_seconds, request.token_budget)
+        started: StartedSession
         if request.HasField("parent"):
-            run_id, created, appended = await self._host.start_child(request)
-            return pb.StartSessionResponse(
+            child = ChildStart(
                 session_id=request.session_id,
-                owner_run_id=run_id,
-                created=created,
-                inbox_token=ids.inbox_token(request.session_id),
-                first_command_appended=appended,
+                deployment_id=request.deployment_id,
+                channel=request.channel,
+                parent=request.parent,
+                first_command=request.first_command if request.HasField("first_command") else None,
+                aliases=tuple(request.aliases),
             )
-        run_id, created, inbox = await self._host.start_session(
-            request.session_id,
-            request.deployment_id,
-            request.channel,
-            list(request.aliases),
-            timeout_seconds=request.timeout_seconds,
-            token_budget=request.token_budget,
-        )
+            started = await self._host.start_child(child)
+        else:
+            started = await self._host.start_session(
+                request.session_id,
+                request.deployment_id,
+                request.channel,
+                list(request.aliases),
+                timeout_seconds=request.timeout_seconds,
+                token_budget=request.token_budget,
+            )
         return pb.StartSessionResponse(
-            session_id=request.session_id, owner_run_id=run_id, created=created, inbox_token=inbox
+            session_id=started.session_id,
+            owner_run_id=started.owner_run_id,
+            created=started.created,
+            inbox_token=started.inbox_token,
+            first_command_appended=started.first_command_appended,
         )
 
     async def AcceptHandoff(
-        self, request: pb.AcceptHandoffRequest, context: grpc.aio.ServicerContext
+        self, request: pb.AcceptHandoffRequest, context: Context
     ) -> pb.AcceptHandoffResponse:
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id,
@@ -71,18 +89,44 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             identity.current().require_deployment(
                 request.from_owner.deployment_id, "the session's current owner"
             )
-        return await self._host.accept_handoff(request)
+        offer = HandoffOffer(
+            handoff_id=request.handoff_id,
+            fence=request.fence if request.HasField("fence") else None,
+            deployment_id=request.deployment_id,
+            from_owner=request.from_owner if request.HasField("from_owner") else None,
+            snapshot_revision=request.snapshot_revision,
+            trigger=request.trigger if request.HasField("trigger") else None,
+            reason=request.reason,
+            checkpoint=request.checkpoint,
+            context=tuple(request.context),
+        )
+        accepted = await self._host.accept_handoff(offer)
+        return pb.AcceptHandoffResponse(
+            successor=accepted.successor, fence=accepted.fence, replayed=accepted.replayed
+        )
 
     async def DrainSessions(
-        self, request: pb.DrainSessionsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DrainSessionsRequest, context: Context
     ) -> pb.DrainSessionsResponse:
         structlog.contextvars.bind_contextvars(to_deployment_id=request.to_deployment_id)
-        return self._host.drain(request.to_deployment_id)
+        report = self._host.drain(request.to_deployment_id)
+        return pb.DrainSessionsResponse(
+            deployment_id=report.deployment_id,
+            instance_id=report.instance_id,
+            to_deployment_id=report.to_deployment_id,
+            moved=report.moved,
+            remaining=report.remaining,
+            blockers=[
+                pb.DrainBlocker(session_id=b.session_id, reason=b.reason, detail=b.detail)
+                for b in report.blockers
+            ],
+        )
 
     async def AdoptSession(
-        self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.AdoptSessionRequest, context: Context
     ) -> pb.AdoptSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         # Only this deployment's own ingress asks it to adopt.
         identity.current().require_deployment(self._host.deployment_id, "this owner")
-        return await self._host.adopt_orphan(request.session_id)
+        adopted = await self._host.adopt_orphan(request.session_id)
+        return pb.AdoptSessionResponse(fence=adopted.fence, replayed=adopted.replayed)

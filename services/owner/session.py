@@ -24,19 +24,16 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
     BatonError,
-    DeadlineExceeded,
     Fenced,
     InvalidArgument,
     Reason,
     ResourceExhausted,
-    Unavailable,
 )
 from services.owner import handles as h
 from services.owner.agent import (
@@ -46,18 +43,18 @@ from services.owner.agent import (
     ToolContext,
 )
 from services.owner.checkpoint import Checkpoint
+from services.owner.child_rules import ChildWork
 from services.owner.children import Children
+from services.owner.commit import commit_step
 from services.owner.handles import Refusal, Verdict
+from services.owner.held import RunIdentity, make_event
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
-    ChildWork,
     Outcome,
-    RunIdentity,
     SessionState,
     StepProgress,
     initial_snapshot,
-    make_event,
     safe_error,
     usage_of,
 )
@@ -74,9 +71,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger("baton.owner.session")
-
-COMMIT_RETRY_SECONDS = 30.0
-STORE_FULL_RETRY_MAX_SECONDS = 5.0
 
 
 class RunExit(enum.Enum):
@@ -369,8 +363,8 @@ class SessionRun:
         backoff = 0.05
         while True:
             try:
-                async for response in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
-                    for entry in response.entries:
+                async for page in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
+                    for entry in page:
                         if entry.seq >= self._next_seq:
                             self._arrive(entry)
                     self._arrived.set()
@@ -498,9 +492,9 @@ class SessionRun:
         elif kind == "cancel":
             if state.turn_open:
                 state.consume(entry)
-                events: list[s.Event] = []
-                state.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
-                await self._commit(events)
+                cancelled: list[s.Event] = []
+                state.settle(cancelled, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
+                await self._commit(cancelled)
             else:
                 await self._reject(entry, Reason.NOTHING_TO_CANCEL, "no turn is running")
         elif kind == "reset":
@@ -1033,54 +1027,3 @@ class SessionRun:
             error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
             events = self.state.refused(refused.events, refused.close, error)
             await self._commit(events, close=refused.close)
-
-
-async def commit_step(
-    anchor: AnchorClient,
-    identity: RunIdentity,
-    snapshot: s.SessionSnapshot,
-    events: list[s.Event],
-    close: bool = False,
-    expected_snapshot_revision: int | None = None,
-    history: Sequence[s.ChatMessage] = (),
-) -> int | None:
-    """Commit events + history entries + snapshot as one fenced txn; returns
-    the snapshot's new revision. Transient failures are retried with the
-    identical request (anchor recognises a replay): for COMMIT_RETRY_SECONDS,
-    and while etcd is full (STORE_FULL) until an operator has made room, so
-    the step's work is never lost or redone for it."""
-    for offset, event in enumerate(events):
-        event.seq = snapshot.next_event_seq + offset
-    snapshot.next_event_seq += len(events)
-    snapshot.deployment_id = identity.deployment_id
-    request = anchor_pb.CommitStepRequest(
-        fence=identity.fence,
-        events=events,
-        snapshot=snapshot,
-        close_stream=close,
-        expected_snapshot_revision=expected_snapshot_revision,
-        history=history,
-    )
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + COMMIT_RETRY_SECONDS
-    backoff = 0.05
-    while True:
-        try:
-            response = await anchor.commit(request)
-            return response.revision if expected_snapshot_revision is not None else None
-        except (Unavailable, DeadlineExceeded) as exc:
-            if loop.time() > deadline:
-                raise
-            log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
-        except ResourceExhausted as exc:
-            if exc.reason != Reason.STORE_FULL:
-                raise
-            log.error(
-                "commit waits: etcd is full",
-                reason=exc.reason,
-                session_id=identity.fence.session_id,
-            )
-            await asyncio.sleep(STORE_FULL_RETRY_MAX_SECONDS)
-            continue
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 1.0)

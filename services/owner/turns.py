@@ -17,35 +17,30 @@ and tools, and commits what these rules produce.
   and is admitted into the same turn.
 - budgets are checked before each model call; a spent budget asks the user
   (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
-- child sessions (DESIGN.md §11; the handle rules are in handles.py): a step
-  may give work to children; a turn waiting for a child's result is open but
-  not waiting for the user (no session.waiting); a message arriving then is
-  admitted into the turn and the model sees it with the result. A child's
-  report is a `task_result` command: it answers the waiting tool call, joins
-  the open turn at its next boundary, starts a turn, or is only recorded.
+- child sessions (DESIGN.md §11; the rules are in child_rules.py, the
+  handle rules in handles.py): a turn waiting for a child's result is open
+  but not waiting for the user (no session.waiting); a message arriving then
+  is admitted into the turn and the model sees it with the result. A child's
+  report joins the open turn at its next boundary, or starts a turn.
   Cancelling a turn cancels the children it gave work to; finalizing the
   session finalizes every child. What children spend is added to this
   session's usage and turn (budgets and the step limit see it).
-- a child session reports to its parent: the outcome of each turn that its
-  parent's work started, the waits it pauses on, and its finalization, as
-  reports in its snapshot's outbox (delivered by the run, deduplicated by
-  delivery ids derived from the child and the report). It takes
-  conversational messages only from its parent.
+
+The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
+event and id primitives) under `ChildRules` (child_rules.py) under
+`SessionState` (here); each calls only the layers below it.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
+from services.common import limits
 from services.common.errors import Reason
 from services.owner import handles as h
 from services.owner.agent import (
@@ -53,26 +48,17 @@ from services.owner.agent import (
     CONTINUE_TASK,
     Agent,
     ModelReply,
-    ToolMode,
     dumps_arguments,
 )
-from services.owner.context import ContextWindow
-from services.owner.handles import Handles, Verdict
+from services.owner.child_rules import ChildRules, ChildWork
+from services.owner.handles import Verdict
+from services.owner.held import RunIdentity, make_event
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
 SETTLE_KINDS = frozenset(
     {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
 )
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """Who is running: the fence plus the deployment and instance."""
-
-    fence: s.Fence
-    deployment_id: str
-    instance_id: str
 
 
 class Admission(enum.Enum):
@@ -96,31 +82,6 @@ class Outcome(enum.Enum):
     AWAITING = "awaiting"  # waits for children's results only
     ABORTED = "aborted"  # a pushed command aborted the step
     FAILED = "failed"  # the model failed
-
-
-@dataclass(frozen=True)
-class ChildWork:
-    """Work a step gave a child session (the I/O is done: the child exists
-    and the work is in its inbox); `apply_step` records the handle."""
-
-    child_session_id: str
-    kind: s.TaskKind.ValueType
-    name: str
-    deployment_id: str
-    text: str
-    background: bool
-    resumed: bool
-
-
-@dataclass(frozen=True)
-class ChildPlan:
-    """How a tool call gives work to a child: the work as the step will
-    record it, the command for the child's inbox, and, for a new child, its
-    parent link (None: the child exists)."""
-
-    work: ChildWork
-    command: s.Command
-    link: s.ParentLink | None
 
 
 @dataclass
@@ -170,29 +131,6 @@ def initial_snapshot(
     return snapshot
 
 
-def make_event(
-    identity: RunIdentity,
-    kind: s.EventKind.ValueType,
-    turn_id: str = "",
-    entry: s.InboxEntry | None = None,
-    **fields: object,
-) -> s.Event:
-    nanos = time.time_ns()
-    event = s.Event(
-        session_id=identity.fence.session_id,
-        kind=kind,
-        time=Timestamp(seconds=nanos // 1_000_000_000, nanos=nanos % 1_000_000_000),
-        turn_id=turn_id,
-        owner_run_id=identity.fence.owner_run_id,
-        deployment_id=identity.deployment_id,
-        **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
-    )
-    if entry is not None:
-        event.inbox_seq = entry.seq
-        event.delivery_id = entry.command.delivery.delivery_id
-    return event
-
-
 add_usage = h.add_usage
 
 
@@ -227,11 +165,12 @@ def principal(entry: s.InboxEntry) -> tuple[str, str]:
     return entry.command.delivery.channel, entry.command.delivery.caller
 
 
-class SessionState:
+class SessionState(ChildRules):
     """A session as a run holds it — snapshot, context window, identity — and
-    every rule of how commands and steps change it. The run decides when to
-    call the model, a tool, hooks or anchor; this decides what the results
-    mean. Methods that produce stream events append them to `events`."""
+    every rule of how commands and steps change it (the child-session rules
+    are the `ChildRules` layer). The run decides when to call the model, a
+    tool, hooks or anchor; this decides what the results mean. Methods that
+    produce stream events append them to `events`."""
 
     def __init__(
         self,
@@ -240,19 +179,10 @@ class SessionState:
         agent: Agent,
         context: Sequence[s.ChatMessage] = (),
     ) -> None:
-        self.identity = identity
-        self.snapshot = snapshot
-        self.agent = agent
-        self.context = ContextWindow(snapshot, context)
-        self.handles = Handles(snapshot)
+        super().__init__(identity, snapshot, agent, context)
         # What the last commit left (a refused commit rolls back to it).
         self.committed_turn_id = snapshot.open_turn.turn_id
         self.committed_next_seq = snapshot.next_event_seq
-        # Commands for children (cancels, resets) that must be in their inboxes
-        # before the next commit; derived delivery ids make a repeat harmless.
-        self.outgoing: list[tuple[str, s.Command]] = []
-        self.committed_reports = {r.task_delivery_id for r in snapshot.parent.outbox}
-        self.answer = ""  # the open turn's latest final answer (a child reports it)
 
     def mark_committed(self) -> None:
         """A commit of the current state succeeded."""
@@ -261,22 +191,6 @@ class SessionState:
         self.committed_next_seq = self.snapshot.next_event_seq
         self.committed_reports = {r.task_delivery_id for r in self.snapshot.parent.outbox}
 
-    @property
-    def run_id(self) -> str:
-        return self.identity.fence.owner_run_id
-
-    @property
-    def turn_id(self) -> str:
-        return self.snapshot.open_turn.turn_id if self.snapshot.HasField("open_turn") else ""
-
-    @property
-    def turn_open(self) -> bool:
-        return self.snapshot.HasField("open_turn")
-
-    @property
-    def is_child(self) -> bool:
-        return bool(self.snapshot.parent.parent_session_id)
-
     def idle_for_handoff(self) -> bool:
         """Nothing of this session works on: no open turn, no running child
         (a running task, an active subagent turn or workflow tool, a child
@@ -284,14 +198,6 @@ class SessionState:
         on the deployment that owns it). Pending commands are the run's
         business (DESIGN.md §6)."""
         return not (self.turn_open or self.handles.busy() or self.is_child)
-
-    def event(
-        self, kind: s.EventKind.ValueType, entry: s.InboxEntry | None = None, **fields: object
-    ) -> s.Event:
-        return make_event(self.identity, kind, self.turn_id, entry, **fields)
-
-    def consume(self, entry: s.InboxEntry) -> None:
-        self.snapshot.inbox_next_seq = max(self.snapshot.inbox_next_seq, entry.seq + 1)
 
     # -- what a command means -----------------------------------------------------
 
@@ -328,22 +234,6 @@ class SessionState:
         if kind is None:
             return Admission.REJECT
         return Admission.BLOCK
-
-    def refuses_message(self, entry: s.InboxEntry) -> bool:
-        """A child session takes conversational messages only from its parent
-        (input responses and controls from its channel are fine)."""
-        send = entry.command.send
-        return (
-            self.is_child
-            and not send.parent_work
-            and not send.input_responses
-            and bool(send.text.strip())
-        )
-
-    def judge(self, entry: s.InboxEntry) -> h.Judgement:
-        return self.handles.judge(
-            self.identity.fence.session_id, self.turn_id, entry.command.task_result
-        )
 
     def aborts_step(self, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
         """A pushed command aborts the running step at once: cancel, reset or
@@ -575,326 +465,6 @@ class SessionState:
         if outcome is Outcome.FINAL:
             self.answer = reply.text
         return outcome
-
-    # -- children: giving work, and their reports ----------------------------------
-
-    def child_given_work(
-        self, work: ChildWork, call: s.ToolCall, events: list[s.Event], step: int
-    ) -> None:
-        """A step gave `work` to a child: record its handle and say so; a
-        background call gets the handle as its result at once."""
-        waiting_call = "" if work.background else call.id
-        existing = self.handles.find(work.child_session_id)
-        if work.resumed and existing is not None:
-            handle = self.handles.resume(existing, self.turn_id, waiting_call)
-        else:
-            handle = self.handles.start(
-                work.child_session_id,
-                work.kind,
-                work.name,
-                work.deployment_id,
-                self.turn_id,
-                waiting_call,
-            )
-            evicted = self.handles.evict()
-            if evicted is not None:
-                # The least recently used idle child makes room: finalized.
-                parent = self.identity.fence.session_id
-                command = s.Command(
-                    delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
-                    reset=s.ResetCommand(reason=f"session {parent} holds too many children"),
-                )
-                self.outgoing.append((evicted.child_session_id, command))
-                handle = self.handles.find(work.child_session_id) or handle
-        events.append(
-            self.event(
-                s.EVENT_KIND_TASK_STARTED,
-                step=step,
-                text=work.text,
-                child_session_id=work.child_session_id,
-                task=_copy(handle),
-            )
-        )
-        if work.background:
-            result = s.ToolResult(
-                tool_call_id=call.id, name=call.name, output=h.started_output(handle)
-            )
-            self.record_result(result, events, step)
-
-    def plan_child_work(
-        self,
-        call: s.ToolCall,
-        reserved: frozenset[str],
-        step: s.Usage,
-        has_subagent: Callable[[str], bool],
-    ) -> ChildPlan | h.Refusal:
-        """What the child-starting tool `call` asks for (ask_subagent,
-        continue_task, a background or workflow tool), or why it cannot be
-        done (`reserved`: children given work earlier in this step; `step`:
-        what this step spent so far, which the new child's budget leaves out)."""
-        try:
-            arguments = json.loads(call.arguments_json)
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            arguments = {}
-        background = bool(arguments.get("background"))
-        resumed = call.name == CONTINUE_TASK
-        if resumed:
-            child = str(arguments.get("handle", ""))
-            text = str(arguments.get("message", ""))
-            refusal = self.handles.refuse_continue(child, reserved)
-            if refusal is not None:
-                return refusal
-            handle = self.handles.find(child)
-            assert handle is not None
-            kind, name = handle.kind, handle.name
-        elif call.name == ASK_SUBAGENT:
-            kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
-            text = str(arguments.get("prompt", ""))
-            if not has_subagent(name):
-                return h.Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
-        else:
-            tool = self.agent.tool_index[call.name]
-            background = tool.mode is ToolMode.BACKGROUND
-            kind = s.TASK_KIND_BACKGROUND if background else s.TASK_KIND_WORKFLOW
-            name, text = tool.name, call.arguments_json
-        if not text.strip():
-            return h.Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
-        parent = self.identity.fence.session_id
-        link = None
-        if not resumed:
-            refusal = self.handles.refuse_start(len(reserved))
-            depth = self.snapshot.parent.depth + 1
-            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
-                refusal = h.Refusal(
-                    Reason.TOO_MANY_TASKS,
-                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
-                )
-            if refusal is not None:
-                return refusal
-            child = ids.child_session_id(parent, call.id)
-            tokens, cost = h.child_budget(self.snapshot, step)
-            link = s.ParentLink(
-                parent_session_id=parent,
-                kind=kind,
-                name=name,
-                depth=depth,
-                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
-            )
-        work = self.next_work(child) if resumed else 1
-        command = s.Command(
-            delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:{work}"),
-            send=s.SendCommand(text=text, parent_work=work),
-        )
-        given = ChildWork(child, kind, name, self.identity.deployment_id, text, background, resumed)
-        return ChildPlan(given, command, link)
-
-    def next_work(self, child_session_id: str) -> int:
-        """The number of the next work a (known) child would get."""
-        handle = self.handles.find(child_session_id)
-        return handle.work + 1 if handle is not None else 1
-
-    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> Verdict:
-        """Apply a child's report (not a rejected one) and consume it. For
-        AWAITED the waiting tool call gets the result; for ADMIT it joins
-        the open turn (a caller with no open turn starts one first)."""
-        judgement = self.judge(entry)
-        handle = judgement.handle
-        verdict = judgement.verdict
-        assert handle is not None and verdict is not Verdict.REJECT
-        report = entry.command.task_result
-        self.consume(entry)
-        if verdict is Verdict.SURFACE:
-            handle.waiting = True
-            where = report.waiting_session_id or report.child_session_id
-            if report.attempt_id:
-                events.append(
-                    self.event(
-                        s.EVENT_KIND_AUTHORIZATION_REQUIRED,
-                        entry,
-                        attempt_id=report.attempt_id,
-                        child_session_id=where,
-                    )
-                )
-            else:
-                events.append(
-                    self.event(
-                        s.EVENT_KIND_INPUT_REQUESTED,
-                        entry,
-                        input_request=report.input_request,
-                        child_session_id=where,
-                    )
-                )
-            if self.is_child:  # surfaced further up: a wait of a descendant
-                self._report(
-                    s.TASK_STATUS_WAITING,
-                    f"wait:{self.identity.fence.session_id}:{where}:"
-                    f"{report.attempt_id or report.input_request.request_id}",
-                    work=self.snapshot.parent.work,
-                    input_request=report.input_request,
-                    attempt_id=report.attempt_id,
-                    waiting_session_id=where,
-                )
-            return verdict
-        if verdict is Verdict.SETTLE:
-            self.handles.settle(handle)
-            return verdict
-        call_id = handle.tool_call_id
-        add_usage(self.snapshot.usage, report.usage)
-        if verdict in (Verdict.AWAITED, Verdict.ADMIT) and self.turn_open:
-            turn = self.snapshot.open_turn
-            add_usage(turn.usage, report.usage)
-            turn.child_steps += report.steps
-            turn.inbox_seqs.append(entry.seq)
-        self.handles.finish(handle, report)
-        failed = report.status != s.TASK_STATUS_COMPLETED
-        events.append(
-            self.event(
-                s.EVENT_KIND_TASK_FAILED if failed else s.EVENT_KIND_TASK_COMPLETED,
-                entry,
-                text=report.result,
-                usage=report.usage,
-                error=report.error if failed else None,
-                child_session_id=handle.child_session_id,
-                task=_copy(handle),
-            )
-        )
-        if verdict is Verdict.AWAITED:
-            result = s.ToolResult(
-                tool_call_id=call_id,
-                name=handle.name,
-                output=h.tool_output(handle, report),
-                is_error=failed,
-            )
-            self.record_result(result, events)
-        elif verdict is Verdict.ADMIT:
-            content = h.message_content(handle, report)
-            self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
-        self.handles.prune()
-        return verdict
-
-    def cancel_children(self, events: list[s.Event]) -> None:
-        """The open turn is cancelled: so is the work it gave children that
-        still run (cancels go out before the commit); a call that waited for
-        one gets a cancelled result."""
-        for handle in self.handles.detach(self.turn_id):
-            if handle.tool_call_id:
-                output = json.dumps(
-                    {
-                        "handle": handle.child_session_id,
-                        "name": handle.name,
-                        "status": "cancelled",
-                    },
-                    sort_keys=True,
-                )
-                result = s.ToolResult(
-                    tool_call_id=handle.tool_call_id,
-                    name=handle.name,
-                    output=output,
-                    is_error=True,
-                )
-                self.record_result(result, events)
-                handle.tool_call_id = ""
-            parent = self.identity.fence.session_id
-            command = s.Command(
-                delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent}:{handle.work}"),
-                cancel=s.CancelCommand(reason=f"the turn of session {parent} was cancelled"),
-            )
-            self.outgoing.append((handle.child_session_id, command))
-
-    # -- a child session's reports to its parent -----------------------------------
-
-    def _report(self, status: s.TaskStatus.ValueType, key: str, **fields: object) -> None:
-        link = self.snapshot.parent
-        report = s.TaskResultCommand(
-            task_delivery_id=key,
-            child_session_id=self.identity.fence.session_id,
-            parent_session_id=link.parent_session_id,
-            status=status,
-            deployment_id=self.identity.deployment_id,
-            **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
-        )
-        link.outbox.append(report)
-
-    def report_work(
-        self, kind: s.EventKind.ValueType, error: s.ErrorDetail | None, usage: s.Usage
-    ) -> None:
-        """A turn of a child settled (`kind`): report the outcome of the
-        parent's work it served, if any."""
-        link = self.snapshot.parent
-        if not self.is_child or not link.work:
-            return
-        work = link.work
-        link.work = 0
-        turn = self.snapshot.open_turn
-        steps = turn.steps + turn.child_steps if self.turn_open else 0
-        key = f"task:{self.identity.fence.session_id}:{work}"
-        if kind == s.EVENT_KIND_TURN_COMPLETED:
-            answer = self.answer
-            if len(answer.encode()) > limits.MAX_TASK_RESULT_BYTES:
-                error = s.ErrorDetail(
-                    reason=Reason.TASK_RESULT_TOO_LARGE,
-                    message=f"the answer is {len(answer.encode())} bytes; a result may have "
-                    f"{limits.MAX_TASK_RESULT_BYTES} (the whole answer is on session "
-                    f"{self.identity.fence.session_id}'s stream)",
-                )
-                self._report(
-                    s.TASK_STATUS_FAILED, key, work=work, error=error, usage=usage, steps=steps
-                )
-                return
-            self._report(
-                s.TASK_STATUS_COMPLETED, key, work=work, result=answer, usage=usage, steps=steps
-            )
-        elif kind == s.EVENT_KIND_TURN_CANCELLED:
-            cancelled = s.ErrorDetail(reason=Reason.CANCELLED, message="the work was cancelled")
-            self._report(
-                s.TASK_STATUS_CANCELLED, key, work=work, error=cancelled, usage=usage, steps=steps
-            )
-        else:
-            failed = error or s.ErrorDetail(reason=Reason.INTERNAL, message="the work failed")
-            self._report(
-                s.TASK_STATUS_FAILED, key, work=work, error=failed, usage=usage, steps=steps
-            )
-
-    def _unreport_refused(self) -> None:
-        """A refused commit settled the turn that served the parent's work:
-        take back the outcome it reported (never committed) so the turn's
-        failure is reported instead."""
-        link = self.snapshot.parent
-        kept = []
-        for report in link.outbox:
-            fresh = report.task_delivery_id not in self.committed_reports
-            if fresh and report.status in h.OUTCOMES:
-                link.work = report.work
-            else:
-                kept.append(report)
-        if len(kept) != len(link.outbox):
-            del link.outbox[:]
-            link.outbox.extend(kept)
-
-    def report_wait(self, *, request: s.InputRequest | None = None, attempt_id: str = "") -> None:
-        if not self.is_child:
-            return
-        sid = self.identity.fence.session_id
-        self._report(
-            s.TASK_STATUS_WAITING,
-            f"wait:{sid}:{attempt_id or (request.request_id if request else '')}",
-            work=self.snapshot.parent.work,
-            input_request=request,
-            attempt_id=attempt_id,
-            waiting_session_id=sid,
-        )
-
-    def record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
-        events.append(self.event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))
-        self.context.remember(
-            s.ChatMessage(role=s.ROLE_TOOL, content=result.output, tool_call_id=result.tool_call_id)
-        )
-
-    def next_id(self, prefix: str) -> str:
-        self.snapshot.id_count += 1
-        return f"{prefix}_{self.snapshot.id_count}"
 
     def request_input(
         self,
@@ -1129,9 +699,3 @@ class SessionState:
 
 def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
     return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)
-
-
-def _copy(handle: s.ChildHandle) -> s.ChildHandle:
-    copy = s.ChildHandle()
-    copy.CopyFrom(handle)
-    return copy

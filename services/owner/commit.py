@@ -1,0 +1,74 @@
+"""Committing a step through anchor: the step's events, the history
+entries it appended and the new snapshot as one fenced transaction, retried
+with the identical request while the outcome is uncertain. Used by every
+run's commits (`SessionRun._commit`) and by the host's first commits
+(session.started)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+
+from baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton.session.v1 import session_pb2 as s
+from services.common.clients import AnchorClient
+from services.common.errors import DeadlineExceeded, Reason, ResourceExhausted, Unavailable
+from services.owner.held import RunIdentity
+
+log = structlog.get_logger("baton.owner.session")
+
+COMMIT_RETRY_SECONDS = 30.0
+STORE_FULL_RETRY_MAX_SECONDS = 5.0
+
+
+async def commit_step(
+    anchor: AnchorClient,
+    identity: RunIdentity,
+    snapshot: s.SessionSnapshot,
+    events: list[s.Event],
+    close: bool = False,
+    expected_snapshot_revision: int | None = None,
+    history: Sequence[s.ChatMessage] = (),
+) -> int | None:
+    """Commit events + history entries + snapshot as one fenced txn; returns
+    the snapshot's new revision. Transient failures are retried with the
+    identical request (anchor recognises a replay): for COMMIT_RETRY_SECONDS,
+    and while etcd is full (STORE_FULL) until an operator has made room, so
+    the step's work is never lost or redone for it."""
+    for offset, event in enumerate(events):
+        event.seq = snapshot.next_event_seq + offset
+    snapshot.next_event_seq += len(events)
+    snapshot.deployment_id = identity.deployment_id
+    request = anchor_pb.CommitStepRequest(
+        fence=identity.fence,
+        events=events,
+        snapshot=snapshot,
+        close_stream=close,
+        expected_snapshot_revision=expected_snapshot_revision,
+        history=history,
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + COMMIT_RETRY_SECONDS
+    backoff = 0.05
+    while True:
+        try:
+            response = await anchor.commit(request)
+            return response.revision if expected_snapshot_revision is not None else None
+        except (Unavailable, DeadlineExceeded) as exc:
+            if loop.time() > deadline:
+                raise
+            log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
+        except ResourceExhausted as exc:
+            if exc.reason != Reason.STORE_FULL:
+                raise
+            log.error(
+                "commit waits: etcd is full",
+                reason=exc.reason,
+                session_id=identity.fence.session_id,
+            )
+            await asyncio.sleep(STORE_FULL_RETRY_MAX_SECONDS)
+            continue
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 1.0)
