@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
-import grpc
 import structlog
 
 from baton.hooks.v1 import hooks_pb2 as pb
@@ -16,6 +14,7 @@ from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
 from services.common.keys import InstanceRecord
 from services.common.scope import DeploymentScope
+from services.common.server import Context
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.transfer import Transfers
@@ -58,9 +57,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         _require_fence(fence, present)
         await self._scope.check(identity.current(), fence)
 
-    async def Transfer(
-        self, request: pb.TransferRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.TransferResponse:
+    async def Transfer(self, request: pb.TransferRequest, context: Context) -> pb.TransferResponse:
         for name in ("expected", "expected_owner", "successor"):
             if not request.HasField(name):
                 raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
@@ -87,7 +84,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
 
     async def GetTransfer(
-        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.GetTransferRequest, context: Context
     ) -> pb.GetTransferResponse:
         structlog.contextvars.bind_contextvars(
             session_id=request.session_id, handoff_id=request.handoff_id
@@ -100,9 +97,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             reason=outcome.reason,
         )
 
-    async def GetOwner(
-        self, request: pb.GetOwnerRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.GetOwnerResponse:
+    async def GetOwner(self, request: pb.GetOwnerRequest, context: Context) -> pb.GetOwnerResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         record, head = await self._transfers.owner(request.session_id)
         return pb.GetOwnerResponse(
@@ -121,7 +116,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def CreateSession(
-        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.CreateSessionRequest, context: Context
     ) -> pb.CreateSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         if not request.HasField("owner"):
@@ -143,7 +138,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def ClaimHooks(
-        self, request: pb.ClaimHooksRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ClaimHooksRequest, context: Context
     ) -> pb.ClaimHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -153,7 +148,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.ClaimHooksResponse(hooks=hooks)
 
     async def ResumeHook(
-        self, request: pb.ResumeHookRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ResumeHookRequest, context: Context
     ) -> pb.ResumeHookResponse:
         if not request.HasField("command"):
             raise InvalidArgument(Reason.MISSING_FIELD, "command is required")
@@ -163,7 +158,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.ResumeHookResponse(receipt=receipt)
 
     async def LookupHook(
-        self, request: pb.LookupHookRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.LookupHookRequest, context: Context
     ) -> pb.LookupHookResponse:
         record = await self._registry.lookup(request.token, _tenant_channel(request.channel))
         response = pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
@@ -172,7 +167,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return response
 
     async def DisposeHooks(
-        self, request: pb.DisposeHooksRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.DisposeHooksRequest, context: Context
     ) -> pb.DisposeHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -182,7 +177,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.DisposeHooksResponse(hooks=hooks)
 
     async def StreamInbox(
-        self, request: pb.StreamInboxRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.StreamInboxRequest, context: Context
     ) -> AsyncIterator[pb.StreamInboxResponse]:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -195,7 +190,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     # -- owner instances, takeover, parking --------------------------------------
 
     async def RegisterInstance(
-        self, request: pb.RegisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.RegisterInstanceRequest, context: Context
     ) -> pb.RegisterInstanceResponse:
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
@@ -207,25 +202,25 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.RegisterInstanceResponse(lease_id=lease_id, ttl_seconds=ttl)
 
     async def KeepAliveInstance(
-        self, request: pb.KeepAliveInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.KeepAliveInstanceRequest, context: Context
     ) -> pb.KeepAliveInstanceResponse:
         ttl = await self._instances.keep_alive(request.lease_id)
         return pb.KeepAliveInstanceResponse(ttl_seconds=ttl)
 
     async def DeregisterInstance(
-        self, request: pb.DeregisterInstanceRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.DeregisterInstanceRequest, context: Context
     ) -> pb.DeregisterInstanceResponse:
         await self._instances.deregister(request.lease_id)
         return pb.DeregisterInstanceResponse()
 
     async def ListInstances(
-        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListInstancesRequest, context: Context
     ) -> pb.ListInstancesResponse:
         records = await self._instances.live(request.deployment_id)
         return pb.ListInstancesResponse(instances=[_instance_info(r) for r in records])
 
     async def WatchInstances(
-        self, request: pb.WatchInstancesRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.WatchInstancesRequest, context: Context
     ) -> AsyncIterator[pb.WatchInstancesResponse]:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
         identity.current().require_deployment(request.deployment_id, "the deployment")
@@ -236,7 +231,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             )
 
     async def ListInstanceSessions(
-        self, request: pb.ListInstanceSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListInstanceSessionsRequest, context: Context
     ) -> pb.ListInstanceSessionsResponse:
         structlog.contextvars.bind_contextvars(
             deployment_id=request.deployment_id, instance_id=request.instance_id
@@ -259,7 +254,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def TakeOverSession(
-        self, request: pb.TakeOverSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.TakeOverSessionRequest, context: Context
     ) -> pb.TakeOverSessionResponse:
         _require_fence(request.expected, request.HasField("expected"))
         if not request.HasField("successor"):
@@ -276,7 +271,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
 
     async def SetParked(
-        self, request: pb.SetParkedRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.SetParkedRequest, context: Context
     ) -> pb.SetParkedResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         structlog.contextvars.bind_contextvars(
@@ -289,7 +284,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.SetParkedResponse(inbox_head=head)
 
     async def WatchBells(
-        self, request: pb.WatchBellsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.WatchBellsRequest, context: Context
     ) -> AsyncIterator[pb.WatchBellsResponse]:
         structlog.contextvars.bind_contextvars(instance_id=request.instance_id)
         async for bells in self._instances.watch_bells(request.instance_id):

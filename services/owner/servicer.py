@@ -6,9 +6,6 @@ links), calls the host, and builds its response from the host's answer."""
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
-
-import grpc
 import structlog
 
 from baton.owner.v1 import owner_pb2 as pb
@@ -18,11 +15,10 @@ from services.common.bounds import check_session_settings
 from services.common.clients import StartedSession
 from services.common.errors import PermissionDenied, Reason
 from services.common.identity import Role
+from services.common.server import Context
 from services.owner.children import ChildStart
 from services.owner.handoff import HandoffOffer
 from services.owner.host import OwnerHost
-
-Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
 class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
