@@ -71,6 +71,7 @@ from services.common.etcd import (
     cmp_absent,
     cmp_present,
     cmp_value,
+    create_watch,
     make_client,
     op_get,
     op_put,
@@ -653,7 +654,7 @@ async def _floor_pipeline(
     both_started = asyncio.Event()
 
     async def pump(store: Store, prefix: bytes, out: asyncio.Queue[bytes]) -> None:
-        watch = await store.client.watch_prefix(prefix)
+        watch = await create_watch(store.client, prefix)
         watches.append(watch)
         if len(watches) == 2:
             both_started.set()

@@ -11,6 +11,7 @@ still serves.
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 from typing import Any
 
@@ -110,3 +111,44 @@ async def test_a_watch_whose_creation_is_abandoned_misroutes_no_other_watch(
             await cancel_watch(watch)
     finally:
         await client.close()
+
+
+async def test_a_watch_creation_that_times_out_misroutes_no_later_watch() -> None:
+    """The same hazard through a timeout: a creation sent while etcd cannot
+    answer (here: paused with SIGSTOP, as a leader election under load makes
+    it slow) gives up, and etcd answers it later. That late answer must not
+    become the next creation's: the next watch must see its own prefix's
+    put, and no other. (Without the fix: the second watch got the first
+    prefix's events and never its own.)"""
+    server = EtcdProcess().start()
+    client = make_client(server.endpoint, 0.5)
+    root = f"/late/{uuid.uuid4().hex}/"
+    first, second = f"{root}a/".encode(), f"{root}b/".encode()
+    try:
+        await client.connect()
+        warm = await open_watch(client, f"{root}warm/".encode())  # the stream is up
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable):
+                await open_watch(client, first)
+            # The next creation is pending when etcd wakes up and answers.
+            opening = asyncio.create_task(open_watch(client, second))
+            await asyncio.sleep(0.1)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        watch = await opening
+        await client.put(first + b"key", b"v")
+        await client.put(second + b"key", b"v")
+
+        async def first_event() -> bytes:
+            async for event in watch:
+                return bytes(event.kv.key)
+            return b""
+
+        assert await asyncio.wait_for(first_event(), 5) == second + b"key"
+        await cancel_watch(watch)
+        await cancel_watch(warm)
+    finally:
+        await client.close()
+        server.stop()

@@ -96,7 +96,7 @@ def etcd_target(endpoints: str) -> str:
     return grpc_target(",".join(parts))
 
 
-def make_client(endpoint: str, timeout: float, security: Security | None = None) -> aetcd.Client:
+def make_client(endpoint: str, timeout: float, security: Security | None = None) -> EtcdClient:
     """A client of one etcd member or of several (`endpoint` comma-separated);
     over TLS with this process's certificate when `security` says so (etcd
     then takes the certificate's CN as its user).
@@ -111,25 +111,38 @@ def make_client(endpoint: str, timeout: float, security: Security | None = None)
     # aetcd dials f"{host}:{port}"; handing it the target split at its last
     # colon makes that any gRPC target, a multi-address one included.
     host, _, port = target.rpartition(":")
+    credentials = None
     if security is not None and security.files is not None:
         credentials = channel_credentials(load_material(security.files))
         options.update(tls_options(target, []))
-        return TlsClient(credentials, host=host, port=int(port), timeout=timeout, options=options)
-    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
+    return EtcdClient(credentials, host=host, port=int(port), timeout=timeout, options=options)
 
 
-class TlsClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hints)
-    """aetcd's client over a TLS channel. aetcd 1.0 only opens plaintext
-    channels; this opens the channel itself and uses aetcd's own stubs and
-    watcher on it, so the rest of aetcd (and `Store`, which calls the KV stub
-    directly) is unchanged. Auth is by client certificate: with etcd's
-    `--client-cert-auth` and auth enabled, etcd maps the certificate's common
-    name to its user, so there is no token to attach to (or refresh on) the
-    raw txn path, and no password to keep."""
+class EtcdClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hints)
+    """aetcd's client, with the channel and the watcher made here.
 
-    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+    - **TLS.** aetcd 1.0 only opens plaintext channels; this opens a TLS one
+      when given credentials and uses aetcd's own stubs and watcher on it, so
+      the rest of aetcd (and `Store`, which calls the KV stub directly) is
+      unchanged. Auth is by client certificate: with etcd's
+      `--client-cert-auth` and auth enabled, etcd maps the certificate's
+      common name to its user, so there is no token to attach to (or
+      refresh on) the raw txn path, and no password to keep.
+    - **Watch creations never give up inside aetcd.** aetcd's watcher binds a
+      `created` answer to whichever creation is pending when it arrives. One
+      that gave up on aetcd's own timeout (etcd electing a leader after a
+      restart, under load) left its late answer to the next creation, which
+      then got the first one's events (another prefix: an inbox stream fed
+      another session's keys, or nothing at all) and lost its own. Here the
+      watcher has no timeout; `create_watch` bounds a creation, and when it
+      gives up it first ends the watch stream (`reset_watches`) while the
+      creation is still pending, so its answer can never reach a later one.
+    """
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._credentials = credentials
+        self.watch_create_timeout: float = kwargs.get("timeout") or 5.0
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -139,21 +152,30 @@ class TlsClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hin
             return
         try:
             self._is_connecting = True
-            self.channel = grpc.aio.secure_channel(
-                f"{self._host}:{self._port}",
-                self._credentials,
-                options=list(self._options.items()),
-            )
+            target = f"{self._host}:{self._port}"
+            options = list(self._options.items())
+            if self._credentials is not None:
+                self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+            else:
+                self.channel = grpc.aio.insecure_channel(target, options=options)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
             self._watcher = aetcd_watcher.Watcher(
-                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+                rpc.WatchStub(self.channel), timeout=None, metadata=self.metadata
             )
             self._connected.set()
         finally:
             self._is_connecting = False
+
+    async def reset_watches(self, why: str) -> None:
+        """End the watch stream: the pending creation and every watch on the
+        stream fail with ConnectionFailedError (their loops resume on a new
+        stream, from their own cursors)."""
+        if self._watcher is not None:
+            # aetcd 1.0's own way of ending a broken stream (pinned in pyproject).
+            await self._watcher._terminate_stream(aetcd.ConnectionFailedError(why))
 
 
 def store_unavailable(exc: BaseException) -> Unavailable:
@@ -168,7 +190,7 @@ class Store:
     revision), and the hot path skips aetcd's per-key wrapper objects.
     """
 
-    def __init__(self, client: aetcd.Client, timeout: float) -> None:
+    def __init__(self, client: EtcdClient, timeout: float) -> None:
         self.client = client
         self.timeout = timeout
         self._reads: set[asyncio.Future[rpc.TxnResponse]] = set()
@@ -322,7 +344,7 @@ def single_value(response: rpc.ResponseOp) -> bytes | None:
     return kvs[0].value if kvs else None
 
 
-async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
+async def open_watch(client: EtcdClient, prefix: bytes) -> Any:
     """A watch of `prefix` from the current revision on. Open it *before*
     reading the range a follower starts from, and hand it to `follow_range`:
     etcd serves a watch created at a past revision from its "unsynced" group,
@@ -338,8 +360,9 @@ async def open_watch(client: aetcd.Client, prefix: bytes) -> Any:
 _ABANDONED: set[asyncio.Task[Any]] = set()
 
 
-async def create_watch(client: aetcd.Client, prefix: bytes, **kwargs: Any) -> Any:
-    """`client.watch_prefix`, run to its end even when the caller goes away.
+async def create_watch(client: EtcdClient, prefix: bytes, **kwargs: Any) -> Any:
+    """`client.watch_prefix`, run to its end even when the caller goes away,
+    and bounded by the client's timeout.
 
     aetcd creates one watch at a time and binds a `created` answer to
     whichever creation is pending when it arrives. A creation abandoned
@@ -347,10 +370,16 @@ async def create_watch(client: aetcd.Client, prefix: bytes, **kwargs: Any) -> An
     ending) leaves its answer to be bound to the next creation, which then
     gets the first watch's events and loses its own (its answer finds no
     creation pending and is cancelled). So the creation always finishes; a
-    watch nobody waits for any more is cancelled once it exists."""
+    watch nobody waits for any more is cancelled once it exists. One that
+    takes too long ends the whole watch stream first (see `EtcdClient`): its
+    late answer then has no stream to arrive on."""
     task = asyncio.ensure_future(client.watch_prefix(prefix, **kwargs))
     try:
-        return await asyncio.shield(task)
+        return await asyncio.wait_for(asyncio.shield(task), client.watch_create_timeout)
+    except TimeoutError:
+        task.add_done_callback(_cancel_abandoned)
+        await client.reset_watches("a watch creation timed out; the watch stream was reset")
+        raise aetcd.WatchTimeoutError from None
     except asyncio.CancelledError:
         task.add_done_callback(_cancel_abandoned)
         raise
@@ -368,7 +397,7 @@ class Follower:
     """A watch opened before the read a follower starts from; see
     `watch_then_read`."""
 
-    def __init__(self, client: aetcd.Client, prefix: bytes, watch: Any) -> None:
+    def __init__(self, client: EtcdClient, prefix: bytes, watch: Any) -> None:
         self._client = client
         self._prefix = prefix
         self.watch: Any = watch
@@ -381,7 +410,7 @@ class Follower:
 
 
 @contextlib.asynccontextmanager
-async def watch_then_read(client: aetcd.Client, prefix: bytes) -> AsyncIterator[Follower]:
+async def watch_then_read(client: EtcdClient, prefix: bytes) -> AsyncIterator[Follower]:
     """Open a watch of `prefix` now (see `open_watch`); the body reads its
     range, then follows with `follower.events(read revision + 1)`. A watch the
     body never followed is cancelled on the way out."""
@@ -394,7 +423,7 @@ async def watch_then_read(client: aetcd.Client, prefix: bytes) -> AsyncIterator[
 
 
 async def follow_range(
-    client: aetcd.Client,
+    client: EtcdClient,
     prefix: bytes,
     start_revision: int,
     *,
