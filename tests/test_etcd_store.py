@@ -152,3 +152,30 @@ async def test_a_watch_creation_that_times_out_misroutes_no_later_watch() -> Non
     finally:
         await client.close()
         server.stop()
+
+
+async def test_many_watches_created_at_once_each_get_their_own_timeout() -> None:
+    """Creations wait their turn (aetcd makes one at a time); the timeout
+    bounds each one's own round trip, not the queue before it, so a burst
+    (every inbox stream of a hooks replica after an etcd restart) is not
+    mistaken for a hung etcd."""
+    server = EtcdProcess().start()
+    client = make_client(server.endpoint, 0.25)
+    root = f"/burst/{uuid.uuid4().hex}/".encode()
+    try:
+        await client.connect()
+        prefixes = [root + f"{n}/".encode() for n in range(400)]
+        watches = await asyncio.gather(*(open_watch(client, p) for p in prefixes))
+        await client.put(prefixes[-1] + b"key", b"v")
+
+        async def first_event() -> bytes:
+            async for event in watches[-1]:
+                return bytes(event.kv.key)
+            return b""
+
+        assert await asyncio.wait_for(first_event(), 5) == prefixes[-1] + b"key"
+        for watch in watches:
+            await cancel_watch(watch)
+    finally:
+        await client.close()
+        server.stop()

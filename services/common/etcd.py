@@ -143,6 +143,7 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hi
         super().__init__(**kwargs)
         self._credentials = credentials
         self.watch_create_timeout: float = kwargs.get("timeout") or 5.0
+        self.watch_creation = asyncio.Lock()
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -370,19 +371,31 @@ async def create_watch(client: EtcdClient, prefix: bytes, **kwargs: Any) -> Any:
     ending) leaves its answer to be bound to the next creation, which then
     gets the first watch's events and loses its own (its answer finds no
     creation pending and is cancelled). So the creation always finishes; a
-    watch nobody waits for any more is cancelled once it exists. One that
-    takes too long ends the whole watch stream first (see `EtcdClient`): its
-    late answer then has no stream to arrive on."""
-    task = asyncio.ensure_future(client.watch_prefix(prefix, **kwargs))
+    watch nobody waits for any more is cancelled once it exists."""
+    task = asyncio.ensure_future(_create_watch(client, prefix, kwargs))
     try:
-        return await asyncio.wait_for(asyncio.shield(task), client.watch_create_timeout)
-    except TimeoutError:
-        task.add_done_callback(_cancel_abandoned)
-        await client.reset_watches("a watch creation timed out; the watch stream was reset")
-        raise aetcd.WatchTimeoutError from None
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.add_done_callback(_cancel_abandoned)
         raise
+
+
+async def _create_watch(client: EtcdClient, prefix: bytes, kwargs: dict[str, Any]) -> Any:
+    """One creation at a time per client (so the timeout measures this
+    creation's round trip, not a queue). One that takes longer than the
+    client's timeout ends the watch stream while it is still pending (see
+    `EtcdClient`): its late answer then has no stream to arrive on."""
+    async with client.watch_creation:
+        creating = asyncio.ensure_future(client.watch_prefix(prefix, **kwargs))
+        done, _ = await asyncio.wait({creating}, timeout=client.watch_create_timeout)
+        if done:
+            return creating.result()
+        await client.reset_watches("a watch creation timed out; the watch stream was reset")
+        await asyncio.wait({creating})
+        if not creating.cancelled() and creating.exception() is None:
+            await cancel_watch(creating.result())  # (answered just in time; reset anyway)
+        mark_retrieved(creating)
+        raise aetcd.WatchTimeoutError
 
 
 def _cancel_abandoned(task: asyncio.Future[Any]) -> None:
