@@ -15,12 +15,15 @@ import signal
 import uuid
 from typing import Any
 
+import aetcd
 import pytest
+from aetcd import rpc
 
 from services.cli.processes import EtcdProcess
 from services.common.errors import Unavailable
 from services.common.etcd import (
     Store,
+    _Watcher,
     cancel_watch,
     make_client,
     op_get,
@@ -123,20 +126,30 @@ async def test_a_watch_creation_that_times_out_misroutes_no_later_watch() -> Non
     server = EtcdProcess().start()
     client = make_client(server.endpoint, 0.5)
     root = f"/late/{uuid.uuid4().hex}/"
-    first, second = f"{root}a/".encode(), f"{root}b/".encode()
+    second = f"{root}b/".encode()
     try:
         await client.connect()
         warm = await open_watch(client, f"{root}warm/".encode())  # the stream is up
         assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            with pytest.raises(Unavailable):
-                await open_watch(client, first)
-            # The next creation is pending when etcd wakes up and answers.
-            opening = asyncio.create_task(open_watch(client, second))
-            await asyncio.sleep(0.1)
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+        # On a busy machine a creation now and then still gets its answer (a
+        # stream set up again before the pause): then the hazard was not
+        # staged, and the attempt is made again.
+        for attempt in range(5):
+            first = f"{root}a{attempt}/".encode()
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                try:
+                    stray = await open_watch(client, first)
+                except Unavailable:
+                    # The next creation is pending when etcd wakes up and answers.
+                    opening = asyncio.create_task(open_watch(client, second))
+                    await asyncio.sleep(0.1)
+                    break
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            await cancel_watch(stray)
+        else:
+            pytest.fail("no creation timed out in 5 attempts with etcd paused")
         watch = await opening
         await client.put(first + b"key", b"v")
         await client.put(second + b"key", b"v")
@@ -179,3 +192,60 @@ async def test_many_watches_created_at_once_each_get_their_own_timeout() -> None
     finally:
         await client.close()
         server.stop()
+
+
+class _SwallowingWatchStub:
+    """A Watch stub like grpc.aio's while etcd restarts: the first stream is
+    cancelled while it is being set up, swallows the cancellation (grpc.aio's
+    stream preparation does) and then fails on its own (UNAVAILABLE). Later
+    streams answer every creation."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.setting_up = asyncio.Event()
+
+    def Watch(self, requests: Any, metadata: Any = None) -> Any:  # noqa: N802 - the stub's name
+        self.streams += 1
+        return self._failing() if self.streams == 1 else self._answering(requests)
+
+    async def _failing(self) -> Any:
+        self.setting_up.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # swallowed
+        raise aetcd.ConnectionFailedError("connections to all backends failing")
+        yield  # an async generator
+
+    async def _answering(self, requests: Any) -> Any:
+        watch_id = 0
+        async for request in requests:
+            if request.HasField("create_request"):
+                yield rpc.WatchResponse(created=True, watch_id=watch_id)
+                watch_id += 1
+
+
+async def test_a_stream_reset_outlives_a_stream_that_swallows_its_cancellation() -> None:
+    """Ending a watch stream (`reset_watches`, after a creation timed out)
+    while another creation has just opened a new one, during an etcd restart:
+    that stream swallows the cancellation and fails by itself. aetcd's
+    teardown waited for it while holding the lock its failure path needs: a
+    deadlock that silently stopped every watch of the process (an inbox
+    stream, a live reader) for good. The reset must return, the pending
+    creation fail, and the next creation get a watch on a new stream."""
+    stub = _SwallowingWatchStub()
+    watcher = _Watcher(stub, timeout=None)
+
+    async def ignore(_: object) -> None:
+        pass
+
+    creation = asyncio.ensure_future(watcher.add_callback(b"/a/", ignore, range_end=b"/a0"))
+    await asyncio.wait_for(stub.setting_up.wait(), 5)
+    reset = asyncio.ensure_future(watcher._terminate_stream(aetcd.ConnectionFailedError("reset")))
+    done, _ = await asyncio.wait({reset, creation}, timeout=5)
+    assert reset in done, "ending the stream deadlocked with the stream's handler"
+    assert isinstance(creation.exception(), aetcd.ConnectionFailedError)
+    await asyncio.sleep(0.1)  # the swallowing stream fails now: it must end nothing else
+    callback = await asyncio.wait_for(watcher.add_callback(b"/b/", ignore, range_end=b"/b0"), 5)
+    assert callback.watch_id == 0 and stub.streams == 2
+    await asyncio.wait_for(watcher.shutdown(), 5)

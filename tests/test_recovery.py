@@ -30,8 +30,9 @@ import pytest
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
+from services.common.keys import Keys
 from services.owner.server import EXIT_LEASE_LOST
-from tests.certs import start_etcd
+from tests.certs import etcd_client, start_etcd
 from tests.procs import (
     SLACK,
     ProcessStack,
@@ -316,6 +317,33 @@ async def follow(c: StackClients, sid: str, out: list[s.Event]) -> None:
             call.cancel()
 
 
+async def _stalled(c: StackClients, endpoint: str, sid: str) -> str:
+    """Where a session that stopped answering stands: its answers, its last
+    events, its consumed inbox position against the inbox head, its owner."""
+    events = await c.events(sid)
+    keys = Keys(c.stack.prefix)
+    client = await etcd_client(endpoint)
+    try:
+        values: dict[str, str | None] = {}
+        for name, key in {
+            "inhead": keys.inbox_head(sid),
+            "fence": keys.fence(sid),
+            "owner": keys.owner(sid),
+        }.items():
+            got = await client.get(key)
+            values[name] = got.value.decode() if got is not None else None
+        snap = await client.get(keys.snapshot(sid))
+        next_seq = s.SessionSnapshot.FromString(snap.value).inbox_next_seq if snap else None
+    finally:
+        await client.close()
+    kinds = [K.Name(e.kind).removeprefix("EVENT_KIND_") for e in events[-4:]]
+    return (
+        f"session {sid}: {len(answers(events))} answers, received up to "
+        f"{received_seqs(events)[-1:]}, last events {kinds}, snapshot inbox_next_seq "
+        f"{next_seq}, etcd {values}"
+    )
+
+
 async def etcd_restart_under_load(
     make_stack: MakeStack, *, sessions: int, messages: int, restarts: int
 ) -> None:
@@ -356,9 +384,12 @@ async def etcd_restart_under_load(
             )
         await asyncio.gather(*senders)
         for sid in sids:
-            events = await c.wait_events(
-                sid, lambda ev: answered(ev, messages), "every message answered", timeout=60
-            )
+            try:
+                events = await c.wait_events(
+                    sid, lambda ev: answered(ev, messages), "every message answered", timeout=60
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{await _stalled(c, etcd.endpoint, sid)}") from None
             check_history(events, sorted(set(receipts[sid])))
             assert sorted(int(t.removeprefix("echo: m")) for t in answers(events)) == list(
                 range(messages)
@@ -367,7 +398,7 @@ async def etcd_restart_under_load(
             async def caught_up(sid: str = sid, n: int = len(events)) -> bool:
                 return len(seen[sid]) >= n
 
-            await eventually(caught_up, "the live reader to catch up")
+            await eventually(caught_up, f"the live reader of {sid} to reach {len(events)} events")
             assert [e.SerializeToString() for e in seen[sid][: len(events)]] == [
                 e.SerializeToString() for e in events
             ], "the live reader saw a gap or a duplicate across the restart"
