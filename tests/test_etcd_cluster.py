@@ -73,8 +73,11 @@ async def test_the_client_fails_over_when_members_die(cluster: EtcdCluster) -> N
     seen: list[bytes] = []
 
     async def follow() -> None:
-        start = (await store.txn([], [op_get(prefix, prefix_end(prefix))])).header.revision + 1
-        async for event in follow_range(store.client, prefix, start):
+        # The writer may already have written when this reads: what the read
+        # returns counts as seen, the watch follows from its revision.
+        read = await store.txn([], [op_get(prefix, prefix_end(prefix), keys_only=True)])
+        seen.extend(kv.key for kv in read.responses[0].response_range.kvs)
+        async for event in follow_range(store.client, prefix, read.header.revision + 1):
             seen.append(event.kv.key)
 
     follower = asyncio.create_task(follow())
