@@ -18,6 +18,7 @@ from services.owner.turns import (
     SessionState,
     StepProgress,
     initial_snapshot,
+    safe_error,
 )
 
 K = s.EventKind
@@ -214,3 +215,10 @@ def test_a_refused_commit_rolls_back_and_fails_the_turn() -> None:
     assert st.snapshot.inbox_next_seq == 1, "the poison command stays consumed"
     assert st.snapshot.usage.model_calls == 1, "the model call stays counted"
     assert not st.turn_open and not st.context.oversized_entry()
+
+
+def test_a_failure_of_authored_code_is_published_as_its_type_and_a_bounded_prefix() -> None:
+    upstream = "https://internal.example/v1?key=" + "s" * 5000
+    said = safe_error(RuntimeError(upstream))
+    assert said.startswith("RuntimeError: https://") and len(said) <= 320
+    assert "s" * 400 not in said

@@ -704,7 +704,8 @@ class SessionRun:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
-            result.output, result.is_error = f"{type(exc).__name__}: {exc}", True
+            # Public too (tool_call.result): the type and a bounded prefix.
+            result.output, result.is_error = safe_error(exc), True
         return result
 
     def _tool_context(self) -> ToolContext:
