@@ -138,17 +138,23 @@ def test_certificates_without_exactly_one_baton_identity_are_refused(
 PROBE = "baton.test.v1.Probe"
 
 
-def probe_binding(behavior: Callable[..., Any]) -> ServiceBinding:
-    handler = grpc.method_handlers_generic_handler(
-        PROBE,
-        {
-            "Hold": grpc.unary_unary_rpc_method_handler(
-                behavior,
-                request_deserializer=health_pb2.HealthCheckRequest.FromString,
-                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-            )
-        },
-    )
+def probe_binding(
+    behavior: Callable[..., Any], follow: Callable[..., Any] | None = None
+) -> ServiceBinding:
+    methods = {
+        "Hold": grpc.unary_unary_rpc_method_handler(
+            behavior,
+            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )
+    }
+    if follow is not None:
+        methods["Follow"] = grpc.unary_stream_rpc_method_handler(
+            follow,
+            request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )
+    handler = grpc.method_handlers_generic_handler(PROBE, methods)
     return ServiceBinding(PROBE, lambda server: server.add_generic_rpc_handlers((handler,)))
 
 
@@ -247,6 +253,75 @@ async def test_the_server_caps_concurrent_calls_with_retry_info(
             both_in.clear()
         release.set()
         await call_probe(channel)  # a slot is free: served
+    finally:
+        await channel.close()
+        await server.stop(0.1)
+
+
+async def test_the_server_caps_concurrent_streams_apart_from_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Streams count against their own limit: over it a stream is refused
+    with RESOURCE_EXHAUSTED/SERVER_BUSY while unary calls are still served;
+    a stream the client cancels and a stream that ends both free their slot."""
+    from services.common.config import Capacity
+    from tests import certs
+
+    for name in ("Hold", "Follow"):
+        monkeypatch.setitem(access.RPC_ROLES, f"/{PROBE}/{name}", frozenset({Role.OPERATOR}))
+    release = asyncio.Event()
+
+    async def hold(request: Any, context: Any) -> Any:
+        return health_pb2.HealthCheckResponse()
+
+    async def follow(request: Any, context: Any) -> AsyncIterator[Any]:
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        await release.wait()
+
+    server = build_server(
+        "127.0.0.1:0",
+        [probe_binding(hold, follow)],
+        service="probe",
+        security=certs.security(Role.HOOKS),
+        capacity=Capacity(max_unary=1, max_streams=2, retry_after=0.25),
+    )
+    await server.start()
+    channel = open_channel(f"127.0.0.1:{server.port}", certs.operator())
+    open_follow = channel.unary_stream(
+        f"/{PROBE}/Follow",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+
+    async def first(stream: Any) -> Any:
+        return await asyncio.wait_for(stream.read(), 10)
+
+    try:
+        for _round in range(2):
+            held = [open_follow(health_pb2.HealthCheckRequest()) for _ in range(2)]
+            for stream in held:
+                assert (await first(stream)).status == health_pb2.HealthCheckResponse.SERVING
+            refused = open_follow(health_pb2.HealthCheckRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await first(refused)
+            assert info.value.code() == Code.RESOURCE_EXHAUSTED
+            assert from_rpc_error(info.value).reason == Reason.SERVER_BUSY
+            await call_probe(channel)  # unary calls have their own limit
+            held[0].cancel()  # the client leaves: its slot frees
+            for _ in range(100):
+                again = open_follow(health_pb2.HealthCheckRequest())
+                try:
+                    await first(again)
+                    break
+                except grpc.aio.AioRpcError as exc:  # the cancel not yet seen
+                    assert exc.code() == Code.RESOURCE_EXHAUSTED
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("a cancelled stream never freed its slot")
+            release.set()  # both remaining streams end: their slots free
+            assert await again.read() == grpc.aio.EOF
+            assert await held[1].read() == grpc.aio.EOF
+            release.clear()
     finally:
         await channel.close()
         await server.stop(0.1)

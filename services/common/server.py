@@ -68,14 +68,32 @@ def _request_id(details: grpc.HandlerCallDetails) -> str:
 
 
 class _Gate:
-    """Counts calls in flight against a `Capacity`."""
+    """Counts calls in flight against a `Capacity`: unary calls and streams
+    each against their own limit."""
 
     def __init__(self, capacity: Capacity) -> None:
         self.capacity = capacity
         self.unary = 0
         self.streams = 0
 
-    def refuse(self, what: str) -> errors.ResourceExhausted:
+    def enter(self, stream: bool) -> None:
+        """Admit one more call of its kind, or refuse with RESOURCE_EXHAUSTED."""
+        if stream:
+            if self.streams >= self.capacity.max_streams:
+                raise self._refuse("streams")
+            self.streams += 1
+        else:
+            if self.unary >= self.capacity.max_unary:
+                raise self._refuse("calls")
+            self.unary += 1
+
+    def leave(self, stream: bool) -> None:
+        if stream:
+            self.streams -= 1
+        else:
+            self.unary -= 1
+
+    def _refuse(self, what: str) -> errors.ResourceExhausted:
         return errors.ResourceExhausted(
             errors.Reason.SERVER_BUSY,
             f"the server is at its limit of concurrent {what}; retry later",
@@ -223,69 +241,66 @@ class _Call:
         )
 
     def unary(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
-        gate = self.gate
-
         async def wrapped(raw: bytes, context: Context) -> Any:
-            structlog.contextvars.bind_contextvars(**self.bound)
-            start = time.perf_counter()
-            code = "OK"
-            reason = ""
-            admitted = False
-            try:
-                self.admit(context)
-                if gate.unary >= gate.capacity.max_unary:
-                    raise gate.refuse("calls")
-                gate.unary += 1
-                admitted = True
+            async with _Served(self, context, stream=False):
                 return await behavior(decode(raw), context)
-            except errors.BatonError as exc:
-                code, reason = status_code(exc).name, exc.reason
-                await _abort(context, exc)
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                code = "CANCELLED"
-                raise
-            except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
-                code, reason = "INTERNAL", errors.Reason.INTERNAL
-                await _abort(context, exc)
-            finally:
-                if admitted:
-                    gate.unary -= 1
-                _log_call(code, reason, start)
 
         return wrapped
 
     def stream(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
-        gate = self.gate
-
         async def wrapped(raw: bytes, context: Context) -> AsyncIterator[Any]:
-            structlog.contextvars.bind_contextvars(**self.bound)
-            start = time.perf_counter()
-            code = "OK"
-            reason = ""
-            admitted = False
-            try:
-                self.admit(context)
-                if gate.streams >= gate.capacity.max_streams:
-                    raise gate.refuse("streams")
-                gate.streams += 1
-                admitted = True
+            async with _Served(self, context, stream=True):
                 async for item in behavior(decode(raw), context):
                     yield item
-            except errors.BatonError as exc:
-                code, reason = status_code(exc).name, exc.reason
-                await _abort(context, exc)
-            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-                code = "CANCELLED"
-                raise
-            except Exception as exc:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
-                code, reason = "INTERNAL", errors.Reason.INTERNAL
-                await _abort(context, exc)
-            finally:
-                if admitted:
-                    gate.streams -= 1
-                _log_call(code, reason, start)
 
         return wrapped
+
+
+class _Served:
+    """One call being served, unary or stream alike: admitted (the role table,
+    then the gate), its errors mapped at the boundary (a BatonError to its
+    status, anything unmapped to INTERNAL), and one log line at its end."""
+
+    __slots__ = ("call", "context", "stream", "start", "admitted")
+
+    def __init__(self, call: _Call, context: Context, stream: bool) -> None:
+        self.call = call
+        self.context = context
+        self.stream = stream
+        self.start = 0.0
+        self.admitted = False
+
+    async def __aenter__(self) -> None:
+        call = self.call
+        structlog.contextvars.bind_contextvars(**call.bound)
+        self.start = time.perf_counter()
+        try:
+            call.admit(self.context)
+            call.gate.enter(self.stream)
+        except errors.BatonError as exc:
+            # __aexit__ does not run for a refused entry: answer here.
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self.admitted = True
+
+    async def __aexit__(
+        self, _type: type[BaseException] | None, exc: BaseException | None, _tb: object
+    ) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.call.gate.leave(self.stream)
+        if exc is None:
+            _log_call("OK", "", self.start)
+            return
+        if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
+            # Cancelled, closed (GeneratorExit) or already answered.
+            _log_call("CANCELLED", "", self.start)
+            return
+        if isinstance(exc, errors.BatonError):
+            _log_call(status_code(exc).name, exc.reason, self.start)
+        else:  # the boundary: anything unmapped is INTERNAL
+            _log_call("INTERNAL", errors.Reason.INTERNAL, self.start)
+        await _abort(self.context, exc)
 
 
 PUBLIC_CALLER = Caller(role=Role.PUBLIC)
