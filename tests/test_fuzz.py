@@ -63,6 +63,12 @@ SERVICES = {
 }
 MAX_DEPTH = 3
 # RPCs that never write: no need to wait for the stack to settle after them.
+# Refusals that say "try again": the same request may then succeed.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 READ_ONLY = {
     "GetOwner",
     "GetSnapshot",
@@ -458,6 +464,15 @@ async def check_one(target: Target, rpc: Rpc, body: bytes, with_key: bool) -> No
             after = await store_revision(target)
             assert after == before, ("a refused call wrote to etcd", rpc.path, again, body[:200])
         else:
+            # The same request refused and then accepted: only a refusal
+            # that says "try again" may do that. Anything else is a refusal
+            # that wrote and whose retry found what it wrote (a zombie).
+            assert answer.code in RETRYABLE, (
+                "refused, with a write, then accepted",
+                rpc.path,
+                answer,
+                body[:200],
+            )
             await settle(target)
 
 
