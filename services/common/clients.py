@@ -35,6 +35,7 @@ from services.common import ids
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
+from services.common.keys import Bell
 from services.common.tls import Security
 
 _T = TypeVar("_T")
@@ -133,14 +134,6 @@ class OwnedSession:
     fence: s.Fence
     owner: s.OwnerIdentity
     parked: bool
-
-
-@dataclass(frozen=True)
-class Bell:
-    """A parked session has input up to `inbox_head`."""
-
-    session_id: str
-    inbox_head: int
 
 
 @dataclass(frozen=True)

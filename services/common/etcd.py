@@ -148,7 +148,7 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hi
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        if self._is_connecting:  # type: ignore[has-type]
+        if self._is_connecting:  # type: ignore[has-type]  # set by aetcd's untyped __init__
             await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
             return
         try:
@@ -179,7 +179,7 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hi
             await self._watcher._terminate_stream(aetcd.ConnectionFailedError(why))
 
 
-class _Watcher(aetcd_watcher.Watcher):  # type: ignore[misc]
+class _Watcher(aetcd_watcher.Watcher):  # type: ignore[misc]  # aetcd is untyped: Any
     """aetcd 1.0's watcher with a stream teardown that cannot deadlock, and
     that isolates each stream from the next.
 

@@ -91,7 +91,7 @@ def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
     metadata: dict[str, str] = {}
     retry_after: float | None = None
     try:
-        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]  # an AioRpcError is a Call
     except (ValueError, AttributeError):
         status = None
     if status is not None:

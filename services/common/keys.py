@@ -238,6 +238,15 @@ class OwnerRecord:
 
 
 @dataclass(frozen=True)
+class Bell:
+    """A parked session has input up to `inbox_head` (`bell/{instance}/{session}`,
+    rung by the append that passed the head the session parked at)."""
+
+    session_id: str
+    inbox_head: int
+
+
+@dataclass(frozen=True)
 class InstanceRecord:
     """A live owner instance (`d/{deployment}/{instance}`, under its lease)."""
 

@@ -287,7 +287,7 @@ def open_secure_channel(
         return grpc.aio.insecure_channel(target, options=options)
     options = tls_options(target, options, security.ip_server_name)
     watcher = CertificateWatcher(security.files, security.check_every)
-    return ReloadingChannel(  # type: ignore[return-value]
+    return ReloadingChannel(  # type: ignore[return-value]  # forwards every Channel method
         lambda material: grpc.aio.secure_channel(
             target, channel_credentials(material), options=options
         ),

@@ -14,19 +14,11 @@ from dataclasses import dataclass
 from services.common import ids
 from services.common.errors import InvalidArgument, Reason
 from services.common.etcd import Store, follow_range
-from services.common.keys import InstanceRecord, Keys, prefix_end
+from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 300
-
-
-@dataclass(frozen=True)
-class Bell:
-    """A parked session has input up to `inbox_head`."""
-
-    session_id: str
-    inbox_head: int
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class TransferOutcome:
             fence=fence,
             successor=successor,
             trigger_seq=int(data["trigger_seq"]),
+            # A stored int: the enum's ValueType is a NewType of int.
             reason=int(data.get("reason", s.TRANSFER_REASON_TRIGGER)),  # type: ignore[arg-type]
         )
 
