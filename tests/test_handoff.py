@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aetcd
 import grpc
@@ -23,6 +24,7 @@ from services.common.clients import HooksClient
 from services.common.errors import BatonError, Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
+from services.common.permits import PermitSigner, grant_for
 from services.owner import handoff
 from services.owner.host import OwnerHost
 from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
@@ -483,6 +485,20 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         snapshot_revision=revision,
         trigger=trigger,
     )
+    x_signs = PermitSigner(as_x)
+
+    def permit(signer: PermitSigner = x_signs, **change: Any) -> s.TransferPermit:
+        fields: dict[str, Any] = {**good, **change}
+        granted = signer.sign(
+            grant_for(
+                fields["fence"], fields["handoff_id"], "dep-b", fields["snapshot_revision"], 0
+            )
+        )
+        assert granted is not None
+        return granted
+
+    good["permit"] = permit()
+    b_signs = PermitSigner(certs.owner("dep-b"))
     on_b = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="dep-b", instance_id="x1")
     on_latest = s.OwnerIdentity(owner_run_id="run_x1", deployment_id="latest", instance_id="x1")
     cancel = s.InboxEntry(seq=receipt.seq, command=s.Command(cancel=s.CancelCommand()))
@@ -499,6 +515,20 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"trigger": cancel}, "INVALID_FIELD"),
         ({"handoff_id": ""}, "INVALID_FIELD"),
         ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
+        # Hooks moves the session only with X's own signed consent to exactly
+        # this handoff (services/common/permits.py).
+        ({"permit": None}, "TRANSFER_NOT_PERMITTED"),
+        ({"permit": permit(b_signs)}, "TRANSFER_NOT_PERMITTED"),
+        ({"permit": permit(handoff_id="h-other")}, "TRANSFER_NOT_PERMITTED"),
+        ({"permit": permit(snapshot_revision=revision + 1)}, "TRANSFER_NOT_PERMITTED"),
+        (
+            {
+                "permit": s.TransferPermit(
+                    grant=good["permit"].grant, certificate=b"x", signature=b"x"
+                )
+            },
+            "TRANSFER_NOT_PERMITTED",
+        ),
     ]
     client = b.owner_client(security=as_x, timeout=5)
     try:
@@ -547,6 +577,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         restored = await env.etcd.get(env.keys.snapshot(sid))
         assert restored is not None
         good["snapshot_revision"] = restored.mod_revision
+        good["permit"] = permit()
         assert await env.transfers(sid) == [], "a refused handoff wrote something"
         epoch, record = await env.owner(sid)
         assert (epoch, record.deployment_id) == (1, "dep-x")

@@ -19,6 +19,7 @@ from services.common.channels import open_channel
 from services.common.errors import Fenced
 from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
+from services.common.permits import PermitSigner, grant_for
 from tests import certs
 from tests.stack import Stack
 
@@ -82,8 +83,21 @@ REVISIONS: dict[str, int] = {}  # session -> its snapshot's mod revision, read b
 
 
 def request(
-    fence: s.Fence, owner: s.OwnerIdentity, hooks: list[str], trigger: int, handoff: str = "h1"
+    fence: s.Fence,
+    owner: s.OwnerIdentity,
+    hooks: list[str],
+    trigger: int,
+    handoff: str = "h1",
+    *,
+    revision: int | None = None,
+    signer: str | None = None,
 ) -> hooks_pb.TransferRequest:
+    """A trigger's transfer, with the permit the current owner signs (an
+    owner of `signer`, by default of the session's deployment)."""
+    if revision is None:
+        revision = REVISIONS[fence.session_id]
+    grant = grant_for(fence, handoff, SUCCESSOR.deployment_id, revision, s.TRANSFER_REASON_TRIGGER)
+    permit = PermitSigner(certs.owner(signer or owner.deployment_id)).sign(grant)
     return hooks_pb.TransferRequest(
         handoff_id=handoff,
         expected=fence,
@@ -91,7 +105,8 @@ def request(
         successor=SUCCESSOR,
         hooks=hooks,
         trigger_seq=trigger,
-        snapshot_revision=REVISIONS[fence.session_id],
+        snapshot_revision=revision,
+        permit=permit,
     )
 
 
@@ -223,13 +238,55 @@ async def test_a_commit_since_the_checkpoint_fails_the_transfer(env: Env) -> Non
     """The old owner committed after the checkpoint (e.g. it processed the
     trigger after a refused replay): a late copy of the transfer cannot land."""
     sid, fence, owner, hooks, trigger = await session_with_trigger(env)
-    stale = request(fence, owner, hooks, trigger)
-    stale.snapshot_revision -= 1
+    stale = request(fence, owner, hooks, trigger, revision=REVISIONS[sid] - 1)
     before = await dump(env, sid)
     await expect(env.hooks.Transfer(stale, timeout=10), grpc.StatusCode.ABORTED, "STALE_CHECKPOINT")
-    missing = request(fence, owner, hooks, trigger)
-    missing.snapshot_revision = 0
+    missing = request(fence, owner, hooks, trigger, revision=0)
     await expect(
         env.hooks.Transfer(missing, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, "MISSING_FIELD"
     )
     assert await dump(env, sid) == before
+
+
+async def test_only_the_sessions_own_deployment_can_consent_to_moving_it(env: Env) -> None:
+    """The issue's attack: an owner of another deployment (the caller, dep-b)
+    knows the session's fence, claim set, inbox head and snapshot revision
+    (all of them readable with an owner certificate) and asks hooks to move
+    the idle session to itself. Without a permit signed by an owner of the
+    session's deployment, hooks refuses, whatever the request claims, and
+    writes nothing; an adoption is refused while that deployment has a live
+    instance."""
+    sid, fence, owner, hooks, trigger = await session_with_trigger(env)
+    before = await dump(env, sid)
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    no_permit = request(fence, owner, hooks, trigger)
+    no_permit.ClearField("permit")
+    await expect(env.hooks.Transfer(no_permit, timeout=10), denied, "TRANSFER_NOT_PERMITTED")
+    # Its own signature (an owner of dep-b) is no consent.
+    own = request(fence, owner, hooks, trigger, signer="dep-b")
+    await expect(env.hooks.Transfer(own, timeout=10), denied, "TRANSFER_NOT_PERMITTED")
+    # Nor does naming itself as the current owner's deployment help: hooks
+    # reads whose the session is.
+    claimed = s.OwnerIdentity(
+        owner_run_id=owner.owner_run_id, deployment_id="dep-b", instance_id=owner.instance_id
+    )
+    lie = request(fence, claimed, hooks, trigger, signer="dep-b")
+    await expect(env.hooks.Transfer(lie, timeout=10), denied, "TRANSFER_NOT_PERMITTED")
+    # A real permit for another handoff is not this one's.
+    reused = request(fence, owner, hooks, trigger, handoff="h-elsewhere")
+    reused.handoff_id = "h1"
+    await expect(env.hooks.Transfer(reused, timeout=10), denied, "TRANSFER_NOT_PERMITTED")
+    # An adoption needs no permit, but the session's deployment must have
+    # no live instance: the stack's owner is live.
+    adoption = request(fence, owner, hooks, trigger)
+    adoption.ClearField("permit")
+    adoption.reason = s.TRANSFER_REASON_ADOPTION
+    await expect(
+        env.hooks.Transfer(adoption, timeout=10),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "INSTANCE_LIVE",
+    )
+    assert await dump(env, sid) == before, "a refused transfer wrote something"
+    # The same request with the owner's own permit goes through.
+    response = await env.hooks.Transfer(request(fence, owner, hooks, trigger), timeout=10)
+    assert response.fence.epoch == fence.epoch + 1

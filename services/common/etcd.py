@@ -427,6 +427,18 @@ def cmp_mod(key: bytes, revision: int) -> rpc.Compare:
     )
 
 
+def cmp_none(key: bytes, range_end: bytes) -> rpc.Compare:
+    """No key in [key, range_end) exists (etcd compares every key of a range,
+    and an empty range as one absent key)."""
+    return rpc.Compare(
+        key=key,
+        range_end=range_end,
+        result=rpc.Compare.EQUAL,
+        target=rpc.Compare.VERSION,
+        version=0,
+    )
+
+
 def cmp_present(key: bytes) -> rpc.Compare:
     return rpc.Compare(key=key, result=rpc.Compare.GREATER, target=rpc.Compare.VERSION, version=0)
 

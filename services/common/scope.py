@@ -19,9 +19,10 @@ from collections import OrderedDict
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.etcd import Store, op_get, single_value
+from services.common.etcd import Store
 from services.common.identity import Caller, Role
 from services.common.keys import Keys, OwnerRecord
+from services.common.txn import Txn
 
 _CACHE_SIZE = 100_000
 
@@ -37,26 +38,27 @@ class DeploymentScope:
     async def check(self, caller: Caller, fence: s.Fence) -> None:
         if not caller.verified or caller.role is not Role.OWNER:
             return  # plaintext mode, or a role the access table already limits
+        deployment = await self.deployment_of(fence)
+        if deployment is None:
+            return  # not the current fence (or no session): the domain refuses it
+        caller.require_deployment(deployment, f"session {fence.session_id}")
+
+    async def deployment_of(self, fence: s.Fence) -> str | None:
+        """The deployment the fence's session runs on while the fence is
+        current; None when it is not (or there is no session)."""
         ids.validate_session_id(fence.session_id)
         key = (fence.session_id, fence.epoch, fence.owner_run_id)
         deployment = self._deployments.get(key)
-        if deployment is None:
-            deployment = await self._read(fence)
-            if deployment is None:
-                return  # not the current fence (or no session): the domain refuses it
-        else:
+        if deployment is not None:
             self._deployments.move_to_end(key)
-        caller.require_deployment(deployment, f"session {fence.session_id}")
-
-    async def _read(self, fence: s.Fence) -> str | None:
-        response = await self._store.txn([], [op_get(self._keys.owner(fence.session_id))], [])
-        raw = single_value(response.responses[0])
+            return deployment
+        result = await Txn().read("owner", self._keys.owner(fence.session_id)).run(self._store)
+        raw = result.value("owner")
         if raw is None:
             return None
         record = OwnerRecord.decode(raw)
         if record.epoch != fence.epoch or record.owner_run_id != fence.owner_run_id:
             return None
-        key = (fence.session_id, fence.epoch, fence.owner_run_id)
         self._deployments[key] = record.deployment_id
         if len(self._deployments) > _CACHE_SIZE:
             self._deployments.popitem(last=False)

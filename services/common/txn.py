@@ -149,9 +149,15 @@ class Txn:
         return self
 
     def read_on_failure(
-        self, name: str, key: bytes, range_end: bytes = b"", *, keys_only: bool = False
+        self,
+        name: str,
+        key: bytes,
+        range_end: bytes = b"",
+        *,
+        keys_only: bool = False,
+        limit: int = 0,
     ) -> Txn:
-        return self.read(name, key, range_end, on="failure", keys_only=keys_only)
+        return self.read(name, key, range_end, on="failure", keys_only=keys_only, limit=limit)
 
     @property
     def ops(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.common.etcd import Store, make_client
 from services.common.keys import Keys
+from services.common.permits import PermitVerifier
 from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
@@ -27,7 +28,11 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     registry = HookRegistry(store, keys)
     transfers = Transfers(store, keys, on_moved=registry.owner_moved)
     servicer = HookRegistryServicer(
-        registry, InstanceRegistry(store, keys), transfers, DeploymentScope(store, keys)
+        registry,
+        InstanceRegistry(store, keys),
+        transfers,
+        DeploymentScope(store, keys),
+        PermitVerifier(config.tls),
     )
     server = build_server(
         config.listen,

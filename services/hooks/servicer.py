@@ -11,8 +11,9 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import identity, ids
 from services.common.bounds import check_seq
-from services.common.errors import InvalidArgument, Reason
+from services.common.errors import InvalidArgument, PermissionDenied, Reason
 from services.common.keys import InstanceRecord
+from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
 from services.common.server import Context
 from services.hooks.instances import InstanceRegistry
@@ -47,11 +48,13 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         instances: InstanceRegistry,
         transfers: Transfers,
         scope: DeploymentScope,
+        permits: PermitVerifier,
     ) -> None:
         self._registry = registry
         self._instances = instances
         self._transfers = transfers
         self._scope = scope
+        self._permits = permits
 
     async def _fenced(self, fence: s.Fence, present: bool) -> None:
         _require_fence(fence, present)
@@ -80,8 +83,46 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             request.snapshot_revision,
             request.reason,
             request.inbox_head,
+            authorize=lambda reason: self._permitted(request, reason),
         )
         return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
+
+    async def _permitted(
+        self, request: pb.TransferRequest, reason: s.TransferReason.ValueType
+    ) -> None:
+        """A transfer moves a session of the deployment `expected_owner`
+        names (checked against the owner record while the fence is current;
+        a fence that is not current is refused by the transfer itself). A
+        trigger or a drain needs that deployment's signed consent
+        (services/common/permits.py); an adoption's own compare is that the
+        deployment has no live instance."""
+        current = await self._scope.deployment_of(request.expected)
+        owner_deployment = request.expected_owner.deployment_id
+        if current is not None and current != owner_deployment:
+            raise PermissionDenied(
+                Reason.TRANSFER_NOT_PERMITTED,
+                f"transfer not permitted: session {request.expected.session_id} runs on "
+                f"another deployment than expected_owner names ({owner_deployment})",
+            )
+        if not self._permits.required or reason not in (
+            s.TRANSFER_REASON_TRIGGER,
+            s.TRANSFER_REASON_DRAIN,
+        ):
+            return
+        grant = grant_for(
+            request.expected,
+            request.handoff_id,
+            request.successor.deployment_id,
+            request.snapshot_revision,
+            reason,
+        )
+        signer = self._permits.signer(request.permit, grant)
+        if signer.deployment_id != owner_deployment:
+            raise PermissionDenied(
+                Reason.TRANSFER_NOT_PERMITTED,
+                f"transfer not permitted: its permit is signed by an owner of deployment "
+                f"{signer.deployment_id}, not of the session's ({owner_deployment})",
+            )
 
     async def GetTransfer(
         self, request: pb.GetTransferRequest, context: Context

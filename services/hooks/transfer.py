@@ -17,7 +17,7 @@ moves with it (issue 12; docs/deploy.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -31,8 +31,8 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
-from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_value
-from services.common.keys import Keys, OwnerRecord, canonical_json
+from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_none, cmp_value
+from services.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
 
 
@@ -101,6 +101,7 @@ class Transfers:
         snapshot_revision: int,
         reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER,
         inbox_head: int = 0,
+        authorize: Callable[[s.TransferReason.ValueType], Awaitable[None]] | None = None,
     ) -> tuple[TransferOutcome, bool]:
         """Returns (outcome, replayed). Nothing is written unless every compare
         holds; each refusal names its reason.
@@ -108,7 +109,10 @@ class Transfers:
         Every refusal is final: the fence and the snapshot revision never come
         back, the inbox head only grows. So once a (replayed) request is
         refused, an earlier copy of it still in flight cannot commit either,
-        and the old owner may process the trigger itself."""
+        and the old owner may process the trigger itself.
+
+        `authorize` (the servicer's permit check) runs once the request is
+        well-formed and before anything is read or written."""
         sid = ids.validate_session_id(expected.session_id)
         reason, head = _check_request(
             handoff_id,
@@ -119,6 +123,8 @@ class Transfers:
             reason,
             inbox_head,
         )
+        if authorize is not None:  # once the request is known to be well-formed
+            await authorize(reason)
         k = self._keys
         owner = Fence.of(expected)
         moved_to = Fence(sid, successor.owner_run_id, expected.epoch + 1)
@@ -144,6 +150,12 @@ class Transfers:
         )
         if head is not None:
             txn.require(cmp_value(k.inbox_head(sid), str(head).encode()))
+        old_fleet = k.deployment_prefix(expected_owner.deployment_id)
+        if reason == s.TRANSFER_REASON_ADOPTION:
+            # No permit can come from a fleet that is gone: what allows an
+            # adoption is that the session's deployment has no live instance.
+            txn.require(cmp_none(old_fleet, prefix_end(old_fleet)))
+            txn.read_on_failure("live", old_fleet, prefix_end(old_fleet), keys_only=True, limit=1)
         txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
         old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
         new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
@@ -253,6 +265,11 @@ def _refusal(
     branch: finalized, a later arrival, a newer commit, or other hooks."""
     if result.value("closed") is not None:
         return FailedPrecondition(Reason.SESSION_FINALIZED, f"session {sid} is finalized")
+    if reason == s.TRANSFER_REASON_ADOPTION and result.kvs("live"):
+        return FailedPrecondition(
+            Reason.INSTANCE_LIVE,
+            f"session {sid}'s deployment has a live owner instance: it is not adopted",
+        )
     head_now = result.value("head")
     if head is not None and head_now != str(head).encode():
         return Aborted(

@@ -71,6 +71,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.permits import PermitSigner, grant_for
 from services.common.tasks import Background
 from services.owner.agent import AgentCatalog
 from services.owner.checkpoint import Checkpoint
@@ -106,6 +107,7 @@ class HandoffOffer:
     reason: s.TransferReason.ValueType
     checkpoint: bytes = b""  # the serialized snapshot, sent along when small
     context: tuple[s.ChatMessage, ...] = ()  # with `checkpoint`: its context
+    permit: s.TransferPermit | None = None  # the old owner's consent, for hooks
 
 
 @dataclass
@@ -141,6 +143,7 @@ class HandoffBroker:
         self._peers: dict[str, OwnerClient] = {}
         self._targets: dict[str, _Targets] = {}
         self._background = Background()
+        self._permits = PermitSigner(hooks.security)
         self._log = log.bind(deployment_id=deployment_id, instance_id=instance_id)
 
     async def close(self) -> None:
@@ -231,6 +234,10 @@ class HandoffBroker:
             trigger=entry,
             reason=s.TRANSFER_REASON_TRIGGER if entry is not None else s.TRANSFER_REASON_DRAIN,
         )
+        # This owner's consent, which hooks requires of the target's Transfer.
+        permit = self._permits.sign(grant_for(fence, handoff_id, target, revision, request.reason))
+        if permit is not None:
+            request.permit.CopyFrom(permit)
         if len(checkpoint.snapshot) + checkpoint.context_bytes <= INLINE_CHECKPOINT_BYTES:
             # Small (the context is bounded by the agent's budget): sent along,
             # which spares the target a load from anchor.
@@ -359,6 +366,7 @@ class HandoffBroker:
                 snapshot_revision=revision,
                 reason=offer.reason or s.TRANSFER_REASON_TRIGGER,
                 inbox_head=snapshot.inbox_next_seq,
+                permit=offer.permit,
             )
             seed = [] if offer.trigger is None else [offer.trigger]
             # Settled in the background (replays until a definite answer) and

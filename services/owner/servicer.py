@@ -95,6 +95,7 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             reason=request.reason,
             checkpoint=request.checkpoint,
             context=tuple(request.context),
+            permit=request.permit if request.HasField("permit") else None,
         )
         accepted = await self._host.accept_handoff(offer)
         return pb.AcceptHandoffResponse(

@@ -957,6 +957,7 @@ class TransferRequest(_message.Message):
     SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    PERMIT_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; replays with the same id return the same result."""
     trigger_seq: _builtins.int
@@ -988,6 +989,13 @@ class TransferRequest(_message.Message):
     def hooks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The session's exact claimed hook set, as the owner knows it."""
 
+    @_builtins.property
+    def permit(self) -> _session_pb2.TransferPermit:
+        """For a trigger or a drain: the current owner's consent, from its offer.
+        Required when hooks verifies certificates; an adoption has none (its
+        compare is that the old deployment has no live instance).
+        """
+
     def __init__(
         self,
         *,
@@ -1000,10 +1008,11 @@ class TransferRequest(_message.Message):
         snapshot_revision: _builtins.int = ...,
         reason: _session_pb2.TransferReason.ValueType = ...,
         inbox_head: _builtins.int = ...,
+        permit: _session_pb2.TransferPermit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "successor", b"successor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "permit", b"permit", "successor", b"successor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "inbox_head", b"inbox_head", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "expected_owner", b"expected_owner", "handoff_id", b"handoff_id", "hooks", b"hooks", "inbox_head", b"inbox_head", "permit", b"permit", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "successor", b"successor", "trigger_seq", b"trigger_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

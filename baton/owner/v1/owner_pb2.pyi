@@ -134,6 +134,7 @@ class AcceptHandoffRequest(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PERMIT_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """Names the handoff; the transfer records its outcome under it."""
     deployment_id: _builtins.str
@@ -174,6 +175,12 @@ class AcceptHandoffRequest(_message.Message):
         loads checkpoint and context from anchor.
         """
 
+    @_builtins.property
+    def permit(self) -> _session_pb2.TransferPermit:
+        """The old owner's signed consent to this move; the target passes it to
+        hooks' Transfer unchanged (absent in plaintext mode).
+        """
+
     def __init__(
         self,
         *,
@@ -186,10 +193,11 @@ class AcceptHandoffRequest(_message.Message):
         checkpoint: _builtins.bytes = ...,
         context: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
         reason: _session_pb2.TransferReason.ValueType = ...,
+        permit: _session_pb2.TransferPermit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "trigger", b"trigger"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "from_owner", b"from_owner", "permit", b"permit", "trigger", b"trigger"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "context", b"context", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "context", b"context", "deployment_id", b"deployment_id", "fence", b"fence", "from_owner", b"from_owner", "handoff_id", b"handoff_id", "permit", b"permit", "reason", b"reason", "snapshot_revision", b"snapshot_revision", "trigger", b"trigger"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -978,6 +978,91 @@ class Receipt(_message.Message):
 Global___Receipt: _TypeAlias = Receipt  # noqa: Y015
 
 @_typing.final
+class TransferPermit(_message.Message):
+    """TransferPermit is the current owner's signed consent to move its session
+    (a handoff or a drain). A transfer is called by the successor, so hooks
+    cannot see the current owner on that call: the permit carries its consent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_FIELD_NUMBER: _builtins.int
+    grant: _builtins.bytes
+    """A serialized TransferGrant: what is permitted. The signature covers
+    these exact bytes.
+    """
+    signature: _builtins.bytes
+    """The signature of `grant` with the private key of `certificate`."""
+    certificate: _builtins.bytes
+    """The signer's certificate (DER). It must chain to a CA the verifier
+    trusts and name an owner of the session's current deployment.
+    """
+    def __init__(
+        self,
+        *,
+        grant: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+        certificate: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate", b"certificate", "grant", b"grant", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferPermit: _TypeAlias = TransferPermit  # noqa: Y015
+
+@_typing.final
+class TransferGrant(_message.Message):
+    """TransferGrant is what one permit allows: one handoff of one fence, at one
+    checkpoint, to one deployment.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    owner_run_id: _builtins.str
+    """The current owner run (the fence's run)."""
+    epoch: _builtins.int
+    """The current epoch (the fence's epoch)."""
+    handoff_id: _builtins.str
+    """The handoff."""
+    successor_deployment_id: _builtins.str
+    """The deployment the session may move to."""
+    snapshot_revision: _builtins.int
+    """The checkpoint: the mod revision of the session's last snapshot."""
+    reason: Global___TransferReason.ValueType
+    """Why it moves (a trigger or a drain)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        owner_run_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        handoff_id: _builtins.str = ...,
+        successor_deployment_id: _builtins.str = ...,
+        snapshot_revision: _builtins.int = ...,
+        reason: Global___TransferReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "handoff_id", b"handoff_id", "owner_run_id", b"owner_run_id", "reason", b"reason", "session_id", b"session_id", "snapshot_revision", b"snapshot_revision", "successor_deployment_id", b"successor_deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferGrant: _TypeAlias = TransferGrant  # noqa: Y015
+
+@_typing.final
 class Usage(_message.Message):
     """Usage accumulates model consumption."""
 
