@@ -1342,12 +1342,12 @@ def report(results: dict[str, Any]) -> str:
         "",
         "  targets",
         _target(
-            f"turn p50 <= {TARGET_RATIO:.0f} x measured floor p50 ({floor_p50:.3f} ms)",
+            f"turn p50 <= {TARGET_RATIO:g} x measured floor p50 ({floor_p50:.3f} ms)",
             f"{turn_p50:.3f} ms ({ratio:.2f}x)",
             ratio <= TARGET_RATIO,
         ),
         _target(
-            f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:.0f} x docs/etcd.md floor "
+            f"turn p50 <= {TARGET_ABS_P50_MS:.2f} ms ({TARGET_RATIO:g} x docs/etcd.md floor "
             f"{ETCD_NOTES_FLOOR_P50_MS} ms)",
             f"{turn_p50:.3f} ms",
             turn_p50 <= TARGET_ABS_P50_MS,
@@ -1367,7 +1367,7 @@ def report(results: dict[str, Any]) -> str:
         up_p50 = up["turn"].pct(50)
         lines.append(
             _target(
-                f"upgrade turn p50 <= {TARGET_UPGRADE_RATIO:.0f} x one-step turn p50 "
+                f"upgrade turn p50 <= {TARGET_UPGRADE_RATIO:g} x one-step turn p50 "
                 f"({turn_p50:.3f} ms)",
                 f"{up_p50:.3f} ms ({up_p50 / turn_p50:.2f}x)",
                 up_p50 <= TARGET_UPGRADE_RATIO * turn_p50,

@@ -98,6 +98,13 @@ async def test_a_stopped_fleets_idle_session_is_adopted_by_the_accepting_deploym
         await eventually(
             lambda: _no_instances(c, "dep-1"), "dep-1's lease released", stack.lease_ttl + 10
         )
+        # A drain has no owner of dep-1 to ask: it says what is left there.
+        lines: list[str] = []
+        code = await deployments.drain(
+            stack.addr("hooks"), "dep-1", "dep-2", stack.probe, wait_s=5, write=lines.append
+        )
+        assert code == deployments.EXIT_LEFT, lines
+        assert "1 session(s) are left" in lines[0] and sid in lines[1], lines
         receipts.append((await second.send(sid, "whoami")).receipt.seq)
         events = await c.wait_events(sid, lambda ev: settled(ev, 2), "answered by dep-2", 30)
         check_history(events, receipts)
@@ -108,6 +115,11 @@ async def test_a_stopped_fleets_idle_session_is_adopted_by_the_accepting_deploym
         assert sid in await owned(c, "dep-2", "b1")
         found = await c.hooks.get_transfer(sid, handed[0].handoff_id)
         assert found.reason == s.TRANSFER_REASON_ADOPTION and found.fence.epoch == 2
+        lines.clear()
+        code = await deployments.drain(
+            stack.addr("hooks"), "dep-1", "dep-2", stack.probe, wait_s=5, write=lines.append
+        )
+        assert code == deployments.EXIT_DRAINED and "holds no session" in lines[0], lines
     finally:
         await first.close()
         await second.close()

@@ -22,6 +22,7 @@ from services.common.tls import Security
 EXIT_DRAINED = 0
 EXIT_USAGE = 2
 EXIT_LEFT = 3
+_LISTED = 20  # sessions named when a fleet is gone (the rest are counted)
 
 
 class DrainError(Exception):
@@ -54,8 +55,7 @@ async def drain(
         while True:
             instances = await hooks.list_instances(old)
             if not instances:
-                write(f"deployment {old} has no live owner instance: it holds no session")
-                return EXIT_DRAINED
+                return await _no_fleet_left(hooks, old, new, write)
             reports: list[DrainReport] = []
             for instance in instances:
                 client = owners.get(instance.address)
@@ -91,3 +91,24 @@ async def drain(
         await hooks.close()
         for client in owners.values():
             await client.close()
+
+
+async def _no_fleet_left(
+    hooks: HooksClient, old: str, new: str, write: Callable[[str], None]
+) -> int:
+    """`old` has no live owner to drain its sessions: say whether any are
+    left on it, and what becomes of them (docs/deploy.md, adoption)."""
+    left = await hooks.list_instance_sessions(old, "")
+    if not left:
+        write(f"deployment {old} has no live owner instance and holds no session")
+        return EXIT_DRAINED
+    write(
+        f"deployment {old} has no live owner instance, and {len(left)} session(s) are left "
+        f"on it: a settled one moves to {new} (adoption) when a message for it arrives "
+        f"through {new}'s ingress; one left mid-step waits for an owner of {old}"
+    )
+    for owned in left[:_LISTED]:
+        write(f"  {owned.fence.session_id}  {'parked' if owned.parked else 'held'}")
+    if len(left) > _LISTED:
+        write(f"  ... and {len(left) - _LISTED} more")
+    return EXIT_LEFT

@@ -218,24 +218,32 @@ class Ownership:
 
     async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
         """The sessions an instance owns (its ownership index), with their
-        current owner records (read in chunks, one read txn each)."""
+        current owner records (read in chunks, one read txn each); every
+        instance's, live or gone, when `instance_id` is empty."""
         ids.validate_deployment_id(deployment_id)
-        ids.validate_id(instance_id, "instance_id")
+        if instance_id:
+            ids.validate_id(instance_id, "instance_id")
         k = self._keys
         prefix = k.owned_prefix(deployment_id, instance_id)
         listed = await Txn().read("owned", prefix, prefix_end(prefix)).run(self._store)
-        entries = [(kv.key[len(prefix) :].decode(), kv.value) for kv in listed.kvs("owned")]
+        entries = []  # (session, the instance it is indexed under, fence)
+        for kv in listed.kvs("owned"):
+            rest = kv.key[len(prefix) :].decode()
+            holder, _, sid = rest.rpartition("/") if not instance_id else (instance_id, "", rest)
+            entries.append((sid, holder, kv.value))
         owned: list[OwnedSession] = []
         for start in range(0, len(entries), _LIST_CHUNK):
             chunk = entries[start : start + _LIST_CHUNK]
             read = (
-                await Txn().read_each("owners", [k.owner(sid) for sid, _ in chunk]).run(self._store)
+                await Txn()
+                .read_each("owners", [k.owner(sid) for sid, _, _ in chunk])
+                .run(self._store)
             )
-            for (sid, indexed), raw in zip(chunk, read.values("owners"), strict=True):
+            for (sid, holder, indexed), raw in zip(chunk, read.values("owners"), strict=True):
                 if raw is None:
                     continue
                 record = OwnerRecord.decode(raw)
-                if record.fence != indexed or record.instance_id != instance_id:
+                if record.fence != indexed or record.instance_id != holder:
                     continue  # moved on since the listing
                 epoch, run = parse_fence(indexed)
                 owned.append(OwnedSession(fence=Fence(sid, run, epoch).proto(), owner=record))

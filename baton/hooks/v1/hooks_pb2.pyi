@@ -249,7 +249,9 @@ class ListInstanceSessionsRequest(_message.Message):
     deployment_id: _builtins.str
     """The exact deployment id."""
     instance_id: _builtins.str
-    """The instance id."""
+    """The instance id; empty lists the sessions of every instance of the
+    deployment, live or gone (what a drain reports as left on a fleet).
+    """
     def __init__(
         self,
         *,
