@@ -687,7 +687,8 @@ async def test_the_forged_commit_sequence_fails_at_its_first_step(
     inbox with an empty channel, list the fences, commit a forged event.
     Without credentials the first step fails; with an ingress certificate
     the inject needs a channel and the rest is refused; with another
-    deployment's owner certificate the listing and the commit are refused."""
+    deployment's owner certificate the inject, the listing and the commit
+    are refused."""
     stack = quiet_stack
     target = await target_of(stack, etcd)
     requests = forged_requests(target, stack.deployment_id)
@@ -725,15 +726,26 @@ async def test_the_forged_commit_sequence_fails_at_its_first_step(
     assert from_rpc_error(results["ResumeHook"]).reason == Reason.MISSING_FIELD  # type: ignore[arg-type]
     assert from_rpc_error(results["ListInstanceSessions"]).reason == Reason.ROLE_NOT_ALLOWED  # type: ignore[arg-type]
     assert from_rpc_error(results["CommitStep"]).reason == Reason.ROLE_NOT_ALLOWED  # type: ignore[arg-type]
-    # Another deployment's owner: no listing, no commit.
-    for step in ("ListInstanceSessions", "CommitStep"):
+    # Another deployment's owner: no inject (with or without a channel), no
+    # listing, no commit.
+    expected = {
+        "ResumeHook": Reason.DELIVERY_NOT_ALLOWED,
+        "ListInstanceSessions": Reason.DEPLOYMENT_NOT_ALLOWED,
+        "CommitStep": Reason.DEPLOYMENT_NOT_ALLOWED,
+    }
+    for step, reason in expected.items():
         channel = open_channel(rpcs[step][1], stack.security(Role.OWNER, "dep-evil"))
         try:
             error = await attempt(channel, step)
+            if step == "ResumeHook":
+                assert error is not None
+                assert from_rpc_error(error).reason == reason, step
+                requests[step].channel = "slack"  # naming the tenant changes nothing
+                error = await attempt(channel, step)
         finally:
             await channel.close()
         assert error is not None
-        assert from_rpc_error(error).reason == Reason.DEPLOYMENT_NOT_ALLOWED, step
+        assert from_rpc_error(error).reason == reason, step
     assert await store_revision(etcd, stack) == before
     events = await stack.events(target.session_id, follow=False)
     assert "forged" not in [e.text for e in events]

@@ -15,6 +15,7 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
+from services.common.errors import BatonError, Reason
 from services.common.grpc_errors import error_reason
 from services.owner.host import OwnerHost
 from tests.stack import WEB, Stack
@@ -383,11 +384,13 @@ async def test_bad_child_input_changes_nothing(stack: Stack) -> None:
     assert result.is_error and result.output.startswith("TASK_RUNNING")
     assert handle(await snapshot_of(stack, sid), child).work == 1
 
-    # Reports the session cannot take: each rejected with a reason.
+    # Reports of a child that is not this session's: hooks refuses them
+    # before anything is written (the run's own UNKNOWN_TASK and NOT_OUR_TASK
+    # rejections are tested in test_child_rules).
     stranger = f"ses_{'y' * 26}"
     other_parent = f"ses_{'x' * 26}"
-    bad = {
-        "UNKNOWN_TASK": s.TaskResultCommand(
+    not_ours = [
+        s.TaskResultCommand(
             task_delivery_id="bad-1",
             child_session_id=stranger,
             work=1,
@@ -395,7 +398,7 @@ async def test_bad_child_input_changes_nothing(stack: Stack) -> None:
             status=s.TASK_STATUS_COMPLETED,
             parent_session_id=sid,
         ),
-        "NOT_OUR_TASK": s.TaskResultCommand(
+        s.TaskResultCommand(
             task_delivery_id="bad-2",
             child_session_id=child,
             work=1,
@@ -403,6 +406,13 @@ async def test_bad_child_input_changes_nothing(stack: Stack) -> None:
             status=s.TASK_STATUS_COMPLETED,
             parent_session_id=other_parent,
         ),
+    ]
+    for report in not_ours:
+        with pytest.raises(BatonError) as refused:
+            await inject(stack, sid, report)
+        assert refused.value.reason == Reason.DELIVERY_NOT_ALLOWED, report
+    # Reports the session cannot take: each rejected with a reason.
+    bad = {
         "TASK_NOT_RUNNING": s.TaskResultCommand(
             task_delivery_id="bad-3",
             child_session_id=child,

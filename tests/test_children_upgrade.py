@@ -175,7 +175,12 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
         delivery=s.DeliveryMetadata(delivery_id="d-1", accepted_deployment_id="dep-b"),
         send=s.SendCommand(text="whoami"),
     )
-    receipt = await env.hooks.resume(ids.inbox_token(sid), command)
+    # The trigger arrives as dep-b's ingress delivers it, in the tenant's channel.
+    gateway = env.b.hooks_client(env.b.security(Role.INGRESS, "dep-b"))
+    try:
+        receipt = await gateway.resume(ids.inbox_token(sid), command, "slack")
+    finally:
+        await gateway.close()
     request = owner_pb2.AcceptHandoffRequest(
         handoff_id="h-1",
         fence=fence,

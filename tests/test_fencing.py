@@ -341,6 +341,7 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
     stack.extra.append(owner)
     host = owner_host(owner)
     client = OwnerClient(stack.addr(owner), security=certs.ingress("dep-gate"))
+    gateway = HooksClient(stack.addr(stack.hooks), security=certs.ingress("dep-gate"))
     session_id = ids.new_session_id()
     entered, release = asyncio.Event(), asyncio.Event()
     GATES[session_id] = (entered, release)
@@ -354,7 +355,7 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
             delivery=s.DeliveryMetadata(delivery_id="gate-1", channel="slack"),
             send=s.SendCommand(text="open the gate"),
         )
-        await env.hooks.resume(ids.inbox_token(session_id), command)
+        await gateway.resume(ids.inbox_token(session_id), command, "slack")
         await asyncio.wait_for(entered.wait(), 10)
 
         _, takeover_revision = await take_over(env, session_id)
@@ -372,12 +373,13 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
         later = s.Command(
             delivery=s.DeliveryMetadata(delivery_id="gate-2"), send=s.SendCommand(text="later")
         )
-        receipt = await env.hooks.resume(ids.inbox_token(session_id), later)
+        receipt = await gateway.resume(ids.inbox_token(session_id), later, "slack")
         assert receipt.seq == 1
     finally:
         release.set()
         GATES.pop(session_id, None)
         await client.close()
+        await gateway.close()
 
 
 # -- seq integrity and replay -----------------------------------------------------------

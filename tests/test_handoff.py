@@ -472,7 +472,12 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         delivery=s.DeliveryMetadata(delivery_id="d-1", accepted_deployment_id="dep-b"),
         send=s.SendCommand(text="whoami"),
     )
-    receipt = await env.hooks.resume(ids.inbox_token(sid), command)
+    # The trigger arrives as dep-b's ingress delivers it, in the tenant's channel.
+    gateway = env.b.hooks_client(certs.ingress("dep-b"))
+    try:
+        receipt = await gateway.resume(ids.inbox_token(sid), command, "slack")
+    finally:
+        await gateway.close()
     trigger = s.InboxEntry(seq=receipt.seq, command=command)
     snapshot_kv = await env.etcd.get(env.keys.snapshot(sid))
     assert snapshot_kv is not None

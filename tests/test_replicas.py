@@ -210,31 +210,38 @@ async def test_a_token_moved_by_one_replica_is_seen_by_the_other(replicated: Rep
     one, two = (
         HooksClient(replicated.stack.addr(h), security=ghost(replicated)) for h in replicated.hooks
     )
+    # Messages through an alias come from a gateway's ingress, in its channel.
+    gateway = replicated.stack.security(Role.INGRESS, replicated.stack.deployment_id)
+    via_one, via_two = (
+        HooksClient(replicated.stack.addr(h), security=gateway) for h in replicated.hooks
+    )
     try:
         alias = "slack:moving-thread"
         first = await ghost_session(one, [alias])
         # Both replicas resolve (and cache) the alias; one appends through it.
         for client in (one, two):
             assert (await client.lookup(alias)).session_id == first.session_id
-        assert (await one.resume(alias, send("to the first"))).session_id == first.session_id
+        assert (
+            await via_one.resume(alias, send("to the first"), "slack")
+        ).session_id == first.session_id
         # The other replica releases it and gives it to a new session.
         await two.dispose(first, [alias])
         with pytest.raises(NotFound):
             await one.lookup(alias)
         with pytest.raises(NotFound):
-            await one.resume(alias, send("to nobody"))
+            await via_one.resume(alias, send("to nobody"), "slack")
         second = await ghost_session(two, [alias])
         assert (await one.lookup(alias)).session_id == second.session_id
-        receipt = await one.resume(alias, send("to the second"))
+        receipt = await via_one.resume(alias, send("to the second"), "slack")
         assert receipt.session_id == second.session_id and receipt.seq == 0
         # And back the other way round, with the replicas' roles swapped.
         await one.dispose(second, [alias])
         third = await ghost_session(one, [alias])
-        receipt = await two.resume(alias, send("to the third"))
+        receipt = await via_two.resume(alias, send("to the third"), "slack")
         assert receipt.session_id == third.session_id and receipt.seq == 0
     finally:
-        await one.close()
-        await two.close()
+        for client in (one, two, via_one, via_two):
+            await client.close()
 
 
 async def test_parking_and_takeover_on_one_replica_are_seen_by_the_other(

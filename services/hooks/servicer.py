@@ -12,6 +12,8 @@ from baton.session.v1 import session_pb2 as s
 from services.common import identity, ids
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, PermissionDenied, Reason
+from services.common.identity import Caller, Role
+from services.common.ids import brief
 from services.common.keys import InstanceRecord
 from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
@@ -194,9 +196,52 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         if not request.HasField("command"):
             raise InvalidArgument(Reason.MISSING_FIELD, "command is required")
         channel = _tenant_channel(request.channel)
+        caller = identity.current()
+        if caller.verified and caller.role is Role.OWNER:
+            await self._owner_may_deliver(caller, request.token, request.command)
         receipt = await self._registry.resume(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
+
+    async def _owner_may_deliver(self, caller: Caller, token: str, command: s.Command) -> None:
+        """An owner (whatever `channel` it names) delivers only what owners
+        deliver, by inbox token: to a session of its own deployment (e.g. a
+        timeout), to a child whose parent runs on its deployment (work,
+        cancel, reset), or a child's `task_result` to that child's own parent
+        from the child's deployment. Anything else is PERMISSION_DENIED/
+        DELIVERY_NOT_ALLOWED before anything is written. Deployments come
+        from the owner records (cached; read again before refusing, as a
+        session may have moved since)."""
+        namespace, raw = ids.split_token(token)
+        if namespace != ids.INBOX_NAMESPACE:
+            raise PermissionDenied(
+                Reason.DELIVERY_NOT_ALLOWED,
+                "an owner delivers by inbox token (session:<id>) only, or names the channel",
+            )
+        target = await self._registry.lookup_cached(token)
+        senders: tuple[str, ...]
+        if command.WhichOneof("kind") == "task_result":
+            report = command.task_result
+            child = ids.validate_session_id(report.child_session_id)
+            link = await self._registry.parent_of(child)
+            if report.parent_session_id != raw or link is None or link.parent_session_id != raw:
+                raise PermissionDenied(
+                    Reason.DELIVERY_NOT_ALLOWED,
+                    f"session {brief(child)} is not a child of session {raw}",
+                )
+            senders = (child, raw)
+        else:
+            link = s.ParentLink.FromString(target.parent) if target.parent else None
+            senders = (raw, link.parent_session_id) if link is not None else (raw,)
+        for fresh in (False, True):
+            for sid in senders:
+                if await self._registry.deployment_of(sid, fresh=fresh) == caller.deployment_id:
+                    return
+        raise PermissionDenied(
+            Reason.DELIVERY_NOT_ALLOWED,
+            f"an owner of deployment {caller.deployment_id} may not deliver this to session "
+            f"{raw}: neither it nor its parent (or the reporting child) runs there",
+        )
 
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: Context
