@@ -133,10 +133,14 @@ class EtcdHistory:
         low = seq_of(first.key)
         while low < below:
             high = min(low + limits.RETIRE_BATCH, below)
-            txn = Txn().require(guard).delete(key(session_id, low), key(session_id, high))
-            response = await self._store.txn(txn.compare, txn.success, txn.failure)
-            if not response.succeeded:
+            result = await (
+                Txn()
+                .require(guard)
+                .delete(key(session_id, low), key(session_id, high), name="entries")
+                .run(self._store)
+            )
+            if not result.succeeded:
                 raise GuardFailed()
-            deleted += response.responses[0].response_delete_range.deleted
+            deleted += result.deleted("entries")
             low = high
         return deleted

@@ -90,6 +90,10 @@ class TxnResult:
         kv = self.kv(name)
         return kv.value if kv is not None else None
 
+    def deleted(self, name: str) -> int:
+        """How many keys a named delete removed."""
+        return int(self._response.responses[self._names[name]].response_delete_range.deleted)
+
     def more(self, name: str) -> bool:
         """True when a limited range read left keys out."""
         return bool(self._response.responses[self._names[name]].response_range.more)
@@ -120,7 +124,10 @@ class Txn:
         self.success.append(op_put(key, value, lease))
         return self
 
-    def delete(self, key: bytes, range_end: bytes = b"") -> Txn:
+    def delete(self, key: bytes, range_end: bytes = b"", *, name: str = "") -> Txn:
+        """Delete on success; a `name` makes its count readable (`deleted`)."""
+        if name:
+            self._names["success"][name] = len(self.success)
         self.success.append(op_delete(key, range_end))
         return self
 
