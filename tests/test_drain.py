@@ -16,7 +16,10 @@ once in order, no step twice, runs never come back).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
@@ -99,11 +102,22 @@ async def test_a_stopped_fleets_idle_session_is_adopted_by_the_accepting_deploym
             lambda: _no_instances(c, "dep-1"), "dep-1's lease released", stack.lease_ttl + 10
         )
         # A drain has no owner of dep-1 to ask: it says what is left there.
-        lines: list[str] = []
-        code = await deployments.drain(
-            stack.addr("hooks"), "dep-1", "dep-2", stack.probe, wait_s=5, write=lines.append
+        # (The command an operator types, as a process.)
+        files = stack.probe.files
+        assert files is not None
+        env = {
+            **os.environ,
+            "BATON_TLS_CERT": files.cert,
+            "BATON_TLS_KEY": files.key,
+            "BATON_TLS_CA": files.ca,
+        }
+        drain_command = [sys.executable, "-m", "services.cli", "deployments", "drain"]
+        drain_command += ["dep-1", "--to", "dep-2", "--hooks", stack.addr("hooks"), "--wait", "5"]
+        ran = await asyncio.to_thread(
+            subprocess.run, drain_command, env=env, capture_output=True, text=True, timeout=60
         )
-        assert code == deployments.EXIT_LEFT, lines
+        lines = ran.stdout.splitlines()
+        assert ran.returncode == deployments.EXIT_LEFT, (ran.stdout, ran.stderr)
         assert "1 session(s) are left" in lines[0] and sid in lines[1], lines
         receipts.append((await second.send(sid, "whoami")).receipt.seq)
         events = await c.wait_events(sid, lambda ev: settled(ev, 2), "answered by dep-2", 30)
@@ -115,7 +129,7 @@ async def test_a_stopped_fleets_idle_session_is_adopted_by_the_accepting_deploym
         assert sid in await owned(c, "dep-2", "b1")
         found = await c.hooks.get_transfer(sid, handed[0].handoff_id)
         assert found.reason == s.TRANSFER_REASON_ADOPTION and found.fence.epoch == 2
-        lines.clear()
+        lines = []
         code = await deployments.drain(
             stack.addr("hooks"), "dep-1", "dep-2", stack.probe, wait_s=5, write=lines.append
         )
