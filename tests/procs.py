@@ -523,6 +523,9 @@ class ReplicatedClients:
                 if time.monotonic() > deadline or exc.code() not in (
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
+                    # An ingress stopping cancels calls still in flight after
+                    # its grace (1 s here): a gateway sends again (README).
+                    grpc.StatusCode.CANCELLED,
                 ):
                     raise
             await asyncio.sleep(0.1)

@@ -608,6 +608,7 @@ async def test_every_rpc_answers_a_sweep_of_bad_requests(fuzz_target: Target) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 3,000 examples: minutes, more on a loaded machine
 @fuzz_test(SLOW_EXAMPLES)
 async def test_fuzzed_requests_long_run(fuzz_target: Target, data: st.DataObject) -> None:
     await run_fuzz(fuzz_target, data)
