@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import BatonError, PermissionDenied, Reason
 from services.common.identity import Caller, Role
-from services.common.tls import CertificateWatcher, Security
+from services.common.tls import CertificateWatcher, Material, Security
 
 _CACHE_SIZE = 1_000
 # A certificate's validity is checked with this much leeway for clock skew.
@@ -61,32 +61,46 @@ def grant_for(
     )
 
 
-class PermitSigner:
-    """Signs grants with the key of this process's current certificate
-    (re-read when the files rotate)."""
+class _Files:
+    """This process's certificate files, re-read when they rotate."""
 
     def __init__(self, security: Security) -> None:
         files = security.files
-        self._watcher = (
+        self.watcher = (
             CertificateWatcher(files, security.check_every) if files is not None else None
         )
         self._version = -1
+
+    def changed(self) -> Material | None:
+        """The current material when it changed since the last call (or on
+        the first call); None otherwise."""
+        watcher = self.watcher
+        assert watcher is not None  # callers check plaintext mode first
+        if watcher.due():
+            watcher.refresh()
+        if watcher.version == self._version:
+            return None
+        self._version = watcher.version
+        return watcher.material
+
+
+class PermitSigner:
+    """Signs grants with the key of this process's current certificate."""
+
+    def __init__(self, security: Security) -> None:
+        self._files = _Files(security)
         self._key: object = None
         self._certificate = b""
 
     def sign(self, grant: s.TransferGrant) -> s.TransferPermit | None:
         """The permit for `grant`; None in plaintext mode."""
-        watcher = self._watcher
-        if watcher is None:
+        if self._files.watcher is None:
             return None
-        if watcher.due():
-            watcher.refresh()
-        if watcher.version != self._version:
-            material = watcher.material
+        material = self._files.changed()
+        if material is not None:
             self._key = serialization.load_pem_private_key(material.key, password=None)
             leaf = x509.load_pem_x509_certificate(material.cert)
             self._certificate = leaf.public_bytes(serialization.Encoding.DER)
-            self._version = watcher.version
         data = grant.SerializeToString()
         return s.TransferPermit(
             grant=data, signature=_sign(self._key, data), certificate=self._certificate
@@ -97,11 +111,7 @@ class PermitVerifier:
     """Checks permits against the CA bundle of this process's files."""
 
     def __init__(self, security: Security) -> None:
-        files = security.files
-        self._watcher = (
-            CertificateWatcher(files, security.check_every) if files is not None else None
-        )
-        self._version = -1
+        self._files = _Files(security)
         self._cas: list[x509.Certificate] = []
         # Certificates already verified against the current CAs: DER -> (the
         # owner it names, its validity window).
@@ -111,7 +121,7 @@ class PermitVerifier:
 
     @property
     def required(self) -> bool:
-        return self._watcher is not None
+        return self._files.watcher is not None
 
     def signer(self, permit: s.TransferPermit, expected: s.TransferGrant) -> Caller:
         """The owner that signed `permit`, once its certificate, signature and
@@ -157,15 +167,10 @@ class PermitVerifier:
         return caller, certificate
 
     def _refresh(self) -> None:
-        watcher = self._watcher
-        if watcher is None:
-            return
-        if watcher.due():
-            watcher.refresh()
-        if watcher.version != self._version:
-            self._cas = x509.load_pem_x509_certificates(watcher.material.ca)
+        material = self._files.changed() if self._files.watcher is not None else None
+        if material is not None:
+            self._cas = x509.load_pem_x509_certificates(material.ca)
             self._known.clear()
-            self._version = watcher.version
 
 
 def _issued_by(certificate: x509.Certificate, ca: x509.Certificate) -> bool:

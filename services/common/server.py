@@ -242,14 +242,16 @@ class _Call:
 
     def unary(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
         async def wrapped(raw: bytes, context: Context) -> Any:
-            async with _Served(self, context, stream=False):
+            async with _Served(self, context, stream=False) as served:
+                served.admit()
                 return await behavior(decode(raw), context)
 
         return wrapped
 
     def stream(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
         async def wrapped(raw: bytes, context: Context) -> AsyncIterator[Any]:
-            async with _Served(self, context, stream=True):
+            async with _Served(self, context, stream=True) as served:
+                served.admit()
                 async for item in behavior(decode(raw), context):
                     yield item
 
@@ -270,17 +272,15 @@ class _Served:
         self.start = 0.0
         self.admitted = False
 
-    async def __aenter__(self) -> None:
-        call = self.call
-        structlog.contextvars.bind_contextvars(**call.bound)
+    async def __aenter__(self) -> _Served:
+        structlog.contextvars.bind_contextvars(**self.call.bound)
         self.start = time.perf_counter()
-        try:
-            call.admit(self.context)
-            call.gate.enter(self.stream)
-        except errors.BatonError as exc:
-            # __aexit__ does not run for a refused entry: answer here.
-            await self.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+        return self
+
+    def admit(self) -> None:
+        """The role table, then the gate (raises when refused)."""
+        self.call.admit(self.context)
+        self.call.gate.enter(self.stream)
         self.admitted = True
 
     async def __aexit__(

@@ -218,7 +218,6 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
                 Reason.DELIVERY_NOT_ALLOWED,
                 "an owner delivers by inbox token (session:<id>) only, or names the channel",
             )
-        target = await self._registry.lookup_cached(token)
         senders: tuple[str, ...]
         if command.WhichOneof("kind") == "task_result":
             report = command.task_result
@@ -231,7 +230,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
                 )
             senders = (child, raw)
         else:
-            link = s.ParentLink.FromString(target.parent) if target.parent else None
+            link = await self._registry.parent_of(raw)
             senders = (raw, link.parent_session_id) if link is not None else (raw,)
         for fresh in (False, True):
             for sid in senders:
