@@ -276,6 +276,14 @@ async def test_only_the_sessions_own_deployment_can_consent_to_moving_it(env: En
     reused = request(fence, owner, hooks, trigger, handoff="h-elsewhere")
     reused.handoff_id = "h1"
     await expect(env.hooks.Transfer(reused, timeout=10), denied, "TRANSFER_NOT_PERMITTED")
+    # A permit field over its bound is bad input, refused as such.
+    oversized = request(fence, owner, hooks, trigger)
+    oversized.permit.certificate = b"x" * 20_000
+    await expect(
+        env.hooks.Transfer(oversized, timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_FIELD",
+    )
     # An adoption needs no permit, but the session's deployment must have
     # no live instance: the stack's owner is live.
     adoption = request(fence, owner, hooks, trigger)

@@ -29,11 +29,16 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from google.protobuf.message import DecodeError
 
 from baton.session.v1 import session_pb2 as s
-from services.common.errors import BatonError, PermissionDenied, Reason
+from services.common.errors import BatonError, InvalidArgument, PermissionDenied, Reason
 from services.common.identity import Caller, Role
 from services.common.tls import CertificateWatcher, Material, Security
 
 _CACHE_SIZE = 1_000
+# Bounds of a permit's fields (a grant is ~200 B, an ECDSA or RSA-4096
+# signature at most 512 B, a leaf certificate a few KiB).
+MAX_GRANT_BYTES = 2_048
+MAX_SIGNATURE_BYTES = 1_024
+MAX_CERTIFICATE_BYTES = 16_384
 # A certificate's validity is checked with this much leeway for clock skew.
 _SKEW = datetime.timedelta(minutes=5)
 
@@ -129,6 +134,16 @@ class PermitVerifier:
         The caller still checks that the signer's deployment owns the session."""
         if not permit.grant or not permit.signature or not permit.certificate:
             raise _refused("no permit from the session's current owner came with it")
+        for name, value, limit in (
+            ("grant", permit.grant, MAX_GRANT_BYTES),
+            ("signature", permit.signature, MAX_SIGNATURE_BYTES),
+            ("certificate", permit.certificate, MAX_CERTIFICATE_BYTES),
+        ):
+            if len(value) > limit:
+                raise InvalidArgument(
+                    Reason.INVALID_FIELD,
+                    f"permit.{name} is {len(value)} bytes, over its limit of {limit}",
+                )
         try:
             grant = s.TransferGrant.FromString(permit.grant)
         except DecodeError as exc:
