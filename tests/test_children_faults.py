@@ -386,7 +386,14 @@ async def test_a_drain_moves_a_parent_after_its_running_task_and_the_child_too(
         finally:
             await owner.close()
         assert await drained == deployments.EXIT_DRAINED, "\n".join(lines)
-        events = await run.clients.events(run.session_id)
+        # The drain counts the parent as moved once the transfer is done; the
+        # successor's first commit (session.handed_off) may land just after.
+        events = await run.clients.wait_events(
+            run.session_id,
+            lambda ev: any(e.kind == K.EVENT_KIND_SESSION_HANDED_OFF for e in ev),
+            "the successor's first commit",
+            30,
+        )
         done = [e for e in events if e.kind == K.EVENT_KIND_TASK_COMPLETED]
         handed = [e for e in events if e.kind == K.EVENT_KIND_SESSION_HANDED_OFF]
         assert len(done) == 1 and done[0].deployment_id == "dep-a"
