@@ -238,7 +238,11 @@ async def drain_parked_sessions(
             check_history(events, receipts[sid])
         sample = rng.sample(created, 20)
         for sid in sample:
-            events = await c.events(sid)
+            # A session counts as moved once its transfer is done; the
+            # successor's first commit (session.handed_off) may land just after.
+            events = await c.wait_events(
+                sid, lambda ev: bool(of(ev, K.EVENT_KIND_SESSION_HANDED_OFF)), f"{sid} moved", 30
+            )
             handed = of(events, K.EVENT_KIND_SESSION_HANDED_OFF)
             assert len(handed) == 1 and handed[0].text == "dep-1", sid
         # Safe to repeat: nothing left, nothing moves.
