@@ -281,6 +281,105 @@ async def test_parked_sessions_are_taken_over_parked_and_woken_by_input(
         await c.close()
 
 
+async def test_an_owner_restarted_under_its_own_id_takes_each_session_over_once(
+    make_stack: MakeStack,
+) -> None:
+    """kill -9 of the only instance, restarted under the same instance id (as
+    a supervisor does): it takes each of its sessions over exactly once —
+    busy, parked, and parked with input that arrived while it was dead — and
+    runs them all. (Its own index lists what it took over, under the same
+    instance: the restarted process used to take those over again, round
+    after round, fencing its own runs; a run that parked meanwhile held a
+    dead fence, and its session was never woken again — issue 16.)"""
+    stack = make_stack(owners=1, park_after=0.3)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        quiet = [await c.create() for _ in range(3)]
+        woken = [await c.create() for _ in range(3)]
+        busy = [await c.create() for _ in range(3)]
+        every = [*quiet, *woken, *busy]
+        receipts: dict[str, list[int]] = {sid: [] for sid in every}
+        for sid in (*quiet, *woken):
+            receipts[sid].append((await c.send(sid, "hello")).receipt.seq)
+
+        async def parked(sid: str) -> bool:
+            return (await c.hooks.get_owner(sid)).parked
+
+        for sid in (*quiet, *woken):
+            await eventually(functools.partial(parked, sid), "parked")
+        for sid in busy:
+            receipts[sid].append((await c.send(sid, "sleep 4 400")).receipt.seq)
+        for sid in busy:
+            await c.wait_events(sid, step_committed(1), "a step of the long turn committed")
+        epochs = {sid: (await c.hooks.get_owner(sid)).fence.epoch for sid in every}
+        stack.kill("o1")
+        for sid in woken:
+            receipts[sid].append((await c.send(sid, "while dead")).receipt.seq)
+        stack.start_owner("o1")
+        for sid in (*woken, *busy):
+            await c.wait_events(
+                sid,
+                functools.partial(answered, count=len(receipts[sid])),
+                "answered after the restart",
+                timeout=40,
+            )
+        # Everything once more (the quiet ones wake for it): nothing was
+        # taken over twice, and every session answers.
+        for sid in every:
+            receipts[sid].append((await c.send(sid, "again")).receipt.seq)
+        for sid in every:
+            events = await c.wait_events(
+                sid,
+                functools.partial(answered, count=len(receipts[sid])),
+                "answered again",
+                timeout=40,
+            )
+            check_history(events, receipts[sid])
+            taken = (await c.hooks.get_owner(sid)).fence.epoch - epochs[sid]
+            assert taken == 1, f"{sid} was taken over {taken} times by the restarted instance"
+            assert await c.owner_of(sid) == "o1"
+    finally:
+        await c.close()
+
+
+async def test_a_session_its_host_lost_is_taken_over_by_the_reconciler(
+    make_stack: MakeStack,
+) -> None:
+    """A session indexed under a live instance that holds it in no state
+    (here: a failpoint drops it as it parks) gets no run from any watch: the
+    instance's reconciliation finds it (two sightings, one interval apart),
+    takes it over from itself and answers what arrived meanwhile."""
+    stack = make_stack(
+        owners=1,
+        park_after=0.3,
+        owner_env={
+            "BATON_FAILPOINTS": "host.hold_parked=once:error",
+            "BATON_OWNER_RECONCILE_INTERVAL": "0.5",
+        },
+    )
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "hello")).receipt.seq]
+
+        async def parked() -> bool:
+            return (await c.hooks.get_owner(sid)).parked
+
+        await eventually(parked, "parked (and dropped by the host)")
+        epoch = (await c.hooks.get_owner(sid)).fence.epoch
+        receipts.append((await c.send(sid, "anyone there?")).receipt.seq)
+        events = await c.wait_events(
+            sid, functools.partial(answered, count=2), "answered after reconciliation"
+        )
+        check_history(events, receipts)
+        assert (await c.hooks.get_owner(sid)).fence.epoch == epoch + 1
+        assert len(runs_in_order(events)) == 2
+    finally:
+        await c.close()
+
+
 # -- etcd restarts -------------------------------------------------------------------
 
 

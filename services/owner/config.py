@@ -61,6 +61,9 @@ class OwnerConfig:
     # Failed runs of a session in a row (deterministic failures only) before
     # the session stalls (session.stalled on its stream).
     restart_budget: int = 5
+    # Seconds between reconciliations: sessions indexed here that no run
+    # holds are taken over again (services/owner/fleet.py).
+    reconcile_interval: float = 15.0
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -126,6 +129,12 @@ class OwnerConfig:
                     "deterministically failed runs of a session in a row before it stalls",
                     "5",
                 ),
+                Setting(
+                    "--reconcile-interval",
+                    "BATON_OWNER_RECONCILE_INTERVAL",
+                    "seconds between checks that every session indexed here has a run",
+                    "15",
+                ),
                 *COMMON_SETTINGS,
             ),
             argv,
@@ -161,6 +170,7 @@ class OwnerConfig:
             exit_on_lease_loss=True,
             snapshot_formats=formats,
             restart_budget=as_int(values, "restart_budget"),
+            reconcile_interval=as_float(values, "reconcile_interval", minimum=0.1),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
         )

@@ -12,6 +12,11 @@
   wins each session, the losers move on.
 - Bells: one stream for all of this instance's parked sessions; each bell is
   handed to the host, which wakes a parked session whose inbox moved.
+- Reconciliation: every few seconds, a session indexed under this instance
+  that the host holds in no state is taken over again, and dead instances
+  whose takeover ran out of rounds are tried again: whatever a lost watch
+  event or a bug in the host drops, a session with input is run again
+  within a bounded time (issue 16).
 - Graceful shutdown stops every run, then revokes the lease, so the other
   instances take the sessions over at once instead of after the TTL.
 """
@@ -37,6 +42,7 @@ ADOPT_ROUNDS = 20
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 DEREGISTER_SECONDS = 2.0
+RECONCILE_SECONDS = 15.0
 
 
 class FleetMembership:
@@ -51,6 +57,7 @@ class FleetMembership:
         lease_ttl: int,
         keepalive_every: float,
         on_lease_lost: Callable[[], Awaitable[None]] | None = None,
+        reconcile_every: float = RECONCILE_SECONDS,
     ) -> None:
         self.host = host
         self.hooks = hooks
@@ -64,6 +71,14 @@ class FleetMembership:
         self._on_lease_lost = on_lease_lost
         self._background = Background()
         self._adopting: dict[str, bool] = {}  # instance -> run another round after this one
+        # Dead instances whose sessions were not all taken over (every round spent).
+        self._unfinished: set[str] = set()
+        # Sessions indexed under this instance that it did not hold at the
+        # last reconciliation: session id -> fence value seen then.
+        self._unheld: dict[str, bytes] = {}
+        if reconcile_every <= 0:
+            raise ValueError("reconcile_every must be positive")
+        self.reconcile_every = reconcile_every
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
 
     def start(self) -> None:
@@ -114,6 +129,7 @@ class FleetMembership:
         await self._adopt_instance(self.instance_id)
         self.host.set_ready()
         self._spawn(self._watch_instances())
+        self._spawn(self._reconcile())
 
     async def _keep_alive(self) -> None:
         while True:
@@ -189,7 +205,14 @@ class FleetMembership:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 continue
+            if instance_id == self.instance_id:
+                # Our own index lists what this process already took over
+                # (the takeover keeps the entry under the same instance):
+                # taking those again would fence our own runs, round after
+                # round.
+                owned = [o for o in owned if not self.host.holds(o.fence.session_id)]
             if not owned:
+                self._unfinished.discard(instance_id)
                 return
             random.shuffle(owned)  # spread the races between the survivors
             bound.info("taking sessions over", sessions=len(owned))
@@ -201,6 +224,8 @@ class FleetMembership:
             if not won:  # lost every race or failed: let the index settle
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
+        # Tried again by the reconciler, until nothing is left there.
+        self._unfinished.add(instance_id)
         bound.warning("sessions still indexed under the dead instance after every round")
 
     async def _adopt_all(self, owned: list[OwnedSession]) -> tuple[int, bool]:
@@ -229,6 +254,49 @@ class FleetMembership:
 
         await asyncio.gather(*(worker() for _ in range(min(ADOPT_CONCURRENCY, len(owned)))))
         return won, live_again
+
+    # -- reconciliation -------------------------------------------------------------
+
+    async def _reconcile(self) -> None:
+        """The safety net under the watches: every `reconcile_every` seconds,
+        take over again what no live run holds. A session indexed under this
+        instance that the host holds in no state (running, loading, parked,
+        stalled) at two reconciliations in a row, with the same fence, has no
+        run anywhere (the index names its owner): this instance takes it
+        over from itself (epoch + 1) and runs it. Two sightings, because a
+        session being created or transferred here is indexed a moment before
+        the host holds it. Dead instances whose takeover rounds ran out are
+        tried again."""
+        while True:
+            await asyncio.sleep(self.reconcile_every)
+            for instance_id in sorted(self._unfinished):
+                self._schedule_adoption(instance_id)
+            try:
+                owned = await self.hooks.list_instance_sessions(
+                    self.deployment_id, self.instance_id
+                )
+            except BatonError as exc:
+                self._log.warning("reconciliation listing failed", reason=exc.reason)
+                continue
+            unheld = {
+                o.fence.session_id: o.fence.SerializeToString()
+                for o in owned
+                if not self.host.holds(o.fence.session_id)
+            }
+            orphans = [
+                o
+                for o in owned
+                if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
+                and o.fence.session_id in unheld
+            ]
+            self._unheld = unheld
+            if orphans:
+                self._log.warning(
+                    "sessions indexed here with no run: taking them over again",
+                    sessions=len(orphans),
+                    session_ids=[o.fence.session_id for o in orphans[:10]],
+                )
+                await self._adopt_all(orphans)
 
     # -- bells ----------------------------------------------------------------------
 

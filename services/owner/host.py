@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import failpoints, ids
 from services.common.clients import (
     AnchorClient,
     DrainBlocker,
@@ -412,6 +412,13 @@ class OwnerHost:
         self._failures.pop(sid, None)
         self._transient.pop(sid, None)
         if exit is RunExit.PARKED:
+            try:
+                # Tests: a host that loses a parked session (the reconciler
+                # in services/owner/fleet.py must find it again).
+                await failpoints.hit("host.hold_parked")
+            except Unavailable:
+                self._log.warning("failpoint: parked session dropped", session_id=sid)
+                return
             timeout = run.snapshot.timeout
             deadline = timeout.deadline.ToSeconds() if timeout.duration_seconds else 0
             fence = run.identity.fence
@@ -476,6 +483,17 @@ class OwnerHost:
         """Sessions this instance holds: running, loading, parked or stalled."""
         return len(set(self.runs) | self._activating | set(self.parked) | set(self.stalled))
 
+    def holds(self, session_id: str) -> bool:
+        """Whether this instance holds the session in any state: running,
+        loading, being taken over, parked or stalled."""
+        return (
+            session_id in self.runs
+            or session_id in self._activating
+            or session_id in self._adopting
+            or session_id in self.parked
+            or session_id in self.stalled
+        )
+
     async def _wake_parked(self) -> None:
         """Wake parked sessions for the drain, a bounded number at a time:
         each slot is freed when its run ends (moved, or anything else)."""
@@ -538,7 +556,21 @@ class OwnerHost:
 
     def _hold(self, session_id: str, parked: ParkedSession) -> None:
         """Keep a session parked; wake it at once if a bell already rang, and
-        at its lifetime deadline (so the timeout fires while parked)."""
+        at its lifetime deadline (so the timeout fires while parked).
+
+        Never over a newer fence: a run that parks after this instance took
+        the session over again (a later epoch, running or parked) parks a
+        fence that is already dead, and holding it would hide the live one
+        (its bells would wake the dead fence, which is refused, and nothing
+        would run the session again)."""
+        running = self.runs.get(session_id)
+        held = self.parked.get(session_id)
+        if (running is not None and running.identity.fence.epoch > parked.epoch) or (
+            held is not None and held.epoch > parked.epoch
+        ):
+            self._log.info("stale park ignored", session_id=session_id, epoch=parked.epoch)
+            return
+        self._unhold(session_id)
         self.parked[session_id] = parked
         if parked.deadline:
             delay = max(0.0, parked.deadline - self._clock())

@@ -74,6 +74,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         lease_ttl=config.lease_ttl,
         keepalive_every=config.keepalive_every,
         on_lease_lost=exit_process if config.exit_on_lease_loss else None,
+        reconcile_every=config.reconcile_interval,
     )
     fleet.start()
     server.app = host
