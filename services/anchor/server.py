@@ -37,6 +37,7 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
         security=config.tls,
         capacity=config.capacity,
         health_listen=config.health_listen,
+        metrics_listen=config.metrics_listen,
     )
     retention = Retention(store, keys, interval_seconds=config.retention_sweep_seconds)
     server.background += [StoreHealth(store, server.set_serving).run, retention.run]

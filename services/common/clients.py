@@ -18,6 +18,7 @@ an answer. A stream yields one value per message the server sends."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.owner.v1 import owner_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import ids, metrics
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
@@ -257,27 +258,6 @@ class DrainReport:
     blockers: tuple[DrainBlocker, ...]
 
 
-async def _unary(call: Awaitable[_T]) -> _T:
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        raise from_rpc_error(exc) from exc
-
-
-async def _stream(
-    call: grpc.aio.UnaryStreamCall[Any, _R], convert: Callable[[_R], _T]
-) -> AsyncIterator[_T]:
-    """The messages of `call`, each as `convert` makes it; the call is
-    cancelled when the iteration ends (or the iterator is closed)."""
-    try:
-        async for item in call:
-            yield convert(item)
-    except grpc.aio.AioRpcError as exc:
-        raise from_rpc_error(exc) from exc
-    finally:
-        call.cancel()
-
-
 def _inbox_page(response: hooks_pb.StreamInboxResponse) -> list[s.InboxEntry]:
     return list(response.entries)
 
@@ -310,6 +290,9 @@ class _Client:
     the server checks against its roles."""
 
     service = ""
+    # The `target` label of `baton_rpc_client_handled_total`: the kind of
+    # service, never an address (owner peers are many).
+    kind = ""
     idempotent: frozenset[str] = frozenset()
 
     def __init__(
@@ -323,9 +306,47 @@ class _Client:
     async def close(self) -> None:
         await self.channel.close()
 
+    def _done(self, method: str, code: str) -> None:
+        if metrics.RPC.enabled:
+            metrics.RPC.called(self.kind, f"/{self.service}/{method}", code)
+
+    async def _unary(self, method: str, call: Awaitable[_T]) -> _T:
+        """The answer of `call` (the stub's `method`); a failure raises the
+        domain error it carried. Counted when metrics are served."""
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            self._done(method, exc.code().name)
+            raise from_rpc_error(exc) from exc
+        except asyncio.CancelledError:
+            self._done(method, "CANCELLED")
+            raise
+        self._done(method, "OK")
+        return response
+
+    async def _stream(
+        self, method: str, call: grpc.aio.UnaryStreamCall[Any, _R], convert: Callable[[_R], _T]
+    ) -> AsyncIterator[_T]:
+        """The messages of `call` (the stub's `method`), each as `convert`
+        makes it; the call is cancelled when the iteration ends (or the
+        iterator is closed). Counted when metrics are served: OK at its end,
+        CANCELLED when the caller stopped reading first."""
+        code = "CANCELLED"
+        try:
+            async for item in call:
+                yield convert(item)
+            code = "OK"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+            self._done(method, code)
+
 
 class HooksClient(_Client):
     service = HOOKS_SERVICE
+    kind = "hooks"
     idempotent = HOOKS_IDEMPOTENT
 
     def __init__(
@@ -351,7 +372,9 @@ class HooksClient(_Client):
             parent=parent,
             first_command=first_command,
         )
-        response = await _unary(self.stub.CreateSession(request, timeout=self.timeout))
+        response = await self._unary(
+            "CreateSession", self.stub.CreateSession(request, timeout=self.timeout)
+        )
         return CreatedSession(
             response.fence,
             response.inbox_token,
@@ -369,29 +392,37 @@ class HooksClient(_Client):
             stamped.delivery.delivery_id = ids.new_delivery_id()
             command = stamped
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
-        response = await _unary(self.stub.ResumeHook(request, timeout=self.timeout))
+        response = await self._unary(
+            "ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)
+        )
         return response.receipt
 
     async def lookup(self, token: str, channel: str = "") -> HookTarget:
         request = hooks_pb.LookupHookRequest(token=token, channel=channel)
-        response = await _unary(self.stub.LookupHook(request, timeout=self.timeout))
+        response = await self._unary(
+            "LookupHook", self.stub.LookupHook(request, timeout=self.timeout)
+        )
         parent = response.parent if response.HasField("parent") else None
         return HookTarget(response.session_id, response.channel, parent)
 
     async def claim(self, fence: s.Fence, tokens: list[str]) -> list[str]:
         request = hooks_pb.ClaimHooksRequest(fence=fence, tokens=tokens)
-        response = await _unary(self.stub.ClaimHooks(request, timeout=self.timeout))
+        response = await self._unary(
+            "ClaimHooks", self.stub.ClaimHooks(request, timeout=self.timeout)
+        )
         return list(response.hooks)
 
     async def dispose(self, fence: s.Fence, tokens: list[str] | None = None) -> list[str]:
         request = hooks_pb.DisposeHooksRequest(fence=fence, tokens=tokens or [])
-        response = await _unary(self.stub.DisposeHooks(request, timeout=self.timeout))
+        response = await self._unary(
+            "DisposeHooks", self.stub.DisposeHooks(request, timeout=self.timeout)
+        )
         return list(response.hooks)
 
     def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
         """The inbox from `from_seq` on, one page of entries at a time."""
         call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
-        return _stream(call, _inbox_page)
+        return self._stream("StreamInbox", call, _inbox_page)
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
@@ -402,27 +433,35 @@ class HooksClient(_Client):
             ttl_seconds=ttl_seconds,
             address=address,
         )
-        response = await _unary(self.stub.RegisterInstance(request, timeout=self.timeout))
+        response = await self._unary(
+            "RegisterInstance", self.stub.RegisterInstance(request, timeout=self.timeout)
+        )
         return InstanceLease(response.lease_id, response.ttl_seconds)
 
     async def keep_alive_instance(self, lease_id: int) -> int:
         """The lease's remaining TTL in seconds; 0 when it expired."""
         request = hooks_pb.KeepAliveInstanceRequest(lease_id=lease_id)
-        response = await _unary(self.stub.KeepAliveInstance(request, timeout=self.timeout))
+        response = await self._unary(
+            "KeepAliveInstance", self.stub.KeepAliveInstance(request, timeout=self.timeout)
+        )
         return response.ttl_seconds
 
     async def deregister_instance(self, lease_id: int) -> None:
         request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)
-        await _unary(self.stub.DeregisterInstance(request, timeout=self.timeout))
+        await self._unary(
+            "DeregisterInstance", self.stub.DeregisterInstance(request, timeout=self.timeout)
+        )
 
     async def list_instances(self, deployment_id: str) -> list[OwnerInstance]:
         request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
-        response = await _unary(self.stub.ListInstances(request, timeout=self.timeout))
+        response = await self._unary(
+            "ListInstances", self.stub.ListInstances(request, timeout=self.timeout)
+        )
         return [_instance(info) for info in response.instances]
 
     def watch_instances(self, deployment_id: str) -> AsyncIterator[InstanceChange]:
         request = hooks_pb.WatchInstancesRequest(deployment_id=deployment_id)
-        return _stream(self.stub.WatchInstances(request), _instance_change)
+        return self._stream("WatchInstances", self.stub.WatchInstances(request), _instance_change)
 
     async def list_instance_sessions(
         self, deployment_id: str, instance_id: str
@@ -430,7 +469,9 @@ class HooksClient(_Client):
         request = hooks_pb.ListInstanceSessionsRequest(
             deployment_id=deployment_id, instance_id=instance_id
         )
-        response = await _unary(self.stub.ListInstanceSessions(request, timeout=self.timeout))
+        response = await self._unary(
+            "ListInstanceSessions", self.stub.ListInstanceSessions(request, timeout=self.timeout)
+        )
         return [OwnedSession(o.fence, o.owner, o.parked) for o in response.sessions]
 
     async def take_over_session(
@@ -439,7 +480,9 @@ class HooksClient(_Client):
         request = hooks_pb.TakeOverSessionRequest(
             expected=expected, expected_instance_id=expected_instance_id, successor=successor
         )
-        response = await _unary(self.stub.TakeOverSession(request, timeout=self.timeout))
+        response = await self._unary(
+            "TakeOverSession", self.stub.TakeOverSession(request, timeout=self.timeout)
+        )
         return TakenOver(response.fence, response.parked, response.inbox_head)
 
     async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0) -> int:
@@ -448,30 +491,34 @@ class HooksClient(_Client):
         request = hooks_pb.SetParkedRequest(
             fence=fence, parked=parked, inbox_next_seq=inbox_next_seq
         )
-        response = await _unary(self.stub.SetParked(request, timeout=self.timeout))
+        response = await self._unary(
+            "SetParked", self.stub.SetParked(request, timeout=self.timeout)
+        )
         return response.inbox_head
 
     def watch_bells(self, instance_id: str) -> AsyncIterator[list[Bell]]:
         """The bells of this instance's parked sessions, in arrival order."""
         request = hooks_pb.WatchBellsRequest(instance_id=instance_id)
-        return _stream(self.stub.WatchBells(request), _bells)
+        return self._stream("WatchBells", self.stub.WatchBells(request), _bells)
 
     async def transfer(
         self, request: hooks_pb.TransferRequest, deadline_s: float | None = None
     ) -> Moved:
         """`deadline_s` overrides the client's call deadline for this call."""
         call = self.stub.Transfer(request, timeout=deadline_s or self.timeout)
-        response = await _unary(call)
+        response = await self._unary("Transfer", call)
         return Moved(response.fence, response.replayed)
 
     async def get_owner(self, session_id: str) -> SessionOwner:
         request = hooks_pb.GetOwnerRequest(session_id=session_id)
-        response = await _unary(self.stub.GetOwner(request, timeout=self.timeout))
+        response = await self._unary("GetOwner", self.stub.GetOwner(request, timeout=self.timeout))
         return SessionOwner(response.fence, response.owner, response.parked, response.inbox_head)
 
     async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
-        response = await _unary(self.stub.GetTransfer(request, timeout=self.timeout))
+        response = await self._unary(
+            "GetTransfer", self.stub.GetTransfer(request, timeout=self.timeout)
+        )
         return RecordedTransfer(
             response.fence, response.successor, response.trigger_seq, response.reason
         )
@@ -479,6 +526,7 @@ class HooksClient(_Client):
 
 class AnchorClient(_Client):
     service = ANCHOR_SERVICE
+    kind = "anchor"
     idempotent = ANCHOR_IDEMPOTENT
 
     def __init__(
@@ -488,7 +536,9 @@ class AnchorClient(_Client):
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
-        response = await _unary(self.stub.CommitStep(request, timeout=self.timeout))
+        response = await self._unary(
+            "CommitStep", self.stub.CommitStep(request, timeout=self.timeout)
+        )
         return Committed(response.revision, response.replayed)
 
     async def snapshot(self, session_id: str) -> s.SessionSnapshot:
@@ -497,7 +547,9 @@ class AnchorClient(_Client):
     async def snapshot_with_revision(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         """The snapshot and its key's mod revision (the next commit's expected one)."""
         request = anchor_pb.GetSnapshotRequest(session_id=session_id)
-        response = await _unary(self.stub.GetSnapshot(request, timeout=self.timeout))
+        response = await self._unary(
+            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+        )
         return response.snapshot, response.revision
 
     async def load_session(
@@ -512,7 +564,7 @@ class AnchorClient(_Client):
         )
         call = self.stub.LoadSession(request, timeout=self.timeout * 3)
         loaded: LoadedSession | None = None
-        async for part in _stream(call, _load_part):
+        async for part in self._stream("LoadSession", call, _load_part):
             if loaded is None:
                 loaded = LoadedSession(part.snapshot, part.revision, [])
             else:
@@ -526,7 +578,9 @@ class AnchorClient(_Client):
         request = anchor_pb.RetireHistoryRequest(
             fence=fence, below_index=below_index, from_index=from_index
         )
-        response = await _unary(self.stub.RetireHistory(request, timeout=self.timeout * 3))
+        response = await self._unary(
+            "RetireHistory", self.stub.RetireHistory(request, timeout=self.timeout * 3)
+        )
         return response.deleted
 
     def read_events(
@@ -537,11 +591,12 @@ class AnchorClient(_Client):
         request = anchor_pb.ReadEventsRequest(
             session_id=session_id, start_seq=start_seq, follow=follow
         )
-        return _stream(self.stub.ReadEvents(request), _events_page)
+        return self._stream("ReadEvents", self.stub.ReadEvents(request), _events_page)
 
 
 class OwnerClient(_Client):
     service = OWNER_SERVICE
+    kind = "owner"
     idempotent = OWNER_IDEMPOTENT
 
     def __init__(
@@ -551,7 +606,9 @@ class OwnerClient(_Client):
         self.stub = owner_pb2_grpc.OwnerServiceStub(self.channel)
 
     async def start_session(self, request: owner_pb.StartSessionRequest) -> StartedSession:
-        response = await _unary(self.stub.StartSession(request, timeout=self.timeout))
+        response = await self._unary(
+            "StartSession", self.stub.StartSession(request, timeout=self.timeout)
+        )
         return StartedSession(
             response.session_id,
             response.owner_run_id,
@@ -561,12 +618,16 @@ class OwnerClient(_Client):
         )
 
     async def accept_handoff(self, request: owner_pb.AcceptHandoffRequest) -> HandoffAccepted:
-        response = await _unary(self.stub.AcceptHandoff(request, timeout=self.timeout))
+        response = await self._unary(
+            "AcceptHandoff", self.stub.AcceptHandoff(request, timeout=self.timeout)
+        )
         return HandoffAccepted(response.successor, response.fence, response.replayed)
 
     async def drain_sessions(self, to_deployment_id: str) -> DrainReport:
         request = owner_pb.DrainSessionsRequest(to_deployment_id=to_deployment_id)
-        response = await _unary(self.stub.DrainSessions(request, timeout=self.timeout))
+        response = await self._unary(
+            "DrainSessions", self.stub.DrainSessions(request, timeout=self.timeout)
+        )
         return DrainReport(
             response.deployment_id,
             response.instance_id,
@@ -578,5 +639,7 @@ class OwnerClient(_Client):
 
     async def adopt_session(self, session_id: str) -> Moved:
         request = owner_pb.AdoptSessionRequest(session_id=session_id)
-        response = await _unary(self.stub.AdoptSession(request, timeout=self.timeout))
+        response = await self._unary(
+            "AdoptSession", self.stub.AdoptSession(request, timeout=self.timeout)
+        )
         return Moved(response.fence, response.replayed)

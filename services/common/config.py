@@ -85,6 +85,13 @@ COMMON_SETTINGS = (
         "cannot speak TLS (Kubernetes' gRPC probes); empty: none",
         "",
     ),
+    Setting(
+        "--metrics-listen",
+        "BATON_METRICS_LISTEN",
+        "host:port of a plaintext HTTP listener serving Prometheus metrics at /metrics "
+        "(e.g. 127.0.0.1:9102; 0.0.0.0:9102 where a scraper must reach it); empty: none",
+        "",
+    ),
     Setting("--grace", "BATON_SHUTDOWN_GRACE", "graceful shutdown period, seconds", "5"),
     *TLS_SETTINGS,
     *CAPACITY_SETTINGS,
@@ -230,6 +237,17 @@ def as_addresses(values: Mapping[str, str], key: str) -> str:
     return values[key]
 
 
+def as_listen(values: Mapping[str, str], key: str) -> str:
+    """An optional `host:port` to listen on ("" = none), checked at startup."""
+    value = values[key].strip()
+    if not value:
+        return ""
+    host, colon, port = value.rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{key} must be host:port (or empty), got {value!r}")
+    return value
+
+
 def as_prefix(value: str) -> str:
     if not value.startswith("/") or not value.endswith("/"):
         raise ConfigError(f"etcd prefix must start and end with '/', got {value!r}")
@@ -287,6 +305,8 @@ class StoreServiceConfig:
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
+    # A plaintext HTTP listener serving Prometheus metrics; empty: none.
+    metrics_listen: str = ""
 
     @staticmethod
     def read(
@@ -309,5 +329,6 @@ class StoreServiceConfig:
             "grace": as_float(values, "grace"),
             "capacity": Capacity.from_values(values),
             "health_listen": values["health_listen"],
+            "metrics_listen": as_listen(values, "metrics_listen"),
         }
         return shared, values

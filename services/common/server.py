@@ -3,7 +3,8 @@
 TLS (mutual for internal services) or explicit loopback plaintext, health
 (overall and per service), reflection, one interceptor (caller identity and
 the per-RPC role table, a cap on concurrent calls, request decoding, error
-mapping through `grpc_errors`, one log line per call), graceful shutdown on
+mapping through `grpc_errors`, one log line and the RPC metrics per call),
+the Prometheus endpoint (`--metrics-listen`), graceful shutdown on
 SIGTERM/SIGINT within a bounded grace period, and reload on SIGHUP.
 """
 
@@ -22,7 +23,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import access, errors, identity
+from services.common import access, errors, identity, metrics
 from services.common.config import Capacity, ConfigError
 from services.common.grpc_errors import status_code, to_status
 from services.common.identity import Caller, Role
@@ -127,7 +128,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     4. decodes the request body itself (gRPC hands over raw bytes), so an
        undecodable body is INVALID_ARGUMENT/MALFORMED_REQUEST, not UNKNOWN;
     5. maps domain errors to statuses with ErrorInfo (anything unmapped is
-       INTERNAL) and writes one log line per call.
+       INTERNAL) and writes one log line per call, and, while this process
+       serves metrics, counts it by method and code and times it
+       (`metrics.RPC`).
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if allowed == access.ANY and method.startswith(_QUIET_PREFIXES):
             return handler  # health and reflection: no per-call work
         call = _Call(
+            method,
             dict(self._context, rpc=method, request_id=_request_id(handler_call_details)),
             allowed,
             self._verify,
@@ -194,15 +198,17 @@ def _replaced(handler: Handler, **fields: Any) -> Handler:
 class _Call:
     """What the interceptor knows about one call before it runs."""
 
-    __slots__ = ("bound", "allowed", "verify", "gate")
+    __slots__ = ("method", "bound", "allowed", "verify", "gate")
 
     def __init__(
         self,
+        method: str,
         bound: dict[str, str],
         allowed: frozenset[Role] | None,
         verify: bool,
         gate: _Gate,
     ) -> None:
+        self.method = method
         self.bound = bound
         self.allowed = allowed
         self.verify = verify
@@ -232,7 +238,9 @@ class _Call:
 
     async def denied(self, request: Any, context: Context) -> Any:
         structlog.contextvars.bind_contextvars(**self.bound)
-        _log_call("PERMISSION_DENIED", errors.Reason.RPC_NOT_ALLOWED, time.perf_counter())
+        start = time.perf_counter()
+        _log_call("PERMISSION_DENIED", errors.Reason.RPC_NOT_ALLOWED, start)
+        _meter(self.method, "PERMISSION_DENIED", start)
         await _abort(
             context,
             errors.PermissionDenied(
@@ -261,7 +269,8 @@ class _Call:
 class _Served:
     """One call being served, unary or stream alike: admitted (the role table,
     then the gate), its errors mapped at the boundary (a BatonError to its
-    status, anything unmapped to INTERNAL), and one log line at its end."""
+    status, anything unmapped to INTERNAL), one log line and the RPC metrics
+    at its end."""
 
     __slots__ = ("call", "context", "stream", "start", "admitted")
 
@@ -289,17 +298,23 @@ class _Served:
         if self.admitted:
             self.admitted = False
             self.call.gate.leave(self.stream)
+        method = self.call.method
         if exc is None:
             _log_call("OK", "", self.start)
+            _meter(method, "OK", self.start)
             return
         if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
             # Cancelled, closed (GeneratorExit) or already answered.
             _log_call("CANCELLED", "", self.start)
+            _meter(method, "CANCELLED", self.start)
             return
         if isinstance(exc, errors.BatonError):
-            _log_call(status_code(exc).name, exc.reason, self.start)
+            code = status_code(exc).name
+            _log_call(code, exc.reason, self.start)
         else:  # the boundary: anything unmapped is INTERNAL
-            _log_call("INTERNAL", errors.Reason.INTERNAL, self.start)
+            code = "INTERNAL"
+            _log_call(code, errors.Reason.INTERNAL, self.start)
+        _meter(method, code, self.start)
         await _abort(self.context, exc)
 
 
@@ -314,6 +329,11 @@ async def _abort(context: Context, exc: BaseException) -> None:
         err = errors.Internal(errors.Reason.INTERNAL, "internal error")
     status = to_status(err)
     await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def _meter(method: str, code: str, start: float) -> None:
+    if metrics.RPC.enabled:
+        metrics.RPC.served(method, code, time.perf_counter() - start)
 
 
 def _log_call(code: str, reason: str, start: float) -> None:
@@ -348,6 +368,10 @@ class GrpcServer:
     # same health statuses, nothing else.
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    # The Prometheus endpoint (`--metrics-listen`), if any; `metrics_port`
+    # once started. Services add their collectors and refreshes to it.
+    metrics: metrics.MetricsEndpoint | None = None
+    metrics_port: int = 0
 
     def reload(self) -> None:
         """What SIGHUP does: re-read certificates and reloadable settings."""
@@ -361,6 +385,9 @@ class GrpcServer:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
+        if self.metrics is not None:
+            await self.metrics.start()
+            self.metrics_port = self.metrics.port
         await self.set_serving(True)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(run()) for run in self.background]
@@ -384,6 +411,8 @@ class GrpcServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.metrics is not None:
+            await self.metrics.stop()
         for callback in reversed(self.on_stop):
             await callback()
 
@@ -399,6 +428,7 @@ def build_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     capacity: Capacity | None = None,
     health_listen: str = "",
+    metrics_listen: str = "",
 ) -> GrpcServer:
     """Assemble a server: interceptor, services, health, reflection, port.
 
@@ -411,7 +441,11 @@ def build_server(
     `health_listen` adds a plaintext listener that serves grpc.health.v1 and
     nothing else, with the same statuses, on any address: Kubernetes' gRPC
     probes cannot speak TLS. Health says SERVING or NOT_SERVING per service
-    name and carries no data; the API stays behind TLS."""
+    name and carries no data; the API stays behind TLS.
+
+    `metrics_listen` adds a plaintext HTTP listener serving Prometheus
+    metrics at /metrics (what `service` exposes, see `metrics.SERVICE_METRICS`),
+    on the address given: counts and timings, no session data."""
     if not security.is_tls and not is_loopback(listen):
         raise ConfigError(
             f"{service}: refusing to serve plaintext on {listen}: plaintext is for "
@@ -468,6 +502,11 @@ def build_server(
         health_port = health_server.add_insecure_port(health_listen)
         if health_port == 0:
             raise RuntimeError(f"could not bind {health_listen}")
+    endpoint = None
+    if metrics_listen:
+        endpoint = metrics.MetricsEndpoint(
+            metrics_listen, metrics.registry_for(service, deployment_id)
+        )
     return GrpcServer(
         server=server,
         health=health_servicer,
@@ -476,6 +515,7 @@ def build_server(
         certificates=watcher,
         health_server=health_server,
         health_port=health_port,
+        metrics=endpoint,
     )
 
 
@@ -492,6 +532,7 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
         port=server.port,
         services=list(server.service_names),
         **({"health_port": server.health_port} if server.health_server else {}),
+        **({"metrics_port": server.metrics_port} if server.metrics else {}),
     )
     await stop.wait()
     log.info("shutting down", grace_s=grace)

@@ -46,6 +46,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         security=config.tls,
         capacity=config.capacity,
         health_listen=config.health_listen,
+        metrics_listen=config.metrics_listen,
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
     server.app = registry

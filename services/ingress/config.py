@@ -15,6 +15,7 @@ from services.common.config import (
     as_addresses,
     as_float,
     as_int,
+    as_listen,
     read_settings,
     security_from_values,
 )
@@ -44,6 +45,8 @@ class IngressConfig:
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
+    # A plaintext HTTP listener serving Prometheus metrics; empty: none.
+    metrics_listen: str = ""
 
     @classmethod
     def load(
@@ -126,4 +129,5 @@ class IngressConfig:
             ),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
+            metrics_listen=as_listen(values, "metrics_listen"),
         )

@@ -45,6 +45,7 @@ async def create_server(config: IngressConfig) -> GrpcServer:
         max_message_bytes=1024 * 1024,
         capacity=config.capacity,
         health_listen=config.health_listen,
+        metrics_listen=config.metrics_listen,
     )
     server.on_reload.append(config.api_keys.reload)
     # A key file updated in place (a Kubernetes secret volume) is re-read

@@ -17,6 +17,7 @@ from services.common.config import (
     as_addresses,
     as_float,
     as_int,
+    as_listen,
     read_settings,
     security_from_values,
 )
@@ -67,6 +68,8 @@ class OwnerConfig:
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
+    # A plaintext HTTP listener serving Prometheus metrics; empty: none.
+    metrics_listen: str = ""
 
     @property
     def keepalive_every(self) -> float:
@@ -173,4 +176,5 @@ class OwnerConfig:
             reconcile_interval=as_float(values, "reconcile_interval", minimum=0.1),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
+            metrics_listen=as_listen(values, "metrics_listen"),
         )

@@ -66,6 +66,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         deployment_id=config.deployment_id,
         capacity=config.capacity,
         health_listen=config.health_listen,
+        metrics_listen=config.metrics_listen,
     )
     fleet = FleetMembership(
         host,

@@ -1,0 +1,381 @@
+"""Every Prometheus metric Baton exposes, defined once, and the endpoint
+that serves them (`--metrics-listen`, README "Metrics").
+
+Conventions (Prometheus'): base units in the name (`_seconds`, `_bytes`),
+counters end in `_total`, histograms rather than summaries (they aggregate
+across replicas), and no label takes a per-session, per-run or per-delivery
+value: every label below has a small fixed set of values (an RPC method, a
+status code, an outcome, a deployment id).
+
+The metric objects live in this module and are shared by every server of a
+process; `SERVICE_METRICS` says which ones each service exposes, so a hooks
+scrape shows no owner metrics. Gauges that are a view of state held
+elsewhere (the owner's sessions, the live instances in etcd) are computed at
+scrape time by a collector or a refresh hook, never kept up to date by hand.
+
+The endpoint is a small asyncio HTTP responder on the server's own event
+loop, not prometheus-client's threaded server: collectors read the owner's
+maps on the loop that changes them, and a refresh may await etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger("baton.metrics")
+
+# Seconds: from a fast RPC (sub-millisecond) to a long model call or stream.
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+# -- every server and client (services/common/server.py, clients.py) -----------
+
+RPC_SERVER_HANDLED = Counter(
+    "baton_rpc_server_handled_total",
+    "RPCs this server finished, by full method name and status code",
+    ["method", "code"],
+    registry=None,
+)
+RPC_SERVER_SECONDS = Histogram(
+    "baton_rpc_server_handling_seconds",
+    "Time from a call's admission to its end (a server stream: its whole life)",
+    ["method"],
+    buckets=_SECONDS,
+    registry=None,
+)
+RPC_CLIENT_HANDLED = Counter(
+    "baton_rpc_client_handled_total",
+    "RPCs this process made to another Baton service, by target service, method and code",
+    ["target", "method", "code"],
+    registry=None,
+)
+BUILD_INFO = "baton_build_info"
+
+# -- hooks and anchor: etcd (services/common/etcd.py, store_health.py) ---------
+
+ETCD_TXN_SECONDS = Histogram(
+    "baton_etcd_txn_seconds",
+    "etcd calls, by operation (txn_read, txn_write, lease_grant, lease_keepalive, "
+    "lease_revoke, alarm), failures included",
+    ["op"],
+    buckets=_SECONDS,
+    registry=None,
+)
+ETCD_ERRORS = Counter(
+    "baton_etcd_errors_total",
+    "etcd calls that failed, by the reason they were mapped to "
+    "(STORE_UNAVAILABLE, STORE_FULL, ...)",
+    ["reason"],
+    registry=None,
+)
+STORE_SERVING = Gauge(
+    "baton_store_serving",
+    "1 while etcd takes writes (health SERVING), 0 while it is unreachable or full",
+    registry=None,
+)
+
+# -- hooks (services/hooks/) ------------------------------------------------------
+
+INBOX_APPENDS = Counter(
+    "baton_inbox_appends_total",
+    "Commands offered to an inbox (ResumeHook), by outcome: accepted, duplicate "
+    "(a delivery id seen before), refused",
+    ["outcome"],
+    registry=None,
+)
+INBOX_APPEND_BATCH = Histogram(
+    "baton_inbox_append_batch_size",
+    "Commands appended to one session's inbox by one etcd transaction",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+    registry=None,
+)
+TRANSFERS = Counter(
+    "baton_transfers_total",
+    "Transfer calls (handoff, drain, adoption moves), by outcome: moved, replayed, refused",
+    ["outcome"],
+    registry=None,
+)
+LIVE_INSTANCES = Gauge(
+    "baton_live_instances",
+    "Owner instances with a live lease, by deployment (read from etcd at scrape "
+    "time: every hooks replica reports the same numbers, aggregate with max)",
+    ["deployment"],
+    registry=None,
+)
+
+# -- anchor (services/anchor/journal.py) -------------------------------------------
+
+COMMIT_BYTES = Histogram(
+    "baton_commit_bytes",
+    "Size of a committed step: snapshot, events and history entries",
+    buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304),
+    registry=None,
+)
+STREAM_FOLLOWERS = Gauge(
+    "baton_stream_followers",
+    "ReadEvents calls following a stream live right now",
+    registry=None,
+)
+EVENTS_COMMITTED = Counter(
+    "baton_events_committed_total",
+    "Stream events committed (replayed commits not counted again)",
+    registry=None,
+)
+
+# -- owner (services/owner/) ------------------------------------------------------
+
+TURNS = Counter(
+    "baton_turns_total",
+    "Turns settled and committed by this instance, by outcome: completed, cancelled, failed",
+    ["outcome"],
+    registry=None,
+)
+TURN_SECONDS = Histogram(
+    "baton_turn_duration_seconds",
+    "From a turn's start to its settling, for turns that started on this instance",
+    buckets=_SECONDS,
+    registry=None,
+)
+STEPS = Counter(
+    "baton_steps_total",
+    "Steps run (one model call and the tools it asked for)",
+    registry=None,
+)
+MODEL_CALL_SECONDS = Histogram(
+    "baton_model_call_seconds",
+    "Model calls, failures included",
+    buckets=_SECONDS,
+    registry=None,
+)
+TOOL_CALL_SECONDS = Histogram(
+    "baton_tool_call_seconds",
+    "Tool calls run in the step, by outcome: ok, error (the tool raised), unknown (no such tool)",
+    ["outcome"],
+    buckets=_SECONDS,
+    registry=None,
+)
+INBOX_WAIT_SECONDS = Histogram(
+    "baton_inbox_wait_seconds",
+    "From a command's acceptance by hooks (accepted_at) to its run taking it up",
+    buckets=_SECONDS,
+    registry=None,
+)
+SESSIONS = "baton_sessions"
+INBOX_OLDEST_UNCONSUMED = "baton_inbox_oldest_unconsumed_seconds"
+HANDOFFS = Counter(
+    "baton_handoffs_total",
+    "Attempts to move a session to another deployment, by reason (trigger, drain) and "
+    "outcome: moved, refused, uncertain (then settled), skipped (no checkpoint revision, "
+    "no live target instance, registry lookup failed)",
+    ["reason", "outcome"],
+    registry=None,
+)
+HANDOFF_SECONDS = Histogram(
+    "baton_handoff_duration_seconds",
+    "From choosing the target instance to its answer (moved, refused or uncertain)",
+    buckets=_SECONDS,
+    registry=None,
+)
+TAKEOVERS = Counter(
+    "baton_takeovers_total",
+    "Sessions of a dead instance of this deployment that this instance took over",
+    registry=None,
+)
+RESTARTS = Counter(
+    "baton_restarts_total",
+    "Failed runs restarted (transient or deterministic failures; not the stalls)",
+    registry=None,
+)
+COMMITS = Counter(
+    "baton_commits_total",
+    "Step commits through anchor, by outcome: ok, fenced (another run owns the "
+    "session), refused (invalid or over a limit)",
+    ["outcome"],
+    registry=None,
+)
+
+# -- ingress (services/ingress/) --------------------------------------------------
+
+SENDS = Counter(
+    "baton_sends_total",
+    "Commands (messages and controls) delivered through this ingress, by outcome: "
+    "accepted, duplicate, refused (a limit, or hooks said no)",
+    ["outcome"],
+    registry=None,
+)
+LIMIT_REFUSALS = Counter(
+    "baton_limit_refusals_total",
+    "Calls refused by a channel limit: sends_per_second, sessions_per_minute, follow_streams",
+    ["limit"],
+    registry=None,
+)
+
+_RPC = (RPC_SERVER_HANDLED, RPC_SERVER_SECONDS, RPC_CLIENT_HANDLED)
+_STORE = (ETCD_TXN_SECONDS, ETCD_ERRORS, STORE_SERVING)
+SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
+    "hooks": (*_RPC, *_STORE, INBOX_APPENDS, INBOX_APPEND_BATCH, TRANSFERS, LIVE_INSTANCES),
+    "anchor": (*_RPC, *_STORE, COMMIT_BYTES, STREAM_FOLLOWERS, EVENTS_COMMITTED),
+    "owner": (
+        *_RPC,
+        TURNS,
+        TURN_SECONDS,
+        STEPS,
+        MODEL_CALL_SECONDS,
+        TOOL_CALL_SECONDS,
+        INBOX_WAIT_SECONDS,
+        HANDOFFS,
+        HANDOFF_SECONDS,
+        TAKEOVERS,
+        RESTARTS,
+        COMMITS,
+    ),
+    "ingress": (*_RPC, SENDS, LIMIT_REFUSALS),
+}
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("baton")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class BuildInfo(Collector):
+    """`baton_build_info{version,deployment} 1`: which build (and, for owner
+    and ingress, which deployment id) a scraped process runs."""
+
+    def __init__(self, deployment_id: str) -> None:
+        self._labels = [version(), deployment_id]
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            BUILD_INFO,
+            "The running build's version and deployment id (empty for hooks and anchor)",
+            labels=["version", "deployment"],
+        )
+        family.add_metric(self._labels, 1)
+        yield family
+
+
+class RpcMeter:
+    """RPC metrics, recorded only in a process that serves them (a server
+    with `--metrics-listen`): with metrics off the interceptor and the client
+    base do one attribute check per call. Label children are cached, so a
+    call costs a dict lookup and an increment (and an observation)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._served: dict[tuple[str, str], Any] = {}
+        self._timed: dict[str, Any] = {}
+        self._called: dict[tuple[str, str, str], Any] = {}
+
+    def served(self, method: str, code: str, seconds: float) -> None:
+        key = (method, code)
+        counter = self._served.get(key)
+        if counter is None:
+            counter = self._served[key] = RPC_SERVER_HANDLED.labels(method, code)
+        counter.inc()
+        timer = self._timed.get(method)
+        if timer is None:
+            timer = self._timed[method] = RPC_SERVER_SECONDS.labels(method)
+        timer.observe(seconds)
+
+    def called(self, target: str, method: str, code: str) -> None:
+        key = (target, method, code)
+        counter = self._called.get(key)
+        if counter is None:
+            counter = self._called[key] = RPC_CLIENT_HANDLED.labels(target, method, code)
+        counter.inc()
+
+
+RPC = RpcMeter()
+
+Refresh = Callable[[], Awaitable[None]]
+"""Run before each scrape (e.g. hooks counting live instances in etcd)."""
+
+_REFRESH_SECONDS = 2.0
+_MAX_REQUEST_BYTES = 8192
+
+
+def registry_for(service: str, deployment_id: str = "") -> CollectorRegistry:
+    """A registry with what `service` exposes (see SERVICE_METRICS; a server
+    of another name, e.g. a test's, exposes the RPC metrics)."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(BuildInfo(deployment_id))
+    for collector in SERVICE_METRICS.get(service, _RPC):
+        registry.register(collector)
+    return registry
+
+
+class MetricsEndpoint:
+    """`GET /metrics` in Prometheus' text format on `listen` (plaintext HTTP;
+    `--metrics-listen`), served on the running event loop."""
+
+    def __init__(self, listen: str, registry: CollectorRegistry) -> None:
+        self.listen = listen
+        self.registry = registry
+        self.refresh: list[Refresh] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    def add(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    async def start(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        self._server = await asyncio.start_server(
+            self._serve, host.strip("[]"), int(port), limit=_MAX_REQUEST_BYTES
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        RPC.enabled = True
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            method, _, rest = head.decode("latin-1").partition(" ")
+            path = rest.partition(" ")[0].partition("?")[0]
+            if method != "GET" or path != "/metrics":
+                await _answer(writer, "404 Not Found", b"GET /metrics\n", "text/plain")
+                return
+            await self._refresh()
+            await _answer(writer, "200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def _refresh(self) -> None:
+        for refresh in self.refresh:
+            try:
+                await asyncio.wait_for(refresh(), _REFRESH_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - a scrape shows the last values
+                log.warning("metrics refresh failed", error=repr(exc)[:200])
+
+
+async def _answer(
+    writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str
+) -> None:
+    writer.write(
+        (
+            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode("latin-1")
+        + body
+    )
+    await writer.drain()
