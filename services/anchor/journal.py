@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
 from baton.session.v1 import session_pb2 as s
 from services.anchor.history import EtcdHistory, GuardFailed, HistoryStore, check_entry
-from services.common import ids, limits
+from services.common import ids, limits, metrics
 from services.common.errors import (
     Aborted,
     FailedPrecondition,
@@ -46,6 +46,8 @@ class Commit:
     snapshot: s.SessionSnapshot
     snapshot_bytes: bytes
     close: bool
+    # Snapshot, events and history entries, encoded (at most MAX_COMMIT_BYTES).
+    size: int
 
 
 def encode_commit(
@@ -122,6 +124,7 @@ def encode_commit(
         snapshot,
         snapshot_bytes,
         close,
+        total,
     )
 
 
@@ -212,6 +215,8 @@ class Journal:
             txn.read_on_failure("first", k.event(sid, events[0].seq))
         result = await txn.run(self._store)
         if result.succeeded:
+            metrics.EVENTS_COMMITTED.inc(len(events))
+            metrics.COMMIT_BYTES.observe(commit.size)
             return result.revision, False
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")
@@ -349,6 +354,19 @@ class Journal:
         its last page: the watch opens before that read (`watch_then_read`),
         so a reader near the head sees new commits at once."""
         ids.validate_session_id(session_id)
+        if follow:
+            metrics.STREAM_FOLLOWERS.inc()
+        try:
+            async with contextlib.aclosing(self._read(session_id, start_seq, follow)) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            if follow:
+                metrics.STREAM_FOLLOWERS.dec()
+
+    async def _read(
+        self, session_id: str, start_seq: int, follow: bool
+    ) -> AsyncGenerator[list[s.Event], None]:
         k = self._keys
         next_seq = start_seq
         checked = False

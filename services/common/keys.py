@@ -130,6 +130,10 @@ class Keys:
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
 
+    def instances_prefix(self) -> bytes:
+        """Every deployment's live instances (`instance` keys)."""
+        return f"{self.root}d/".encode()
+
     def deployment_prefix(self, deployment_id: str) -> bytes:
         return f"{self.root}d/{deployment_id}/".encode()
 

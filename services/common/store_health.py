@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from services.common import metrics
 from services.common.errors import BatonError, Reason
 from services.common.etcd import Store
 
@@ -42,6 +43,7 @@ class StoreHealth:
         self._clock = clock
         self._failing_since: float | None = None
         self.reason = ""  # why the store is unusable; "" while it is usable
+        metrics.STORE_SERVING.set(1)
 
     async def run(self) -> None:
         while True:
@@ -70,5 +72,6 @@ class StoreHealth:
             else:
                 log.info("store usable again; health SERVING", previous_reason=self.reason)
             self.reason = reason
+            metrics.STORE_SERVING.set(0 if reason else 1)
             await self._set_serving(not reason)
         return reason

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import ids, metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
 from services.common.etcd import Store, cmp_absent, cmp_value, watch_then_read
 from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
@@ -120,7 +120,17 @@ class Inbox:
         self._background = Background()
 
     async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
-        """Durably append `command` to the inbox of the session `token` names."""
+        """Durably append `command` to the inbox of the session `token` names
+        (counted once in baton_inbox_appends_total by its outcome)."""
+        try:
+            receipt = await self._append(token, command, channel)
+        except Exception:
+            _REFUSED.inc()
+            raise
+        (_DUPLICATE if receipt.duplicate else _ACCEPTED).inc()
+        return receipt
+
+    async def _append(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         check_command(command)
         record, entry = await self._tokens.resolve(token, channel, cached=True)
         future: asyncio.Future[s.Receipt] = asyncio.get_running_loop().create_future()
@@ -142,6 +152,7 @@ class Inbox:
         try:
             while queue.pending:
                 batch = _take_batch(queue)
+                metrics.INBOX_APPEND_BATCH.observe(len(batch))
                 try:
                     await self._commit_batch(session_id, batch)
                 except Exception as exc:  # noqa: BLE001 - handed to every waiter
@@ -243,7 +254,7 @@ class Inbox:
 
         async def again() -> None:
             try:
-                receipt = await self.resume(item.token, item.command, "")
+                receipt = await self._append(item.token, item.command, "")
             except Exception as exc:  # noqa: BLE001 - handed to the waiter
                 if not item.future.done():
                     item.future.set_exception(exc)
@@ -302,6 +313,11 @@ class Inbox:
                 if seq >= next_seq:
                     next_seq = seq + 1
                     yield [s.InboxEntry.FromString(event.kv.value)]
+
+
+_ACCEPTED = metrics.INBOX_APPENDS.labels("accepted")
+_DUPLICATE = metrics.INBOX_APPENDS.labels("duplicate")
+_REFUSED = metrics.INBOX_APPENDS.labels("refused")
 
 
 def _take_batch(queue: _SessionQueue) -> list[_Append]:

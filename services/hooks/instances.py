@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common import ids
+from services.common import ids, metrics
 from services.common.errors import InvalidArgument, Reason
 from services.common.etcd import Store, follow_range
 from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
@@ -76,6 +76,25 @@ class InstanceRegistry:
         prefix = self._keys.deployment_prefix(deployment_id)
         result = await Txn().read("live", prefix, prefix_end(prefix)).run(self._store)
         return [InstanceRecord.decode(kv.value) for kv in result.kvs("live")]
+
+    async def count_live(self) -> dict[str, int]:
+        """Live instances per deployment (one keys-only range read)."""
+        prefix = self._keys.instances_prefix()
+        result = (
+            await Txn().read("live", prefix, prefix_end(prefix), keys_only=True).run(self._store)
+        )
+        counts: dict[str, int] = {}
+        for kv in result.kvs("live"):
+            deployment = kv.key[len(prefix) :].decode().partition("/")[0]
+            counts[deployment] = counts.get(deployment, 0) + 1
+        return counts
+
+    async def refresh_metrics(self) -> None:
+        """baton_live_instances{deployment}, read from etcd (before a scrape)."""
+        counts = await self.count_live()
+        metrics.LIVE_INSTANCES.clear()
+        for deployment, count in counts.items():
+            metrics.LIVE_INSTANCES.labels(deployment).set(count)
 
     async def watch(self, deployment_id: str) -> AsyncIterator[InstanceSet]:
         """The live set now (with every indexed instance that is not live),

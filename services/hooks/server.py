@@ -27,9 +27,10 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     keys = Keys(config.etcd.prefix)
     registry = HookRegistry(store, keys)
     transfers = Transfers(store, keys, on_moved=registry.owner_moved)
+    instances = InstanceRegistry(store, keys)
     servicer = HookRegistryServicer(
         registry,
-        InstanceRegistry(store, keys),
+        instances,
         transfers,
         DeploymentScope(store, keys),
         PermitVerifier(config.tls),
@@ -49,6 +50,8 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         metrics_listen=config.metrics_listen,
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
+    if server.metrics is not None:
+        server.metrics.refresh.append(instances.refresh_metrics)
     server.app = registry
     server.on_stop.append(store.close)
     server.on_stop.append(registry.close)

@@ -9,7 +9,7 @@ import structlog
 from baton.hooks.v1 import hooks_pb2 as pb
 from baton.hooks.v1 import hooks_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common import identity, ids
+from services.common import identity, ids, metrics
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, PermissionDenied, Reason
 from services.common.identity import Caller, Role
@@ -63,6 +63,17 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         await self._scope.check(identity.current(), fence)
 
     async def Transfer(self, request: pb.TransferRequest, context: Context) -> pb.TransferResponse:
+        """Counted in baton_transfers_total: moved, replayed (a repeat of a
+        move already applied) or refused (any error, the checks included)."""
+        try:
+            response = await self._transfer(request)
+        except Exception:
+            metrics.TRANSFERS.labels("refused").inc()
+            raise
+        metrics.TRANSFERS.labels("replayed" if response.replayed else "moved").inc()
+        return response
+
+    async def _transfer(self, request: pb.TransferRequest) -> pb.TransferResponse:
         for name in ("expected", "expected_owner", "successor"):
             if not request.HasField(name):
                 raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from services.common import ids, metrics
 from services.common.bounds import check_seq, check_session_settings
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import (
@@ -233,9 +233,15 @@ class Edge:
 
     async def send(self, channel: str, token: str, command: s.Command) -> s.Receipt:
         """Deliver (within the channel's send rate); a session id the channel
-        cannot address answers as if it did not exist."""
-        self.budget.admit_send(channel)
-        receipt = await self._hooks.resume(token, command, channel)
+        cannot address answers as if it did not exist. Counted in
+        baton_sends_total: accepted, duplicate or refused (a limit, or hooks)."""
+        try:
+            self.budget.admit_send(channel)
+            receipt = await self._hooks.resume(token, command, channel)
+        except Exception:
+            metrics.SENDS.labels("refused").inc()
+            raise
+        metrics.SENDS.labels("duplicate" if receipt.duplicate else "accepted").inc()
         if self._orphans is not None:
             self._orphans.accepted(receipt)
         return receipt

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from services.common import metrics
 from services.common.errors import Reason, ResourceExhausted
 
 
@@ -76,6 +77,7 @@ class ChannelBudget:
             return
         wait = self._take(self._sends, channel, rate, rate)
         if wait:
+            metrics.LIMIT_REFUSALS.labels("sends_per_second").inc()
             raise ResourceExhausted(
                 Reason.RATE_LIMITED,
                 f"channel {channel} is over its limit of {rate:g} sends per second",
@@ -89,6 +91,7 @@ class ChannelBudget:
             return
         wait = self._take(self._creates, channel, per_minute / 60.0, per_minute)
         if wait:
+            metrics.LIMIT_REFUSALS.labels("sessions_per_minute").inc()
             raise ResourceExhausted(
                 Reason.RATE_LIMITED,
                 f"channel {channel} is over its limit of {per_minute:g} new sessions per minute",
@@ -102,6 +105,7 @@ class ChannelBudget:
         cap = self.limits.follow_streams
         open_now = self._streams.get(channel, 0)
         if cap and open_now >= cap:
+            metrics.LIMIT_REFUSALS.labels("follow_streams").inc()
             raise ResourceExhausted(
                 Reason.TOO_MANY_STREAMS,
                 f"channel {channel} has {open_now} follow streams open; the limit is {cap}",

@@ -13,13 +13,26 @@ import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
+from services.common import metrics
 from services.common.clients import AnchorClient
-from services.common.errors import DeadlineExceeded, Reason, ResourceExhausted, Unavailable
+from services.common.errors import (
+    BatonError,
+    DeadlineExceeded,
+    Fenced,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.owner.held import RunIdentity
 
 log = structlog.get_logger("baton.owner.session")
 
 COMMIT_RETRY_SECONDS = 30.0
+# baton_commits_total{outcome}: ok, fenced, refused (retried failures are not
+# outcomes: the identical request goes again).
+_COMMIT_OK = metrics.COMMITS.labels("ok")
+_COMMIT_FENCED = metrics.COMMITS.labels("fenced")
+_COMMIT_REFUSED = metrics.COMMITS.labels("refused")
 STORE_FULL_RETRY_MAX_SECONDS = 5.0
 
 
@@ -55,13 +68,18 @@ async def commit_step(
     while True:
         try:
             response = await anchor.commit(request)
+            _COMMIT_OK.inc()
             return response.revision if expected_snapshot_revision is not None else None
+        except Fenced:
+            _COMMIT_FENCED.inc()
+            raise
         except (Unavailable, DeadlineExceeded) as exc:
             if loop.time() > deadline:
                 raise
             log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
         except ResourceExhausted as exc:
             if exc.reason != Reason.STORE_FULL:
+                _COMMIT_REFUSED.inc()
                 raise
             log.error(
                 "commit waits: etcd is full",
@@ -70,5 +88,8 @@ async def commit_step(
             )
             await asyncio.sleep(STORE_FULL_RETRY_MAX_SECONDS)
             continue
+        except BatonError:
+            _COMMIT_REFUSED.inc()  # invalid, over a limit, finalized, stale
+            raise
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, 1.0)

@@ -49,7 +49,7 @@ from google.protobuf.message import DecodeError
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
+from services.common import failpoints, ids, metrics
 from services.common.clients import (
     AnchorClient,
     HandoffAccepted,
@@ -203,17 +203,21 @@ class HandoffBroker:
             reason="trigger" if entry is not None else "drain",
         )
         self.last_refusal.pop(fence.session_id, None)
+        why = "trigger" if entry is not None else "drain"
         if revision is None:
             bound.info("handoff skipped: checkpoint revision unknown")
+            metrics.HANDOFFS.labels(why, "skipped").inc()
             return False
         started = time.monotonic()
         try:
             instances = await self._instances(target)
         except BatonError as exc:
             bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
+            metrics.HANDOFFS.labels(why, "skipped").inc()
             return False
         if not instances:
             bound.info("handoff skipped: no live instance of the target deployment")
+            metrics.HANDOFFS.labels(why, "skipped").inc()
             self.last_refusal[fence.session_id] = (
                 Reason.UPSTREAM_UNAVAILABLE,
                 f"no live instance of deployment {target}",
@@ -244,12 +248,15 @@ class HandoffBroker:
             request.checkpoint = checkpoint.snapshot
             request.context.extend(checkpoint.context)
         await failpoints.hit("handoff.before_accept")
+        asked = time.monotonic()
         try:
             accepted = await self._peer(chosen.address).accept_handoff(request)
             await failpoints.hit("handoff.accept_response")
         except Fenced:
             raise
         except REFUSALS as exc:
+            metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
+            metrics.HANDOFFS.labels(why, "refused").inc()
             bound.info(
                 "handoff refused; processing here" if entry is not None else "drain refused",
                 reason=exc.reason,
@@ -258,9 +265,13 @@ class HandoffBroker:
             self.last_refusal[fence.session_id] = (exc.reason, exc.message)
             return False
         except BatonError as exc:
+            metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
+            metrics.HANDOFFS.labels(why, "uncertain").inc()
             self._targets.pop(target, None)
             bound.warning("handoff outcome uncertain; settling it", reason=exc.reason)
             return await self._settle(checkpoint, bound)
+        metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
+        metrics.HANDOFFS.labels(why, "moved").inc()
         bound.info(
             "session handed off",
             epoch=accepted.fence.epoch,

@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
+from services.common import failpoints, ids, metrics
 from services.common.clients import (
     AnchorClient,
     DrainBlocker,
@@ -690,6 +690,7 @@ class OwnerHost:
                 self._spawn(self._stall(fence, failure, count))
                 return
             delay = min(RETRY_FIRST_SECONDS * 2 ** (count - 1), FAILED_RUN_MAX_DELAY_SECONDS)
+        metrics.RESTARTS.inc()
         self._log.warning(
             "run failed; restarting it",
             session_id=sid,
@@ -780,6 +781,7 @@ class OwnerHost:
                     bound.warning("takeover retry", reason=exc.reason, backoff_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+            metrics.TAKEOVERS.inc()
             bound.info(
                 "session taken over",
                 from_instance=owned.owner.instance_id,

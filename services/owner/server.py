@@ -14,6 +14,7 @@ from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
 from services.owner.fleet import FleetMembership
 from services.owner.host import OwnerHost
+from services.owner.metering import HeldSessions
 from services.owner.servicer import OwnerServicer
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
@@ -36,6 +37,18 @@ def advertised_address(listen: str, port: int) -> str:
     if host in ("0.0.0.0", "[::]", ""):
         host = "127.0.0.1"
     return f"{host}:{port}"
+
+
+def held_sessions(host: OwnerHost) -> HeldSessions:
+    """The host's sessions by state, and its oldest unprocessed command."""
+
+    def oldest() -> float | None:
+        times = [run.oldest_pending_accepted() for run in host.runs.values()]
+        return min((t for t in times if t is not None), default=None)
+
+    return HeldSessions(
+        lambda: {"running": host.runs, "parked": host.parked, "stalled": host.stalled}, oldest
+    )
 
 
 async def create_server(config: OwnerConfig) -> GrpcServer:
@@ -78,6 +91,8 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         reconcile_every=config.reconcile_interval,
     )
     fleet.start()
+    if server.metrics is not None:
+        server.metrics.add(held_sessions(host))
     server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
+from services.common import failpoints, ids, metrics
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
@@ -48,6 +48,7 @@ from services.owner.children import Children
 from services.owner.commit import commit_step
 from services.owner.handles import Refusal, Verdict
 from services.owner.held import RunIdentity, make_event
+from services.owner.metering import TurnMeter, waited
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
@@ -172,6 +173,7 @@ class SessionRun:
         self.drain_to = drain_to  # an operator's drain target ("" = none)
         self._drain_after = 0.0  # monotonic time of the next drain attempt
         self.drained = False  # the run ended because a drain moved the session
+        self._turns = TurnMeter()
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -200,6 +202,14 @@ class SessionRun:
     def pending(self) -> int:
         """Inbox entries read and not processed yet."""
         return len(self._pending)
+
+    def oldest_pending_accepted(self) -> float | None:
+        """When the oldest entry read and not processed yet was accepted
+        (epoch seconds), or None."""
+        if not self._pending or not self._pending[0].HasField("accepted_at"):
+            return None
+        accepted = self._pending[0].accepted_at
+        return accepted.seconds + accepted.nanos / 1e9
 
     # -- the program ------------------------------------------------------
 
@@ -302,7 +312,9 @@ class SessionRun:
                 except TimeoutError:
                     if not self._drain_due():
                         return None
-            return self._pending.popleft()
+            entry = self._pending.popleft()
+            waited(entry)
+            return entry
         finally:
             self._idle = False
 
@@ -595,6 +607,7 @@ class SessionRun:
     async def _run_step(self) -> StepProgress:
         """One model call plus the tools it asks for, abortable by a push."""
         progress = StepProgress()
+        metrics.STEPS.inc()
         self._abort_requested = False
         self._step_task = asyncio.get_running_loop().create_task(self._execute(progress))
         try:
@@ -611,9 +624,10 @@ class SessionRun:
     async def _execute(self, progress: StepProgress) -> None:
         state = self.state
         try:
-            reply = await self.agent.model.complete(
-                self.agent.instructions, state.context.messages, self.agent.all_tools
-            )
+            with metrics.MODEL_CALL_SECONDS.time():
+                reply = await self.agent.model.complete(
+                    self.agent.instructions, state.context.messages, self.agent.all_tools
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
@@ -697,8 +711,10 @@ class SessionRun:
         tool: Tool | None = self.agent.tool_index.get(call.name)
         result = s.ToolResult(tool_call_id=call.id, name=call.name)
         if tool is None:
+            metrics.TOOL_CALL_SECONDS.labels("unknown").observe(0.0)
             result.output, result.is_error = f"unknown tool {call.name!r}", True
             return result
+        start = time.perf_counter()
         try:
             result.output = await tool.run(json.loads(call.arguments_json), self._tool_context())
         except asyncio.CancelledError:
@@ -706,6 +722,8 @@ class SessionRun:
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
             # Public too (tool_call.result): the type and a bounded prefix.
             result.output, result.is_error = safe_error(exc), True
+        outcome = "error" if result.is_error else "ok"
+        metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
         return result
 
     def _tool_context(self) -> ToolContext:
@@ -966,6 +984,7 @@ class SessionRun:
         finally:
             self._idle = False
         self.state.mark_committed()
+        self._turns.committed(events)
         self._committed_snapshot = self.snapshot.SerializeToString()
         self.progressed = True
         self._start_retire()
