@@ -26,6 +26,7 @@ from services.cli.launcher import (
     LaunchError,
     Ports,
 )
+from tests.scrape import Scrape, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 90.0
@@ -46,6 +47,7 @@ TWO_DEPLOYMENTS = {
 _STARTED = re.compile(r"^baton up: started ([\w-]+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
 _EVENT = re.compile(r"^#(\d+) +(\S+)")
 _RUN_DIR = re.compile(r"^baton up: run dir (\S+),")
+_METRICS = re.compile(r"^  (\S+(?: of \S+)?) +(http://127\.0\.0\.1:\d+/metrics)$")
 
 
 def process_state(pid: int) -> str | None:
@@ -79,6 +81,7 @@ class Launcher:
     errors: list[str] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # label -> metrics URL
     run_dir: str = ""
     _readers: list[asyncio.Task[None]] = field(default_factory=list)
     _new_line: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,6 +121,8 @@ class Launcher:
                 self.addresses[match[1]] = match[3]
             elif match := _RUN_DIR.match(line):
                 self.run_dir = match[1]
+            elif match := _METRICS.match(line):
+                self.metrics[match[1]] = match[2]
             self._new_line.set()
         self._new_line.set()
 
@@ -200,6 +205,17 @@ async def run_demo(launcher: Launcher, ingress: str, *args: str) -> tuple[int, s
     return proc.returncode or 0, out.decode(errors="replace")
 
 
+async def scrape_every_process(launcher: Launcher) -> dict[str, Scrape]:
+    """Every service process `baton up` started printed its metrics URL, and
+    each answers with its build info (etcd serves its own)."""
+    services = {name for name in launcher.pids if not name.startswith("etcd")}
+    assert set(launcher.metrics) == services, launcher.output
+    scrapes = {name: await scrape(url) for name, url in launcher.metrics.items()}
+    for name, scraped in scrapes.items():
+        assert scraped.total("baton_build_info") == 1, (name, scraped.samples)
+    return scrapes
+
+
 def assert_all_stopped(launcher: Launcher, started: set[str] = PROCESSES) -> None:
     """Exactly `started` were started, none is running, the run dir is gone."""
     assert set(launcher.pids) == started, launcher.output
@@ -228,6 +244,13 @@ async def test_up_then_demo_then_sigterm_stops_everything() -> None:
             re.M,
         ), demo_output
         assert "demo finished" in demo_output
+
+        scrapes = await scrape_every_process(launcher)
+        owner, ingress = scrapes["owner of dep-1"], scrapes["ingress of dep-1"]
+        assert owner.total("baton_turns_total", outcome="completed") >= 3, owner.samples
+        assert owner.total("baton_build_info", deployment="dep-1") == 1
+        assert ingress.total("baton_sends_total", outcome="accepted") >= 3, ingress.samples
+        assert scrapes["hooks"].total("baton_live_instances", deployment="dep-1") == 1
 
         launcher.proc.send_signal(signal.SIGTERM)
         assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
@@ -368,6 +391,11 @@ async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> No
             up, up.addresses["ingress-2 of dep-1"], "--message", "hi"
         )
         assert code == 0, demo_output
+        scrapes = await scrape_every_process(up)
+        assert len(scrapes) == 8
+        # Both ingress replicas ran a demo conversation.
+        for ingress in ("ingress of dep-1", "ingress-2 of dep-1"):
+            assert scrapes[ingress].total("baton_sends_total", outcome="accepted") >= 1, ingress
         # One log per process, etcd members included.
         logs = Path(up.run_dir) / "logs"
         assert {p.name for p in logs.glob("*.log")} >= {
@@ -415,7 +443,12 @@ def test_port_plan_is_validated() -> None:
     with pytest.raises(LaunchError, match="ingress of dep-2 and etcd .* both use port 50055"):
         Ports.plan(50051, 50055, ("dep-1", "dep-2"))
     free = Ports.plan(0, 0, ("dep-1", "dep-2"))
-    assert len({port for _, port in free.items()}) == 8
+    # etcd's two, and a gRPC and a metrics port for each of 6 service processes.
+    assert len({port for _, port in free.items()}) == 2 + 2 * 6
+    based = Ports.plan(50051, 23790)
+    assert based.metrics == {50052: 51052, 50053: 51053, 50051: 51051, 50054: 51054}
+    with pytest.raises(LaunchError, match="hooks metrics and .* both use port 51052"):
+        Ports.plan(50051, 51052)
 
 
 def test_port_plan_with_replicas_and_etcd_members() -> None:
@@ -442,6 +475,6 @@ def test_port_plan_with_replicas_and_etcd_members() -> None:
     ]
     assert "owner-2 of dep-2" in names and "hooks-2" in names
     free = Ports.plan(0, 0, ("dep-1",), replicas=3, etcd_members=3)
-    assert len({port for _, port in free.items()}) == 3 * 4 + 6
+    assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6
     with pytest.raises(LaunchError, match="would both use"):
         Ports.plan(50051, 50151, replicas=2)

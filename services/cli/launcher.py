@@ -20,7 +20,10 @@ at P+2N+1 (dep 2: P+4, P+5; dep 3: P+6, P+7). With `--replicas R`, replica k
 (k >= 2) of each of them listens 100 (k - 1) above the first (hooks P+1,
 P+101, P+201, ...). etcd clients use `--etcd-port E` (default 23790) and etcd
 peers E+1; with `--etcd-members M`, member m (m >= 2) uses E+2(m-1) and the
-port after it. Port 0 means "pick free ports".
+port after it. Port 0 means "pick free ports". Each service process also
+serves Prometheus metrics (`--metrics-listen`) on loopback, METRICS_OFFSET
+above its gRPC port (free ports too with a port base of 0); `baton up`
+prints every process's `http://127.0.0.1:PORT/metrics`.
 
 Every client is given all replicas of what it calls (comma-separated
 addresses, balanced round-robin) and every etcd member's endpoint.
@@ -38,8 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -85,6 +88,8 @@ PER_DEPLOYMENT = ("owner", "ingress")
 # (m >= 2) at the first member's client and peer ports + ETCD_MEMBER_STRIDE * (m - 1).
 REPLICA_STRIDE = 100
 ETCD_MEMBER_STRIDE = 2
+# A service's metrics port: its gRPC port + METRICS_OFFSET.
+METRICS_OFFSET = 1000
 
 _PROBE_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -170,6 +175,8 @@ class Ports:
     anchors: tuple[int, ...]
     etcd: tuple[tuple[int, int], ...]  # (client, peer) per member
     deployments: tuple[DeploymentPorts, ...]
+    # Each service process's metrics port, by its gRPC port (see METRICS_OFFSET).
+    metrics: Mapping[int, int] = field(default_factory=dict, compare=False)
 
     @property
     def ingress(self) -> int:
@@ -202,7 +209,8 @@ class Ports:
         ports instead."""
         if replicas < 1 or etcd_members < 1:
             raise LaunchError("--replicas and --etcd-members must be at least 1")
-        count = replicas * (2 + 2 * len(deployment_ids)) + 2 * etcd_members
+        services = replicas * (2 + 2 * len(deployment_ids))
+        count = 2 * services + 2 * etcd_members
         spare = iter(_distinct_free_ports(count))
 
         def ports(first: int) -> tuple[int, ...]:
@@ -227,12 +235,13 @@ class Ports:
             )
         else:
             etcd = tuple((next(spare), next(spare)) for _ in range(etcd_members))
-        plan = cls(
-            hooks=ports(port_base + SHARED_OFFSETS["hooks"]),
-            anchors=ports(port_base + SHARED_OFFSETS["anchor"]),
-            etcd=etcd,
-            deployments=tuple(deployments),
-        )
+        hooks = ports(port_base + SHARED_OFFSETS["hooks"])
+        anchors = ports(port_base + SHARED_OFFSETS["anchor"])
+        grpc_ports = [*hooks, *anchors]
+        for dep in deployments:
+            grpc_ports += [*dep.ingresses, *dep.owners]
+        metrics = {port: port + METRICS_OFFSET if port_base else next(spare) for port in grpc_ports}
+        plan = cls(hooks, anchors, etcd, tuple(deployments), metrics)
         plan.validate()
         return plan
 
@@ -254,6 +263,8 @@ class Ports:
             for name in ("ingress", "owner"):
                 for k, port in enumerate(self.service_ports(name, dep)):
                     items.append((f"{replica_label(name, k)} of {dep.deployment_id}", port))
+        services = items[2 * len(self.etcd) :]
+        items += [(f"{name} metrics", self.metrics[port]) for name, port in services]
         return items
 
     def summary(self) -> str:
@@ -354,6 +365,8 @@ class Child:
     deployment_id: str = ""
     # "owner" for every owner replica ("owner", "owner-2", ...); "" = `name`.
     service: str = ""
+    # Where its Prometheus metrics are served ("" for etcd).
+    metrics_url: str = ""
 
     @property
     def kind(self) -> str:
@@ -606,7 +619,9 @@ class LocalSystem:
         log_name = f"{name}-{dep.deployment_id}.log" if dep else f"{name}.log"
         address = f"127.0.0.1:{port}"
         log_path = str(self.log_dir / log_name)
-        service = ServiceProcess(kind, address, self._service_env(kind, dep), log_path=log_path)
+        metrics_port = self.ports.metrics[port]
+        env = self._service_env(kind, dep) | {"BATON_METRICS_LISTEN": f"127.0.0.1:{metrics_port}"}
+        service = ServiceProcess(kind, address, env, log_path=log_path)
         label = f"{name} of {dep.deployment_id}" if dep else name
         try:
             service.start()
@@ -614,8 +629,18 @@ class LocalSystem:
             raise LaunchError(f"could not start {label}: {exc}") from exc
         assert service.proc is not None
         deployment_id = dep.deployment_id if dep else ""
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return self._started(
-            Child(name, address, log_path, service.proc, service.stop, deployment_id, kind)
+            Child(
+                name,
+                address,
+                log_path,
+                service.proc,
+                service.stop,
+                deployment_id,
+                kind,
+                metrics_url,
+            )
         )
 
     def _started(self, child: Child) -> Child:
@@ -665,6 +690,12 @@ class LocalSystem:
                 f"{child.address:<17} {child.pid:>7}  {child.log_path}"
             )
         return lines
+
+    def describe_metrics(self) -> list[str]:
+        """One line per service process: its label and metrics URL."""
+        served = [c for c in self.children if c.metrics_url]
+        width = max(len(c.label) for c in served)
+        return [f"  {c.label:<{width}}  {c.metrics_url}" for c in served]
 
     # -- stop --------------------------------------------------------------
 
@@ -747,6 +778,9 @@ def _announce(system: LocalSystem) -> None:
         )
         system.say(f"Baton is up: deployments {apis}")
     for line in system.describe():
+        system.say(line)
+    system.say("Prometheus metrics (plaintext HTTP, loopback):")
+    for line in system.describe_metrics():
         system.say(line)
     if not settings.api_key_file:
         system.say(
