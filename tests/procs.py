@@ -71,9 +71,16 @@ class ProcessStack:
     owners: dict[str, ServiceProcess] = field(default_factory=dict)
     ingresses: dict[str, ServiceProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    # With `serve_metrics`, every process serves Prometheus metrics on a port
+    # of its own (`metrics_url`).
+    serve_metrics: bool = False
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
+
+    def metrics_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
 
     def _env(self, security: Security, **extra: str) -> dict[str, str]:
         assert security.files is not None
@@ -100,6 +107,9 @@ class ProcessStack:
         security = certs.security(role, deployment_id if role in _PER_DEPLOYMENT else "")
         if module == "ingress":
             extra.setdefault("BATON_API_KEYS_FILE", self._key_file())
+        if self.serve_metrics:
+            port = self.metrics_ports.setdefault(name, free_port())
+            extra.setdefault("BATON_METRICS_LISTEN", f"127.0.0.1:{port}")
         proc = ServiceProcess(
             module,
             self.addr(name),
@@ -161,13 +171,16 @@ class ProcessStack:
             wait_serving(self.addr(name), self.probe)
         return self
 
-    def start_ingress(self, name: str, deployment_id: str, owners: list[str]) -> ServiceProcess:
+    def start_ingress(
+        self, name: str, deployment_id: str, owners: list[str], env: dict[str, str] | None = None
+    ) -> ServiceProcess:
         """Another ingress, of `deployment_id`, creating sessions on `owners`."""
         self.ingresses[name] = proc = self._spawn(
             name,
             "ingress",
             BATON_OWNER_ADDR=",".join(self.addr(o) for o in owners),
             BATON_DEPLOYMENT_ID=deployment_id,
+            **(env or {}),
         )
         wait_serving(self.addr(name), self.probe)
         return proc

@@ -26,12 +26,22 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger("baton.metrics")
+
+# No `_created` series next to every counter and histogram: they double the
+# series count and say only when the process started.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (untyped in prometheus-client)
 
 # Seconds: from a fast RPC (sub-millisecond) to a long model call or stream.
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -164,7 +174,7 @@ TOOL_CALL_SECONDS = Histogram(
 )
 INBOX_WAIT_SECONDS = Histogram(
     "baton_inbox_wait_seconds",
-    "From a command's acceptance by hooks (accepted_at) to its run taking it up",
+    "From a command's acceptance by hooks (accepted_at) to its run dispatching it",
     buckets=_SECONDS,
     registry=None,
 )

@@ -51,8 +51,9 @@ class TurnMeter:
 
 
 def waited(entry: s.InboxEntry) -> None:
-    """baton_inbox_wait_seconds: `entry`'s acceptance until now (its run
-    takes it up)."""
+    """baton_inbox_wait_seconds: `entry`'s acceptance until now, when its
+    run dispatches it (a command a turn admits at a step boundary, behind
+    the one that opened it, is not observed)."""
     if entry.HasField("accepted_at"):
         accepted = entry.accepted_at.seconds + entry.accepted_at.nanos / 1e9
         metrics.INBOX_WAIT_SECONDS.observe(max(0.0, time.time() - accepted))

@@ -265,6 +265,7 @@ class SessionRun:
                     if not self._pending and await self._try_hand_off(entry):
                         exit = RunExit.HANDED_OFF
                         return exit
+                waited(entry)  # (a trigger handed off is dispatched, and counted, there)
                 await self._guarded(self._dispatch(entry))
                 if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
                     await self._guarded(self._compact_if_over_budget())
@@ -312,9 +313,7 @@ class SessionRun:
                 except TimeoutError:
                     if not self._drain_due():
                         return None
-            entry = self._pending.popleft()
-            waited(entry)
-            return entry
+            return self._pending.popleft()
         finally:
             self._idle = False
 
