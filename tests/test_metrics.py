@@ -66,6 +66,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_inbox_wait_seconds": ("histogram", set()),
         "baton_sessions": ("gauge", {"state"}),
         "baton_inbox_oldest_unconsumed_seconds": ("gauge", set()),
+        "baton_draining": ("gauge", set()),
         "baton_handoffs_total": ("counter", {"reason", "outcome"}),
         "baton_handoff_duration_seconds": ("histogram", set()),
         "baton_takeovers_total": ("counter", set()),
@@ -82,6 +83,7 @@ _COLLECTED = {  # computed at scrape time, not metric objects
     "baton_build_info",
     "baton_sessions",
     "baton_inbox_oldest_unconsumed_seconds",
+    "baton_draining",
 }
 
 

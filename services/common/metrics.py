@@ -180,6 +180,7 @@ INBOX_WAIT_SECONDS = Histogram(
 )
 SESSIONS = "baton_sessions"
 INBOX_OLDEST_UNCONSUMED = "baton_inbox_oldest_unconsumed_seconds"
+DRAINING = "baton_draining"
 HANDOFFS = Counter(
     "baton_handoffs_total",
     "Attempts to move a session to another deployment, by reason (trigger, drain) and "

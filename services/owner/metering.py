@@ -60,8 +60,9 @@ def waited(entry: s.InboxEntry) -> None:
 
 
 class HeldSessions(Collector):
-    """baton_sessions{state} and baton_inbox_oldest_unconsumed_seconds,
-    computed from the host's maps when scraped (on the event loop that
+    """baton_sessions{state}, baton_inbox_oldest_unconsumed_seconds and
+    baton_draining (1 while an operator's drain target is set), computed
+    from the host's state when scraped (on the event loop that
     changes them: see metrics.MetricsEndpoint).
 
     `oldest` answers the acceptance time (epoch seconds) of the oldest
@@ -73,10 +74,12 @@ class HeldSessions(Collector):
         self,
         states: Callable[[], Mapping[str, Sized]],
         oldest: Callable[[], float | None],
+        draining: Callable[[], bool],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._states = states
         self._oldest = oldest
+        self._draining = draining
         self._clock = clock
 
     def collect(self) -> Iterable[Metric]:
@@ -97,3 +100,9 @@ class HeldSessions(Collector):
         )
         age.add_metric([], 0.0 if oldest is None else max(0.0, self._clock() - oldest))
         yield age
+        draining = GaugeMetricFamily(
+            metrics.DRAINING,
+            "1 while an operator's drain moves this instance's sessions to another deployment",
+        )
+        draining.add_metric([], 1.0 if self._draining() else 0.0)
+        yield draining

@@ -40,14 +40,17 @@ def advertised_address(listen: str, port: int) -> str:
 
 
 def held_sessions(host: OwnerHost) -> HeldSessions:
-    """The host's sessions by state, and its oldest unprocessed command."""
+    """The host's sessions by state, its oldest unprocessed command, and
+    whether it is draining."""
 
     def oldest() -> float | None:
         times = [run.oldest_pending_accepted() for run in host.runs.values()]
         return min((t for t in times if t is not None), default=None)
 
     return HeldSessions(
-        lambda: {"running": host.runs, "parked": host.parked, "stalled": host.stalled}, oldest
+        lambda: {"running": host.runs, "parked": host.parked, "stalled": host.stalled},
+        oldest,
+        lambda: bool(host.drain_to),
     )
 
 
