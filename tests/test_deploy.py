@@ -294,9 +294,13 @@ def test_every_service_pod_is_scraped_on_its_metrics_port(rendered: Rendered) ->
     assert scraped == set(BATON_ROLES)
     policy = rendered.one("NetworkPolicy", "metrics")["spec"]
     (selector,) = policy["podSelector"]["matchExpressions"]
-    assert set(selector["values"]) == set(BATON_ROLES)
+    assert set(selector["values"]) == {*BATON_ROLES, "etcd"}
     (rule,) = policy["ingress"]
-    assert rule["ports"] == [{"port": 9102}]
+    assert rule["ports"] == [{"port": 9102}, {"port": 2381}]
+    etcd = rendered.one("StatefulSet", "etcd")["spec"]["template"]
+    assert etcd["metadata"]["annotations"]["prometheus.io/port"] == "2381"
+    (member,) = etcd["spec"]["containers"]
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in member["args"]
     assert rule["from"] == [
         {
             "namespaceSelector": {},

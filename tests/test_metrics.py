@@ -295,6 +295,7 @@ async def test_a_conversation_with_a_takeover_an_upgrade_and_a_refused_send(
         )
         assert total(owners, "baton_sessions", state="stalled") == 0
         assert "baton_inbox_oldest_unconsumed_seconds" in b1.names()
+        assert total(owners, "baton_draining") == 0
         assert b1.total("baton_build_info", deployment="dep-b") == 1
         assert a2.total("baton_build_info", deployment="dep-a") == 1
         assert (
