@@ -199,6 +199,9 @@ class BenchStack:
     addrs: dict[str, str] = field(default_factory=dict)
     prefix: str = ""
     pki: LocalPki | None = None
+    # Every service serves Prometheus metrics (--metrics-listen) on its own port.
+    metrics: bool = False
+    metrics_addrs: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -267,12 +270,16 @@ class BenchStack:
             role = Role(PROCESSES[name])
             deployment = DEPLOYMENT_ID_B if name.endswith("-b") else DEPLOYMENT_ID
             own = deployment if role in (Role.OWNER, Role.INGRESS) else ""
+            if self.metrics:
+                self.metrics_addrs[name] = f"127.0.0.1:{free_port()}"
+            metrics = {"BATON_METRICS_LISTEN": self.metrics_addrs.get(name, "")}
             proc = ServiceProcess(
                 name=PROCESSES[name],
                 listen=self.addrs[name],
                 env={
                     **(deployment_b if name.endswith("-b") else common),
                     **self._tls_env(role, own),
+                    **metrics,
                 },
                 log_path=os.path.join(self.log_dir, f"{name}.log"),
             ).start()
@@ -1204,6 +1211,125 @@ async def run(
     return results
 
 
+# -- metrics on vs off (--metrics-compare) ---------------------------------------
+
+SCRAPE_EVERY_S = 5.0  # a Prometheus scrape interval, shortened
+
+
+async def _scrape_forever(urls: Sequence[str]) -> None:
+    """What Prometheus does to the metrics-on stack during the comparison."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        while True:
+            for url in urls:
+                (await client.get(url)).raise_for_status()
+            await asyncio.sleep(SCRAPE_EVERY_S)
+
+
+async def compare_metrics(
+    args: argparse.Namespace, stacks: dict[str, BenchStack]
+) -> dict[str, Any]:
+    """One-step turns on two identical stacks, metrics off and on, in
+    alternating blocks (so drift in the machine's load hits both alike):
+    turn latency and the services' CPU per turn of each, and the ratios."""
+    blocks = max(1, args.metrics_blocks)
+    per_block = max(1, args.turns // blocks)
+    sides: dict[str, dict[str, Any]] = {}
+    channels = []
+    try:
+        for label, stack in stacks.items():
+            channel = stack.public_channel("ingress")
+            channels.append(channel)
+            stub = ingress_pb2_grpc.IngressServiceStub(channel)
+            follower = Follower(stub, await create_session(stub))
+            await asyncio.wait_for(follower.ready, 10)
+            for i in range(args.warmup_turns):
+                await one_turn(stub, follower, f"warm {i}", f"w-{i}")
+            sides[label] = {"stub": stub, "follower": follower, "turn": Dist(), "cpu_s": 0.0}
+        urls = [f"http://{a}/metrics" for a in stacks["on"].metrics_addrs.values()]
+        scraper = asyncio.get_running_loop().create_task(_scrape_forever(urls))
+        try:
+            for block in range(blocks):
+                order = ("off", "on") if block % 2 == 0 else ("on", "off")
+                for label in order:
+                    side, stack = sides[label], stacks[label]
+                    before = stack.cpu()
+                    for i in range(per_block):
+                        delivery = f"{label}-{block}-{i}"
+                        _, turn = await one_turn(side["stub"], side["follower"], "hi", delivery)
+                        side["turn"].samples.append(turn)
+                    after = stack.cpu()
+                    side["cpu_s"] += sum(after[n] - before[n] for n in stack.names)
+                    stack.check_alive()
+        finally:
+            scraper.cancel()
+            await asyncio.gather(scraper, return_exceptions=True)
+        for side in sides.values():
+            await side["follower"].close()
+    finally:
+        for channel in channels:
+            await channel.close()
+    turns = blocks * per_block
+    out: dict[str, Any] = {"turns_each": turns, "blocks": blocks, "load": load_average()}
+    for label, side in sides.items():
+        out[label] = {
+            "turn": side["turn"],
+            "services_cpu_ms_per_turn": side["cpu_s"] * 1000 / turns,
+        }
+    out["p50_ratio"] = out["on"]["turn"].pct(50) / out["off"]["turn"].pct(50)
+    out["cpu_ratio"] = (
+        out["on"]["services_cpu_ms_per_turn"] / out["off"]["services_cpu_ms_per_turn"]
+    )
+    return out
+
+
+def report_metrics_compare(result: dict[str, Any]) -> str:
+    lines = [
+        f"metrics off vs on: {result['turns_each']} one-step turns each, in "
+        f"{result['blocks']} alternating blocks (load {result['load']})",
+    ]
+    for label in ("off", "on"):
+        side = result[label]
+        lines.append(
+            _row(f"  metrics {label:<3} turn", side["turn"])
+            + f"  services CPU {side['services_cpu_ms_per_turn']:.2f} ms/turn"
+        )
+    lines.append(
+        f"  ratio on/off: p50 {result['p50_ratio']:.3f}x, services CPU per turn "
+        f"{result['cpu_ratio']:.3f}x (aim: within 1.05x)"
+    )
+    return "\n".join(lines)
+
+
+def main_metrics_compare(args: argparse.Namespace) -> int:
+    with log_dir(args.log_dir, "baton-bench-") as logs:
+        stacks: dict[str, BenchStack] = {}
+        try:
+            for label in ("off", "on"):
+                directory = os.path.join(logs, f"metrics-{label}")
+                os.makedirs(directory, exist_ok=True)
+                stacks[label] = BenchStack(
+                    directory,
+                    second_deployment=False,
+                    log_level=args.log_level,
+                    tls=not args.plaintext,
+                    metrics=label == "on",
+                )
+                _progress(f"starting the metrics-{label} stack (logs in {directory})")
+                stacks[label].start()
+            result = asyncio.run(compare_metrics(args, stacks))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    print(report_metrics_compare(result), flush=True)
+    figures = dict(result)
+    for label in ("off", "on"):
+        figures[label] = dict(result[label], turn=result[label]["turn"].summary())
+    write_json(args.json, figures)
+    return 0
+
+
 def _progress(message: str) -> None:
     print(f"... {message}", file=sys.stderr, flush=True)
 
@@ -1502,6 +1628,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="throughput",
     )
     parser.add_argument("--profile-rate", type=int, default=250, help="samples per second")
+    parser.add_argument(
+        "--metrics-compare",
+        action="store_true",
+        help="instead of the phases above: --turns one-step turns on each of two identical "
+        "stacks, metrics off and on (every service with --metrics-listen, scraped every "
+        f"{SCRAPE_EVERY_S:g} s), in alternating blocks; turn latency and services' CPU per "
+        "turn of each, and the on/off ratios",
+    )
+    parser.add_argument(
+        "--metrics-blocks", type=int, default=10, help="alternating blocks of --metrics-compare"
+    )
     args = parser.parse_args(argv)
     apply_smoke(parser, args, SMOKE)
     if args.upgrade_turns < 0 or args.upgrade_warmup < 0:
@@ -1513,6 +1650,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.metrics_compare:
+        return main_metrics_compare(args)
     profiler = (
         Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
         if args.profile
