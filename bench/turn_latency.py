@@ -1262,6 +1262,8 @@ async def compare_metrics(
                     after = stack.cpu()
                     side["cpu_s"] += sum(after[n] - before[n] for n in stack.names)
                     stack.check_alive()
+            if scraper.done():
+                scraper.result()  # a scrape failed: say so
         finally:
             scraper.cancel()
             await asyncio.gather(scraper, return_exceptions=True)
@@ -1566,6 +1568,7 @@ SMOKE = {
     "floor_warmup": 5,
     "upgrade_turns": 4,
     "upgrade_warmup": 1,
+    "metrics_blocks": 2,
 }
 
 

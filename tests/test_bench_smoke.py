@@ -36,6 +36,26 @@ def test_turn_latency_bench_smoke(tmp_path: Path) -> None:
     assert figures["sequential"]["turn"]["n"] == 5
 
 
+def test_metrics_compare_bench_smoke(tmp_path: Path) -> None:
+    """--metrics-compare: both stacks run their turns, the metrics-on one is
+    scraped, and the ratios are reported."""
+    out = tmp_path / "metrics.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.turn_latency", "--smoke", "--metrics-compare"]
+        + ["--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ratio on/off: p50 " in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["turns_each"] == 4 and figures["blocks"] == 2
+    assert figures["off"]["turn"]["n"] == figures["on"]["turn"]["n"] == 4
+    assert figures["p50_ratio"] > 0 and figures["cpu_ratio"] > 0
+
+
 def test_long_session_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "long.json"
     proc = subprocess.run(
