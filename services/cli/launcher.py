@@ -53,9 +53,11 @@ from services.cli.etcd_auth import enable_auth
 from services.cli.processes import (
     EtcdCluster,
     EtcdProcess,
+    EtcdRefused,
     EtcdTls,
     ServiceProcess,
     etcd_healthy,
+    find_etcd,
     sync_channel,
 )
 from services.common.identity import Role
@@ -127,6 +129,10 @@ class LaunchSettings:
     # ingress), and etcd members forming one cluster.
     replicas: int = 1
     etcd_members: int = 1
+    # The etcd executable ("" = the first safe one found: `find_etcd`), and
+    # whether a known-bad release may run (services/common/etcd_releases.py).
+    etcd_binary: str = ""
+    accept_etcd_risk: bool = False
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -528,6 +534,7 @@ class LocalSystem:
         tls = None
         if self.pki is not None:
             tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
+        binary = self._etcd_binary()
         if len(self.ports.etcd) == 1:
             member = EtcdProcess(
                 client_port=self.ports.etcd_client,
@@ -535,6 +542,8 @@ class LocalSystem:
                 data_dir=str(data_dir),
                 log_path=str(self.log_dir / "etcd.log"),
                 tls=tls,
+                binary=binary,
+                accept_risk=self.settings.accept_etcd_risk,
             )
             try:
                 member.start(wait=False)
@@ -549,6 +558,8 @@ class LocalSystem:
             ports=list(self.ports.etcd),
             log_dir=str(self.log_dir),
             tls=tls,
+            binary=binary,
+            accept_risk=self.settings.accept_etcd_risk,
         )
         try:
             cluster.start(wait=False)
@@ -561,6 +572,23 @@ class LocalSystem:
             child = Child(name, member.endpoint, member.log_path, member.proc, member.stop)
             children.append(self._started(child))
         return children, tls
+
+    def _etcd_binary(self) -> str:
+        """The etcd to start, checked against the known-bad table; says
+        which, and warns when a known-bad one runs because the risk was
+        accepted. Raises LaunchError (why, what to install) otherwise."""
+        try:
+            etcd = find_etcd(self.settings.etcd_binary, accept_risk=self.settings.accept_etcd_risk)
+        except EtcdRefused as exc:
+            raise LaunchError(str(exc)) from exc
+        if etcd.verdict.ok:
+            self.say(f"baton up: etcd {etcd.version} ({etcd.path})")
+        else:
+            self.say(
+                "baton up: WARNING: running a known-bad etcd (--accept-etcd-risk): "
+                + etcd.verdict.explain(f"etcd at {etcd.path}")
+            )
+        return etcd.path
 
     def _addresses(self, ports: Sequence[int]) -> str:
         return ",".join(f"127.0.0.1:{port}" for port in ports)
