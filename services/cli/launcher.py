@@ -614,6 +614,8 @@ class LocalSystem:
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
+                # hooks and anchor judge etcd's members again: the same answer.
+                "BATON_ACCEPT_ETCD_RISK": "1" if self.settings.accept_etcd_risk else "0",
             }
         env |= {
             "BATON_DEPLOYMENT_ID": dep.deployment_id,
