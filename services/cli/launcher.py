@@ -44,12 +44,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+import aetcd
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.cli.etcd_auth import enable_auth
+from services.cli.etcd_check import members_consistent
 from services.cli.processes import (
     EtcdCluster,
     EtcdProcess,
@@ -486,6 +488,7 @@ class LocalSystem:
                 enable_auth(endpoint, etcd_tls.root, ETCD_USERS, ETCD_PREFIX)
             except grpc.RpcError as exc:
                 raise LaunchError(f"could not enable etcd auth: {exc}") from exc
+        self._check_etcd_consistency(etcd_tls)
         shared = [
             self._start_service(name, k)
             for name in SHARED_OFFSETS
@@ -572,6 +575,21 @@ class LocalSystem:
             child = Child(name, member.endpoint, member.log_path, member.proc, member.stop)
             children.append(self._started(child))
         return children, tls
+
+    def _check_etcd_consistency(self, etcd_tls: EtcdTls | None) -> None:
+        """Part of etcd's health: every member holds the same data (one hash
+        at a common revision) and no alarm is raised; else not ready."""
+        endpoints = self._addresses([client for client, _ in self.ports.etcd])
+        try:
+            report = members_consistent(endpoints, etcd_tls.root if etcd_tls else None)
+        except (aetcd.ClientError, grpc.RpcError, OSError) as exc:
+            raise LaunchError(f"etcd consistency check could not run: {exc}") from exc
+        if not report.ok:
+            raise LaunchError(f"etcd failed its consistency check:\n{report.text()}")
+        self.say(
+            f"baton up: etcd consistent: {len(report.members)} member(s) agree at revision "
+            f"{report.revision}, no alarm"
+        )
 
     def _etcd_binary(self) -> str:
         """The etcd to start, checked against the known-bad table; says
