@@ -3,6 +3,7 @@
 baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
          [--api-key-file FILE] [--run-dir DIR] [--plaintext]
+         [--etcd-binary PATH] [--accept-etcd-risk]    (docs/etcd.md: a safe etcd)
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            (--ca-cert CA | --plaintext)              (API key: env BATON_API_KEY)
 baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
