@@ -361,6 +361,8 @@ async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> No
     async with launched("--etcd-members", "3", "--replicas", "2", "--demo") as up:
         await up.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
         assert set(up.pids) == REPLICATED, up.output
+        # etcd's health included its members' consistency (one hash, no alarm).
+        assert any("etcd consistent: 3 member(s) agree" in line for line in up.lines), up.output
         await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in up.lines), up.output
         # The demo again, through the second ingress replica.
