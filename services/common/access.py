@@ -81,6 +81,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _INGRESS + "SendMessage": _roles(PUBLIC),
     _INGRESS + "StreamEvents": _roles(PUBLIC),
     _INGRESS + "SendControl": _roles(PUBLIC),
+    _INGRESS + "GetSession": _roles(PUBLIC),
+    _INGRESS + "ListSessions": _roles(PUBLIC),
     # every server
     "/grpc.health.v1.Health/Check": ANY,
     "/grpc.health.v1.Health/Watch": ANY,
