@@ -213,3 +213,44 @@ async def test_settings_from_the_environment_and_from_the_profile(
     run = await cli("list", env={"BATON_API_KEY": SLACK_KEY, "BATON_PROFILE": str(path)})
     assert run.code == sessions.EXIT_USAGE and "cannot read the profile" in run.err, run
 
+
+README = ROOT / "README.md"
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+async def test_the_readme_examples_run_as_shown(stack: Stack, tmp_path: Path) -> None:
+    """The commands of README's Introspection section, run verbatim through
+    bash (with `baton` the CLI of this checkout and the settings a
+    `baton up` profile would give), print what the section says."""
+    section = readme_section("Introspection")
+    commands = [line for line in section.splitlines() if line.startswith("baton sessions ")]
+    assert len(commands) == 3, commands
+    header = next(line for line in section.splitlines() if line.startswith("SESSION "))
+    sid = await idle_session(stack)
+    asking = await idle_session(stack, "ask my name")
+    env = {
+        **env_of(tmp_path),
+        "BATON_INGRESS_ADDR": stack.addr(stack.ingress),
+        "BATON_TLS_CA": str(stack.pki.ca_path),
+        "SESSION": sid,
+    }
+    outputs = []
+    for command in commands:
+        script = f'baton() {{ "{sys.executable}" -m services.cli "$@"; }}; {command}'
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", script, cwd=ROOT, env={**os.environ, **env},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT)
+        assert proc.returncode == 0, (command, err.decode())
+        outputs.append(out.decode())
+    table = outputs[0].splitlines()
+    assert table[0].split() == header.split()
+    assert sorted(row.split()[0] for row in table[1:]) == sorted([sid, asking])
+    assert [json.loads(line)["session_id"] for line in outputs[1].splitlines()] == [asking]
+    assert json.loads(outputs[2]) == as_json(await get_session(stack, sid))
