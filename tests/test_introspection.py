@@ -412,3 +412,92 @@ async def test_the_channel_index_entry_goes_with_the_session(
     await eventually(gone, "the channel index entry deleted with the session", 15)
     assert [v.session_id for v in await list_all(stack)] == [keep]
     await refused(get(stack, sid), Code.NOT_FOUND, "SESSION_NOT_FOUND")
+
+
+async def test_children_with_their_states_and_the_parent_link(stack: Stack) -> None:
+    sid = await stack.create()
+    await stack.send(sid, "bg helper hello there")
+
+    async def settled() -> pb.Session | None:
+        view = await get(stack, sid)
+        parked = [h for h in view.children if h.state == s.HANDLE_STATE_PARKED]
+        return view if view.status == ST.SESSION_STATUS_IDLE and parked else None
+
+    view = await eventually(settled, "the parent idle with its subagent parked", 30)
+    [handle] = view.children
+    assert (handle.kind, handle.name) == (s.TASK_KIND_SUBAGENT, "helper")
+    assert handle.deployment_id == stack.deployment_id
+    child = await get(stack, handle.child_session_id)
+    assert child.parent.parent_session_id == sid
+    assert (child.parent.kind, child.parent.name, child.parent.depth) == (
+        s.TASK_KIND_SUBAGENT,
+        "helper",
+        1,
+    )
+    assert not child.parent.outbox
+    assert child.channel == "slack" and child.status == ST.SESSION_STATUS_IDLE
+    listed = {v.session_id for v in await list_all(stack)}
+    assert listed == {sid, handle.child_session_id}
+    await refused(get(stack, handle.child_session_id, md=WEB), Code.NOT_FOUND, "SESSION_NOT_FOUND")
+
+
+async def test_after_an_upgrade_the_view_names_the_new_owner(stack: Stack) -> None:
+    sid = await stack.create()
+    await stack.send(sid, "hello")
+    await stack.events(sid, until=1)
+    before = await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+    other = await add_deployment(stack, "dep-b")
+    hooks = stack.hooks_client(timeout=5)
+    try:
+        await eventually(lambda: hooks.list_instances("dep-b"), "dep-b registered", 15)
+        await other.send(sid, "whoami")
+        events = await stack.events(sid, until=2)
+        assert [e for e in events if e.kind == K.EVENT_KIND_SESSION_HANDED_OFF]
+        after = await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+        assert (after.deployment_id, after.epoch) == ("dep-b", before.epoch + 1)
+        assert after.owner_run_id != before.owner_run_id
+        assert after.turn_count == 2 and after.stream_head == len(events)
+        assert after.create_time == before.create_time
+        assert after.update_time.ToMilliseconds() > before.update_time.ToMilliseconds()
+        # Either ingress answers the same (the view is the session's, not the edge's).
+        assert await get(other, sid) == after
+        dep_b = await list_all(stack, filter='deployment = "dep-b"')
+        assert [v.session_id for v in dep_b] == [sid]
+    finally:
+        await hooks.close()
+        await stop_deployment(other)
+
+
+async def test_accepted_commands_nobody_consumed_yet_count_as_running(
+    etcd_endpoint: str,
+) -> None:
+    """With its owner gone, a session's accepted commands wait in its inbox:
+    the view counts them, dates the oldest, and says running (they will be
+    processed when an owner takes the session over)."""
+    stack = await start_stack(etcd_endpoint)
+    owner_stopped = False
+    try:
+        sid = await stack.create()
+        await stack.send(sid, "hello")
+        await stack.events(sid, until=1)
+        assert (await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)).inbox_depth == 0
+        await stack.owner.stop(grace=0.5)
+        owner_stopped = True
+        first = (await stack.send(sid, "one")).receipt
+        await stack.send(sid, "two")
+        view = await get(stack, sid)
+        assert view.status == ST.SESSION_STATUS_RUNNING
+        assert view.inbox_depth == 2 and first.seq == 1
+        assert view.HasField("oldest_unconsumed_age")
+        later = await get(stack, sid)
+        assert (
+            later.oldest_unconsumed_age.ToNanoseconds()
+            >= view.oldest_unconsumed_age.ToNanoseconds()
+        )
+    finally:
+        if owner_stopped:
+            await stack.channel.close()
+            for server in (stack.ingress, stack.anchor, stack.hooks):
+                await server.stop(grace=0.5)
+        else:
+            await stop_stack(stack)
