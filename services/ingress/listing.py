@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from services.common import ids
+from services.common.bounds import check_range
 from services.common.errors import InvalidArgument, Reason
 from services.common.status import Status
 
@@ -55,10 +56,7 @@ def invalid_filter(message: str) -> InvalidArgument:
 def page_size(requested: int) -> int:
     """AIP-158: 0 is the default, above the maximum is the maximum,
     negative is refused."""
-    if requested < 0:
-        raise InvalidArgument(
-            Reason.INVALID_FIELD, "page_size must not be negative", field="page_size"
-        )
+    check_range(requested, "page_size", 2**31 - 1)
     if requested == 0:
         return DEFAULT_PAGE_SIZE
     return min(requested, MAX_PAGE_SIZE)
