@@ -12,6 +12,11 @@ baton hash-key CHANNEL                               (reads the key from stdin)
 baton etcd check [--etcd ENDPOINTS] [-o text|json]   (root's etcd certificate: --etcd-cert/
                                                       key/ca or BATON_ETCD_*, or --plaintext)
 baton etcd binary                                    (the etcd `baton up` would start)
+baton sessions list [--filter F] [--limit 100] [--page-size N] [-o text|json|jsonl]
+baton sessions get ID|ALIAS [-o text|json|jsonl]
+      [--ingress ADDR] [--ca-cert CA | --plaintext] [--tls-server-name NAME]
+      (API key: env BATON_API_KEY; defaults from `baton up`'s profile, see
+      services/cli/profile.py; exit codes in services/cli/sessions.py)
 
 API keys never come from argv: the ingress reads a key file, `baton demo`
 the environment (default: the loopback demo key).
@@ -30,7 +35,7 @@ from typing import Any
 import aetcd
 import grpc
 
-from services.cli import demo, deployments, etcd_check, launcher
+from services.cli import demo, deployments, etcd_check, launcher, profile, sessions
 from services.cli.processes import EtcdRefused, accept_etcd_risk_from_env, find_etcd
 from services.common.config import ConfigError
 from services.common.errors import BatonError
@@ -248,6 +253,7 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
     )
+    _add_sessions(commands)
     hash_key = commands.add_parser(
         "hash-key",
         help="print the API key file line that grants a key (read from stdin) as a hash",
@@ -337,6 +343,116 @@ def _etcd_binary() -> int:
         print(f"baton etcd binary: WARNING: {etcd.verdict.explain()}", file=sys.stderr)
     print(f"{etcd.path} {etcd.version}")
     return 0
+
+
+def _add_sessions(commands: Any) -> None:
+    group = commands.add_parser(
+        "sessions",
+        help="look into sessions (list, get)",
+        description=(
+            "Session introspection through the public API, as the channel whose API key is "
+            "in BATON_API_KEY (default: the loopback demo key). Connection defaults come from "
+            "the profile `baton up` writes, so against `baton up` no flag is needed. Exit "
+            "codes: 0 done, 1 refused (the reason is printed), 2 usage, 3 not found, "
+            "4 unavailable."
+        ),
+    ).add_subparsers(dest="action", metavar="ACTION")
+    listing = group.add_parser(
+        "list",
+        help="list the channel's sessions",
+        description="List the channel's sessions in session id order, every page up to --limit.",
+    )
+    listing.add_argument(
+        "--filter",
+        default="",
+        help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
+        "create_time, update_time; see README)",
+    )
+    listing.add_argument(
+        "--limit", type=_non_negative, default=100, help="at most this many (0 = all; default 100)"
+    )
+    listing.add_argument(
+        "--page-size", type=_non_negative, default=0, help="sessions per call (default: server's)"
+    )
+    one = group.add_parser("get", help="one session", description="One session, by id or alias.")
+    one.add_argument("session", metavar="ID", help="a session id (ses_...) or an alias")
+    for sub in (listing, one):
+        sub.add_argument("-o", "--output", choices=sessions.OUTPUTS, default="text")
+        sub.add_argument(
+            "--ingress",
+            default=os.environ.get("BATON_INGRESS_ADDR", ""),
+            help=f"ingress host:port (env BATON_INGRESS_ADDR; default: the profile's, "
+            f"else {demo.DEFAULT_INGRESS})",
+        )
+        tls = sub.add_mutually_exclusive_group()
+        tls.add_argument(
+            "--ca-cert",
+            default=os.environ.get("BATON_TLS_CA", ""),
+            help="CA the ingress certificate chains to (env BATON_TLS_CA; default: the profile's)",
+        )
+        tls.add_argument(
+            "--plaintext",
+            action="store_true",
+            default=os.environ.get("BATON_PLAINTEXT", "") in ("1", "true"),
+            help="talk plaintext (env BATON_PLAINTEXT=1; a `baton up --plaintext`)",
+        )
+        sub.add_argument(
+            "--tls-server-name", default="", help="name to verify the ingress certificate as"
+        )
+        sub.add_argument(
+            "--profile",
+            default="",
+            help="profile file (env BATON_PROFILE; default ~/.config/baton/profile.json)",
+        )
+
+
+def _non_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from exc
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {number}")
+    return number
+
+
+def _connection(args: argparse.Namespace) -> sessions.Connection:
+    """Flags and environment first, then the profile, then the defaults."""
+    path = Path(args.profile) if args.profile else profile.default_path()
+    found = profile.read(path) or profile.Profile()
+    explicit_tls = bool(args.ca_cert or args.plaintext)
+    return sessions.Connection(
+        ingress=args.ingress or found.ingress or demo.DEFAULT_INGRESS,
+        api_key=os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
+        ca_cert=args.ca_cert or ("" if explicit_tls else found.ca_cert),
+        plaintext=args.plaintext or (not explicit_tls and found.plaintext),
+        server_name=args.tls_server_name,
+    )
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    name = f"baton sessions {args.action}"
+    try:
+        connection = _connection(args)
+        if args.action == "get":
+            run = sessions.get(connection, args.session, args.output)
+        else:
+            run = sessions.list_sessions(
+                connection,
+                args.output,
+                filter_text=args.filter,
+                limit=args.limit,
+                page_size=args.page_size,
+            )
+        return asyncio.run(run)
+    except (sessions.UsageError, profile.ProfileError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return sessions.EXIT_USAGE
+    except BatonError as exc:
+        print(f"{name}: {exc.reason}: {exc.message}", file=sys.stderr)
+        return sessions.exit_code_of(exc)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _hash_key(args: argparse.Namespace) -> int:
@@ -460,6 +576,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_demo(args))
     if args.command == "deployments" and getattr(args, "action", None) == "drain":
         sys.exit(_drain(args))
+    if args.command == "sessions" and getattr(args, "action", None) in ("list", "get"):
+        sys.exit(_sessions(args))
     if args.command == "hash-key":
         sys.exit(_hash_key(args))
     if args.command == "etcd" and getattr(args, "action", None) == "check":

@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
+from services.cli import profile
 from services.cli.etcd_auth import enable_auth
 from services.cli.etcd_check import members_consistent
 from services.cli.processes import (
@@ -818,6 +819,26 @@ def _announce(system: LocalSystem) -> None:
     system.say(READY_LINE)
 
 
+def _write_profile(system: LocalSystem) -> None:
+    """Where `baton sessions ...` finds this system with no flags
+    (services/cli/profile.py)."""
+    path = profile.default_path()
+    try:
+        profile.write(
+            path,
+            profile.Profile(
+                ingress=f"127.0.0.1:{system.ports.ingress}",
+                ca_cert=system.ca_cert,
+                plaintext=system.pki is None,
+                run_dir=str(system.run_dir),
+            ),
+        )
+    except OSError as exc:
+        system.say(f"baton up: no CLI profile written ({exc}); pass --ingress/--ca-cert")
+        return
+    system.say(f"CLI profile: {path} (baton sessions list needs no flags)")
+
+
 def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
     """`baton up`: returns the process exit code."""
     stream = out or sys.stdout
@@ -847,6 +868,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
         code = 0
         try:
             if system.start(signals):
+                _write_profile(system)  # before the ready line: readers may start then
                 _announce(system)
                 if settings.demo:
                     _run_demo_child(system, signals, time_limit=60.0)
@@ -859,6 +881,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
         finally:
             reason = signals.name or "error"
             system.say(f"baton up: stopping ({reason})")
+            profile.remove_if_ours(profile.default_path(), str(run_dir))
             problems = system.stop()
             for problem in problems:
                 print(f"baton up: could not stop {problem}", file=err, flush=True)
