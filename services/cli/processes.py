@@ -9,6 +9,7 @@ and runs with etcd's corruption checks on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,33 @@ def find_etcd(
     raise EtcdRefused(f"no safe etcd found. {reasons}")
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child receive SIGKILL when the thread
+    that started it ends (Linux's PR_SET_PDEATHSIG): a test run or `baton up`
+    that is itself killed, timed out or interrupted leaves no etcd or service
+    behind, though each child has a session of its own (so that a terminal's
+    Ctrl-C reaches only the parent, which stops them in order). None where
+    the kernel has no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call took effect
+            os._exit(1)
+
+    return preexec
+
+
 def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
     if proc.poll() is not None:
         return
@@ -279,6 +307,7 @@ class EtcdProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),  # runs only prctl and getppid in the child
         )
         log.close()
         if wait:
@@ -501,6 +530,7 @@ class ServiceProcess:
             stdout=out if out else None,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),  # runs only prctl and getppid in the child
         )
         if out:
             out.close()
