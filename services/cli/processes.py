@@ -9,7 +9,6 @@ and runs with etcd's corruption checks on.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,31 +159,16 @@ def find_etcd(
     raise EtcdRefused(f"no safe etcd found. {reasons}")
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child receive SIGKILL when the thread
-    that started it ends (Linux's PR_SET_PDEATHSIG): a test run or `baton up`
-    that is itself killed, timed out or interrupted leaves no etcd or service
-    behind, though each child has a session of its own (so that a terminal's
-    Ctrl-C reaches only the parent, which stops them in order). None where
-    the kernel has no such call."""
+def guarded(command: Sequence[str]) -> list[str]:
+    """`command` run so that it dies with the thread that starts it (Linux's
+    PR_SET_PDEATHSIG, set by services/cli/orphan_guard.py before it becomes
+    the command, keeping its pid): a test run or `baton up` that is itself
+    killed, timed out or interrupted leaves no etcd or service behind, though
+    each child has a session of its own. Elsewhere the command as it is."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call took effect
-            os._exit(1)
-
-    return preexec
+        return list(command)
+    guard = [sys.executable, "-m", "services.cli.orphan_guard", str(os.getpid()), "--"]
+    return [*guard, *command]
 
 
 def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -274,40 +258,41 @@ class EtcdProcess:
         self.log_path = self.log_path or os.path.join(self.data_dir, "etcd.log")
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [
-                self.etcd.path,
-                "--name",
-                self.name,
-                "--data-dir",
-                os.path.join(self.data_dir, "data"),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                self.initial_cluster or f"{self.name}={peer}",
-                "--log-level",
-                "warn",
-                # A session may hold 256 addresses; claiming or releasing all of
-                # them is one transaction (etcd's default cap is 128 ops).
-                "--max-txn-ops",
-                "1024",
-                "--auto-compaction-mode",
-                "periodic",
-                "--auto-compaction-retention",
-                self.compaction_retention,
-                *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
-                *checks,
-                *tls_flags,
-            ],
+            guarded(
+                [
+                    self.etcd.path,
+                    "--name",
+                    self.name,
+                    "--data-dir",
+                    os.path.join(self.data_dir, "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    self.initial_cluster or f"{self.name}={peer}",
+                    "--log-level",
+                    "warn",
+                    # A session may hold 256 addresses; claiming or releasing all of
+                    # them is one transaction (etcd's default cap is 128 ops).
+                    "--max-txn-ops",
+                    "1024",
+                    "--auto-compaction-mode",
+                    "periodic",
+                    "--auto-compaction-retention",
+                    self.compaction_retention,
+                    *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
+                    *checks,
+                    *tls_flags,
+                ]
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),  # runs only prctl and getppid in the child
         )
         log.close()
         if wait:
@@ -518,19 +503,20 @@ class ServiceProcess:
         env = {**os.environ, **self.env}
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                f"services.{self.name}",
-                "--listen",
-                self.listen,
-                *self.extra_args,
-            ],
+            guarded(
+                [
+                    sys.executable,
+                    "-m",
+                    f"services.{self.name}",
+                    "--listen",
+                    self.listen,
+                    *self.extra_args,
+                ]
+            ),
             env=env,
             stdout=out if out else None,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),  # runs only prctl and getppid in the child
         )
         if out:
             out.close()
