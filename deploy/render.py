@@ -20,7 +20,9 @@ Job that drains one deployment id into another (`baton deployments drain`,
 as the operator). Output is YAML on stdout, for
 `kubectl apply -f -`. `check` renders every overlay (with a sample id and
 throwaway secrets) and validates the result offline against the Kubernetes
-JSON schemas (kubernetes-validate, strict); it also checks the monitoring
+JSON schemas (kubernetes-validate, strict), after judging the pinned etcd
+image by the known-bad table (services/common/etcd_releases.py) and checking
+that its corruption-check flags are on; it also checks the monitoring
 files (deploy/monitoring: the alert rules, and the Grafana dashboard that
 `dashboard` renders, which must match the committed dashboard.json): their
 structure, that every baton_* series they name is one Baton exposes
@@ -370,9 +372,39 @@ def validate(files: Iterable[Path], kubernetes_version: str) -> None:
         raise RenderError(f"schema validation failed:\n{result.stdout}{result.stderr}")
 
 
+ETCD_MANIFEST = KUSTOMIZE / "base" / "etcd.yaml"
+_ETCD_IMAGE = re.compile(r"^\s*image:\s*\S*/etcd:(v?[0-9][^\s]*)\s*$", re.M)
+
+
+def check_etcd_release(manifest: Path = ETCD_MANIFEST) -> str:
+    """The etcd release the manifests pin, judged by the known-bad table
+    (services/common/etcd_releases.py), with the corruption-check flags
+    that table gives for it; returns the release. Raises RenderError."""
+    sys.path.insert(0, str(DEPLOY.parent))
+    try:
+        from services.common.etcd_releases import corruption_check_flags, judge, parse_version
+    finally:
+        sys.path.pop(0)
+    text = manifest.read_text()
+    tags = _ETCD_IMAGE.findall(text)
+    if len(tags) != 1:
+        raise RenderError(f"{manifest.name}: expected one pinned etcd image, found {tags}")
+    version = parse_version(tags[0])
+    verdict = judge(version)
+    if version is None or not verdict.ok:
+        raise RenderError(f"{manifest.name}: {verdict.explain('the pinned etcd image')}")
+    missing = [flag for flag in corruption_check_flags(version) if f"- {flag}\n" not in text]
+    if missing:
+        raise RenderError(f"{manifest.name}: etcd {version} runs without {', '.join(missing)}")
+    return str(version)
+
+
 def check(kubernetes_version: str, out: Path | None = None) -> list[Path]:
-    """Render every overlay's shared tier, fleet (sample id), public entry,
-    drain Job and secrets; validate all of it. Returns the rendered files."""
+    """Judge the pinned etcd release; render every overlay's shared tier,
+    fleet (sample id), public entry, drain Job and secrets; validate all of
+    it. Returns the rendered files."""
+    release = check_etcd_release()
+    print(f"etcd {release}: not a known-bad release, corruption checks on", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="baton-check-") as tmp:
         target = out or Path(tmp)
         target.mkdir(parents=True, exist_ok=True)

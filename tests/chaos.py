@@ -50,6 +50,7 @@ import grpc
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.cli.etcd_check import members_consistent
 from services.cli.processes import EtcdCluster, ServiceProcess, free_port, wait_serving
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError
@@ -237,13 +238,15 @@ class ChaosReport:
     sessions: int = 0
     handoffs: int = 0
     duration_s: float = 0.0
+    etcd_revision: int = 0  # where the members' hashes were compared (equal)
 
     def summary(self) -> str:
         faults = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items()))
         return (
             f"chaos seed={self.seed}: {self.accepted} commands accepted over {self.sessions} "
             f"sessions in {self.duration_s:.0f}s, {sum(self.faults.values())} faults ({faults}), "
-            f"{self.handoffs} handoffs, longest wait receipt->received {self.longest_wait_s:.1f}s"
+            f"{self.handoffs} handoffs, longest wait receipt->received {self.longest_wait_s:.1f}s, "
+            f"etcd members' hashes equal at revision {self.etcd_revision}"
         )
 
 
@@ -411,6 +414,7 @@ class Chaos:
             self.say(f"{self.report.accepted} accepted; waiting for every one to be received")
             await self._settle(gateway)
             await self._check(gateway)
+            await self._check_etcd()
             self.report.duration_s = time.monotonic() - started
             return self.report
         finally:
@@ -584,6 +588,14 @@ class Chaos:
                 f"({len(stalled)} with no new event for {self.stall_after:.0f}s):\n"
                 + "\n".join(lines)
             )
+
+    async def _check_etcd(self) -> None:
+        """The members hold the same data: their KV hashes at one revision."""
+        report = await asyncio.to_thread(
+            members_consistent, self.stack.etcd.endpoint, certs.etcd_tls().root
+        )
+        assert report.consistent, f"seed {self.seed}: etcd members disagree:\n{report.text()}"
+        self.report.etcd_revision = report.revision
 
     async def _check(self, gateway: Gateway) -> None:
         longest = 0.0

@@ -30,7 +30,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import access, ids
 from services.common.channels import open_channel
 from services.common.config import ConfigError
-from services.common.errors import PermissionDenied, Reason
+from services.common.errors import BatonError, PermissionDenied, Reason
 from services.common.grpc_errors import from_rpc_error
 from services.common.identity import CERTIFICATE_ROLES, Caller, Role
 from services.common.keys import Keys, OwnerRecord, parse_fence
@@ -436,6 +436,8 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         ),
         "GetTransfer": h.GetTransferRequest(session_id=sid, handoff_id="ho_steal"),
         "GetOwner": h.GetOwnerRequest(session_id=sid),
+        "DescribeSession": h.DescribeSessionRequest(session_id=sid),
+        "ListChannelSessions": h.ListChannelSessionsRequest(channel="slack", limit=10),
         "DrainSessions": o.DrainSessionsRequest(to_deployment_id="dep-b"),
         "AdoptSession": o.AdoptSessionRequest(session_id=sid),
         "CommitStep": a.CommitStepRequest(
@@ -780,8 +782,10 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
     try:
         from aetcd import rpc
 
-        status = await rpc.AuthStub(root.channel).AuthStatus(rpc.AuthStatusRequest(), timeout=5)
-        assert status.enabled  # user/role auth is on in the suite's etcd
+        # User/role auth is on (the permission denied above says so too);
+        # AuthStatus is etcd 3.5's, the user list answers on every release.
+        listed = await rpc.AuthStub(root.channel).UserList(rpc.AuthUserListRequest(), timeout=5)
+        assert {"root", "hooks", "anchor"} <= set(listed.users)
     finally:
         await root.close()
     stranger = Store(make_client(stack.etcd.endpoint, 2, certs.operator()), 2)
@@ -916,3 +920,41 @@ async def test_the_demo_verifies_the_ingress_against_a_given_server_name(stack: 
             server_name="ingress.baton.example",
             out=io.StringIO(),
         )
+
+
+async def test_introspection_reads_name_the_tenant_and_hide_other_channels(
+    quiet_stack: Stack, etcd: aetcd.Client
+) -> None:
+    """An ingress reads hooks' record of a session only naming its caller's
+    channel: without one it is MISSING_FIELD, with another channel the
+    session is NOT_FOUND like a missing one, and another channel's index
+    lists none of it."""
+    stack = quiet_stack
+    target = await target_of(stack, etcd)
+    hooks = stack.hooks_client(security=stack.security(Role.INGRESS, stack.deployment_id))
+    try:
+        with pytest.raises(BatonError) as info:
+            await hooks.describe_session(target.session_id, "")
+        assert info.value.reason == Reason.MISSING_FIELD
+        with pytest.raises(BatonError) as info:
+            await hooks.describe_session(target.session_id, "web")
+        assert info.value.reason == Reason.SESSION_NOT_FOUND
+        missing = ids.new_session_id()
+        with pytest.raises(BatonError) as other:
+            await hooks.describe_session(missing, "slack")
+        assert (other.value.reason, other.value.message) == (
+            Reason.SESSION_NOT_FOUND,
+            info.value.message.replace(target.session_id, missing),
+        )
+        mine = await hooks.describe_session(target.session_id, "slack")
+        assert (mine.channel, mine.fence.epoch) == ("slack", target.fence.epoch)
+        assert mine.create_time is not None and mine.create_time.seconds > 0
+        assert ids.inbox_token(target.session_id) in mine.hooks
+        listed = await hooks.list_channel_sessions("slack", "", 10)
+        assert [sid for sid, _ in listed.sessions] == [target.session_id]
+        assert not (await hooks.list_channel_sessions("web", "", 10)).sessions
+        with pytest.raises(BatonError) as info:
+            await hooks.list_channel_sessions("", "", 10)
+        assert info.value.reason == Reason.MISSING_FIELD
+    finally:
+        await hooks.close()

@@ -85,6 +85,18 @@ def create(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
     )
 
 
+def get_session(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
+    return stack.ingress_stub.GetSession(
+        ingress_pb.GetSessionRequest(**fields), metadata=metadata, timeout=10
+    )
+
+
+def list_sessions(stack: Stack, metadata: Metadata = SLACK, **fields: Any) -> Any:
+    return stack.ingress_stub.ListSessions(
+        ingress_pb.ListSessionsRequest(**fields), metadata=metadata, timeout=10
+    )
+
+
 async def follow_until(
     stack: Stack,
     session_id: str,
@@ -627,6 +639,86 @@ async def test_a_child_start_with_a_bad_parent_link_creates_nothing(
             assert info.value.reason == reason, (link, aliases)
     finally:
         await owner.close()
+    assert await durable_state(stack, etcd) == before
+
+
+# -- introspection -----------------------------------------------------------------------
+
+
+async def test_get_session_refusals(stack: Stack, etcd: aetcd.Client) -> None:
+    """GetSession addresses like every other call: each refusal has its
+    reason, another channel's session answers as an unknown one, and
+    reading writes nothing."""
+    session_id = await stack.create(aliases=["mine"])
+    before = await durable_state(stack, etcd)
+    unknown = ids.new_session_id()
+    missing = await refused(
+        get_session(stack, session_id=unknown), Code.NOT_FOUND, Reason.SESSION_NOT_FOUND
+    )
+    theirs = await refused(
+        get_session(stack, WEB, session_id=session_id), Code.NOT_FOUND, Reason.SESSION_NOT_FOUND
+    )
+    assert theirs.message.replace(session_id, unknown) == missing.message
+    await refused(
+        get_session(stack, session_id="ses_nope"), Code.INVALID_ARGUMENT, Reason.INVALID_SESSION_ID
+    )
+    await refused(get_session(stack), Code.INVALID_ARGUMENT, Reason.MISSING_FIELD)
+    await refused(get_session(stack, alias="nobody"), Code.NOT_FOUND, Reason.TOKEN_NOT_FOUND)
+    await refused(
+        get_session(stack, alias="bad alias!"), Code.INVALID_ARGUMENT, Reason.INVALID_TOKEN
+    )
+    await refused(
+        get_session(stack, WEB, alias="slack:mine"), Code.PERMISSION_DENIED, Reason.CROSS_TENANT
+    )
+    await refused(
+        get_session(stack, (("authorization", "Bearer nope"),), session_id=session_id),
+        Code.UNAUTHENTICATED,
+        Reason.INVALID_API_KEY,
+    )
+    err = await refused(
+        get_session(stack, session_id="x" * 20_000),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_SESSION_ID,
+    )
+    assert len(err.message) < 300
+    assert await durable_state(stack, etcd) == before
+
+
+async def test_list_sessions_refusals(stack: Stack, etcd: aetcd.Client) -> None:
+    """ListSessions: a negative page size, a filter outside the documented
+    subset, an oversize filter and a page token that is not one it returned
+    for this filter are INVALID_ARGUMENT with their reasons, not echoed, and
+    nothing is written."""
+    for _ in range(2):
+        await stack.create()
+    before = await durable_state(stack, etcd)
+    await refused(list_sessions(stack, page_size=-5), Code.INVALID_ARGUMENT, Reason.INVALID_FIELD)
+    for bad in ("status = bored", "owner = me", "status = idle OR status = running"):
+        await refused(
+            list_sessions(stack, filter=bad), Code.INVALID_ARGUMENT, Reason.INVALID_FILTER
+        )
+    err = await refused(
+        list_sessions(stack, filter="x" * 20_000), Code.INVALID_ARGUMENT, Reason.INVALID_FILTER
+    )
+    assert len(err.message) < 300
+    token = (await list_sessions(stack, page_size=1)).next_page_token
+    assert token
+    await refused(
+        list_sessions(stack, page_size=1, page_token=token, filter="status = idle"),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_PAGE_TOKEN,
+    )
+    err = await refused(
+        list_sessions(stack, page_token="y" * 20_000),
+        Code.INVALID_ARGUMENT,
+        Reason.INVALID_PAGE_TOKEN,
+    )
+    assert len(err.message) < 300
+    await refused(
+        list_sessions(stack, (("authorization", "Bearer nope"),)),
+        Code.UNAUTHENTICATED,
+        Reason.INVALID_API_KEY,
+    )
     assert await durable_state(stack, etcd) == before
 
 

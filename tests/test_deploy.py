@@ -26,6 +26,7 @@ container's entrypoint runs the commands the manifests give it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import signal
@@ -43,6 +44,7 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import free_port, wait_serving
+from services.common.etcd_releases import corruption_check_flags, judge, parse_version
 from services.common.identity import Role
 from services.common.tls import Security
 from tests import certs
@@ -55,6 +57,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 RENDER = [sys.executable, str(DEPLOY / "render.py")]
 DEPLOYMENT_ID = "build-2026-11-30"
+_RENDER_SPEC = importlib.util.spec_from_file_location("render", DEPLOY / "render.py")
+assert _RENDER_SPEC is not None and _RENDER_SPEC.loader is not None
+render_py = importlib.util.module_from_spec(_RENDER_SPEC)  # deploy/render.py, as a module
+_RENDER_SPEC.loader.exec_module(render_py)
 LABEL = "baton.dev/deployment-id"
 BATON_ROLES = ("hooks", "anchor", "owner", "ingress")
 # Variables a container may set that are not service settings: inputs of
@@ -190,6 +196,27 @@ def test_etcd_is_three_members_with_volumes_tls_auth_compaction_and_quota(
     assert initial.count("https://") == 3
     assert rendered.one("Job", "etcd-auth-bootstrap")
     assert rendered.one("Service", "etcd")["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_etcd_pins_a_good_release_with_its_corruption_checks_on(
+    rendered: Rendered, tmp_path: Path
+) -> None:
+    etcd = rendered.one("StatefulSet", "etcd")
+    (container,) = containers(etcd)
+    version = parse_version(container["image"].rpartition(":")[2])
+    assert version is not None and judge(version).ok, judge(version).explain()
+    for flag in corruption_check_flags(version):
+        assert flag in container["args"], flag
+    # The check refuses a known-bad pin (and a good pin without the checks).
+    bad = tmp_path / "etcd.yaml"
+    source = (DEPLOY / "kustomize" / "base" / "etcd.yaml").read_text()
+    bad.write_text(source.replace(container["image"], "quay.io/coreos/etcd:v3.5.1"))
+    with pytest.raises(render_py.RenderError, match="13766"):
+        render_py.check_etcd_release(bad)
+    bad.write_text(source.replace("- --experimental-initial-corrupt-check=true\n", ""))
+    with pytest.raises(render_py.RenderError, match="initial-corrupt-check"):
+        render_py.check_etcd_release(bad)
+    assert render_py.check_etcd_release() == str(version)
 
 
 def test_replicas_fleets_services_and_budgets(rendered: Rendered) -> None:

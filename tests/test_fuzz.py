@@ -83,6 +83,10 @@ READ_ONLY = {
     "StreamInbox",
     "StreamEvents",
     "KeepAliveInstance",
+    "DescribeSession",
+    "ListChannelSessions",
+    "GetSession",
+    "ListSessions",
 }
 
 
@@ -110,6 +114,18 @@ def all_rpcs() -> list[Rpc]:
 
 
 RPCS = all_rpcs()
+
+
+def test_every_rpc_is_fuzzed_including_introspection() -> None:
+    paths = {rpc.path for rpc in RPCS}
+    assert paths == {p for p in access.RPC_ROLES if p.startswith("/baton.")}
+    for method in (
+        "/baton.ingress.v1.IngressService/GetSession",
+        "/baton.ingress.v1.IngressService/ListSessions",
+        "/baton.hooks.v1.HookRegistryService/DescribeSession",
+        "/baton.hooks.v1.HookRegistryService/ListChannelSessions",
+    ):
+        assert method in paths
 
 
 # -- strategies from descriptors ------------------------------------------------------
@@ -313,6 +329,13 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "from_index": [0],
         "parked": [True],
         "to_deployment_id": ["dep-b"],
+        # introspection
+        "consumed_seq": [0, head],
+        "after_session_id": [session_id],
+        "limit": [1, 10],
+        "page_size": [0, 1, 50],
+        "filter": ["status = idle", 'deployment = "dep-a"', 'create_time > "2026-01-01T00:00:00Z"'],
+        "page_token": [""],
     }
     known = [
         "",
@@ -348,6 +371,9 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
             stack.addr(stack.owner), stack.security(Role.OWNER, "dep-b")
         ),
         "owner-as-operator": open_channel(stack.addr(stack.owner), stack.security(Role.OPERATOR)),
+        "hooks-as-ingress": open_channel(
+            stack.addr(stack.hooks), stack.security(Role.INGRESS, dep)
+        ),
         "baton.ingress.v1.IngressService": public_channel(stack.addr(stack.ingress), stack.pki),
     }
     return Target(stack, etcd, channels, known, hints)
@@ -361,6 +387,8 @@ def channel_for(target: Target, rpc: Rpc) -> grpc.aio.Channel:
         if Role.OWNER in allowed:
             return target.channels["owner-as-owner"]  # AcceptHandoff: another deployment's
         return target.channels["owner-as-operator"]  # DrainSessions
+    if rpc.service == "baton.hooks.v1.HookRegistryService" and Role.OWNER not in allowed:
+        return target.channels["hooks-as-ingress"]  # introspection reads
     return target.channels[rpc.service]
 
 

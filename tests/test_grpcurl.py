@@ -47,6 +47,14 @@ READ = (
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"follow\\":false}" '
     f"$HOST {INGRESS}/StreamEvents"
 )
+GET_SESSION = (
+    f'grpcurl {TLS} {AUTH} -d "{{\\"session_id\\":\\"$SESSION\\"}}" $HOST {INGRESS}/GetSession'
+)
+LIST_SESSIONS = (
+    f"grpcurl {TLS} {AUTH} "
+    '-d \'{"page_size":10,"filter":"status = idle"}\' '
+    f"$HOST {INGRESS}/ListSessions"
+)
 HEALTH = f"grpcurl {TLS} $HOST grpc.health.v1.Health/Check"
 HEALTH_OF_SERVICE = (
     f'grpcurl {TLS} -d \'{{"service":"{INGRESS}"}}\' $HOST grpc.health.v1.Health/Check'
@@ -68,6 +76,8 @@ DOCUMENTED = (
     CREATE,
     SEND,
     READ,
+    GET_SESSION,
+    LIST_SESSIONS,
     HEALTH,
     HEALTH_OF_SERVICE,
     HEALTH_INTERNAL,
@@ -239,6 +249,20 @@ async def test_session_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
     assert [call["name"] for call in calls] == ["calculator"]
     answers = [e.get("text") for e in events if e["kind"] == "EVENT_KIND_MESSAGE_COMPLETED"]
     assert answers == ["The result is 42."]
+
+    async def idle() -> dict[str, Any] | None:
+        [got] = json_messages(
+            (await grpcurl.run(GET_SESSION, HOST=host, KEY=KEY, SESSION=session)).stdout
+        )
+        view: dict[str, Any] = got["session"]
+        return view if view["status"] == "SESSION_STATUS_IDLE" else None
+
+    view = await eventually(idle, "the session idle", 30)
+    assert view["session_id"] == session and view["deployment_id"] == stack.deployment_id
+    assert view["turn_count"] == "1" and int(view["stream_head"]) >= len(events)
+    [listed] = json_messages((await grpcurl.run(LIST_SESSIONS, HOST=host, KEY=KEY)).stdout)
+    assert [v["session_id"] for v in listed["sessions"]] == [session]
+    assert "next_page_token" not in listed  # the last page
 
 
 async def test_create_without_a_valid_key_is_unauthenticated(

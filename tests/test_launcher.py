@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -83,11 +86,15 @@ class Launcher:
     addresses: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)  # label -> metrics URL
     run_dir: str = ""
+    # The CLI profile this `baton up` writes: a file of the test's own, never
+    # the user's ~/.config/baton/profile.json.
+    profile: Path = field(default_factory=Path)
     _readers: list[asyncio.Task[None]] = field(default_factory=list)
     _new_line: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     async def start(cls, *args: str, env: Mapping[str, str] | None = None) -> Launcher:
+        profile_path = Path(tempfile.mkdtemp(prefix="baton-profile-")) / "profile.json"
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -99,12 +106,12 @@ class Launcher:
             "0",
             *args,
             cwd=ROOT,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, "BATON_PROFILE": str(profile_path), **(env or {})},
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        launcher = cls(proc)
+        launcher = cls(proc, profile=profile_path)
         assert proc.stdout is not None and proc.stderr is not None
         launcher._readers = [
             asyncio.create_task(launcher._read(proc.stdout, launcher.lines)),
@@ -167,6 +174,7 @@ class Launcher:
         for reader in self._readers:
             reader.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
+        shutil.rmtree(self.profile.parent, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager
@@ -256,6 +264,54 @@ async def test_up_then_demo_then_sigterm_stops_everything() -> None:
         assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
         assert_all_stopped(launcher)
         assert launcher.lines[-1] == "baton up: stopped", launcher.output
+
+
+async def baton(*args: str, env: Mapping[str, str]) -> tuple[int, str, str]:
+    """A `baton` command as a process (awaited, never waited on)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *args,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BATON_")} | dict(env),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), DEMO_TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_baton_sessions_needs_no_flags_against_baton_up() -> None:
+    """`baton up` writes the CLI profile (its ingress and CA) before it says
+    it is ready; `baton sessions list/get` then need no flag and no
+    variable but the profile's place (here a test file, not the user's);
+    stopping removes the profile."""
+    async with launched() as launcher:
+        await launcher.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
+        assert launcher.profile.exists(), launcher.output
+        env = {"BATON_PROFILE": str(launcher.profile)}
+        code, out, err = await baton("sessions", "list", "-o", "json", env=env)
+        assert (code, json.loads(out)) == (0, []), err
+        code, demo_output = await run_demo(launcher, launcher.addresses["ingress of dep-1"])
+        assert code == 0, demo_output
+        session_id = re.search(r"demo finished: session (ses_\w+)", demo_output)
+        assert session_id, demo_output
+        code, out, err = await baton("sessions", "list", env=env)
+        assert code == 0, err
+        assert session_id[1] in out
+        code, out, err = await baton("sessions", "get", session_id[1], "-o", "json", env=env)
+        assert code == 0, err
+        assert json.loads(out)["session_id"] == session_id[1]
+        launcher.proc.send_signal(signal.SIGTERM)
+        assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
+        assert not launcher.profile.exists()
+        assert_all_stopped(launcher)
 
 
 async def test_up_with_demo_and_sigint() -> None:
@@ -384,6 +440,8 @@ async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> No
     async with launched("--etcd-members", "3", "--replicas", "2", "--demo") as up:
         await up.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
         assert set(up.pids) == REPLICATED, up.output
+        # etcd's health included its members' consistency (one hash, no alarm).
+        assert any("etcd consistent: 3 member(s) agree" in line for line in up.lines), up.output
         await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in up.lines), up.output
         # The demo again, through the second ingress replica.

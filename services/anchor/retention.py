@@ -3,7 +3,7 @@
 The commit that closes a session's stream also writes a retention-index entry
 `gc/{expires}/{sid}`. Every anchor replica sweeps the index now and then;
 for each expired entry it deletes the session's index entries that point at
-it (token index, ownership index, bell), then the session's own keys in
+it (token index, channel index, ownership index, bell), then the session's own keys in
 bounded transactions, then the entry itself. Every step is idempotent, so
 replicas sweeping at once, or a sweep cut short by a crash, are harmless: the
 entry stays until the session is gone. Afterwards every read of the session
@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 
 import structlog
+from google.protobuf.message import DecodeError
 
+from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import BatonError
 from services.common.etcd import Store
@@ -91,6 +93,7 @@ class Retention:
             Txn()
             .read("owner", k.owner(session_id))
             .read("hooks", k.hooks(session_id))
+            .read("snapshot", k.snapshot(session_id))
             .run(self._store)
         )
         tokens = {ids.inbox_token(session_id)}
@@ -102,10 +105,19 @@ class Retention:
             index.read(token, k.token(token))
         pointing = await index.run(self._store)
         cleanup = Txn()
+        channels: set[str] = set()
+        raw_snapshot = found.value("snapshot")
+        if raw_snapshot:
+            channels.add(_snapshot_channel(raw_snapshot))
         for token in sorted(tokens):
             raw = pointing.value(token)
             if raw is not None and TokenRecord.decode(raw).session_id == session_id:
                 cleanup.delete(k.token(token))
+                channels.add(TokenRecord.decode(raw).channel)
+        # The channel index entry goes with the token-index entries (same
+        # txn), so one is never left without the other.
+        for channel in sorted(c for c in channels if c):
+            cleanup.delete(k.channel_entry(channel, session_id))
         raw_owner = found.value("owner")
         if raw_owner:
             owner = OwnerRecord.decode(raw_owner)
@@ -125,3 +137,11 @@ class Retention:
             if not kvs:
                 return
             await Txn().delete(kvs[0].key, kvs[-1].key + b"\0").run(self._store)
+
+
+def _snapshot_channel(raw: bytes) -> str:
+    """The tenant a stored snapshot names ("" when it cannot be read)."""
+    try:
+        return s.SessionSnapshot.FromString(raw).channel
+    except DecodeError:
+        return ""

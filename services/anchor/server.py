@@ -8,6 +8,7 @@ from services.anchor.journal import Journal
 from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
 from services.common.etcd import Store, make_client
+from services.common.etcd_members import UnsafeEtcd, check_member_releases
 from services.common.keys import Keys
 from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
@@ -22,6 +23,17 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
         config.etcd.timeout,
     )
     await store.connect()
+    # An external cluster's members are judged too: refuse a known-bad release.
+    try:
+        await check_member_releases(
+            store.client,
+            config.etcd.security,
+            config.etcd.timeout,
+            accept_risk=config.etcd.accept_risk,
+        )
+    except UnsafeEtcd:
+        await store.close()
+        raise
     keys = Keys(config.etcd.prefix)
     journal = Journal(store, keys, retention_seconds=config.retention_seconds)
     servicer = AnchorServicer(journal, DeploymentScope(store, keys))

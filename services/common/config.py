@@ -120,6 +120,14 @@ ETCD_SETTINGS = (
         "0",
         switch=True,
     ),
+    Setting(
+        "--accept-etcd-risk",
+        "BATON_ACCEPT_ETCD_RISK",
+        "start even if an etcd member runs a known-bad release (docs/etcd.md); without it "
+        "the service refuses to start, saying why and what to install",
+        "0",
+        switch=True,
+    ),
 )
 
 
@@ -262,6 +270,8 @@ class EtcdConfig:
     # TLS to etcd with a client certificate (its CN is the etcd user), or
     # plaintext.
     security: Security
+    # Run on members whose release is known-bad (services/common/etcd_releases.py).
+    accept_risk: bool = False
 
     @classmethod
     def from_values(cls, values: Mapping[str, str], service: Security) -> EtcdConfig:
@@ -288,6 +298,7 @@ class EtcdConfig:
             prefix=as_prefix(values["etcd_prefix"]),
             timeout=as_float(values, "etcd_timeout", minimum=0.1),
             security=security,
+            accept_risk=as_switch(values, "accept_etcd_risk"),
         )
 
 

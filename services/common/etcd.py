@@ -55,6 +55,11 @@ is raised: the backend reached --quota-backend-bytes."""
 
 COMPACTED_DETAIL = "required revision has been compacted"
 
+CORRUPT_DETAIL = "corrupt cluster"
+"""What etcd says (DATA_LOSS, "etcdserver: corrupt cluster") to every write
+while its CORRUPT alarm is raised: a corruption check found members whose
+data differ (reads are still served)."""
+
 
 def store_full() -> ResourceExhausted:
     return ResourceExhausted(
@@ -64,11 +69,26 @@ def store_full() -> ResourceExhausted:
     )
 
 
+def store_corrupt() -> Unavailable:
+    """Unavailable, not a kind of its own: nothing was accepted, and the
+    same write succeeds once the operator has repaired etcd, so callers that
+    wait out an unavailable store (an owner's commit, an activation) wait
+    this out too instead of failing the session; the reason says why."""
+    return Unavailable(
+        Reason.STORE_CORRUPT,
+        "etcd reports corrupt data (CORRUPT alarm) and refuses every write; they resume once "
+        "an operator has replaced the bad member from a healthy one and disarmed the alarm "
+        "(docs/etcd.md: corruption)",
+    )
+
+
 def map_rpc_error(exc: AioRpcError) -> BatonError:
     """The domain error for an etcd call that failed."""
     details = exc.details() or ""
     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and NOSPACE_DETAIL in details:
         return store_full()
+    if exc.code() == grpc.StatusCode.DATA_LOSS:  # CORRUPT_DETAIL; any data loss is that
+        return store_corrupt()
     if exc.code() == grpc.StatusCode.OUT_OF_RANGE and COMPACTED_DETAIL in details:
         return Aborted(Reason.REVISION_COMPACTED, "the read revision was compacted; read again")
     if exc.code() in _TRANSIENT:

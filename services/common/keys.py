@@ -16,6 +16,10 @@ disposal, the token-index entries pointing at that session):
     {root}s/{sid}/xfer/{handoff}   Transfer JSON              the outcome of an applied handoff
     {root}s/{sid}/closed           "{terminal seq}"           present once the stream closed
     {root}t/{token}                TokenRecord JSON           token index: token -> session
+    {root}ch/{channel}/{sid}       ChannelEntry JSON          channel index: written by the txn
+                                                              that creates the session, deleted
+                                                              with its token-index entries;
+                                                              ListSessions pages through it
     {root}gc/{expires:015d}/{sid}  ""                         retention index: written by the
                                                               commit that closes the stream;
                                                               the session's keys are deleted
@@ -130,6 +134,13 @@ class Keys:
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
 
+    def channel_prefix(self, channel: str) -> bytes:
+        """The channel index of one tenant (its sessions in session id order)."""
+        return f"{self.root}ch/{channel}/".encode()
+
+    def channel_entry(self, channel: str, session_id: str) -> bytes:
+        return self.channel_prefix(channel) + session_id.encode()
+
     def instances_prefix(self) -> bytes:
         """Every deployment's live instances (`instance` keys)."""
         return f"{self.root}d/".encode()
@@ -202,6 +213,24 @@ class TokenRecord:
         data = json.loads(value)
         parent = base64.b64decode(data["parent"]) if data.get("parent") else b""
         return cls(session_id=data["session_id"], channel=data["channel"], parent=parent)
+
+
+@dataclass(frozen=True)
+class ChannelEntry:
+    """What a channel-index entry (`ch/{channel}/{sid}`) holds: when the
+    session was created (unix ms)."""
+
+    created_ms: int
+
+    def encode(self) -> bytes:
+        return canonical_json({"created_ms": self.created_ms})
+
+    @classmethod
+    def decode(cls, value: bytes) -> ChannelEntry:
+        try:
+            return cls(created_ms=int(json.loads(value).get("created_ms", 0)))
+        except (ValueError, AttributeError):
+            return cls(created_ms=0)
 
 
 @dataclass(frozen=True)

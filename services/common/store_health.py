@@ -2,11 +2,14 @@
 cannot take writes says NOT_SERVING, so probes and balancers stop routing to
 it, and SERVING again once etcd recovers.
 
-Two conditions count: etcd unreachable for longer than `unreachable_after`
-(a blip does not flap the status), and etcd's NOSPACE alarm, raised when its
-database reached the quota (every write fails until an operator compacts,
-defragments and disarms it; README "etcd space"). Both are logged once when
-they start and once when they end, with a reason.
+Three conditions count: etcd unreachable for longer than `unreachable_after`
+(a blip does not flap the status, STORE_UNAVAILABLE); etcd's NOSPACE alarm,
+raised when its database reached the quota (every write fails until an
+operator compacts, defragments and disarms it; README "etcd space";
+STORE_FULL); and etcd's CORRUPT alarm, raised by its corruption checks when
+members' data differ (every write fails until an operator replaces the bad
+member and disarms it; docs/etcd.md "corruption"; STORE_CORRUPT). Each is
+logged once when it starts and once when it ends, with its reason.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ class StoreHealth:
         try:
             alarms = await self._store.alarms()
             self._failing_since = None
-            if "NOSPACE" in alarms:
+            if "CORRUPT" in alarms:  # first: no room to make fixes this
+                reason = Reason.STORE_CORRUPT
+            elif "NOSPACE" in alarms:
                 reason = Reason.STORE_FULL
         except BatonError:
             now = self._clock()

@@ -9,6 +9,8 @@ losing each other's tokens.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -16,7 +18,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import AlreadyExists, Reason, Unavailable
 from services.common.etcd import Store, cmp_absent, cmp_value
-from services.common.keys import Keys, TokenRecord, canonical_json, parse_fence
+from services.common.keys import ChannelEntry, Keys, TokenRecord, canonical_json, parse_fence
 from services.common.txn import Fence, Txn
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
 from services.hooks.sessions import SessionCache, SessionState, owner_record
@@ -27,8 +29,14 @@ class Claims:
     """CreateSession, ClaimHooks and DisposeHooks over one etcd store."""
 
     def __init__(
-        self, store: Store, keys: Keys, tokens: TokenIndex, sessions: SessionCache
+        self,
+        store: Store,
+        keys: Keys,
+        tokens: TokenIndex,
+        sessions: SessionCache,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self._clock = clock
         self._store = store
         self._keys = keys
         self._tokens = tokens
@@ -71,6 +79,12 @@ class Claims:
             .put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence.value)
             .put(k.hooks(session_id), canonical_json(tokens))
             .put(k.inbox_head(session_id), str(head).encode())
+            # The channel index entry: created with the session, deleted with
+            # its token-index entries (services/anchor/retention.py).
+            .put(
+                k.channel_entry(channel, session_id),
+                ChannelEntry(created_ms=int(self._clock() * 1000)).encode(),
+            )
         )
         if first is not None:
             txn.put(k.inbox_entry(session_id, 0), first.SerializeToString())

@@ -9,7 +9,9 @@ The rooms, each over the same etcd store:
   last seen (the floor below inbox and ownership, which both correct it);
 - `claims.Claims` — CreateSession, ClaimHooks, DisposeHooks;
 - `inbox.Inbox` — ResumeHook (group-committed appends) and StreamInbox;
-- `ownership.Ownership` — takeover, parking, the ownership index.
+- `ownership.Ownership` — takeover, parking, the ownership index;
+- `directory.SessionDirectory` — introspection reads (DescribeSession) and
+  the channel index (ListChannelSessions).
 
 Every transaction stays inside one session's keys plus the index entries
 pointing at it (token index, ownership index, bell; DESIGN.md §10).
@@ -27,6 +29,7 @@ from services.common.errors import NotFound
 from services.common.etcd import Store
 from services.common.keys import Keys, TokenRecord
 from services.hooks.claims import Claims
+from services.hooks.directory import ChannelPage, SessionDirectory, SessionRecord
 from services.hooks.inbox import Inbox
 from services.hooks.ownership import OwnedSession, Ownership, TakeOver
 from services.hooks.sessions import SessionCache
@@ -43,6 +46,7 @@ class HookRegistry:
         self.claims = Claims(store, keys, self.tokens, self.sessions)
         self.inbox = Inbox(store, keys, self.tokens, self.sessions)
         self.ownership = Ownership(store, keys, self.sessions)
+        self.directory = SessionDirectory(store, keys)
 
     async def create_session(
         self,
@@ -103,6 +107,12 @@ class HookRegistry:
 
     async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
         return await self.ownership.list_owned(deployment_id, instance_id)
+
+    async def describe(self, session_id: str, channel: str, consumed_seq: int) -> SessionRecord:
+        return await self.directory.describe(session_id, channel, consumed_seq)
+
+    async def list_channel(self, channel: str, after_session_id: str, limit: int) -> ChannelPage:
+        return await self.directory.list_channel(channel, after_session_id, limit)
 
     def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
         """A transfer wrote a new owner record (see `SessionCache.owner_moved`)."""

@@ -18,6 +18,7 @@ from services.common.keys import InstanceRecord
 from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
 from services.common.server import Context
+from services.hooks.directory import timestamp_ms
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.transfer import Transfers
@@ -167,6 +168,52 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             ),
             parked=record.parked,
             inbox_head=head,
+        )
+
+    async def DescribeSession(
+        self, request: pb.DescribeSessionRequest, context: Context
+    ) -> pb.DescribeSessionResponse:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        channel = _tenant_channel(request.channel)
+        record = await self._registry.describe(request.session_id, channel, request.consumed_seq)
+        owner = record.owner
+        response = pb.DescribeSessionResponse(
+            fence=s.Fence(
+                session_id=record.session_id, owner_run_id=owner.owner_run_id, epoch=owner.epoch
+            ),
+            owner=s.OwnerIdentity(
+                owner_run_id=owner.owner_run_id,
+                deployment_id=owner.deployment_id,
+                instance_id=owner.instance_id,
+            ),
+            parked=owner.parked,
+            inbox_head=record.inbox_head,
+            hooks=record.hooks,
+            channel=record.channel,
+        )
+        if record.parent:
+            response.parent.ParseFromString(record.parent)
+        if record.created_ms:
+            response.create_time.CopyFrom(timestamp_ms(record.created_ms))
+        if record.oldest_unconsumed is not None:
+            response.oldest_unconsumed_seq = record.oldest_unconsumed.seq
+            response.oldest_unconsumed_accepted_at.CopyFrom(record.oldest_unconsumed.accepted_at)
+        return response
+
+    async def ListChannelSessions(
+        self, request: pb.ListChannelSessionsRequest, context: Context
+    ) -> pb.ListChannelSessionsResponse:
+        if not request.channel:
+            raise InvalidArgument(Reason.MISSING_FIELD, "channel is required")
+        page = await self._registry.list_channel(
+            request.channel, request.after_session_id, request.limit
+        )
+        return pb.ListChannelSessionsResponse(
+            sessions=[
+                pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms))
+                for sid, ms in page.sessions
+            ],
+            more=page.more,
         )
 
     async def CreateSession(

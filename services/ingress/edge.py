@@ -246,6 +246,16 @@ class Edge:
             self._orphans.accepted(receipt)
         return receipt
 
+    async def addressed_session(self, channel: str, session_id: str, alias: str) -> str:
+        """The session id a request names: validated as given, or resolved
+        from an alias of the caller's channel (tenancy of a session id is
+        checked by whoever reads the session)."""
+        if alias:
+            return (await self._hooks.lookup(self.alias_token(channel, alias), channel)).session_id
+        if not session_id:
+            raise InvalidArgument(Reason.MISSING_FIELD, "name the session by session_id or alias")
+        return ids.validate_session_id(session_id)
+
     async def resolve_session(self, channel: str, session_id: str, alias: str) -> str:
         """The session a reader addresses, checked against the caller's tenancy."""
         if alias:

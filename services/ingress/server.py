@@ -7,6 +7,7 @@ from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.ingress.config import IngressConfig
 from services.ingress.edge import Edge
+from services.ingress.introspection import SessionViews
 from services.ingress.orphans import OrphanWatch
 from services.ingress.servicer import IngressServicer
 
@@ -28,7 +29,7 @@ async def create_server(config: IngressConfig) -> GrpcServer:
         orphans,
         config.limits,
     )
-    servicer = IngressServicer(edge)
+    servicer = IngressServicer(edge, SessionViews(hooks, anchor))
     server = build_server(
         config.listen,
         [

@@ -11,11 +11,13 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from services.common.bounds import check_seq
 from services.common.server import Context
 from services.ingress.edge import Edge
+from services.ingress.introspection import SessionViews
 
 
 class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
-    def __init__(self, edge: Edge) -> None:
+    def __init__(self, edge: Edge, views: SessionViews) -> None:
         self._edge = edge
+        self._views = views
 
     def _channel(self, context: Context) -> str:
         channel = self._edge.authenticate(context.invocation_metadata())
@@ -89,3 +91,20 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
             channel, session_id, request.start_seq, request.follow
         ):
             yield pb.StreamEventsResponse(events=events)
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: Context
+    ) -> pb.GetSessionResponse:
+        channel = self._channel(context)
+        session_id = await self._edge.addressed_session(channel, request.session_id, request.alias)
+        structlog.contextvars.bind_contextvars(session_id=session_id)
+        return pb.GetSessionResponse(session=await self._views.get(channel, session_id))
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: Context
+    ) -> pb.ListSessionsResponse:
+        channel = self._channel(context)
+        sessions, token = await self._views.list(
+            channel, request.page_size, request.page_token, request.filter
+        )
+        return pb.ListSessionsResponse(sessions=sessions, next_page_token=token)

@@ -267,8 +267,10 @@ class FleetMembership:
         session being created or transferred here is indexed a moment before
         the host holds it. Dead instances whose takeover rounds ran out are
         tried again."""
-        while True:
+        while not self.lease_lost.is_set():
             await asyncio.sleep(self.reconcile_every)
+            if self.lease_lost.is_set():
+                return  # the sessions are others' now
             for instance_id in sorted(self._unfinished):
                 self._schedule_adoption(instance_id)
             try:

@@ -7,6 +7,7 @@ from baton.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -18,6 +19,196 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class DescribeSessionRequest(_message.Message):
+    """DescribeSessionRequest names a session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    CONSUMED_SEQ_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    channel: _builtins.str
+    """The tenant channel asking; empty for internal callers."""
+    consumed_seq: _builtins.int
+    """The owner's consumed inbox position (from the snapshot): the oldest
+    unconsumed entry is the first at or above it.
+    """
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        channel: _builtins.str = ...,
+        consumed_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "consumed_seq", b"consumed_seq", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeSessionRequest: _TypeAlias = DescribeSessionRequest  # noqa: Y015
+
+@_typing.final
+class DescribeSessionResponse(_message.Message):
+    """DescribeSessionResponse is what hooks stores of the session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
+    INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    OLDEST_UNCONSUMED_SEQ_FIELD_NUMBER: _builtins.int
+    OLDEST_UNCONSUMED_ACCEPTED_AT_FIELD_NUMBER: _builtins.int
+    HOOKS_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    parked: _builtins.bool
+    """True while the owner has the session parked."""
+    inbox_head: _builtins.int
+    """The inbox head (the next inbox seq)."""
+    oldest_unconsumed_seq: _builtins.int
+    """The seq of the oldest entry at or above consumed_seq; unset when none."""
+    channel: _builtins.str
+    """The session's tenant channel."""
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The owner's fence."""
+
+    @_builtins.property
+    def owner(self) -> _session_pb2.OwnerIdentity:
+        """The owner run, its deployment and instance."""
+
+    @_builtins.property
+    def oldest_unconsumed_accepted_at(self) -> _timestamp_pb2.Timestamp:
+        """When hooks accepted that entry."""
+
+    @_builtins.property
+    def hooks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every token the session holds, inbox token first."""
+
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session: its parent link, as created."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the session was created (from the channel index)."""
+
+    def __init__(
+        self,
+        *,
+        fence: _session_pb2.Fence | None = ...,
+        owner: _session_pb2.OwnerIdentity | None = ...,
+        parked: _builtins.bool = ...,
+        inbox_head: _builtins.int = ...,
+        oldest_unconsumed_seq: _builtins.int | None = ...,
+        oldest_unconsumed_accepted_at: _timestamp_pb2.Timestamp | None = ...,
+        hooks: _abc.Iterable[_builtins.str] | None = ...,
+        channel: _builtins.str = ...,
+        parent: _session_pb2.ParentLink | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_oldest_unconsumed_seq", b"_oldest_unconsumed_seq", "create_time", b"create_time", "fence", b"fence", "oldest_unconsumed_accepted_at", b"oldest_unconsumed_accepted_at", "oldest_unconsumed_seq", b"oldest_unconsumed_seq", "owner", b"owner", "parent", b"parent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_oldest_unconsumed_seq", b"_oldest_unconsumed_seq", "channel", b"channel", "create_time", b"create_time", "fence", b"fence", "hooks", b"hooks", "inbox_head", b"inbox_head", "oldest_unconsumed_accepted_at", b"oldest_unconsumed_accepted_at", "oldest_unconsumed_seq", b"oldest_unconsumed_seq", "owner", b"owner", "parent", b"parent", "parked", b"parked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__oldest_unconsumed_seq: _TypeAlias = _typing.Literal["oldest_unconsumed_seq"]  # noqa: Y015
+    _WhichOneofArgType__oldest_unconsumed_seq: _TypeAlias = _typing.Literal["_oldest_unconsumed_seq", b"_oldest_unconsumed_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__oldest_unconsumed_seq) -> _WhichOneofReturnType__oldest_unconsumed_seq | None: ...
+
+Global___DescribeSessionResponse: _TypeAlias = DescribeSessionResponse  # noqa: Y015
+
+@_typing.final
+class ListChannelSessionsRequest(_message.Message):
+    """ListChannelSessionsRequest asks for one page of a channel's index."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    AFTER_SESSION_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    channel: _builtins.str
+    """The channel."""
+    after_session_id: _builtins.str
+    """Start after this session id; empty starts at the first."""
+    limit: _builtins.int
+    """At most this many (1 to 1000)."""
+    def __init__(
+        self,
+        *,
+        channel: _builtins.str = ...,
+        after_session_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_session_id", b"after_session_id", "channel", b"channel", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListChannelSessionsRequest: _TypeAlias = ListChannelSessionsRequest  # noqa: Y015
+
+@_typing.final
+class ChannelSession(_message.Message):
+    """ChannelSession is one entry of a channel's index."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChannelSession: _TypeAlias = ChannelSession  # noqa: Y015
+
+@_typing.final
+class ListChannelSessionsResponse(_message.Message):
+    """ListChannelSessionsResponse is one page, in session id order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    more: _builtins.bool
+    """True when more entries follow the last one."""
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChannelSession]:
+        """The sessions."""
+
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___ChannelSession] | None = ...,
+        more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["more", b"more", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListChannelSessionsResponse: _TypeAlias = ListChannelSessionsResponse  # noqa: Y015
 
 @_typing.final
 class RegisterInstanceRequest(_message.Message):

@@ -126,6 +126,16 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.FromString,
                 _registered_method=True)
+        self.DescribeSession = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/DescribeSession',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionResponse.FromString,
+                _registered_method=True)
+        self.ListChannelSessions = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/ListChannelSessions',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class HookRegistryServiceServicer:
@@ -270,6 +280,24 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeSession(self, request, context):
+        """What hooks knows of a session, for introspection: owner, parked, inbox
+        head and the oldest unconsumed entry, claimed tokens, parent link,
+        creation time. A session of another channel than the one named is
+        NOT_FOUND like a missing one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListChannelSessions(self, request, context):
+        """List a channel's sessions in session id order, one bounded page at a
+        time (the channel index, written with each session's creation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HookRegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -362,6 +390,16 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.WatchInstances,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.SerializeToString,
+            ),
+            'DescribeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeSession,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionResponse.SerializeToString,
+            ),
+            'ListChannelSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChannelSessions,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -852,6 +890,60 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/WatchInstances',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.WatchInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/DescribeSession',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChannelSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/ListChannelSessions',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

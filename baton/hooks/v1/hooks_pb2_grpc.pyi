@@ -89,6 +89,16 @@ class HookRegistryServiceStub:
     then again after every change, with the instances that died owning
     sessions (to be taken over).
     """
+    DescribeSession: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DescribeSessionRequest, _hooks_pb2.DescribeSessionResponse]
+    """What hooks knows of a session, for introspection: owner, parked, inbox
+    head and the oldest unconsumed entry, claimed tokens, parent link,
+    creation time. A session of another channel than the one named is
+    NOT_FOUND like a missing one.
+    """
+    ListChannelSessions: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListChannelSessionsRequest, _hooks_pb2.ListChannelSessionsResponse]
+    """List a channel's sessions in session id order, one bounded page at a
+    time (the channel index, written with each session's creation).
+    """
 
 @_typing.type_check_only
 class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
@@ -150,6 +160,16 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """Stream the live instances of an exact deployment: the full set first,
     then again after every change, with the instances that died owning
     sessions (to be taken over).
+    """
+    DescribeSession: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DescribeSessionRequest, _hooks_pb2.DescribeSessionResponse]  # type: ignore[assignment]
+    """What hooks knows of a session, for introspection: owner, parked, inbox
+    head and the oldest unconsumed entry, claimed tokens, parent link,
+    creation time. A session of another channel than the one named is
+    NOT_FOUND like a missing one.
+    """
+    ListChannelSessions: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListChannelSessionsRequest, _hooks_pb2.ListChannelSessionsResponse]  # type: ignore[assignment]
+    """List a channel's sessions in session id order, one bounded page at a
+    time (the channel index, written with each session's creation).
     """
 
 class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -317,6 +337,28 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         """Stream the live instances of an exact deployment: the full set first,
         then again after every change, with the instances that died owning
         sessions (to be taken over).
+        """
+
+    @_abc_1.abstractmethod
+    def DescribeSession(
+        self,
+        request: _hooks_pb2.DescribeSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.DescribeSessionResponse, _abc.Awaitable[_hooks_pb2.DescribeSessionResponse]]:
+        """What hooks knows of a session, for introspection: owner, parked, inbox
+        head and the oldest unconsumed entry, claimed tokens, parent link,
+        creation time. A session of another channel than the one named is
+        NOT_FOUND like a missing one.
+        """
+
+    @_abc_1.abstractmethod
+    def ListChannelSessions(
+        self,
+        request: _hooks_pb2.ListChannelSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.ListChannelSessionsResponse, _abc.Awaitable[_hooks_pb2.ListChannelSessionsResponse]]:
+        """List a channel's sessions in session id order, one bounded page at a
+        time (the channel index, written with each session's creation).
         """
 
 def add_HookRegistryServiceServicer_to_server(servicer: HookRegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -23,9 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/ingress/v1/ingress.proto\x12\x10\x62\x61ton.ingress.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xcc\x01\n\x12SendControlRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12+\n\x04kind\x18\x03 \x01(\x0e\x32\x1d.baton.ingress.v1.ControlKind\x12\x13\n\x0b\x64\x65livery_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x12\n\nattempt_id\x18\x06 \x01(\t\x12\x0f\n\x07granted\x18\x07 \x01(\x08\x12\x0e\n\x06\x63\x61ller\x18\x08 \x01(\tB\x08\n\x06target\"V\n\x13SendControlResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\"j\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\x04\"S\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\"\xd6\x02\n\x12SendMessageRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x38\n\x0finput_responses\x18\x04 \x03(\x0b\x32\x1f.baton.session.v1.InputResponse\x12\x31\n\x0bturn_policy\x18\x05 \x01(\x0e\x32\x1c.baton.session.v1.TurnPolicy\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\t\x12@\n\x06labels\x18\x08 \x03(\x0b\x32\x30.baton.ingress.v1.SendMessageRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06target\"v\n\x13SendMessageResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65pted_deployment_id\x18\x03 \x01(\t\"i\n\x13StreamEventsRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x11\n\tstart_seq\x18\x03 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x42\x08\n\x06target\"?\n\x14StreamEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event*\xb7\x01\n\x0b\x43ontrolKind\x12\x1c\n\x18\x43ONTROL_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTROL_KIND_CANCEL\x10\x01\x12\x16\n\x12\x43ONTROL_KIND_RESET\x10\x02\x12\x16\n\x12\x43ONTROL_KIND_CLEAR\x10\x03\x12\x18\n\x14\x43ONTROL_KIND_COMPACT\x10\x04\x12\'\n#CONTROL_KIND_AUTHORIZATION_CALLBACK\x10\x05\x32\x8b\x03\n\x0eIngressService\x12`\n\rCreateSession\x12&.baton.ingress.v1.CreateSessionRequest\x1a\'.baton.ingress.v1.CreateSessionResponse\x12Z\n\x0bSendMessage\x12$.baton.ingress.v1.SendMessageRequest\x1a%.baton.ingress.v1.SendMessageResponse\x12_\n\x0cStreamEvents\x12%.baton.ingress.v1.StreamEventsRequest\x1a&.baton.ingress.v1.StreamEventsResponse0\x01\x12Z\n\x0bSendControl\x12$.baton.ingress.v1.SendControlRequest\x1a%.baton.ingress.v1.SendControlResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/ingress/v1/ingress.proto\x12\x10\x62\x61ton.ingress.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"D\n\x11GetSessionRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"@\n\x12GetSessionResponse\x12*\n\x07session\x18\x01 \x01(\x0b\x32\x19.baton.ingress.v1.Session\"y\n\x0eSessionFailure\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12(\n\x04time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"[\n\x0fRemainingLimits\x12\x13\n\x06tokens\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0b\x63ost_micros\x18\x02 \x01(\x04H\x01\x88\x01\x01\x42\t\n\x07_tokensB\x0e\n\x0c_cost_micros\"\xa3\x07\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12/\n\x06status\x18\x03 \x01(\x0e\x32\x1f.baton.ingress.v1.SessionStatus\x12\x34\n\rstatus_reason\x18\x04 \x01(\x0b\x32\x1d.baton.session.v1.ErrorDetail\x12\x15\n\rdeployment_id\x18\x05 \x01(\t\x12\x14\n\x0cowner_run_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x13\n\x0binbox_depth\x18\t \x01(\x04\x12\x38\n\x15oldest_unconsumed_age\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bstream_head\x18\x0b \x01(\x04\x12\x12\n\nturn_count\x18\x0c \x01(\x04\x12&\n\x05usage\x18\r \x01(\x0b\x32\x17.baton.session.v1.Usage\x12(\n\x06limits\x18\x0e \x01(\x0b\x32\x18.baton.session.v1.Limits\x12\x34\n\tremaining\x18\x0f \x01(\x0b\x32!.baton.ingress.v1.RemainingLimits\x12\x36\n\x0epending_inputs\x18\x10 \x03(\x0b\x32\x1e.baton.session.v1.InputRequest\x12\x43\n\x16pending_authorizations\x18\x11 \x03(\x0b\x32#.baton.session.v1.AuthorizationWait\x12\x0f\n\x07\x61liases\x18\x12 \x03(\t\x12,\n\x06parent\x18\x13 \x01(\x0b\x32\x1c.baton.session.v1.ParentLink\x12/\n\x08\x63hildren\x18\x14 \x03(\x0b\x32\x1d.baton.session.v1.ChildHandle\x12\x36\n\x0clast_failure\x18\x15 \x01(\x0b\x32 .baton.ingress.v1.SessionFailure\x12/\n\x0b\x63reate_time\x18\x16 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x17 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10timeout_deadline\x18\x18 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"L\n\x13ListSessionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\"\\\n\x14ListSessionsResponse\x12+\n\x08sessions\x18\x01 \x03(\x0b\x32\x19.baton.ingress.v1.Session\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xcc\x01\n\x12SendControlRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12+\n\x04kind\x18\x03 \x01(\x0e\x32\x1d.baton.ingress.v1.ControlKind\x12\x13\n\x0b\x64\x65livery_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x12\n\nattempt_id\x18\x06 \x01(\t\x12\x0f\n\x07granted\x18\x07 \x01(\x08\x12\x0e\n\x06\x63\x61ller\x18\x08 \x01(\tB\x08\n\x06target\"V\n\x13SendControlResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\"j\n\x14\x43reateSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61liases\x18\x02 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x04 \x01(\x04\"S\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\"\xd6\x02\n\x12SendMessageRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x38\n\x0finput_responses\x18\x04 \x03(\x0b\x32\x1f.baton.session.v1.InputResponse\x12\x31\n\x0bturn_policy\x18\x05 \x01(\x0e\x32\x1c.baton.session.v1.TurnPolicy\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\t\x12@\n\x06labels\x18\x08 \x03(\x0b\x32\x30.baton.ingress.v1.SendMessageRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06target\"v\n\x13SendMessageResponse\x12*\n\x07receipt\x18\x01 \x01(\x0b\x32\x19.baton.session.v1.Receipt\x12\x13\n\x0b\x64\x65livery_id\x18\x02 \x01(\t\x12\x1e\n\x16\x61\x63\x63\x65pted_deployment_id\x18\x03 \x01(\t\"i\n\x13StreamEventsRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x0f\n\x05\x61lias\x18\x02 \x01(\tH\x00\x12\x11\n\tstart_seq\x18\x03 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x42\x08\n\x06target\"?\n\x14StreamEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event*\xad\x02\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_IDLE\x10\x01\x12\x1a\n\x16SESSION_STATUS_RUNNING\x10\x02\x12$\n SESSION_STATUS_WAITING_FOR_INPUT\x10\x03\x12,\n(SESSION_STATUS_WAITING_FOR_AUTHORIZATION\x10\x04\x12\x19\n\x15SESSION_STATUS_PARKED\x10\x05\x12\x1a\n\x16SESSION_STATUS_STALLED\x10\x06\x12\x1e\n\x1aSESSION_STATUS_HANDING_OFF\x10\x07\x12\x1c\n\x18SESSION_STATUS_FINALIZED\x10\x08*\xb7\x01\n\x0b\x43ontrolKind\x12\x1c\n\x18\x43ONTROL_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTROL_KIND_CANCEL\x10\x01\x12\x16\n\x12\x43ONTROL_KIND_RESET\x10\x02\x12\x16\n\x12\x43ONTROL_KIND_CLEAR\x10\x03\x12\x18\n\x14\x43ONTROL_KIND_COMPACT\x10\x04\x12\'\n#CONTROL_KIND_AUTHORIZATION_CALLBACK\x10\x05\x32\xc3\x04\n\x0eIngressService\x12`\n\rCreateSession\x12&.baton.ingress.v1.CreateSessionRequest\x1a\'.baton.ingress.v1.CreateSessionResponse\x12Z\n\x0bSendMessage\x12$.baton.ingress.v1.SendMessageRequest\x1a%.baton.ingress.v1.SendMessageResponse\x12_\n\x0cStreamEvents\x12%.baton.ingress.v1.StreamEventsRequest\x1a&.baton.ingress.v1.StreamEventsResponse0\x01\x12Z\n\x0bSendControl\x12$.baton.ingress.v1.SendControlRequest\x1a%.baton.ingress.v1.SendControlResponse\x12W\n\nGetSession\x12#.baton.ingress.v1.GetSessionRequest\x1a$.baton.ingress.v1.GetSessionResponse\x12]\n\x0cListSessions\x12%.baton.ingress.v1.ListSessionsRequest\x1a&.baton.ingress.v1.ListSessionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +36,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_CONTROLKIND']._serialized_start=1210
-  _globals['_CONTROLKIND']._serialized_end=1393
-  _globals['_SENDCONTROLREQUEST']._serialized_start=85
-  _globals['_SENDCONTROLREQUEST']._serialized_end=289
-  _globals['_SENDCONTROLRESPONSE']._serialized_start=291
-  _globals['_SENDCONTROLRESPONSE']._serialized_end=377
-  _globals['_CREATESESSIONREQUEST']._serialized_start=379
-  _globals['_CREATESESSIONREQUEST']._serialized_end=485
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=487
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=570
-  _globals['_SENDMESSAGEREQUEST']._serialized_start=573
-  _globals['_SENDMESSAGEREQUEST']._serialized_end=915
-  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_start=860
-  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_end=905
-  _globals['_SENDMESSAGERESPONSE']._serialized_start=917
-  _globals['_SENDMESSAGERESPONSE']._serialized_end=1035
-  _globals['_STREAMEVENTSREQUEST']._serialized_start=1037
-  _globals['_STREAMEVENTSREQUEST']._serialized_end=1142
-  _globals['_STREAMEVENTSRESPONSE']._serialized_start=1144
-  _globals['_STREAMEVENTSRESPONSE']._serialized_end=1207
-  _globals['_INGRESSSERVICE']._serialized_start=1396
-  _globals['_INGRESSSERVICE']._serialized_end=1791
+  _globals['_SESSIONSTATUS']._serialized_start=2733
+  _globals['_SESSIONSTATUS']._serialized_end=3034
+  _globals['_CONTROLKIND']._serialized_start=3037
+  _globals['_CONTROLKIND']._serialized_end=3220
+  _globals['_GETSESSIONREQUEST']._serialized_start=149
+  _globals['_GETSESSIONREQUEST']._serialized_end=217
+  _globals['_GETSESSIONRESPONSE']._serialized_start=219
+  _globals['_GETSESSIONRESPONSE']._serialized_end=283
+  _globals['_SESSIONFAILURE']._serialized_start=285
+  _globals['_SESSIONFAILURE']._serialized_end=406
+  _globals['_REMAININGLIMITS']._serialized_start=408
+  _globals['_REMAININGLIMITS']._serialized_end=499
+  _globals['_SESSION']._serialized_start=502
+  _globals['_SESSION']._serialized_end=1433
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1435
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1511
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1513
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1605
+  _globals['_SENDCONTROLREQUEST']._serialized_start=1608
+  _globals['_SENDCONTROLREQUEST']._serialized_end=1812
+  _globals['_SENDCONTROLRESPONSE']._serialized_start=1814
+  _globals['_SENDCONTROLRESPONSE']._serialized_end=1900
+  _globals['_CREATESESSIONREQUEST']._serialized_start=1902
+  _globals['_CREATESESSIONREQUEST']._serialized_end=2008
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=2010
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=2093
+  _globals['_SENDMESSAGEREQUEST']._serialized_start=2096
+  _globals['_SENDMESSAGEREQUEST']._serialized_end=2438
+  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_start=2383
+  _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._serialized_end=2428
+  _globals['_SENDMESSAGERESPONSE']._serialized_start=2440
+  _globals['_SENDMESSAGERESPONSE']._serialized_end=2558
+  _globals['_STREAMEVENTSREQUEST']._serialized_start=2560
+  _globals['_STREAMEVENTSREQUEST']._serialized_end=2665
+  _globals['_STREAMEVENTSRESPONSE']._serialized_start=2667
+  _globals['_STREAMEVENTSRESPONSE']._serialized_end=2730
+  _globals['_INGRESSSERVICE']._serialized_start=3223
+  _globals['_INGRESSSERVICE']._serialized_end=3802
 # @@protoc_insertion_point(module_scope)

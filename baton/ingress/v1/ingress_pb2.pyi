@@ -6,7 +6,9 @@ The public edge for channel gateways."""
 from baton.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
@@ -19,6 +21,68 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _SessionStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SESSION_STATUS_UNSPECIFIED: _SessionStatus.ValueType  # 0
+    """Never used."""
+    SESSION_STATUS_IDLE: _SessionStatus.ValueType  # 1
+    """Nothing to do: no open turn, nothing unconsumed in the inbox."""
+    SESSION_STATUS_RUNNING: _SessionStatus.ValueType  # 2
+    """Working: a turn is open, a child works for it, or accepted commands
+    wait to be consumed.
+    """
+    SESSION_STATUS_WAITING_FOR_INPUT: _SessionStatus.ValueType  # 3
+    """The open turn waits for human input (a question, an approval, a limit;
+    also one surfaced by a child).
+    """
+    SESSION_STATUS_WAITING_FOR_AUTHORIZATION: _SessionStatus.ValueType  # 4
+    """The open turn waits for sign-in attempts to report."""
+    SESSION_STATUS_PARKED: _SessionStatus.ValueType  # 5
+    """Idle and unloaded by its owner; the next command wakes it."""
+    SESSION_STATUS_STALLED: _SessionStatus.ValueType  # 6
+    """Its owner stopped running it (the restart budget is spent); `reason`
+    says why. Accepted commands stay in the inbox.
+    """
+    SESSION_STATUS_HANDING_OFF: _SessionStatus.ValueType  # 7
+    """Moved to another deployment whose owner has not committed yet."""
+    SESSION_STATUS_FINALIZED: _SessionStatus.ValueType  # 8
+    """Finalized (reset, timeout, failure); its stream is closed."""
+
+class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper):
+    """SessionStatus is where a session stands, as introspection reports it
+    (computed in one place: services/common/status.py).
+    """
+
+SESSION_STATUS_UNSPECIFIED: SessionStatus.ValueType  # 0
+"""Never used."""
+SESSION_STATUS_IDLE: SessionStatus.ValueType  # 1
+"""Nothing to do: no open turn, nothing unconsumed in the inbox."""
+SESSION_STATUS_RUNNING: SessionStatus.ValueType  # 2
+"""Working: a turn is open, a child works for it, or accepted commands
+wait to be consumed.
+"""
+SESSION_STATUS_WAITING_FOR_INPUT: SessionStatus.ValueType  # 3
+"""The open turn waits for human input (a question, an approval, a limit;
+also one surfaced by a child).
+"""
+SESSION_STATUS_WAITING_FOR_AUTHORIZATION: SessionStatus.ValueType  # 4
+"""The open turn waits for sign-in attempts to report."""
+SESSION_STATUS_PARKED: SessionStatus.ValueType  # 5
+"""Idle and unloaded by its owner; the next command wakes it."""
+SESSION_STATUS_STALLED: SessionStatus.ValueType  # 6
+"""Its owner stopped running it (the restart budget is spent); `reason`
+says why. Accepted commands stay in the inbox.
+"""
+SESSION_STATUS_HANDING_OFF: SessionStatus.ValueType  # 7
+"""Moved to another deployment whose owner has not committed yet."""
+SESSION_STATUS_FINALIZED: SessionStatus.ValueType  # 8
+"""Finalized (reset, timeout, failure); its stream is closed."""
+Global___SessionStatus: _TypeAlias = SessionStatus  # noqa: Y015
 
 class _ControlKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -55,6 +119,336 @@ CONTROL_KIND_COMPACT: ControlKind.ValueType  # 4
 CONTROL_KIND_AUTHORIZATION_CALLBACK: ControlKind.ValueType  # 5
 """Report one sign-in attempt (attempt_id, granted)."""
 Global___ControlKind: _TypeAlias = ControlKind  # noqa: Y015
+
+@_typing.final
+class GetSessionRequest(_message.Message):
+    """GetSessionRequest names a session of the caller's channel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ALIAS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session id."""
+    alias: _builtins.str
+    """A raw alias of the caller's channel, or `<channel>:<raw>`."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        alias: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["session_id", "alias"]  # noqa: Y015
+    _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_target) -> _WhichOneofReturnType_target | None: ...
+
+Global___GetSessionRequest: _TypeAlias = GetSessionRequest  # noqa: Y015
+
+@_typing.final
+class GetSessionResponse(_message.Message):
+    """GetSessionResponse is the session as introspection sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def session(self) -> Global___Session:
+        """The session."""
+
+    def __init__(
+        self,
+        *,
+        session: Global___Session | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSessionResponse: _TypeAlias = GetSessionResponse  # noqa: Y015
+
+@_typing.final
+class SessionFailure(_message.Message):
+    """SessionFailure is the latest failure on a session's recent stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """UPPER_SNAKE reason (e.g. MODEL_ERROR, RESTART_BUDGET_SPENT)."""
+    message: _builtins.str
+    """Human-readable message."""
+    turn_id: _builtins.str
+    """The turn that failed, when the failure belongs to one."""
+    seq: _builtins.int
+    """The stream seq of the event that reported it."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When it was reported."""
+
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        turn_id: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "reason", b"reason", "seq", b"seq", "time", b"time", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionFailure: _TypeAlias = SessionFailure  # noqa: Y015
+
+@_typing.final
+class RemainingLimits(_message.Message):
+    """RemainingLimits is what is left of a session's budgets."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    COST_MICROS_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    """Tokens left of the token budget; unset when the budget is unlimited."""
+    cost_micros: _builtins.int
+    """Micro-dollars left of the cost budget; unset when unlimited."""
+    def __init__(
+        self,
+        *,
+        tokens: _builtins.int | None = ...,
+        cost_micros: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cost_micros", b"_cost_micros", "_tokens", b"_tokens", "cost_micros", b"cost_micros", "tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cost_micros", b"_cost_micros", "_tokens", b"_tokens", "cost_micros", b"cost_micros", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cost_micros: _TypeAlias = _typing.Literal["cost_micros"]  # noqa: Y015
+    _WhichOneofArgType__cost_micros: _TypeAlias = _typing.Literal["_cost_micros", b"_cost_micros"]  # noqa: Y015
+    _WhichOneofReturnType__tokens: _TypeAlias = _typing.Literal["tokens"]  # noqa: Y015
+    _WhichOneofArgType__tokens: _TypeAlias = _typing.Literal["_tokens", b"_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_micros) -> _WhichOneofReturnType__cost_micros | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tokens) -> _WhichOneofReturnType__tokens | None: ...
+
+Global___RemainingLimits: _TypeAlias = RemainingLimits  # noqa: Y015
+
+@_typing.final
+class Session(_message.Message):
+    """Session is one session's introspection view (read-only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STATUS_REASON_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    INBOX_DEPTH_FIELD_NUMBER: _builtins.int
+    OLDEST_UNCONSUMED_AGE_FIELD_NUMBER: _builtins.int
+    STREAM_HEAD_FIELD_NUMBER: _builtins.int
+    TURN_COUNT_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
+    PENDING_INPUTS_FIELD_NUMBER: _builtins.int
+    PENDING_AUTHORIZATIONS_FIELD_NUMBER: _builtins.int
+    ALIASES_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    CHILDREN_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session id."""
+    channel: _builtins.str
+    """The tenant channel."""
+    status: Global___SessionStatus.ValueType
+    """Where the session stands."""
+    deployment_id: _builtins.str
+    """The deployment of the current owner."""
+    owner_run_id: _builtins.str
+    """The current owner run."""
+    epoch: _builtins.int
+    """The fencing epoch of the current owner run."""
+    instance_id: _builtins.str
+    """The owner instance hosting the run."""
+    inbox_depth: _builtins.int
+    """Commands accepted into the inbox and not yet consumed."""
+    stream_head: _builtins.int
+    """The next stream seq (events [0, stream_head) are committed)."""
+    turn_count: _builtins.int
+    """Turns started so far."""
+    @_builtins.property
+    def status_reason(self) -> _session_pb2.ErrorDetail:
+        """Why (stalled: the stall's reason and message)."""
+
+    @_builtins.property
+    def oldest_unconsumed_age(self) -> _duration_pb2.Duration:
+        """How long the oldest unconsumed command has waited; unset when none."""
+
+    @_builtins.property
+    def usage(self) -> _session_pb2.Usage:
+        """Session-wide usage."""
+
+    @_builtins.property
+    def limits(self) -> _session_pb2.Limits:
+        """The session's limits."""
+
+    @_builtins.property
+    def remaining(self) -> Global___RemainingLimits:
+        """What is left of them."""
+
+    @_builtins.property
+    def pending_inputs(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.InputRequest]:
+        """Input requests the open turn waits for."""
+
+    @_builtins.property
+    def pending_authorizations(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.AuthorizationWait]:
+        """Sign-ins the open turn waits for."""
+
+    @_builtins.property
+    def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every address of the session (the inbox token and the aliases)."""
+
+    @_builtins.property
+    def parent(self) -> _session_pb2.ParentLink:
+        """For a child session: its parent (without the outbox)."""
+
+    @_builtins.property
+    def children(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.ChildHandle]:
+        """The session's child sessions with their states."""
+
+    @_builtins.property
+    def last_failure(self) -> Global___SessionFailure:
+        """The latest failure among the session's recent events, when any."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the session was created."""
+
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """When its last commit was (its latest event's time), or its creation."""
+
+    @_builtins.property
+    def timeout_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When the session times out; unset without a timeout."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        channel: _builtins.str = ...,
+        status: Global___SessionStatus.ValueType = ...,
+        status_reason: _session_pb2.ErrorDetail | None = ...,
+        deployment_id: _builtins.str = ...,
+        owner_run_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+        inbox_depth: _builtins.int = ...,
+        oldest_unconsumed_age: _duration_pb2.Duration | None = ...,
+        stream_head: _builtins.int = ...,
+        turn_count: _builtins.int = ...,
+        usage: _session_pb2.Usage | None = ...,
+        limits: _session_pb2.Limits | None = ...,
+        remaining: Global___RemainingLimits | None = ...,
+        pending_inputs: _abc.Iterable[_session_pb2.InputRequest] | None = ...,
+        pending_authorizations: _abc.Iterable[_session_pb2.AuthorizationWait] | None = ...,
+        aliases: _abc.Iterable[_builtins.str] | None = ...,
+        parent: _session_pb2.ParentLink | None = ...,
+        children: _abc.Iterable[_session_pb2.ChildHandle] | None = ...,
+        last_failure: Global___SessionFailure | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+        timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "last_failure", b"last_failure", "limits", b"limits", "oldest_unconsumed_age", b"oldest_unconsumed_age", "parent", b"parent", "remaining", b"remaining", "status_reason", b"status_reason", "timeout_deadline", b"timeout_deadline", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "children", b"children", "create_time", b"create_time", "deployment_id", b"deployment_id", "epoch", b"epoch", "inbox_depth", b"inbox_depth", "instance_id", b"instance_id", "last_failure", b"last_failure", "limits", b"limits", "oldest_unconsumed_age", b"oldest_unconsumed_age", "owner_run_id", b"owner_run_id", "parent", b"parent", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "remaining", b"remaining", "session_id", b"session_id", "status", b"status", "status_reason", b"status_reason", "stream_head", b"stream_head", "timeout_deadline", b"timeout_deadline", "turn_count", b"turn_count", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class ListSessionsRequest(_message.Message):
+    """ListSessionsRequest asks for a page of the caller's channel's sessions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many sessions (default 50, at most 200; larger is 200)."""
+    page_token: _builtins.str
+    """The next_page_token of the previous page; empty for the first page.
+    Valid only with the same filter.
+    """
+    filter: _builtins.str
+    """A filter (AIP-160 subset): comparisons joined by AND, of `status`
+    (= or !=, e.g. `status = idle`), `deployment` (= or !=), `create_time`
+    and `update_time` (<, <=, >, >= an RFC 3339 time in quotes).
+    """
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        filter: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
+
+@_typing.final
+class ListSessionsResponse(_message.Message):
+    """ListSessionsResponse is one page."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass it as page_token for the next page; empty at the end."""
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
+        """The sessions of this page, in session id order."""
+
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___Session] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
 
 @_typing.final
 class SendControlRequest(_message.Message):

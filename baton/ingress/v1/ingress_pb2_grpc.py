@@ -56,6 +56,16 @@ class IngressServiceStub:
                 request_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.SerializeToString,
                 response_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.FromString,
                 _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/baton.ingress.v1.IngressService/GetSession',
+                request_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/baton.ingress.v1.IngressService/ListSessions',
+                request_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class IngressServiceServicer:
@@ -91,6 +101,23 @@ class IngressServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSession(self, request, context):
+        """Read one session of the caller's channel: its status, owner, inbox,
+        stream head, usage and limits, waits, children and times. A session of
+        another channel is NOT_FOUND exactly like a missing one (AIP-211).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """List the caller's channel's sessions in session id order, a page at a
+        time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IngressServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +140,16 @@ def add_IngressServiceServicer_to_server(servicer, server):
                     servicer.SendControl,
                     request_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.FromString,
                     response_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionRequest.FromString,
+                    response_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsRequest.FromString,
+                    response_serializer=baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +262,60 @@ class IngressService:
             '/baton.ingress.v1.IngressService/SendControl',
             baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlRequest.SerializeToString,
             baton_dot_ingress_dot_v1_dot_ingress__pb2.SendControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.ingress.v1.IngressService/GetSession',
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionRequest.SerializeToString,
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.GetSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.ingress.v1.IngressService/ListSessions',
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsRequest.SerializeToString,
+            baton_dot_ingress_dot_v1_dot_ingress__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

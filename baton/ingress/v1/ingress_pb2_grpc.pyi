@@ -43,6 +43,15 @@ class IngressServiceStub:
     """Read a session's event stream from a cursor, optionally live."""
     SendControl: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
+    GetSession: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.GetSessionRequest, _ingress_pb2.GetSessionResponse]
+    """Read one session of the caller's channel: its status, owner, inbox,
+    stream head, usage and limits, waits, children and times. A session of
+    another channel is NOT_FOUND exactly like a missing one (AIP-211).
+    """
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.ListSessionsRequest, _ingress_pb2.ListSessionsResponse]
+    """List the caller's channel's sessions in session id order, a page at a
+    time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+    """
 
 @_typing.type_check_only
 class IngressServiceAsyncStub(IngressServiceStub):
@@ -59,6 +68,15 @@ class IngressServiceAsyncStub(IngressServiceStub):
     """Read a session's event stream from a cursor, optionally live."""
     SendControl: _aio.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]  # type: ignore[assignment]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
+    GetSession: _aio.UnaryUnaryMultiCallable[_ingress_pb2.GetSessionRequest, _ingress_pb2.GetSessionResponse]  # type: ignore[assignment]
+    """Read one session of the caller's channel: its status, owner, inbox,
+    stream head, usage and limits, waits, children and times. A session of
+    another channel is NOT_FOUND exactly like a missing one (AIP-211).
+    """
+    ListSessions: _aio.UnaryUnaryMultiCallable[_ingress_pb2.ListSessionsRequest, _ingress_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """List the caller's channel's sessions in session id order, a page at a
+    time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+    """
 
 class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
     """IngressService is what channel gateways call. Every call carries the
@@ -96,5 +114,26 @@ class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ingress_pb2.SendControlResponse, _abc.Awaitable[_ingress_pb2.SendControlResponse]]:
         """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
+
+    @_abc_1.abstractmethod
+    def GetSession(
+        self,
+        request: _ingress_pb2.GetSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingress_pb2.GetSessionResponse, _abc.Awaitable[_ingress_pb2.GetSessionResponse]]:
+        """Read one session of the caller's channel: its status, owner, inbox,
+        stream head, usage and limits, waits, children and times. A session of
+        another channel is NOT_FOUND exactly like a missing one (AIP-211).
+        """
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _ingress_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingress_pb2.ListSessionsResponse, _abc.Awaitable[_ingress_pb2.ListSessionsResponse]]:
+        """List the caller's channel's sessions in session id order, a page at a
+        time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+        """
 
 def add_IngressServiceServicer_to_server(servicer: IngressServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

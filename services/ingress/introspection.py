@@ -1,0 +1,271 @@
+"""Session introspection at the edge (DESIGN.md §14): GetSession and
+ListSessions for the caller's channel.
+
+A view is gathered from what is already stored: anchor's last committed
+snapshot and the latest events of the stream (their times, a stall, the
+latest failure), then hooks' record of the session (owner, parked, inbox
+head and the oldest unconsumed entry, tokens, parent link, creation time).
+The snapshot is read first, so the inbox depth (head minus the snapshot's
+consumed position) is never negative. The status comes from the one pure
+function, `services.common.status.session_status`.
+
+Another channel's session is NOT_FOUND exactly like a missing one (AIP-211):
+hooks checks the tenant of the session's inbox token, the snapshot names it
+too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from baton.ingress.v1 import ingress_pb2 as pb
+from baton.session.v1 import session_pb2 as s
+from services.common import ids
+from services.common.clients import AnchorClient, HooksClient, SessionDescription
+from services.common.errors import NotFound, Reason
+from services.common.status import SessionFacts, Status, StatusView, session_status
+from services.ingress import listing
+
+RECENT_EVENTS = 16
+"""Events read back from the stream head: the latest one dates the last
+commit and tells a stall; the latest failure among them is reported."""
+
+LIST_CONCURRENCY = 16
+"""Sessions of one ListSessions page gathered at once."""
+
+MAX_SCANNED = 4 * listing.MAX_PAGE_SIZE
+"""Index entries one ListSessions call looks at before it returns a short
+page (with a token) rather than keep a caller waiting on a sparse filter."""
+
+STATUS_PROTO = {
+    Status.IDLE: pb.SESSION_STATUS_IDLE,
+    Status.RUNNING: pb.SESSION_STATUS_RUNNING,
+    Status.WAITING_FOR_INPUT: pb.SESSION_STATUS_WAITING_FOR_INPUT,
+    Status.WAITING_FOR_AUTHORIZATION: pb.SESSION_STATUS_WAITING_FOR_AUTHORIZATION,
+    Status.PARKED: pb.SESSION_STATUS_PARKED,
+    Status.STALLED: pb.SESSION_STATUS_STALLED,
+    Status.HANDING_OFF: pb.SESSION_STATUS_HANDING_OFF,
+    Status.FINALIZED: pb.SESSION_STATUS_FINALIZED,
+}
+_FAILURES = {
+    s.EVENT_KIND_TURN_FAILED,
+    s.EVENT_KIND_SESSION_FAILED,
+    s.EVENT_KIND_SESSION_STALLED,
+    s.EVENT_KIND_TASK_FAILED,
+    s.EVENT_KIND_COMMAND_REJECTED,
+}
+
+
+def not_found(session_id: str) -> NotFound:
+    return NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A view and the fields a filter compares."""
+
+    session: pb.Session
+    fields: listing.SessionFields
+
+
+def facts_of(
+    snapshot: s.SessionSnapshot | None,
+    described: SessionDescription,
+    latest: s.Event | None,
+) -> SessionFacts:
+    """What the status function needs, from what was read."""
+    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
+    turn = snapshot.open_turn if snapshot is not None else s.OpenTurn()
+    handles: Sequence[s.ChildHandle] = snapshot.handles if snapshot is not None else ()
+    stalled = latest is not None and latest.kind == s.EVENT_KIND_SESSION_STALLED
+    return SessionFacts(
+        committed=snapshot is not None,
+        finalized=snapshot is not None and snapshot.status == s.SESSION_STATUS_FINALIZED,
+        owner_run_id=described.owner.owner_run_id,
+        owner_deployment_id=described.owner.deployment_id,
+        snapshot_deployment_id=snapshot.deployment_id if snapshot is not None else "",
+        parked=described.parked,
+        inbox_depth=max(0, described.inbox_head - consumed),
+        turn_open=snapshot is not None and snapshot.HasField("open_turn"),
+        pending_inputs=len(turn.pending_inputs),
+        pending_authorizations=len(turn.pending_authorizations),
+        children_running=sum(h.state == s.HANDLE_STATE_RUNNING for h in handles),
+        children_waiting=sum(h.waiting for h in handles),
+        stalled_by_run=latest.owner_run_id if stalled and latest is not None else "",
+        stalled_reason=latest.error.reason if stalled and latest is not None else "",
+        stalled_message=latest.error.message if stalled and latest is not None else "",
+    )
+
+
+def _remaining(snapshot: s.SessionSnapshot) -> pb.RemainingLimits:
+    remaining = pb.RemainingLimits()
+    limits, usage = snapshot.limits, snapshot.usage
+    if limits.token_budget:
+        used = usage.input_tokens + usage.output_tokens
+        remaining.tokens = max(0, limits.token_budget - used)
+    if limits.cost_budget_micros:
+        remaining.cost_micros = max(0, limits.cost_budget_micros - usage.cost_micros)
+    return remaining
+
+
+def _ms(stamp: Timestamp | None) -> int:
+    return stamp.ToMilliseconds() if stamp is not None and stamp.ByteSize() else 0
+
+
+def build_view(
+    session_id: str,
+    snapshot: s.SessionSnapshot | None,
+    described: SessionDescription,
+    recent: Sequence[s.Event],
+    now_ms: int,
+) -> Gathered:
+    """The public view from what was read (pure)."""
+    latest = recent[-1] if recent else None
+    view: StatusView = session_status(facts_of(snapshot, described, latest))
+    session = pb.Session(
+        session_id=session_id,
+        channel=described.channel,
+        status=STATUS_PROTO[view.status],
+        deployment_id=described.owner.deployment_id,
+        owner_run_id=described.owner.owner_run_id,
+        epoch=described.fence.epoch,
+        instance_id=described.owner.instance_id,
+        aliases=described.hooks,
+    )
+    if view.reason:
+        session.status_reason.reason = view.reason
+        session.status_reason.message = view.message
+    consumed = 0
+    if snapshot is not None:
+        consumed = snapshot.inbox_next_seq
+        session.stream_head = snapshot.next_event_seq
+        session.turn_count = snapshot.turn_count
+        session.usage.CopyFrom(snapshot.usage)
+        session.limits.CopyFrom(snapshot.limits)
+        session.remaining.CopyFrom(_remaining(snapshot))
+        session.pending_inputs.extend(snapshot.open_turn.pending_inputs)
+        session.pending_authorizations.extend(snapshot.open_turn.pending_authorizations)
+        session.children.extend(snapshot.handles)
+        if snapshot.HasField("timeout") and snapshot.timeout.HasField("deadline"):
+            session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
+    session.inbox_depth = max(0, described.inbox_head - consumed)
+    oldest = described.oldest_unconsumed_accepted_at
+    if session.inbox_depth and oldest is not None:
+        age = Duration()
+        age.FromMilliseconds(max(0, now_ms - _ms(oldest)))
+        session.oldest_unconsumed_age.CopyFrom(age)
+    if described.parent is not None:
+        session.parent.CopyFrom(described.parent)
+        del session.parent.outbox[:]
+    for event in reversed(recent):
+        if event.kind in _FAILURES:
+            session.last_failure.CopyFrom(
+                pb.SessionFailure(
+                    reason=event.error.reason,
+                    message=event.error.message,
+                    turn_id=event.turn_id,
+                    seq=event.seq,
+                    time=event.time,
+                )
+            )
+            break
+    if described.create_time is not None:
+        session.create_time.CopyFrom(described.create_time)
+    if latest is not None and latest.HasField("time"):
+        session.update_time.CopyFrom(latest.time)
+    elif described.create_time is not None:
+        session.update_time.CopyFrom(described.create_time)
+    fields = listing.SessionFields(
+        status=view.status,
+        deployment_id=session.deployment_id,
+        create_ms=_ms(session.create_time if session.HasField("create_time") else None),
+        update_ms=_ms(session.update_time if session.HasField("update_time") else None),
+    )
+    return Gathered(session, fields)
+
+
+class SessionViews:
+    """GetSession and ListSessions over hooks and anchor."""
+
+    def __init__(
+        self,
+        hooks: HooksClient,
+        anchor: AnchorClient,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._hooks = hooks
+        self._anchor = anchor
+        self._clock = clock
+
+    async def gather(self, channel: str, session_id: str) -> Gathered:
+        """One session of `channel`; NotFound when missing or another's."""
+        ids.validate_session_id(session_id)
+        try:
+            snapshot: s.SessionSnapshot | None = await self._anchor.snapshot(session_id)
+        except NotFound:
+            snapshot = None  # no commit yet: what hooks knows is all there is
+        if snapshot is not None and snapshot.channel != channel:
+            raise not_found(session_id)
+        consumed = snapshot.inbox_next_seq if snapshot is not None else 0
+        try:
+            described = await self._hooks.describe_session(session_id, channel, consumed)
+        except NotFound:
+            raise not_found(session_id) from None
+        recent: list[s.Event] = []
+        head = snapshot.next_event_seq if snapshot is not None else 0
+        if head:
+            async for page in self._anchor.read_events(session_id, max(0, head - RECENT_EVENTS)):
+                recent.extend(e for e in page if e.seq < head)
+        now_ms = int(self._clock() * 1000)
+        return build_view(session_id, snapshot, described, recent, now_ms)
+
+    async def get(self, channel: str, session_id: str) -> pb.Session:
+        return (await self.gather(channel, session_id)).session
+
+    async def list(
+        self, channel: str, page_size: int, page_token: str, filter_text: str
+    ) -> tuple[list[pb.Session], str]:
+        """One page (AIP-158) of the channel's sessions matching the filter,
+        and the next page's token ("" at the end). Every argument is
+        validated before anything is read."""
+        size = listing.page_size(page_size)
+        if len(filter_text) > listing.MAX_FILTER_LENGTH:
+            raise listing.invalid_filter("the filter is too long")
+        after = listing.decode_page_token(page_token, channel, filter_text)
+        wanted = listing.parse_filter(filter_text)
+        out: list[pb.Session] = []
+        scanned = 0
+        limit = asyncio.Semaphore(LIST_CONCURRENCY)
+
+        async def one(session_id: str) -> Gathered | None:
+            async with limit:
+                try:
+                    return await self.gather(channel, session_id)
+                except NotFound:  # deleted (retention) since the index was read
+                    return None
+
+        while True:
+            page = await self._hooks.list_channel_sessions(channel, after, size)
+            gathered = await asyncio.gather(*(one(sid) for sid, _ in page.sessions))
+            for (session_id, _), found in zip(page.sessions, gathered, strict=True):
+                after = session_id
+                scanned += 1
+                if found is not None and wanted.matches(found.fields):
+                    out.append(found.session)
+                    if len(out) == size:
+                        more = page.more or session_id != page.sessions[-1][0]
+                        return out, self._token(channel, filter_text, after, more)
+            if not page.more:
+                return out, ""
+            if scanned >= MAX_SCANNED:
+                return out, self._token(channel, filter_text, after, True)
+
+    @staticmethod
+    def _token(channel: str, filter_text: str, after: str, more: bool) -> str:
+        return listing.encode_page_token(channel, filter_text, after) if more else ""
