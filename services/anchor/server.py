@@ -7,8 +7,7 @@ from services.anchor.config import AnchorConfig
 from services.anchor.journal import Journal
 from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
-from services.common.etcd import Store, make_client
-from services.common.etcd_members import UnsafeEtcd, check_member_releases
+from services.common.etcd_members import connect_checked
 from services.common.keys import Keys
 from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
@@ -18,22 +17,8 @@ SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 
 
 async def create_server(config: AnchorConfig) -> GrpcServer:
-    store = Store(
-        make_client(config.etcd.endpoint, config.etcd.timeout, config.etcd.security),
-        config.etcd.timeout,
-    )
-    await store.connect()
     # An external cluster's members are judged too: refuse a known-bad release.
-    try:
-        await check_member_releases(
-            store.client,
-            config.etcd.security,
-            config.etcd.timeout,
-            accept_risk=config.etcd.accept_risk,
-        )
-    except UnsafeEtcd:
-        await store.close()
-        raise
+    store = await connect_checked(config.etcd)
     keys = Keys(config.etcd.prefix)
     journal = Journal(store, keys, retention_seconds=config.retention_seconds)
     servicer = AnchorServicer(journal, DeploymentScope(store, keys))

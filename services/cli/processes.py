@@ -164,7 +164,11 @@ def guarded(command: Sequence[str]) -> list[str]:
     PR_SET_PDEATHSIG, set by services/cli/orphan_guard.py before it becomes
     the command, keeping its pid): a test run or `baton up` that is itself
     killed, timed out or interrupted leaves no etcd or service behind, though
-    each child has a session of its own. Elsewhere the command as it is."""
+    each child has a session of its own. Elsewhere the command as it is.
+
+    The signal follows the *thread* that starts the child: a process started
+    from a worker thread (asyncio.to_thread) lives as long as that thread,
+    which for the default executor is the event loop's life."""
     if not sys.platform.startswith("linux"):
         return list(command)
     guard = [sys.executable, "-m", "services.cli.orphan_guard", str(os.getpid()), "--"]

@@ -22,8 +22,8 @@ import structlog
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
-from services.common.config import ConfigError
-from services.common.etcd import COMPACTED_DETAIL, EtcdClient, make_client
+from services.common.config import ConfigError, EtcdConfig
+from services.common.etcd import COMPACTED_DETAIL, EtcdClient, Store, make_client
 from services.common.etcd_releases import Verdict, judge, parse_version
 from services.common.tls import Security
 
@@ -87,7 +87,10 @@ async def ask_member(
     call: Callable[[EtcdClient], Awaitable[_T]],
 ) -> _T:
     """`call` with a client of this member alone, closed afterwards."""
-    client = make_client(member.endpoint, call_timeout, security)
+    try:
+        client = make_client(member.endpoint, call_timeout, security)
+    except ValueError as exc:  # a client URL Baton cannot dial (no port, unix://)
+        raise OSError(f"cannot dial {member.endpoint!r}: {exc}") from exc
     try:
         await asyncio.wait_for(client.connect(), call_timeout)
         return await asyncio.wait_for(call(client), call_timeout)
@@ -124,6 +127,21 @@ async def member_statuses(
     """Every member's own status, asked of each at once."""
     members = await list_members(client, call_timeout)
     return list(await asyncio.gather(*(member_status(m, security, call_timeout) for m in members)))
+
+
+async def connect_checked(config: EtcdConfig) -> Store:
+    """hooks' and anchor's store: connected, with every member's release
+    judged (a known-bad one refuses to start, see `check_member_releases`)."""
+    store = Store(make_client(config.endpoint, config.timeout, config.security), config.timeout)
+    await store.connect()
+    try:
+        await check_member_releases(
+            store.client, config.security, config.timeout, accept_risk=config.accept_risk
+        )
+    except UnsafeEtcd:
+        await store.close()
+        raise
+    return store
 
 
 async def check_member_releases(

@@ -197,7 +197,8 @@ HANDOFF_SECONDS = Histogram(
 )
 TAKEOVERS = Counter(
     "baton_takeovers_total",
-    "Sessions of a dead instance of this deployment that this instance took over",
+    "Sessions this instance took over: from a dead instance of its deployment, or from itself "
+    "(a restarted process, or the reconciler finding a session no run holds)",
     registry=None,
 )
 RESTARTS = Counter(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from services.common.etcd import Store, make_client
-from services.common.etcd_members import UnsafeEtcd, check_member_releases
+from services.common.etcd_members import connect_checked
 from services.common.keys import Keys
 from services.common.permits import PermitVerifier
 from services.common.scope import DeploymentScope
@@ -20,22 +19,8 @@ SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full
 
 
 async def create_server(config: HooksConfig) -> GrpcServer:
-    store = Store(
-        make_client(config.etcd.endpoint, config.etcd.timeout, config.etcd.security),
-        config.etcd.timeout,
-    )
-    await store.connect()
     # An external cluster's members are judged too: refuse a known-bad release.
-    try:
-        await check_member_releases(
-            store.client,
-            config.etcd.security,
-            config.etcd.timeout,
-            accept_risk=config.etcd.accept_risk,
-        )
-    except UnsafeEtcd:
-        await store.close()
-        raise
+    store = await connect_checked(config.etcd)
     keys = Keys(config.etcd.prefix)
     registry = HookRegistry(store, keys)
     transfers = Transfers(store, keys, on_moved=registry.owner_moved)

@@ -28,6 +28,7 @@ from services.common.tls import Security
 DEFAULT_AGENT = "services.owner.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
 DEFAULT_PARK_AFTER = 10.0
+DEFAULT_RECONCILE_INTERVAL = 15.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class OwnerConfig:
     restart_budget: int = 5
     # Seconds between reconciliations: sessions indexed here that no run
     # holds are taken over again (services/owner/fleet.py).
-    reconcile_interval: float = 15.0
+    reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -136,7 +137,7 @@ class OwnerConfig:
                     "--reconcile-interval",
                     "BATON_OWNER_RECONCILE_INTERVAL",
                     "seconds between checks that every session indexed here has a run",
-                    "15",
+                    str(DEFAULT_RECONCILE_INTERVAL),
                 ),
                 *COMMON_SETTINGS,
             ),

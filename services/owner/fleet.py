@@ -33,6 +33,7 @@ import structlog
 from services.common.clients import HooksClient, OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
 from services.common.tasks import Background
+from services.owner.config import DEFAULT_RECONCILE_INTERVAL
 from services.owner.host import OwnerHost
 
 log = structlog.get_logger("baton.owner.fleet")
@@ -42,7 +43,6 @@ ADOPT_ROUNDS = 20
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 2.0
 DEREGISTER_SECONDS = 2.0
-RECONCILE_SECONDS = 15.0
 
 
 class FleetMembership:
@@ -57,7 +57,7 @@ class FleetMembership:
         lease_ttl: int,
         keepalive_every: float,
         on_lease_lost: Callable[[], Awaitable[None]] | None = None,
-        reconcile_every: float = RECONCILE_SECONDS,
+        reconcile_every: float = DEFAULT_RECONCILE_INTERVAL,
     ) -> None:
         self.host = host
         self.hooks = hooks
@@ -219,13 +219,16 @@ class FleetMembership:
             won, live_again = await self._adopt_all(owned)
             if live_again:
                 bound.info("instance is live again; not taking over")
+                self._unfinished.discard(instance_id)
                 return
             bound.info("takeover round done", won=won, listed=len(owned))
             if not won:  # lost every race or failed: let the index settle
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
-        # Tried again by the reconciler, until nothing is left there.
-        self._unfinished.add(instance_id)
+        # Tried again by the reconciler, until nothing is left there (our own
+        # id is the reconciler's own business: two sightings first).
+        if instance_id != self.instance_id:
+            self._unfinished.add(instance_id)
         bound.warning("sessions still indexed under the dead instance after every round")
 
     async def _adopt_all(self, owned: list[OwnedSession]) -> tuple[int, bool]:
@@ -293,12 +296,20 @@ class FleetMembership:
             ]
             self._unheld = unheld
             if orphans:
-                self._log.warning(
-                    "sessions indexed here with no run: taking them over again",
-                    sessions=len(orphans),
-                    session_ids=[o.fence.session_id for o in orphans[:10]],
-                )
-                await self._adopt_all(orphans)
+                won, _ = await self._adopt_all(orphans)
+                # The others were finalized (their index entry is dropped
+                # by the takeover attempt) or taken by someone else.
+                if won:
+                    self._log.warning(
+                        "sessions indexed here had no run: taken over again",
+                        sessions=won,
+                        session_ids=[o.fence.session_id for o in orphans[:10]],
+                    )
+                if won < len(orphans):
+                    self._log.info(
+                        "index entries of finalized or moved sessions dropped",
+                        sessions=len(orphans) - won,
+                    )
 
     # -- bells ----------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ class HandoffBroker:
         self.anchor = anchor
         self.readable_formats = readable_formats
         self.accepting: dict[str, str] = {}  # handoff id -> session id, while in flight
+        # Session id -> transfers to this instance in flight (the transfer may
+        # have moved the ownership index here before the run is launched).
+        self.transferring: dict[str, int] = {}
         # Why the last attempt to move a session was refused (for drain reports).
         self.last_refusal: dict[str, tuple[str, str]] = {}
         self._launch = launch
@@ -512,6 +515,22 @@ class HandoffBroker:
         """Transfer, replaying the identical request until the outcome is
         definite (a refusal is final; only these errors leave it unknown),
         then start the successor with the trigger in hand."""
+        sid = request.expected.session_id
+        self.transferring[sid] = self.transferring.get(sid, 0) + 1
+        try:
+            return await self._transfer_then_start(request, loaded, seed, bound)
+        finally:
+            self.transferring[sid] -= 1
+            if not self.transferring[sid]:
+                del self.transferring[sid]
+
+    async def _transfer_then_start(
+        self,
+        request: hooks_pb.TransferRequest,
+        loaded: LoadedSession,
+        seed: Sequence[s.InboxEntry],
+        bound: structlog.BoundLogger,
+    ) -> Moved:
         backoff = 0.05
         while True:
             try:

@@ -26,8 +26,9 @@ for that step only (DESIGN.md §4).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,7 @@ class OwnerHost:
         self.parked: dict[str, ParkedSession] = {}
         self._activating: set[str] = set()
         self._adopting: set[str] = set()
+        self._arriving: dict[str, int] = {}  # session id -> creations in flight here
         self._bells: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # consecutive failed runs per session
         self._transient: dict[str, int] = {}  # consecutive transient failures per session
@@ -235,24 +237,25 @@ class OwnerHost:
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
-        try:
-            created = await self.hooks.create_session(session_id, owner, channel, aliases)
-        except AlreadyExists as exc:
-            if exc.reason == Reason.SESSION_EXISTS:
-                run_id = exc.metadata.get("owner_run_id", "")
-                return StartedSession(session_id, run_id, False, inbox)
-            raise
-        identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
-        snapshot = initial_snapshot(
-            session_id,
-            channel,
-            self.deployment_id,
-            list(created.hooks),
-            timeout_seconds=timeout_seconds,
-            token_budget=token_budget,
-        )
-        revision = await self._commit_started(identity, snapshot)
-        self._launch(identity, snapshot, revision)
+        with self._arrival(session_id):
+            try:
+                created = await self.hooks.create_session(session_id, owner, channel, aliases)
+            except AlreadyExists as exc:
+                if exc.reason == Reason.SESSION_EXISTS:
+                    run_id = exc.metadata.get("owner_run_id", "")
+                    return StartedSession(session_id, run_id, False, inbox)
+                raise
+            identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
+            snapshot = initial_snapshot(
+                session_id,
+                channel,
+                self.deployment_id,
+                list(created.hooks),
+                timeout_seconds=timeout_seconds,
+                token_budget=token_budget,
+            )
+            revision = await self._commit_started(identity, snapshot)
+            self._launch(identity, snapshot, revision)
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return StartedSession(session_id, run_id, True, inbox)
 
@@ -286,9 +289,10 @@ class OwnerHost:
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
         try:
-            created = await self.hooks.create_session(
-                session_id, owner, start.channel, [], parent, start.first_command
-            )
+            with self._arrival(session_id):
+                created = await self.hooks.create_session(
+                    session_id, owner, start.channel, [], parent, start.first_command
+                )
         except AlreadyExists as exc:
             if exc.reason == Reason.SESSION_EXISTS:
                 found = exc.metadata.get("owner_run_id", "")
@@ -484,15 +488,30 @@ class OwnerHost:
         return len(set(self.runs) | self._activating | set(self.parked) | set(self.stalled))
 
     def holds(self, session_id: str) -> bool:
-        """Whether this instance holds the session in any state: running,
-        loading, being taken over, parked or stalled."""
+        """Whether this instance holds the session in any state: arriving
+        (being created here, or transferred here by a handoff or an
+        adoption), running, loading, being taken over, parked or stalled."""
         return (
             session_id in self.runs
+            or session_id in self._arriving
+            or session_id in self.handoffs.transferring
             or session_id in self._activating
             or session_id in self._adopting
             or session_id in self.parked
             or session_id in self.stalled
         )
+
+    @contextlib.contextmanager
+    def _arrival(self, session_id: str) -> Iterator[None]:
+        """A session being created here: indexed under this instance before
+        its run is launched (or the creation fails)."""
+        self._arriving[session_id] = self._arriving.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            self._arriving[session_id] -= 1
+            if not self._arriving[session_id]:
+                del self._arriving[session_id]
 
     async def _wake_parked(self) -> None:
         """Wake parked sessions for the drain, a bounded number at a time:
@@ -752,6 +771,8 @@ class OwnerHost:
         failures are retried with the same successor run id, so a takeover
         whose answer was lost is recognised as ours."""
         sid = owned.fence.session_id
+        if owned.owner.instance_id == self.instance_id and self.holds(sid):
+            return False  # ours already (listed before it arrived or was taken over)
         successor = s.OwnerIdentity(
             owner_run_id=ids.new_run_id(),
             deployment_id=self.deployment_id,
