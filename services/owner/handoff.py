@@ -71,6 +71,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.inflight import InFlight
 from services.common.permits import PermitSigner, grant_for
 from services.common.tasks import Background
 from services.owner.agent import AgentCatalog
@@ -139,7 +140,7 @@ class HandoffBroker:
         self.accepting: dict[str, str] = {}  # handoff id -> session id, while in flight
         # Session id -> transfers to this instance in flight (the transfer may
         # have moved the ownership index here before the run is launched).
-        self.transferring: dict[str, int] = {}
+        self.transferring = InFlight()
         # Why the last attempt to move a session was refused (for drain reports).
         self.last_refusal: dict[str, tuple[str, str]] = {}
         self._launch = launch
@@ -515,14 +516,8 @@ class HandoffBroker:
         """Transfer, replaying the identical request until the outcome is
         definite (a refusal is final; only these errors leave it unknown),
         then start the successor with the trigger in hand."""
-        sid = request.expected.session_id
-        self.transferring[sid] = self.transferring.get(sid, 0) + 1
-        try:
+        with self.transferring.hold(request.expected.session_id):
             return await self._transfer_then_start(request, loaded, seed, bound)
-        finally:
-            self.transferring[sid] -= 1
-            if not self.transferring[sid]:
-                del self.transferring[sid]
 
     async def _transfer_then_start(
         self,

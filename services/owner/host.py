@@ -26,9 +26,8 @@ for that step only (DESIGN.md §4).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +55,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.inflight import InFlight
 from services.common.tasks import Background
 from services.owner.agent import Agent, AgentCatalog
 from services.owner.children import Children, ChildStart
@@ -133,7 +133,7 @@ class OwnerHost:
         self.parked: dict[str, ParkedSession] = {}
         self._activating: set[str] = set()
         self._adopting: set[str] = set()
-        self._arriving: dict[str, int] = {}  # session id -> creations in flight here
+        self._arriving = InFlight()  # sessions being created here
         self._bells: dict[str, int] = {}
         self._failures: dict[str, int] = {}  # consecutive failed runs per session
         self._transient: dict[str, int] = {}  # consecutive transient failures per session
@@ -237,7 +237,7 @@ class OwnerHost:
         owner = s.OwnerIdentity(
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
-        with self._arrival(session_id):
+        with self._arriving.hold(session_id):
             try:
                 created = await self.hooks.create_session(session_id, owner, channel, aliases)
             except AlreadyExists as exc:
@@ -289,7 +289,7 @@ class OwnerHost:
             owner_run_id=run_id, deployment_id=self.deployment_id, instance_id=self.instance_id
         )
         try:
-            with self._arrival(session_id):
+            with self._arriving.hold(session_id):
                 created = await self.hooks.create_session(
                     session_id, owner, start.channel, [], parent, start.first_command
                 )
@@ -500,18 +500,6 @@ class OwnerHost:
             or session_id in self.parked
             or session_id in self.stalled
         )
-
-    @contextlib.contextmanager
-    def _arrival(self, session_id: str) -> Iterator[None]:
-        """A session being created here: indexed under this instance before
-        its run is launched (or the creation fails)."""
-        self._arriving[session_id] = self._arriving.get(session_id, 0) + 1
-        try:
-            yield
-        finally:
-            self._arriving[session_id] -= 1
-            if not self._arriving[session_id]:
-                del self._arriving[session_id]
 
     async def _wake_parked(self) -> None:
         """Wake parked sessions for the drain, a bounded number at a time:
