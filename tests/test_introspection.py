@@ -233,6 +233,32 @@ async def test_a_stalled_session_says_why(crashing: Stack) -> None:
     assert view.inbox_depth == 1  # accepted, kept, not consumed
 
 
+async def test_a_page_is_cut_short_by_its_size_and_the_token_goes_on(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page stops before its sessions pass MAX_PAGE_BYTES (a page must fit
+    in one message: 200 sessions with 256 aliases each would not), with a
+    token that goes on from the first session it left out."""
+    from services.ingress import introspection
+
+    made = sorted([await stack.create(request_id=f"size-{i}") for i in range(6)])
+    one = (await get(stack, made[0])).ByteSize()
+    monkeypatch.setattr(introspection, "MAX_PAGE_BYTES", 2 * one + one // 2)
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = await list_page(stack, 50, token)
+        assert 1 <= len(page.sessions) <= 2, "a page passed its byte budget"
+        seen += [v.session_id for v in page.sessions]
+        if not page.next_page_token:
+            break
+        token = page.next_page_token
+    mine = [sid for sid in seen if sid in made]
+    assert mine == made, "a session was skipped or listed twice across size-cut pages"
+    monkeypatch.setattr(introspection, "MAX_PAGE_BYTES", 1)  # at least one a page
+    assert len((await list_page(stack, 50)).sessions) == 1
+
+
 async def test_list_pages_through_200_sessions_exactly_once(stack: Stack) -> None:
     async def create_many(n: int, prefix: str) -> list[str]:
         out: list[str] = []

@@ -42,6 +42,10 @@ LIST_CONCURRENCY = 16
 MAX_SCANNED = 4 * listing.MAX_PAGE_SIZE
 """Index entries one ListSessions call looks at before it returns a short
 page (with a token) rather than keep a caller waiting on a sparse filter."""
+MAX_PAGE_BYTES = 2 * 1024 * 1024
+"""A page is cut short (with a token) before its sessions pass this size, so
+that it fits in one message (4 MiB); 200 sessions of 256 aliases each would
+not."""
 
 STATUS_PROTO = {
     Status.IDLE: pb.SESSION_STATUS_IDLE,
@@ -240,6 +244,7 @@ class SessionViews:
         after = listing.decode_page_token(page_token, channel, filter_text)
         wanted = listing.parse_filter(filter_text)
         out: list[pb.Session] = []
+        total = 0  # serialized bytes of `out`
         scanned = 0
         limit = asyncio.Semaphore(LIST_CONCURRENCY)
 
@@ -254,13 +259,20 @@ class SessionViews:
             page = await self._hooks.list_channel_sessions(channel, after, size)
             gathered = await asyncio.gather(*(one(sid) for sid, _ in page.sessions))
             for (session_id, _), found in zip(page.sessions, gathered, strict=True):
+                listed = found is not None and wanted.matches(found.fields)
+                if listed:
+                    assert found is not None
+                    cost = found.session.ByteSize()
+                    if out and total + cost > MAX_PAGE_BYTES:
+                        # Full by size: this session opens the next page.
+                        return out, self._token(channel, filter_text, after, True)
+                    out.append(found.session)
+                    total += cost
                 after = session_id
                 scanned += 1
-                if found is not None and wanted.matches(found.fields):
-                    out.append(found.session)
-                    if len(out) == size:
-                        more = page.more or session_id != page.sessions[-1][0]
-                        return out, self._token(channel, filter_text, after, more)
+                if listed and len(out) == size:
+                    more = page.more or session_id != page.sessions[-1][0]
+                    return out, self._token(channel, filter_text, after, more)
             if not page.more:
                 return out, ""
             if scanned >= MAX_SCANNED:
