@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aetcd import rpc
-from grpc.aio import AioRpcError
 
 from services.common.etcd import EtcdClient, make_client
 from services.common.etcd_members import (
     Member,
     MemberStatus,
     ask_member,
+    describe,
     is_compacted,
     list_members,
     member_status,
@@ -169,7 +169,7 @@ async def _one_round(
         if isinstance(answer, BaseException):
             if is_compacted(answer):
                 round_.void = f"revision {round_.revision} was compacted meanwhile"
-            round_.errors[status.member.member_id] = _describe(answer)
+            round_.errors[status.member.member_id] = describe(answer)
         elif latest and answer.header.revision != round_.revision:
             round_.void = "a member's revision moved while it was hashed"
             round_.errors[status.member.member_id] = (
@@ -191,12 +191,6 @@ async def _hashes(
             return_exceptions=True,
         )
     )
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _report(round_: _Round, rounds: int) -> ConsistencyReport:

@@ -63,7 +63,9 @@ class MemberStatus:
         return judge(parse_version(self.version))
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """An etcd call's failure in one line (the gRPC status, also when a
+    client error carries it as its cause)."""
     if isinstance(exc, AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     cause = exc.__cause__
@@ -110,7 +112,7 @@ async def member_status(
     try:
         answer = await ask_member(member, security, call_timeout, status)
     except (aetcd.ClientError, AioRpcError, OSError, TimeoutError) as exc:
-        return MemberStatus(member, error=_describe(exc))
+        return MemberStatus(member, error=describe(exc))
     return MemberStatus(
         member,
         version=answer.version,
@@ -154,7 +156,7 @@ async def check_member_releases(
     try:
         statuses = await member_statuses(client, security, call_timeout)
     except (aetcd.ClientError, AioRpcError, OSError, TimeoutError) as exc:
-        log.warning("etcd members not listed; releases unchecked", error=_describe(exc))
+        log.warning("etcd members not listed; releases unchecked", error=describe(exc))
         return []
     bad = []
     for status in statuses:

@@ -28,9 +28,10 @@ from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, SessionDescription
-from services.common.errors import NotFound, Reason
+from services.common.errors import NotFound
 from services.common.status import SessionFacts, Status, StatusView, session_status
 from services.ingress import listing
+from services.ingress.edge import session_not_found
 
 RECENT_EVENTS = 16
 """Events read back from the stream head: the latest one dates the last
@@ -64,10 +65,6 @@ _FAILURES = {
     s.EVENT_KIND_TASK_FAILED,
     s.EVENT_KIND_COMMAND_REJECTED,
 }
-
-
-def not_found(session_id: str) -> NotFound:
-    return NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
 
 
 @dataclass(frozen=True)
@@ -215,12 +212,12 @@ class SessionViews:
         except NotFound:
             snapshot = None  # no commit yet: what hooks knows is all there is
         if snapshot is not None and snapshot.channel != channel:
-            raise not_found(session_id)
+            raise session_not_found(session_id)
         consumed = snapshot.inbox_next_seq if snapshot is not None else 0
         try:
             described = await self._hooks.describe_session(session_id, channel, consumed)
         except NotFound:
-            raise not_found(session_id) from None
+            raise session_not_found(session_id) from None
         recent: list[s.Event] = []
         head = snapshot.next_event_seq if snapshot is not None else 0
         if head:
