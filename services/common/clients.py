@@ -60,6 +60,8 @@ HOOKS_IDEMPOTENT = frozenset(
         "GetOwner",
         "DescribeSession",
         "ListChannelSessions",
+        "ListDeployments",
+        "DescribeDeployment",
         # A repeat returns the first result: the same session and fence
         # (CreateSession), the same claim set (ClaimHooks, DisposeHooks), the
         # first receipt for a delivery id (ResumeHook; `HooksClient.resume`
@@ -99,6 +101,8 @@ OWNER_IDEMPOTENT = frozenset(
         # One handoff id per (old fence, adopting instance): a repeat replays
         # the same transfer.
         "AdoptSession",
+        # A repeat finds the session no longer stalled (resumed = false).
+        "ResumeSession",
     }
 )
 
@@ -588,6 +592,22 @@ class HooksClient(_Client):
             response.fence, response.successor, response.trigger_seq, response.reason
         )
 
+    async def list_deployments(self) -> list[hooks_pb.DeploymentInfo]:
+        """Operator: every deployment with a live instance, its fleet."""
+        response = await self._unary(
+            "ListDeployments",
+            self.stub.ListDeployments(hooks_pb.ListDeploymentsRequest(), timeout=self.timeout),
+        )
+        return list(response.deployments)
+
+    async def describe_deployment(self, deployment_id: str) -> hooks_pb.DeploymentInfo:
+        """Operator: one deployment's instances, leases and session counts."""
+        request = hooks_pb.DescribeDeploymentRequest(deployment_id=deployment_id)
+        response = await self._unary(
+            "DescribeDeployment", self.stub.DescribeDeployment(request, timeout=self.timeout)
+        )
+        return response.deployment
+
 
 class AnchorClient(_Client):
     service = ANCHOR_SERVICE
@@ -708,3 +728,12 @@ class OwnerClient(_Client):
             "AdoptSession", self.stub.AdoptSession(request, timeout=self.timeout)
         )
         return Moved(response.fence, response.replayed)
+
+    async def resume_session(self, session_id: str) -> tuple[bool, s.Fence]:
+        """Operator: run a session stalled on this instance again (resumed,
+        its fence); resumed is False when it is held here but not stalled."""
+        request = owner_pb.ResumeSessionRequest(session_id=session_id)
+        response = await self._unary(
+            "ResumeSession", self.stub.ResumeSession(request, timeout=self.timeout)
+        )
+        return response.resumed, response.fence

@@ -37,6 +37,9 @@ RECENT_EVENTS = 16
 """Events read back from the stream head: the latest one dates the last
 commit and tells a stall; the latest failure among them is reported."""
 
+ANY_CHANNEL = ""
+"""`SessionViews.gather`'s channel for an operator: every channel."""
+
 LIST_CONCURRENCY = 16
 """Sessions of one ListSessions page gathered at once."""
 
@@ -205,13 +208,16 @@ class SessionViews:
         self._clock = clock
 
     async def gather(self, channel: str, session_id: str) -> Gathered:
-        """One session of `channel`; NotFound when missing or another's."""
+        """One session of `channel`; NotFound when missing or another's.
+        ANY_CHANNEL ("") is an operator's view (the CLI, with the operator
+        certificate): the session of whichever channel; a tenant's call
+        always names its authenticated channel."""
         ids.validate_session_id(session_id)
         try:
             snapshot: s.SessionSnapshot | None = await self._anchor.snapshot(session_id)
         except NotFound:
             snapshot = None  # no commit yet: what hooks knows is all there is
-        if snapshot is not None and snapshot.channel != channel:
+        if channel != ANY_CHANNEL and snapshot is not None and snapshot.channel != channel:
             raise session_not_found(session_id)
         consumed = snapshot.inbox_next_seq if snapshot is not None else 0
         try:

@@ -21,6 +21,173 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ListDeploymentsRequest(_message.Message):
+    """ListDeploymentsRequest asks for every deployment with a live instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsRequest: _TypeAlias = ListDeploymentsRequest  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsResponse(_message.Message):
+    """ListDeploymentsResponse lists deployments in deployment id order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeploymentInfo]:
+        """The deployments (at most 1000)."""
+
+    def __init__(
+        self,
+        *,
+        deployments: _abc.Iterable[Global___DeploymentInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployments", b"deployments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsResponse: _TypeAlias = ListDeploymentsResponse  # noqa: Y015
+
+@_typing.final
+class DescribeDeploymentRequest(_message.Message):
+    """DescribeDeploymentRequest names a deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The exact deployment id."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDeploymentRequest: _TypeAlias = DescribeDeploymentRequest  # noqa: Y015
+
+@_typing.final
+class DescribeDeploymentResponse(_message.Message):
+    """DescribeDeploymentResponse is the deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___DeploymentInfo:
+        """The deployment."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___DeploymentInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDeploymentResponse: _TypeAlias = DescribeDeploymentResponse  # noqa: Y015
+
+@_typing.final
+class DeploymentInfo(_message.Message):
+    """DeploymentInfo is a deployment's owner fleet and the sessions it owns."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    SESSIONS_OF_GONE_INSTANCES_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The deployment id."""
+    sessions: _builtins.int
+    """Sessions in the deployment's ownership index (owned by its instances,
+    live or gone).
+    """
+    sessions_of_gone_instances: _builtins.int
+    """Of those, the sessions owned by instances that are not live."""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceLease]:
+        """Its live instances, in instance id order."""
+
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instances: _abc.Iterable[Global___InstanceLease] | None = ...,
+        sessions: _builtins.int = ...,
+        sessions_of_gone_instances: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instances", b"instances", "sessions", b"sessions", "sessions_of_gone_instances", b"sessions_of_gone_instances"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentInfo: _TypeAlias = DeploymentInfo  # noqa: Y015
+
+@_typing.final
+class InstanceLease(_message.Message):
+    """InstanceLease is a live owner instance with its lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    GRANTED_TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The etcd lease its registration is held under."""
+    ttl_seconds: _builtins.int
+    """Seconds left before the lease expires unless kept alive; 0 when it just
+    expired.
+    """
+    granted_ttl_seconds: _builtins.int
+    """The TTL the lease was granted with."""
+    sessions: _builtins.int
+    """Sessions the instance owns (ownership index)."""
+    @_builtins.property
+    def instance(self) -> Global___InstanceInfo:
+        """The instance."""
+
+    def __init__(
+        self,
+        *,
+        instance: Global___InstanceInfo | None = ...,
+        lease_id: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+        granted_ttl_seconds: _builtins.int = ...,
+        sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["granted_ttl_seconds", b"granted_ttl_seconds", "instance", b"instance", "lease_id", b"lease_id", "sessions", b"sessions", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceLease: _TypeAlias = InstanceLease  # noqa: Y015
+
+@_typing.final
 class DescribeSessionRequest(_message.Message):
     """DescribeSessionRequest names a session."""
 

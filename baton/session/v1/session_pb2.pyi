@@ -184,7 +184,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_SESSION_STALLED: _EventKind.ValueType  # 22
     """The owner stopped running the session: its runs kept failing and the
     restart budget is spent (`error` says why). Accepted commands stay in the
-    inbox until an operator restarts the owner or another owner takes over.
+    inbox until an operator resumes the session (`baton sessions resume`),
+    restarts the owner, or another owner takes over.
     """
     EVENT_KIND_TASK_STARTED: _EventKind.ValueType  # 23
     """The session gave work to a child session (a new one, or a parked or
@@ -195,6 +196,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_TASK_FAILED: _EventKind.ValueType  # 25
     """A child's work failed, was cancelled, or the child finalized; `error`
     says why.
+    """
+    EVENT_KIND_SESSION_RESUMED: _EventKind.ValueType  # 26
+    """An operator resumed the stalled session (OwnerService.ResumeSession):
+    its restart budget is renewed and it runs again from its inbox.
     """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
@@ -249,7 +254,8 @@ EVENT_KIND_SESSION_HANDED_OFF: EventKind.ValueType  # 21
 EVENT_KIND_SESSION_STALLED: EventKind.ValueType  # 22
 """The owner stopped running the session: its runs kept failing and the
 restart budget is spent (`error` says why). Accepted commands stay in the
-inbox until an operator restarts the owner or another owner takes over.
+inbox until an operator resumes the session (`baton sessions resume`),
+restarts the owner, or another owner takes over.
 """
 EVENT_KIND_TASK_STARTED: EventKind.ValueType  # 23
 """The session gave work to a child session (a new one, or a parked or
@@ -260,6 +266,10 @@ EVENT_KIND_TASK_COMPLETED: EventKind.ValueType  # 24
 EVENT_KIND_TASK_FAILED: EventKind.ValueType  # 25
 """A child's work failed, was cancelled, or the child finalized; `error`
 says why.
+"""
+EVENT_KIND_SESSION_RESUMED: EventKind.ValueType  # 26
+"""An operator resumed the stalled session (OwnerService.ResumeSession):
+its restart budget is renewed and it runs again from its inbox.
 """
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
