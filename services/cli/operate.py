@@ -76,8 +76,9 @@ def _tenant_flags(sub: argparse.ArgumentParser) -> None:
     _profile_flag(sub)
 
 
-def _operator_flags(sub: argparse.ArgumentParser, *, anchor: bool = True) -> None:
-    """Where hooks (and anchor) are, and the operator certificate."""
+def _operator_flags(sub: argparse.ArgumentParser) -> None:
+    """Where hooks and anchor are, and the operator certificate (the same
+    flags on every operator command, whichever services it calls)."""
     _output(sub)
     sub.add_argument(
         "--hooks",
@@ -85,13 +86,12 @@ def _operator_flags(sub: argparse.ArgumentParser, *, anchor: bool = True) -> Non
         help=f"hooks host:port (env BATON_HOOKS_ADDR; default: the profile's, else "
         f"{operator.DEFAULT_HOOKS})",
     )
-    if anchor:
-        sub.add_argument(
-            "--anchor",
-            default=os.environ.get("BATON_ANCHOR_ADDR", ""),
-            help=f"anchor host:port (env BATON_ANCHOR_ADDR; default: the profile's, else "
-            f"{operator.DEFAULT_ANCHOR})",
-        )
+    sub.add_argument(
+        "--anchor",
+        default=os.environ.get("BATON_ANCHOR_ADDR", ""),
+        help=f"anchor host:port (env BATON_ANCHOR_ADDR; default: the profile's, else "
+        f"{operator.DEFAULT_ANCHOR})",
+    )
     for flag, env, what in (
         ("--tls-cert", "BATON_TLS_CERT", "an operator certificate"),
         ("--tls-key", "BATON_TLS_KEY", "its key"),
@@ -202,7 +202,7 @@ def add_session_commands(commands: Any) -> None:
         ),
     )
     again.add_argument("session", metavar="ID", help="a session id (ses_...)")
-    _operator_flags(again, anchor=False)
+    _operator_flags(again)
 
 
 def add_deployment_commands(commands: Any) -> None:
@@ -214,7 +214,7 @@ def add_deployment_commands(commands: Any) -> None:
         help="deployments with live owner instances",
         description="Every deployment with a live owner instance: instances and sessions.",
     )
-    _operator_flags(listing, anchor=False)
+    _operator_flags(listing)
     describe = fleet.add_parser(
         "describe",
         help="a deployment's instances (leases, session counts) and sessions (statuses)",
@@ -245,7 +245,7 @@ def add_deployment_commands(commands: Any) -> None:
     drain.add_argument(
         "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
     )
-    _operator_flags(drain, anchor=False)
+    _operator_flags(drain)
 
 
 def add_handoff_commands(commands: Any) -> None:
@@ -263,7 +263,7 @@ def add_handoff_commands(commands: Any) -> None:
     )
     get.add_argument("handoff", metavar="HANDOFF_ID")
     get.add_argument("--session", required=True, help="the session it moved (ses_...)")
-    _operator_flags(get, anchor=False)
+    _operator_flags(get)
 
 
 def _profile(args: argparse.Namespace) -> profile.Profile:
@@ -287,7 +287,7 @@ def _tenant_connection(args: argparse.Namespace) -> sessions.Connection:
 def _operator_connection(args: argparse.Namespace) -> operator.OperatorConnection:
     found = _profile(args)
     hooks = args.hooks or found.hooks or operator.DEFAULT_HOOKS
-    anchor = getattr(args, "anchor", "") or found.anchor or operator.DEFAULT_ANCHOR
+    anchor = args.anchor or found.anchor or operator.DEFAULT_ANCHOR
     explicit = bool(args.tls_cert or args.tls_key or args.tls_ca)
     if args.plaintext or (not explicit and found.plaintext and not found.operator_cert):
         return operator.OperatorConnection(hooks, anchor, Security.plaintext())
