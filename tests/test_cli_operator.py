@@ -251,3 +251,60 @@ async def test_operator_settings_from_the_profile(stack: Stack, tmp_path: Path) 
     run = await baton("sessions", "get", sid, "-o", "json", env=env)
     assert run.code == 0, run.err
     assert json.loads(run.out)["session_id"] == sid
+
+
+async def test_the_readme_cli_block_runs_as_shown(etcd_endpoint: str, tmp_path: Path) -> None:
+    """The commands of README's "The operator CLI" block, run verbatim and in
+    order through bash (`baton` this checkout's CLI; the settings a `baton
+    up` profile would give, as environment variables), against a stack of
+    `baton up`'s default deployment id."""
+    import asyncio
+    import os
+    import sys
+
+    from tests.test_cli_sessions import CLI_TIMEOUT, ROOT, readme_section
+
+    section = readme_section("The operator CLI")
+    start = section.index("```sh\n") + len("```sh\n")
+    block = section[start : section.index("```", start)]
+    commands = [line for line in block.splitlines() if line.startswith("baton ")]
+    assert len(commands) == 8, commands
+    stack = await start_stack(etcd_endpoint, "dep-1")
+    try:
+        sid = await stack.create()
+        files = stack.pki.files(Role.OPERATOR)
+        env = {
+            **os.environ,
+            **env_of(tmp_path),
+            "BATON_INGRESS_ADDR": stack.addr(stack.ingress),
+            "BATON_HOOKS_ADDR": stack.addr(stack.hooks),
+            "BATON_ANCHOR_ADDR": stack.addr(stack.anchor),
+            "BATON_TLS_CA": files.ca,
+            "BATON_TLS_CERT": files.cert,
+            "BATON_TLS_KEY": files.key,
+            "SESSION": sid,
+        }
+        outputs = []
+        for command in commands:
+            if "events $SESSION --from" in command:
+                await stack.events(sid, until=1)  # the send above answered
+            script = f'baton() {{ "{sys.executable}" -m services.cli "$@"; }}; {command}'
+            proc = await asyncio.create_subprocess_exec(
+                "bash", "-c", script, cwd=ROOT, env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT)
+            assert proc.returncode == 0, (command, err.decode())
+            outputs.append(out.decode())
+        sent, replay, cancelled, resumed, listed, described, reset, followed = outputs
+        assert sent.startswith(f"accepted: session {sid}, inbox seq 0, delivery order-17")
+        texts = [json.loads(line).get("text") for line in replay.splitlines()]
+        assert "calc 6*7" in texts and any("42" in str(text) for text in texts)
+        assert cancelled.startswith(f"cancel accepted: session {sid}")
+        assert "is not stalled" in resumed
+        assert listed.splitlines()[1].split()[:2] == ["dep-1", "1"]
+        assert [v["session_id"] for v in json.loads(described)["sessions"]] == [sid]
+        assert reset.startswith(f"reset accepted: session {sid}")
+        assert "session.completed" in followed.splitlines()[-1]
+    finally:
+        await stop_stack(stack)
