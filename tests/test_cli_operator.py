@@ -23,6 +23,7 @@ from tests.procs import eventually
 from tests.stack import (
     SLACK_KEY,
     WEB,
+    WEB_KEY,
     Stack,
     add_deployment,
     start_stack,
@@ -308,3 +309,79 @@ async def test_the_readme_cli_block_runs_as_shown(etcd_endpoint: str, tmp_path: 
         assert "session.completed" in followed.splitlines()[-1]
     finally:
         await stop_stack(stack)
+
+
+async def test_sessions_across_channels_for_an_operator_only(stack: Stack, tmp_path: Path) -> None:
+    """`baton sessions list --all-channels` lists every channel's sessions,
+    each as its own channel's GetSession shows it, filtered like
+    ListSessions; hooks lists the whole index only for an operator."""
+    import grpc
+
+    from baton.hooks.v1 import hooks_pb2 as h
+    from baton.hooks.v1 import hooks_pb2_grpc
+    from services.common.channels import open_channel
+    from services.common.grpc_errors import from_rpc_error
+    from tests.test_introspection import get
+
+    env = env_of(tmp_path)
+    ops = operator_flags(stack)
+    slack = sorted([await idle_session(stack) for _ in range(2)])
+    asking = await idle_session(stack, "ask my name")
+    web = await stack.create(metadata=WEB)
+    run = await baton("sessions", "list", "--all-channels", "-o", "json", *ops, env=env)
+    assert run.code == 0, run.err
+    listed = json.loads(run.out)
+    expected = [("slack", sid) for sid in sorted([*slack, asking])] + [("web", web)]
+    assert [(v["channel"], v["session_id"]) for v in listed] == expected
+    for view in listed:
+        md = WEB if view["channel"] == "web" else None
+        asked = (
+            await get(stack, view["session_id"], md=md)
+            if md
+            else await get(stack, view["session_id"])
+        )
+        assert view == as_json(asked)
+    run = await baton(
+        "sessions", "list", "--all-channels", "--filter", "status = waiting_for_input",
+        "-o", "jsonl", *ops, env=env,
+    )  # fmt: skip
+    assert run.code == 0, run.err
+    assert [json.loads(line)["session_id"] for line in run.out.splitlines()] == [asking]
+    run = await baton("sessions", "list", "--all-channels", "--limit", "2", *ops, env=env)
+    assert run.code == 0, run.err
+    assert [row.split()[0] for row in run.out.splitlines()[1:]] == [v for _, v in expected[:2]]
+    run = await baton("sessions", "list", "--all-channels", "--filter", "colour = red", *ops,
+                      env=env)  # fmt: skip
+    assert run.code == sessions.EXIT_REFUSED and "INVALID_FILTER" in run.err, run
+    # Without --all-channels the same command is the tenant's view.
+    run = await baton(
+        "sessions", "list", "-o", "json", *flags(stack), env=env_of(tmp_path, WEB_KEY)
+    )
+    assert [v["session_id"] for v in json.loads(run.out)] == [web]
+    # hooks: an ingress must name its tenant; after_channel needs no channel.
+    for role, request, reason in (
+        (Role.INGRESS, h.ListChannelSessionsRequest(limit=10), "MISSING_FIELD"),
+        (
+            Role.OPERATOR,
+            h.ListChannelSessionsRequest(channel="slack", after_channel="web", limit=10),
+            "INVALID_FIELD",
+        ),
+        (
+            Role.OPERATOR,
+            h.ListChannelSessionsRequest(after_channel="web", limit=10),
+            "INVALID_FIELD",
+        ),
+    ):
+        channel = open_channel(
+            stack.addr(stack.hooks),
+            stack.security(role, stack.deployment_id if role is Role.INGRESS else ""),
+        )
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await hooks_pb2_grpc.HookRegistryServiceStub(channel).ListChannelSessions(
+                    request, timeout=10
+                )
+        finally:
+            await channel.close()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert from_rpc_error(info.value).reason == reason

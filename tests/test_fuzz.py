@@ -309,6 +309,7 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "token": [ids.inbox_token(session_id), "slack:victim"],
         "tokens": ["slack:victim", "slack:other"],
         "channel": ["slack"],
+        "after_channel": ["slack", "web"],
         "alias": ["victim", "slack:victim"],
         "aliases": ["victim", "another"],
         "text": ["hello", "calc 6*7"],

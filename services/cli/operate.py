@@ -80,6 +80,17 @@ def _operator_flags(sub: argparse.ArgumentParser) -> None:
     """Where hooks and anchor are, and the operator certificate (the same
     flags on every operator command, whichever services it calls)."""
     _output(sub)
+    _operator_services(sub)
+    sub.add_argument(
+        "--plaintext",
+        action="store_true",
+        default=os.environ.get("BATON_PLAINTEXT", "") in _ENV_TRUE,
+        help="talk plaintext (env BATON_PLAINTEXT=1; a `baton up --plaintext`)",
+    )
+    _profile_flag(sub)
+
+
+def _operator_services(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--hooks",
         default=os.environ.get("BATON_HOOKS_ADDR", ""),
@@ -108,13 +119,6 @@ def _operator_flags(sub: argparse.ArgumentParser) -> None:
         help="name the owners, dialled at the IP they registered, are verified against "
         "(env BATON_TLS_IP_SERVER_NAME; default the IP)",
     )
-    sub.add_argument(
-        "--plaintext",
-        action="store_true",
-        default=os.environ.get("BATON_PLAINTEXT", "") in _ENV_TRUE,
-        help="talk plaintext (env BATON_PLAINTEXT=1; a `baton up --plaintext`)",
-    )
-    _profile_flag(sub)
 
 
 def _session_arg(sub: argparse.ArgumentParser) -> None:
@@ -150,7 +154,14 @@ def add_session_commands(commands: Any) -> None:
     listing.add_argument(
         "--page-size", type=_non_negative, default=0, help="sessions per call (default: server's)"
     )
+    listing.add_argument(
+        "--all-channels",
+        action="store_true",
+        help="operator: every channel's sessions, in (channel, session id) order, through "
+        "hooks and anchor with the operator certificate (the --hooks/--anchor/--tls-* flags)",
+    )
     _tenant_flags(listing)
+    _operator_services(listing)
     one = group.add_parser("get", help="one session", description="One session, by id or alias.")
     _session_arg(one)
     _tenant_flags(one)
@@ -385,7 +396,11 @@ def run(args: argparse.Namespace) -> int:
         return _drain(args)
     name = f"baton {args.command} {args.action}"
     try:
-        if args.command == "sessions" and args.action in _TENANT:
+        if args.command == "sessions" and args.action == "list" and args.all_channels:
+            call = operator.sessions_all_channels(
+                _operator_connection(args), args.output, filter_text=args.filter, limit=args.limit
+            )
+        elif args.command == "sessions" and args.action in _TENANT:
             call = _tenant_call(args)
         else:
             call = _operator_call(args)

@@ -5,7 +5,8 @@ services/common/access.py), not to the public ingress:
 
 - hooks: ListDeployments / DescribeDeployment (each deployment's instances
   with their leases and session counts), ListInstanceSessions (a
-  deployment's sessions), GetOwner and ListInstances (where a session runs),
+  deployment's sessions), ListChannelSessions with no channel (every
+  channel's index), GetOwner and ListInstances (where a session runs),
   GetTransfer (a handoff by id), DescribeSession;
 - anchor: GetSnapshot and ReadEvents (a session's view, gathered by the same
   code as the public GetSession: services/ingress/introspection.py, across
@@ -30,12 +31,13 @@ from google.protobuf import json_format
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
-from services.cli.sessions import EXIT_OK, status_name, table_of, to_json
+from services.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import FailedPrecondition, NotFound, Reason
 from services.common.tls import Security
-from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, SessionViews
+from services.ingress import listing
+from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, Gathered, SessionViews
 
 DEFAULT_HOOKS = "127.0.0.1:50052"
 DEFAULT_ANCHOR = "127.0.0.1:50053"
@@ -116,6 +118,59 @@ async def resume(
         )
     else:
         write(f"session {session_id} is not stalled on {holder.instance_id}: nothing to resume")
+    return EXIT_OK
+
+
+INDEX_PAGE = 200
+"""Index entries read per call while listing across channels."""
+
+
+async def sessions_all_channels(
+    connection: OperatorConnection,
+    output: str,
+    *,
+    filter_text: str = "",
+    limit: int = 100,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions list --all-channels`: every channel's sessions in
+    (channel, session id) order, each as GetSession reports it, filtered as
+    ListSessions filters (the same AIP-160 subset, checked before any call),
+    up to `limit` (0: all)."""
+    wanted = listing.parse_filter(filter_text)
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
+    views = SessionViews(hooks, anchor)
+    slots = asyncio.Semaphore(LIST_CONCURRENCY)
+    found: list[pb.Session] = []
+
+    async def one(session_id: str) -> Gathered | None:
+        async with slots:
+            try:
+                return await views.gather(ANY_CHANNEL, session_id)
+            except NotFound:  # gone (retention) since the index was read
+                return None
+
+    try:
+        after = ("", "")
+        while not limit or len(found) < limit:
+            page, more = await hooks.list_all_sessions(*after, INDEX_PAGE)
+            gathered = await asyncio.gather(*(one(sid) for _, sid in page))
+            listed = [g.session for g in gathered if g is not None and wanted.matches(g.fields)]
+            listed = listed[: limit - len(found)] if limit else listed
+            found.extend(listed)
+            if output == "jsonl":  # streamed as pages arrive
+                for line in render(listed, output, single=False):
+                    write(line)
+            if not more or not page:
+                break
+            after = page[-1]
+    finally:
+        await hooks.close()
+        await anchor.close()
+    if output != "jsonl":
+        for line in render(found, output, single=False):
+            write(line)
     return EXIT_OK
 
 

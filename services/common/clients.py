@@ -583,6 +583,19 @@ class HooksClient(_Client):
             tuple((entry.session_id, entry.create_time) for entry in r.sessions), r.more
         )
 
+    async def list_all_sessions(
+        self, after_channel: str, after_session_id: str, limit: int
+    ) -> tuple[tuple[tuple[str, str], ...], bool]:
+        """Operator: one page of every channel's index, in (channel, session
+        id) order: ((channel, session id), ...) and whether more follow."""
+        request = hooks_pb.ListChannelSessionsRequest(
+            after_channel=after_channel, after_session_id=after_session_id, limit=limit
+        )
+        r = await self._unary(
+            "ListChannelSessions", self.stub.ListChannelSessions(request, timeout=self.timeout)
+        )
+        return tuple((entry.channel, entry.session_id) for entry in r.sessions), r.more
+
     async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
         response = await self._unary(

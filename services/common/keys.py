@@ -134,6 +134,10 @@ class Keys:
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
 
+    def channels_prefix(self) -> bytes:
+        """Every channel's index (`channel_entry` keys)."""
+        return f"{self.root}ch/".encode()
+
     def channel_prefix(self, channel: str) -> bytes:
         """The channel index of one tenant (its sessions in session id order)."""
         return f"{self.root}ch/{channel}/".encode()

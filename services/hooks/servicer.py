@@ -206,14 +206,29 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ListChannelSessions(
         self, request: pb.ListChannelSessionsRequest, context: Context
     ) -> pb.ListChannelSessionsResponse:
-        if not request.channel:
-            raise InvalidArgument(Reason.MISSING_FIELD, "channel is required")
+        if not _tenant_channel(request.channel):  # an operator's listing across channels
+            every = await self._registry.list_all_channels(
+                request.after_channel, request.after_session_id, request.limit
+            )
+            return pb.ListChannelSessionsResponse(
+                sessions=[
+                    pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms), channel=channel)
+                    for channel, sid, ms in every.sessions
+                ],
+                more=every.more,
+            )
+        if request.after_channel:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, "after_channel goes with an empty channel only"
+            )
         page = await self._registry.list_channel(
             request.channel, request.after_session_id, request.limit
         )
         return pb.ListChannelSessionsResponse(
             sessions=[
-                pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms))
+                pb.ChannelSession(
+                    session_id=sid, create_time=timestamp_ms(ms), channel=request.channel
+                )
                 for sid, ms in page.sessions
             ],
             more=page.more,

@@ -300,22 +300,33 @@ class ListChannelSessionsRequest(_message.Message):
     CHANNEL_FIELD_NUMBER: _builtins.int
     AFTER_SESSION_ID_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    AFTER_CHANNEL_FIELD_NUMBER: _builtins.int
     channel: _builtins.str
-    """The channel."""
+    """The channel. Empty (operators and other internal callers only; an
+    ingress always names its tenant) lists every channel's index, in
+    (channel, session id) order.
+    """
     after_session_id: _builtins.str
-    """Start after this session id; empty starts at the first."""
+    """Start after this session id; empty starts at the first. With an empty
+    channel: after this session of `after_channel`.
+    """
     limit: _builtins.int
     """At most this many (1 to 1000)."""
+    after_channel: _builtins.str
+    """With an empty channel: the channel of `after_session_id` (both set, or
+    both empty to start at the first channel).
+    """
     def __init__(
         self,
         *,
         channel: _builtins.str = ...,
         after_session_id: _builtins.str = ...,
         limit: _builtins.int = ...,
+        after_channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_session_id", b"after_session_id", "channel", b"channel", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_channel", b"after_channel", "after_session_id", b"after_session_id", "channel", b"channel", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -329,8 +340,11 @@ class ChannelSession(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
+    channel: _builtins.str
+    """The session's channel."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -340,10 +354,11 @@ class ChannelSession(_message.Message):
         *,
         session_id: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "create_time", b"create_time", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
