@@ -184,9 +184,15 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         assert run.code == 0, run.err
         assert "dep-a-i1" in run.out and "... 3 more (--limit 0 lists all)" in run.out
         # A drain moves the idle ones; the waiting one stays, and says so.
-        run = await baton("deployments", "drain", "dep-a", "--to", "dep-b", "--wait", "0", *ops,
-                          env=env)  # fmt: skip
-        assert run.code in (0, 3), run
+        drain = ("deployments", "drain", "dep-a", "--to", "dep-b", "--wait", "0")
+        run = await baton(*drain, "-o", "json", *ops, env=env)
+        assert run.code == 3, run  # not all moved at the first report
+        report = json.loads(run.out)
+        assert (report["from"], report["to"], report["drained"]) == ("dep-a", "dep-b", False)
+        (progress,) = report["instances"]
+        assert progress["instance_id"] == "dep-a-i1" and progress["to_deployment_id"] == "dep-b"
+        busy = {b["session_id"]: b["reason"] for b in progress["blockers"]}
+        assert busy[asking] == "SESSION_BUSY"  # waits for input: not idle
 
         async def moved() -> dict[str, object] | None:
             run = await baton("deployments", "describe", "dep-b", "-o", "json", *ops, env=env)
@@ -197,6 +203,12 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         after = await eventually(moved, "the idle sessions on dep-b", 30)
         assert {v["session_id"] for v in after["sessions"]} == {web, *mine}  # type: ignore[attr-defined]
         assert after["status_counts"] == {"idle": 3}
+        run = await baton(*drain, "-o", "jsonl", *ops, env=env)  # a repeat: the progress
+        assert run.code == 3, run
+        *changes, final = [json.loads(line) for line in run.out.splitlines()]
+        assert changes == [{"moved": 3, "left": 1}]
+        assert (final["moved"], final["left"]) == (3, 1)
+        assert [b["session_id"] for b in final["instances"][0]["blockers"]] == [asking]
         run = await baton("deployments", "describe", "dep-a", *ops, env=env)
         assert run.code == 0, run.err
         assert f"{asking}  waiting_for_input  dep-a" in run.out

@@ -365,7 +365,12 @@ def _drain(args: argparse.Namespace) -> int:
         connection = _operator_connection(args)
         return asyncio.run(
             deployments.drain(
-                connection.hooks, args.old, args.new, connection.security, wait_s=args.wait
+                connection.hooks,
+                args.old,
+                args.new,
+                connection.security,
+                wait_s=args.wait,
+                output=args.output,
             )
         )
     except (sessions.UsageError, profile.ProfileError, deployments.DrainError) as exc:
