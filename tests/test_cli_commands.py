@@ -68,6 +68,7 @@ async def test_following_prints_each_event_as_it_arrives_until_the_end(
     exits 0 at the stream's terminal event, which a `reset` causes."""
     sid = await stack.create()
     env = {**os.environ, **env_of(tmp_path)}
+    env.pop("PYTHONUNBUFFERED", None)  # each line is flushed by the CLI itself
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "sessions", "events", sid, "--follow",
         "-o", "jsonl", *flags(stack),
@@ -183,3 +184,29 @@ async def test_version_is_the_package_version() -> None:
     assert run.code == 0, run.err
     assert run.out.strip() == f"baton {metrics.version()}"
     assert metrics.version() != "unknown"
+
+
+async def test_a_broken_follow_says_where_to_continue(stack: Stack, tmp_path: Path) -> None:
+    """The ingress goes away mid-follow: the follower exits 4 (retry), saying
+    which --from continues the stream without a gap or a repeat."""
+    sid = await idle_session(stack)
+    head = len(await stack.events(sid, follow=False))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "sessions", "events", sid, "--follow",
+        *flags(stack),
+        cwd=ROOT, env={**os.environ, **env_of(tmp_path)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        for _ in range(head):  # every committed event printed: now it waits live
+            assert await asyncio.wait_for(proc.stdout.readline(), CLI_TIMEOUT)
+        await stack.ingress.stop(grace=0)
+        code = await asyncio.wait_for(proc.wait(), CLI_TIMEOUT)
+        err = (await proc.stderr.read()).decode()
+        assert code == sessions.EXIT_UNAVAILABLE, err
+        assert f"(continue with --from {head})" in err, err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -49,6 +49,11 @@ def message_json(message: Message) -> dict[str, object]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
+def _flushed(line: str) -> None:
+    """A line out at once, also into a pipe (`... --follow | grep`)."""
+    print(line, flush=True)
+
+
 async def events(
     connection: Connection,
     session: str,
@@ -56,15 +61,17 @@ async def events(
     *,
     follow: bool = False,
     start_seq: int = 0,
-    write: Callable[[str], None] = print,
+    write: Callable[[str], None] = _flushed,
 ) -> int:
     """`baton sessions events ID [--follow] [--from SEQ]`: the stream from
     `start_seq`; with `follow`, live until the session's terminal event (or
-    Ctrl-C)."""
+    Ctrl-C). If the stream breaks (an ingress restarting), the error says
+    which --from continues it without a gap or a repeat."""
     if follow and output == "json":
         raise UsageError("-o json prints one array at the end; use -o jsonl or text with --follow")
     channel = connection.open()
     seen: list[s.Event] = []
+    next_seq = start_seq
     try:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
         # No deadline while following: the stream lasts as long as the
@@ -77,6 +84,7 @@ async def events(
         try:
             async for response in call:
                 for event in response.events:
+                    next_seq = event.seq + 1
                     if output == "json":
                         seen.append(event)
                     elif output == "jsonl":
@@ -86,7 +94,10 @@ async def events(
                 if follow and any(e.kind in TERMINAL for e in response.events):
                     break  # the stream closes here; do not wait for the server's end
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from exc
+            error = from_rpc_error(exc)
+            if next_seq > start_seq:
+                error.message += f" (continue with --from {next_seq})"
+            raise error from exc
         finally:
             call.cancel()
     finally:
