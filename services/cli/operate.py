@@ -278,7 +278,12 @@ def add_handoff_commands(commands: Any) -> None:
 
 
 def _profile(args: argparse.Namespace) -> profile.Profile:
-    path = Path(args.profile) if args.profile else profile.default_path()
+    if args.profile:
+        return profile.read(Path(args.profile)) or profile.Profile()
+    try:
+        path = profile.default_path()
+    except RuntimeError:  # no home directory (a container's uid without one): no profile
+        return profile.Profile()
     return profile.read(path) or profile.Profile()
 
 
