@@ -131,6 +131,14 @@ async def test_resume_errors_print_the_reason_with_their_exit_codes(
     assert run.code == sessions.EXIT_NOT_FOUND and "SESSION_NOT_FOUND" in run.err, run
     run = await baton("sessions", "resume", "not-a-session", *operator_flags(stack), env=env)
     assert run.code == sessions.EXIT_REFUSED and "INVALID_SESSION_ID" in run.err, run
+    run = await baton("deployments", "describe", "latest", *operator_flags(stack), env=env)
+    assert run.code == sessions.EXIT_REFUSED and "INVALID_DEPLOYMENT_ID" in run.err, run
+    # The instance owning the session is gone: retry (it is being taken over).
+    other = await add_deployment(stack, "dep-b")
+    sid = await other.create()
+    await stop_deployment(other)  # its owner deregisters: its lease is revoked
+    run = await baton("sessions", "resume", sid, *operator_flags(stack), env=env)
+    assert run.code == sessions.EXIT_UNAVAILABLE and "which is not live" in run.err, run
     # No operator certificate: a usage error naming what to pass.
     run = await baton("sessions", "resume", missing, "--hooks", stack.addr(stack.hooks), env=env)
     assert run.code == sessions.EXIT_USAGE and "operator certificate" in run.err, run

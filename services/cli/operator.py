@@ -34,7 +34,7 @@ from baton.session.v1 import session_pb2 as s
 from services.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, OwnerClient
-from services.common.errors import FailedPrecondition, NotFound, Reason
+from services.common.errors import NotFound, Reason, Unavailable
 from services.common.tls import Security
 from services.ingress import listing
 from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, Gathered, SessionViews
@@ -90,9 +90,9 @@ async def resume(
     finally:
         await hooks.close()
     holder = next((i for i in instances if i.instance_id == owner.owner.instance_id), None)
-    if holder is None:
-        raise FailedPrecondition(
-            Reason.INSTANCE_LIVE,
+    if holder is None:  # retryable: once taken over, a resume finds it running
+        raise Unavailable(
+            Reason.UPSTREAM_UNAVAILABLE,
             f"session {session_id} is owned by instance {owner.owner.instance_id} of "
             f"{owner.owner.deployment_id}, which is not live: another instance of the "
             "deployment takes it over and runs it with a fresh restart budget",
@@ -204,31 +204,25 @@ async def deployments_list(
 
 
 async def deployment_sessions(
-    connection: OperatorConnection, deployment_id: str, limit: int
+    hooks: HooksClient, anchor: AnchorClient, deployment_id: str, limit: int
 ) -> tuple[list[pb.Session], int]:
     """Up to `limit` (0: all) sessions of a deployment's ownership index, in
     session id order, each as GetSession reports it (across channels), and
     how many the index holds."""
-    hooks = HooksClient(connection.hooks, security=connection.security)
-    anchor = AnchorClient(connection.anchor, security=connection.security)
-    try:
-        owned = await hooks.list_instance_sessions(deployment_id, "")
-        wanted = sorted({o.fence.session_id for o in owned})
-        views = SessionViews(hooks, anchor)
-        slots = asyncio.Semaphore(LIST_CONCURRENCY)
+    owned = await hooks.list_instance_sessions(deployment_id, "")
+    wanted = sorted({o.fence.session_id for o in owned})
+    views = SessionViews(hooks, anchor)
+    slots = asyncio.Semaphore(LIST_CONCURRENCY)
 
-        async def one(session_id: str) -> pb.Session | None:
-            async with slots:
-                try:
-                    return (await views.gather(ANY_CHANNEL, session_id)).session
-                except NotFound:  # gone (retention) since the index was read
-                    return None
+    async def one(session_id: str) -> pb.Session | None:
+        async with slots:
+            try:
+                return (await views.gather(ANY_CHANNEL, session_id)).session
+            except NotFound:  # gone (retention) since the index was read
+                return None
 
-        chosen = wanted[:limit] if limit else wanted
-        gathered = await asyncio.gather(*(one(sid) for sid in chosen))
-    finally:
-        await hooks.close()
-        await anchor.close()
+    chosen = wanted[:limit] if limit else wanted
+    gathered = await asyncio.gather(*(one(sid) for sid in chosen))
     return [v for v in gathered if v is not None], len(wanted)
 
 
@@ -245,11 +239,13 @@ async def deployments_describe(
     drain)."""
     deployment_id = ids.validate_deployment_id(deployment_id)
     hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
     try:
         info = await hooks.describe_deployment(deployment_id)
+        sessions, total = await deployment_sessions(hooks, anchor, deployment_id, limit)
     finally:
         await hooks.close()
-    sessions, total = await deployment_sessions(connection, deployment_id, limit)
+        await anchor.close()
     statuses = Counter(status_name(v.status) for v in sessions)
     if output != "text":
         data = {
