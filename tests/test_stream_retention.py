@@ -18,16 +18,20 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton.session.v1 import session_pb2 as s
 from services.anchor.config import AnchorConfig
 from services.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
 from services.anchor.journal import Journal
 from services.cli.__main__ import _build_parser
 from services.cli.launcher import LaunchSettings, LocalSystem, Ports
-from services.common import metrics
+from services.common import ids, metrics
 from services.common.config import ConfigError
 from services.common.errors import OutOfRange, Reason
+from services.common.identity import Role
 from services.common.keys import Keys
+from services.owner.session import RunIdentity, initial_snapshot, make_event
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
@@ -325,3 +329,51 @@ async def test_a_finalized_stream_is_not_trimmed_and_introspection_reads_past_a_
         assert await horizon(stack).trim(sid) == 0
         await horizon(stack).sweep()
         assert await live_events(stack, raw, sid) == kept == list(range(kept[0], closed_head))
+
+
+async def test_a_retried_commit_whose_events_went_below_the_horizon_is_a_replay(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """With a horizon closer than one commit's events, the retry of an applied
+    commit (its answer lost) still reads as replayed, not as a conflict."""
+    async with retaining(etcd_endpoint, 1, 0.0) as stack:
+        as_w = stack.security(Role.OWNER, "dep-w")  # a deployment without owners
+        hooks, anchor = stack.hooks_client(as_w), stack.anchor_client(as_w)
+        try:
+            sid = ids.new_session_id()
+            owner = s.OwnerIdentity(owner_run_id="run_w1", deployment_id="dep-w", instance_id="w1")
+            created = await hooks.create_session(sid, owner, "slack", [])
+            identity = RunIdentity(created.fence, "dep-w", "w1")
+            snapshot = initial_snapshot(sid, "slack", "dep-w", list(created.hooks))
+            events = [make_event(identity, s.EVENT_KIND_SESSION_STARTED)]
+            events += [make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED) for _ in range(PAGE)]
+            for seq, event in enumerate(events):
+                event.seq = seq
+            snapshot.next_event_seq = len(events)
+            request = anchor_pb.CommitStepRequest(
+                fence=created.fence, events=events, snapshot=snapshot, expected_snapshot_revision=0
+            )
+            applied = await anchor.commit(request)
+            # (Scheduled by the commit, as it opened page 1.)
+            await eventually(kept_exactly(stack, raw, sid, 1), "trimmed to one event", timeout=10)
+            again = await anchor.commit(request)
+            assert again.replayed and again.revision == applied.revision
+            # The stream goes on from its last event.
+            more = make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED)
+            more.seq = len(events)
+            snapshot.next_event_seq = len(events) + 1
+            await anchor.commit(
+                anchor_pb.CommitStepRequest(
+                    fence=created.fence,
+                    events=[more],
+                    snapshot=snapshot,
+                    expected_snapshot_revision=applied.revision,
+                )
+            )
+            assert [e.seq for e in await stack.events(sid, start_seq=PAGE, follow=False)] == [
+                PAGE,
+                PAGE + 1,
+            ]
+        finally:
+            await hooks.close()
+            await anchor.close()

@@ -229,6 +229,7 @@ class Journal:
         txn.read_on_failure("snapshot", k.snapshot(sid))
         if events:
             txn.read_on_failure("first", k.event(sid, events[0].seq))
+            txn.read_on_failure("horizon", k.horizon(sid))
         result = await txn.run(self._store)
         if result.succeeded:
             metrics.EVENTS_COMMITTED.inc(len(events))
@@ -239,7 +240,13 @@ class Journal:
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")
         same_snapshot = stored is not None and stored.value == commit.snapshot_bytes
-        same_first = not events or result.value("first") == commit.encoded_events[0]
+        stored_first = result.value("first")
+        same_first = (
+            not events
+            or stored_first == commit.encoded_events[0]
+            # (the applied commit's first event is already below the horizon)
+            or (stored_first is None and first < horizon_of(result.value("horizon")))
+        )
         if stored is not None and same_snapshot and same_first:
             return stored.mod_revision, True  # our own applied commit: a retry
         if result.value("closed") is not None:
