@@ -3,11 +3,14 @@ keeps at least the last `--stream-retention-events` events and every event
 younger than `--stream-retention`, deletes the rest in the background, and a
 read below the horizon (from the start, or a slow reader the horizon passes)
 answers OUT_OF_RANGE naming the earliest seq kept; reading from there is
-gapless. Real etcd, real gRPC, in-process services."""
+gapless; a takeover after kill -9 and a wake from parking need nothing
+below it. Real etcd, real gRPC; in-process services, and real processes for
+the takeover."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -30,10 +33,10 @@ from services.common import ids, metrics
 from services.common.config import ConfigError
 from services.common.errors import OutOfRange, Reason
 from services.common.identity import Role
-from services.common.keys import Keys
+from services.common.keys import Keys, OwnerRecord
 from services.owner.session import RunIdentity, initial_snapshot, make_event
 from tests.certs import etcd_client
-from tests.procs import eventually
+from tests.procs import ProcessStack, check_history, eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import RESET, control, follow_until, read_to_close, waits
 
@@ -377,3 +380,86 @@ async def test_a_retried_commit_whose_events_went_below_the_horizon_is_a_replay(
         finally:
             await hooks.close()
             await anchor.close()
+
+
+# -- over real processes: a takeover and a wake need nothing below the horizon ------
+
+
+async def test_a_takeover_and_a_wake_from_parking_need_nothing_below_the_horizon(
+    etcd_endpoint: str, tmp_path: Path, stacks: list[ProcessStack]
+) -> None:
+    """Real processes, an anchor keeping 100 events: the session's owner is
+    killed (kill -9) and another takes it over, then it parks and is woken.
+    Every event, read as it came (before it went below the horizon), makes
+    one gapless history with every command processed once in order; the
+    stream keeps its last 100 events, gapless, and says so from 0."""
+    stack = ProcessStack(
+        etcd_endpoint,
+        tmp_path,
+        park_after=0.3,
+        anchor_env={
+            "BATON_STREAM_RETENTION_EVENTS": "100",
+            "BATON_STREAM_RETENTION": "0",
+            "BATON_RETENTION_SWEEP": str(SWEEP),
+        },
+    )
+    stacks.append(stack)
+    stack.start(owners=2)
+    clients = stack.clients()
+    raw_etcd = await etcd_client(etcd_endpoint)
+    keys = Keys(stack.prefix)
+    seen: list[s.Event] = []
+    receipts: list[int] = []
+
+    async def answered(seq: int) -> list[s.Event] | None:
+        """The events after those seen, once they answer inbox seq `seq`."""
+        start = seen[-1].seq + 1 if seen else 0
+        got = [e async for page in clients.anchor.read_events(sid, start) for e in page]
+        done = (
+            any(e.kind == s.EVENT_KIND_MESSAGE_RECEIVED and e.inbox_seq == seq for e in got)
+            and got[-1].kind == s.EVENT_KIND_SESSION_WAITING
+        )
+        return got if done else None
+
+    async def turns_of(count: int, timeout: float = 10.0) -> None:
+        for _ in range(count):
+            seq = (await clients.send(sid, f"turn {len(receipts)}")).receipt.seq
+            receipts.append(seq)
+            seen.extend(
+                await eventually(functools.partial(answered, seq), f"seq {seq} answered", timeout)
+            )
+
+    async def parked() -> bool:
+        kv = await raw_etcd.get(keys.owner(sid))
+        return kv is not None and OwnerRecord.decode(kv.value).parked
+
+    try:
+        await clients.wait_registered("o1", "o2")
+        sid = await clients.create()
+        await turns_of(20)
+        first_owner = await clients.owner_of(sid)
+        stack.kill(first_owner)
+        await turns_of(10, timeout=30)  # the first waits for the takeover
+        assert await clients.owner_of(sid) not in ("", first_owner)
+        await eventually(parked, "the idle session to park", timeout=10)
+        await turns_of(10)
+        head = seen[-1].seq + 1
+        assert head > 2 * 100
+        check_history(seen, receipts)
+        assert len({e.owner_run_id for e in seen}) == 2  # one takeover, woken with its fence
+
+        async def kept_last_100() -> bool:
+            found = await raw_etcd.get_prefix(keys.events_prefix(sid))
+            return sorted(int(kv.key[-20:]) for kv in found) == list(range(head - 100, head))
+
+        await eventually(kept_last_100, "the last 100 events kept", timeout=10)
+        later = [e.seq async for page in clients.anchor.read_events(sid, head - 100) for e in page]
+        assert later == list(range(head - 100, head))
+        with pytest.raises(grpc.aio.AioRpcError) as below:
+            await clients.ingress.StreamEvents(
+                ingress_pb.StreamEventsRequest(session_id=sid, start_seq=0), metadata=SLACK
+            ).read()
+        assert below_horizon_of(below.value) == head - 100
+    finally:
+        await clients.close()
+        await raw_etcd.close()
