@@ -261,6 +261,8 @@ class AsyncFollower:
                         attempts.progressed()
                     for event in fresh:
                         yield event
+                    if self._cursor.closed:
+                        return  # the terminal event: the stream is over
                 return  # the server ended the stream: it is over
             except grpc.aio.AioRpcError as exc:
                 error: BatonError = from_rpc_error(exc)

@@ -282,6 +282,8 @@ class Follower(Iterator[Event]):
                     if fresh:
                         attempts.progressed()
                     yield from fresh
+                    if self._cursor.closed:
+                        return  # the terminal event: the stream is over
                 return  # the server ended the stream: it is over
             except grpc.RpcError as exc:
                 if self._closed:

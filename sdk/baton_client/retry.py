@@ -10,9 +10,8 @@ Waits grow exponentially with full jitter (AWS's "Exponential Backoff And
 Jitter"), never shorter than the server's `retry_after`, and stop at the
 first of: `max_attempts`, the call's time `budget`, or an empty client-wide
 `RetryBudget` (not for followers, whose reconnects are bounded by
-their own policy; retries earn tokens only through successes, so a fleet of
-clients against a failing Baton does not multiply its load; gRPC's
-retryThrottling works the same way).
+their own policy): a client against a failing Baton retries at a bounded
+rate, so it does not multiply the load it is failing under.
 """
 
 from __future__ import annotations
@@ -57,20 +56,34 @@ class RetryPolicy:
 
 @dataclass
 class RetryBudget:
-    """Client-wide retry tokens: each retry spends one, each success earns
-    `ratio` of one, up to `capacity` (the bucket starts full)."""
+    """Client-wide retry tokens (as Finagle's RetryBudget): each retry spends
+    one; tokens come back at `per_second` and with `ratio` of one per
+    success, up to `capacity` (the bucket starts full). One caller riding
+    out an ingress restart never runs dry; a thousand failing calls at once
+    retry at about `per_second`, not a thousand times over."""
 
-    capacity: float = 10.0
-    ratio: float = 0.1
+    capacity: float = 20.0
+    per_second: float = 5.0
+    ratio: float = 0.2
+    clock: Callable[[], float] = time.monotonic
     _tokens: float = field(init=False)
+    _at: float = field(init=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._tokens = self.capacity
+        self._at = self.clock()
+
+    def _refill(self, extra: float = 0.0) -> None:
+        now = self.clock()
+        gained = (now - self._at) * self.per_second + extra
+        self._tokens = min(self.capacity, self._tokens + gained)
+        self._at = now
 
     def spend(self) -> bool:
         """Take a token for a retry; False when there is none left."""
         with self._lock:
+            self._refill()
             if self._tokens < 1:
                 return False
             self._tokens -= 1
@@ -78,7 +91,7 @@ class RetryBudget:
 
     def earn(self) -> None:
         with self._lock:
-            self._tokens = min(self.capacity, self._tokens + self.ratio)
+            self._refill(self.ratio)
 
 
 class Attempts:
