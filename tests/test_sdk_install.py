@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -74,14 +75,14 @@ def sdk_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ROOT / "sdk", source, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__")
     )
     wheels = root / "wheels"
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-    subprocess.run(
-        [*build, "-q", "-w", str(wheels), str(source)],
-        check=True,
-        env=isolated_env(),
-        cwd=root,
-        timeout=180,
-    )
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels)]
+    if importlib.util.find_spec("setuptools") is not None:
+        # Offline, with this machine's setuptools.
+        build_env = isolated_env()
+        build.append("--no-build-isolation")
+    else:
+        build_env = {**os.environ}  # pip fetches the build backend from PyPI
+    subprocess.run([*build, str(source)], check=True, env=build_env, cwd=root, timeout=300)
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=180)
     python = venv / "bin" / "python"

@@ -21,9 +21,9 @@ from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "baton.dev"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
-# The ErrorInfo metadata key of a stream read below the retention horizon
+# The ErrorInfo metadata key of a read below the stream's retention horizon
 # that names the earliest seq kept.
-EARLIEST_SEQ_KEYS = ("earliest_seq", "first_seq")
+EARLIEST_SEQ_KEY = "earliest_seq"
 
 
 class Reason:
@@ -47,6 +47,9 @@ class Reason:
     TOKEN_NOT_FOUND = "TOKEN_NOT_FOUND"
     TOKEN_CLAIMED = "TOKEN_CLAIMED"
     SESSION_FINALIZED = "SESSION_FINALIZED"
+    # OUT_OF_RANGE: a stream read below the retention horizon (metadata
+    # `earliest_seq`: the earliest seq kept).
+    BELOW_HORIZON = "BELOW_HORIZON"
     RATE_LIMITED = "RATE_LIMITED"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     SERVER_BUSY = "SERVER_BUSY"
@@ -140,11 +143,8 @@ class OutOfRange(BatonError):
     @property
     def earliest_seq(self) -> int | None:
         """The earliest seq the server still has, when it said."""
-        for key in EARLIEST_SEQ_KEYS:
-            value = self.metadata.get(key, "")
-            if value.isdigit():
-                return int(value)
-        return None
+        value = self.metadata.get(EARLIEST_SEQ_KEY, "")
+        return int(value) if value.isdigit() else None
 
 
 class ResourceExhausted(BatonError):

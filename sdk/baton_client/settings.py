@@ -93,9 +93,10 @@ class Settings:
         found = _read_profile(Path(path) if path else profile_path(env))
         explicit_tls = bool(env.get("BATON_TLS_CA")) or env.get("BATON_PLAINTEXT") in ("1", "true")
         values: dict[str, Any] = {
-            "target": env.get("BATON_INGRESS_ADDR") or found.get("ingress") or DEFAULT_TARGET,
+            "target": env.get("BATON_INGRESS_ADDR") or str(found.get("ingress") or DEFAULT_TARGET),
             "api_key": env.get("BATON_API_KEY") or DEMO_API_KEY,
-            "ca_cert": env.get("BATON_TLS_CA") or ("" if explicit_tls else found.get("ca_cert")),
+            "ca_cert": env.get("BATON_TLS_CA")
+            or ("" if explicit_tls else found.get("ca_cert", "")),
             "plaintext": env.get("BATON_PLAINTEXT") in ("1", "true")
             or (not explicit_tls and bool(found.get("plaintext"))),
         }
