@@ -7,6 +7,7 @@ client side alone through grpcio-testing: tests/test_sdk_errors.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import baton_client
@@ -18,7 +19,7 @@ from baton_client.types import Event
 from services.common.identity import Role
 from services.common.pki import LocalPki
 from services.common.server import GrpcServer
-from tests.stack import SLACK_KEY, WEB_KEY, Stack
+from tests.stack import SLACK_KEY, WEB_KEY, Stack, start_stack, stop_stack
 from tests.test_handoff import Env, env  # noqa: F401  (the fixture)
 
 K = baton_client.EventKind
@@ -181,3 +182,39 @@ async def test_a_follower_reads_on_across_a_handoff(env: Env) -> None:  # noqa: 
     assert followed[-1].deployment_id == "dep-b"
     answers = [e.text for e in followed if e.kind == K.EVENT_KIND_MESSAGE_COMPLETED]
     assert answers == ["The result is 42.", "The result is dep-b."]
+
+
+async def test_a_cursor_below_the_stream_horizon_is_out_of_range(etcd_endpoint: str) -> None:
+    """A read from a cursor the server no longer has is an explicit
+    OutOfRange naming the earliest seq kept; reading from there is gapless."""
+    stack = await start_stack(
+        etcd_endpoint,
+        anchor_options={
+            "stream_retention_events": 20,
+            "stream_retention_seconds": 0.0,
+            "retention_sweep_seconds": 0.2,
+        },
+    )
+    try:
+        async with sdk(stack) as client:
+            sid = (await client.create_session()).session_id
+            head = 0
+            for i in range(6):
+                await client.send(sid, f"turn {i}")
+                head += len(await collect(await client.follow(sid, start_seq=head), waits(1)))
+            deadline = time.monotonic() + 30
+            while True:  # the horizon moves in the background
+                try:
+                    [e async for e in await client.follow(sid, follow=False)]
+                except baton_client.OutOfRange as exc:
+                    below = exc
+                    break
+                assert time.monotonic() < deadline, "the stream was never trimmed"
+                await asyncio.sleep(0.1)
+            assert below.reason == "BELOW_HORIZON" and not below.retryable
+            earliest = below.earliest_seq
+            assert earliest is not None and 0 < earliest <= head - 20
+            kept = [e.seq async for e in await client.follow(sid, start_seq=earliest, follow=False)]
+            assert kept == list(range(earliest, head))
+    finally:
+        await stop_stack(stack)
