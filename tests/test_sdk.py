@@ -218,3 +218,29 @@ async def test_a_cursor_below_the_stream_horizon_is_out_of_range(etcd_endpoint: 
             assert kept == list(range(earliest, head))
     finally:
         await stop_stack(stack)
+
+
+async def test_a_client_certificate_is_offered_and_closing_ends_followers(stack: Stack) -> None:
+    """TLS with a client certificate (for a proxy in front of ingress that
+    asks for one; ingress itself authenticates gateways by API key), and a
+    follower on a live session ends, without an error, when its client closes."""
+    files = stack.pki.files(Role.OPERATOR)
+    client = sdk(stack, client_cert=files.cert, client_key=files.key)
+    sid = (await client.create_session()).session_id
+    await client.send(sid, "hello")
+    seen: list[Event] = []
+    first_turn = asyncio.Event()
+
+    async def read() -> None:
+        async for event in await client.follow(sid):
+            seen.append(event)
+            if waits(1)(seen):
+                first_turn.set()
+
+    reader = asyncio.create_task(read())
+    async with asyncio.timeout(30):
+        await first_turn.wait()
+    await client.close()
+    async with asyncio.timeout(10):
+        await reader
+    assert [e.seq for e in seen] == list(range(len(seen)))

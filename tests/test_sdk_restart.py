@@ -35,7 +35,14 @@ async def test_a_follower_and_a_send_survive_an_ingress_kill9_and_restart(
         retry=RetryPolicy(max_attempts=200, max_backoff=1.0, budget=90.0),
     )
     checks = stack.clients()
-    async with AsyncClient(settings) as client:
+    retried = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        """The client's backoff: a call (or the follower) failed and waits."""
+        retried.set()
+        await asyncio.sleep(seconds)
+
+    async with AsyncClient(settings, sleep=sleep) as client:
         await checks.wait_registered("o1")
         sid = (await client.create_session()).session_id
         queue = baton_client.TurnPolicy.Value("TURN_POLICY_QUEUE")
@@ -43,20 +50,27 @@ async def test_a_follower_and_a_send_survive_an_ingress_kill9_and_restart(
         async def send(i: int) -> baton_client.Receipt:
             return await client.send(sid, f"what is {i}*7", delivery_id=f"m{i}", turn_policy=queue)
 
-        receipts = [await send(i) for i in range(4)]
         seen: list[Event] = []
+        answered_first = asyncio.Event()
 
         async def follow() -> None:
             async for event in await client.follow(sid):
                 seen.append(event)
+                if event.kind == K.EVENT_KIND_MESSAGE_COMPLETED:
+                    answered_first.set()
                 if answered(seen, 6):
                     return
 
+        receipts = [await send(0)]
         reader = asyncio.create_task(follow())
-        # The owner goes on committing the queued turns while the ingress is dead.
+        async with asyncio.timeout(30):
+            await answered_first.wait()  # the follower reads live
+        receipts += [await send(i) for i in (1, 2, 3)]
+        # kill -9 mid-follow; the owner goes on committing the queued turns.
         stack.ingress.kill()
         late = asyncio.create_task(send(5))
-        await asyncio.sleep(0.3)  # let the send fail against the dead port at least once
+        async with asyncio.timeout(30):
+            await retried.wait()  # refused by the dead ingress at least once
         stack.ingress.start()
         await asyncio.to_thread(wait_serving, stack.addr("ingress"), stack.probe)
         receipts.append(await late)
@@ -67,6 +81,7 @@ async def test_a_follower_and_a_send_survive_an_ingress_kill9_and_restart(
         assert again.duplicate and again.seq == receipts[4].seq
     stored = await checks.events(sid)
     await checks.close()
+    # Everything the follower saw is the stored stream, from 0, once each.
     assert seen == stored[: len(seen)]
     check_history(seen, [r.seq for r in receipts])
     answers = [e.text for e in seen if e.kind == K.EVENT_KIND_MESSAGE_COMPLETED]

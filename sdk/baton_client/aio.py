@@ -58,6 +58,7 @@ class AsyncClient:
         self._new_id = new_id
         self._sleep = sleep
         self._budget = RetryBudget()
+        self.closed = False
 
     @classmethod
     def from_profile(cls, path: str | Path | None = None, **overrides: Any) -> AsyncClient:
@@ -65,6 +66,8 @@ class AsyncClient:
         return cls(Settings.from_profile(path, **overrides))
 
     async def close(self) -> None:
+        """Close the channel (it ends followers reading through it)."""
+        self.closed = True
         if self._owns_channel:
             await self._channel.close()
 
@@ -264,7 +267,13 @@ class AsyncFollower:
                     if self._cursor.closed:
                         return  # the terminal event: the stream is over
                 return  # the server ended the stream: it is over
+            except asyncio.CancelledError:
+                if client.closed:
+                    return  # grpc.aio cancels the calls of a closed channel
+                raise
             except grpc.aio.AioRpcError as exc:
+                if client.closed:
+                    return
                 error: BatonError = from_rpc_error(exc)
                 wait = attempts.next_wait(error)
                 if wait is None:

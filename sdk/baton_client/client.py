@@ -54,6 +54,7 @@ class Client:
         self._new_id = new_id
         self._sleep = sleep
         self._budget = RetryBudget()
+        self.closed = False
 
     @classmethod
     def from_profile(cls, path: str | Path | None = None, **overrides: Any) -> Client:
@@ -61,6 +62,8 @@ class Client:
         return cls(Settings.from_profile(path, **overrides))
 
     def close(self) -> None:
+        """Close the channel (it ends followers reading through it)."""
+        self.closed = True
         if self._owns_channel:
             self._channel.close()
 
@@ -286,7 +289,7 @@ class Follower(Iterator[Event]):
                         return  # the terminal event: the stream is over
                 return  # the server ended the stream: it is over
             except grpc.RpcError as exc:
-                if self._closed:
+                if self._closed or client.closed:
                     return
                 error: BatonError = from_rpc_error(exc)
                 wait = attempts.next_wait(error)
