@@ -69,7 +69,9 @@ async def test_a_conversation_through_the_async_client(stack: Stack) -> None:
         receipt = await client.send(alias="thread-9", text="what is 6*7")
         assert receipt.session_id == sid and receipt.delivery_id.startswith("sdk-dlv-")
         assert receipt.accepted_deployment_id == stack.deployment_id
-        events = await collect(await client.follow(sid), waits(1))
+        by_alias = client.follow(alias="thread-9")
+        events = await collect(by_alias, waits(1))
+        assert by_alias.session_id == sid
         assert [e.seq for e in events] == list(range(len(events)))
         answers = [e.text for e in events if e.kind == K.EVENT_KIND_MESSAGE_COMPLETED]
         assert answers == ["The result is 42."]
@@ -86,11 +88,11 @@ async def test_a_conversation_through_the_async_client(stack: Stack) -> None:
         # Reset is terminal: a follower from the cursor ends after it.
         reset = await client.control(sid, baton_client.ControlKind.CONTROL_KIND_RESET)
         assert reset.delivery_id.startswith("sdk-dlv-")
-        tail = [e async for e in await client.follow(sid, start_seq=len(events))]
+        tail = [e async for e in client.follow(sid, start_seq=len(events))]
         assert [e.seq for e in tail] == list(range(len(events), len(events) + len(tail)))
         assert tail[-1].kind in TERMINAL
         # And a read past the end is over at once.
-        assert [e async for e in await client.follow(sid, start_seq=tail[-1].seq + 1)] == []
+        assert [e async for e in client.follow(sid, start_seq=tail[-1].seq + 1)] == []
 
 
 async def test_the_sync_client_sends_once_with_its_delivery_id(stack: Stack) -> None:
@@ -155,7 +157,7 @@ async def test_real_refusals_surface_as_typed_errors(stack: Stack) -> None:
             assert raised.value.reason == reason and not raised.value.retryable
         await slack.control(sid, pb.CONTROL_KIND_RESET)
         await collect(
-            await slack.follow(sid), lambda es: es[-1].kind in baton_client.types.TERMINAL_KINDS
+            slack.follow(sid), lambda es: es[-1].kind in baton_client.types.TERMINAL_KINDS
         )
         with pytest.raises(baton_client.FailedPrecondition) as finalized:
             await slack.send(sid, "too late")
@@ -169,9 +171,9 @@ async def test_a_follower_reads_on_across_a_handoff(env: Env) -> None:  # noqa: 
     async with sdk(a) as via_a, sdk(b) as via_b:
         sid = (await via_a.create_session()).session_id
         await via_a.send(sid, "what is 6*7")
-        follower = await via_a.follow(sid)
+        follower = via_a.follow(sid)
         reading = asyncio.create_task(collect(follower, waits(2)))
-        first = await collect(await via_a.follow(sid), waits(1))
+        first = await collect(via_a.follow(sid), waits(1))
         receipt = await via_b.send(sid, "whoami")
         assert receipt.accepted_deployment_id == "dep-b"
         followed = await reading
@@ -201,11 +203,11 @@ async def test_a_cursor_below_the_stream_horizon_is_out_of_range(etcd_endpoint: 
             head = 0
             for i in range(6):
                 await client.send(sid, f"turn {i}")
-                head += len(await collect(await client.follow(sid, start_seq=head), waits(1)))
+                head += len(await collect(client.follow(sid, start_seq=head), waits(1)))
             deadline = time.monotonic() + 30
             while True:  # the horizon moves in the background
                 try:
-                    [e async for e in await client.follow(sid, follow=False)]
+                    [e async for e in client.follow(sid, follow=False)]
                 except baton_client.OutOfRange as exc:
                     below = exc
                     break
@@ -214,7 +216,7 @@ async def test_a_cursor_below_the_stream_horizon_is_out_of_range(etcd_endpoint: 
             assert below.reason == "BELOW_HORIZON" and not below.retryable
             earliest = below.earliest_seq
             assert earliest is not None and 0 < earliest <= head - 20
-            kept = [e.seq async for e in await client.follow(sid, start_seq=earliest, follow=False)]
+            kept = [e.seq async for e in client.follow(sid, start_seq=earliest, follow=False)]
             assert kept == list(range(earliest, head))
     finally:
         await stop_stack(stack)
@@ -232,7 +234,7 @@ async def test_a_client_certificate_is_offered_and_closing_ends_followers(stack:
     first_turn = asyncio.Event()
 
     async def read() -> None:
-        async for event in await client.follow(sid):
+        async for event in client.follow(sid):
             seen.append(event)
             if waits(1)(seen):
                 first_turn.set()

@@ -54,7 +54,7 @@ async def test_a_follower_and_a_send_survive_an_ingress_kill9_and_restart(
         answered_first = asyncio.Event()
 
         async def follow() -> None:
-            async for event in await client.follow(sid):
+            async for event in client.follow(sid):
                 seen.append(event)
                 if event.kind == K.EVENT_KIND_MESSAGE_COMPLETED:
                     answered_first.set()

@@ -178,7 +178,7 @@ class AsyncClient:
             if not token:
                 return
 
-    async def follow(
+    def follow(
         self,
         session_id: str = "",
         *,
@@ -186,11 +186,8 @@ class AsyncClient:
         start_seq: int = 0,
         follow: bool = True,
     ) -> AsyncFollower:
-        """See `Client.follow`: `async for event in await client.follow(sid)`."""
-        if alias:
-            session_id = (await self.get_session(alias=alias)).session_id
-        Target.of(session_id, "")
-        return AsyncFollower(self, Cursor(session_id, start_seq), follow)
+        """See `Client.follow`: `async for event in client.follow(sid)`."""
+        return AsyncFollower(self, Target.of(session_id, alias), start_seq, follow)
 
     async def _call(
         self, method: Callable[..., Awaitable[_Response]], request: Any, timeout: float | None
@@ -217,14 +214,16 @@ class AsyncClient:
 class AsyncFollower:
     """The asyncio twin of `baton_client.Follower` (an async iterator of events)."""
 
-    def __init__(self, client: AsyncClient, cursor: Cursor, follow: bool) -> None:
+    def __init__(self, client: AsyncClient, target: Target, start_seq: int, follow: bool) -> None:
         self._client = client
-        self._cursor = cursor
+        self._alias = target.alias
+        self._cursor = Cursor(target.session_id, start_seq)
         self._follow = follow
         self._events = self._read()
 
     @property
     def session_id(self) -> str:
+        """The session ("" until a follower by alias has looked it up)."""
         return self._cursor.session_id
 
     @property
@@ -250,6 +249,8 @@ class AsyncFollower:
     async def _read(self) -> AsyncGenerator[Event, None]:
         client = self._client
         settings = client.settings
+        if self._alias:  # read by id: the alias may move, the session may not
+            self._cursor.session_id = (await client.get_session(alias=self._alias)).session_id
         attempts = Attempts(settings.follow_retry, None)
         while not self._cursor.closed:
             call = client._stub.StreamEvents(

@@ -189,10 +189,7 @@ class Client:
         """The session's events from `start_seq`, each once and in order;
         with `follow`, live until the session's terminal event, resuming
         from its cursor whenever the connection drops (see `Follower`)."""
-        if alias:
-            session_id = self.get_session(alias=alias).session_id
-        Target.of(session_id, "")
-        return Follower(self, Cursor(session_id, start_seq), follow)
+        return Follower(self, Target.of(session_id, alias), start_seq, follow)
 
     def _call(
         self, method: Callable[..., _Response], request: Any, timeout: float | None
@@ -228,9 +225,10 @@ class Follower(Iterator[Event]):
     terminal event (or, without `follow`, at the stream's current end).
     `close()` (from any thread) stops it."""
 
-    def __init__(self, client: Client, cursor: Cursor, follow: bool) -> None:
+    def __init__(self, client: Client, target: Target, start_seq: int, follow: bool) -> None:
         self._client = client
-        self._cursor = cursor
+        self._alias = target.alias
+        self._cursor = Cursor(target.session_id, start_seq)
         self._follow = follow
         self._lock = threading.Lock()
         self._call: grpc.RpcContext | None = None
@@ -239,6 +237,7 @@ class Follower(Iterator[Event]):
 
     @property
     def session_id(self) -> str:
+        """The session ("" until a follower by alias has looked it up)."""
         return self._cursor.session_id
 
     @property
@@ -267,6 +266,8 @@ class Follower(Iterator[Event]):
     def _read(self) -> Iterator[Event]:
         client = self._client
         settings = client.settings
+        if self._alias:  # read by id: the alias may move, the session may not
+            self._cursor.session_id = client.get_session(alias=self._alias).session_id
         attempts = Attempts(settings.follow_retry, None)
         while not self._cursor.closed:
             call = client._stub.StreamEvents(
