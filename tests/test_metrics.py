@@ -55,6 +55,8 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_commit_bytes": ("histogram", set()),
         "baton_stream_followers": ("gauge", set()),
         "baton_events_committed_total": ("counter", set()),
+        "baton_stream_events_trimmed_total": ("counter", set()),
+        "baton_stream_trim_batch_seconds": ("histogram", set()),
     },
     "owner": {
         **_RPC,

@@ -141,6 +141,10 @@ class LaunchSettings:
     # whether a known-bad release may run (services/common/etcd_releases.py).
     etcd_binary: str = ""
     accept_etcd_risk: bool = False
+    # A live session's stream retention, passed to anchor
+    # (--stream-retention-events, --stream-retention); None: anchor's default.
+    stream_retention_events: int | None = None
+    stream_retention: float | None = None
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -643,6 +647,8 @@ class LocalSystem:
                 "BATON_TLS_CA": security.files.ca,
             }
         if dep is None:
+            if name == "anchor":
+                env |= self._stream_retention_env()
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
@@ -660,6 +666,14 @@ class LocalSystem:
                 "BATON_OWNER_ADDR": self._addresses(dep.owners),
                 "BATON_API_KEYS_FILE": self.api_key_file,
             }
+        return env
+
+    def _stream_retention_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if self.settings.stream_retention_events is not None:
+            env["BATON_STREAM_RETENTION_EVENTS"] = str(self.settings.stream_retention_events)
+        if self.settings.stream_retention is not None:
+            env["BATON_STREAM_RETENTION"] = str(self.settings.stream_retention)
         return env
 
     def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:

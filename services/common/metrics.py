@@ -139,6 +139,18 @@ EVENTS_COMMITTED = Counter(
     "Stream events committed (replayed commits not counted again)",
     registry=None,
 )
+STREAM_EVENTS_TRIMMED = Counter(
+    "baton_stream_events_trimmed_total",
+    "Stream events of live sessions deleted below their retention horizon "
+    "(services/anchor/horizon.py)",
+    registry=None,
+)
+STREAM_TRIM_BATCH_SECONDS = Histogram(
+    "baton_stream_trim_batch_seconds",
+    "One trim transaction (at most 512 events below a session's horizon), failures included",
+    buckets=_SECONDS,
+    registry=None,
+)
 
 # -- owner (services/owner/) ------------------------------------------------------
 
@@ -239,7 +251,15 @@ _RPC = (RPC_SERVER_HANDLED, RPC_SERVER_SECONDS, RPC_CLIENT_HANDLED)
 _STORE = (ETCD_TXN_SECONDS, ETCD_ERRORS, STORE_SERVING)
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     "hooks": (*_RPC, *_STORE, INBOX_APPENDS, INBOX_APPEND_BATCH, TRANSFERS, LIVE_INSTANCES),
-    "anchor": (*_RPC, *_STORE, COMMIT_BYTES, STREAM_FOLLOWERS, EVENTS_COMMITTED),
+    "anchor": (
+        *_RPC,
+        *_STORE,
+        COMMIT_BYTES,
+        STREAM_FOLLOWERS,
+        EVENTS_COMMITTED,
+        STREAM_EVENTS_TRIMMED,
+        STREAM_TRIM_BATCH_SECONDS,
+    ),
     "owner": (
         *_RPC,
         TURNS,
