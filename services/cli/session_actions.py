@@ -29,6 +29,8 @@ from services.cli.demo import format_event
 from services.cli.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
 from services.common.grpc_errors import from_rpc_error
 
+REPLAY_TIMEOUT = 10 * CALL_TIMEOUT
+"""Seconds a replay (no --follow) may take: a long stream is many pages."""
 CONTROLS = {"cancel": pb.CONTROL_KIND_CANCEL, "reset": pb.CONTROL_KIND_RESET}
 TERMINAL = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
 
@@ -75,11 +77,11 @@ async def events(
     try:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
         # No deadline while following: the stream lasts as long as the
-        # session; a replay is bounded by CALL_TIMEOUT.
+        # session (Ctrl-C ends it); a replay is bounded.
         call = stub.StreamEvents(
             _aimed(pb.StreamEventsRequest(start_seq=start_seq, follow=follow), session),
             metadata=connection.metadata,
-            timeout=None if follow else CALL_TIMEOUT,
+            timeout=None if follow else REPLAY_TIMEOUT,
         )
         try:
             async for response in call:
