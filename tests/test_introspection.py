@@ -497,6 +497,34 @@ async def test_after_an_upgrade_the_view_names_the_new_owner(stack: Stack) -> No
         await stop_deployment(other)
 
 
+async def test_a_session_between_transfer_and_its_successors_commit_is_handing_off(
+    stack: Stack,
+) -> None:
+    """The failpoint `handoff.after_transfer` holds the successor after the
+    transfer committed and before it runs: GetSession says handing_off (the
+    owner record names dep-b, the last snapshot dep-a), then idle on dep-b."""
+    from services.common import failpoints
+
+    sid = await stack.create()
+    await stack.send(sid, "hello")
+    await stack.events(sid, until=1)
+    await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+    other = await add_deployment(stack, "dep-b")
+    hooks = stack.hooks_client(timeout=5)
+    failpoints.configure("handoff.after_transfer=once:sleep(4000)")
+    try:
+        await eventually(lambda: hooks.list_instances("dep-b"), "dep-b registered", 15)
+        await other.send(sid, "whoami")
+        moving = await status_becomes(stack, sid, ST.SESSION_STATUS_HANDING_OFF)
+        assert moving.deployment_id == "dep-b" and moving.inbox_depth == 1
+        after = await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+        assert after.deployment_id == "dep-b" and after.epoch == moving.epoch
+    finally:
+        failpoints.configure("")
+        await hooks.close()
+        await stop_deployment(other)
+
+
 async def test_accepted_commands_nobody_consumed_yet_count_as_running(
     etcd_endpoint: str,
 ) -> None:
