@@ -137,6 +137,16 @@ def add_session_commands(commands: Any) -> None:
             "is printed), 2 usage, 3 not found, 4 unavailable."
         ),
     ).add_subparsers(dest="action", metavar="ACTION")
+    _add_list(group)
+    one = group.add_parser("get", help="one session", description="One session, by id or alias.")
+    _session_arg(one)
+    _tenant_flags(one)
+    _add_events(group)
+    _add_send_and_controls(group)
+    _add_resume(group)
+
+
+def _add_list(group: Any) -> None:
     listing = group.add_parser(
         "list",
         help="list the channel's sessions",
@@ -162,9 +172,9 @@ def add_session_commands(commands: Any) -> None:
     )
     _tenant_flags(listing)
     _operator_services(listing)
-    one = group.add_parser("get", help="one session", description="One session, by id or alias.")
-    _session_arg(one)
-    _tenant_flags(one)
+
+
+def _add_events(group: Any) -> None:
     stream = group.add_parser(
         "events",
         help="a session's event stream (--follow: live)",
@@ -180,6 +190,9 @@ def add_session_commands(commands: Any) -> None:
         "--from", dest="start_seq", type=_non_negative, default=0, help="first seq (default 0)"
     )
     _tenant_flags(stream)
+
+
+def _add_send_and_controls(group: Any) -> None:
     send = group.add_parser(
         "send",
         help="send a message",
@@ -202,6 +215,9 @@ def add_session_commands(commands: Any) -> None:
         sub.add_argument("--reason", default="", help="why (kept with the command)")
         sub.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
         _tenant_flags(sub)
+
+
+def _add_resume(group: Any) -> None:
     again = group.add_parser(
         "resume",
         help="operator: run a stalled session again (docs/failures.md)",
