@@ -64,6 +64,7 @@ class ProcessStack:
     lease_ttl: int = 2
     park_after: float | None = None
     owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
+    env: dict[str, str] = field(default_factory=dict)  # every process's extra env
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
@@ -97,6 +98,7 @@ class ProcessStack:
             "BATON_ANCHOR_ADDR": self.addr("anchor"),
             "BATON_DEPLOYMENT_ID": self.deployment_id,
             "BATON_SHUTDOWN_GRACE": "1",
+            **self.env,
             **extra,
         }
 

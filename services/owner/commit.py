@@ -13,7 +13,7 @@ import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import metrics
+from services.common import metrics, tracing
 from services.common.clients import AnchorClient
 from services.common.errors import (
     BatonError,
@@ -62,6 +62,20 @@ async def commit_step(
         expected_snapshot_revision=expected_snapshot_revision,
         history=history,
     )
+    attributes: dict[str, str | int | bool] = {
+        "baton.session_id": identity.fence.session_id,
+        "baton.events": len(events),
+    }
+    with tracing.span("commit", **attributes):
+        return await _commit(anchor, request, identity, expected_snapshot_revision)
+
+
+async def _commit(
+    anchor: AnchorClient,
+    request: anchor_pb.CommitStepRequest,
+    identity: RunIdentity,
+    expected_snapshot_revision: int | None,
+) -> int | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + COMMIT_RETRY_SECONDS
     backoff = 0.05

@@ -516,6 +516,7 @@ class DeliveryMetadata(_message.Message):
     ACCEPTED_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     CALLER_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     delivery_id: _builtins.str
     """Caller-supplied idempotency key; a repeat returns the first receipt."""
     channel: _builtins.str
@@ -524,6 +525,12 @@ class DeliveryMetadata(_message.Message):
     """The deployment id of the ingress that accepted the command (trusted)."""
     caller: _builtins.str
     """The principal on whose behalf the channel sent the command."""
+    traceparent: _builtins.str
+    """The W3C trace context (version 00, exactly 55 characters) of the request
+    that delivered the command, set by the service that sent it to hooks
+    while tracing is on; empty otherwise. The owner's span that processes the
+    command links to it. Anything else is refused (MALFORMED_TRACEPARENT).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form caller metadata; never interpreted by Baton."""
@@ -536,10 +543,11 @@ class DeliveryMetadata(_message.Message):
         accepted_deployment_id: _builtins.str = ...,
         caller: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_deployment_id", b"accepted_deployment_id", "caller", b"caller", "channel", b"channel", "delivery_id", b"delivery_id", "labels", b"labels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_deployment_id", b"accepted_deployment_id", "caller", b"caller", "channel", b"channel", "delivery_id", b"delivery_id", "labels", b"labels", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
