@@ -162,6 +162,12 @@ class _Gateway:
         )
         return trace_id
 
+    async def get(self, session_id: str) -> ingress_pb.Session:
+        response = await self.stub.GetSession(
+            ingress_pb.GetSessionRequest(session_id=session_id), metadata=SLACK, timeout=20
+        )
+        return response.session
+
     async def refused_send(self, session_id: str, text: str) -> str:
         trace_id, metadata = self._traced()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -215,10 +221,15 @@ async def test_one_conversation_links_across_a_takeover_and_a_handoff(
 
             await eventually(done, f"{count} turns completed")
 
+        def processed_by(trace_id: str) -> list[Span]:
+            return [s for s in received.linking_to(trace_id) if s.name == "process inbox"]
+
         sid = await a.create()
         first = await a.send(sid, "calc 2+3")
         await completed_turns(sid, 1)
         assert (await hooks.get_owner(sid)).owner.instance_id == "a1"
+        # (a1's spans leave before it is killed: a kill -9 loses what it buffered)
+        await eventually(_async(lambda: processed_by(first)), "a1's spans exported")
 
         stack.pause("a1")
         second = await a.send(sid, "hello")  # accepted: durable in the inbox
@@ -234,12 +245,16 @@ async def test_one_conversation_links_across_a_takeover_and_a_handoff(
         assert (await hooks.get_owner(sid)).owner.instance_id == "b1"
         refused = await b.refused_send(sid, "one more")
 
-        def processed_by(trace_id: str) -> list[Span]:
-            return [s for s in received.linking_to(trace_id) if s.name == "process inbox"]
+        def seen(trace_id: str, service: str, name: str) -> bool:
+            return any((x.service, x.name) == (service, name) for x in received.in_trace(trace_id))
 
         async def exported() -> bool:
-            return all(processed_by(t) for t in (first, second, third)) and bool(
-                [s for s in received.spans if s.name == "handoff"]
+            """Every process exports on its own schedule: wait for all of it."""
+            return (
+                all(processed_by(t) for t in (first, second, third))
+                and all(seen(t, "baton-ingress", SEND) for t in (first, second, third, refused))
+                and seen(first, "baton-hooks", "baton.hooks.v1.HookRegistryService/ResumeHook")
+                and bool([s for s in received.spans if s.name == "handoff"])
             )
 
         await eventually(exported, "the owners' spans exported")
@@ -299,6 +314,8 @@ async def test_one_conversation_links_across_a_takeover_and_a_handoff(
         (process,) = processed_by(third)
         assert process.instance == "b1"
         assert (third, send.span_id) in process.links
+        # GetSession names the last turn's trace (its settling commit's).
+        assert (await b.get(sid)).last_trace_id == process.trace_id
 
         # A log line written inside a span names it: ing-b's line of the refused send.
         await eventually(
@@ -559,6 +576,15 @@ def test_a_malformed_traceparent_is_refused(value: str) -> None:
 def test_a_w3c_traceparent_and_none_are_accepted() -> None:
     tracing.check_traceparent("")
     tracing.check_traceparent("00-" + "4bf92f3577b34da6a3ce929d0e0e4736" + "-00f067aa0ba902b7-01")
+
+
+@pytest.mark.parametrize("value", ["0" * 32, "A" * 32, "1" * 31, "1" * 33, "x" * 20_000, "\x00"])
+def test_a_malformed_trace_id_is_refused(value: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        tracing.check_trace_id(value, "snapshot.last_trace_id")
+    assert refused.value.reason == Reason.MALFORMED_TRACE_ID
+    tracing.check_trace_id("", "snapshot.last_trace_id")
+    tracing.check_trace_id("4bf92f3577b34da6a3ce929d0e0e4736", "snapshot.last_trace_id")
 
 
 async def test_resume_hook_refuses_a_malformed_traceparent_and_writes_nothing(

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -52,6 +52,7 @@ _TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a
 _SERVER_ERRORS = frozenset(
     {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
 )
+_TRACE_ID = re.compile(r"(?!0{32})[0-9a-f]{32}")
 _EXPORTERS = ("otlp", "console")
 
 
@@ -151,6 +152,27 @@ def check_traceparent(value: str, field: str = "delivery.traceparent") -> None:
         )
 
 
+def check_trace_id(value: str, field: str) -> None:
+    """Refuse anything but an empty value or a trace id (32 lowercase hex, not all zero)."""
+    if value and (len(value) != 32 or not _TRACE_ID.fullmatch(value)):
+        raise InvalidArgument(
+            Reason.MALFORMED_TRACE_ID,
+            f"{field} must be a trace id (32 lowercase hex digits, not all zero)",
+            field=field,
+        )
+
+
+def current_trace_id() -> str:
+    """The trace id of the current span (32 hex); empty when tracing is off
+    or no span is current."""
+    if not TRACING.enabled:
+        return ""
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}" if context.is_valid else ""
+
+
 def current_traceparent() -> str:
     """The W3C traceparent of the current span; empty when tracing is off or
     no span is current."""
@@ -177,15 +199,17 @@ def link_to(traceparent: str, **attributes: str | int) -> Link | None:
     return Link(context, attributes=attributes or None)
 
 
-@contextmanager
-def span(name: str, **attributes: str | int | bool) -> Iterator[Span | None]:
+# What every span helper returns while tracing is off: a block that does
+# nothing (one shared object, no generator per call).
+OFF: AbstractContextManager[None] = nullcontext()
+
+
+def span(name: str, **attributes: str | int | bool) -> AbstractContextManager[Span | None]:
     """An internal child span of the current one while tracing is on; a
     plain block (None) while it is off."""
     if not TRACING.enabled:
-        yield None
-        return
-    with TRACING.tracer.start_as_current_span(name, attributes=attributes) as current:
-        yield current
+        return OFF
+    return TRACING.tracer.start_as_current_span(name, attributes=attributes)
 
 
 def annotate(**attributes: str | int | bool) -> None:

@@ -54,6 +54,9 @@ async def commit_step(
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
     snapshot.deployment_id = identity.deployment_id
+    if tracing.TRACING.enabled:
+        # The last turn's trace, for GetSession (the process span's, see spans.py).
+        snapshot.last_trace_id = tracing.current_trace_id() or snapshot.last_trace_id
     request = anchor_pb.CommitStepRequest(
         fence=identity.fence,
         events=events,
@@ -62,6 +65,8 @@ async def commit_step(
         expected_snapshot_revision=expected_snapshot_revision,
         history=history,
     )
+    if not tracing.TRACING.enabled:
+        return await _commit(anchor, request, identity, expected_snapshot_revision)
     attributes: dict[str, str | int | bool] = {
         "baton.session_id": identity.fence.session_id,
         "baton.events": len(events),

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 from baton.session.v1 import session_pb2 as s
-from services.common.tracing import TRACING, link_to, span
+from services.common.tracing import OFF, TRACING, link_to, span
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -59,13 +59,15 @@ class RunSpans:
         if TRACING.enabled and entry.command.delivery.traceparent:
             self._producers[entry.seq] = entry.command.delivery.traceparent
 
-    @contextmanager
-    def process(self, held: _Held, entry: s.InboxEntry | None) -> Iterator[None]:
+    def process(self, held: _Held, entry: s.InboxEntry | None) -> AbstractContextManager[None]:
         """Processing `entry` (None: continuing an open turn after a crash)
         and whatever it leads the run to consume."""
         if not TRACING.enabled:
-            yield
-            return
+            return OFF
+        return self._process(held, entry)
+
+    @contextmanager
+    def _process(self, held: _Held, entry: s.InboxEntry | None) -> Iterator[None]:
         from opentelemetry.trace import SpanKind
 
         attributes: dict[str, str | int] = {
@@ -104,18 +106,18 @@ class RunSpans:
             del self._producers[seq]
         current.set_attribute("messaging.batch.message_count", len(done))
 
-    @contextmanager
-    def handoff(self, entry: s.InboxEntry | None, to_deployment_id: str) -> Iterator[None]:
+    def handoff(
+        self, entry: s.InboxEntry | None, to_deployment_id: str
+    ) -> AbstractContextManager[object]:
         """An attempt to move the session (for the trigger `entry`, or a drain)."""
         if not TRACING.enabled:
-            yield
-            return
+            return OFF
         links = []
         if entry is not None:
             link = link_to(entry.command.delivery.traceparent)
             if link is not None:
                 links.append(link)
-        with TRACING.tracer.start_as_current_span(
+        return TRACING.tracer.start_as_current_span(
             "handoff",
             links=links,
             attributes={
@@ -123,18 +125,21 @@ class RunSpans:
                 "baton.owner_run_id": self._owner_run_id,
                 "baton.to_deployment_id": to_deployment_id,
             },
-        ):
-            yield
+        )
 
 
 def model_call() -> AbstractContextManager[object]:
     """A model call (GenAI conventions: `chat`); the adapter may add the
     model and usage to it (`tracing.annotate`)."""
+    if not TRACING.enabled:
+        return OFF
     return span("chat", **{"gen_ai.operation.name": "chat"})
 
 
 def tool_call(call: s.ToolCall) -> AbstractContextManager[object]:
     """An inline tool call (GenAI conventions: `execute_tool <name>`)."""
+    if not TRACING.enabled:
+        return OFF
     return span(
         f"execute_tool {call.name}",
         **{

@@ -1744,6 +1744,7 @@ class SessionSnapshot(_message.Message):
     HISTORY_LOG_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
     HANDLES_FIELD_NUMBER: _builtins.int
+    LAST_TRACE_ID_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1764,6 +1765,11 @@ class SessionSnapshot(_message.Message):
     """Tool calls made so far (for unique tool call ids)."""
     id_count: _builtins.int
     """Ids handed out so far (input requests, sign-in attempts)."""
+    last_trace_id: _builtins.str
+    """The trace id (32 lowercase hex) of the span that made the last commit
+    while tracing was on (the turn's `process inbox` span); empty when
+    tracing was never on. Anything else is refused (MALFORMED_TRACE_ID).
+    """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Format 1 only: the conversation history, inline. Format 2 never writes
@@ -1833,10 +1839,11 @@ class SessionSnapshot(_message.Message):
         history_log: Global___HistoryLog | None = ...,
         parent: Global___ParentLink | None = ...,
         handles: _abc.Iterable[Global___ChildHandle] | None = ...,
+        last_trace_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "parent", b"parent", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "last_trace_id", b"last_trace_id", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
