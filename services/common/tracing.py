@@ -362,6 +362,9 @@ def _end_stream_span(current: Span, call: Any) -> None:
 
 
 def _done_code(call: Any) -> grpc.StatusCode:
+    """The status code of a finished grpc.aio call, read in a done callback
+    (no await there): `code()` of a done call completes without suspending,
+    so one step of its coroutine gives it; UNKNOWN should it ever suspend."""
     coroutine = call.code()
     try:
         coroutine.send(None)
