@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ _SERVER_ERRORS = frozenset(
 )
 _TRACE_ID = re.compile(r"(?!0{32})[0-9a-f]{32}")
 _EXPORTERS = ("otlp", "console")
+SHUTDOWN_SECONDS = 2.0
 
 
 class Tracing:
@@ -77,7 +79,8 @@ class Tracing:
         env: Mapping[str, str] = os.environ,
     ) -> bool:
         """Start tracing if `env` asks for it (see the module doc); True if on.
-        Raises ConfigError for an exporter Baton does not ship."""
+        Raises ConfigError for an exporter Baton does not ship. (`env` says
+        whether to trace; the SDK itself reads the process environment.)"""
         from services.common.config import (
             ConfigError,  # (config imports channels, which import this)
         )
@@ -127,12 +130,18 @@ class Tracing:
         self._tracer = provider.get_tracer("baton", version())
         self.enabled = True
 
-    def shutdown(self) -> None:
-        """Export what is buffered and stop (bounded by the exporter's timeout)."""
+    def shutdown(self, timeout: float = SHUTDOWN_SECONDS) -> None:
+        """Export what is buffered and stop, waiting at most `timeout` s: an
+        unreachable collector (the SDK would wait up to 30 s) never holds up a
+        process's exit; its daemon threads end with it."""
         self.enabled = False
         provider, self._provider, self._tracer = self._provider, None, None
         if provider is not None:
-            provider.shutdown()
+            stopping = threading.Thread(
+                target=provider.shutdown, name="tracing-shutdown", daemon=True
+            )
+            stopping.start()
+            stopping.join(timeout)
 
 
 TRACING = Tracing()
