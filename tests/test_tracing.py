@@ -555,6 +555,44 @@ async def test_the_inbox_keeps_the_senders_context_and_the_owner_links_to_it(
     assert process.context.trace_id != context.trace_id  # a trace of its own, linked
 
 
+async def test_messages_steered_into_a_running_turn_are_linked_by_its_span(
+    traced_stack: Stack, spans: InMemorySpanExporter
+) -> None:
+    """Two messages sent while a turn sleeps through its steps join it at a
+    boundary (steer): the one span that processes the turn links all three
+    producers, and no other span links any of them."""
+    sid = await traced_stack.create()
+    hooks = traced_stack.hooks_client(
+        traced_stack.security(Role.INGRESS, traced_stack.deployment_id)
+    )
+    producers = []
+    try:
+        for text in ("sleep 3 1000", "hello", "echo x"):
+            with tracing.span(f"send {text}") as producer:
+                assert producer is not None
+                await hooks.resume(
+                    ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)), "slack"
+                )
+            producers.append(producer.get_span_context().span_id)
+    finally:
+        await hooks.close()
+
+    def linking(span_id: int) -> list[ReadableSpan]:
+        return [
+            span
+            for span in _named(spans, "process inbox")
+            if any(link.context.span_id == span_id for link in span.links)
+        ]
+
+    async def all_linked() -> bool:
+        return all(linking(p) for p in producers)
+
+    await eventually(all_linked, "every producer linked")
+    (turn,) = linking(producers[0])
+    assert all(linking(p) == [turn] for p in producers)
+    assert turn.attributes is not None and turn.attributes["messaging.batch.message_count"] == 3
+
+
 @pytest.mark.parametrize(
     "value",
     [
