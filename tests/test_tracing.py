@@ -7,8 +7,9 @@ owner's `process inbox` span links to the gateway's request of every
 command, also after a kill -9 of the owner between acceptance and
 processing, and after a handoff to another deployment. With tracing off
 nothing is exported and no SDK is even imported. In-process: the spans of
-unary calls and of a server stream the caller cancels, and the W3C
-traceparent check on the inbox.
+unary calls and of a server stream the caller cancels, the producer's
+context kept in the inbox and linked by the owner (also for messages
+steered into a running turn), and the W3C traceparent check on the inbox.
 """
 
 from __future__ import annotations
