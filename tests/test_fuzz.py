@@ -314,6 +314,8 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "aliases": ["victim", "another"],
         "text": ["hello", "calc 6*7"],
         "delivery_id": ["d-1", "d-2"],
+        "traceparent": ["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"],
+        "last_trace_id": ["4bf92f3577b34da6a3ce929d0e0e4736"],
         "request_id": ["r-1", "r-2"],
         "handoff_id": ["ho_fuzz"],
         "address": ["127.0.0.1:1"],

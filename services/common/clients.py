@@ -33,7 +33,7 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.owner.v1 import owner_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics
+from services.common import ids, metrics, tracing
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
@@ -315,6 +315,21 @@ def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSession
     return response
 
 
+def _traced(command: s.Command) -> s.Command:
+    """`command` with the current span's trace context in its delivery
+    metadata, when tracing is on and it has none yet (a copy; `command`
+    itself is left as it is)."""
+    if not tracing.TRACING.enabled or command.delivery.traceparent:
+        return command
+    traceparent = tracing.current_traceparent()
+    if not traceparent:
+        return command
+    stamped = s.Command()
+    stamped.CopyFrom(command)
+    stamped.delivery.traceparent = traceparent
+    return stamped
+
+
 class _Client:
     """`target`: one address, several comma-separated, or a `dns:///` name
     (see `channels.grpc_target`); `security`: this process's identity, which
@@ -395,6 +410,8 @@ class HooksClient(_Client):
         parent: s.ParentLink | None = None,
         first_command: s.Command | None = None,
     ) -> CreatedSession:
+        if first_command is not None:
+            first_command = _traced(first_command)
         request = hooks_pb.CreateSessionRequest(
             session_id=session_id,
             owner=owner,
@@ -416,12 +433,15 @@ class HooksClient(_Client):
     async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
         """Append `command` to the inbox `token` names. A command without a
         delivery id gets a fresh one here, so that a retry of this call
-        (by gRPC, on another replica) is deduplicated, never appended twice."""
+        (by gRPC, on another replica) is deduplicated, never appended twice.
+        While tracing is on, the command carries the current span's context
+        (the producer of the inbox entry, see `services.common.tracing`)."""
         if not command.delivery.delivery_id:
             stamped = s.Command()
             stamped.CopyFrom(command)
             stamped.delivery.delivery_id = ids.new_delivery_id()
             command = stamped
+        command = _traced(command)
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
         response = await self._unary(
             "ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)

@@ -156,6 +156,7 @@ def build_view(
         session.pending_inputs.extend(snapshot.open_turn.pending_inputs)
         session.pending_authorizations.extend(snapshot.open_turn.pending_authorizations)
         session.children.extend(snapshot.handles)
+        session.last_trace_id = snapshot.last_trace_id
         if snapshot.HasField("timeout") and snapshot.timeout.HasField("deadline"):
             session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
     session.inbox_depth = max(0, described.inbox_head - consumed)
