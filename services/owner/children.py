@@ -15,7 +15,6 @@ deployment keeps addressing it by its id.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -25,7 +24,7 @@ import structlog
 
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
+from services.common import failpoints, ids, retry
 from services.common.clients import HooksClient, OwnerClient, StartedSession
 from services.common.errors import BatonError, FailedPrecondition, NotFound
 
@@ -33,7 +32,6 @@ log = structlog.get_logger("baton.owner.children")
 
 REGISTRY_CACHE_SECONDS = 5.0
 START_CALL_SECONDS = 10.0
-DELIVERY_RETRY_MAX_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,7 @@ class Children:
         parent), retrying transient failures with the same delivery id; a run
         of that session in this process gets it at once. Raises what cannot
         succeed (the session finalized or gone)."""
-        backoff = 0.05
+        backoff = retry.DELIVERY.backoff()
         while True:
             try:
                 receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
@@ -157,8 +155,7 @@ class Children:
                     delivery_id=command.delivery.delivery_id,
                     reason=exc.reason,
                 )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, DELIVERY_RETRY_MAX_SECONDS)
+            await backoff.wait()
 
     async def send_control(self, session_id: str, command: s.Command) -> None:
         """A cancel or reset for a child: one that is finalized or gone needs none."""

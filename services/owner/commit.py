@@ -6,14 +6,13 @@ run's commits (`SessionRun._commit`) and by the host's first commits
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import metrics
+from services.common import metrics, retry
 from services.common.clients import AnchorClient
 from services.common.errors import (
     BatonError,
@@ -27,13 +26,11 @@ from services.owner.held import RunIdentity
 
 log = structlog.get_logger("baton.owner.session")
 
-COMMIT_RETRY_SECONDS = 30.0
 # baton_commits_total{outcome}: ok, fenced, refused (retried failures are not
 # outcomes: the identical request goes again).
 _COMMIT_OK = metrics.COMMITS.labels("ok")
 _COMMIT_FENCED = metrics.COMMITS.labels("fenced")
 _COMMIT_REFUSED = metrics.COMMITS.labels("refused")
-STORE_FULL_RETRY_MAX_SECONDS = 5.0
 
 
 async def commit_step(
@@ -47,9 +44,9 @@ async def commit_step(
 ) -> int | None:
     """Commit events + history entries + snapshot as one fenced txn; returns
     the snapshot's new revision. Transient failures are retried with the
-    identical request (anchor recognises a replay): for COMMIT_RETRY_SECONDS,
-    and while etcd is full (STORE_FULL) until an operator has made room, so
-    the step's work is never lost or redone for it."""
+    identical request (anchor recognises a replay): within the budget of
+    `retry.COMMIT`, and while etcd is full (STORE_FULL) until an operator has
+    made room, so the step's work is never lost or redone for it."""
     for offset, event in enumerate(events):
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
@@ -62,9 +59,8 @@ async def commit_step(
         expected_snapshot_revision=expected_snapshot_revision,
         history=history,
     )
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + COMMIT_RETRY_SECONDS
-    backoff = 0.05
+    backoff = retry.COMMIT.backoff()
+    store_full = retry.STORE_FULL.backoff()
     while True:
         try:
             response = await anchor.commit(request)
@@ -74,7 +70,7 @@ async def commit_step(
             _COMMIT_FENCED.inc()
             raise
         except (Unavailable, DeadlineExceeded) as exc:
-            if loop.time() > deadline:
+            if backoff.spent():
                 raise
             log.warning("commit retry", reason=exc.reason, session_id=identity.fence.session_id)
         except ResourceExhausted as exc:
@@ -86,10 +82,9 @@ async def commit_step(
                 reason=exc.reason,
                 session_id=identity.fence.session_id,
             )
-            await asyncio.sleep(STORE_FULL_RETRY_MAX_SECONDS)
+            await store_full.wait()
             continue
         except BatonError:
             _COMMIT_REFUSED.inc()  # invalid, over a limit, finalized, stale
             raise
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 1.0)
+        await backoff.wait()

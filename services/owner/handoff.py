@@ -49,7 +49,7 @@ from google.protobuf.message import DecodeError
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, metrics
+from services.common import failpoints, ids, metrics, retry
 from services.common.clients import (
     AnchorClient,
     HandoffAccepted,
@@ -289,7 +289,7 @@ class HandoffBroker:
         did not move and cannot move on this attempt (the checkpoint revision
         is gone); FENCED means it moved. Anything else settles nothing (the
         transfer may still land), so keep trying: the trigger waits."""
-        backoff = 0.1
+        backoff = retry.HANDOFF_CHECKPOINT.backoff()
         while True:
             try:
                 await checkpoint.settle()
@@ -298,8 +298,7 @@ class HandoffBroker:
                 return True
             except BatonError as exc:
                 bound.warning("settling commit failed; again", reason=exc.reason)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait()
                 continue
             bound.info("handoff settled: the session stays; processing here")
             return False
@@ -526,7 +525,7 @@ class HandoffBroker:
         seed: Sequence[s.InboxEntry],
         bound: structlog.BoundLogger,
     ) -> Moved:
-        backoff = 0.05
+        backoff = retry.TRANSFER_REPLAY.backoff()
         while True:
             try:
                 moved = await self.hooks.transfer(request, deadline_s=TRANSFER_ATTEMPT_SECONDS)
@@ -534,8 +533,7 @@ class HandoffBroker:
                 break
             except (Unavailable, DeadlineExceeded) as exc:
                 bound.warning("transfer outcome uncertain; replaying", reason=exc.reason)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await backoff.wait()
         if moved.replayed:
             bound.info("transfer outcome settled by a replay")
         bound.info("session transferred here", run_id=moved.fence.owner_run_id)

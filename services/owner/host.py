@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, metrics
+from services.common import failpoints, ids, metrics, retry
 from services.common.clients import (
     AnchorClient,
     DrainBlocker,
@@ -74,9 +74,6 @@ from services.owner.session import (
 log = structlog.get_logger("baton.owner")
 
 READY_WAIT_SECONDS = 10.0
-RETRY_FIRST_SECONDS = 0.2
-RETRY_MAX_SECONDS = 5.0
-FAILED_RUN_MAX_DELAY_SECONDS = 30.0
 DEFAULT_RESTART_BUDGET = 5
 DRAIN_CONCURRENCY = 32  # parked sessions woken at once for a drain
 DRAIN_REPORT_BLOCKERS = 50
@@ -632,7 +629,7 @@ class OwnerHost:
         retry transient failures until it runs or is lost."""
         sid = fence.session_id
         bound = self._log.bind(session_id=sid, run_id=fence.owner_run_id)
-        backoff = max(delay, RETRY_FIRST_SECONDS)
+        backoff = retry.ACTIVATION.backoff(first=max(delay, retry.ACTIVATION.first))
         failed: BatonError | None = None
         try:
             if delay:
@@ -654,9 +651,9 @@ class OwnerHost:
                         bound.error("cannot run session", reason=exc.reason, error=exc.message)
                         failed = exc
                         return
-                    bound.warning("activation retry", reason=exc.reason, backoff_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+                    pause = backoff.next_delay()
+                    bound.warning("activation retry", reason=exc.reason, backoff_s=pause)
+                    await asyncio.sleep(pause)
         finally:
             self._activating.discard(sid)
             if sid not in self.runs:
@@ -690,13 +687,14 @@ class OwnerHost:
         )
         if transient:
             count = self._transient[sid] = self._transient.get(sid, 0) + 1
-            delay = min(RETRY_FIRST_SECONDS * 2 ** (count - 1), RETRY_MAX_SECONDS)
+            policy = retry.RESTART_TRANSIENT
         else:
             count = self._failures[sid] = self._failures.get(sid, 0) + 1
             if count > self.restart_budget:
                 self._spawn(self._stall(fence, failure, count))
                 return
-            delay = min(RETRY_FIRST_SECONDS * 2 ** (count - 1), FAILED_RUN_MAX_DELAY_SECONDS)
+            policy = retry.RESTART_FAILED
+        delay = policy.jittered(policy.delay(count))
         metrics.RESTARTS.inc()
         self._log.warning(
             "run failed; restarting it",
@@ -768,7 +766,7 @@ class OwnerHost:
         )
         bound = self._log.bind(session_id=sid, run_id=successor.owner_run_id)
         self._adopting.add(sid)
-        backoff = RETRY_FIRST_SECONDS
+        backoff = retry.TAKEOVER.backoff()
         try:
             while True:
                 if self._stopped:
@@ -787,9 +785,9 @@ class OwnerHost:
                 except BatonError as exc:
                     if not exc.retryable:
                         raise
-                    bound.warning("takeover retry", reason=exc.reason, backoff_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_SECONDS)
+                    pause = backoff.next_delay()
+                    bound.warning("takeover retry", reason=exc.reason, backoff_s=pause)
+                    await asyncio.sleep(pause)
             metrics.TAKEOVERS.inc()
             bound.info(
                 "session taken over",

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, metrics
+from services.common import failpoints, ids, metrics, retry
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import (
     Aborted,
@@ -371,7 +371,7 @@ class SessionRun:
 
     async def _read_inbox(self) -> None:
         """Buffer the inbox in seq order; reconnect on transient errors."""
-        backoff = 0.05
+        backoff = retry.INBOX_STREAM.backoff()
         while True:
             try:
                 async for page in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
@@ -379,7 +379,7 @@ class SessionRun:
                         if entry.seq >= self._next_seq:
                             self._arrive(entry)
                     self._arrived.set()
-                    backoff = 0.05
+                    backoff.reset()
             except Fenced:
                 self._reader_exit = RunExit.FENCED
                 self._arrived.set()
@@ -391,8 +391,7 @@ class SessionRun:
                     self._arrived.set()
                     return
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.wait()
 
     def _arrive(self, entry: s.InboxEntry) -> None:
         self._next_seq = entry.seq + 1
@@ -929,7 +928,7 @@ class SessionRun:
             delivery=s.DeliveryMetadata(delivery_id=f"timeout-{self.run_id}"),
             timeout=s.TimeoutCommand(armed_by_owner_run_id=self.run_id),
         )
-        backoff = 0.1
+        backoff = retry.TIMEOUT_DELIVERY.backoff()
         while True:
             try:
                 await self._hooks.resume(ids.inbox_token(self.session_id), command)
@@ -938,8 +937,7 @@ class SessionRun:
                 if not exc.retryable:
                     self._log.warning("timeout not delivered", reason=exc.reason)
                     return
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.wait()
 
     # -- commits ---------------------------------------------------------------
 
