@@ -15,7 +15,7 @@ from services.common.errors import Reason
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
-from services.owner.handles import Handles, Refusal, Verdict, child_budget
+from services.owner.handles import Handles, Refusal, Verdict, child_budget, child_control
 from services.owner.held import RunIdentity
 from services.owner.turns import (
     Admission,
@@ -405,3 +405,16 @@ def test_planning_child_work() -> None:
     )
     nested = deep.plan_child_work(call, frozenset(), s.Usage(), lambda n: True)
     assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS
+
+
+def test_child_controls_are_built_once_with_derived_delivery_ids() -> None:
+    # A reset is one per parent (a repeat is deduplicated by the child's
+    # inbox); a cancel names the work it cancels.
+    reset = child_control(SID, "its parent session finalized")
+    assert reset.WhichOneof("kind") == "reset"
+    assert reset.delivery.delivery_id == f"reset:{SID}"
+    assert reset.reset.reason == "its parent session finalized"
+    cancel = child_control(SID, "the turn was cancelled", cancel_work=3)
+    assert cancel.WhichOneof("kind") == "cancel"
+    assert cancel.delivery.delivery_id == f"cancel:{SID}:3"
+    assert cancel.cancel.reason == "the turn was cancelled"

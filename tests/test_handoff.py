@@ -26,8 +26,10 @@ from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.common.permits import PermitSigner, grant_for
 from services.owner import handoff
+from services.owner.commit import commit_step
+from services.owner.held import RunIdentity, make_event
 from services.owner.host import OwnerHost
-from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from services.owner.turns import initial_snapshot
 from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment

@@ -119,10 +119,7 @@ class ChildRules(HeldSession):
             if evicted is not None:
                 # The least recently used idle child makes room: finalized.
                 parent = self.identity.fence.session_id
-                command = s.Command(
-                    delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
-                    reset=s.ResetCommand(reason=f"session {parent} holds too many children"),
-                )
+                command = h.child_control(parent, f"session {parent} holds too many children")
                 self.outgoing.append((evicted.child_session_id, command))
                 handle = self.handles.find(work.child_session_id) or handle
         events.append(
@@ -316,9 +313,8 @@ class ChildRules(HeldSession):
                 self.record_result(result, events)
                 handle.tool_call_id = ""
             parent = self.identity.fence.session_id
-            command = s.Command(
-                delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent}:{handle.work}"),
-                cancel=s.CancelCommand(reason=f"the turn of session {parent} was cancelled"),
+            command = h.child_control(
+                parent, f"the turn of session {parent} was cancelled", cancel_work=handle.work
             )
             self.outgoing.append((handle.child_session_id, command))
 

@@ -15,8 +15,6 @@ deployment keeps addressing it by its id.
 
 from __future__ import annotations
 
-import time
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,12 +23,12 @@ import structlog
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import HooksClient, OwnerClient, StartedSession
+from services.common.clients import HooksClient, OwnerInstance, StartedSession
 from services.common.errors import BatonError, FailedPrecondition, NotFound
+from services.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.children")
 
-REGISTRY_CACHE_SECONDS = 5.0
 START_CALL_SECONDS = 10.0
 
 
@@ -79,29 +77,20 @@ class Children:
         self._hooks = hooks
         self._start_local = start_local
         self._offer = offer
-        self._peers: dict[str, OwnerClient] = {}
-        self._instances: tuple[float, list[tuple[str, str]]] = (0.0, [])
+        self._peers = Peers(hooks, call_seconds=START_CALL_SECONDS)
 
     async def close(self) -> None:
-        for peer in self._peers.values():
-            await peer.close()
-        self._peers.clear()
+        await self._peers.close()
 
-    async def _live_peers(self) -> list[tuple[str, str]]:
-        """(instance id, address) of the other live instances (cached)."""
-        expires, peers = self._instances
-        if expires > time.monotonic():
-            return peers
+    async def _live_peers(self) -> list[OwnerInstance]:
+        """The other live instances of this deployment, in a stable order."""
         try:
-            live = await self._hooks.list_instances(self.deployment_id)
+            live = await self._peers.instances(self.deployment_id)
         except BatonError as exc:
             log.info("instance lookup failed; starting children here", reason=exc.reason)
             return []
-        peers = sorted(
-            (i.instance_id, i.address) for i in live if i.instance_id != self.instance_id
-        )
-        self._instances = (time.monotonic() + REGISTRY_CACHE_SECONDS, peers)
-        return peers
+        others = [i for i in live if i.instance_id != self.instance_id]
+        return sorted(others, key=lambda i: (i.instance_id, i.address))
 
     async def start(
         self, child_session_id: str, channel: str, parent: s.ParentLink, work: s.Command
@@ -112,23 +101,18 @@ class Children:
         start = ChildStart(child_session_id, self.deployment_id, channel, parent, work)
         peers = await self._live_peers()
         if peers:
-            instance_id, address = peers[zlib.crc32(child_session_id.encode()) % len(peers)]
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = OwnerClient(
-                    address, timeout=START_CALL_SECONDS, security=self._hooks.security
-                )
+            chosen = place(child_session_id, peers)
             try:
-                started = await peer.start_session(start.request())
+                started = await self._peers.client(chosen.address).start_session(start.request())
                 return started.first_command_appended
             except BatonError as exc:
                 if not exc.retryable:
                     raise
                 # The peer may be gone: start it here (the registry catches up).
-                self._instances = (0.0, [])
+                self._peers.forget(self.deployment_id)
                 log.info(
                     "peer could not start a child; starting it here",
-                    peer_instance_id=instance_id,
+                    peer_instance_id=chosen.instance_id,
                     child_session_id=child_session_id,
                     reason=exc.reason,
                 )

@@ -331,6 +331,24 @@ class Handles:
 # -- budgets -------------------------------------------------------------------
 
 
+def child_control(
+    parent_session_id: str, reason: str, *, cancel_work: int | None = None
+) -> s.Command:
+    """The one builder of a parent's controls for a child: a reset, or with
+    `cancel_work` a cancel of that piece of work. The delivery id is derived
+    from the parent (and the work cancelled), so a control sent again after
+    a crash is appended to the child's inbox once."""
+    if cancel_work is not None:
+        return s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent_session_id}:{cancel_work}"),
+            cancel=s.CancelCommand(reason=reason),
+        )
+    return s.Command(
+        delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent_session_id}"),
+        reset=s.ResetCommand(reason=reason),
+    )
+
+
 def add_usage(total: s.Usage, step: s.Usage) -> None:
     total.input_tokens += step.input_tokens
     total.output_tokens += step.output_tokens

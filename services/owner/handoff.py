@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,8 +55,6 @@ from services.common.clients import (
     HooksClient,
     LoadedSession,
     Moved,
-    OwnerClient,
-    OwnerInstance,
 )
 from services.common.errors import (
     Aborted,
@@ -77,13 +74,13 @@ from services.common.tasks import Background
 from services.owner.agent import AgentCatalog
 from services.owner.checkpoint import Checkpoint
 from services.owner.handles import Handles
+from services.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.handoff")
 
 ACCEPT_CALL_SECONDS = 5.0
 TRANSFER_SETTLE_SECONDS = 3.0  # well inside ACCEPT_CALL_SECONDS
 TRANSFER_ATTEMPT_SECONDS = 1.0
-REGISTRY_CACHE_SECONDS = 5.0
 INLINE_CHECKPOINT_BYTES = 1024 * 1024  # larger checkpoints are loaded from anchor
 
 # Refusals: final answers; nothing was written.
@@ -109,12 +106,6 @@ class HandoffOffer:
     checkpoint: bytes = b""  # the serialized snapshot, sent along when small
     context: tuple[s.ChatMessage, ...] = ()  # with `checkpoint`: its context
     permit: s.TransferPermit | None = None  # the old owner's consent, for hooks
-
-
-@dataclass
-class _Targets:
-    expires: float
-    instances: list[OwnerInstance]
 
 
 class HandoffBroker:
@@ -144,37 +135,14 @@ class HandoffBroker:
         # Why the last attempt to move a session was refused (for drain reports).
         self.last_refusal: dict[str, tuple[str, str]] = {}
         self._launch = launch
-        self._peers: dict[str, OwnerClient] = {}
-        self._targets: dict[str, _Targets] = {}
+        self._peers = Peers(hooks, call_seconds=ACCEPT_CALL_SECONDS)
         self._background = Background()
         self._permits = PermitSigner(hooks.security)
         self._log = log.bind(deployment_id=deployment_id, instance_id=instance_id)
 
     async def close(self) -> None:
         await self._background.cancel_all()
-        for peer in self._peers.values():
-            await peer.close()
-        self._peers.clear()
-
-    def _peer(self, address: str) -> OwnerClient:
-        peer = self._peers.get(address)
-        if peer is None:
-            peer = self._peers[address] = OwnerClient(
-                address, timeout=ACCEPT_CALL_SECONDS, security=self.hooks.security
-            )
-        return peer
-
-    async def _instances(self, deployment_id: str) -> list[OwnerInstance]:
-        """Live instances of a deployment, from the registry (cached briefly;
-        a failed call drops the cache)."""
-        now = time.monotonic()
-        cached = self._targets.get(deployment_id)
-        if cached is not None and cached.expires > now:
-            return cached.instances
-        instances = await self.hooks.list_instances(deployment_id)
-        if instances:
-            self._targets[deployment_id] = _Targets(now + REGISTRY_CACHE_SECONDS, instances)
-        return instances
+        await self._peers.close()
 
     # -- the old owner ------------------------------------------------------
 
@@ -214,7 +182,7 @@ class HandoffBroker:
             return False
         started = time.monotonic()
         try:
-            instances = await self._instances(target)
+            instances = await self._peers.instances(target)
         except BatonError as exc:
             bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
             metrics.HANDOFFS.labels(why, "skipped").inc()
@@ -227,7 +195,7 @@ class HandoffBroker:
                 f"no live instance of deployment {target}",
             )
             return False
-        chosen = instances[zlib.crc32(fence.session_id.encode()) % len(instances)]
+        chosen = place(fence.session_id, instances)
         bound = bound.bind(target_instance_id=chosen.instance_id)
         request = owner_pb.AcceptHandoffRequest(
             handoff_id=handoff_id,
@@ -254,7 +222,7 @@ class HandoffBroker:
         await failpoints.hit("handoff.before_accept")
         asked = time.monotonic()
         try:
-            accepted = await self._peer(chosen.address).accept_handoff(request)
+            accepted = await self._peers.client(chosen.address).accept_handoff(request)
             await failpoints.hit("handoff.accept_response")
         except Fenced:
             raise
@@ -271,7 +239,7 @@ class HandoffBroker:
         except BatonError as exc:
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
             metrics.HANDOFFS.labels(why, "uncertain").inc()
-            self._targets.pop(target, None)
+            self._peers.forget(target)
             bound.warning("handoff outcome uncertain; settling it", reason=exc.reason)
             return await self._settle(checkpoint, bound)
         metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)

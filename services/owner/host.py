@@ -59,17 +59,11 @@ from services.common.inflight import InFlight
 from services.common.tasks import Background
 from services.owner.agent import Agent, AgentCatalog
 from services.owner.children import Children, ChildStart
+from services.owner.commit import commit_step
 from services.owner.handoff import HandoffBroker, HandoffOffer
-from services.owner.session import (
-    SNAPSHOT_FORMAT,
-    RunExit,
-    RunIdentity,
-    SessionRun,
-    commit_step,
-    initial_snapshot,
-    make_event,
-    safe_error,
-)
+from services.owner.held import RunIdentity, make_event
+from services.owner.session import RunExit, SessionRun
+from services.owner.turns import SNAPSHOT_FORMAT, initial_snapshot, safe_error
 
 log = structlog.get_logger("baton.owner")
 
@@ -82,7 +76,8 @@ DRAIN_REPORT_BLOCKERS = 50
 # - a commit that can never succeed (an entry, event, snapshot or commit over
 #   its limit; anything anchor refuses as INVALID_ARGUMENT) and a model
 #   request the endpoint rejects: the turn fails with the reason
-#   (`SessionRun._fail_refused`, MODEL_REJECTED); nothing restarts;
+#   (`SessionRun._guarded` for a refused commit; MODEL_REJECTED from the
+#   model adapter); nothing restarts;
 # - a run that fails for any other non-retryable reason (authored code
 #   raising in Agent.on_load, owner code crashing, an unreadable snapshot or
 #   history): restarted with backoff, at most `restart_budget` times in a row,
@@ -477,7 +472,7 @@ class OwnerHost:
         for run in list(self.runs.values()):
             run.request_drain(target)
         if self._drain_pump is None or self._drain_pump.done():
-            self._drain_pump = asyncio.get_running_loop().create_task(self._wake_parked())
+            self._drain_pump = self._background.spawn(self._wake_parked(), fresh_context=True)
         return self.drain_report()
 
     def held(self) -> int:
@@ -679,8 +674,9 @@ class OwnerHost:
     def _run_failed(self, fence: s.Fence, failure: BaseException | None) -> None:
         """Restart a failed run with backoff. Transient failures (the store,
         the network) restart without limit; a session whose runs keep failing
-        deterministically (DETERMINISTIC_FAILURES) gets `restart_budget`
-        restarts, then stalls."""
+        deterministically (the table at the top of this module) gets
+        `restart_budget` restarts, then stalls. The waits are the
+        `retry.RESTART_TRANSIENT` and `retry.RESTART_FAILED` policies."""
         sid = fence.session_id
         transient = isinstance(failure, BatonError) and (
             failure.retryable or failure.reason == Reason.STORE_FULL

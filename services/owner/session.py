@@ -35,6 +35,7 @@ from services.common.errors import (
     Reason,
     ResourceExhausted,
 )
+from services.common.tasks import Background
 from services.owner import handles as h
 from services.owner.agent import (
     Agent,
@@ -47,29 +48,16 @@ from services.owner.child_rules import ChildWork
 from services.owner.children import Children
 from services.owner.commit import commit_step
 from services.owner.handles import Refusal, Verdict
-from services.owner.held import RunIdentity, make_event
+from services.owner.held import RunIdentity
 from services.owner.metering import TurnMeter, waited
 from services.owner.turns import (
-    SNAPSHOT_FORMAT,
     Admission,
     Outcome,
     SessionState,
     StepProgress,
-    initial_snapshot,
     safe_error,
     usage_of,
 )
-
-__all__ = [
-    "SNAPSHOT_FORMAT",
-    "RunExit",
-    "RunIdentity",
-    "SessionRun",
-    "commit_step",
-    "initial_snapshot",
-    "make_event",
-    "safe_error",
-]
 
 log = structlog.get_logger("baton.owner.session")
 
@@ -124,7 +112,6 @@ class SessionRun:
         agent: Agent,
         hooks: HooksClient,
         anchor: AnchorClient,
-        on_exit: Callable[[SessionRun, RunExit], None] | None = None,
         *,
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
@@ -144,10 +131,12 @@ class SessionRun:
         self.agent = agent
         self._children = children
         self._subagent = subagents or agent.subagent
+        # Every task of the run (inbox reader, step, timer, retirement,
+        # reports): cancelled together when the run ends.
+        self._background = Background()
         self._delivering: asyncio.Task[None] | None = None
         self._hooks = hooks
         self._anchor = anchor
-        self._on_exit = on_exit
         self._park_after = park_after
         self._clock = clock
         self._snapshot_revision = snapshot_revision
@@ -162,7 +151,6 @@ class SessionRun:
         self._reader_exit: RunExit | None = None
         self._step_task: asyncio.Task[None] | None = None
         self._abort_requested = False
-        self._timer: asyncio.Task[None] | None = None
         self._retiring: asyncio.Task[None] | None = None
         self._hand_off = hand_off
         self._idle = False  # waiting for a command with nothing pending and no open turn
@@ -215,7 +203,7 @@ class SessionRun:
 
     async def run(self) -> RunExit:
         exit = RunExit.FAILED
-        reader = asyncio.get_running_loop().create_task(self._read_inbox())
+        self._background.spawn(self._read_inbox())
         state = self.state
         try:
             if self.agent.on_load is not None:
@@ -285,12 +273,7 @@ class SessionRun:
             self.failure = exc
             exit = RunExit.FAILED
         finally:
-            reader.cancel()
-            for task in (self._timer, self._retiring, self._delivering):
-                if task is not None:
-                    task.cancel()
-            if self._on_exit is not None:
-                self._on_exit(self, exit)
+            await self._background.cancel_all()
         return exit
 
     async def _take(self, idle_s: float | None) -> s.InboxEntry | None:
@@ -607,7 +590,7 @@ class SessionRun:
         progress = StepProgress()
         metrics.STEPS.inc()
         self._abort_requested = False
-        self._step_task = asyncio.get_running_loop().create_task(self._execute(progress))
+        self._step_task = self._background.spawn(self._execute(progress))
         try:
             await self._step_task
         except asyncio.CancelledError:
@@ -648,7 +631,7 @@ class SessionRun:
         """Give a child its work. Not abortable half-way: a child that got
         its work is recorded (then a cancel cancels it), so none is orphaned."""
         reserved = frozenset(w.child_session_id for w in progress.children.values())
-        task = asyncio.ensure_future(self._give_work(call, reserved, step))
+        task = self._background.spawn(self._give_work(call, reserved, step))
         try:
             outcome = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -877,7 +860,7 @@ class SessionRun:
             return
         retirable = self.state.context.retirable()
         if retirable is not None:
-            self._retiring = asyncio.get_running_loop().create_task(self._retire(*retirable))
+            self._retiring = self._background.spawn(self._retire(*retirable))
 
     async def _retire(self, start: int, below: int) -> None:
         try:
@@ -920,7 +903,7 @@ class SessionRun:
             timeout.deadline.FromSeconds(int(self._clock()) + timeout.duration_seconds)
         timeout.armed_by_owner_run_id = self.run_id
         delay = max(0.0, timeout.deadline.ToSeconds() - self._clock())
-        self._timer = asyncio.get_running_loop().create_task(self._fire_timeout(delay))
+        self._background.spawn(self._fire_timeout(delay))
 
     async def _fire_timeout(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -1009,7 +992,7 @@ class SessionRun:
             return
         if self._delivering is not None and not self._delivering.done():
             return
-        self._delivering = asyncio.get_running_loop().create_task(self._deliver_loop())
+        self._delivering = self._background.spawn(self._deliver_loop())
 
     async def _deliver_loop(self) -> None:
         assert self._children is not None

@@ -637,10 +637,7 @@ class SessionState(ChildRules):
             events += self.cancel_waiting_turn(entry)
         parent = self.identity.fence.session_id
         for handle in self.handles.settle_all():
-            command = s.Command(
-                delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
-                reset=s.ResetCommand(reason=f"its parent session {parent} finalized"),
-            )
+            command = h.child_control(parent, f"its parent session {parent} finalized")
             self.outgoing.append((handle.child_session_id, command))
         self.context.reset()
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
