@@ -15,8 +15,8 @@ deployment keeps addressing it by its id.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -56,8 +56,20 @@ class ChildStart:
         )
 
 
-StartLocal = Callable[[ChildStart], Awaitable[StartedSession]]
-Offer = Callable[[str, s.InboxEntry], None]
+class LocalOwner(Protocol):
+    """What `Children` needs of the owner instance it works for (`OwnerHost`):
+    the one callable interface left between them, because a child may be
+    started on this very instance, and a delivery to a session that runs
+    here is handed to its run at once. Both are downward for the host, which
+    owns the runs; `Children` never holds a run."""
+
+    async def start_child(self, start: ChildStart) -> StartedSession:
+        """Create and run the child session on this instance."""
+        ...
+
+    def offer(self, session_id: str, entry: s.InboxEntry) -> None:
+        """An entry just appended to `session_id`'s inbox by this process."""
+        ...
 
 
 class Children:
@@ -69,14 +81,12 @@ class Children:
         deployment_id: str,
         instance_id: str,
         hooks: HooksClient,
-        start_local: StartLocal,
-        offer: Offer | None = None,
+        local: LocalOwner,
     ) -> None:
         self.deployment_id = deployment_id
         self.instance_id = instance_id
         self._hooks = hooks
-        self._start_local = start_local
-        self._offer = offer
+        self._local = local
         self._peers = Peers(hooks, call_seconds=START_CALL_SECONDS)
 
     async def close(self) -> None:
@@ -116,7 +126,7 @@ class Children:
                     child_session_id=child_session_id,
                     reason=exc.reason,
                 )
-        return (await self._start_local(start)).first_command_appended
+        return (await self._local.start_child(start)).first_command_appended
 
     async def send(self, session_id: str, command: s.Command) -> s.Receipt:
         """Append `command` to the inbox of `session_id` (a child, or a
@@ -127,8 +137,8 @@ class Children:
         while True:
             try:
                 receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
-                if self._offer is not None and not receipt.duplicate:
-                    self._offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
+                if not receipt.duplicate:
+                    self._local.offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
                 return receipt
             except BatonError as exc:
                 if not exc.retryable:

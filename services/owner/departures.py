@@ -1,15 +1,15 @@
 """A run's departures (DESIGN.md §6, issue 12), the I/O: handing the
 session off to the deployment that accepted a trigger, an operator's drain,
-parking it. When each is due is decided in departure_rules.py; the handoff
-itself is the broker's (handoff.py). Every attempt that does not move the
-session leaves nothing behind; an uncertain one fails the run, which starts
-again from its last commit.
+parking it. When each is due is decided in departure_rules.py; the attempt
+itself is `HandoffAttempts`' (handoff.py), which answers with an `Attempt`:
+moved, stayed (nothing of it is left), or uncertain (the run decides it with
+a fenced commit, `SessionRun._decide_uncertain_handoff`). An attempt that
+fails retryably fails the run, which starts again from its last commit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -18,13 +18,8 @@ from services.common.clients import HooksClient
 from services.common.errors import Aborted, BatonError, Fenced
 from services.owner import departure_rules
 from services.owner.checkpoint import Checkpoint
+from services.owner.handoff import Attempt, HandoffAttempts
 from services.owner.turns import SessionState
-
-HandOff = Callable[[Checkpoint, s.InboxEntry], Awaitable[bool]]
-"""Tries to move a run's session to the deployment that accepted a trigger."""
-
-Drain = Callable[[Checkpoint, str], Awaitable[bool]]
-"""Tries to move a run's idle session to an operator's drain target."""
 
 DRAIN_RETRY_SECONDS = 2.0
 
@@ -38,18 +33,15 @@ class Departures:
         hooks: HooksClient,
         log: structlog.BoundLogger,
         *,
-        hand_off: HandOff | None,
-        drain: Drain | None,
+        attempts: HandoffAttempts | None,
         drain_to: str,
     ) -> None:
         self._state = state
         self._hooks = hooks
         self._log = log
-        self._hand_off = hand_off
-        self._drain = drain
+        self._attempts = attempts  # None: this run never moves its session
         self.drain_to = drain_to  # an operator's drain target ("" = none)
         self._drain_after = 0.0  # monotonic time of the next drain attempt
-        self.drained = False  # the run ended because a drain moved the session
 
     # -- drain ---------------------------------------------------------------------------
 
@@ -62,7 +54,7 @@ class Departures:
         """Seconds until a drain attempt is due; None while none can be."""
         return departure_rules.drain_wait(
             self._state,
-            draining=bool(self.drain_to) and self._drain is not None,
+            draining=bool(self.drain_to) and self._attempts is not None,
             pending=pending,
             due_at=self._drain_after,
             now=time.monotonic(),
@@ -71,35 +63,33 @@ class Departures:
     def drain_due(self, pending: int) -> bool:
         return self.drain_wait(pending) == 0.0
 
-    async def try_drain(self, checkpoint: Checkpoint) -> bool:
-        assert self._drain is not None
+    async def try_drain(self, checkpoint: Checkpoint) -> Attempt:
+        assert self._attempts is not None
         self._drain_after = time.monotonic() + DRAIN_RETRY_SECONDS
         try:
-            moved = await self._drain(checkpoint, self.drain_to)
+            return await self._attempts.drain(checkpoint, self.drain_to)
         except Fenced:
             raise
         except BatonError as exc:
             self._log.warning("drain attempt failed", reason=exc.reason, error=exc.message)
             if exc.retryable:
                 raise  # outcome unknown: run again from the snapshot
-            return False
-        self.drained = moved
-        return moved
+            return Attempt.STAYED
 
     # -- handoff -------------------------------------------------------------------------
 
     def is_trigger(self, entry: s.InboxEntry, *, revision_known: bool) -> bool:
-        if self._hand_off is None:
+        if self._attempts is None:
             return False
         return departure_rules.is_trigger(self._state, entry, revision_known=revision_known)
 
-    async def try_hand_off(self, checkpoint: Checkpoint, entry: s.InboxEntry) -> bool:
+    async def try_hand_off(self, checkpoint: Checkpoint, entry: s.InboxEntry) -> Attempt:
         """The trigger is the only unprocessed command: try to move the
-        session. False (skipped or failed) leaves nothing behind; the
+        session. STAYED (skipped or failed) leaves nothing behind; the
         delivery is then processed here and the signal forgotten."""
-        assert self._hand_off is not None
+        assert self._attempts is not None
         try:
-            return await self._hand_off(checkpoint, entry)
+            return await self._attempts.hand_off(checkpoint, entry)
         except Fenced:
             raise
         except BatonError as exc:
@@ -112,7 +102,7 @@ class Departures:
             )
             if exc.retryable:
                 raise  # outcome unknown: run again from the snapshot
-            return False
+            return Attempt.STAYED
 
     # -- parking -------------------------------------------------------------------------
 

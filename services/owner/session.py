@@ -47,7 +47,8 @@ from services.owner.decisions import (
     RunTurn,
     Summarize,
 )
-from services.owner.departures import Departures, Drain, HandOff
+from services.owner.departures import Departures
+from services.owner.handoff import Attempt, HandoffAttempts
 from services.owner.held import RunIdentity
 from services.owner.metering import TurnMeter, waited
 from services.owner.step import StepRunner
@@ -102,11 +103,10 @@ class SessionRun:
         park_after: float | None = None,
         clock: Callable[[], float] = time.time,
         snapshot_revision: int | None = None,
-        hand_off: HandOff | None = None,
+        attempts: HandoffAttempts | None = None,
         seed: Sequence[s.InboxEntry] = (),
         handoff_id: str = "",
         context: Sequence[s.ChatMessage] = (),
-        drain: Drain | None = None,
         drain_to: str = "",
         children: Children | None = None,
         subagents: Callable[[str], Agent | None] | None = None,
@@ -123,6 +123,7 @@ class SessionRun:
         self._committed_snapshot = snapshot.SerializeToString()
         self.progressed = False  # a commit of this run succeeded
         self.failure: BaseException | None = None  # why the run failed, when it did
+        self.drained = False  # the run ended because a drain moved the session
         # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
         self._pending: collections.deque[s.InboxEntry] = collections.deque(seed)
         self._next_seq = max(snapshot.inbox_next_seq, seed[-1].seq + 1 if seed else 0)
@@ -151,7 +152,7 @@ class SessionRun:
             identity, self.state, hooks, anchor, children, self._background, self._log
         )
         self._departures = Departures(
-            self.state, hooks, self._log, hand_off=hand_off, drain=drain, drain_to=drain_to
+            self.state, hooks, self._log, attempts=attempts, drain_to=drain_to
         )
 
     @property
@@ -180,10 +181,14 @@ class SessionRun:
     def drain_to(self) -> str:
         return self._departures.drain_to
 
-    @property
-    def drained(self) -> bool:
-        """The run ended because a drain moved the session."""
-        return self._departures.drained
+    def busy_with(self) -> str:
+        """Why the session is not idle (it moves, by a drain or a handoff,
+        when it is); "" when it is idle."""
+        if self.state.turn_open:
+            return "a turn is open; it moves when it settles"
+        if self.state.handles.busy():
+            return "a child session works for it; it moves after"
+        return ""
 
     def oldest_pending_accepted(self) -> float | None:
         """When the oldest entry read and not processed yet was accepted
@@ -252,7 +257,10 @@ class SessionRun:
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
         while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-            if self._drain_due() and await self._departures.try_drain(self._checkpoint()):
+            if self._drain_due() and await self._moved(
+                await self._departures.try_drain(self._checkpoint())
+            ):
+                self.drained = True
                 return RunExit.HANDED_OFF
             entry = await self._take(self._park_after)
             if entry is None:
@@ -261,8 +269,8 @@ class SessionRun:
                 continue
             if entry.seq == self._trigger_seq:
                 self._trigger_seq = -1
-                if not self._pending and await self._departures.try_hand_off(
-                    self._checkpoint(), entry
+                if not self._pending and await self._moved(
+                    await self._departures.try_hand_off(self._checkpoint(), entry)
                 ):
                     return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
@@ -388,8 +396,34 @@ class SessionRun:
             snapshot=self._committed_snapshot,
             context=context.committed_messages(),
             context_bytes=context.committed_log.context_bytes,
-            settle=self.commit_checkpoint,
         )
+
+    async def _moved(self, attempt: Attempt) -> bool:
+        """Whether an attempt to move the session moved it; an uncertain one
+        is decided here first."""
+        if attempt is Attempt.UNCERTAIN:
+            return await self._decide_uncertain_handoff()
+        return attempt is Attempt.MOVED
+
+    async def _decide_uncertain_handoff(self) -> bool:
+        """Commit the unchanged snapshot, fenced (compared with the last
+        revision): success means the session did not move and cannot move
+        on this attempt (the checkpoint revision is gone); FENCED means it
+        moved. Anything else decides nothing (the transfer may still land),
+        so keep trying: the trigger waits."""
+        backoff = retry.HANDOFF_CHECKPOINT.backoff()
+        while True:
+            try:
+                await self._commit([], idle_after=False)
+            except Fenced:
+                self._log.info("handoff settled: the session moved")
+                return True
+            except BatonError as exc:
+                self._log.warning("deciding commit failed; again", reason=exc.reason)
+                await backoff.wait()
+                continue
+            self._log.info("handoff settled: the session stays; processing here")
+            return False
 
     # -- commands: ask the decisions, perform the effect -----------------------------
 
@@ -485,11 +519,6 @@ class SessionRun:
         self._log.info("session finalized", reason=error.reason if error else "RESET")
 
     # -- commits ---------------------------------------------------------------
-
-    async def commit_checkpoint(self) -> None:
-        """Commit the snapshot unchanged (fenced, compared with the last
-        revision): settles an uncertain handoff. Raises Fenced if it moved."""
-        await self._commit([], idle_after=False)
 
     async def _commit(
         self, events: list[s.Event], close: bool = False, *, idle_after: bool = True
