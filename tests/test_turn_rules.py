@@ -111,7 +111,7 @@ def test_steps_fold_into_history_usage_and_events() -> None:
     assert st.apply_step(progress, events) is Outcome.CONTINUE
     answer = StepProgress(reply=ModelReply(text="The result is 2.", output_tokens=4))
     assert st.apply_step(answer, events) is Outcome.FINAL
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     assert kinds(events) == [
         "TURN_STARTED",
         "MESSAGE_RECEIVED",

@@ -90,8 +90,8 @@ class ChildRules(HeldSession):
             and bool(send.text.strip())
         )
 
-    def judge(self, entry: s.InboxEntry) -> h.Judgement:
-        return self.handles.judge(
+    def report_judgement(self, entry: s.InboxEntry) -> h.Judgement:
+        return self.handles.judge_report(
             self.identity.fence.session_id, self.turn_id, entry.command.task_result
         )
 
@@ -215,7 +215,7 @@ class ChildRules(HeldSession):
         """Apply a child's report (not a rejected one) and consume it. For
         AWAITED the waiting tool call gets the result; for ADMIT it joins
         the open turn (a caller with no open turn starts one first)."""
-        judgement = self.judge(entry)
+        judgement = self.report_judgement(entry)
         handle = judgement.handle
         verdict = judgement.verdict
         assert handle is not None and verdict is not Verdict.REJECT
@@ -253,8 +253,8 @@ class ChildRules(HeldSession):
                     waiting_session_id=where,
                 )
             return verdict
-        if verdict is Verdict.SETTLE:
-            self.handles.settle(handle)
+        if verdict is Verdict.FINALIZED:
+            self.handles.mark_finalized(handle)
             return verdict
         call_id = handle.tool_call_id
         h.add_usage(self.snapshot.usage, report.usage)

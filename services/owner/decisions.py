@@ -155,7 +155,7 @@ def _cancel(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effec
         return reject(state, entry, Reason.NOTHING_TO_CANCEL, "no turn is running")
     state.consume(entry)
     events: list[s.Event] = []
-    state.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
+    state.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
     return Commit(events)
 
 
@@ -182,7 +182,7 @@ def _compact(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effe
 
 def _task_result(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     """A child's report, between steps (see handles.py for what it means)."""
-    judgement = state.judge(entry)
+    judgement = state.report_judgement(entry)
     if judgement.verdict is Verdict.REJECT:
         return reject(state, entry, judgement.reason, judgement.message)
     if judgement.verdict is Verdict.ADMIT and not state.turn_open:
@@ -253,7 +253,7 @@ def apply_input_answers(
     turn.pending_inputs.extend(requests.values())
     if kept_limit:
         error = s.ErrorDetail(reason=Reason.LIMIT_EXCEEDED, message="the user kept the limit")
-        state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
     return go_on(state, events, announce_wait=True)
 
@@ -323,7 +323,7 @@ def before_step(state: SessionState, pending: Pending, events: list[s.Event]) ->
     next step runs, else how the turn ends."""
     verdict, stop = state.admit_pending(pending, events)
     if verdict is Admission.CANCEL:
-        state.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
+        state.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
         return Commit(events)
     if verdict is Admission.FINALIZE:
         assert stop is not None
@@ -334,7 +334,7 @@ def before_step(state: SessionState, pending: Pending, events: list[s.Event]) ->
         error = s.ErrorDetail(
             reason=Reason.MAX_STEPS, message=f"the turn reached {max_steps} steps"
         )
-        state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
     if state.budget_spent():
         state.ask_to_extend_budget(events)
@@ -351,14 +351,14 @@ def after_step(
         return NextStep.NOW
     if outcome is Outcome.FAILED:
         error = s.ErrorDetail(reason=progress.reason, message=progress.error)
-        state.settle(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
     if outcome in (Outcome.PAUSED, Outcome.AWAITING):
         if state.waiting_for_user():
             events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
         return Commit(events)
     if outcome is Outcome.FINAL and not state.steer_pending(pending):
-        state.settle(events, s.EVENT_KIND_TURN_COMPLETED)
+        state.close_turn(events, s.EVENT_KIND_TURN_COMPLETED)
         return Commit(events)
     return NextStep.AFTER_COMMIT
 

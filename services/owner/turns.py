@@ -223,7 +223,7 @@ class SessionState(ChildRules):
             waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
             return Admission.BLOCK if waiting else Admission.DROP
         if kind == "task_result":
-            verdict = self.judge(entry).verdict
+            verdict = self.report_judgement(entry).verdict
             if verdict is Verdict.REJECT:
                 return Admission.REJECT
             if verdict is Verdict.ADMIT:
@@ -276,7 +276,7 @@ class SessionState(ChildRules):
             elif kind == "send":
                 reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
             elif kind == "task_result":
-                judgement = self.judge(entry)
+                judgement = self.report_judgement(entry)
                 reason, message = judgement.reason, judgement.message
             else:
                 reason = Reason.UNSUPPORTED_COMMAND
@@ -506,7 +506,7 @@ class SessionState(ChildRules):
             self.report_wait(attempt_id=attempt)
         self.snapshot.open_turn.pending_authorizations.append(wait)
 
-    def settle(
+    def close_turn(
         self,
         events: list[s.Event],
         kind: s.EventKind.ValueType,
@@ -550,7 +550,7 @@ class SessionState(ChildRules):
         events: list[s.Event] = []
         if self.turn_open:
             events = self.abandon_waits()
-            self.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
+            self.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
         return events
 
     def extend_budget(self) -> None:
@@ -636,7 +636,7 @@ class SessionState(ChildRules):
         if self.turn_open:
             events += self.cancel_waiting_turn(entry)
         parent = self.identity.fence.session_id
-        for handle in self.handles.settle_all():
+        for handle in self.handles.finalize_all():
             command = h.child_control(parent, f"its parent session {parent} finalized")
             self.outgoing.append((handle.child_session_id, command))
         self.context.reset()
