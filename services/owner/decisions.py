@@ -25,6 +25,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common.errors import Reason
 from services.owner.handles import Verdict
 from services.owner.turns import Admission, Outcome, SessionState, StepProgress
+from services.owner.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]
 
@@ -243,7 +244,7 @@ def apply_input_answers(
             state.context.remember(s.ChatMessage(role=s.ROLE_USER, content=response.text))
         elif request.kind == s.INPUT_KIND_APPROVAL:
             call = request.tool_call
-            denied = _error_result(call, "the user denied this call")
+            denied = error_result(call, "the user denied this call")
             state.record_result(next(ran) if response.approved else denied, events)
         elif response.approved:
             state.extend_budget()
@@ -303,7 +304,7 @@ def apply_authorization(
     """Phase two: the call's result (None when it did not run: refused)."""
     call = plan.tool_call
     if result is None:
-        result = _error_result(call, "sign-in was refused")
+        result = error_result(call, "sign-in was refused")
     state.record_result(result, plan.events)
     state.close_auth_wait(call)
     return go_on(state, plan.events)
@@ -370,10 +371,6 @@ def compaction_due(state: SessionState) -> bool:
     return not state.turn_open and state.context.over(
         agent.context_budget_bytes, agent.context_budget_entries
     )
-
-
-def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
-    return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)
 
 
 _Rule = Callable[[SessionState, s.InboxEntry, Pending], Effect]

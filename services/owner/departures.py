@@ -3,7 +3,7 @@ session off to the deployment that accepted a trigger, an operator's drain,
 parking it. When each is due is decided in departure_rules.py; the attempt
 itself is `HandoffAttempts`' (handoff.py), which answers with an `Attempt`:
 moved, stayed (nothing of it is left), or uncertain (the run decides it with
-a fenced commit, `SessionRun._decide_uncertain_handoff`). An attempt that
+a fenced commit, `RunCommits.decide_uncertain_handoff`). An attempt that
 fails retryably fails the run, which starts again from its last commit.
 """
 

@@ -11,7 +11,7 @@ operator's drain, asks `HandoffAttempts` to move its session:
    arrival, ... — or a skip: nothing was written and the run processes the
    trigger itself), or UNCERTAIN (the call timed out, the target died). An
    uncertain attempt is decided by the run with a fenced commit of its
-   unchanged snapshot (`SessionRun._decide_uncertain_handoff`): if that
+   unchanged snapshot (`RunCommits.decide_uncertain_handoff`): if that
    commit succeeds, no transfer happened before it and none can happen
    after it (the transfer compares the snapshot revision), so the run
    processes the trigger; if it is FENCED, the session moved.
@@ -30,7 +30,7 @@ import structlog
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, metrics
-from services.common.clients import HooksClient
+from services.common.clients import HooksClient, OwnerInstance
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -94,61 +94,24 @@ class HandoffAttempts:
         self, checkpoint: Checkpoint, target: str, entry: s.InboxEntry | None
     ) -> Attempt:
         fence = checkpoint.fence
-        revision = checkpoint.revision
         handoff_id = ids.new_handoff_id()
+        why = "trigger" if entry is not None else "drain"
         bound = self._log.bind(
             session_id=fence.session_id,
             run_id=fence.owner_run_id,
             handoff_id=handoff_id,
             to_deployment_id=target,
             inbox_seq=entry.seq if entry is not None else None,
-            reason="trigger" if entry is not None else "drain",
+            reason=why,
         )
         self.last_refusal.pop(fence.session_id, None)
-        why = "trigger" if entry is not None else "drain"
-        if revision is None:
-            bound.info("handoff skipped: checkpoint revision unknown")
-            metrics.HANDOFFS.labels(why, "skipped").inc()
-            return Attempt.STAYED
         started = time.monotonic()
-        try:
-            instances = await self._peers.instances(target)
-        except BatonError as exc:
-            bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
+        chosen = await self._target(checkpoint, target, bound)
+        if chosen is None:
             metrics.HANDOFFS.labels(why, "skipped").inc()
             return Attempt.STAYED
-        if not instances:
-            bound.info("handoff skipped: no live instance of the target deployment")
-            metrics.HANDOFFS.labels(why, "skipped").inc()
-            self.last_refusal[fence.session_id] = (
-                Reason.UPSTREAM_UNAVAILABLE,
-                f"no live instance of deployment {target}",
-            )
-            return Attempt.STAYED
-        chosen = place(fence.session_id, instances)
         bound = bound.bind(target_instance_id=chosen.instance_id)
-        request = owner_pb.AcceptHandoffRequest(
-            handoff_id=handoff_id,
-            fence=fence,
-            deployment_id=target,
-            from_owner=s.OwnerIdentity(
-                owner_run_id=fence.owner_run_id,
-                deployment_id=self.deployment_id,
-                instance_id=self.instance_id,
-            ),
-            snapshot_revision=revision,
-            trigger=entry,
-            reason=s.TRANSFER_REASON_TRIGGER if entry is not None else s.TRANSFER_REASON_DRAIN,
-        )
-        # This owner's consent, which hooks requires of the target's Transfer.
-        permit = self._permits.sign(grant_for(fence, handoff_id, target, revision, request.reason))
-        if permit is not None:
-            request.permit.CopyFrom(permit)
-        if len(checkpoint.snapshot) + checkpoint.context_bytes <= INLINE_CHECKPOINT_BYTES:
-            # Small (the context is bounded by the agent's budget): sent along,
-            # which spares the target a load from anchor.
-            request.checkpoint = checkpoint.snapshot
-            request.context.extend(checkpoint.context)
+        request = self._request(checkpoint, target, entry, handoff_id)
         await failpoints.hit("handoff.before_accept")
         asked = time.monotonic()
         try:
@@ -181,3 +144,53 @@ class HandoffAttempts:
             took_ms=round((time.monotonic() - started) * 1000, 2),
         )
         return Attempt.MOVED
+
+    async def _target(
+        self, checkpoint: Checkpoint, target: str, bound: structlog.BoundLogger
+    ) -> OwnerInstance | None:
+        """The instance of `target` to offer the session to; None: skip."""
+        if checkpoint.revision is None:
+            bound.info("handoff skipped: checkpoint revision unknown")
+            return None
+        try:
+            instances = await self._peers.instances(target)
+        except BatonError as exc:
+            bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
+            return None
+        if not instances:
+            bound.info("handoff skipped: no live instance of the target deployment")
+            self.last_refusal[checkpoint.fence.session_id] = (
+                Reason.UPSTREAM_UNAVAILABLE,
+                f"no live instance of deployment {target}",
+            )
+            return None
+        return place(checkpoint.fence.session_id, instances)
+
+    def _request(
+        self, checkpoint: Checkpoint, target: str, entry: s.InboxEntry | None, handoff_id: str
+    ) -> owner_pb.AcceptHandoffRequest:
+        fence, revision = checkpoint.fence, checkpoint.revision
+        assert revision is not None  # `_target` skips an unknown one
+        request = owner_pb.AcceptHandoffRequest(
+            handoff_id=handoff_id,
+            fence=fence,
+            deployment_id=target,
+            from_owner=s.OwnerIdentity(
+                owner_run_id=fence.owner_run_id,
+                deployment_id=self.deployment_id,
+                instance_id=self.instance_id,
+            ),
+            snapshot_revision=revision,
+            trigger=entry,
+            reason=s.TRANSFER_REASON_TRIGGER if entry is not None else s.TRANSFER_REASON_DRAIN,
+        )
+        # This owner's consent, which hooks requires of the target's Transfer.
+        permit = self._permits.sign(grant_for(fence, handoff_id, target, revision, request.reason))
+        if permit is not None:
+            request.permit.CopyFrom(permit)
+        if len(checkpoint.snapshot) + checkpoint.context_bytes <= INLINE_CHECKPOINT_BYTES:
+            # Small (the context is bounded by the agent's budget): sent along,
+            # which spares the target a load from anchor.
+            request.checkpoint = checkpoint.snapshot
+            request.context.extend(checkpoint.context)
+        return request

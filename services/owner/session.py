@@ -8,34 +8,31 @@ loops. Every step is committed through anchor as one fenced transaction:
 the step's events, the history entries it appended and the new snapshot,
 whose inbox position says which commands the step consumed.
 
-The rooms it drives: the abortable step (step.py: model, tools, child
-work), departures (departures.py: handoff, drain, park), upkeep (upkeep.py:
-timer, history retirement, controls to children before a commit, reports
-after it). The rules are in turns.py, child_rules.py, handles.py,
+The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
+(step.py: model, tools, child work), departures (departures.py: handoff,
+drain, park), commits (commit.py: the last commit, a refused commit failing
+the turn) and upkeep (upkeep.py: timer, history retirement, controls to
+children before a commit, reports after it). The rules are in turns.py, child_rules.py, handles.py,
 decisions.py and departure_rules.py; none of them does I/O.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import contextlib
 import enum
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, retry
+from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
-from services.common.errors import BatonError, Fenced, InvalidArgument, Reason, ResourceExhausted
+from services.common.errors import BatonError, Fenced
 from services.common.tasks import Background
 from services.owner import decisions, departure_rules
 from services.owner.agent import Agent
-from services.owner.checkpoint import Checkpoint
 from services.owner.children import Children
-from services.owner.commit import commit_step
+from services.owner.commit import RunCommits
 from services.owner.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -50,7 +47,8 @@ from services.owner.decisions import (
 from services.owner.departures import Departures
 from services.owner.handoff import Attempt, HandoffAttempts
 from services.owner.held import RunIdentity
-from services.owner.metering import TurnMeter, waited
+from services.owner.inbox_buffer import InboxBuffer, InboxClosed
+from services.owner.metering import waited
 from services.owner.step import StepRunner
 from services.owner.turns import SessionState, safe_error
 from services.owner.upkeep import Upkeep
@@ -66,26 +64,6 @@ class RunExit(enum.Enum):
     PARKED = "parked"
     HANDED_OFF = "handed_off"
     FAILED = "failed"
-
-
-class _CommitRefused(Exception):
-    """A commit that can never succeed as it is (docs/failures.md)."""
-
-    def __init__(
-        self, reason: str, message: str, close: bool, events: list[s.Event], carry: list[s.Event]
-    ) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
-        self.close = close
-        self.events = events
-        self.carry = carry
-
-
-class _RunEnded(Exception):
-    def __init__(self, exit: RunExit) -> None:
-        super().__init__(exit.value)
-        self.exit = exit
 
 
 class SessionRun:
@@ -116,25 +94,12 @@ class SessionRun:
         self.state = SessionState(identity, snapshot, agent, context)
         self.agent = agent
         self._hooks = hooks
-        self._anchor = anchor
         self._park_after = park_after
         self._clock = clock
-        self._snapshot_revision = snapshot_revision
-        self._committed_snapshot = snapshot.SerializeToString()
-        self.progressed = False  # a commit of this run succeeded
         self.failure: BaseException | None = None  # why the run failed, when it did
         self.drained = False  # the run ended because a drain moved the session
-        # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
-        self._pending: collections.deque[s.InboxEntry] = collections.deque(seed)
-        self._next_seq = max(snapshot.inbox_next_seq, seed[-1].seq + 1 if seed else 0)
         self._unstarted = unstarted  # session.started goes with the first commit
-        self._arrived = asyncio.Event()
-        self._reader_exit: RunExit | None = None
-        self._idle = False  # waiting for a command with nothing pending and no open turn
-        self._trigger_seq = -1  # the delivery found eligible for a handoff at arrival
-        self._carry: list[s.Event] = []  # events for the next commit
         self._handoff_id = handoff_id  # the handoff that started this run, if one did
-        self._turns = TurnMeter()
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -154,6 +119,26 @@ class SessionRun:
         self._departures = Departures(
             self.state, hooks, self._log, attempts=attempts, drain_to=drain_to
         )
+        self._inbox = InboxBuffer(
+            hooks,
+            identity.fence,
+            self.state,
+            self._departures,
+            self._step,
+            self._log,
+            seed=seed,
+            revision_known=snapshot_revision is not None,
+        )
+        self._pending = self._inbox.pending
+        self._commits = RunCommits(
+            anchor,
+            identity,
+            self.state,
+            self._upkeep,
+            self._inbox,
+            self._log,
+            revision=snapshot_revision,
+        )
 
     @property
     def snapshot(self) -> s.SessionSnapshot:
@@ -170,7 +155,12 @@ class SessionRun:
     @property
     def snapshot_revision(self) -> int | None:
         """The mod revision of the last committed snapshot, when known."""
-        return self._snapshot_revision
+        return self._commits.revision
+
+    @property
+    def progressed(self) -> bool:
+        """A commit of this run succeeded."""
+        return self._commits.progressed
 
     @property
     def pending(self) -> int:
@@ -201,12 +191,12 @@ class SessionRun:
     # -- the program ------------------------------------------------------
 
     async def run(self) -> RunExit:
-        self._background.spawn(self._read_inbox())
+        self._background.spawn(self._inbox.read())
         try:
             await self._begin()
             return await self._serve()
-        except _RunEnded as ended:
-            return ended.exit
+        except InboxClosed as closed:
+            return RunExit.FENCED if closed.fenced else RunExit.FAILED
         except Fenced:
             self._log.info("fenced; run ends")
             return RunExit.FENCED
@@ -232,13 +222,13 @@ class SessionRun:
             self.agent.on_load(self.snapshot)
         self._upkeep.start_retire()
         if self._unstarted:
-            self._carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
+            self._commits.carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
         arrived_from = self.snapshot.deployment_id
         handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
         if handed_off:
             # First run on this deployment after a handoff: say so on the
             # stream (with the first commit here) and restart the timeout.
-            self._carry.append(
+            self._commits.carry.append(
                 state.event(
                     s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from, handoff_id=self._handoff_id
                 )
@@ -247,123 +237,43 @@ class SessionRun:
         if handed_off and not self._pending:
             # Moved by a drain or an adoption (no trigger in hand): say so
             # on the stream now, not with whatever comes next.
-            await self._guarded(self._commit([]))
+            await self._commits.guarded(self._commits.commit([]))
         self._upkeep.deliver_reports()  # a predecessor's, if it could not
         if decisions.recovery(state):
             turn = self.snapshot.open_turn
             self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
-            await self._guarded(self._turn_loop([]))
+            await self._commits.guarded(self._turn_loop([]))
 
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
         while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
             if self._drain_due() and await self._moved(
-                await self._departures.try_drain(self._checkpoint())
+                await self._departures.try_drain(self._commits.checkpoint())
             ):
                 self.drained = True
                 return RunExit.HANDED_OFF
-            entry = await self._take(self._park_after)
+            entry = await self._inbox.take(self._park_after)
             if entry is None:
                 if not self._drain_due() and await self._try_park():
                     return RunExit.PARKED
                 continue
-            if entry.seq == self._trigger_seq:
-                self._trigger_seq = -1
+            if entry.seq == self._inbox.trigger_seq:
+                self._inbox.trigger_seq = -1
                 if not self._pending and await self._moved(
-                    await self._departures.try_hand_off(self._checkpoint(), entry)
+                    await self._departures.try_hand_off(self._commits.checkpoint(), entry)
                 ):
                     return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
-            await self._guarded(self._dispatch(entry))
+            await self._commits.guarded(self._dispatch(entry))
             if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-                await self._guarded(self._compact_if_over_budget())
+                await self._commits.guarded(self._compact_if_over_budget())
         await self._upkeep.retired()
         return RunExit.FINALIZED
 
-    # -- the inbox ------------------------------------------------------------------
-
-    async def _take(self, idle_s: float | None) -> s.InboxEntry | None:
-        """The next inbox entry; None after `idle_s` with nothing (park), or
-        when a drain attempt is due."""
-        with self._idle_while(not self.state.turn_open):
-            while not self._pending:
-                if self._reader_exit is not None:
-                    raise _RunEnded(self._reader_exit)
-                if self._drain_due():
-                    return None
-                self._arrived.clear()
-                wait = idle_s
-                retry_in = self._departures.drain_wait(len(self._pending))
-                if retry_in is not None:
-                    wait = retry_in if wait is None else min(wait, retry_in)
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), wait)
-                except TimeoutError:
-                    if not self._drain_due():
-                        return None
-            return self._pending.popleft()
-
-    @contextlib.contextmanager
-    def _idle_while(self, idle: bool) -> Iterator[None]:
-        """While the body runs, a delivery arriving with nothing pending is
-        evaluated as a handoff trigger (when `idle`)."""
-        self._idle = idle
-        try:
-            yield
-        finally:
-            self._idle = False
-
-    async def _read_inbox(self) -> None:
-        """Buffer the inbox in seq order; reconnect on transient errors."""
-        backoff = retry.INBOX_STREAM.backoff()
-        while True:
-            try:
-                async for page in self._hooks.stream_inbox(self.identity.fence, self._next_seq):
-                    for entry in page:
-                        if entry.seq >= self._next_seq:
-                            self._arrive(entry)
-                    self._arrived.set()
-                    backoff.reset()
-            except Fenced:
-                self._end_reading(RunExit.FENCED)
-                return
-            except BatonError as exc:
-                if not exc.retryable:
-                    self._log.error("inbox stream failed", reason=exc.reason, error=exc.message)
-                    self._end_reading(RunExit.FAILED)
-                    return
-                self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
-            await backoff.wait()
-
-    def _end_reading(self, exit: RunExit) -> None:
-        self._reader_exit = exit
-        self._arrived.set()
-
-    def _arrive(self, entry: s.InboxEntry) -> None:
-        self._next_seq = entry.seq + 1
-        revision_known = self._snapshot_revision is not None
-        if (
-            self._idle
-            and not self._pending
-            and self._departures.is_trigger(entry, revision_known=revision_known)
-        ):
-            self._trigger_seq = entry.seq
-        self._pending.append(entry)
-        self._push(entry)
-
     def offer(self, entry: s.InboxEntry) -> None:
         """An entry appended to this session's inbox by this process (a
-        child's work or report): taken now when it is the next one, instead
-        of a hop later from the inbox stream, which then skips it."""
-        if entry.seq == self._next_seq and self._reader_exit is None:
-            self._arrive(entry)
-            self._arrived.set()
-
-    def _push(self, entry: s.InboxEntry) -> None:
-        """Cancel, reset and an own timeout abort the running step at once,
-        when every command before them can be admitted into the turn."""
-        if self._step.running and self.state.aborts_step(entry, list(self._pending)[:-1]):
-            self._step.abort()
+        child's work or report): taken now when it is the next one."""
+        self._inbox.offer(entry)
 
     # -- departures (DESIGN.md §6, issue 12) ---------------------------------------
 
@@ -371,7 +281,7 @@ class SessionRun:
         """An operator drains this deployment to `target`: the session moves
         there through the ordinary handoff the next time it is idle."""
         self._departures.request_drain(target)
-        self._arrived.set()
+        self._inbox.wake()
 
     def _drain_due(self) -> bool:
         return self._departures.drain_due(len(self._pending))
@@ -385,45 +295,15 @@ class SessionRun:
             return False
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
-        with self._idle_while(not self.state.turn_open):
+        with self._inbox.idle_while(not self.state.turn_open):
             return await self._departures.park(self.identity.fence)
-
-    def _checkpoint(self) -> Checkpoint:
-        context = self.state.context
-        return Checkpoint(
-            fence=self.identity.fence,
-            revision=self._snapshot_revision,
-            snapshot=self._committed_snapshot,
-            context=context.committed_messages(),
-            context_bytes=context.committed_log.context_bytes,
-        )
 
     async def _moved(self, attempt: Attempt) -> bool:
         """Whether an attempt to move the session moved it; an uncertain one
         is decided here first."""
         if attempt is Attempt.UNCERTAIN:
-            return await self._decide_uncertain_handoff()
+            return await self._commits.decide_uncertain_handoff()
         return attempt is Attempt.MOVED
-
-    async def _decide_uncertain_handoff(self) -> bool:
-        """Commit the unchanged snapshot, fenced (compared with the last
-        revision): success means the session did not move and cannot move
-        on this attempt (the checkpoint revision is gone); FENCED means it
-        moved. Anything else decides nothing (the transfer may still land),
-        so keep trying: the trigger waits."""
-        backoff = retry.HANDOFF_CHECKPOINT.backoff()
-        while True:
-            try:
-                await self._commit([], idle_after=False)
-            except Fenced:
-                self._log.info("handoff settled: the session moved")
-                return True
-            except BatonError as exc:
-                self._log.warning("deciding commit failed; again", reason=exc.reason)
-                await backoff.wait()
-                continue
-            self._log.info("handoff settled: the session stays; processing here")
-            return False
 
     # -- commands: ask the decisions, perform the effect -----------------------------
 
@@ -438,10 +318,10 @@ class SessionRun:
     async def _perform(self, effect: Effect) -> None:
         match effect:
             case Commit(events):
-                await self._commit(events)
+                await self._commits.commit(events)
             case Rejected(entry, event):
                 self._log.info("command rejected", reason=event.error.reason, inbox_seq=entry.seq)
-                await self._commit([event])
+                await self._commits.commit([event])
             case RunTurn(events):
                 await self._turn_loop(events)
             case Finalize(events, entry, error):
@@ -466,7 +346,7 @@ class SessionRun:
                 if after is NextStep.NOW:
                     continue  # the boundary finds the pushed command
                 if after is NextStep.AFTER_COMMIT:
-                    await self._commit(events)
+                    await self._commits.commit(events)
                     events = []
                     continue
                 ends = after
@@ -504,71 +384,16 @@ class SessionRun:
             state.compaction_failed(events, entry, safe_error(exc))
         else:
             state.compacted(events, entry, reply, before)
-        await self._commit(events)
+        await self._commits.commit(events)
 
     async def _finalize(
         self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None = None
     ) -> None:
         """Terminal: close the stream once, then release every token."""
         self.state.finalize(events, entry, error)
-        await self._commit(events, close=True)
+        await self._commits.commit(events, close=True)
         inbox = ids.inbox_token(self.session_id)
         aliases = [t for t in self.snapshot.hooks if t != inbox]
         if aliases:  # the inbox token stays: late sends learn the session is finalized
             await self._hooks.dispose(self.identity.fence, aliases)
         self._log.info("session finalized", reason=error.reason if error else "RESET")
-
-    # -- commits ---------------------------------------------------------------
-
-    async def _commit(
-        self, events: list[s.Event], close: bool = False, *, idle_after: bool = True
-    ) -> None:
-        carry, self._carry = self._carry, []
-        events[:0] = carry
-        await self._upkeep.send_controls()
-        if close and self.state.is_child:
-            # Finalization is reported before the commit that closes the
-            # stream (no run follows it); a repeat is deduplicated.
-            await self._upkeep.deliver_reports_now()
-        context = self.state.context
-        # A commit that settles the session: a delivery arriving while it is in
-        # flight arrives at an idle session (a reader may see the commit, and
-        # send, before this run has the answer), so it may trigger a handoff.
-        with self._idle_while(idle_after and not close and not self.state.turn_open):
-            try:
-                oversized = context.oversized_entry()
-                if oversized:
-                    raise InvalidArgument(Reason.HISTORY_ENTRY_TOO_LARGE, oversized)
-                self._snapshot_revision = await commit_step(
-                    self._anchor,
-                    self.identity,
-                    self.snapshot,
-                    events,
-                    close,
-                    self._snapshot_revision,
-                    context.appended,
-                )
-            except (InvalidArgument, ResourceExhausted) as exc:
-                if exc.reason == Reason.STORE_FULL:
-                    raise
-                raise _CommitRefused(exc.reason, exc.message, close, events, carry) from exc
-        self.state.mark_committed()
-        self._turns.committed(events)
-        self._committed_snapshot = self.snapshot.SerializeToString()
-        self.progressed = True
-        self._upkeep.start_retire()
-        self._upkeep.deliver_reports()
-
-    async def _guarded(self, work: Awaitable[None]) -> None:
-        """Run `work`; a commit it makes that can never succeed (too large,
-        invalid) fails the turn instead (docs/failures.md)."""
-        try:
-            await work
-        except _CommitRefused as refused:
-            self._log.warning(
-                "commit refused; the turn fails", reason=refused.reason, error=refused.message
-            )
-            self._carry = refused.carry
-            error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
-            events = self.state.refused(refused.events, refused.close, error)
-            await self._commit(events, close=refused.close)

@@ -28,6 +28,7 @@ and tools, and commits what these rules produce.
 
 The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
 event and id primitives) under `ChildRules` (child_rules.py) under
+`WaitRules` (waits.py: human input, sign-in, rejections) under
 `SessionState` (here); each calls only the layers below it.
 """
 
@@ -50,9 +51,10 @@ from services.owner.agent import (
     ModelReply,
     dumps_arguments,
 )
-from services.owner.child_rules import ChildRules, ChildWork
+from services.owner.child_rules import ChildWork
 from services.owner.handles import Verdict
 from services.owner.held import RunIdentity, make_event
+from services.owner.waits import WaitRules, error_result
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
@@ -165,7 +167,7 @@ def principal(entry: s.InboxEntry) -> tuple[str, str]:
     return entry.command.delivery.channel, entry.command.delivery.caller
 
 
-class SessionState(ChildRules):
+class SessionState(WaitRules):
     """A session as a run holds it — snapshot, context window, identity — and
     every rule of how commands and steps change it (the child-session rules
     are the `ChildRules` layer). The run decides when to call the model, a
@@ -245,50 +247,6 @@ class SessionState(ChildRules):
 
     def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
         return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK
-
-    def auth_wait(self, attempt_id: str) -> s.AuthorizationWait | None:
-        if not self.turn_open:
-            return None
-        for wait in self.snapshot.open_turn.pending_authorizations:
-            if (
-                attempt_id in wait.expected_attempt_ids
-                and attempt_id not in wait.reported_attempt_ids
-            ):
-                return wait
-        return None
-
-    def rejection(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> s.Event:
-        """The command.rejected event for `entry` (a default reason by kind)."""
-        if not reason:
-            kind = entry.command.WhichOneof("kind")
-            if kind is None:
-                reason = Reason.UNKNOWN_COMMAND
-                message = (
-                    f"deployment {self.identity.deployment_id} does not know this command kind"
-                )
-            elif kind == "send" and self.refuses_message(entry):
-                parent = self.snapshot.parent.parent_session_id
-                reason = Reason.CHILD_SESSION
-                message = (
-                    f"this is a child session of {parent}: it takes messages from its "
-                    "parent only (input responses and controls are accepted)"
-                )
-            elif kind == "send":
-                reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
-            elif kind == "task_result":
-                judgement = self.report_judgement(entry)
-                reason, message = judgement.reason, judgement.message
-            else:
-                reason = Reason.UNSUPPORTED_COMMAND
-                message = (
-                    f"command kind {kind!r} is not supported by deployment "
-                    f"{self.identity.deployment_id}"
-                )
-        return self.event(
-            s.EVENT_KIND_COMMAND_REJECTED,
-            entry,
-            error=s.ErrorDetail(reason=reason, message=message),
-        )
 
     # -- turns -------------------------------------------------------------------
 
@@ -444,7 +402,7 @@ class SessionState(ChildRules):
                         progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
                         outcome = Outcome.FAILED
                 elif progress.aborted:
-                    self.record_result(_error_result(call, "cancelled"), events, step)
+                    self.record_result(error_result(call, "cancelled"), events, step)
                 elif tool is not None and tool.needs_approval:
                     self.request_input(
                         events,
@@ -465,46 +423,6 @@ class SessionState(ChildRules):
         if outcome is Outcome.FINAL:
             self.answer = reply.text
         return outcome
-
-    def request_input(
-        self,
-        events: list[s.Event],
-        kind: s.InputKind.ValueType,
-        prompt: str,
-        *,
-        step: int = 0,
-        tool_call: s.ToolCall | None = None,
-    ) -> None:
-        request = s.InputRequest(
-            request_id=self.next_id("input"), kind=kind, prompt=prompt, tool_call=tool_call
-        )
-        self.snapshot.open_turn.pending_inputs.append(request)
-        events.append(self.event(s.EVENT_KIND_INPUT_REQUESTED, step=step, input_request=request))
-        self.report_wait(request=request)
-
-    def ask_to_extend_budget(self, events: list[s.Event]) -> None:
-        self.request_input(
-            events, s.INPUT_KIND_SESSION_LIMIT, "The session budget is spent. Extend it?"
-        )
-        events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
-
-    def require_authorization(
-        self, events: list[s.Event], call: s.ToolCall, attempts: int, step: int
-    ) -> None:
-        wait = s.AuthorizationWait(tool_call=call)
-        for _ in range(attempts):
-            attempt = self.next_id("attempt")
-            wait.expected_attempt_ids.append(attempt)
-            events.append(
-                self.event(
-                    s.EVENT_KIND_AUTHORIZATION_REQUIRED,
-                    step=step,
-                    tool_call=call,
-                    attempt_id=attempt,
-                )
-            )
-            self.report_wait(attempt_id=attempt)
-        self.snapshot.open_turn.pending_authorizations.append(wait)
 
     def close_turn(
         self,
@@ -528,52 +446,12 @@ class SessionState(ChildRules):
         if waiting:
             events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
 
-    # -- waits: human input and sign-in -------------------------------------------
-
-    def abandon_waits(self) -> list[s.Event]:
-        """A plain message while the turn waits: pending waits are closed
-        (approvals and sign-ins as not done) and the turn goes on."""
-        events: list[s.Event] = []
-        turn = self.snapshot.open_turn
-        for request in turn.pending_inputs:
-            if request.kind == s.INPUT_KIND_APPROVAL:
-                message = "not approved: the user sent a new message"
-                self.record_result(_error_result(request.tool_call, message), events)
-        for wait in turn.pending_authorizations:
-            message = "sign-in abandoned: the user sent a new message"
-            self.record_result(_error_result(wait.tool_call, message), events)
-        del turn.pending_inputs[:]
-        del turn.pending_authorizations[:]
-        return events
-
     def cancel_waiting_turn(self, entry: s.InboxEntry) -> list[s.Event]:
         events: list[s.Event] = []
         if self.turn_open:
             events = self.abandon_waits()
             self.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
         return events
-
-    def extend_budget(self) -> None:
-        """The user approved a SESSION_LIMIT request."""
-        snap = self.snapshot
-        used = snap.usage.input_tokens + snap.usage.output_tokens
-        snap.limits.token_budget = used + max(snap.limits.token_budget, 1)
-        if snap.limits.cost_budget_micros:
-            snap.limits.cost_budget_micros = snap.usage.cost_micros + snap.limits.cost_budget_micros
-
-    def close_auth_wait(self, call: s.ToolCall) -> None:
-        turn = self.snapshot.open_turn
-        remaining = [w for w in turn.pending_authorizations if w.tool_call.id != call.id]
-        del turn.pending_authorizations[:]
-        turn.pending_authorizations.extend(remaining)
-
-    def waiting_for_user(self) -> bool:
-        turn = self.snapshot.open_turn
-        return bool(turn.pending_inputs or turn.pending_authorizations)
-
-    def still_waiting(self) -> bool:
-        """The open turn waits: for the user, or for children's results."""
-        return self.waiting_for_user() or bool(self.handles.awaited(self.turn_id))
 
     # -- context: clear, compaction, finalization ---------------------------------
 
@@ -692,7 +570,3 @@ class SessionState(ChildRules):
         else:
             events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
         return events
-
-
-def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
-    return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)
