@@ -17,11 +17,10 @@ from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
 from services.owner.handles import Handles, Refusal, Verdict, child_budget, child_control
 from services.owner.held import RunIdentity
+from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
-    Outcome,
     SessionState,
-    StepProgress,
     initial_snapshot,
 )
 

@@ -23,7 +23,8 @@ from services.owner.decisions import (
 )
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
-from services.owner.turns import SessionState, StepProgress, initial_snapshot
+from services.owner.step_rules import StepProgress
+from services.owner.turns import SessionState, initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

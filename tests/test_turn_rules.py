@@ -12,11 +12,10 @@ from services.common import limits
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
+from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
-    Outcome,
     SessionState,
-    StepProgress,
     initial_snapshot,
     safe_error,
 )

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import Reason
 from services.owner.handles import Verdict
-from services.owner.turns import Admission, Outcome, SessionState, StepProgress
+from services.owner.step_rules import Outcome, StepProgress
+from services.owner.turns import Admission, SessionState
 from services.owner.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]

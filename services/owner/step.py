@@ -29,7 +29,8 @@ from services.owner.child_rules import ChildWork
 from services.owner.children import Children
 from services.owner.handles import Refusal
 from services.owner.held import RunIdentity
-from services.owner.turns import SessionState, StepProgress, safe_error, usage_of
+from services.owner.step_rules import StepProgress, usage_of
+from services.owner.turns import SessionState, safe_error
 
 
 class StepRunner:

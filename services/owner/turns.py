@@ -29,7 +29,8 @@ and tools, and commits what these rules produce.
 The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
 event and id primitives) under `ChildRules` (child_rules.py) under
 `WaitRules` (waits.py: human input, sign-in, rejections) under
-`SessionState` (here); each calls only the layers below it.
+`StepRules` (step_rules.py: what a step did) under `SessionState`
+(here); each calls only the layers below it.
 """
 
 from __future__ import annotations
@@ -38,23 +39,18 @@ import collections
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
 from services.common.errors import Reason
 from services.owner import handles as h
 from services.owner.agent import (
-    ASK_SUBAGENT,
-    CONTINUE_TASK,
     Agent,
     ModelReply,
-    dumps_arguments,
 )
-from services.owner.child_rules import ChildWork
 from services.owner.handles import Verdict
 from services.owner.held import RunIdentity, make_event
-from services.owner.waits import WaitRules, error_result
+from services.owner.step_rules import StepRules, usage_of
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
@@ -73,30 +69,6 @@ class Admission(enum.Enum):
     DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
     REJECT = "reject"  # unknown kind: consumed with an error event
     BLOCK = "block"  # waits until the turn settles
-
-
-class Outcome(enum.Enum):
-    """What a step left the turn in."""
-
-    CONTINUE = "continue"  # tools ran; next step
-    FINAL = "final"  # the model answered
-    PAUSED = "paused"  # waits for input or sign-in
-    AWAITING = "awaiting"  # waits for children's results only
-    ABORTED = "aborted"  # a pushed command aborted the step
-    FAILED = "failed"  # the model failed
-
-
-@dataclass
-class StepProgress:
-    """What an (abortable) step produced so far; applied by `apply_step`."""
-
-    reply: ModelReply | None = None
-    error: str = ""
-    reason: str = Reason.MODEL_ERROR
-    calls: list[s.ToolCall] = field(default_factory=list)
-    results: dict[int, s.ToolResult] = field(default_factory=dict)
-    children: dict[int, ChildWork] = field(default_factory=dict)
-    aborted: bool = False
 
 
 def initial_snapshot(
@@ -133,18 +105,6 @@ def initial_snapshot(
     return snapshot
 
 
-add_usage = h.add_usage
-
-
-def usage_of(reply: ModelReply) -> s.Usage:
-    return s.Usage(
-        input_tokens=reply.input_tokens,
-        output_tokens=reply.output_tokens,
-        model_calls=reply.model_calls,
-        cost_micros=reply.cost_micros,
-    )
-
-
 def context_change(
     before: tuple[int, int], after: tuple[int, int], automatic: bool = False
 ) -> s.ContextChange:
@@ -167,7 +127,7 @@ def principal(entry: s.InboxEntry) -> tuple[str, str]:
     return entry.command.delivery.channel, entry.command.delivery.caller
 
 
-class SessionState(WaitRules):
+class SessionState(StepRules):
     """A session as a run holds it — snapshot, context window, identity — and
     every rule of how commands and steps change it (the child-session rules
     are the `ChildRules` layer). The run decides when to call the model, a
@@ -337,93 +297,6 @@ class SessionState(WaitRules):
             return True
         return bool(limits_.cost_budget_micros and usage.cost_micros >= limits_.cost_budget_micros)
 
-    def tool_calls(self, reply: ModelReply) -> list[s.ToolCall]:
-        """The reply's tool calls, with ids unique in the session."""
-        first = self.snapshot.tool_call_count
-        return [
-            s.ToolCall(
-                id=f"call_{first + offset + 1}",
-                name=requested.name,
-                arguments_json=dumps_arguments(requested.arguments),
-            )
-            for offset, requested in enumerate(reply.tool_calls)
-        ]
-
-    def runs_now(self, call: s.ToolCall) -> bool:
-        """A tool call the step runs itself (others wait for the user)."""
-        tool = self.agent.tool_index.get(call.name)
-        return tool is None or not (tool.needs_approval or tool.sign_in_attempts)
-
-    def starts_child(self, call: s.ToolCall) -> bool:
-        """A tool call that gives work to a child session."""
-        if call.name in (ASK_SUBAGENT, CONTINUE_TASK):
-            return call.name in self.agent.tool_index
-        tool = self.agent.tool_index.get(call.name)
-        return tool is not None and tool.starts_child and self.runs_now(call)
-
-    def apply_step(self, progress: StepProgress, events: list[s.Event]) -> Outcome:
-        """Fold a step's progress into history, usage and events."""
-        snap = self.snapshot
-        reply = progress.reply
-        if reply is None:
-            return Outcome.ABORTED if progress.aborted else Outcome.FAILED
-        snap.open_turn.steps += 1
-        step = snap.open_turn.steps
-        events.append(self.event(s.EVENT_KIND_STEP_STARTED, step=step))
-        usage = usage_of(reply)
-        add_usage(snap.open_turn.usage, usage)
-        add_usage(snap.usage, usage)
-        outcome = Outcome.CONTINUE
-        if reply.question:
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
-            events.append(
-                self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.question)
-            )
-            self.request_input(events, s.INPUT_KIND_QUESTION, reply.question, step=step)
-            outcome = Outcome.PAUSED
-        elif not progress.calls:
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
-            events.append(self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
-            outcome = Outcome.FINAL
-        else:
-            snap.tool_call_count += len(progress.calls)
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
-            for index, call in enumerate(progress.calls):
-                events.append(
-                    self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
-                )
-                tool = self.agent.tool_index.get(call.name)
-                if index in progress.children:
-                    self.child_given_work(progress.children[index], call, events, step)
-                elif index in progress.results:
-                    result = progress.results[index]
-                    self.record_result(result, events, step)
-                    if result.is_error and self.agent.fail_on_tool_error:
-                        progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
-                        outcome = Outcome.FAILED
-                elif progress.aborted:
-                    self.record_result(error_result(call, "cancelled"), events, step)
-                elif tool is not None and tool.needs_approval:
-                    self.request_input(
-                        events,
-                        s.INPUT_KIND_APPROVAL,
-                        f"Allow {call.name}({call.arguments_json})?",
-                        step=step,
-                        tool_call=call,
-                    )
-                    outcome = Outcome.PAUSED
-                elif tool is not None and tool.sign_in_attempts:
-                    self.require_authorization(events, call, tool.sign_in_attempts, step)
-                    outcome = Outcome.PAUSED
-        events.append(self.event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
-        if progress.aborted:
-            return Outcome.ABORTED
-        if outcome is Outcome.CONTINUE and self.handles.awaited(self.turn_id):
-            return Outcome.AWAITING
-        if outcome is Outcome.FINAL:
-            self.answer = reply.text
-        return outcome
-
     def close_turn(
         self,
         events: list[s.Event],
@@ -474,7 +347,7 @@ class SessionState(WaitRules):
         """Replace the context with the summary in `reply`; `entry` is the
         compact command, or None when the owner compacted on its own."""
         usage = usage_of(reply)
-        add_usage(self.snapshot.usage, usage)
+        h.add_usage(self.snapshot.usage, usage)
         summary = f"Summary of earlier conversation: {reply.text}"
         self.context.reset([s.ChatMessage(role=s.ROLE_SYSTEM, content=summary)])
         change = context_change(before, self.context.size(), automatic=entry is None)
