@@ -17,7 +17,9 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import BatonError
 from services.common.identity import Role
-from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from services.owner.commit import commit_step
+from services.owner.held import RunIdentity, make_event
+from services.owner.turns import initial_snapshot
 from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (

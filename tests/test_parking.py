@@ -303,7 +303,8 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     are ignored, and a bell that rang while the run was parking is honoured
     when the session lands in `parked`."""
     from services.owner.fixture import build_agent
-    from services.owner.host import OwnerHost, ParkedSession
+    from services.owner.host import OwnerHost
+    from services.owner.parking import ParkedSession
 
     host = OwnerHost(
         "dep-u",
@@ -318,7 +319,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         host._activating.add(fence.session_id)
         woken.append((fence.session_id, unpark))
 
-    host._start_activation = record  # type: ignore[method-assign]
+    host.start_activation = record  # type: ignore[method-assign]
     try:
         host._hold("ses_a", ParkedSession("run_a", 2, inbox_next_seq=5))
         host.ring("ses_a", 5)  # stale: nothing new
@@ -327,7 +328,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         host.ring("ses_a", 6)
         assert woken == [("ses_a", True)] and "ses_a" not in host.parked
         host.ring("ses_a", 7)  # rung while waking: remembered, no second wake
-        assert woken == [("ses_a", True)] and host._bells["ses_a"] == 7
+        assert woken == [("ses_a", True)] and host.parking.bells["ses_a"] == 7
 
         # A bell rung while the run was still parking (it is in `runs`).
         host.runs["ses_b"] = object()  # type: ignore[assignment]
@@ -337,7 +338,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         assert woken[-1] == ("ses_b", True)
         # Unknown sessions' bells (lost to another instance) are ignored.
         host.ring("ses_c", 3)
-        assert "ses_c" not in host._bells
+        assert "ses_c" not in host.parking.bells
     finally:
         await host.close()
         await host.hooks.close()

@@ -15,7 +15,7 @@ from aetcd import rpc, rtypes
 from aetcd import watcher as aetcd_watcher
 from grpc.aio import AioRpcError
 
-from services.common import metrics
+from services.common import metrics, retry
 from services.common.channels import grpc_target
 from services.common.errors import (
     Aborted,
@@ -636,7 +636,6 @@ async def follow_range(
     start_revision: int,
     *,
     first_watch: Any = None,
-    backoff: float = 0.2,
 ) -> AsyncIterator[Any]:
     """Watch `prefix` from `start_revision`, resuming after etcd failures.
 
@@ -649,6 +648,7 @@ async def follow_range(
     re-reads from its own cursor.
     """
     next_revision = start_revision
+    backoff = retry.ETCD_WATCH.backoff()
     while True:
         watch, first_watch = first_watch, None
         # Only the first watch can hold events the read covered. (Not
@@ -671,8 +671,7 @@ async def follow_range(
             # name another (resumed) watch, which the cancel would silence.
             watch = None
             log.warning("watch interrupted; resuming", prefix=prefix.decode(), error=repr(exc))
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.wait()
         finally:
             if watch is not None:
                 await cancel_watch(watch)

@@ -21,7 +21,7 @@ from services.common.etcd import Store, cmp_absent, cmp_value
 from services.common.keys import ChannelEntry, Keys, TokenRecord, canonical_json, parse_fence
 from services.common.txn import Fence, Txn
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
-from services.hooks.sessions import SessionCache, SessionState, owner_record
+from services.hooks.sessions import CachedSession, SessionCache, owner_record
 from services.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
 
 
@@ -98,7 +98,7 @@ class Claims:
         txn.read_each("tokens", [k.token(t) for t in tokens], on="failure")
         result = await txn.run(self._store)
         if result.succeeded:
-            self._sessions.remember(session_id, SessionState(head, owner_raw, owner_now))
+            self._sessions.remember(session_id, CachedSession(head, owner_raw, owner_now))
             return fence.proto(), tokens, first
         existing = result.value("fence")
         if existing == fence.value:  # a retry of the create that already succeeded

@@ -28,7 +28,7 @@ from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
 from services.common.tasks import Background
 from services.common.tracing import check_traceparent
 from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.sessions import SessionCache, SessionState
+from services.hooks.sessions import CachedSession, SessionCache
 from services.hooks.tokens import TokenIndex
 
 MAX_COMMAND_BYTES = 256 * 1024
@@ -177,12 +177,12 @@ class Inbox:
             result = await self._append_txn(session_id, state, attempt).run(self._store)
             if result.succeeded:
                 state.head = attempt.new_head
-                _settle_appended(session_id, state.owner, attempt)
+                _answer_appended(session_id, state.owner, attempt)
                 return
             batch = self._after_refusal(session_id, batch, attempt, result)
         raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
 
-    def _append_txn(self, session_id: str, state: SessionState, attempt: _Attempt) -> Txn:
+    def _append_txn(self, session_id: str, state: CachedSession, attempt: _Attempt) -> Txn:
         """Compares: the head, not finalized, the owner record as cached, each
         token's entry, each delivery id absent. Writes: the entries, their
         delivery ids, the new head, and the bell while parked. Reads on
@@ -219,7 +219,7 @@ class Inbox:
     def _after_refusal(
         self, session_id: str, batch: list[_Append], attempt: _Attempt, result: TxnResult
     ) -> list[_Append]:
-        """Learn why the append was refused; settle the commands already
+        """Learn why the append was refused; answer the commands already
         delivered, resubmit those whose token moved, and return the rest to
         try again. Raises when the session is gone or finalized."""
         state = self._sessions.learn(session_id, result.value("head"), result.value("owner"))
@@ -243,7 +243,7 @@ class Inbox:
         for item in batch:
             if item.delivery_id in delivered:
                 seq = delivered[item.delivery_id]
-                _settle(item, _receipt(session_id, state.owner, seq, duplicate=True))
+                _answer(item, _receipt(session_id, state.owner, seq, duplicate=True))
             elif item.token in moved:
                 self._tokens.forget(item.token)
                 self._resubmit(item)
@@ -261,7 +261,7 @@ class Inbox:
                 if not item.future.done():
                     item.future.set_exception(exc)
                 return
-            _settle(item, receipt)
+            _answer(item, receipt)
 
         self._background.spawn(again())
 
@@ -348,16 +348,16 @@ def _receipt(
     )
 
 
-def _settle_appended(session_id: str, owner: OwnerRecord, attempt: _Attempt) -> None:
+def _answer_appended(session_id: str, owner: OwnerRecord, attempt: _Attempt) -> None:
     """Receipts for an append that committed: each command its seq, each
     repeat of a delivery id the seq of its first."""
     seqs = attempt.seqs()
     for item in attempt.appended:
-        _settle(item, _receipt(session_id, owner, seqs[id(item)]))
+        _answer(item, _receipt(session_id, owner, seqs[id(item)]))
     for item, first in attempt.repeats:
-        _settle(item, _receipt(session_id, owner, seqs[id(first)], duplicate=True))
+        _answer(item, _receipt(session_id, owner, seqs[id(first)], duplicate=True))
 
 
-def _settle(item: _Append, receipt: s.Receipt) -> None:
+def _answer(item: _Append, receipt: s.Receipt) -> None:
     if not item.future.done():
         item.future.set_result(receipt)

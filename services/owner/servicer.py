@@ -16,8 +16,8 @@ from services.common.clients import StartedSession
 from services.common.errors import PermissionDenied, Reason
 from services.common.identity import Role
 from services.common.server import Context
+from services.owner.acceptance import HandoffOffer
 from services.owner.children import ChildStart
-from services.owner.handoff import HandoffOffer
 from services.owner.host import OwnerHost
 
 
