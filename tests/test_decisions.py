@@ -411,3 +411,12 @@ def test_an_idle_run_parks_only_with_nothing_left_to_do() -> None:
     assert not may_park(park_after=None, pending=0, reports_pending=False)
     assert not may_park(park_after=1.0, pending=1, reports_pending=False)
     assert not may_park(park_after=1.0, pending=0, reports_pending=True)
+
+
+def test_a_session_says_why_it_cannot_move_yet() -> None:
+    st = state()
+    assert departure_rules.busy_with(st) == ""
+    st.snapshot.handles.add(child_session_id="child-1", state=s.HANDLE_STATE_RUNNING)
+    assert "child session" in departure_rules.busy_with(st)
+    st.start_turn(send(0), none())
+    assert "turn is open" in departure_rules.busy_with(st)

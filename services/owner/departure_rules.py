@@ -1,6 +1,7 @@
 """When a run may leave its owner (DESIGN.md §6, issue 12), decided without
-I/O: which delivery triggers a handoff, when a drain attempt is due, when
-an idle session may park. `Departures` (departures.py) makes the attempts.
+I/O: which delivery triggers a handoff, when a drain attempt is due, why
+a session cannot move yet, when an idle session may park. `Departures`
+(departures.py) makes the attempts.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def drain_wait(
     ):
         return None
     return max(0.0, due_at - now)
+
+
+def busy_with(state: SessionState) -> str:
+    """Why the session is not idle (it moves, by a drain or a handoff, when
+    it is); "" when it is idle. A drain's report says it per session."""
+    if state.turn_open:
+        return "a turn is open; it moves when it settles"
+    if state.handles.busy():
+        return "a child session works for it; it moves after"
+    return ""
 
 
 def may_park(*, park_after: float | None, pending: int, reports_pending: bool) -> bool:

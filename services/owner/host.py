@@ -45,6 +45,7 @@ from services.owner.held import RunIdentity
 from services.owner.hosting import HostedSessions
 from services.owner.parking import ParkedSession
 from services.owner.restarts import DEFAULT_RESTART_BUDGET
+from services.owner.session import RunStart
 from services.owner.turns import SNAPSHOT_FORMAT, initial_snapshot
 
 
@@ -120,7 +121,7 @@ class OwnerHost(HostedSessions):
                 token_budget=token_budget,
             )
             revision = await self._commit_started(identity, snapshot)
-            self._launch(identity, snapshot, revision)
+            self._launch(identity, RunStart(snapshot, revision))
         self._log.info("session started", session_id=session_id, run_id=run_id, channel=channel)
         return StartedSession(session_id, run_id, True, inbox)
 
@@ -162,7 +163,7 @@ class OwnerHost(HostedSessions):
             session_id, start.channel, self.deployment_id, list(created.hooks), parent=parent
         )
         seed = [created.first_entry] if created.first_entry is not None else []
-        self._launch(identity, snapshot, 0, seed=seed, unstarted=True)
+        self._launch(identity, RunStart(snapshot, 0, seed=seed, unstarted=True))
         self._log.info(
             "child session started",
             session_id=session_id,
@@ -299,11 +300,15 @@ class OwnerHost(HostedSessions):
             # an activation retrying an earlier fence): the new fence wins.
             self.parking.unhold(sid)
             identity = RunIdentity(moved.fence, self.deployment_id, self.instance_id)
-            loaded, revision = arrival.loaded, arrival.transfer.snapshot_revision
-            handoff_id = arrival.transfer.handoff_id
-            self._launch(
-                identity, loaded.snapshot, revision, arrival.seed, handoff_id, loaded.context
+            loaded, transfer = arrival.loaded, arrival.transfer
+            start = RunStart(
+                loaded.snapshot,
+                transfer.snapshot_revision,
+                seed=arrival.seed,
+                handoff_id=transfer.handoff_id,
+                context=loaded.context,
             )
+            self._launch(identity, start)
         return moved
 
     # -- drain (issue 12) ----------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -53,7 +53,7 @@ from services.owner.handoff import HandoffAttempts
 from services.owner.held import RunIdentity, make_event
 from services.owner.parking import ParkedSession, Parking
 from services.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
-from services.owner.session import RunExit, SessionRun
+from services.owner.session import RunExit, RunServices, RunStart, SessionRun
 from services.owner.turns import SNAPSHOT_FORMAT, initial_snapshot
 
 log = structlog.get_logger("baton.owner")
@@ -189,20 +189,12 @@ class HostedSessions:
         assert revision is not None
         return revision
 
-    def _launch(
-        self,
-        identity: RunIdentity,
-        snapshot: s.SessionSnapshot,
-        revision: int | None,
-        seed: Sequence[s.InboxEntry] = (),
-        handoff_id: str = "",
-        context: Sequence[s.ChatMessage] = (),
-        unstarted: bool = False,
-    ) -> None:
+    def _launch(self, identity: RunIdentity, start: RunStart) -> None:
         running = self.runs.get(identity.fence.session_id)
         if running is not None and running.identity.fence.epoch > identity.fence.epoch:
             return  # a stale activation: a newer run holds the session here
         try:
+            snapshot = start.snapshot
             agent = self.catalog.agent_for(snapshot.parent if snapshot.HasField("parent") else None)
         except LookupError as exc:
             # Not this build's code (cannot happen for a child created here):
@@ -210,23 +202,15 @@ class HostedSessions:
             failure = FailedPrecondition(Reason.UNKNOWN_SUBAGENT, str(exc))
             self.restarts.run_failed(identity.fence, failure)
             return
-        run = SessionRun(
-            identity,
-            snapshot,
-            agent,
+        services = RunServices(
             self.hooks,
             self.anchor,
-            park_after=self.park_after,
-            snapshot_revision=revision,
             attempts=self.attempts,
-            seed=seed,
-            handoff_id=handoff_id,
-            context=context,
-            drain_to=self.drains.target,
             children=self.children,
             subagents=self.catalog.subagent,
-            unstarted=unstarted,
+            park_after=self.park_after,
         )
+        run = SessionRun(identity, agent, start, services, drain_to=self.drains.target)
         self.runs[run.session_id] = run
         self._spawn(self._drive(run))
 
@@ -342,7 +326,7 @@ class HostedSessions:
         if snapshot.status == s.SESSION_STATUS_FINALIZED:
             self.parking.bells.pop(fence.session_id, None)
             return
-        self._launch(identity, snapshot, revision, context=context)
+        self._launch(identity, RunStart(snapshot, revision, context=context))
 
     async def _first_snapshot(self, identity: RunIdentity) -> tuple[s.SessionSnapshot, int]:
         """The creator died between CreateSession and its first commit: commit

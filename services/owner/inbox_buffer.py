@@ -69,6 +69,14 @@ class InboxBuffer:
         self._idle = False  # waiting for a command with nothing pending and no open turn
         self.trigger_seq = -1  # the delivery found eligible for a handoff at arrival
 
+    def oldest_accepted(self) -> float | None:
+        """When the oldest entry read and not processed yet was accepted
+        (epoch seconds), or None."""
+        if not self.pending or not self.pending[0].HasField("accepted_at"):
+            return None
+        accepted = self.pending[0].accepted_at
+        return accepted.seconds + accepted.nanos / 1e9
+
     def wake(self) -> None:
         """Make a waiting `take` look again (a drain was requested)."""
         self._arrived.set()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -29,7 +30,7 @@ from services.common import failpoints, ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError, Fenced
 from services.common.tasks import Background
-from services.owner import decisions, departure_rules
+from services.owner import compaction, decisions, departure_rules
 from services.owner.agent import Agent
 from services.owner.children import Children
 from services.owner.commit import RunCommits
@@ -51,7 +52,7 @@ from services.owner.inbox_buffer import InboxBuffer, InboxClosed
 from services.owner.metering import waited
 from services.owner.spans import RunSpans  # tracing
 from services.owner.step import StepRunner
-from services.owner.turns import SessionState, safe_error
+from services.owner.turns import SessionState
 from services.owner.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
@@ -67,6 +68,48 @@ class RunExit(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True)
+class RunServices:
+    """What the runs of one host share: the clients, the handoff attempts
+    (None: the session never hands off), the child sessions, the subagent
+    catalog (None: the agent's own), the idle time before a park (None:
+    never parks) and the clock."""
+
+    hooks: HooksClient
+    anchor: AnchorClient
+    attempts: HandoffAttempts | None = None
+    children: Children | None = None
+    subagents: Callable[[str], Agent | None] | None = None
+    park_after: float | None = None
+    clock: Callable[[], float] = time.time
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """How one run begins: the snapshot it loaded and its revision (None:
+    unknown), inbox entries already in hand (`seed`: a child's first work, a
+    handoff's trigger), the handoff that moved it here, the context window
+    the snapshot refers to, and whether session.started is still to be
+    committed (`unstarted`)."""
+
+    snapshot: s.SessionSnapshot
+    revision: int | None = None
+    seed: Sequence[s.InboxEntry] = ()
+    handoff_id: str = ""
+    context: Sequence[s.ChatMessage] = ()
+    unstarted: bool = False
+
+
+def _run_log(identity: RunIdentity) -> structlog.BoundLogger:
+    fence = identity.fence
+    return log.bind(  # type: ignore[no-any-return]
+        session_id=fence.session_id,
+        run_id=fence.owner_run_id,
+        epoch=fence.epoch,
+        deployment_id=identity.deployment_id,
+    )
+
+
 class SessionRun:
     """Executes one session for one owner run until fenced, finalized, parked
     or handed off."""
@@ -74,73 +117,52 @@ class SessionRun:
     def __init__(
         self,
         identity: RunIdentity,
-        snapshot: s.SessionSnapshot,
         agent: Agent,
-        hooks: HooksClient,
-        anchor: AnchorClient,
+        start: RunStart,
+        services: RunServices,
         *,
-        park_after: float | None = None,
-        clock: Callable[[], float] = time.time,
-        snapshot_revision: int | None = None,
-        attempts: HandoffAttempts | None = None,
-        seed: Sequence[s.InboxEntry] = (),
-        handoff_id: str = "",
-        context: Sequence[s.ChatMessage] = (),
         drain_to: str = "",
-        children: Children | None = None,
-        subagents: Callable[[str], Agent | None] | None = None,
-        unstarted: bool = False,
     ) -> None:
+        """`drain_to`: the deployment this one drains to when the run starts
+        ("" when it does not)."""
+        fence = identity.fence
+        hooks, anchor, children = services.hooks, services.anchor, services.children
         self.identity = identity
-        self.state = SessionState(identity, snapshot, agent, context)
+        self.state = SessionState(identity, start.snapshot, agent, start.context)
         self.agent = agent
         self._hooks = hooks
-        self._park_after = park_after
-        self._clock = clock
+        self._park_after = services.park_after
+        self._clock = services.clock
         self.failure: BaseException | None = None  # why the run failed, when it did
         self.drained = False  # the run ended because a drain moved the session
-        self._unstarted = unstarted  # session.started goes with the first commit
-        self._handoff_id = handoff_id  # the handoff that started this run, if one did
-        self._log = log.bind(
-            session_id=identity.fence.session_id,
-            run_id=identity.fence.owner_run_id,
-            epoch=identity.fence.epoch,
-            deployment_id=identity.deployment_id,
-        )
+        self._unstarted = start.unstarted  # session.started goes with the first commit
+        self._handoff_id = start.handoff_id  # the handoff that started this run, if one did
+        self._log = _run_log(identity)
         # Every task of the run (inbox reader, step, timer, retirement,
         # reports): cancelled together when the run ends.
         self._background = Background()
-        subagent = subagents or agent.subagent
-        self._step = StepRunner(
-            identity, self.state, hooks, children, subagent, self._background, self._log
-        )
-        self._upkeep = Upkeep(
-            identity, self.state, hooks, anchor, children, self._background, self._log
-        )
+        tasks, state, run_log = self._background, self.state, self._log
+        subagent = services.subagents or agent.subagent
+        self._step = StepRunner(identity, state, hooks, children, subagent, tasks, run_log)
+        self._upkeep = Upkeep(identity, state, hooks, anchor, children, tasks, run_log)
         self._departures = Departures(
-            self.state, hooks, self._log, attempts=attempts, drain_to=drain_to
+            state, hooks, run_log, attempts=services.attempts, drain_to=drain_to
         )
-        self._spans = RunSpans(identity.fence.session_id, identity.fence.owner_run_id)  # tracing
+        self._spans = RunSpans(fence.session_id, fence.owner_run_id)  # tracing
         self._inbox = InboxBuffer(
             hooks,
-            identity.fence,
-            self.state,
+            fence,
+            state,
             self._departures,
             self._step,
-            self._log,
-            seed=seed,
-            revision_known=snapshot_revision is not None,
+            run_log,
+            seed=start.seed,
+            revision_known=start.revision is not None,
             spans=self._spans,  # tracing
         )
         self._pending = self._inbox.pending
         self._commits = RunCommits(
-            anchor,
-            identity,
-            self.state,
-            self._upkeep,
-            self._inbox,
-            self._log,
-            revision=snapshot_revision,
+            anchor, identity, state, self._upkeep, self._inbox, run_log, revision=start.revision
         )
 
     @property
@@ -175,21 +197,12 @@ class SessionRun:
         return self._departures.drain_to
 
     def busy_with(self) -> str:
-        """Why the session is not idle (it moves, by a drain or a handoff,
-        when it is); "" when it is idle."""
-        if self.state.turn_open:
-            return "a turn is open; it moves when it settles"
-        if self.state.handles.busy():
-            return "a child session works for it; it moves after"
-        return ""
+        """Why the session cannot move yet (departure_rules.busy_with)."""
+        return departure_rules.busy_with(self.state)
 
     def oldest_pending_accepted(self) -> float | None:
-        """When the oldest entry read and not processed yet was accepted
-        (epoch seconds), or None."""
-        if not self._pending or not self._pending[0].HasField("accepted_at"):
-            return None
-        accepted = self._pending[0].accepted_at
-        return accepted.seconds + accepted.nanos / 1e9
+        """When the oldest entry read and not processed yet was accepted."""
+        return self._inbox.oldest_accepted()
 
     # -- the program ------------------------------------------------------
 
@@ -368,32 +381,13 @@ class SessionRun:
     async def _compact_if_over_budget(self) -> None:
         """At a turn boundary: compact when what the model sees outgrew the
         agent's context budget (DESIGN.md §4)."""
-        if not decisions.compaction_due(self.state):
-            return
-        entries, size = self.state.context.size()
-        self._log.info(
-            "context over budget; compacting",
-            entries=entries,
-            bytes=size,
-            budget_bytes=self.agent.context_budget_bytes,
-            budget_entries=self.agent.context_budget_entries,
-        )
-        await self._summarize([], None)
+        if decisions.compaction_due(self.state):
+            compaction.log_over_budget(self.state, self._log)
+            await self._summarize([], None)
 
     async def _summarize(self, events: list[s.Event], entry: s.InboxEntry | None) -> None:
-        """Replace the context with the model's summary of it; `entry` is the
-        compact command, or None when the owner compacts on its own."""
-        state = self.state
-        before = state.context.size()
-        try:
-            reply = await self.agent.model.complete(
-                self.agent.compaction_instructions, state.context.messages, ()
-            )
-        except Exception as exc:  # noqa: BLE001 - authored code
-            self._log.warning("compaction failed", error=repr(exc), automatic=entry is None)
-            state.compaction_failed(events, entry, safe_error(exc))
-        else:
-            state.compacted(events, entry, reply, before)
+        """The compact command (`entry`), or the owner's own (None)."""
+        await compaction.summarize(self.state, events, entry, self._log)
         await self._commits.commit(events)
 
     async def _finalize(
