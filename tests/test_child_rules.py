@@ -1,5 +1,6 @@
 """The pure rules of child sessions (services/owner/handles.py,
-services/owner/child_rules.py and their use in services/owner/turns.py):
+services/owner/child_rules.py, child_reports.py and their use in
+services/owner/turns.py):
 handle states, what a child's report means for its parent, eligibility for a
 handoff, budget roll-up, what a child reports to its parent. No etcd, no
 gRPC, no event loop."""
@@ -304,6 +305,23 @@ def test_a_child_reports_the_outcome_of_its_parents_work() -> None:
     assert out.task_delivery_id == f"task:{SID}:3" and out.parent_session_id == PARENT
     assert out.usage.input_tokens == 2 and out.steps == 1 and out.deployment_id == "dep-a"
     assert st.snapshot.parent.work == 0
+
+
+def test_a_child_reports_a_descendants_wait_further_up() -> None:
+    st = state(parent=link())
+    st.snapshot.parent.work = 2
+    grandchild = "ses_" + "g" * 26
+    request = s.InputRequest(request_id="input_7", kind=s.INPUT_KIND_QUESTION, prompt="Name?")
+    waits = s.TaskResultCommand(status=s.TASK_STATUS_WAITING, input_request=request)
+    st.report_descendant_wait(waits, grandchild)
+    [up] = st.snapshot.parent.outbox
+    assert up.status == s.TASK_STATUS_WAITING and up.waiting_session_id == grandchild
+    assert up.task_delivery_id == f"wait:{SID}:{grandchild}:input_7"
+    assert up.input_request == request and up.work == 2 and up.parent_session_id == PARENT
+    sign_in = s.TaskResultCommand(status=s.TASK_STATUS_WAITING, attempt_id="att_1")
+    st.report_descendant_wait(sign_in, grandchild)
+    assert st.snapshot.parent.outbox[-1].task_delivery_id == f"wait:{SID}:{grandchild}:att_1"
+    assert st.snapshot.parent.outbox[-1].attempt_id == "att_1"
 
 
 def test_a_child_reports_waits_cancels_and_its_finalization() -> None:

@@ -1,9 +1,9 @@
 """Child-session rules (DESIGN.md §11), as a layer of `SessionState`
 (turns.py): what a step's child-starting tool call asks for, recording the
 work given to a child, applying a child's report to its parent, cancelling
-the children of a cancelled turn, and — in a child — the reports it owes
-its parent. Pure: no I/O. The handle rules themselves are in handles.py;
-`SessionRun` (session.py) creates the children and delivers the commands
+the children of a cancelled turn. Pure: no I/O. The handle rules themselves
+are in handles.py, the reports a child owes its parent in child_reports.py;
+the run (step.py, upkeep.py) creates the children and delivers the commands
 and reports these rules produce.
 
 - a step may give work to children; a turn waiting for a child's result is
@@ -12,11 +12,7 @@ and reports these rules produce.
   boundary, starts a turn, or is only recorded.
 - cancelling a turn cancels the children it gave work to; what children
   spend is added to this session's usage and turn.
-- a child session reports to its parent: the outcome of each turn that its
-  parent's work started, the waits it pauses on, and its finalization, as
-  reports in its snapshot's outbox (delivered by the run, deduplicated by
-  delivery ids derived from the child and the report). It takes
-  conversational messages only from its parent.
+- a child session takes conversational messages only from its parent.
 """
 
 from __future__ import annotations
@@ -30,8 +26,9 @@ from services.common import ids, limits
 from services.common.errors import Reason
 from services.owner import handles as h
 from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
+from services.owner.child_reports import ChildReports
 from services.owner.handles import Verdict
-from services.owner.held import HeldSession, RunIdentity
+from services.owner.held import RunIdentity
 
 
 @dataclass(frozen=True)
@@ -59,9 +56,9 @@ class ChildPlan:
     link: s.ParentLink | None
 
 
-class ChildRules(HeldSession):
-    """The child-session rules of one held session: as a parent (handles,
-    work given, reports received) and as a child (reports owed)."""
+class ChildRules(ChildReports):
+    """The child-session rules of one held session as a parent (handles,
+    work given, reports received), over what it owes as a child."""
 
     def __init__(
         self,
@@ -74,8 +71,6 @@ class ChildRules(HeldSession):
         # Commands for children (cancels, resets) that must be in their inboxes
         # before the next commit; derived delivery ids make a repeat harmless.
         self.outgoing: list[tuple[str, s.Command]] = []
-        self.committed_reports = {r.task_delivery_id for r in snapshot.parent.outbox}
-        self.answer = ""  # the open turn's latest final answer (a child reports it)
 
     # -- what a child's command means ---------------------------------------------
 
@@ -148,15 +143,35 @@ class ChildRules(HeldSession):
         continue_task, a background or workflow tool), or why it cannot be
         done (`reserved`: children given work earlier in this step; `step`:
         what this step spent so far, which the new child's budget leaves out)."""
-        try:
-            arguments = json.loads(call.arguments_json)
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            arguments = {}
-        background = bool(arguments.get("background"))
+        ask = self._what_call_asks(call, reserved, has_subagent)
+        if isinstance(ask, h.Refusal):
+            return ask
+        child, kind, name, text, background = ask
         resumed = call.name == CONTINUE_TASK
-        if resumed:
+        link = None
+        if not resumed:
+            new = self._new_child(call, kind, name, len(reserved), step)
+            if isinstance(new, h.Refusal):
+                return new
+            child, link = new
+        parent = self.identity.fence.session_id
+        work = self.next_work(child) if resumed else 1
+        command = s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:{work}"),
+            send=s.SendCommand(text=text, parent_work=work),
+        )
+        given = ChildWork(child, kind, name, self.identity.deployment_id, text, background, resumed)
+        return ChildPlan(given, command, link)
+
+    def _what_call_asks(
+        self, call: s.ToolCall, reserved: frozenset[str], has_subagent: Callable[[str], bool]
+    ) -> tuple[str, s.TaskKind.ValueType, str, str, bool] | h.Refusal:
+        """(child, kind, name, text, background) of a child-starting call;
+        child is "" for a new child (its id is derived later)."""
+        arguments = _arguments(call)
+        background = bool(arguments.get("background"))
+        child = ""
+        if call.name == CONTINUE_TASK:
             child = str(arguments.get("handle", ""))
             text = str(arguments.get("message", ""))
             refusal = self.handles.refuse_continue(child, reserved)
@@ -177,34 +192,37 @@ class ChildRules(HeldSession):
             name, text = tool.name, call.arguments_json
         if not text.strip():
             return h.Refusal(Reason.EMPTY_MESSAGE, "there is nothing to ask")
-        parent = self.identity.fence.session_id
-        link = None
-        if not resumed:
-            refusal = self.handles.refuse_start(len(reserved))
-            depth = self.snapshot.parent.depth + 1
-            if refusal is None and depth > limits.MAX_CHILD_DEPTH:
-                refusal = h.Refusal(
-                    Reason.TOO_MANY_TASKS,
-                    f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
-                )
-            if refusal is not None:
-                return refusal
-            child = ids.child_session_id(parent, call.id)
-            tokens, cost = h.child_budget(self.snapshot, step)
-            link = s.ParentLink(
-                parent_session_id=parent,
-                kind=kind,
-                name=name,
-                depth=depth,
-                limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
+        return child, kind, name, text, background
+
+    def _new_child(
+        self,
+        call: s.ToolCall,
+        kind: s.TaskKind.ValueType,
+        name: str,
+        reserved: int,
+        step: s.Usage,
+    ) -> tuple[str, s.ParentLink] | h.Refusal:
+        """A new child for `call`: its id and parent link (its depth, and the
+        budget left after `step`), or why there can be none."""
+        refusal = self.handles.refuse_start(reserved)
+        depth = self.snapshot.parent.depth + 1
+        if refusal is None and depth > limits.MAX_CHILD_DEPTH:
+            refusal = h.Refusal(
+                Reason.TOO_MANY_TASKS,
+                f"child sessions nest at most {limits.MAX_CHILD_DEPTH} deep",
             )
-        work = self.next_work(child) if resumed else 1
-        command = s.Command(
-            delivery=s.DeliveryMetadata(delivery_id=f"work:{parent}:{work}"),
-            send=s.SendCommand(text=text, parent_work=work),
+        if refusal is not None:
+            return refusal
+        parent = self.identity.fence.session_id
+        tokens, cost = h.child_budget(self.snapshot, step)
+        link = s.ParentLink(
+            parent_session_id=parent,
+            kind=kind,
+            name=name,
+            depth=depth,
+            limits=s.Limits(token_budget=tokens, cost_budget_micros=cost),
         )
-        given = ChildWork(child, kind, name, self.identity.deployment_id, text, background, resumed)
-        return ChildPlan(given, command, link)
+        return ids.child_session_id(parent, call.id), link
 
     def next_work(self, child_session_id: str) -> int:
         """The number of the next work a (known) child would get."""
@@ -219,43 +237,48 @@ class ChildRules(HeldSession):
         handle = judgement.handle
         verdict = judgement.verdict
         assert handle is not None and verdict is not Verdict.REJECT
-        report = entry.command.task_result
         self.consume(entry)
         if verdict is Verdict.SURFACE:
-            handle.waiting = True
-            where = report.waiting_session_id or report.child_session_id
-            if report.attempt_id:
-                events.append(
-                    self.event(
-                        s.EVENT_KIND_AUTHORIZATION_REQUIRED,
-                        entry,
-                        attempt_id=report.attempt_id,
-                        child_session_id=where,
-                    )
-                )
-            else:
-                events.append(
-                    self.event(
-                        s.EVENT_KIND_INPUT_REQUESTED,
-                        entry,
-                        input_request=report.input_request,
-                        child_session_id=where,
-                    )
-                )
-            if self.is_child:  # surfaced further up: a wait of a descendant
-                self._report(
-                    s.TASK_STATUS_WAITING,
-                    f"wait:{self.identity.fence.session_id}:{where}:"
-                    f"{report.attempt_id or report.input_request.request_id}",
-                    work=self.snapshot.parent.work,
-                    input_request=report.input_request,
-                    attempt_id=report.attempt_id,
-                    waiting_session_id=where,
-                )
-            return verdict
-        if verdict is Verdict.FINALIZED:
+            self._surface_wait(entry, handle, events)
+        elif verdict is Verdict.FINALIZED:
             self.handles.mark_finalized(handle)
-            return verdict
+        else:
+            self._apply_outcome(entry, handle, verdict, events)
+        return verdict
+
+    def _surface_wait(
+        self, entry: s.InboxEntry, handle: s.ChildHandle, events: list[s.Event]
+    ) -> None:
+        """A child (or a descendant) waits on a human: say so here, and, in
+        a child, report it further up."""
+        report = entry.command.task_result
+        handle.waiting = True
+        where = report.waiting_session_id or report.child_session_id
+        if report.attempt_id:
+            event = self.event(
+                s.EVENT_KIND_AUTHORIZATION_REQUIRED,
+                entry,
+                attempt_id=report.attempt_id,
+                child_session_id=where,
+            )
+        else:
+            event = self.event(
+                s.EVENT_KIND_INPUT_REQUESTED,
+                entry,
+                input_request=report.input_request,
+                child_session_id=where,
+            )
+        events.append(event)
+        if self.is_child:  # surfaced further up: a wait of a descendant
+            self.report_descendant_wait(report, where)
+
+    def _apply_outcome(
+        self, entry: s.InboxEntry, handle: s.ChildHandle, verdict: Verdict, events: list[s.Event]
+    ) -> None:
+        """A child's work ended: count what it spent, finish the handle, say
+        so, and give the result to the call waiting for it (AWAITED) or to
+        the open turn (ADMIT)."""
+        report = entry.command.task_result
         call_id = handle.tool_call_id
         h.add_usage(self.snapshot.usage, report.usage)
         if verdict in (Verdict.AWAITED, Verdict.ADMIT) and self.turn_open:
@@ -277,18 +300,15 @@ class ChildRules(HeldSession):
             )
         )
         if verdict is Verdict.AWAITED:
+            output = h.tool_output(handle, report)
             result = s.ToolResult(
-                tool_call_id=call_id,
-                name=handle.name,
-                output=h.tool_output(handle, report),
-                is_error=failed,
+                tool_call_id=call_id, name=handle.name, output=output, is_error=failed
             )
             self.record_result(result, events)
         elif verdict is Verdict.ADMIT:
             content = h.message_content(handle, report)
             self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
         self.handles.prune()
-        return verdict
 
     def cancel_children(self, events: list[s.Event]) -> None:
         """The open turn is cancelled: so is the work it gave children that
@@ -318,90 +338,14 @@ class ChildRules(HeldSession):
             )
             self.outgoing.append((handle.child_session_id, command))
 
-    # -- a child session's reports to its parent -----------------------------------
 
-    def _report(self, status: s.TaskStatus.ValueType, key: str, **fields: object) -> None:
-        link = self.snapshot.parent
-        report = s.TaskResultCommand(
-            task_delivery_id=key,
-            child_session_id=self.identity.fence.session_id,
-            parent_session_id=link.parent_session_id,
-            status=status,
-            deployment_id=self.identity.deployment_id,
-            # Only the fields given a value; `fields` are keywords of the message,
-            # which the stub types one by one (a dict of objects cannot match).
-            **{k: v for k, v in fields.items() if v},  # type: ignore[arg-type]
-        )
-        link.outbox.append(report)
-
-    def report_work(
-        self, kind: s.EventKind.ValueType, error: s.ErrorDetail | None, usage: s.Usage
-    ) -> None:
-        """A turn of a child settled (`kind`): report the outcome of the
-        parent's work it served, if any."""
-        link = self.snapshot.parent
-        if not self.is_child or not link.work:
-            return
-        work = link.work
-        link.work = 0
-        turn = self.snapshot.open_turn
-        steps = turn.steps + turn.child_steps if self.turn_open else 0
-        key = f"task:{self.identity.fence.session_id}:{work}"
-        if kind == s.EVENT_KIND_TURN_COMPLETED:
-            answer = self.answer
-            if len(answer.encode()) > limits.MAX_TASK_RESULT_BYTES:
-                error = s.ErrorDetail(
-                    reason=Reason.TASK_RESULT_TOO_LARGE,
-                    message=f"the answer is {len(answer.encode())} bytes; a result may have "
-                    f"{limits.MAX_TASK_RESULT_BYTES} (the whole answer is on session "
-                    f"{self.identity.fence.session_id}'s stream)",
-                )
-                self._report(
-                    s.TASK_STATUS_FAILED, key, work=work, error=error, usage=usage, steps=steps
-                )
-                return
-            self._report(
-                s.TASK_STATUS_COMPLETED, key, work=work, result=answer, usage=usage, steps=steps
-            )
-        elif kind == s.EVENT_KIND_TURN_CANCELLED:
-            cancelled = s.ErrorDetail(reason=Reason.CANCELLED, message="the work was cancelled")
-            self._report(
-                s.TASK_STATUS_CANCELLED, key, work=work, error=cancelled, usage=usage, steps=steps
-            )
-        else:
-            failed = error or s.ErrorDetail(reason=Reason.INTERNAL, message="the work failed")
-            self._report(
-                s.TASK_STATUS_FAILED, key, work=work, error=failed, usage=usage, steps=steps
-            )
-
-    def _unreport_refused(self) -> None:
-        """A refused commit settled the turn that served the parent's work:
-        take back the outcome it reported (never committed) so the turn's
-        failure is reported instead."""
-        link = self.snapshot.parent
-        kept = []
-        for report in link.outbox:
-            fresh = report.task_delivery_id not in self.committed_reports
-            if fresh and report.status in h.OUTCOMES:
-                link.work = report.work
-            else:
-                kept.append(report)
-        if len(kept) != len(link.outbox):
-            del link.outbox[:]
-            link.outbox.extend(kept)
-
-    def report_wait(self, *, request: s.InputRequest | None = None, attempt_id: str = "") -> None:
-        if not self.is_child:
-            return
-        sid = self.identity.fence.session_id
-        self._report(
-            s.TASK_STATUS_WAITING,
-            f"wait:{sid}:{attempt_id or (request.request_id if request else '')}",
-            work=self.snapshot.parent.work,
-            input_request=request,
-            attempt_id=attempt_id,
-            waiting_session_id=sid,
-        )
+def _arguments(call: s.ToolCall) -> dict[str, object]:
+    """A call's arguments; anything but a JSON object reads as none."""
+    try:
+        arguments = json.loads(call.arguments_json)
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def _copy(handle: s.ChildHandle) -> s.ChildHandle:

@@ -3,9 +3,10 @@ identity, the snapshot, the context window and the child handles, with the
 few primitives every rule uses — the events it produces, consuming an inbox
 entry, recording a tool result, naming ids. Pure: no I/O.
 
-`ChildRules` (child_rules.py) adds the child-session rules on top, and
-`SessionState` (turns.py) the turn rules on top of those; each layer calls
-only the ones below it."""
+`ChildReports` (child_reports.py) adds what a child owes its parent on
+top, `ChildRules` (child_rules.py) the parent's child-session rules, and the
+layers up to `SessionState` (turns.py) the wait, step and turn rules; each
+layer calls only the ones below it."""
 
 from __future__ import annotations
 

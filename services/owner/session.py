@@ -12,7 +12,8 @@ The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
 (step.py: model, tools, child work), departures (departures.py: handoff,
 drain, park), commits (commit.py: the last commit, a refused commit failing
 the turn) and upkeep (upkeep.py: timer, history retirement, controls to
-children before a commit, reports after it). The rules are in turns.py, child_rules.py, handles.py,
+children before a commit, reports after it), and compaction.py for the
+model's summary. The rules are in turns.py and its layers, handles.py,
 decisions.py and departure_rules.py; none of them does I/O.
 """
 

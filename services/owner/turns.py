@@ -27,7 +27,8 @@ and tools, and commits what these rules produce.
   session's usage and turn (budgets and the step limit see it).
 
 The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
-event and id primitives) under `ChildRules` (child_rules.py) under
+event and id primitives) under `ChildReports` (child_reports.py: what a
+child owes its parent) under `ChildRules` (child_rules.py) under
 `WaitRules` (waits.py: human input, sign-in, rejections) under
 `StepRules` (step_rules.py: what a step did) under `SessionState`
 (here); each calls only the layers below it.
