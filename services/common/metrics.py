@@ -279,9 +279,12 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
 }
 
 
+DISTRIBUTION = "baton-runtime"  # the servers' distribution (pyproject.toml)
+
+
 def version() -> str:
     try:
-        return importlib.metadata.version("baton")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
