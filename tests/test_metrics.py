@@ -46,6 +46,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         **_STORE,
         "baton_inbox_appends_total": ("counter", {"outcome"}),
         "baton_inbox_append_batch_size": ("histogram", set()),
+        "baton_dedupe_leases_granted_total": ("counter", {"reason"}),
         "baton_transfers_total": ("counter", {"outcome"}),
         "baton_live_instances": ("gauge", {"deployment"}),
     },
@@ -55,6 +56,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_commit_bytes": ("histogram", set()),
         "baton_stream_followers": ("gauge", set()),
         "baton_events_committed_total": ("counter", set()),
+        "baton_inbox_entries_deleted_total": ("counter", set()),
     },
     "owner": {
         **_RPC,

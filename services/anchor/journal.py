@@ -202,6 +202,17 @@ class Journal:
         if commit.history:
             first_index = snapshot.history_log.next_index - len(commit.history)
             txn.success += await self._history.stage(sid, first_index, commit.history)
+        consumed = snapshot.inbox_next_seq
+        if consumed > 0:
+            # Every inbox entry below the consumed position, in this commit's
+            # txn: one range delete (nothing after it ever reads them: a
+            # takeover, handoff or wake reads from the snapshot's position).
+            # It costs only the keys etcd still indexes in the range: none
+            # live below the position, and the tombstones of the last
+            # compaction window.
+            txn.delete(
+                k.inbox_prefix(sid), k.inbox_entry(sid, consumed), name="consumed"
+            )
         if close:
             txn.put(k.closed(sid), str(events[-1].seq).encode())
             expires_ms = int((self._clock() + self._retention_seconds) * 1000)
@@ -217,6 +228,8 @@ class Journal:
         if result.succeeded:
             metrics.EVENTS_COMMITTED.inc(len(events))
             metrics.COMMIT_BYTES.observe(commit.size)
+            if consumed > 0:
+                metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
             return result.revision, False
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")

@@ -64,6 +64,17 @@ def _count(value: str) -> int:
     return count
 
 
+def _seconds(value: str) -> float:
+    """A duration of at least a second (hooks refuses less at startup)."""
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from exc
+    if not seconds >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, not {value}")
+    return seconds
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Run Baton locally and talk to it.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -142,6 +153,13 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=accept_etcd_risk_from_env(),
         help="start etcd even if it is a known-bad release (env BATON_ACCEPT_ETCD_RISK=1)",
+    )
+    up.add_argument(
+        "--dedupe-window",
+        type=_seconds,
+        metavar="SECONDS",
+        help="hooks: how long a delivery id (and a handoff record) is remembered; a repeat "
+        "inside the window answers the first receipt (default 86400, a day)",
     )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
@@ -535,6 +553,7 @@ def _up(args: argparse.Namespace) -> int:
         etcd_members=args.etcd_members,
         etcd_binary=args.etcd_binary,
         accept_etcd_risk=args.accept_etcd_risk,
+        dedupe_window=args.dedupe_window,
     )
     return launcher.launch(settings)
 

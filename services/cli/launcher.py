@@ -141,6 +141,8 @@ class LaunchSettings:
     # whether a known-bad release may run (services/common/etcd_releases.py).
     etcd_binary: str = ""
     accept_etcd_risk: bool = False
+    # hooks' --dedupe-window (seconds; None: hooks' default, a day).
+    dedupe_window: float | None = None
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -642,6 +644,8 @@ class LocalSystem:
                 "BATON_TLS_KEY": security.files.key,
                 "BATON_TLS_CA": security.files.ca,
             }
+        if name == "hooks" and self.settings.dedupe_window is not None:
+            env["BATON_DEDUPE_WINDOW"] = f"{self.settings.dedupe_window:g}"
         if dep is None:
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),

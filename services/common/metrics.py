@@ -107,6 +107,13 @@ INBOX_APPEND_BATCH = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64),
     registry=None,
 )
+DEDUPE_LEASES_GRANTED = Counter(
+    "baton_dedupe_leases_granted_total",
+    "etcd leases granted for the deduplication window (delivery ids, handoff records), "
+    "by reason: rotated (a new time bucket), missing (etcd no longer knew the last one)",
+    ["reason"],
+    registry=None,
+)
 TRANSFERS = Counter(
     "baton_transfers_total",
     "Transfer calls (handoff, drain, adoption moves), by outcome: moved, replayed, refused",
@@ -137,6 +144,11 @@ STREAM_FOLLOWERS = Gauge(
 EVENTS_COMMITTED = Counter(
     "baton_events_committed_total",
     "Stream events committed (replayed commits not counted again)",
+    registry=None,
+)
+INBOX_ENTRIES_DELETED = Counter(
+    "baton_inbox_entries_deleted_total",
+    "Consumed inbox entries deleted by the commits that consumed them",
     registry=None,
 )
 
@@ -233,8 +245,23 @@ LIMIT_REFUSALS = Counter(
 _RPC = (RPC_SERVER_HANDLED, RPC_SERVER_SECONDS, RPC_CLIENT_HANDLED)
 _STORE = (ETCD_TXN_SECONDS, ETCD_ERRORS, STORE_SERVING)
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
-    "hooks": (*_RPC, *_STORE, INBOX_APPENDS, INBOX_APPEND_BATCH, TRANSFERS, LIVE_INSTANCES),
-    "anchor": (*_RPC, *_STORE, COMMIT_BYTES, STREAM_FOLLOWERS, EVENTS_COMMITTED),
+    "hooks": (
+        *_RPC,
+        *_STORE,
+        INBOX_APPENDS,
+        INBOX_APPEND_BATCH,
+        DEDUPE_LEASES_GRANTED,
+        TRANSFERS,
+        LIVE_INSTANCES,
+    ),
+    "anchor": (
+        *_RPC,
+        *_STORE,
+        COMMIT_BYTES,
+        STREAM_FOLLOWERS,
+        EVENTS_COMMITTED,
+        INBOX_ENTRIES_DELETED,
+    ),
     "owner": (
         *_RPC,
         TURNS,
