@@ -171,9 +171,12 @@ class Journal:
         close: bool,
         expected_snapshot_revision: int | None = None,
         history: Sequence[s.ChatMessage] = (),
+        consumed_from: int | None = None,
     ) -> tuple[int, bool]:
         """One fenced txn: events + history entries + snapshot (+ the closed
-        marker and the retention index entry).
+        marker and the retention index entry), deleting the inbox entries
+        the snapshot says are consumed, from `consumed_from` (the replaced
+        snapshot's position; None: from the inbox's first key).
 
         Returns (revision, replayed). With `expected_snapshot_revision` the txn
         also compares the snapshot's mod revision, so no delayed or reordered
@@ -181,6 +184,13 @@ class Journal:
         stored snapshot and first event are byte-identical) writes nothing and
         reports replayed."""
         commit = encode_commit(fence, events, snapshot, close, history)
+        consumed = snapshot.inbox_next_seq
+        if consumed_from is not None and consumed_from > consumed:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD,
+                f"consumed_inbox_from {consumed_from} is beyond the snapshot's "
+                f"inbox_next_seq {consumed}",
+            )
         k = self._keys
         sid = fence.session_id
         txn = Txn().require(commit.fence.compare(k), cmp_absent(k.closed(sid)))
@@ -202,17 +212,17 @@ class Journal:
         if commit.history:
             first_index = snapshot.history_log.next_index - len(commit.history)
             txn.success += await self._history.stage(sid, first_index, commit.history)
-        consumed = snapshot.inbox_next_seq
-        if consumed > 0:
-            # Every inbox entry below the consumed position, in this commit's
-            # txn: one range delete (nothing after it ever reads them: a
-            # takeover, handoff or wake reads from the snapshot's position).
-            # It costs only the keys etcd still indexes in the range: none
-            # live below the position, and the tombstones of the last
-            # compaction window.
-            txn.delete(
-                k.inbox_prefix(sid), k.inbox_entry(sid, consumed), name="consumed"
+        deletes = consumed > (consumed_from or 0)
+        if deletes:
+            # The entries this commit consumed, in its own txn: one range
+            # delete (nothing after it reads them: a takeover, handoff or
+            # wake reads from the snapshot's position). etcd walks every key
+            # it still indexes in the range, tombstones of deleted ones
+            # included until compaction: hence the lower bound.
+            start = (
+                k.inbox_prefix(sid) if consumed_from is None else k.inbox_entry(sid, consumed_from)
             )
+            txn.delete(start, k.inbox_entry(sid, consumed), name="consumed")
         if close:
             txn.put(k.closed(sid), str(events[-1].seq).encode())
             expires_ms = int((self._clock() + self._retention_seconds) * 1000)
@@ -228,7 +238,7 @@ class Journal:
         if result.succeeded:
             metrics.EVENTS_COMMITTED.inc(len(events))
             metrics.COMMIT_BYTES.observe(commit.size)
-            if consumed > 0:
+            if deletes:
                 metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
             return result.revision, False
         commit.fence.check(result.value("fence"))

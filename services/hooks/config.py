@@ -30,6 +30,4 @@ class HooksConfig(StoreServiceConfig):
             str(int(DEFAULT_WINDOW_SECONDS)),
         )
         shared, values = cls.read("services.hooks", listen, (window,), argv, environ)
-        return cls(
-            **shared, dedupe_window_seconds=as_float(values, "dedupe_window", minimum=1.0)
-        )
+        return cls(**shared, dedupe_window_seconds=as_float(values, "dedupe_window", minimum=1.0))

@@ -44,9 +44,12 @@ async def commit_step(
     close: bool = False,
     expected_snapshot_revision: int | None = None,
     history: Sequence[s.ChatMessage] = (),
+    consumed_from: int | None = None,
 ) -> int | None:
     """Commit events + history entries + snapshot as one fenced txn; returns
-    the snapshot's new revision. Transient failures are retried with the
+    the snapshot's new revision. The txn deletes the inbox entries consumed
+    since `consumed_from` (the last committed snapshot's position; None:
+    every entry below the snapshot's). Transient failures are retried with the
     identical request (anchor recognises a replay): for COMMIT_RETRY_SECONDS,
     and while etcd is full (STORE_FULL) until an operator has made room, so
     the step's work is never lost or redone for it."""
@@ -54,6 +57,8 @@ async def commit_step(
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
     snapshot.deployment_id = identity.deployment_id
+    if consumed_from is not None:  # (a snapshot rolled back to a refused commit's)
+        consumed_from = min(consumed_from, snapshot.inbox_next_seq)
     request = anchor_pb.CommitStepRequest(
         fence=identity.fence,
         events=events,
@@ -61,6 +66,7 @@ async def commit_step(
         close_stream=close,
         expected_snapshot_revision=expected_snapshot_revision,
         history=history,
+        consumed_inbox_from=consumed_from,
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + COMMIT_RETRY_SECONDS

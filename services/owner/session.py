@@ -152,6 +152,10 @@ class SessionRun:
         self._clock = clock
         self._snapshot_revision = snapshot_revision
         self._committed_snapshot = snapshot.SerializeToString()
+        # The inbox position of this run's last commit: the next commit
+        # deletes the entries consumed since (its first, every one below:
+        # also any an older version left behind).
+        self._committed_inbox: int | None = None
         self.progressed = False  # a commit of this run succeeded
         self.failure: BaseException | None = None  # why the run failed, when it did
         # `seed`: inbox entries already read (a handoff's trigger), ahead of the stream.
@@ -975,6 +979,7 @@ class SessionRun:
                 close,
                 self._snapshot_revision,
                 context.appended,
+                self._committed_inbox,
             )
         except (InvalidArgument, ResourceExhausted) as exc:
             if exc.reason == Reason.STORE_FULL:
@@ -985,6 +990,7 @@ class SessionRun:
         self.state.mark_committed()
         self._turns.committed(events)
         self._committed_snapshot = self.snapshot.SerializeToString()
+        self._committed_inbox = self.snapshot.inbox_next_seq
         self.progressed = True
         self._start_retire()
         self._deliver_reports()
