@@ -24,6 +24,7 @@ from services.common.errors import NotFound, Reason
 from services.common.identity import Role
 from services.common.keys import Keys, prefix_end
 from services.hooks.expiry import bucket_width, lease_ttl
+from services.hooks.registry import HookRegistry
 from services.hooks.server import create_server as create_hooks
 from tests.certs import etcd_client
 from tests.procs import eventually
@@ -221,6 +222,27 @@ async def test_a_handoff_record_expires_with_the_window(short: Stack, raw: aetcd
     finally:
         await hooks.close()
         await stop_deployment(b)
+
+
+async def test_a_lease_etcd_forgot_is_granted_anew_and_nothing_is_lost(
+    short: Stack, raw: aetcd.Client
+) -> None:
+    """An operator revokes the replica's current lease (or etcd lost it with
+    a restored backup): the next append naming it fails with LeaseNotFound
+    inside hooks, which grants a new lease and appends once."""
+    registry = short.hooks.app
+    assert isinstance(registry, HookRegistry)
+    missing_before = value(metrics.DEDUPE_LEASES_GRANTED, "missing")
+    sid = await short.create()
+    first = (await short.send(sid, "one", delivery_id="lease-1")).receipt
+    await raw.revoke_lease(await registry.leases.current())
+    second = (await short.send(sid, "two", delivery_id="lease-2")).receipt
+    assert not second.duplicate and second.seq == first.seq + 1
+    assert value(metrics.DEDUPE_LEASES_GRANTED, "missing") == missing_before + 1
+    again = (await short.send(sid, "two", delivery_id="lease-2")).receipt
+    assert again.duplicate and again.seq == second.seq
+    events = await read_until_idle(short, sid, 2)
+    assert_admitted_once_in_order(events, {first.seq: "one", second.seq: "two"})
 
 
 def test_the_window_sets_the_bucket_width_and_the_lease_ttl() -> None:

@@ -44,6 +44,7 @@ class HookRegistry:
     method is one room's."""
 
     def __init__(self, store: Store, keys: Keys, leases: ExpiryLeases) -> None:
+        self.leases = leases
         self.sessions = SessionCache(store, keys)
         self.tokens = TokenIndex(store, keys)
         self.claims = Claims(store, keys, self.tokens, self.sessions, leases)
