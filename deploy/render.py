@@ -594,6 +594,10 @@ DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] =
                     ),
                     (f"sum(rate(baton_events_committed_total[{_RATE}]))", "events/s"),
                     (
+                        f"sum(rate(baton_stream_events_trimmed_total[{_RATE}]))",
+                        "events trimmed/s (below the horizon)",
+                    ),
+                    (
                         "histogram_quantile(0.95, sum by (le) "
                         f"(rate(baton_inbox_append_batch_size_bucket[{_RATE}])))",
                         "append batch p95",

@@ -65,6 +65,7 @@ class ProcessStack:
     lease_ttl: int = 2
     park_after: float | None = None
     owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
+    anchor_env: dict[str, str] = field(default_factory=dict)  # anchor's extra env
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
@@ -138,7 +139,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", "ingress", *(f"o{i}" for i in range(1, owners + 1))):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor")
+        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
         for i in range(1, owners + 1):
             self.start_owner(f"o{i}", wait=False)
         self.ingress = self._spawn("ingress", "ingress", BATON_OWNER_ADDR=self.addr("o1"))
@@ -156,7 +157,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", *ingresses, *owners):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor")
+        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
         for instance_id, (deployment_id, points) in owners.items():
             self.start_owner(
                 instance_id, wait=False, deployment_id=deployment_id, failpoints=points

@@ -56,6 +56,8 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_commit_bytes": ("histogram", set()),
         "baton_stream_followers": ("gauge", set()),
         "baton_events_committed_total": ("counter", set()),
+        "baton_stream_events_trimmed_total": ("counter", set()),
+        "baton_stream_trim_batch_seconds": ("histogram", set()),
         "baton_inbox_entries_deleted_total": ("counter", set()),
     },
     "owner": {

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import Setting, StoreServiceConfig, as_float
+from services.anchor.horizon import DEFAULT_KEEP_EVENTS, StreamPolicy
+from services.common.config import Setting, StoreServiceConfig, as_float, as_int
 
 WEEK = 7 * 24 * 3600
 
@@ -14,6 +15,14 @@ WEEK = 7 * 24 * 3600
 class AnchorConfig(StoreServiceConfig):
     retention_seconds: float = float(WEEK)
     retention_sweep_seconds: float = 30.0
+    # A live session's stream keeps at least this many events and every
+    # event younger than this (services/anchor/horizon.py).
+    stream_retention_events: int = DEFAULT_KEEP_EVENTS
+    stream_retention_seconds: float = float(WEEK)
+
+    @property
+    def stream_policy(self) -> StreamPolicy:
+        return StreamPolicy(self.stream_retention_events, self.stream_retention_seconds)
 
     @classmethod
     def load(
@@ -32,8 +41,22 @@ class AnchorConfig(StoreServiceConfig):
             Setting(
                 "--retention-sweep",
                 "BATON_RETENTION_SWEEP",
-                "seconds between sweeps of the retention index",
+                "seconds between sweeps of the retention index, and between rounds of the "
+                "sweep of live sessions' stream horizons",
                 "30",
+            ),
+            Setting(
+                "--stream-retention-events",
+                "BATON_STREAM_RETENTION_EVENTS",
+                "a live session's stream keeps at least its last N events (at least 1)",
+                str(DEFAULT_KEEP_EVENTS),
+            ),
+            Setting(
+                "--stream-retention",
+                "BATON_STREAM_RETENTION",
+                "a live session's stream keeps every event younger than this many seconds "
+                "(0: the event count alone decides)",
+                str(WEEK),
             ),
         )
         shared, values = cls.read("services.anchor", listen, retention, argv, environ)
@@ -41,4 +64,6 @@ class AnchorConfig(StoreServiceConfig):
             **shared,
             retention_seconds=as_float(values, "finalized_retention"),
             retention_sweep_seconds=as_float(values, "retention_sweep", minimum=0.05),
+            stream_retention_events=as_int(values, "stream_retention_events", minimum=1),
+            stream_retention_seconds=as_float(values, "stream_retention"),
         )

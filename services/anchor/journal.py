@@ -3,7 +3,8 @@
 A commit is one fenced transaction holding a step's events, the history
 entries the step appended (through `HistoryStore`) and the new snapshot,
 which stays bounded: nothing in it grows with the session's age, so a
-commit costs the same at turn 10 and at turn 10,000.
+commit costs the same at turn 10 and at turn 10,000. The stream itself is
+bounded by its retention horizon (services/anchor/horizon.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from baton.session.v1 import session_pb2 as s
 from services.anchor.history import EtcdHistory, GuardFailed, HistoryStore, check_entry
+from services.anchor.horizon import StreamHorizon, below_horizon, horizon_of, opened_pages
 from services.common import ids, limits, metrics
 from services.common.errors import (
     Aborted,
@@ -142,6 +144,8 @@ class _Page:
     more: bool
     exists: bool
     closed: int | None
+    # The first seq kept (the retention horizon, services/anchor/horizon.py).
+    horizon: int
     revision: int
 
 
@@ -155,13 +159,20 @@ class Journal:
         history: HistoryStore | None = None,
         *,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+        horizon: StreamHorizon | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._keys = keys
         self._history = history or EtcdHistory(store, keys)
+        self._horizon = horizon
         self._retention_seconds = retention_seconds
         self._clock = clock
+
+    @property
+    def horizon(self) -> StreamHorizon | None:
+        """What moves live streams' retention horizons (None: nothing does)."""
+        return self._horizon
 
     async def commit(
         self,
@@ -209,20 +220,15 @@ class Journal:
         txn.put(k.snapshot(sid), commit.snapshot_bytes)
         for event, raw in zip(events, commit.encoded_events, strict=True):
             txn.put(k.event(sid, event.seq), raw)
+        # A page the commit opens is stamped with anchor's clock: it dates the
+        # events before it for the stream's retention horizon.
+        pages = opened_pages(first, len(events))
+        for page in pages:
+            txn.put(k.stream_page(sid, page), str(int(self._clock() * 1000)).encode())
         if commit.history:
             first_index = snapshot.history_log.next_index - len(commit.history)
             txn.success += await self._history.stage(sid, first_index, commit.history)
-        deletes = consumed > (consumed_from or 0)
-        if deletes:
-            # The entries this commit consumed, in its own txn: one range
-            # delete (nothing after it reads them: a takeover, handoff or
-            # wake reads from the snapshot's position). etcd walks every key
-            # it still indexes in the range, tombstones of deleted ones
-            # included until compaction: hence the lower bound.
-            start = (
-                k.inbox_prefix(sid) if consumed_from is None else k.inbox_entry(sid, consumed_from)
-            )
-            txn.delete(start, k.inbox_entry(sid, consumed), name="consumed")
+        deletes = self._delete_consumed(txn, sid, consumed_from, consumed)
         if close:
             txn.put(k.closed(sid), str(events[-1].seq).encode())
             expires_ms = int((self._clock() + self._retention_seconds) * 1000)
@@ -234,17 +240,26 @@ class Journal:
         txn.read_on_failure("snapshot", k.snapshot(sid))
         if events:
             txn.read_on_failure("first", k.event(sid, events[0].seq))
+            txn.read_on_failure("horizon", k.horizon(sid))
         result = await txn.run(self._store)
         if result.succeeded:
             metrics.EVENTS_COMMITTED.inc(len(events))
             metrics.COMMIT_BYTES.observe(commit.size)
             if deletes:
                 metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
+            if pages and self._horizon is not None and not close:
+                self._horizon.committed(sid, snapshot.next_event_seq)
             return result.revision, False
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")
         same_snapshot = stored is not None and stored.value == commit.snapshot_bytes
-        same_first = not events or result.value("first") == commit.encoded_events[0]
+        stored_first = result.value("first")
+        same_first = (
+            not events
+            or stored_first == commit.encoded_events[0]
+            # (the applied commit's first event is already below the horizon)
+            or (stored_first is None and first < horizon_of(result.value("horizon")))
+        )
         if stored is not None and same_snapshot and same_first:
             return stored.mod_revision, True  # our own applied commit: a retry
         if result.value("closed") is not None:
@@ -263,6 +278,26 @@ class Journal:
             Reason.SEQ_CONFLICT,
             f"events must continue the stream gaplessly at seq {first}",
         )
+
+    def _delete_consumed(
+        self, txn: Txn, session_id: str, consumed_from: int | None, consumed: int
+    ) -> bool:
+        """Add the delete of the inbox entries [consumed_from, consumed) to a
+        commit's txn (one range; None: from the inbox's first key); False
+        when there are none. Nothing after the commit reads them: a
+        takeover, handoff or wake reads from the snapshot's position. etcd
+        walks every key it still indexes in a range, the tombstones of
+        deleted ones included until compaction: hence the lower bound."""
+        if consumed <= (consumed_from or 0):
+            return False
+        k = self._keys
+        start = (
+            k.inbox_prefix(session_id)
+            if consumed_from is None
+            else k.inbox_entry(session_id, consumed_from)
+        )
+        txn.delete(start, k.inbox_entry(session_id, consumed), name="consumed")
+        return True
 
     async def snapshot(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         """The last committed snapshot and its key's mod revision (what the
@@ -351,6 +386,7 @@ class Journal:
             .read("snapshot", k.snapshot(session_id), keys_only=True)
             .read("fence", k.fence(session_id), keys_only=True)
             .read("closed", k.closed(session_id))
+            .read("horizon", k.horizon(session_id))
             .run(self._store)
         )
         closed = result.value("closed")
@@ -362,6 +398,7 @@ class Journal:
             more=result.more("events"),
             exists=exists,
             closed=int(closed) if closed is not None else None,
+            horizon=horizon_of(result.value("horizon")),
             revision=result.revision,
         )
 
@@ -375,7 +412,12 @@ class Journal:
         process nor a slow reader's path holds more than a page (the gRPC
         stream's flow control paces the reads). A follower watches only for
         its last page: the watch opens before that read (`watch_then_read`),
-        so a reader near the head sees new commits at once."""
+        so a reader near the head sees new commits at once.
+
+        A cursor below the stream's retention horizon (services/anchor/
+        horizon.py) answers OUT_OF_RANGE/BELOW_HORIZON with the earliest seq
+        kept in the metadata, also when the horizon passes a slow reader
+        between two pages; a live follower gets every event from its watch."""
         ids.validate_session_id(session_id)
         if follow:
             metrics.STREAM_FOLLOWERS.inc()
@@ -411,6 +453,11 @@ class Journal:
                     if page.closed is not None and start_seq > page.closed:
                         return  # the cursor is past the terminal event: the stream is over
                     checked = True
+                # Read in the page's own transaction: [horizon, head) is all
+                # there, so a cursor at or above it is gapless; one below it
+                # (a slow reader the horizon passed between pages) is told.
+                if next_seq < page.horizon:
+                    raise below_horizon(session_id, page.horizon, next_seq)
                 batch: list[s.Event] = []
                 size = 0
                 for raw in page.events:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from baton.anchor.v1 import anchor_pb2, anchor_pb2_grpc
 from services.anchor.config import AnchorConfig
+from services.anchor.horizon import StreamHorizon
 from services.anchor.journal import Journal
 from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
@@ -20,7 +21,10 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
     # An external cluster's members are judged too: refuse a known-bad release.
     store = await connect_checked(config.etcd)
     keys = Keys(config.etcd.prefix)
-    journal = Journal(store, keys, retention_seconds=config.retention_seconds)
+    horizon = StreamHorizon(
+        store, keys, config.stream_policy, interval_seconds=config.retention_sweep_seconds
+    )
+    journal = Journal(store, keys, retention_seconds=config.retention_seconds, horizon=horizon)
     servicer = AnchorServicer(journal, DeploymentScope(store, keys))
     server = build_server(
         config.listen,
@@ -37,7 +41,7 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
         metrics_listen=config.metrics_listen,
     )
     retention = Retention(store, keys, interval_seconds=config.retention_sweep_seconds)
-    server.background += [StoreHealth(store, server.set_serving).run, retention.run]
+    server.background += [StoreHealth(store, server.set_serving).run, retention.run, horizon.run]
     server.app = journal
     server.on_stop.append(store.close)
     return server

@@ -4,6 +4,7 @@ baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
          [--api-key-file FILE] [--run-dir DIR] [--plaintext]
          [--etcd-binary PATH] [--accept-etcd-risk]    (docs/etcd.md: a safe etcd)
+         [--stream-retention-events 100000] [--stream-retention 604800]
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            (--ca-cert CA | --plaintext)              (API key: env BATON_API_KEY)
 baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
@@ -64,13 +65,30 @@ def _count(value: str) -> int:
     return count
 
 
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from exc
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {number}")
+    return number
+
+
 def _seconds(value: str) -> float:
-    """A duration of at least a second (hooks refuses less at startup)."""
     try:
         seconds = float(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from exc
-    if not seconds >= 1:
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {value}")
+    return seconds
+
+
+def _window_seconds(value: str) -> float:
+    """A duration of at least a second (hooks refuses less at startup)."""
+    seconds = _seconds(value)
+    if seconds < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 second, not {value}")
     return seconds
 
@@ -155,8 +173,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="start etcd even if it is a known-bad release (env BATON_ACCEPT_ETCD_RISK=1)",
     )
     up.add_argument(
-        "--dedupe-window",
+        "--stream-retention-events",
+        type=_at_least_one,
+        help="a live session's stream keeps at least its last N events (anchor's "
+        "--stream-retention-events; default 100000)",
+    )
+    up.add_argument(
+        "--stream-retention",
         type=_seconds,
+        help="a live session's stream keeps every event younger than this many seconds "
+        "(anchor's --stream-retention; default 604800, 7 days; 0: the count alone decides)",
+    )
+    up.add_argument(
+        "--dedupe-window",
+        type=_window_seconds,
         metavar="SECONDS",
         help="hooks: how long a delivery id (and a handoff record) is remembered; a repeat "
         "inside the window answers the first receipt (default 86400, a day)",
@@ -553,6 +583,8 @@ def _up(args: argparse.Namespace) -> int:
         etcd_members=args.etcd_members,
         etcd_binary=args.etcd_binary,
         accept_etcd_risk=args.accept_etcd_risk,
+        stream_retention_events=args.stream_retention_events,
+        stream_retention=args.stream_retention,
         dedupe_window=args.dedupe_window,
     )
     return launcher.launch(settings)

@@ -141,6 +141,10 @@ class LaunchSettings:
     # whether a known-bad release may run (services/common/etcd_releases.py).
     etcd_binary: str = ""
     accept_etcd_risk: bool = False
+    # A live session's stream retention, passed to anchor
+    # (--stream-retention-events, --stream-retention); None: anchor's default.
+    stream_retention_events: int | None = None
+    stream_retention: float | None = None
     # hooks' --dedupe-window (seconds; None: hooks' default, a day).
     dedupe_window: float | None = None
 
@@ -647,6 +651,8 @@ class LocalSystem:
         if name == "hooks" and self.settings.dedupe_window is not None:
             env["BATON_DEDUPE_WINDOW"] = f"{self.settings.dedupe_window:g}"
         if dep is None:
+            if name == "anchor":
+                env |= self._stream_retention_env()
             return env | {
                 "BATON_ETCD_ENDPOINT": self._addresses([client for client, _ in self.ports.etcd]),
                 "BATON_ETCD_PREFIX": ETCD_PREFIX,
@@ -664,6 +670,14 @@ class LocalSystem:
                 "BATON_OWNER_ADDR": self._addresses(dep.owners),
                 "BATON_API_KEYS_FILE": self.api_key_file,
             }
+        return env
+
+    def _stream_retention_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if self.settings.stream_retention_events is not None:
+            env["BATON_STREAM_RETENTION_EVENTS"] = str(self.settings.stream_retention_events)
+        if self.settings.stream_retention is not None:
+            env["BATON_STREAM_RETENTION"] = str(self.settings.stream_retention)
         return env
 
     def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:

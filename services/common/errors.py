@@ -17,6 +17,7 @@ class ErrorKind(enum.Enum):
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAUTHENTICATED = "UNAUTHENTICATED"
@@ -51,6 +52,13 @@ class InvalidArgument(BatonError):
 
 class NotFound(BatonError):
     kind = ErrorKind.NOT_FOUND
+
+
+class OutOfRange(BatonError):
+    """A position outside what is kept (a stream read below the retention
+    horizon); the metadata says where the kept range starts."""
+
+    kind = ErrorKind.OUT_OF_RANGE
 
 
 class AlreadyExists(BatonError):
@@ -152,6 +160,7 @@ class Reason:
     STORE_FULL = "STORE_FULL"
     STORE_CORRUPT = "STORE_CORRUPT"
     REVISION_COMPACTED = "REVISION_COMPACTED"
+    BELOW_HORIZON = "BELOW_HORIZON"
     HISTORY_ENTRY_TOO_LARGE = "HISTORY_ENTRY_TOO_LARGE"
     EVENT_TOO_LARGE = "EVENT_TOO_LARGE"
     HISTORY_INCOMPLETE = "HISTORY_INCOMPLETE"

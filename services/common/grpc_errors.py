@@ -12,6 +12,7 @@ from services.common import errors as e
 _TO_CODE: dict[e.ErrorKind, grpc.StatusCode] = {
     e.ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     e.ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    e.ErrorKind.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
     e.ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     e.ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     e.ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
@@ -26,6 +27,7 @@ _TO_CODE: dict[e.ErrorKind, grpc.StatusCode] = {
 _FROM_CODE: dict[grpc.StatusCode, type[e.BatonError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: e.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: e.NotFound,
+    grpc.StatusCode.OUT_OF_RANGE: e.OutOfRange,
     grpc.StatusCode.ALREADY_EXISTS: e.AlreadyExists,
     grpc.StatusCode.PERMISSION_DENIED: e.PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: e.Unauthenticated,

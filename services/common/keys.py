@@ -11,6 +11,12 @@ disposal, the token-index entries pointing at that session):
     {root}s/{sid}/hooks            JSON list of tokens        the session's own record of its claims
     {root}s/{sid}/ev/{seq:020d}    Event                      the public stream
     {root}s/{sid}/evm              "{last seq}"               commit marker, put last by a commit
+    {root}s/{sid}/horizon          "{first seq kept}"         the stream's retention horizon: put by
+                                                              the txn that deletes the events below
+                                                              it (absent: nothing deleted yet)
+    {root}s/{sid}/pg/{page:020d}   "{unix ms}"                when the stream page (64 seqs) began:
+                                                              put by the commit writing its first
+                                                              seq; dates the events before it
     {root}s/{sid}/snap             SessionSnapshot            the last committed snapshot
     {root}s/{sid}/h/{index:020d}   ChatMessage                model history, appended by commits
     {root}s/{sid}/xfer/{handoff}   Transfer JSON              the outcome of an applied handoff
@@ -110,6 +116,17 @@ class Keys:
     def commit_marker(self, session_id: str) -> bytes:
         return self._s(session_id, "evm")
 
+    def horizon(self, session_id: str) -> bytes:
+        """First stream seq kept (outside `stream_prefix`: followers never
+        see it)."""
+        return self._s(session_id, "horizon")
+
+    def stream_pages_prefix(self, session_id: str) -> bytes:
+        return self._s(session_id, "pg/")
+
+    def stream_page(self, session_id: str, page: int) -> bytes:
+        return self.stream_pages_prefix(session_id) + seq_suffix(page)
+
     def transfer(self, session_id: str, handoff_id: str) -> bytes:
         return self._s(session_id, f"xfer/{handoff_id}")
 
@@ -133,6 +150,10 @@ class Keys:
 
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
+
+    def channels_prefix(self) -> bytes:
+        """The channel index of every tenant: one entry per session."""
+        return f"{self.root}ch/".encode()
 
     def channel_prefix(self, channel: str) -> bytes:
         """The channel index of one tenant (its sessions in session id order)."""
@@ -168,7 +189,7 @@ class Keys:
 
 
 def seq_of(key: bytes) -> int:
-    """The seq encoded in an inbox, event or history key."""
+    """The seq encoded in an inbox, event, history or stream page key."""
     return int(key[-SEQ_WIDTH:])
 
 

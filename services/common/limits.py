@@ -40,6 +40,18 @@ READ_PAGE_MAX_ENTRIES = 160
 READ_PAGE_BYTES = 4 * 1024 * 1024
 """History pages grow while their entries are small, up to about this."""
 
+STREAM_PAGE_EVENTS = 64
+"""Stream seqs per page of the retention horizon's age rule: the commit that
+writes a page's first seq stamps the page (`s/{sid}/pg/{page}`), which dates
+every event before it."""
+
+TRIM_BATCH = 512
+"""Stream events deleted per transaction below the retention horizon."""
+
+TRIM_ROUND_BATCHES = 8
+"""Trim transactions for one session in one go; a longer backlog waits its
+turn behind the other sessions due."""
+
 RETIRE_BATCH = 256
 """History entries deleted per transaction."""
 

@@ -146,6 +146,18 @@ EVENTS_COMMITTED = Counter(
     "Stream events committed (replayed commits not counted again)",
     registry=None,
 )
+STREAM_EVENTS_TRIMMED = Counter(
+    "baton_stream_events_trimmed_total",
+    "Stream events of live sessions deleted below their retention horizon "
+    "(services/anchor/horizon.py)",
+    registry=None,
+)
+STREAM_TRIM_BATCH_SECONDS = Histogram(
+    "baton_stream_trim_batch_seconds",
+    "One trim transaction (at most 512 events below a session's horizon), failures included",
+    buckets=_SECONDS,
+    registry=None,
+)
 INBOX_ENTRIES_DELETED = Counter(
     "baton_inbox_entries_deleted_total",
     "Consumed inbox entries deleted by the commits that consumed them",
@@ -260,6 +272,8 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         COMMIT_BYTES,
         STREAM_FOLLOWERS,
         EVENTS_COMMITTED,
+        STREAM_EVENTS_TRIMMED,
+        STREAM_TRIM_BATCH_SECONDS,
         INBOX_ENTRIES_DELETED,
     ),
     "owner": (

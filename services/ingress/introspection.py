@@ -28,7 +28,7 @@ from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient, SessionDescription
-from services.common.errors import NotFound
+from services.common.errors import NotFound, OutOfRange
 from services.common.status import SessionFacts, Status, StatusView, session_status
 from services.ingress import listing
 from services.ingress.edge import session_not_found
@@ -218,13 +218,24 @@ class SessionViews:
             described = await self._hooks.describe_session(session_id, channel, consumed)
         except NotFound:
             raise session_not_found(session_id) from None
-        recent: list[s.Event] = []
         head = snapshot.next_event_seq if snapshot is not None else 0
-        if head:
-            async for page in self._anchor.read_events(session_id, max(0, head - RECENT_EVENTS)):
-                recent.extend(e for e in page if e.seq < head)
+        recent = await self._recent(session_id, head) if head else []
         now_ms = int(self._clock() * 1000)
         return build_view(session_id, snapshot, described, recent, now_ms)
+
+    async def _recent(self, session_id: str, head: int) -> list[s.Event]:
+        """The latest events before `head`; when fewer are kept (the stream's
+        retention horizon is closer), the ones from the horizon on."""
+        start = max(0, head - RECENT_EVENTS)
+        for _ in range(3):  # the horizon may pass `start` between the reads
+            recent: list[s.Event] = []
+            try:
+                async for page in self._anchor.read_events(session_id, start):
+                    recent.extend(e for e in page if e.seq < head)
+                return recent
+            except OutOfRange as exc:
+                start = int(exc.metadata.get("earliest_seq", head))
+        return []
 
     async def get(self, channel: str, session_id: str) -> pb.Session:
         return (await self.gather(channel, session_id)).session

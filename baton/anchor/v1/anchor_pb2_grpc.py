@@ -85,7 +85,10 @@ class AnchorServiceServicer:
 
     def ReadEvents(self, request, context):
         """Read a session's events from a cursor, optionally following live until
-        the terminal event. Long streams are read in bounded pages.
+        the terminal event. Long streams are read in bounded pages. A cursor
+        below a live session's retention horizon (or one the horizon passes
+        while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
+        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,10 @@ class AnchorServiceStub:
     """Read a session's last committed snapshot."""
     ReadEvents: _grpc.UnaryStreamMultiCallable[_anchor_pb2.ReadEventsRequest, _anchor_pb2.ReadEventsResponse]
     """Read a session's events from a cursor, optionally following live until
-    the terminal event. Long streams are read in bounded pages.
+    the terminal event. Long streams are read in bounded pages. A cursor
+    below a live session's retention horizon (or one the horizon passes
+    while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
+    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
     """
     LoadSession: _grpc.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]
     """Load a session to run it: the last committed snapshot (first message),
@@ -71,7 +74,10 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     """Read a session's last committed snapshot."""
     ReadEvents: _aio.UnaryStreamMultiCallable[_anchor_pb2.ReadEventsRequest, _anchor_pb2.ReadEventsResponse]  # type: ignore[assignment]
     """Read a session's events from a cursor, optionally following live until
-    the terminal event. Long streams are read in bounded pages.
+    the terminal event. Long streams are read in bounded pages. A cursor
+    below a live session's retention horizon (or one the horizon passes
+    while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
+    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
     """
     LoadSession: _aio.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]  # type: ignore[assignment]
     """Load a session to run it: the last committed snapshot (first message),
@@ -114,7 +120,10 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_anchor_pb2.ReadEventsResponse], _abc.AsyncIterator[_anchor_pb2.ReadEventsResponse]]:
         """Read a session's events from a cursor, optionally following live until
-        the terminal event. Long streams are read in bounded pages.
+        the terminal event. Long streams are read in bounded pages. A cursor
+        below a live session's retention horizon (or one the horizon passes
+        while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
+        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
         """
 
     @_abc_1.abstractmethod

@@ -88,7 +88,10 @@ class IngressServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamEvents(self, request, context):
-        """Read a session's event stream from a cursor, optionally live.
+        """Read a session's event stream from a cursor, optionally live. Events
+        below the stream's retention horizon are gone: a cursor below it gets
+        OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
+        ErrorInfo metadata (`earliest_seq`); resume from there.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,7 +40,11 @@ class IngressServiceStub:
     SendMessage: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.SendMessageRequest, _ingress_pb2.SendMessageResponse]
     """Send a message (or input responses) to a session."""
     StreamEvents: _grpc.UnaryStreamMultiCallable[_ingress_pb2.StreamEventsRequest, _ingress_pb2.StreamEventsResponse]
-    """Read a session's event stream from a cursor, optionally live."""
+    """Read a session's event stream from a cursor, optionally live. Events
+    below the stream's retention horizon are gone: a cursor below it gets
+    OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
+    ErrorInfo metadata (`earliest_seq`); resume from there.
+    """
     SendControl: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
     GetSession: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.GetSessionRequest, _ingress_pb2.GetSessionResponse]
@@ -65,7 +69,11 @@ class IngressServiceAsyncStub(IngressServiceStub):
     SendMessage: _aio.UnaryUnaryMultiCallable[_ingress_pb2.SendMessageRequest, _ingress_pb2.SendMessageResponse]  # type: ignore[assignment]
     """Send a message (or input responses) to a session."""
     StreamEvents: _aio.UnaryStreamMultiCallable[_ingress_pb2.StreamEventsRequest, _ingress_pb2.StreamEventsResponse]  # type: ignore[assignment]
-    """Read a session's event stream from a cursor, optionally live."""
+    """Read a session's event stream from a cursor, optionally live. Events
+    below the stream's retention horizon are gone: a cursor below it gets
+    OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
+    ErrorInfo metadata (`earliest_seq`); resume from there.
+    """
     SendControl: _aio.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]  # type: ignore[assignment]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
     GetSession: _aio.UnaryUnaryMultiCallable[_ingress_pb2.GetSessionRequest, _ingress_pb2.GetSessionResponse]  # type: ignore[assignment]
@@ -105,7 +113,11 @@ class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ingress_pb2.StreamEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ingress_pb2.StreamEventsResponse], _abc.AsyncIterator[_ingress_pb2.StreamEventsResponse]]:
-        """Read a session's event stream from a cursor, optionally live."""
+        """Read a session's event stream from a cursor, optionally live. Events
+        below the stream's retention horizon are gone: a cursor below it gets
+        OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
+        ErrorInfo metadata (`earliest_seq`); resume from there.
+        """
 
     @_abc_1.abstractmethod
     def SendControl(

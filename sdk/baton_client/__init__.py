@@ -1,0 +1,88 @@
+"""Baton's client SDK for channel gateways.
+
+    from baton_client import Client
+
+    with Client.from_profile() as client:
+        session = client.create_session()
+        client.send(session.session_id, "hello")
+        for event in client.follow(session.session_id):
+            ...
+
+`Client` (sync) and `AsyncClient` (asyncio) call IngressService with TLS
+and the channel's API key (`Settings`); errors are typed
+(`baton_client.errors`), retries safe (`baton_client.retry`), and a
+follower resumes from its cursor without gap or duplicate.
+"""
+
+from __future__ import annotations
+
+from baton_client.aio import AsyncClient, AsyncFollower
+from baton_client.client import Client, Follower
+from baton_client.errors import (
+    Aborted,
+    AlreadyExists,
+    BatonError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    Reason,
+    ResourceExhausted,
+    StreamGap,
+    Unauthenticated,
+    Unavailable,
+)
+from baton_client.retry import RetryPolicy
+from baton_client.settings import Settings, SettingsError
+from baton_client.types import (
+    ControlKind,
+    CreatedSession,
+    Event,
+    EventKind,
+    Receipt,
+    Session,
+    SessionPage,
+    SessionStatus,
+    TurnPolicy,
+    status_name,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted",
+    "AlreadyExists",
+    "AsyncClient",
+    "AsyncFollower",
+    "BatonError",
+    "Client",
+    "ControlKind",
+    "CreatedSession",
+    "DeadlineExceeded",
+    "Event",
+    "EventKind",
+    "FailedPrecondition",
+    "Follower",
+    "Internal",
+    "InvalidArgument",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "Reason",
+    "Receipt",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "Session",
+    "SessionPage",
+    "SessionStatus",
+    "Settings",
+    "SettingsError",
+    "StreamGap",
+    "TurnPolicy",
+    "Unauthenticated",
+    "Unavailable",
+    "status_name",
+]
