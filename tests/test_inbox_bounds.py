@@ -21,9 +21,10 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids, metrics
 from services.common.clients import HooksClient
 from services.common.errors import NotFound, Reason
+from services.common.etcd import Store, make_client
 from services.common.identity import Role
 from services.common.keys import Keys, prefix_end
-from services.hooks.expiry import bucket_width, lease_ttl
+from services.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
 from services.hooks.registry import HookRegistry
 from services.hooks.server import create_server as create_hooks
 from tests.certs import etcd_client
@@ -243,6 +244,31 @@ async def test_a_lease_etcd_forgot_is_granted_anew_and_nothing_is_lost(
     assert again.duplicate and again.seq == second.seq
     events = await read_until_idle(short, sid, 2)
     assert_admitted_once_in_order(events, {first.seq: "one", second.seq: "two"})
+
+
+async def test_one_lease_per_bucket_by_the_monotonic_clock(stack: Stack) -> None:
+    """A replica's keys share its current lease until a bucket width has
+    passed on its monotonic clock; the appenders that need one at a bucket
+    change cause one grant; a forgotten lease is replaced."""
+    config = stack.etcd
+    store = Store(make_client(config.endpoint, config.timeout, config.security), config.timeout)
+    await store.connect()
+    now = [1000.0]
+    leases = ExpiryLeases(store, 16.0, clock=lambda: now[0])  # buckets of 1 s, TTL 18 s
+    try:
+        first = await leases.current()
+        now[0] += 0.9
+        assert await leases.current() == first
+        now[0] += 0.1
+        at_once = await asyncio.gather(*(leases.current() for _ in range(20)))
+        assert len(set(at_once)) == 1 and at_once[0] != first
+        leases.forget(first)  # not the current one: nothing changes
+        assert await leases.current() == at_once[0]
+        leases.forget(at_once[0])
+        assert await leases.current() not in (first, at_once[0])
+        assert leases.ttl == 18
+    finally:
+        await store.close()
 
 
 def test_the_window_sets_the_bucket_width_and_the_lease_ttl() -> None:
