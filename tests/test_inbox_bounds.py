@@ -115,6 +115,75 @@ async def test_a_live_sessions_inbox_and_delivery_keys_stay_bounded(
     assert 1 <= granted < len(texts)
 
 
+async def test_a_long_sessions_keys_and_bytes_stay_flat_under_every_policy(
+    etcd_endpoint: str,
+) -> None:
+    """Everything a live session keeps is set by policy: a stream horizon of
+    50 events, a 2 s dedupe window, a 16 KiB context budget. Quiet after 60
+    and after 180 short turns (each with a delivery id), the session holds
+    the same keys and bytes, but for the model history, which the context
+    budget bounds in bytes."""
+    running = await start_stack(
+        etcd_endpoint,
+        anchor_options={
+            "stream_retention_events": 50,
+            "stream_retention_seconds": 0.0,
+            "retention_sweep_seconds": 0.2,
+        },
+        hooks_options={"dedupe_window_seconds": WINDOW},
+        agent="services.owner.fixture:build_small_context_agent",
+    )
+    client = await etcd_client(running.etcd.endpoint)
+    try:
+        sid = await running.create()
+        prefix = Keys(running.etcd.prefix).session_prefix(sid)
+        sent = 0
+        sizes: list[tuple[int, int, int]] = []
+        for target in (60, 180):
+            while sent < target:
+                await running.send(
+                    sid, f"turn {sent}", delivery_id=f"t-{sent}", turn_policy=s.TURN_POLICY_QUEUE
+                )
+                sent += 1
+
+            async def settled(n: int = sent) -> bool:
+                raw = await client.get(prefix + b"snap")
+                snapshot = s.SessionSnapshot.FromString(raw.value) if raw else None
+                return (
+                    snapshot is not None
+                    and snapshot.inbox_next_seq == n
+                    and not snapshot.HasField("open_turn")
+                )
+
+            await eventually(settled, f"{sent} turns settled", timeout=30)
+            await gone(client, running, sid, "dlv/")
+
+            async def trimmed() -> bool:
+                kept = await client.get_range(*_range(prefix + b"ev/"))
+                return len(kept) <= 50
+
+            await eventually(trimmed, "the stream trimmed to its horizon", timeout=10)
+            kvs = await client.get_range(*_range(prefix))
+            history = await client.get_range(*_range(prefix + b"h/"))
+            history_bytes = sum(len(kv.value) for kv in history)
+            # Everything but the model history, whose bytes the context budget bounds.
+            assert history_bytes <= 17 * 1024, history_bytes
+            sizes.append(
+                (len(kvs) - len(history), sum(len(kv.value) for kv in kvs) - history_bytes)
+            )
+            assert await count(client, running, sid, "c/in/") == 0
+        (keys_early, bytes_early), (keys_late, bytes_late) = sizes
+        assert keys_late == keys_early, sizes
+        assert abs(bytes_late - bytes_early) <= 256, sizes  # (counters and seqs grew digits)
+    finally:
+        await client.close()
+        await stop_stack(running)
+
+
+def _range(prefix: bytes) -> tuple[bytes, bytes]:
+    return prefix, prefix_end(prefix)
+
+
 async def test_a_repeat_inside_the_window_is_a_duplicate_and_after_it_a_new_command(
     short: Stack, raw: aetcd.Client
 ) -> None:
