@@ -66,6 +66,7 @@ class ProcessStack:
     park_after: float | None = None
     owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
     anchor_env: dict[str, str] = field(default_factory=dict)  # anchor's extra env
+    env: dict[str, str] = field(default_factory=dict)  # every process's extra env
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
@@ -99,6 +100,7 @@ class ProcessStack:
             "BATON_ANCHOR_ADDR": self.addr("anchor"),
             "BATON_DEPLOYMENT_ID": self.deployment_id,
             "BATON_SHUTDOWN_GRACE": "1",
+            **self.env,
             **extra,
         }
 

@@ -34,16 +34,25 @@ class Run:
 
 
 async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
+    """`baton sessions ARGS...` as a process."""
+    return await baton("sessions", *args, env=env)
+
+
+async def baton(*args: str, env: dict[str, str] | None = None) -> Run:
+    """`baton ARGS...` as a process (this checkout's CLI), with no connection
+    settings from this process's environment."""
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("BATON_INGRESS", "BATON_TLS", "BATON_PLAINTEXT", "BATON_API"))
+        if not k.startswith(
+            ("BATON_INGRESS", "BATON_HOOKS", "BATON_ANCHOR", "BATON_TLS", "BATON_PLAINTEXT")
+        )
+        and not k.startswith(("BATON_API", "BATON_PROFILE"))
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "services.cli",
-        "sessions",
         *args,
         cwd=ROOT,
         env={**base, **(env or {})},

@@ -291,8 +291,9 @@ async def baton(*args: str, env: Mapping[str, str]) -> tuple[int, str, str]:
 
 
 async def test_baton_sessions_needs_no_flags_against_baton_up() -> None:
-    """`baton up` writes the CLI profile (its ingress and CA) before it says
-    it is ready; `baton sessions list/get` then need no flag and no
+    """`baton up` writes the CLI profile (its ingress, hooks, anchor, CA and
+    operator certificate) before it says it is ready; `baton sessions
+    list/get`, `deployments describe`, `sessions resume` then need no flag and no
     variable but the profile's place (here a test file, not the user's);
     stopping removes the profile."""
     async with launched() as launcher:
@@ -311,6 +312,16 @@ async def test_baton_sessions_needs_no_flags_against_baton_up() -> None:
         code, out, err = await baton("sessions", "get", session_id[1], "-o", "json", env=env)
         assert code == 0, err
         assert json.loads(out)["session_id"] == session_id[1]
+        # The operator's commands too: the profile names hooks, anchor and
+        # operator.crt/.key.
+        code, out, err = await baton("deployments", "describe", "dep-1", "-o", "json", env=env)
+        assert code == 0, err
+        described = json.loads(out)
+        # (with the demo's child sessions)
+        assert session_id[1] in [v["session_id"] for v in described["sessions"]]
+        assert len(described["deployment"]["instances"]) == 1
+        code, out, err = await baton("sessions", "resume", session_id[1], env=env)
+        assert code == 0 and "is not stalled" in out, err
         launcher.proc.send_signal(signal.SIGTERM)
         assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
         assert not launcher.profile.exists()

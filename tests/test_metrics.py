@@ -75,6 +75,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_handoff_duration_seconds": ("histogram", set()),
         "baton_takeovers_total": ("counter", set()),
         "baton_restarts_total": ("counter", set()),
+        "baton_resumes_total": ("counter", set()),
         "baton_commits_total": ("counter", {"outcome"}),
     },
     "ingress": {

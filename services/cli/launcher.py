@@ -875,6 +875,7 @@ def _write_profile(system: LocalSystem) -> None:
     """Where `baton sessions ...` finds this system with no flags
     (services/cli/profile.py)."""
     path = profile.default_path()
+    operator = system.pki.files(Role.OPERATOR) if system.pki is not None else None
     try:
         profile.write(
             path,
@@ -882,13 +883,17 @@ def _write_profile(system: LocalSystem) -> None:
                 ingress=f"127.0.0.1:{system.ports.ingress}",
                 ca_cert=system.ca_cert,
                 plaintext=system.pki is None,
+                hooks=f"127.0.0.1:{system.ports.hooks[0]}",
+                anchor=f"127.0.0.1:{system.ports.anchors[0]}",
+                operator_cert=operator.cert if operator is not None else "",
+                operator_key=operator.key if operator is not None else "",
                 run_dir=str(system.run_dir),
             ),
         )
     except OSError as exc:
         system.say(f"baton up: no CLI profile written ({exc}); pass --ingress/--ca-cert")
         return
-    system.say(f"CLI profile: {path} (baton sessions list needs no flags)")
+    system.say(f"CLI profile: {path} (baton sessions list, baton deployments list need no flags)")
 
 
 def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:

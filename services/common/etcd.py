@@ -334,6 +334,7 @@ _ALARM = metrics.ETCD_TXN_SECONDS.labels("alarm")
 _LEASE_GRANT = metrics.ETCD_TXN_SECONDS.labels("lease_grant")
 _LEASE_KEEPALIVE = metrics.ETCD_TXN_SECONDS.labels("lease_keepalive")
 _LEASE_REVOKE = metrics.ETCD_TXN_SECONDS.labels("lease_revoke")
+_LEASE_TTL = metrics.ETCD_TXN_SECONDS.labels("lease_ttl")
 
 
 def _counted(error: BatonError) -> BatonError:
@@ -436,6 +437,20 @@ class Store:
         finally:
             _LEASE_KEEPALIVE.observe(time.perf_counter() - start)
         return 0
+
+    async def lease_time_to_live(self, lease_id: int) -> tuple[int, int]:
+        """A lease's (remaining TTL, granted TTL) in seconds; (0, 0) when it
+        expired or never was."""
+        start = time.perf_counter()
+        try:
+            reply = await self.client.leasestub.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self.timeout
+            )
+        except (AioRpcError, AttributeError) as exc:
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _LEASE_TTL.observe(time.perf_counter() - start)
+        return max(int(reply.TTL), 0), max(int(reply.grantedTTL), 0)
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease: the keys under it go at once. An unknown or expired

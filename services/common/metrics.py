@@ -230,6 +230,11 @@ RESTARTS = Counter(
     "Failed runs restarted (transient or deterministic failures; not the stalls)",
     registry=None,
 )
+RESUMES = Counter(
+    "baton_resumes_total",
+    "Stalled sessions an operator resumed (OwnerService.ResumeSession)",
+    registry=None,
+)
 COMMITS = Counter(
     "baton_commits_total",
     "Step commits through anchor, by outcome: ok, fenced (another run owns the "
@@ -288,6 +293,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         HANDOFF_SECONDS,
         TAKEOVERS,
         RESTARTS,
+        RESUMES,
         COMMITS,
     ),
     "ingress": (*_RPC, SENDS, LIMIT_REFUSALS),

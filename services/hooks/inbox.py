@@ -32,6 +32,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Reason, 
 from services.common.etcd import Store, cmp_absent, cmp_value, watch_then_read
 from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
 from services.common.tasks import Background
+from services.common.tracing import check_traceparent
 from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.expiry import ExpiryLeases
 from services.hooks.sessions import SessionCache, SessionState
@@ -55,6 +56,7 @@ def check_command(command: s.Command) -> None:
         )
     if command.delivery.delivery_id:
         ids.validate_id(command.delivery.delivery_id, "delivery_id")
+    check_traceparent(command.delivery.traceparent)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from services.common.errors import NotFound
 from services.common.etcd import Store
 from services.common.keys import Keys, TokenRecord
 from services.hooks.claims import Claims
-from services.hooks.directory import ChannelPage, SessionDirectory, SessionRecord
+from services.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from services.hooks.expiry import ExpiryLeases
 from services.hooks.inbox import Inbox
 from services.hooks.ownership import OwnedSession, Ownership, TakeOver
@@ -117,6 +117,11 @@ class HookRegistry:
 
     async def list_channel(self, channel: str, after_session_id: str, limit: int) -> ChannelPage:
         return await self.directory.list_channel(channel, after_session_id, limit)
+
+    async def list_all_channels(
+        self, after_channel: str, after_session_id: str, limit: int
+    ) -> IndexPage:
+        return await self.directory.list_all_channels(after_channel, after_session_id, limit)
 
     def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
         """A transfer wrote a new owner record (see `SessionCache.owner_moved`)."""

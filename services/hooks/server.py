@@ -11,6 +11,7 @@ from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
 from services.hooks.expiry import ExpiryLeases
+from services.hooks.fleets import FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.servicer import HookRegistryServicer
@@ -33,6 +34,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         transfers,
         DeploymentScope(store, keys),
         PermitVerifier(config.tls),
+        FleetViews(store, keys),
     )
     server = build_server(
         config.listen,

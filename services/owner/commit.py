@@ -13,7 +13,7 @@ import structlog
 
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import metrics
+from services.common import metrics, tracing
 from services.common.clients import AnchorClient
 from services.common.errors import (
     BatonError,
@@ -59,6 +59,9 @@ async def commit_step(
     snapshot.deployment_id = identity.deployment_id
     if consumed_from is not None:  # (a snapshot rolled back to a refused commit's)
         consumed_from = min(consumed_from, snapshot.inbox_next_seq)
+    if tracing.TRACING.enabled:
+        # The last turn's trace, for GetSession (the process span's, see spans.py).
+        snapshot.last_trace_id = tracing.current_trace_id() or snapshot.last_trace_id
     request = anchor_pb.CommitStepRequest(
         fence=identity.fence,
         events=events,
@@ -68,6 +71,22 @@ async def commit_step(
         history=history,
         consumed_inbox_from=consumed_from,
     )
+    if not tracing.TRACING.enabled:
+        return await _commit(anchor, request, identity, expected_snapshot_revision)
+    attributes: dict[str, str | int | bool] = {
+        "baton.session_id": identity.fence.session_id,
+        "baton.events": len(events),
+    }
+    with tracing.span("commit", **attributes):
+        return await _commit(anchor, request, identity, expected_snapshot_revision)
+
+
+async def _commit(
+    anchor: AnchorClient,
+    request: anchor_pb.CommitStepRequest,
+    identity: RunIdentity,
+    expected_snapshot_revision: int | None,
+) -> int | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + COMMIT_RETRY_SECONDS
     backoff = 0.05

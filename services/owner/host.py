@@ -139,6 +139,7 @@ class OwnerHost:
         self._transient: dict[str, int] = {}  # consecutive transient failures per session
         self.restart_budget = restart_budget
         self.stalled: dict[str, s.Fence] = {}  # restart budget spent: held, not run
+        self._resuming: set[str] = set()  # stalled sessions an operator is resuming
         self.drain_to = ""  # an operator's drain target ("" = not draining)
         self.drained = 0  # sessions moved to it
         self._drain_slots = asyncio.Semaphore(DRAIN_CONCURRENCY)
@@ -711,8 +712,9 @@ class OwnerHost:
     async def _stall(self, fence: s.Fence, failure: BaseException | None, count: int) -> None:
         """The restart budget is spent: hold the session without running it
         (its inbox keeps every accepted command) and say so on its stream.
-        An operator restarting this instance, or another instance taking the
-        session over, runs it again with a fresh budget."""
+        An operator's resume (`resume_stalled`), a restart of this instance,
+        or another instance taking the session over runs it again with a
+        fresh budget."""
         sid = fence.session_id
         self.stalled[sid] = fence
         if isinstance(failure, BatonError):
@@ -734,6 +736,42 @@ class OwnerHost:
             self.stalled.pop(sid, None)  # someone else runs it now
         except BatonError as exc:
             self._log.error("stall not reported on the stream", session_id=sid, reason=exc.reason)
+
+    async def resume_stalled(self, session_id: str) -> s.Fence | None:
+        """An operator's resume (docs/failures.md): run a session stalled here
+        again, its restart budget renewed and its inbox kept. Commits
+        `session.resumed` first (so introspection stops reporting the stall),
+        then activates the run; the session stays held as stalled until then.
+        None when this instance holds the session but it is not stalled (a
+        repeated or concurrent resume); NotFound when it does not hold it;
+        Fenced when another run owns it now."""
+        ids.validate_session_id(session_id)
+        fence = self.stalled.get(session_id)
+        if fence is None or session_id in self._resuming:
+            if self.holds(session_id):
+                return None
+            raise NotFound(
+                Reason.SESSION_NOT_FOUND, f"this instance does not hold session {session_id}"
+            )
+        identity = RunIdentity(fence, self.deployment_id, self.instance_id)
+        self._resuming.add(session_id)
+        try:
+            snapshot, revision = await self.anchor.snapshot_with_revision(session_id)
+            event = make_event(identity, s.EVENT_KIND_SESSION_RESUMED)
+            await commit_step(self.anchor, identity, snapshot, [event], False, revision)
+        except Fenced:
+            self.stalled.pop(session_id, None)  # someone else runs it now
+            raise
+        finally:
+            self._resuming.discard(session_id)
+        if self.stalled.pop(session_id, None) is None:
+            return None  # the instance stopped meanwhile
+        self._failures.pop(session_id, None)
+        self._transient.pop(session_id, None)
+        metrics.RESUMES.inc()
+        self._log.info("stalled session resumed by an operator", session_id=session_id)
+        self._start_activation(fence, unpark=True)
+        return fence
 
     async def _first_snapshot(self, identity: RunIdentity) -> tuple[s.SessionSnapshot, int]:
         """The creator died between CreateSession and its first commit: commit

@@ -36,6 +36,7 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.owner import handles as h
+from services.owner import spans  # tracing
 from services.owner.agent import (
     Agent,
     ModelRejected,
@@ -49,6 +50,7 @@ from services.owner.commit import commit_step
 from services.owner.handles import Refusal, Verdict
 from services.owner.held import RunIdentity, make_event
 from services.owner.metering import TurnMeter, waited
+from services.owner.spans import RunSpans  # tracing
 from services.owner.turns import (
     SNAPSHOT_FORMAT,
     Admission,
@@ -178,6 +180,9 @@ class SessionRun:
         self._drain_after = 0.0  # monotonic time of the next drain attempt
         self.drained = False  # the run ended because a drain moved the session
         self._turns = TurnMeter()
+        self._spans = RunSpans(identity.fence.session_id, identity.fence.owner_run_id)  # tracing
+        for entry in seed:
+            self._spans.arrived(entry)  # tracing
         self._log = log.bind(
             session_id=identity.fence.session_id,
             run_id=identity.fence.owner_run_id,
@@ -251,7 +256,8 @@ class SessionRun:
                 # Recovery: the step in flight at the predecessor's crash runs again.
                 turn = self.snapshot.open_turn
                 self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
-                await self._guarded(self._turn_loop([]))
+                with self._spans.process(state, None):  # tracing
+                    await self._guarded(self._turn_loop([]))
             while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
                 if self._drain_due() and await self._try_drain():
                     exit = RunExit.HANDED_OFF
@@ -270,7 +276,8 @@ class SessionRun:
                         exit = RunExit.HANDED_OFF
                         return exit
                 waited(entry)  # (a trigger handed off is dispatched, and counted, there)
-                await self._guarded(self._dispatch(entry))
+                with self._spans.process(state, entry):  # tracing
+                    await self._guarded(self._dispatch(entry))
                 if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
                     await self._guarded(self._compact_if_over_budget())
             await self._retired()
@@ -351,7 +358,8 @@ class SessionRun:
         assert self._drain is not None
         self._drain_after = time.monotonic() + DRAIN_RETRY_SECONDS
         try:
-            moved = await self._drain(self._checkpoint(), self.drain_to)
+            with self._spans.handoff(None, self.drain_to):  # tracing
+                moved = await self._drain(self._checkpoint(), self.drain_to)
         except Fenced:
             raise
         except BatonError as exc:
@@ -400,6 +408,7 @@ class SessionRun:
 
     def _arrive(self, entry: s.InboxEntry) -> None:
         self._next_seq = entry.seq + 1
+        self._spans.arrived(entry)  # tracing
         if self._idle and not self._pending and self._is_trigger(entry):
             self._trigger_seq = entry.seq
         self._pending.append(entry)
@@ -444,7 +453,9 @@ class SessionRun:
         delivery is then processed here and the signal forgotten."""
         assert self._hand_off is not None
         try:
-            return await self._hand_off(self._checkpoint(), entry)
+            target = entry.command.delivery.accepted_deployment_id
+            with self._spans.handoff(entry, target):  # tracing
+                return await self._hand_off(self._checkpoint(), entry)
         except Fenced:
             raise
         except BatonError as exc:
@@ -627,7 +638,7 @@ class SessionRun:
     async def _execute(self, progress: StepProgress) -> None:
         state = self.state
         try:
-            with metrics.MODEL_CALL_SECONDS.time():
+            with metrics.MODEL_CALL_SECONDS.time(), spans.model_call():  # tracing
                 reply = await self.agent.model.complete(
                     self.agent.instructions, state.context.messages, self.agent.all_tools
                 )
@@ -719,7 +730,9 @@ class SessionRun:
             return result
         start = time.perf_counter()
         try:
-            result.output = await tool.run(json.loads(call.arguments_json), self._tool_context())
+            arguments = json.loads(call.arguments_json)
+            with spans.tool_call(call):  # tracing
+                result.output = await tool.run(arguments, self._tool_context())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
