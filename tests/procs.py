@@ -25,6 +25,7 @@ from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError
 from services.common.identity import Role
+from services.common.keys import Keys, prefix_end, seq_of
 from services.common.tls import Security, tls_options
 from tests import certs
 from tests.certs import TEST_PREFIX
@@ -321,6 +322,17 @@ class StackClients:
 
 
 # -- history checks --------------------------------------------------------------
+
+
+async def inbox_entries_left(endpoint: str, prefix: str, session_id: str) -> list[int]:
+    """The seqs of the session's stored inbox entries: once every command is
+    answered, none (each was deleted by the commit that consumed it)."""
+    client = await certs.etcd_client(endpoint)
+    try:
+        inbox = Keys(prefix).inbox_prefix(session_id)
+        return [seq_of(kv.key) for kv in await client.get_range(inbox, prefix_end(inbox))]
+    finally:
+        await client.close()
 
 
 def received_seqs(events: list[s.Event]) -> list[int]:

@@ -326,6 +326,7 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "start_seq": [0, 3],
         "snapshot_revision": [snapshot_kv.mod_revision],
         "expected_snapshot_revision": [snapshot_kv.mod_revision],
+        "consumed_inbox_from": [0, head],
         "seq": [0, 1, 2],
         "next_event_seq": [1, 2, 3],
         "kind": [1, 2, 3],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import re
@@ -27,6 +28,8 @@ from services.cli.launcher import (
     READY_LINE,
     DeploymentPorts,
     LaunchError,
+    LaunchSettings,
+    LocalSystem,
     Ports,
 )
 from tests.scrape import Scrape, scrape
@@ -547,3 +550,23 @@ def test_port_plan_with_replicas_and_etcd_members() -> None:
     assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6
     with pytest.raises(LaunchError, match="would both use"):
         Ports.plan(50051, 50151, replicas=2)
+
+
+def test_up_passes_the_dedupe_window_to_hooks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`baton up --dedupe-window S` becomes hooks' BATON_DEDUPE_WINDOW (only
+    hooks'); without it hooks keeps its default; less than a second is a
+    usage error."""
+    ports = Ports.plan(50051, 23790)
+    system = LocalSystem(
+        LaunchSettings(plaintext=True, dedupe_window=5.0), ports, tmp_path, io.StringIO()
+    )
+    assert system._service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
+    assert "BATON_DEDUPE_WINDOW" not in system._service_env("anchor", None)
+    default = LocalSystem(LaunchSettings(plaintext=True), ports, tmp_path, io.StringIO())
+    assert "BATON_DEDUPE_WINDOW" not in default._service_env("hooks", None)
+    with pytest.raises(SystemExit) as exited:
+        baton_main(["up", "--dedupe-window", "0.5"])
+    assert exited.value.code == 2
+    assert "at least 1 second" in capsys.readouterr().err

@@ -46,6 +46,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         **_STORE,
         "baton_inbox_appends_total": ("counter", {"outcome"}),
         "baton_inbox_append_batch_size": ("histogram", set()),
+        "baton_dedupe_leases_granted_total": ("counter", {"reason"}),
         "baton_transfers_total": ("counter", {"outcome"}),
         "baton_live_instances": ("gauge", {"deployment"}),
     },
@@ -57,6 +58,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_events_committed_total": ("counter", set()),
         "baton_stream_events_trimmed_total": ("counter", set()),
         "baton_stream_trim_batch_seconds": ("histogram", set()),
+        "baton_inbox_entries_deleted_total": ("counter", set()),
     },
     "owner": {
         **_RPC,

@@ -31,7 +31,7 @@ from services.hooks.server import create_server as create_hooks
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server as create_owner
 from tests import certs
-from tests.procs import answered, check_history, eventually
+from tests.procs import answered, check_history, eventually, inbox_entries_left
 from tests.stack import Stack, hooks_config
 
 K = s.EventKind
@@ -275,6 +275,8 @@ async def test_an_idle_session_parks_and_wakes_on_input(
         history = await events()
         check_history(history, receipts)
         assert len({e.owner_run_id for e in history}) == 1  # woken with the same fence
+        # Each wake read from the parked position; every entry it consumed is gone.
+        assert await inbox_entries_left(stack.etcd.endpoint, stack.etcd.prefix, sid) == []
     finally:
         await owner.close()
         await hooks.close()

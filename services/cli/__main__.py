@@ -95,6 +95,14 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _window_seconds(value: str) -> float:
+    """A duration of at least a second (hooks refuses less at startup)."""
+    seconds = _seconds(value)
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, not {value}")
+    return seconds
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Run Baton locally and talk to it.")
     parser.add_argument("--version", action="version", version=f"baton {metrics.version()}")
@@ -186,6 +194,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         help="a live session's stream keeps every event younger than this many seconds "
         "(anchor's --stream-retention; default 604800, 7 days; 0: the count alone decides)",
+    )
+    up.add_argument(
+        "--dedupe-window",
+        type=_window_seconds,
+        metavar="SECONDS",
+        help="hooks: how long a delivery id (and a handoff record) is remembered; a repeat "
+        "inside the window answers the first receipt (default 86400, a day)",
     )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
@@ -403,6 +418,7 @@ def _up(args: argparse.Namespace) -> int:
         accept_etcd_risk=args.accept_etcd_risk,
         stream_retention_events=args.stream_retention_events,
         stream_retention=args.stream_retention,
+        dedupe_window=args.dedupe_window,
     )
     return launcher.launch(settings)
 

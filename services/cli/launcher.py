@@ -145,6 +145,8 @@ class LaunchSettings:
     # (--stream-retention-events, --stream-retention); None: anchor's default.
     stream_retention_events: int | None = None
     stream_retention: float | None = None
+    # hooks' --dedupe-window (seconds; None: hooks' default, a day).
+    dedupe_window: float | None = None
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -646,6 +648,8 @@ class LocalSystem:
                 "BATON_TLS_KEY": security.files.key,
                 "BATON_TLS_CA": security.files.ca,
             }
+        if name == "hooks" and self.settings.dedupe_window is not None:
+            env["BATON_DEDUPE_WINDOW"] = f"{self.settings.dedupe_window:g}"
         if dep is None:
             if name == "anchor":
                 env |= self._stream_retention_env()

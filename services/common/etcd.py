@@ -55,6 +55,10 @@ is raised: the backend reached --quota-backend-bytes."""
 
 COMPACTED_DETAIL = "required revision has been compacted"
 
+LEASE_NOT_FOUND_DETAIL = "requested lease not found"
+"""What etcd says (NOT_FOUND) to a txn whose taken branch puts a key under a
+lease it does not know (expired, revoked, or lost with a restored backup)."""
+
 CORRUPT_DETAIL = "corrupt cluster"
 """What etcd says (DATA_LOSS, "etcdserver: corrupt cluster") to every write
 while its CORRUPT alarm is raised: a corruption check found members whose
@@ -89,6 +93,9 @@ def map_rpc_error(exc: AioRpcError) -> BatonError:
         return store_full()
     if exc.code() == grpc.StatusCode.DATA_LOSS:  # CORRUPT_DETAIL; any data loss is that
         return store_corrupt()
+    if exc.code() == grpc.StatusCode.NOT_FOUND and LEASE_NOT_FOUND_DETAIL in details:
+        # Nothing was written; the caller grants a new lease and retries.
+        return Aborted(Reason.LEASE_NOT_FOUND, "etcd does not know the lease a key was put under")
     if exc.code() == grpc.StatusCode.OUT_OF_RANGE and COMPACTED_DETAIL in details:
         return Aborted(Reason.REVISION_COMPACTED, "the read revision was compacted; read again")
     if exc.code() in _TRANSIENT:

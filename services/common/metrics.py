@@ -107,6 +107,13 @@ INBOX_APPEND_BATCH = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64),
     registry=None,
 )
+DEDUPE_LEASES_GRANTED = Counter(
+    "baton_dedupe_leases_granted_total",
+    "etcd leases granted for the deduplication window (delivery ids, handoff records), "
+    "by reason: rotated (a new time bucket), missing (etcd no longer knew the last one)",
+    ["reason"],
+    registry=None,
+)
 TRANSFERS = Counter(
     "baton_transfers_total",
     "Transfer calls (handoff, drain, adoption moves), by outcome: moved, replayed, refused",
@@ -149,6 +156,11 @@ STREAM_TRIM_BATCH_SECONDS = Histogram(
     "baton_stream_trim_batch_seconds",
     "One trim transaction (at most 512 events below a session's horizon), failures included",
     buckets=_SECONDS,
+    registry=None,
+)
+INBOX_ENTRIES_DELETED = Counter(
+    "baton_inbox_entries_deleted_total",
+    "Consumed inbox entries deleted by the commits that consumed them",
     registry=None,
 )
 
@@ -250,7 +262,15 @@ LIMIT_REFUSALS = Counter(
 _RPC = (RPC_SERVER_HANDLED, RPC_SERVER_SECONDS, RPC_CLIENT_HANDLED)
 _STORE = (ETCD_TXN_SECONDS, ETCD_ERRORS, STORE_SERVING)
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
-    "hooks": (*_RPC, *_STORE, INBOX_APPENDS, INBOX_APPEND_BATCH, TRANSFERS, LIVE_INSTANCES),
+    "hooks": (
+        *_RPC,
+        *_STORE,
+        INBOX_APPENDS,
+        INBOX_APPEND_BATCH,
+        DEDUPE_LEASES_GRANTED,
+        TRANSFERS,
+        LIVE_INSTANCES,
+    ),
     "anchor": (
         *_RPC,
         *_STORE,
@@ -259,6 +279,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         EVENTS_COMMITTED,
         STREAM_EVENTS_TRIMMED,
         STREAM_TRIM_BATCH_SECONDS,
+        INBOX_ENTRIES_DELETED,
     ),
     "owner": (
         *_RPC,
@@ -279,9 +300,12 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
 }
 
 
+DISTRIBUTION = "baton-runtime"  # the servers' distribution (pyproject.toml)
+
+
 def version() -> str:
     try:
-        return importlib.metadata.version("baton")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

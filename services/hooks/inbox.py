@@ -5,6 +5,11 @@ appender task per session, one txn per batch); the inbox-head compare-and-swap
 is the cross-process fallback. A delivery id repeated inside a batch is
 appended once; one already in the inbox answers with its first receipt.
 
+Delivery ids are remembered for the deduplication window: each `dlv/` key
+is put under this replica's current window lease (`expiry.ExpiryLeases`),
+and etcd deletes it when the lease expires. Inside the window a repeat finds
+the key (compared absent by every append), whichever replica it reaches.
+
 Parking: the append txn also compares the owner record against the cached copy
 (`sessions`, corrected from the failure branch), and while that record says
 parked it puts the owner instance's bell in the same txn. So a bell is rung
@@ -15,6 +20,7 @@ exactly for the arrivals after a successful park, with no race against
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -28,6 +34,7 @@ from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
 from services.common.tasks import Background
 from services.common.tracing import check_traceparent
 from services.common.txn import Fence, Txn, TxnResult
+from services.hooks.expiry import ExpiryLeases
 from services.hooks.sessions import CachedSession, SessionCache
 from services.hooks.tokens import TokenIndex
 
@@ -112,12 +119,18 @@ class Inbox:
     """ResumeHook and StreamInbox over one etcd store."""
 
     def __init__(
-        self, store: Store, keys: Keys, tokens: TokenIndex, sessions: SessionCache
+        self,
+        store: Store,
+        keys: Keys,
+        tokens: TokenIndex,
+        sessions: SessionCache,
+        leases: ExpiryLeases,
     ) -> None:
         self._store = store
         self._keys = keys
         self._tokens = tokens
         self._sessions = sessions
+        self._leases = leases
         self._queues: dict[str, _SessionQueue] = {}
         self._background = Background()
 
@@ -174,7 +187,10 @@ class Inbox:
                 return
             state = await self._sessions.state(session_id)
             attempt = _Attempt.of(state.head, batch)
-            result = await self._append_txn(session_id, state, attempt).run(self._store)
+            result = await self._leases.run(
+                functools.partial(self._append_txn, session_id, state, attempt),
+                leased=bool(attempt.delivery_ids),
+            )
             if result.succeeded:
                 state.head = attempt.new_head
                 _answer_appended(session_id, state.owner, attempt)
@@ -182,11 +198,13 @@ class Inbox:
             batch = self._after_refusal(session_id, batch, attempt, result)
         raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
 
-    def _append_txn(self, session_id: str, state: CachedSession, attempt: _Attempt) -> Txn:
+    def _append_txn(
+        self, session_id: str, state: CachedSession, attempt: _Attempt, lease: int
+    ) -> Txn:
         """Compares: the head, not finalized, the owner record as cached, each
         token's entry, each delivery id absent. Writes: the entries, their
-        delivery ids, the new head, and the bell while parked. Reads on
-        failure: all that was compared."""
+        delivery ids (under the window lease), the new head, and the bell
+        while parked. Reads on failure: all that was compared."""
         k, sid = self._keys, session_id
         txn = Txn().require(
             cmp_value(k.inbox_head(sid), str(attempt.head).encode()),
@@ -202,7 +220,7 @@ class Inbox:
             entry = s.InboxEntry(seq=seq, command=item.command, accepted_at=now)
             txn.put(k.inbox_entry(sid, seq), entry.SerializeToString())
             if item.delivery_id:
-                txn.put(k.delivery(sid, item.delivery_id), str(seq).encode())
+                txn.put(k.delivery(sid, item.delivery_id), str(seq).encode(), lease)
         new_head = str(attempt.new_head).encode()
         txn.put(k.inbox_head(sid), new_head)
         if state.owner.parked:

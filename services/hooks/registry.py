@@ -10,6 +10,8 @@ The rooms, each over the same etcd store:
 - `claims.Claims` — CreateSession, ClaimHooks, DisposeHooks;
 - `inbox.Inbox` — ResumeHook (group-committed appends) and StreamInbox;
 - `ownership.Ownership` — takeover, parking, the ownership index;
+- `expiry.ExpiryLeases` (shared with transfers) — the deduplication
+  window's etcd leases, which expire delivery ids and handoff records;
 - `directory.SessionDirectory` — introspection reads (DescribeSession) and
   the channel index (ListChannelSessions).
 
@@ -30,6 +32,7 @@ from services.common.etcd import Store
 from services.common.keys import Keys, TokenRecord
 from services.hooks.claims import Claims
 from services.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
+from services.hooks.expiry import ExpiryLeases
 from services.hooks.inbox import Inbox
 from services.hooks.ownership import OwnedSession, Ownership, TakeOver
 from services.hooks.sessions import SessionCache
@@ -40,11 +43,12 @@ class HookRegistry:
     """Domain operations of the hooks service over one etcd store; each
     method is one room's."""
 
-    def __init__(self, store: Store, keys: Keys) -> None:
+    def __init__(self, store: Store, keys: Keys, leases: ExpiryLeases) -> None:
+        self.leases = leases
         self.sessions = SessionCache(store, keys)
         self.tokens = TokenIndex(store, keys)
-        self.claims = Claims(store, keys, self.tokens, self.sessions)
-        self.inbox = Inbox(store, keys, self.tokens, self.sessions)
+        self.claims = Claims(store, keys, self.tokens, self.sessions, leases)
+        self.inbox = Inbox(store, keys, self.tokens, self.sessions, leases)
         self.ownership = Ownership(store, keys, self.sessions)
         self.directory = SessionDirectory(store, keys)
 

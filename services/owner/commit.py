@@ -48,9 +48,12 @@ async def commit_step(
     close: bool = False,
     expected_snapshot_revision: int | None = None,
     history: Sequence[s.ChatMessage] = (),
+    consumed_from: int | None = None,
 ) -> int | None:
     """Commit events + history entries + snapshot as one fenced txn; returns
-    the snapshot's new revision. Transient failures are retried with the
+    the snapshot's new revision. The txn deletes the inbox entries consumed
+    since `consumed_from` (the last committed snapshot's position; None:
+    every entry below the snapshot's). Transient failures are retried with the
     identical request (anchor recognises a replay): within the budget of
     `retry.COMMIT`, and while etcd is full (STORE_FULL) until an operator has
     made room, so the step's work is never lost or redone for it."""
@@ -58,6 +61,8 @@ async def commit_step(
         event.seq = snapshot.next_event_seq + offset
     snapshot.next_event_seq += len(events)
     snapshot.deployment_id = identity.deployment_id
+    if consumed_from is not None:  # (a snapshot rolled back to a refused commit's)
+        consumed_from = min(consumed_from, snapshot.inbox_next_seq)
     if tracing.TRACING.enabled:
         # The last turn's trace, for GetSession (the process span's, see spans.py).
         snapshot.last_trace_id = tracing.current_trace_id() or snapshot.last_trace_id
@@ -68,6 +73,7 @@ async def commit_step(
         close_stream=close,
         expected_snapshot_revision=expected_snapshot_revision,
         history=history,
+        consumed_inbox_from=consumed_from,
     )
     if not tracing.TRACING.enabled:
         return await _commit(anchor, request, identity, expected_snapshot_revision)
@@ -155,6 +161,10 @@ class RunCommits:
         self._log = log
         self.revision = revision  # the last committed snapshot's mod revision, when known
         self._committed_snapshot = state.snapshot.SerializeToString()
+        # The inbox position of this run's last commit: the next commit
+        # deletes the entries consumed since (its first, every one below:
+        # also any an older version left behind).
+        self._committed_inbox: int | None = None
         self.carry: list[s.Event] = []  # events for the next commit
         self.progressed = False  # a commit of this run succeeded
         self._turns = TurnMeter()
@@ -189,6 +199,7 @@ class RunCommits:
                     close,
                     self.revision,
                     context.appended,
+                    self._committed_inbox,
                 )
             except (InvalidArgument, ResourceExhausted) as exc:
                 if exc.reason == Reason.STORE_FULL:
@@ -197,6 +208,7 @@ class RunCommits:
         state.mark_committed()
         self._turns.committed(events)
         self._committed_snapshot = state.snapshot.SerializeToString()
+        self._committed_inbox = state.snapshot.inbox_next_seq
         self.progressed = True
         self._upkeep.start_retire()
         self._upkeep.deliver_reports()
