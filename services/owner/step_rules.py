@@ -89,7 +89,6 @@ class StepRules(WaitRules):
         usage = usage_of(reply)
         add_usage(snap.open_turn.usage, usage)
         add_usage(snap.usage, usage)
-        outcome = Outcome.CONTINUE
         if reply.question:
             self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
             events.append(
@@ -102,35 +101,7 @@ class StepRules(WaitRules):
             events.append(self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
             outcome = Outcome.FINAL
         else:
-            snap.tool_call_count += len(progress.calls)
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
-            for index, call in enumerate(progress.calls):
-                events.append(
-                    self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
-                )
-                tool = self.agent.tool_index.get(call.name)
-                if index in progress.children:
-                    self.child_given_work(progress.children[index], call, events, step)
-                elif index in progress.results:
-                    result = progress.results[index]
-                    self.record_result(result, events, step)
-                    if result.is_error and self.agent.fail_on_tool_error:
-                        progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
-                        outcome = Outcome.FAILED
-                elif progress.aborted:
-                    self.record_result(error_result(call, "cancelled"), events, step)
-                elif tool is not None and tool.needs_approval:
-                    self.request_input(
-                        events,
-                        s.INPUT_KIND_APPROVAL,
-                        f"Allow {call.name}({call.arguments_json})?",
-                        step=step,
-                        tool_call=call,
-                    )
-                    outcome = Outcome.PAUSED
-                elif tool is not None and tool.sign_in_attempts:
-                    self.require_authorization(events, call, tool.sign_in_attempts, step)
-                    outcome = Outcome.PAUSED
+            outcome = self._apply_calls(progress, events, step)
         events.append(self.event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
         if progress.aborted:
             return Outcome.ABORTED
@@ -139,3 +110,45 @@ class StepRules(WaitRules):
         if outcome is Outcome.FINAL:
             self.answer = reply.text
         return outcome
+
+    def _apply_calls(self, progress: StepProgress, events: list[s.Event], step: int) -> Outcome:
+        """The step's tool calls, in order: what each did, or why it waits;
+        the last call that fails or pauses the turn says what the step did."""
+        self.snapshot.tool_call_count += len(progress.calls)
+        self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
+        outcome = Outcome.CONTINUE
+        for index, call in enumerate(progress.calls):
+            events.append(self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call))
+            outcome = self._apply_call(progress, index, call, events, step) or outcome
+        return outcome
+
+    def _apply_call(
+        self,
+        progress: StepProgress,
+        index: int,
+        call: s.ToolCall,
+        events: list[s.Event],
+        step: int,
+    ) -> Outcome | None:
+        """One tool call of the step: given to a child, run (a failure may
+        fail the turn), cancelled by an abort, or waiting for an approval or
+        a sign-in (the turn pauses). None: the turn goes on."""
+        tool = self.agent.tool_index.get(call.name)
+        if index in progress.children:
+            self.child_given_work(progress.children[index], call, events, step)
+        elif index in progress.results:
+            result = progress.results[index]
+            self.record_result(result, events, step)
+            if result.is_error and self.agent.fail_on_tool_error:
+                progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
+                return Outcome.FAILED
+        elif progress.aborted:
+            self.record_result(error_result(call, "cancelled"), events, step)
+        elif tool is not None and tool.needs_approval:
+            prompt = f"Allow {call.name}({call.arguments_json})?"
+            self.request_input(events, s.INPUT_KIND_APPROVAL, prompt, step=step, tool_call=call)
+            return Outcome.PAUSED
+        elif tool is not None and tool.sign_in_attempts:
+            self.require_authorization(events, call, tool.sign_in_attempts, step)
+            return Outcome.PAUSED
+        return None
