@@ -106,18 +106,9 @@ class HandoffAcceptance:
         self.accepting[handoff_id] = sid
         try:
             await failpoints.hit("handoff.prepare")
-            done: HandoffAccepted | None = None
-            try:
-                loaded = await self._load_checkpoint(sid, offer)
-                self._validate(loaded.snapshot, loaded.revision, sid, offer)
-            except REFUSALS:
-                # A repeat of a handoff that moved the session already finds
-                # the checkpoint gone: answer with the recorded outcome.
-                done = await self._recorded(sid, handoff_id)
-                if done is None:
-                    raise
-            if done is not None:
-                yield done
+            loaded = await self._checkpoint_or_outcome(sid, handoff_id, offer)
+            if isinstance(loaded, HandoffAccepted):
+                yield loaded
                 return
             # The run id is derived from the handoff and this instance: a
             # repeat here replays the same transfer; a repeat on another
@@ -135,22 +126,26 @@ class HandoffAcceptance:
                 successor_run_id=successor.owner_run_id,
             )
             await failpoints.hit("handoff.before_transfer")
-            transfer = hooks_pb.TransferRequest(
-                handoff_id=handoff_id,
-                expected=fence,
-                expected_owner=from_owner,
-                successor=successor,
-                hooks=list(loaded.snapshot.hooks),
-                trigger_seq=offer.trigger.seq if offer.trigger is not None else 0,
-                snapshot_revision=loaded.revision,
-                reason=offer.reason or s.TRANSFER_REASON_TRIGGER,
-                inbox_head=loaded.snapshot.inbox_next_seq,
-                permit=offer.permit,
-            )
             seed = () if offer.trigger is None else (offer.trigger,)
-            yield Arrival(transfer, loaded, seed)
+            yield Arrival(_transfer_request(offer, loaded, successor), loaded, seed)
         finally:
             self.accepting.pop(handoff_id, None)
+
+    async def _checkpoint_or_outcome(
+        self, sid: str, handoff_id: str, offer: HandoffOffer
+    ) -> LoadedSession | HandoffAccepted:
+        """The offered checkpoint, validated; or, for a repeat of a handoff
+        that moved the session already (its checkpoint is gone), the
+        recorded outcome."""
+        try:
+            loaded = await self._load_checkpoint(sid, offer)
+            self._validate(loaded.snapshot, loaded.revision, sid, offer)
+        except REFUSALS:
+            done = await self._recorded(sid, handoff_id)
+            if done is None:
+                raise
+            return done
+        return loaded
 
     def _check_offer(self, offer: HandoffOffer) -> tuple[str, str]:
         """The offer's own fields, before anything is read: (handoff id, session id)."""
@@ -290,3 +285,23 @@ class HandoffAcceptance:
         bound.info("session transferred here", run_id=moved.fence.owner_run_id)
         await failpoints.hit("handoff.after_transfer")
         return moved
+
+
+def _transfer_request(
+    offer: HandoffOffer, loaded: LoadedSession, successor: s.OwnerIdentity
+) -> hooks_pb.TransferRequest:
+    """The Transfer that moves the session to `successor`: the fence and
+    owner the offer names, the checkpoint's claim set, inbox head and
+    revision, the trigger as the inbox head."""
+    return hooks_pb.TransferRequest(
+        handoff_id=offer.handoff_id,
+        expected=offer.fence,
+        expected_owner=offer.from_owner,
+        successor=successor,
+        hooks=list(loaded.snapshot.hooks),
+        trigger_seq=offer.trigger.seq if offer.trigger is not None else 0,
+        snapshot_revision=loaded.revision,
+        reason=offer.reason or s.TRANSFER_REASON_TRIGGER,
+        inbox_head=loaded.snapshot.inbox_next_seq,
+        permit=offer.permit,
+    )

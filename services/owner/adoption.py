@@ -12,7 +12,7 @@ import structlog
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
+from services.common.clients import AnchorClient, HooksClient, LoadedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
 from services.owner.checkpoint import Arrival, CheckpointRules
 from services.owner.handles import Handles
@@ -47,20 +47,8 @@ class Adoption:
                 Reason.WRONG_DEPLOYMENT,
                 f"session {sid} runs on this deployment; its own fleet takes it over",
             )
-        live = await self._hooks.list_instances(ids.validate_deployment_id(old))
-        if live:
-            raise FailedPrecondition(
-                Reason.INSTANCE_LIVE,
-                f"deployment {old} has {len(live)} live owner instance(s); it runs session {sid}",
-            )
-        try:
-            loaded = await self._anchor.load_session(sid)
-        except BatonError as exc:
-            if exc.retryable:
-                raise
-            raise FailedPrecondition(
-                Reason.CHECKPOINT_UNREADABLE, f"session {sid} cannot be loaded: {exc.message}"
-            ) from exc
+        await self._check_gone(sid, old)
+        loaded = await self._load(sid)
         snapshot = loaded.snapshot
         self._rules.check_active(snapshot, sid)
         self._rules.check_format(snapshot)
@@ -84,6 +72,27 @@ class Adoption:
             reason=s.TRANSFER_REASON_ADOPTION,
         )
         return Arrival(transfer, loaded)
+
+    async def _check_gone(self, sid: str, old: str) -> None:
+        """Adopted only once deployment `old` has no live instance left."""
+        live = await self._hooks.list_instances(ids.validate_deployment_id(old))
+        if live:
+            raise FailedPrecondition(
+                Reason.INSTANCE_LIVE,
+                f"deployment {old} has {len(live)} live owner instance(s); it runs session {sid}",
+            )
+
+    async def _load(self, sid: str) -> LoadedSession:
+        """The session's last snapshot; one that cannot be read (for good)
+        is refused as CHECKPOINT_UNREADABLE."""
+        try:
+            return await self._anchor.load_session(sid)
+        except BatonError as exc:
+            if exc.retryable:
+                raise
+            raise FailedPrecondition(
+                Reason.CHECKPOINT_UNREADABLE, f"session {sid} cannot be loaded: {exc.message}"
+            ) from exc
 
     def _check_settled(
         self, snapshot: s.SessionSnapshot, sid: str, old: str, bound: structlog.BoundLogger

@@ -113,6 +113,19 @@ class HandoffAttempts:
         bound = bound.bind(target_instance_id=chosen.instance_id)
         request = self._request(checkpoint, target, entry, handoff_id)
         await failpoints.hit("handoff.before_accept")
+        return await self._offer(chosen, request, why, started, bound)
+
+    async def _offer(
+        self,
+        chosen: OwnerInstance,
+        request: owner_pb.AcceptHandoffRequest,
+        why: str,
+        started: float,
+        bound: structlog.BoundLogger,
+    ) -> Attempt:
+        """Offer the session to the chosen instance (AcceptHandoff): moved,
+        refused (it stays; the refusal is kept for a drain's report) or
+        uncertain (the run decides it)."""
         asked = time.monotonic()
         try:
             accepted = await self._peers.client(chosen.address).accept_handoff(request)
@@ -123,16 +136,16 @@ class HandoffAttempts:
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
             metrics.HANDOFFS.labels(why, "refused").inc()
             bound.info(
-                "handoff refused; processing here" if entry is not None else "drain refused",
+                "handoff refused; processing here" if why == "trigger" else "drain refused",
                 reason=exc.reason,
                 error=exc.message,
             )
-            self.last_refusal[fence.session_id] = (exc.reason, exc.message)
+            self.last_refusal[request.fence.session_id] = (exc.reason, exc.message)
             return Attempt.STAYED
         except BatonError as exc:
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
             metrics.HANDOFFS.labels(why, "uncertain").inc()
-            self._peers.forget(target)
+            self._peers.forget(request.deployment_id)
             bound.warning("handoff outcome uncertain; the run decides it", reason=exc.reason)
             return Attempt.UNCERTAIN
         metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
