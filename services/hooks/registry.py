@@ -37,6 +37,7 @@ from services.hooks.inbox import Inbox
 from services.hooks.ownership import OwnedSession, Ownership, TakeOver
 from services.hooks.sessions import SessionCache
 from services.hooks.tokens import TokenIndex
+from services.hooks.transfer import OwnerMoved
 
 
 class HookRegistry:
@@ -123,9 +124,10 @@ class HookRegistry:
     ) -> IndexPage:
         return await self.directory.list_all_channels(after_channel, after_session_id, limit)
 
-    def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
-        """A transfer wrote a new owner record (see `SessionCache.owner_moved`)."""
-        self.sessions.owner_moved(session_id, head, owner_raw)
+    def owner_moved(self, moved: OwnerMoved) -> None:
+        """A transfer wrote a new owner record (transfer.py's answer, acted on
+        by the servicer; see `SessionCache.owner_moved`)."""
+        self.sessions.owner_moved(moved.session_id, moved.inbox_head, moved.owner_record)
 
     async def close(self) -> None:
         await self.inbox.close()

@@ -26,7 +26,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     keys = Keys(config.etcd.prefix)
     leases = ExpiryLeases(store, config.dedupe_window_seconds)
     registry = HookRegistry(store, keys, leases)
-    transfers = Transfers(store, keys, leases, on_moved=registry.owner_moved)
+    transfers = Transfers(store, keys, leases)
     instances = InstanceRegistry(store, keys)
     servicer = HookRegistryServicer(
         registry,

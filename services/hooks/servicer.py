@@ -22,7 +22,7 @@ from services.hooks.directory import timestamp_ms
 from services.hooks.fleets import Fleet, FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
-from services.hooks.transfer import Transfers
+from services.hooks.transfer import Transfers, plan_transfer
 
 
 def _require_fence(fence: s.Fence, present: bool) -> None:
@@ -90,7 +90,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             run_id=request.expected.owner_run_id,
             handoff_id=request.handoff_id,
         )
-        outcome, replayed = await self._transfers.transfer(
+        plan = plan_transfer(
             request.handoff_id,
             request.expected,
             request.expected_owner,
@@ -100,9 +100,12 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             request.snapshot_revision,
             request.reason,
             request.inbox_head,
-            authorize=lambda reason: self._permitted(request, reason),
         )
-        return pb.TransferResponse(fence=outcome.fence, replayed=replayed)
+        await self._permitted(request, plan.reason)  # once the request is known well-formed
+        done = await self._transfers.transfer(plan)
+        if done.moved is not None:
+            self._registry.owner_moved(done.moved)
+        return pb.TransferResponse(fence=done.outcome.fence, replayed=done.replayed)
 
     async def _permitted(
         self, request: pb.TransferRequest, reason: s.TransferReason.ValueType

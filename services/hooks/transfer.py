@@ -21,7 +21,7 @@ moves with it (issue 12; docs/deploy.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -82,6 +82,79 @@ class TransferOutcome:
         )
 
 
+@dataclass(frozen=True)
+class TransferPlan:
+    """A transfer request known to be well-formed, nothing read yet
+    (`plan_transfer`): what `Transfers.transfer` compares and writes.
+    `reason` is never UNSPECIFIED (that means TRIGGER); `head` is the
+    inbox head the transfer requires (None: any, an adoption)."""
+
+    session_id: str
+    handoff_id: str
+    expected: s.Fence
+    expected_owner: s.OwnerIdentity
+    successor: s.OwnerIdentity
+    hooks: tuple[str, ...]
+    trigger_seq: int
+    snapshot_revision: int
+    reason: s.TransferReason.ValueType
+    head: int | None
+
+
+def plan_transfer(
+    handoff_id: str,
+    expected: s.Fence,
+    expected_owner: s.OwnerIdentity,
+    successor: s.OwnerIdentity,
+    hooks: Sequence[str],
+    trigger_seq: int,
+    snapshot_revision: int,
+    reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER,
+    inbox_head: int = 0,
+) -> TransferPlan:
+    """Validate a transfer request (InvalidArgument when it is not
+    well-formed); pure. The caller checks the permit for `plan.reason`
+    before it transfers."""
+    sid = ids.validate_session_id(expected.session_id)
+    reason, head = _check_request(
+        handoff_id, expected_owner, successor, trigger_seq, snapshot_revision, reason, inbox_head
+    )
+    return TransferPlan(
+        sid,
+        handoff_id,
+        expected,
+        expected_owner,
+        successor,
+        tuple(hooks),
+        trigger_seq,
+        snapshot_revision,
+        reason,
+        head,
+    )
+
+
+@dataclass(frozen=True)
+class OwnerMoved:
+    """A transfer wrote a new owner record and knows the inbox head: what
+    the caller tells this process's session cache (`HookRegistry.owner_moved`),
+    so the next append does not fail its compare first."""
+
+    session_id: str
+    inbox_head: int
+    owner_record: bytes
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """A transfer's answer: the outcome, whether it was a replay of one
+    already applied, and the move for the cache (None: a replay, or an
+    adoption, which compares no inbox head)."""
+
+    outcome: TransferOutcome
+    replayed: bool
+    moved: OwnerMoved | None
+
+
 class Transfers:
     """Transfer and GetTransfer over one etcd store."""
 
@@ -90,56 +163,27 @@ class Transfers:
         store: Store,
         keys: Keys,
         leases: ExpiryLeases,
-        on_moved: Callable[[str, int, bytes], None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self._leases = leases
-        self._on_moved = on_moved  # (session, inbox head, new owner record)
 
-    async def transfer(
-        self,
-        handoff_id: str,
-        expected: s.Fence,
-        expected_owner: s.OwnerIdentity,
-        successor: s.OwnerIdentity,
-        hooks: list[str],
-        trigger_seq: int,
-        snapshot_revision: int,
-        reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER,
-        inbox_head: int = 0,
-        authorize: Callable[[s.TransferReason.ValueType], Awaitable[None]] | None = None,
-    ) -> tuple[TransferOutcome, bool]:
-        """Returns (outcome, replayed). Nothing is written unless every compare
+    async def transfer(self, plan: TransferPlan) -> Transferred:
+        """Apply a planned transfer (`plan_transfer`; the caller checks any
+        permit between the two). Nothing is written unless every compare
         holds; each refusal names its reason.
 
         Every refusal is final: the fence and the snapshot revision never come
         back, the inbox head only grows. So once a (replayed) request is
         refused, an earlier copy of it still in flight cannot commit either,
-        and the old owner may process the trigger itself.
-
-        `authorize` (the servicer's permit check) runs once the request is
-        well-formed and before anything is read or written."""
-        sid = ids.validate_session_id(expected.session_id)
-        reason, head = _check_request(
-            handoff_id,
-            expected_owner,
-            successor,
-            trigger_seq,
-            snapshot_revision,
-            reason,
-            inbox_head,
-        )
-        if authorize is not None:  # once the request is known to be well-formed
-            await authorize(reason)
-        k = self._keys
-        owner = Fence.of(expected)
-        moved_to = Fence(sid, successor.owner_run_id, expected.epoch + 1)
+        and the old owner may process the trigger itself."""
+        sid, successor = plan.session_id, plan.successor
+        moved_to = Fence(sid, successor.owner_run_id, plan.expected.epoch + 1)
         outcome = TransferOutcome(
             fence=moved_to.proto(),
             successor=successor,
-            trigger_seq=trigger_seq if reason == s.TRANSFER_REASON_TRIGGER else 0,
-            reason=reason,
+            trigger_seq=plan.trigger_seq if plan.reason == s.TRANSFER_REASON_TRIGGER else 0,
+            reason=plan.reason,
         )
         record = OwnerRecord(
             owner_run_id=successor.owner_run_id,
@@ -147,59 +191,25 @@ class Transfers:
             instance_id=successor.instance_id,
             epoch=moved_to.epoch,
         )
-        claimed = canonical_json(list(hooks))
-
-        def transfer_txn(lease: int) -> Txn:
-            txn = Txn().require(
-                owner.compare(k),
-                cmp_value(k.hooks(sid), claimed),
-                cmp_mod(k.snapshot(sid), snapshot_revision),
-                cmp_absent(k.closed(sid)),
-                cmp_absent(k.transfer(sid, handoff_id)),
-            )
-            if head is not None:
-                txn.require(cmp_value(k.inbox_head(sid), str(head).encode()))
-            old_fleet = k.deployment_prefix(expected_owner.deployment_id)
-            if reason == s.TRANSFER_REASON_ADOPTION:
-                # No permit can come from a fleet that is gone: what allows an
-                # adoption is that the session's deployment has no live instance.
-                txn.require(cmp_none(old_fleet, prefix_end(old_fleet)))
-                txn.read_on_failure(
-                    "live", old_fleet, prefix_end(old_fleet), keys_only=True, limit=1
-                )
-            txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
-            old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
-            new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
-            if old_index != new_index:  # (one txn may not name a key twice)
-                txn.delete(old_index)
-            txn.put(new_index, moved_to.value)
-            txn.delete(k.bell(expected_owner.instance_id, sid))
-            txn.put(k.transfer(sid, handoff_id), outcome.encode(), lease)
-            txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
-            txn.read_on_failure("fence", k.fence(sid))
-            txn.read_on_failure("hooks", k.hooks(sid))
-            txn.read_on_failure("head", k.inbox_head(sid))
-            txn.read_on_failure("closed", k.closed(sid))
-            txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
-            return txn
-
-        result = await self._leases.run(transfer_txn)
+        claimed = canonical_json(list(plan.hooks))
+        result = await self._leases.run(
+            lambda lease: _transfer_txn(self._keys, plan, claimed, moved_to, record, outcome, lease)
+        )
         if result.succeeded:
-            if self._on_moved is not None and head is not None:
-                self._on_moved(sid, head, record.encode())
-            return outcome, False
+            moved = OwnerMoved(sid, plan.head, record.encode()) if plan.head is not None else None
+            return Transferred(outcome, False, moved)
         stored = result.value("transfer")
         if stored is not None:
             previous = TransferOutcome.decode(sid, stored)
             if previous.successor.owner_run_id != successor.owner_run_id:
                 raise AlreadyExists(
                     Reason.HANDOFF_ID_REUSED,
-                    f"handoff {handoff_id} already moved session {sid} to run "
+                    f"handoff {plan.handoff_id} already moved session {sid} to run "
                     f"{previous.successor.owner_run_id}",
                 )
-            return previous, True
-        owner.check(result.value("fence"))
-        raise _refusal(result, sid, reason, head, snapshot_revision, claimed)
+            return Transferred(previous, True, None)
+        Fence.of(plan.expected).check(result.value("fence"))
+        raise _refusal(result, sid, plan.reason, plan.head, plan.snapshot_revision, claimed)
 
     async def owner(self, session_id: str) -> tuple[OwnerRecord, int]:
         """The session's owner record and inbox head."""
@@ -230,6 +240,51 @@ class Transfers:
                 f"kept for the deduplication window, {self._leases.window_seconds:g} s)",
             )
         return TransferOutcome.decode(session_id, value)
+
+
+def _transfer_txn(
+    k: Keys,
+    plan: TransferPlan,
+    claimed: bytes,
+    moved_to: Fence,
+    record: OwnerRecord,
+    outcome: TransferOutcome,
+    lease: int,
+) -> Txn:
+    """The one transaction that moves the session (`lease`: the
+    deduplication window's, for the handoff record)."""
+    sid, handoff_id = plan.session_id, plan.handoff_id
+    expected_owner, successor = plan.expected_owner, plan.successor
+    txn = Txn().require(
+        Fence.of(plan.expected).compare(k),
+        cmp_value(k.hooks(sid), claimed),
+        cmp_mod(k.snapshot(sid), plan.snapshot_revision),
+        cmp_absent(k.closed(sid)),
+        cmp_absent(k.transfer(sid, handoff_id)),
+    )
+    if plan.head is not None:
+        txn.require(cmp_value(k.inbox_head(sid), str(plan.head).encode()))
+    old_fleet = k.deployment_prefix(expected_owner.deployment_id)
+    if plan.reason == s.TRANSFER_REASON_ADOPTION:
+        # No permit can come from a fleet that is gone: what allows an
+        # adoption is that the session's deployment has no live instance.
+        txn.require(cmp_none(old_fleet, prefix_end(old_fleet)))
+        txn.read_on_failure("live", old_fleet, prefix_end(old_fleet), keys_only=True, limit=1)
+    txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
+    old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
+    new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
+    if old_index != new_index:  # (one txn may not name a key twice)
+        txn.delete(old_index)
+    txn.put(new_index, moved_to.value)
+    txn.delete(k.bell(expected_owner.instance_id, sid))
+    txn.put(k.transfer(sid, handoff_id), outcome.encode(), lease)
+    txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
+    txn.read_on_failure("fence", k.fence(sid))
+    txn.read_on_failure("hooks", k.hooks(sid))
+    txn.read_on_failure("head", k.inbox_head(sid))
+    txn.read_on_failure("closed", k.closed(sid))
+    txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
+    return txn
 
 
 def _check_request(
