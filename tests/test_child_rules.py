@@ -18,11 +18,11 @@ from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
 from services.owner.handles import Handles, Refusal, Verdict, child_budget, child_control
 from services.owner.held import RunIdentity
+from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
     SessionState,
-    initial_snapshot,
 )
 
 K = s.EventKind

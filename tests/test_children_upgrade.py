@@ -19,7 +19,7 @@ from services.common.errors import BatonError
 from services.common.identity import Role
 from services.owner.commit import commit_step
 from services.owner.held import RunIdentity, make_event
-from services.owner.turns import initial_snapshot
+from services.owner.snapshots import initial_snapshot
 from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (

@@ -23,8 +23,9 @@ from services.owner.decisions import (
 )
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
+from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import StepProgress
-from services.owner.turns import SessionState, initial_snapshot
+from services.owner.turns import SessionState
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

@@ -29,7 +29,7 @@ from services.owner import handoff
 from services.owner.commit import commit_step
 from services.owner.held import RunIdentity, make_event
 from services.owner.host import OwnerHost
-from services.owner.turns import initial_snapshot
+from services.owner.snapshots import initial_snapshot
 from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment

@@ -17,7 +17,7 @@ from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.identity import Role
 from services.owner.held import RunIdentity, make_event
-from services.owner.turns import initial_snapshot
+from services.owner.snapshots import initial_snapshot
 from tests.procs import SLACK, ProcessStack
 from tests.stack import public_channel
 

@@ -12,11 +12,11 @@ from services.common import limits
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
+from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
     SessionState,
-    initial_snapshot,
     safe_error,
 )
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import Reason
+from services.owner import child_outputs as outputs
 from services.owner import handles as h
 from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
 from services.owner.child_reports import ChildReports
@@ -128,7 +129,7 @@ class ChildRules(ChildReports):
         )
         if work.background:
             result = s.ToolResult(
-                tool_call_id=call.id, name=call.name, output=h.started_output(handle)
+                tool_call_id=call.id, name=call.name, output=outputs.started_output(handle)
             )
             self.record_result(result, events, step)
 
@@ -300,13 +301,13 @@ class ChildRules(ChildReports):
             )
         )
         if verdict is Verdict.AWAITED:
-            output = h.tool_output(handle, report)
+            output = outputs.tool_output(handle, report)
             result = s.ToolResult(
                 tool_call_id=call_id, name=handle.name, output=output, is_error=failed
             )
             self.record_result(result, events)
         elif verdict is Verdict.ADMIT:
-            content = h.message_content(handle, report)
+            content = outputs.message_content(handle, report)
             self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
         self.handles.prune()
 
@@ -316,18 +317,10 @@ class ChildRules(ChildReports):
         one gets a cancelled result."""
         for handle in self.handles.detach(self.turn_id):
             if handle.tool_call_id:
-                output = json.dumps(
-                    {
-                        "handle": handle.child_session_id,
-                        "name": handle.name,
-                        "status": "cancelled",
-                    },
-                    sort_keys=True,
-                )
                 result = s.ToolResult(
                     tool_call_id=handle.tool_call_id,
                     name=handle.name,
-                    output=output,
+                    output=outputs.cancelled_output(handle),
                     is_error=True,
                 )
                 self.record_result(result, events)

@@ -1,7 +1,8 @@
 """Child sessions as their parent sees them (DESIGN.md §11): handles, what a
 child's report means, eligibility for a handoff, budgets given to a child.
-Pure: no I/O. `SessionState` (turns.py) turns these into events and context;
-`SessionRun` (session.py) does the deliveries.
+Pure: no I/O. `SessionState` (turns.py) turns these into events and context
+(what the model reads of a child is child_outputs.py); the run (step.py,
+upkeep.py) does the deliveries.
 
 A handle is RUNNING while the child works for the parent (the parent is then
 not idle: no handoff), PARKED (a subagent conversation waiting to be
@@ -27,7 +28,6 @@ or its finalization (FINALIZED). What a report means depends on the handle:
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,13 +41,6 @@ AVAILABLE = s.HANDLE_STATE_AVAILABLE
 SETTLED = s.HANDLE_STATE_SETTLED
 
 OUTCOMES = frozenset({s.TASK_STATUS_COMPLETED, s.TASK_STATUS_FAILED, s.TASK_STATUS_CANCELLED})
-
-STATUS_NAMES = {
-    s.TASK_STATUS_COMPLETED: "completed",
-    s.TASK_STATUS_FAILED: "failed",
-    s.TASK_STATUS_CANCELLED: "cancelled",
-    s.TASK_STATUS_FINALIZED: "failed",
-}
 
 
 class Verdict(enum.Enum):
@@ -374,41 +367,3 @@ def child_budget(snapshot: s.SessionSnapshot, step: s.Usage | None = None) -> tu
     if limits_.cost_budget_micros:
         cost = max(1, limits_.cost_budget_micros - usage.cost_micros)
     return tokens, cost
-
-
-# -- what the model sees -----------------------------------------------------------
-
-
-def report_json(handle: s.ChildHandle, report: s.TaskResultCommand) -> dict[str, str]:
-    """A report as the parent's model sees it."""
-    body = {"handle": handle.child_session_id, "name": handle.name, "kind": kind_name(handle.kind)}
-    body["status"] = STATUS_NAMES.get(report.status, "failed")
-    if report.status == s.TASK_STATUS_COMPLETED:
-        body["result"] = report.result
-    else:
-        error = report.error
-        body["error"] = f"{error.reason}: {error.message}" if error.message else error.reason
-    return body
-
-
-def tool_output(handle: s.ChildHandle, report: s.TaskResultCommand) -> str:
-    """The result of the tool call that waited for the child."""
-    return json.dumps(report_json(handle, report), sort_keys=True)
-
-
-def started_output(handle: s.ChildHandle) -> str:
-    """The immediate result of a call that gave a child background work."""
-    return json.dumps(
-        {
-            "handle": handle.child_session_id,
-            "kind": kind_name(handle.kind),
-            "name": handle.name,
-            "status": "running",
-        },
-        sort_keys=True,
-    )
-
-
-def message_content(handle: s.ChildHandle, report: s.TaskResultCommand) -> str:
-    """A background result as a message of the parent's conversation."""
-    return json.dumps({"task_result": report_json(handle, report)}, sort_keys=True)

@@ -46,7 +46,7 @@ from services.owner.hosting import HostedSessions
 from services.owner.parking import ParkedSession
 from services.owner.restarts import DEFAULT_RESTART_BUDGET
 from services.owner.session import RunStart
-from services.owner.turns import SNAPSHOT_FORMAT, initial_snapshot
+from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 
 class OwnerHost(HostedSessions):

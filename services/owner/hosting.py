@@ -54,7 +54,7 @@ from services.owner.held import RunIdentity, make_event
 from services.owner.parking import ParkedSession, Parking
 from services.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
 from services.owner.session import RunExit, RunServices, RunStart, SessionRun
-from services.owner.turns import SNAPSHOT_FORMAT, initial_snapshot
+from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 log = structlog.get_logger("baton.owner")
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import time
 from collections.abc import Sequence
 
 from baton.session.v1 import session_pb2 as s
@@ -52,8 +51,6 @@ from services.owner.agent import (
 from services.owner.handles import Verdict
 from services.owner.held import RunIdentity, make_event
 from services.owner.step_rules import StepRules, usage_of
-
-SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
 SETTLE_KINDS = frozenset(
     {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
@@ -70,40 +67,6 @@ class Admission(enum.Enum):
     DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
     REJECT = "reject"  # unknown kind: consumed with an error event
     BLOCK = "block"  # waits until the turn settles
-
-
-def initial_snapshot(
-    session_id: str,
-    channel: str,
-    deployment_id: str,
-    hooks: list[str],
-    *,
-    timeout_seconds: int = 0,
-    token_budget: int = 0,
-    cost_budget_micros: int = 0,
-    parent: s.ParentLink | None = None,
-    now: float | None = None,
-) -> s.SessionSnapshot:
-    snapshot = s.SessionSnapshot(
-        format_version=SNAPSHOT_FORMAT,
-        session_id=session_id,
-        channel=channel,
-        deployment_id=deployment_id,
-        hooks=hooks,
-        status=s.SESSION_STATUS_ACTIVE,
-        limits=s.Limits(token_budget=token_budget, cost_budget_micros=cost_budget_micros),
-    )
-    if parent is not None and parent.parent_session_id:
-        snapshot.parent.CopyFrom(parent)
-        snapshot.parent.work = 0
-        del snapshot.parent.outbox[:]
-        snapshot.limits.MergeFrom(parent.limits)
-    if timeout_seconds:
-        # The deadline is committed with session.started: it survives restarts.
-        snapshot.timeout.duration_seconds = timeout_seconds
-        started = time.time() if now is None else now
-        snapshot.timeout.deadline.FromSeconds(int(started) + timeout_seconds)
-    return snapshot
 
 
 def context_change(
