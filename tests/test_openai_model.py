@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from baton.session.v1 import session_pb2 as s
-from services.owner import fixture
+from services.owner import fixture_tools
 from services.owner.agent import (
     ModelRejected,
     ModelReply,
@@ -213,7 +213,7 @@ async def test_tool_call_round_trip(server: ChatServer, make_model: Any) -> None
         Reply(body=completion("The result is 42.", prompt_tokens=30, completion_tokens=6)),
     ]
     model = make_model()
-    tools = fixture.TOOLS
+    tools = fixture_tools.TOOLS
     history = [
         s.ChatMessage(role=s.ROLE_SYSTEM, content="Extra context."),
         s.ChatMessage(role=s.ROLE_USER, content="what is 6*7?"),
@@ -229,7 +229,7 @@ async def test_tool_call_round_trip(server: ChatServer, make_model: Any) -> None
         id="call_1", name="calculator", arguments_json=dumps_arguments({"expression": "6*7"})
     )
     context = ToolContext(session_id="ses", deployment_id="dep", owner_run_id="run")
-    calculator = next(t for t in fixture.TOOLS if t.name == "calculator")
+    calculator = next(t for t in fixture_tools.TOOLS if t.name == "calculator")
     output = await calculator.run({"expression": "6*7"}, context)
     history.append(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=[call]))
     history.append(s.ChatMessage(role=s.ROLE_TOOL, content=output, tool_call_id="call_1"))
@@ -275,7 +275,7 @@ async def test_several_tool_calls_and_text(server: ChatServer, make_model: Any) 
             )
         )
     ]
-    reply = await make_model().complete("", USER_HELLO, fixture.TOOLS)
+    reply = await make_model().complete("", USER_HELLO, fixture_tools.TOOLS)
     assert reply.text == "Let me check."
     assert list(reply.tool_calls) == [
         RequestedCall("deployment", {}),
@@ -288,11 +288,11 @@ async def test_several_tool_calls_and_text(server: ChatServer, make_model: Any) 
 async def test_invalid_tool_arguments_is_a_clear_error(server: ChatServer, make_model: Any) -> None:
     server.script = [Reply(body=completion(None, [tool_call("a", "echo", '{"text": ')]))]
     with pytest.raises(ModelError, match="invalid JSON arguments for tool 'echo'"):
-        await make_model().complete("", USER_HELLO, fixture.TOOLS)
+        await make_model().complete("", USER_HELLO, fixture_tools.TOOLS)
     server.requests.clear()
     server.script = [Reply(body=completion(None, [tool_call("a", "echo", "[1, 2]")]))]
     with pytest.raises(ModelError, match="not a JSON object"):
-        await make_model().complete("", USER_HELLO, fixture.TOOLS)
+        await make_model().complete("", USER_HELLO, fixture_tools.TOOLS)
     assert len(server.requests) == 1  # a bad reply is not retried
 
 
@@ -483,7 +483,7 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
     agent = load_agent("services.owner.openai_model:build_agent", "dep-1")
 
     assert agent.deployment_id == "dep-1"
-    assert agent.tools == fixture.TOOLS
+    assert agent.tools == fixture_tools.TOOLS
     assert isinstance(agent.model, OpenAIChatModel)
     try:
         reply = await agent.model.complete(agent.instructions, USER_HELLO, agent.tools)
@@ -495,7 +495,7 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
     assert request.body["model"] == "env-model"
     assert request.body["messages"][0] == {"role": "system", "content": agent.instructions}
     sent = [t["function"]["name"] for t in request.body["tools"]]
-    assert sent == [t.name for t in fixture.TOOLS]
+    assert sent == [t.name for t in fixture_tools.TOOLS]
     assert {"calculator", "deployment", "echo"} <= set(sent)
 
 

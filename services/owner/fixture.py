@@ -31,17 +31,16 @@ Child sessions (DESIGN.md §11):
   "<name> says: <result>", "Started <name> as <handle>.", "<name> finished: <result>",
   or "<name> <failed|cancelled>: <error>".
 - anything else             -> "echo: <text>".
-Usage: prompt tokens are the words of the instructions and of the last message
-plus one per earlier message; completion tokens are the words of the answer.
+The tools are fixture_tools.py's. Usage: prompt tokens are the words of the
+instructions and of the last message plus one per earlier message;
+completion tokens are the words of the answer.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import dataclasses
 import json
-import operator
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -54,10 +53,8 @@ from services.owner.agent import (
     ModelReply,
     RequestedCall,
     Tool,
-    ToolContext,
-    ToolMode,
-    WorkflowStep,
 )
+from services.owner.fixture_tools import CHILD_TOOLS, TOOLS
 
 _CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
 _STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)
@@ -72,100 +69,6 @@ _CONTINUE = re.compile(r"^\s*continue\s+(?:(ses_[0-9a-z]{26})\s+)?(.+?)\s*$", re
 _TASK = re.compile(r"^\s*task\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 _WORKFLOW = re.compile(r"^\s*workflow\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 _QUESTION = "What is your name?"
-
-_OPS: dict[type, Any] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def evaluate(expression: str) -> float | int:
-    """Arithmetic only: numbers, + - * / // % **, parentheses."""
-
-    def walk(node: ast.AST) -> float | int:
-        if isinstance(node, ast.Expression):
-            return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            right = walk(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError("exponent too large")
-            result: float | int = _OPS[type(node.op)](walk(node.left), right)
-            return result
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-            value: float | int = _OPS[type(node.op)](walk(node.operand))
-            return value
-        raise ValueError(f"unsupported expression element {type(node).__name__}")
-
-    if len(expression) > 200:
-        raise ValueError("expression too long")
-    return walk(ast.parse(expression, mode="eval"))
-
-
-async def _calculator(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    result = evaluate(str(arguments.get("expression", "")))
-    if isinstance(result, float) and result.is_integer():
-        result = int(result)
-    return str(result)
-
-
-async def _deployment(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    return ctx.deployment_id
-
-
-async def _transfer(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    return f"transferred {arguments.get('amount', '')}"
-
-
-async def _calendar(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    return "3 meetings today"
-
-
-async def _add_alias(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    token = f"{ctx.channel}:{arguments.get('raw', '')}"
-    if ctx.add_alias is None:
-        raise RuntimeError("aliases cannot be added here")
-    await ctx.add_alias(token)
-    return f"alias {token} added"
-
-
-async def _sleep(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    await asyncio.sleep(int(arguments.get("ms", 0)) / 1000)
-    return f"slept {arguments.get('step', '')}"
-
-
-async def _echo(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    return str(arguments.get("text", ""))
-
-
-async def _big(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    return "x" * (int(arguments.get("kib", 0)) * 1024)
-
-
-async def _slow_task(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    """The background tool: runs in a child session of its own."""
-    await asyncio.sleep(int(arguments.get("ms", 0) or 0) / 1000)
-    text = str(arguments.get("text") or arguments.get("input") or "")
-    if text == "fail":
-        raise RuntimeError("the task was asked to fail")
-    return f"done: {text}"
-
-
-def _pipeline_step(name: str, verb: str) -> WorkflowStep:
-    async def step(arguments: dict[str, Any], ctx: ToolContext) -> str:
-        await asyncio.sleep(int(arguments.get("ms", 0) or 0) / 1000)
-        previous = str(arguments.get("previous", "")) or str(arguments.get("text", ""))
-        return f"{verb} {previous}"
-
-    return WorkflowStep(name, step)
 
 
 def _words(text: str) -> int:
@@ -183,74 +86,86 @@ class FixtureModel:
         prompt_tokens = _words(instructions) + _words(history[-1].content) + len(history) - 1
         if instructions.startswith("Summarize"):
             first = next((m.content for m in history if m.role == s.ROLE_USER), "")
-            text = f"{len(history)} messages about: {first}"
-            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+            return _answer(f"{len(history)} messages about: {first}", prompt_tokens)
         last = history[-1]
         if last.role == s.ROLE_TOOL and (answer := _child_answer(last.content)):
-            return ModelReply(text=answer, input_tokens=prompt_tokens, output_tokens=_words(answer))
+            return _answer(answer, prompt_tokens)
         if last.role == s.ROLE_USER and (answer := _background_answer(last.content)):
-            return ModelReply(text=answer, input_tokens=prompt_tokens, output_tokens=_words(answer))
+            return _answer(answer, prompt_tokens)
         if last.role == s.ROLE_TOOL:
-            step, ms = _next_sleep_step(history)
-            if step:
-                return ModelReply(
-                    tool_calls=[RequestedCall("sleep", {"ms": ms, "step": step})],
-                    input_tokens=prompt_tokens,
-                )
-            pending = _pending_echo_steps(history)
-            if pending > 0:
-                return ModelReply(
-                    tool_calls=[RequestedCall("echo", {"text": f"step {pending}"})],
-                    input_tokens=prompt_tokens,
-                )
-            text = f"The result is {last.content}."
-            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
-        if last.role == s.ROLE_USER and len(history) >= 2 and history[-2].role == s.ROLE_ASSISTANT:
-            asked = history[-2].content
-            if asked == _QUESTION and not history[-2].tool_calls:
-                text = f"Nice to meet you, {last.content}."
-                return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+            return _after_tool(history, prompt_tokens)
+        if _answers_question(history):
+            return _answer(f"Nice to meet you, {last.content}.", prompt_tokens)
         user = last.content
-        command = user.strip().lower()
         if call := _child_call(user, history, tools):
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+            return _call(call, prompt_tokens)
         if match := _WAIT.match(user):
             await asyncio.sleep(int(match.group(1)) / 1000)
-            text = f"echo: {user}"
-            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
-        if match := _TRANSFER.match(user):
-            call = RequestedCall("transfer", {"amount": match.group(1)})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if command == "ask my name":
-            return ModelReply(question=_QUESTION, input_tokens=prompt_tokens, output_tokens=5)
-        if command == "read calendar":
-            call = RequestedCall("calendar", {})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if match := _ALIAS.match(user):
-            call = RequestedCall("add_alias", {"raw": match.group(1)})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if match := _BIG.match(user):
-            call = RequestedCall("big", {"kib": int(match.group(1))})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if match := _SAY.match(user):
-            text = "y" * (int(match.group(1)) * 1024)
-            return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=1)
-        if command == "fail model":
-            raise RuntimeError("fixture model failure requested")
-        if match := _CALC.match(user):
-            call = RequestedCall("calculator", {"expression": match.group(1)})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if user.strip().lower() == "whoami":
-            call = RequestedCall("deployment", {})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if (match := _SLEEP.match(user)) and int(match.group(1)) > 1:
-            call = RequestedCall("sleep", {"ms": int(match.group(2)), "step": 1})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        if (match := _STEPS.match(user)) and int(match.group(1)) > 1:
-            call = RequestedCall("echo", {"text": "step 1"})
-            return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
-        text = f"echo: {user}"
-        return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+            return _answer(f"echo: {user}", prompt_tokens)
+        return _scripted(user, prompt_tokens)
+
+
+def _answer(text: str, prompt_tokens: int) -> ModelReply:
+    return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=_words(text))
+
+
+def _call(call: RequestedCall, prompt_tokens: int) -> ModelReply:
+    return ModelReply(tool_calls=[call], input_tokens=prompt_tokens, output_tokens=1)
+
+
+def _after_tool(history: Sequence[s.ChatMessage], prompt_tokens: int) -> ModelReply:
+    """After a tool result: the next step of "sleep <n>" or "steps <n>",
+    or a final answer quoting the result."""
+    step, ms = _next_sleep_step(history)
+    if step:
+        return ModelReply(
+            tool_calls=[RequestedCall("sleep", {"ms": ms, "step": step})],
+            input_tokens=prompt_tokens,
+        )
+    pending = _pending_echo_steps(history)
+    if pending > 0:
+        return ModelReply(
+            tool_calls=[RequestedCall("echo", {"text": f"step {pending}"})],
+            input_tokens=prompt_tokens,
+        )
+    return _answer(f"The result is {history[-1].content}.", prompt_tokens)
+
+
+def _answers_question(history: Sequence[s.ChatMessage]) -> bool:
+    """The last message is the user's answer to the fixture's question."""
+    if len(history) < 2 or history[-1].role != s.ROLE_USER:
+        return False
+    asked = history[-2]
+    return asked.role == s.ROLE_ASSISTANT and asked.content == _QUESTION and not asked.tool_calls
+
+
+def _scripted(user: str, prompt_tokens: int) -> ModelReply:
+    """The scripted commands of a user message (the module doc's list)."""
+    command = user.strip().lower()
+    if match := _TRANSFER.match(user):
+        return _call(RequestedCall("transfer", {"amount": match.group(1)}), prompt_tokens)
+    if command == "ask my name":
+        return ModelReply(question=_QUESTION, input_tokens=prompt_tokens, output_tokens=5)
+    if command == "read calendar":
+        return _call(RequestedCall("calendar", {}), prompt_tokens)
+    if match := _ALIAS.match(user):
+        return _call(RequestedCall("add_alias", {"raw": match.group(1)}), prompt_tokens)
+    if match := _BIG.match(user):
+        return _call(RequestedCall("big", {"kib": int(match.group(1))}), prompt_tokens)
+    if match := _SAY.match(user):
+        text = "y" * (int(match.group(1)) * 1024)
+        return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=1)
+    if command == "fail model":
+        raise RuntimeError("fixture model failure requested")
+    if match := _CALC.match(user):
+        return _call(RequestedCall("calculator", {"expression": match.group(1)}), prompt_tokens)
+    if command == "whoami":
+        return _call(RequestedCall("deployment", {}), prompt_tokens)
+    if (match := _SLEEP.match(user)) and int(match.group(1)) > 1:
+        return _call(RequestedCall("sleep", {"ms": int(match.group(2)), "step": 1}), prompt_tokens)
+    if (match := _STEPS.match(user)) and int(match.group(1)) > 1:
+        return _call(RequestedCall("echo", {"text": "step 1"}), prompt_tokens)
+    return _answer(f"echo: {user}", prompt_tokens)
 
 
 def _child_call(
@@ -342,80 +257,6 @@ def _next_sleep_step(history: Sequence[s.ChatMessage]) -> tuple[int, int]:
         if message.role == s.ROLE_TOOL:
             done += 1
     return 0, 0
-
-
-TOOLS = (
-    Tool(
-        "transfer",
-        "Move money; the user must approve.",
-        {"type": "object", "properties": {"amount": {"type": "string"}}},
-        _transfer,
-        needs_approval=True,
-    ),
-    Tool(
-        "calendar",
-        "Read the calendar; needs sign-in.",
-        {"type": "object"},
-        _calendar,
-        sign_in_attempts=2,
-    ),
-    Tool(
-        "add_alias",
-        "Add an address for this session.",
-        {"type": "object", "properties": {"raw": {"type": "string"}}},
-        _add_alias,
-    ),
-    Tool(
-        "calculator",
-        "Evaluate an arithmetic expression.",
-        {"type": "object", "properties": {"expression": {"type": "string"}}},
-        _calculator,
-    ),
-    Tool(
-        "deployment", "Report the deployment running this agent.", {"type": "object"}, _deployment
-    ),
-    Tool(
-        "sleep",
-        "Sleep some milliseconds.",
-        {"type": "object", "properties": {"ms": {"type": "integer"}, "step": {"type": "integer"}}},
-        _sleep,
-    ),
-    Tool(
-        "echo",
-        "Return the given text.",
-        {"type": "object", "properties": {"text": {"type": "string"}}},
-        _echo,
-    ),
-    Tool(
-        "big",
-        "Return <kib> KiB of text.",
-        {"type": "object", "properties": {"kib": {"type": "integer"}}},
-        _big,
-    ),
-)
-
-
-CHILD_TOOLS = (
-    Tool(
-        "slow_task",
-        "Run a slow job in the background: sleeps <ms>, then reports done.",
-        {"type": "object", "properties": {"ms": {"type": "integer"}, "text": {"type": "string"}}},
-        _slow_task,
-        mode=ToolMode.BACKGROUND,
-    ),
-    Tool(
-        "pipeline",
-        "A durable three-step workflow (fetch, transform, store); the turn waits.",
-        {"type": "object", "properties": {"ms": {"type": "integer"}, "text": {"type": "string"}}},
-        _slow_task,
-        mode=ToolMode.WORKFLOW,
-        steps=(
-            _pipeline_step("fetch", "fetched"),
-            _pipeline_step("transform", "transformed"),
-            _pipeline_step("store", "stored"),
-        ),
-    ),
-)
 
 
 def build_helper(deployment_id: str) -> Agent:

@@ -30,7 +30,7 @@ import structlog
 from baton.session.v1 import session_pb2 as s
 from services.common import tracing
 from services.owner.agent import Agent, ModelRejected, ModelReply, RequestedCall, Tool
-from services.owner.fixture import TOOLS
+from services.owner.fixture_tools import TOOLS
 
 log = structlog.get_logger("baton.owner.openai_model")
 
