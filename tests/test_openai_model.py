@@ -22,12 +22,8 @@ from services.owner.agent import (
     dumps_arguments,
     load_agent,
 )
-from services.owner.openai_model import (
-    ModelError,
-    ModelTimeout,
-    OpenAIChatModel,
-    build_agent,
-)
+from services.owner.openai_model import OpenAIChatModel, build_agent
+from services.owner.openai_wire import ModelError, ModelTimeout
 
 # -- a tiny scripted chat-completions server ---------------------------------
 

@@ -7,8 +7,8 @@ connection errors and timeouts are retried here with exponential backoff (a
 `Retry-After` header is honoured, capped), and the client's own retries are
 off (`max_retries=0`) so that the two never stack; any other failure raises
 `ModelError` at once. The reply is read from the raw response, so that a
-reply the client's types would refuse still gets this module's safe,
-specific summary.
+reply the client's types would refuse still gets a safe, specific summary
+(the wire format and the errors are in openai_wire.py).
 
 An owner selects it with `BATON_AGENT=services.owner.openai_model:build_agent`
 and configures it from the environment (see `build_agent`).
@@ -17,6 +17,7 @@ and configures it from the environment (see `build_agent`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import json
 import os
@@ -29,12 +30,12 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import tracing
-from services.owner.agent import Agent, ModelRejected, ModelReply, RequestedCall, Tool
+from services.owner import openai_wire as wire
+from services.owner.agent import Agent, ModelReply, Tool
 from services.owner.fixture_tools import TOOLS
+from services.owner.openai_wire import ModelError, ModelRequestRejected, ModelTimeout
 
 log = structlog.get_logger("baton.owner.openai_model")
-
-BODY_EXCERPT_CHARS = 500
 
 ENV_BASE_URL = "BATON_OPENAI_BASE_URL"
 ENV_MODEL = "BATON_OPENAI_MODEL"
@@ -47,45 +48,6 @@ DEFAULT_INSTRUCTIONS = (
     "You are a helpful assistant running on Baton. Use the provided tools when they help, "
     "and answer plainly once you have what you need."
 )
-
-
-class ModelError(Exception):
-    """A model call that failed: an HTTP error, a transport failure, or a bad reply.
-
-    Its message is a safe summary (what failed, an HTTP status, how many
-    attempts): the session publishes it in `turn.failed`. The endpoint URL,
-    transport error text and anything the upstream returned stay out of it;
-    they are logged where the error is raised (`detail`) and kept here for
-    the caller: `status` is the HTTP status when the server answered (None
-    otherwise), `body` an excerpt of its answer, `attempts` how many requests
-    were made.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        body: str = "",
-        attempts: int = 1,
-        detail: str = "",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
-        self.attempts = attempts
-        self.detail = detail
-        if detail or body:
-            log.warning("model call failed", error=message, detail=detail, body=body)
-
-
-class ModelTimeout(ModelError):
-    """Every attempt timed out."""
-
-
-class ModelRequestRejected(ModelError, ModelRejected):
-    """The endpoint refused the request itself (HTTP 4xx other than 429):
-    retrying the same request cannot help, so the turn fails at once."""
 
 
 class OpenAIChatModel:
@@ -160,24 +122,7 @@ class OpenAIChatModel:
     def request_body(
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
     ) -> dict[str, Any]:
-        messages: list[dict[str, Any]] = []
-        if instructions:
-            messages.append({"role": "system", "content": instructions})
-        messages.extend(_message(m) for m in history)
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
-        if tools:
-            body["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description,
-                        "parameters": t.parameters,
-                    },
-                }
-                for t in tools
-            ]
-        return body
+        return wire.request_body(self.model, instructions, history, tools)
 
     def _open(self) -> openai.AsyncOpenAI:
         if self._client is None:
@@ -196,45 +141,12 @@ class OpenAIChatModel:
         headers: dict[str, Any] = {} if self._api_key else {"Authorization": openai.Omit()}
         attempts = self.max_retries + 1
         for attempt in range(1, attempts + 1):
-            retry_after: float | None = None
             try:
                 raw = await client.chat.completions.with_raw_response.create(
                     **payload, extra_headers=headers, timeout=self.timeout
                 )
-            except openai.APITimeoutError as exc:
-                if attempt == attempts:
-                    raise ModelTimeout(
-                        f"model request timed out after {self.timeout}s "
-                        f"({attempts} attempt{'s' if attempts != 1 else ''})",
-                        attempts=attempt,
-                        detail=f"POST {self.url}",
-                    ) from exc
-                reason = "timeout"
-            except openai.APIConnectionError as exc:
-                failure = type(exc.__cause__ or exc).__name__
-                if attempt == attempts:
-                    raise ModelError(
-                        f"model request failed after {attempts} "
-                        f"attempt{'s' if attempts != 1 else ''}: {failure}",
-                        attempts=attempt,
-                        detail=f"POST {self.url}: {failure}: {exc.__cause__ or exc}",
-                    ) from exc
-                reason = f"transport error ({failure})"
-            except openai.APIStatusError as exc:
-                status = exc.status_code
-                retryable = status == 429 or status >= 500
-                if not retryable or attempt == attempts:
-                    tried = f" after {attempt} attempts" if attempt > 1 else ""
-                    error = ModelError if retryable else ModelRequestRejected
-                    raise error(
-                        f"model endpoint returned HTTP {status}{tried}",
-                        status=status,
-                        body=_excerpt(exc.response.text),
-                        attempts=attempt,
-                        detail=f"POST {self.url}",
-                    ) from exc
-                reason = f"HTTP {status}"
-                retry_after = _retry_after(exc.response.headers)
+            except openai.APIError as exc:
+                reason, retry_after = self._retry_or_raise(exc, attempt, attempts)
             else:
                 try:
                     return json.loads(raw.http_response.text)
@@ -242,7 +154,7 @@ class OpenAIChatModel:
                     raise ModelError(
                         f"model endpoint returned invalid JSON (HTTP {raw.status_code})",
                         status=raw.status_code,
-                        body=_excerpt(raw.http_response.text),
+                        body=wire.excerpt(raw.http_response.text),
                         attempts=attempt,
                     ) from exc
             delay = self._delay(attempt, retry_after)
@@ -256,6 +168,48 @@ class OpenAIChatModel:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _retry_or_raise(
+        self, exc: openai.APIError, attempt: int, attempts: int
+    ) -> tuple[str, float | None]:
+        """A failed attempt: why, to retry (with the server's Retry-After,
+        if any), or the error to raise (the last attempt, or a status that
+        no retry changes). Anything but a timeout, a transport error or an
+        HTTP status is raised as it is."""
+        plural = "s" if attempts != 1 else ""
+        # (A timeout is a connection error too: checked first.)
+        if isinstance(exc, openai.APITimeoutError):
+            if attempt == attempts:
+                raise ModelTimeout(
+                    f"model request timed out after {self.timeout}s ({attempts} attempt{plural})",
+                    attempts=attempt,
+                    detail=f"POST {self.url}",
+                ) from exc
+            return "timeout", None
+        if isinstance(exc, openai.APIConnectionError):
+            failure = type(exc.__cause__ or exc).__name__
+            if attempt == attempts:
+                raise ModelError(
+                    f"model request failed after {attempts} attempt{plural}: {failure}",
+                    attempts=attempt,
+                    detail=f"POST {self.url}: {failure}: {exc.__cause__ or exc}",
+                ) from exc
+            return f"transport error ({failure})", None
+        if not isinstance(exc, openai.APIStatusError):
+            raise exc
+        status = exc.status_code
+        retryable = status == 429 or status >= 500
+        if not retryable or attempt == attempts:
+            tried = f" after {attempt} attempts" if attempt > 1 else ""
+            error = ModelError if retryable else ModelRequestRejected
+            raise error(
+                f"model endpoint returned HTTP {status}{tried}",
+                status=status,
+                body=wire.excerpt(exc.response.text),
+                attempts=attempt,
+                detail=f"POST {self.url}",
+            ) from exc
+        return f"HTTP {status}", _retry_after(exc.response.headers)
+
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         """Backoff before attempt `attempt + 1`: Retry-After if given, else exponential."""
         if retry_after is not None:
@@ -266,28 +220,9 @@ class OpenAIChatModel:
     # -- reply --------------------------------------------------------------
 
     def parse_reply(self, data: Any) -> ModelReply:
-        if not isinstance(data, Mapping):
-            raise ModelError("model reply is not a JSON object", body=_excerpt(json.dumps(data)))
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
-            raise ModelError("model reply has no choices", body=_excerpt(json.dumps(data)))
-        message = choices[0].get("message")
-        if not isinstance(message, Mapping):
-            raise ModelError("model reply choice has no message", body=_excerpt(json.dumps(data)))
-        content = message.get("content")
-        text = content if isinstance(content, str) else ""
-        calls = [_requested_call(raw) for raw in message.get("tool_calls") or ()]
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, Mapping) else {}
-        input_tokens = _int(usage.get("prompt_tokens"))
-        output_tokens = _int(usage.get("completion_tokens"))
-        return ModelReply(
-            text=text,
-            tool_calls=tuple(calls),
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cost_micros=self.cost_micros(input_tokens, output_tokens),
-        )
+        reply = wire.read_reply(data)
+        cost = self.cost_micros(reply.input_tokens, reply.output_tokens)
+        return dataclasses.replace(reply, cost_micros=cost)
 
     def cost_micros(self, input_tokens: int, output_tokens: int) -> int:
         """Cost in micro-units, rounded half up to a whole micro."""
@@ -296,69 +231,6 @@ class OpenAIChatModel:
             + output_tokens * self.price_output_micros_per_1k
         )
         return (total + 500) // 1000
-
-
-_ROLES = {
-    s.ROLE_USER: "user",
-    s.ROLE_ASSISTANT: "assistant",
-    s.ROLE_TOOL: "tool",
-    s.ROLE_SYSTEM: "system",
-}
-
-
-def _message(m: s.ChatMessage) -> dict[str, Any]:
-    role = _ROLES.get(m.role)
-    if role is None:
-        raise ValueError(f"chat message has unsupported role {m.role}")
-    if role == "tool":
-        return {"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content}
-    if role == "assistant" and m.tool_calls:
-        return {
-            "role": "assistant",
-            "content": m.content or None,
-            "tool_calls": [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments_json or "{}"},
-                }
-                for c in m.tool_calls
-            ],
-        }
-    return {"role": role, "content": m.content}
-
-
-def _requested_call(raw: Any) -> RequestedCall:
-    function = raw.get("function") if isinstance(raw, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ModelError("model returned a malformed tool call", body=_excerpt(json.dumps(raw)))
-    name = function["name"]
-    arguments = function.get("arguments")
-    if arguments is None or arguments == "":
-        parsed: Any = {}
-    elif isinstance(arguments, Mapping):
-        parsed = dict(arguments)
-    elif isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except ValueError as exc:
-            raise ModelError(
-                f"model returned invalid JSON arguments for tool {_tool_name(name)}",
-                body=f"{exc}: {_excerpt(arguments)}",
-            ) from exc
-    else:
-        parsed = arguments
-    if not isinstance(parsed, dict):
-        raise ModelError(
-            f"model returned arguments for tool {_tool_name(name)} that are not a JSON object",
-            body=_excerpt(json.dumps(parsed)),
-        )
-    return RequestedCall(name, parsed)
-
-
-def _tool_name(name: str) -> str:
-    """A tool name as the public summary may quote it (the model chose it)."""
-    return repr(name[:64])
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
@@ -378,20 +250,6 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
     if seconds != seconds:  # NaN
         return None
     return max(0.0, seconds)
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _excerpt(text: str) -> str:
-    text = text.strip()
-    if len(text) <= BODY_EXCERPT_CHARS:
-        return text
-    return text[:BODY_EXCERPT_CHARS] + "…"
-
-
-# -- agent factory -----------------------------------------------------------
 
 
 def _required_env(name: str) -> str:
