@@ -31,6 +31,60 @@ DEFAULT_PARK_AFTER = 10.0
 DEFAULT_RECONCILE_INTERVAL = 15.0
 
 
+# The owner's flags and environment (with the settings every service shares).
+SETTINGS = (
+    Setting("--listen", "BATON_OWNER_LISTEN", "host:port to serve on", "127.0.0.1:50054"),
+    Setting("--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"),
+    Setting("--instance-id", "BATON_INSTANCE_ID", "this instance's id", ""),
+    Setting("--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"),
+    Setting("--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"),
+    Setting("--agent", "BATON_AGENT", "agent factory module:function", DEFAULT_AGENT),
+    Setting(
+        "--lease-ttl",
+        "BATON_OWNER_LEASE_TTL",
+        "instance lease TTL, whole seconds",
+        str(DEFAULT_LEASE_TTL),
+    ),
+    Setting(
+        "--keepalive-interval",
+        "BATON_OWNER_KEEPALIVE_INTERVAL",
+        "seconds between lease keep-alives (0 = TTL/3)",
+        "0",
+    ),
+    Setting(
+        "--park-after",
+        "BATON_OWNER_PARK_AFTER",
+        "park a session idle this many seconds (0 = never park)",
+        str(DEFAULT_PARK_AFTER),
+    ),
+    Setting(
+        "--advertise",
+        "BATON_OWNER_ADVERTISE",
+        "address others reach this instance at (default: listen host + port)",
+        "",
+    ),
+    Setting(
+        "--snapshot-formats",
+        "BATON_OWNER_SNAPSHOT_FORMATS",
+        "snapshot format versions this build reads, comma-separated",
+        "2",
+    ),
+    Setting(
+        "--restart-budget",
+        "BATON_OWNER_RESTART_BUDGET",
+        "deterministically failed runs of a session in a row before it stalls",
+        "5",
+    ),
+    Setting(
+        "--reconcile-interval",
+        "BATON_OWNER_RECONCILE_INTERVAL",
+        "seconds between checks that every session indexed here has a run",
+        str(DEFAULT_RECONCILE_INTERVAL),
+    ),
+    *COMMON_SETTINGS,
+)
+
+
 @dataclass(frozen=True)
 class OwnerConfig:
     listen: str
@@ -80,83 +134,9 @@ class OwnerConfig:
     def load(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
     ) -> OwnerConfig:
-        values = read_settings(
-            "services.owner",
-            (
-                Setting(
-                    "--listen", "BATON_OWNER_LISTEN", "host:port to serve on", "127.0.0.1:50054"
-                ),
-                Setting(
-                    "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
-                ),
-                Setting("--instance-id", "BATON_INSTANCE_ID", "this instance's id", ""),
-                Setting(
-                    "--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"
-                ),
-                Setting(
-                    "--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"
-                ),
-                Setting("--agent", "BATON_AGENT", "agent factory module:function", DEFAULT_AGENT),
-                Setting(
-                    "--lease-ttl",
-                    "BATON_OWNER_LEASE_TTL",
-                    "instance lease TTL, whole seconds",
-                    str(DEFAULT_LEASE_TTL),
-                ),
-                Setting(
-                    "--keepalive-interval",
-                    "BATON_OWNER_KEEPALIVE_INTERVAL",
-                    "seconds between lease keep-alives (0 = TTL/3)",
-                    "0",
-                ),
-                Setting(
-                    "--park-after",
-                    "BATON_OWNER_PARK_AFTER",
-                    "park a session idle this many seconds (0 = never park)",
-                    str(DEFAULT_PARK_AFTER),
-                ),
-                Setting(
-                    "--advertise",
-                    "BATON_OWNER_ADVERTISE",
-                    "address others reach this instance at (default: listen host + port)",
-                    "",
-                ),
-                Setting(
-                    "--snapshot-formats",
-                    "BATON_OWNER_SNAPSHOT_FORMATS",
-                    "snapshot format versions this build reads, comma-separated",
-                    "2",
-                ),
-                Setting(
-                    "--restart-budget",
-                    "BATON_OWNER_RESTART_BUDGET",
-                    "deterministically failed runs of a session in a row before it stalls",
-                    "5",
-                ),
-                Setting(
-                    "--reconcile-interval",
-                    "BATON_OWNER_RECONCILE_INTERVAL",
-                    "seconds between checks that every session indexed here has a run",
-                    str(DEFAULT_RECONCILE_INTERVAL),
-                ),
-                *COMMON_SETTINGS,
-            ),
-            argv,
-            environ,
-        )
-        try:
-            deployment_id = validate_deployment_id(values["deployment_id"])
-        except BatonError as exc:
-            raise ConfigError(f"services.owner: {exc.message}") from exc
-        try:
-            formats = frozenset(int(f) for f in values["snapshot_formats"].split(",") if f.strip())
-        except ValueError as exc:
-            raise ConfigError(
-                f"services.owner: --snapshot-formats must be integers, "
-                f"not {values['snapshot_formats']!r}"
-            ) from exc
-        if not formats:
-            raise ConfigError("services.owner: --snapshot-formats names no format")
+        values = read_settings("services.owner", SETTINGS, argv, environ)
+        deployment_id = _deployment_id(values["deployment_id"])
+        formats = _snapshot_formats(values["snapshot_formats"])
         return cls(
             listen=values["listen"],
             deployment_id=deployment_id,
@@ -179,3 +159,23 @@ class OwnerConfig:
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),
         )
+
+
+def _deployment_id(raw: str) -> str:
+    try:
+        return validate_deployment_id(raw)
+    except BatonError as exc:
+        raise ConfigError(f"services.owner: {exc.message}") from exc
+
+
+def _snapshot_formats(raw: str) -> frozenset[int]:
+    """--snapshot-formats: comma-separated integers, at least one."""
+    try:
+        formats = frozenset(int(f) for f in raw.split(",") if f.strip())
+    except ValueError as exc:
+        raise ConfigError(
+            f"services.owner: --snapshot-formats must be integers, not {raw!r}"
+        ) from exc
+    if not formats:
+        raise ConfigError("services.owner: --snapshot-formats names no format")
+    return formats
