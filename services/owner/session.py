@@ -11,10 +11,11 @@ whose inbox position says which commands the step consumed.
 The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
 (step.py: model, tools, child work), departures (departures.py: handoff,
 drain, park), commits (commit.py: the last commit, a refused commit failing
-the turn) and upkeep (upkeep.py: timer, history retirement, controls to
-children before a commit, reports after it), and compaction.py for the
-model's summary. The rules are in turns.py and its layers, handles.py,
-decisions.py and departure_rules.py; none of them does I/O.
+the turn), upkeep (upkeep.py: timer, history retirement, controls to
+children before a commit, reports and aliases after it) and compaction.py
+for the model's summary; the shell holds no client of its own. The rules
+are in turns.py and its layers, handles.py, decisions.py and
+departure_rules.py; none of them does I/O.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
+from services.common import failpoints
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError, Fenced
 from services.common.tasks import Background
@@ -131,7 +132,6 @@ class SessionRun:
         self.identity = identity
         self.state = SessionState(identity, start.snapshot, agent, start.context)
         self.agent = agent
-        self._hooks = hooks
         self._park_after = services.park_after
         self._clock = services.clock
         self.failure: BaseException | None = None  # why the run failed, when it did
@@ -397,8 +397,5 @@ class SessionRun:
         """Terminal: close the stream once, then release every token."""
         self.state.finalize(events, entry, error)
         await self._commits.commit(events, close=True)
-        inbox = ids.inbox_token(self.session_id)
-        aliases = [t for t in self.snapshot.hooks if t != inbox]
-        if aliases:  # the inbox token stays: late sends learn the session is finalized
-            await self._hooks.dispose(self.identity.fence, aliases)
+        await self._upkeep.release_aliases()
         self._log.info("session finalized", reason=error.reason if error else "RESET")

@@ -11,7 +11,9 @@ run's one `Background`:
   decided (`SessionState.outgoing`) reach the children before the commit
   that decides them (a repeat after a crash is deduplicated);
 - reports after a commit: a child's committed reports reach its parent in
-  the background; a finalizing child's before the commit that closes it.
+  the background; a finalizing child's before the commit that closes it;
+- tokens after the commit that finalizes: the aliases are released (the
+  inbox token stays, so late sends learn the session is finalized).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ class Upkeep:
         self._log = log
         self._retiring: asyncio.Task[None] | None = None
         self._delivering: asyncio.Task[None] | None = None
+
+    async def release_aliases(self) -> None:
+        """After the commit that finalized the session: release every alias
+        (the inbox token stays: late sends learn the session is finalized)."""
+        fence = self._identity.fence
+        inbox = ids.inbox_token(fence.session_id)
+        aliases = [t for t in self._state.snapshot.hooks if t != inbox]
+        if aliases:
+            await self._hooks.dispose(fence, aliases)
 
     # -- the session timeout --------------------------------------------------------
 
