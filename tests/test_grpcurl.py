@@ -168,12 +168,6 @@ def test_doc_shows_exactly_the_tested_commands() -> None:
     assert sorted(shown) == sorted(DOCUMENTED)
 
 
-def test_readme_includes_the_doc_verbatim() -> None:
-    doc = DOC.read_text()
-    body = doc[doc.index("-->") + 3 :].strip()
-    assert body in (DOC.parent.parent / "README.md").read_text()
-
-
 def certs_dir() -> str:
     """The test PKI's directory: the same file names as `baton up`'s."""
     certs.files(Role.OPERATOR)  # issued on first use
