@@ -1,4 +1,4 @@
-"""A session's cost does not grow with its age (DESIGN.md §4).
+"""A session's cost does not grow with its age (docs/design.md §4).
 
     python -m bench.long_session [--turns 5000] [--window 200] [--commits 300]
                                  [--upgrade-prelude 1000] [--upgrade-turns 30]

@@ -711,7 +711,7 @@ def dashboard() -> dict[str, object]:
     return {
         "uid": "baton-overview",
         "title": "Baton",
-        "description": 'Baton\'s sessions, turns, upgrades, store and edge (README "Metrics")',
+        "description": "Baton's sessions, turns, upgrades, store and edge (docs/metrics.md)",
         "tags": ["baton"],
         "schemaVersion": 39,
         "version": 1,

@@ -1,6 +1,6 @@
 """Baton as real processes, for recovery tests: hooks, anchor, ingress and N
 owner instances of one deployment over a real etcd, with the means to kill,
-pause and start them, and checks of the history invariants (DESIGN.md §9).
+pause and start them, and checks of the history invariants (docs/design.md §9).
 Every process gets its role's certificate from the test PKI (TLS on every
 hop and to etcd) and ingress reads its API keys from a file."""
 
@@ -552,7 +552,7 @@ class ReplicatedClients:
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     # An ingress stopping cancels calls still in flight after
-                    # its grace (1 s here): a gateway sends again (README).
+                    # its grace (1 s here): a gateway sends again (docs/grpcurl.md).
                     grpc.StatusCode.CANCELLED,
                 ):
                     raise

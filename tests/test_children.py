@@ -1,4 +1,4 @@
-"""Child sessions end to end through ingress (DESIGN.md §11), on one
+"""Child sessions end to end through ingress (docs/design.md §11), on one
 deployment: background tasks, subagents and workflow tools run as sessions
 of their own; their results come back through the parent's inbox; cancel and
 reset cascade; budgets roll up; bad input changes nothing. Every outcome is

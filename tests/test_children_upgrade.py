@@ -1,4 +1,4 @@
-"""Child sessions through upgrades (DESIGN.md §6 and §11), two deployments in
+"""Child sessions through upgrades (docs/design.md §6 and §11), two deployments in
 this process: a running child keeps its parent where it is (the delivery
 from the other deployment is processed here and forgotten); parked and
 available handles cross a handoff while the child stays on its deployment;

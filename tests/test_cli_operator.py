@@ -274,8 +274,8 @@ async def test_operator_settings_from_the_profile(stack: Stack, tmp_path: Path) 
     assert json.loads(run.out)["session_id"] == sid
 
 
-async def test_the_readme_cli_block_runs_as_shown(etcd_endpoint: str, tmp_path: Path) -> None:
-    """The commands of README's "The operator CLI" block, run verbatim and in
+async def test_the_documented_cli_block_runs_as_shown(etcd_endpoint: str, tmp_path: Path) -> None:
+    """The commands of docs/cli.md's block, run verbatim and in
     order through bash (`baton` this checkout's CLI; the settings a `baton
     up` profile would give, as environment variables), against a stack of
     `baton up`'s default deployment id."""
@@ -283,9 +283,9 @@ async def test_the_readme_cli_block_runs_as_shown(etcd_endpoint: str, tmp_path: 
     import os
     import sys
 
-    from tests.test_cli_sessions import CLI_TIMEOUT, ROOT, readme_section
+    from tests.test_cli_sessions import CLI_TIMEOUT, ROOT, doc_section
 
-    section = readme_section("The operator CLI")
+    section = doc_section("cli.md")
     start = section.index("```sh\n") + len("```sh\n")
     block = section[start : section.index("```", start)]
     commands = [line for line in block.splitlines() if line.startswith("baton ")]

@@ -1,4 +1,4 @@
-"""Ingress-driven upgrades (DESIGN.md §6): a send accepted by another
+"""Ingress-driven upgrades (docs/design.md §6): a send accepted by another
 deployment moves an idle session there in one atomic step; everything else
 stays put and leaves no upgrade state behind.
 

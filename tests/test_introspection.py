@@ -1,4 +1,4 @@
-"""Session introspection through the public API (DESIGN.md §14), on real
+"""Session introspection through the public API (docs/design.md §14), on real
 etcd and real gRPC: GetSession reports each status as the session goes
 through it, with what hooks and anchor store; ListSessions pages through a
 channel's sessions exactly once each, filters them, and shows another

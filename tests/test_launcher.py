@@ -25,6 +25,7 @@ from services.cli.__main__ import main as baton_main
 from services.cli.launcher import (
     CERTS_DIR,
     DEMO_API_KEY,
+    DEMO_DONE_LINE,
     READY_LINE,
     DeploymentPorts,
     LaunchError,
@@ -333,7 +334,9 @@ async def test_up_with_demo_and_sigint() -> None:
         await launcher.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
         await launcher.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in launcher.lines), launcher.output
-        # Still up after the demo.
+        # Still up after the demo, and it says so, and how to stop it.
+        await launcher.wait_for_line(re.escape(DEMO_DONE_LINE), DEMO_TIMEOUT)
+        assert "keeps running" in DEMO_DONE_LINE and "Ctrl-C" in DEMO_DONE_LINE
         assert launcher.proc.returncode is None
         assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
 

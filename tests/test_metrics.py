@@ -1,4 +1,4 @@
-"""Prometheus metrics (README "Metrics"): the names, types and labels each
+"""Prometheus metrics (docs/metrics.md): the names, types and labels each
 service exposes; the endpoint; and, over real processes, a conversation with
 a takeover (kill -9 of an owner), an upgrade (a send through another
 deployment's ingress) and a refused send, after which each process's scrape

@@ -498,7 +498,7 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
 async def test_a_failed_model_call_publishes_a_safe_summary(
     server: ChatServer, monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str
 ) -> None:
-    """DESIGN.md §12: public events carry safe summaries of upstream failures.
+    """docs/design.md §12: public events carry safe summaries of upstream failures.
     A session on the OpenAI agent whose endpoint fails: the stream's
     turn.failed names the HTTP status, not the endpoint or what it said."""
     from tests.stack import start_stack, stop_stack

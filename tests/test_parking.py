@@ -1,5 +1,5 @@
 """Parking, bells, leases and takeover: hooks primitives and an owner that
-parks idle sessions (DESIGN.md §5).
+parks idle sessions (docs/design.md §5).
 
 The inbox append compares the owner record against a cached copy and rings
 the owner instance's bell in the same txn while the record says parked; these
@@ -140,7 +140,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], Fenced)
-    # On the wire too: FENCED is FAILED_PRECONDITION everywhere (DESIGN.md §2).
+    # On the wire too: FENCED is FAILED_PRECONDITION everywhere (docs/design.md §2).
     assert isinstance(lost[0].__cause__, grpc.aio.AioRpcError)
     assert lost[0].__cause__.code() == grpc.StatusCode.FAILED_PRECONDITION
     taken = won[0]

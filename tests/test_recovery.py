@@ -1,4 +1,4 @@
-"""Crash recovery with real processes (DESIGN.md §5, §9).
+"""Crash recovery with real processes (docs/design.md §5, §9).
 
 Owner instances register under leases; when one dies (kill -9) or is paused
 past its lease (SIGSTOP), another instance of the deployment takes its

@@ -1,4 +1,4 @@
-"""A live session's stream retention horizon (DESIGN.md §7; issue 20): anchor
+"""A live session's stream retention horizon (docs/design.md §7; issue 20): anchor
 keeps at least the last `--stream-retention-events` events and every event
 younger than `--stream-retention`, deletes the rest in the background, and a
 read below the horizon (from the start, or a slow reader the horizon passes)

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (README "Traces"; services/common/tracing.py).
+"""OpenTelemetry traces (docs/metrics.md "Traces"; services/common/tracing.py).
 
 Over real processes, every one exporting OTLP/gRPC to a small collector in
 this test process (opentelemetry-proto's TraceService on loopback): one

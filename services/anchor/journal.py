@@ -253,7 +253,7 @@ class Journal:
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")
         same_snapshot = stored is not None and stored.value == commit.snapshot_bytes
-        stored_first = result.value("first")
+        stored_first = result.value("first") if events else None
         same_first = (
             not events
             or stored_first == commit.encoded_events[0]

@@ -1,5 +1,5 @@
 """`baton deployments drain OLD --to NEW`: retire a deployment without
-stranding a session (DESIGN.md §13, docs/deploy.md).
+stranding a session (docs/design.md §13, docs/deploy.md).
 
 Asks every live owner instance of OLD to hand every session it holds to NEW
 through the ordinary handoff: idle ones at once, parked ones after waking

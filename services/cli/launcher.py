@@ -76,6 +76,11 @@ DEFAULT_ETCD_PORT = 23790
 DEMO_CHANNEL = "demo"
 # Well known, so loopback-only: `baton up` grants it unless given a key file.
 DEMO_API_KEY = "demo-key-0001-loopback-only"
+# What `baton up --demo` says once the demo has ended: the system stays up.
+DEMO_DONE_LINE = (
+    "baton up: the demo is over; Baton keeps running (try `baton sessions list`). "
+    "Ctrl-C or SIGTERM stops everything."
+)
 CERTS_DIR = "certs"
 # What the certificate directory holds (besides owner-<dep>/ingress-<dep>).
 CERTIFICATE_FILES = ("ca.crt", "operator.crt", "operator.key", "hooks.crt", "anchor.crt")
@@ -821,6 +826,7 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
             time.sleep(0.1)
         if demo.returncode != 0:
             system.say(f"baton up: the demo failed (exit code {demo.returncode}); still running")
+        system.say(DEMO_DONE_LINE)
     finally:
         if demo.poll() is None:
             demo.terminate()

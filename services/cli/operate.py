@@ -156,7 +156,7 @@ def _add_list(group: Any) -> None:
         "--filter",
         default="",
         help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
-        "create_time, update_time; see README)",
+        "create_time, update_time; see docs/introspection.md)",
     )
     listing.add_argument(
         "--limit", type=_non_negative, default=100, help="at most this many (0 = all; default 100)"

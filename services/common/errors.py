@@ -201,7 +201,7 @@ class Reason:
     UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE"
     TIMEOUT = "TIMEOUT"
     INTERNAL = "INTERNAL"
-    # Child sessions (DESIGN.md §11): stream events and tool results.
+    # Child sessions (docs/design.md §11): stream events and tool results.
     UNKNOWN_TASK = "UNKNOWN_TASK"
     NOT_OUR_TASK = "NOT_OUR_TASK"
     TASK_NOT_RUNNING = "TASK_NOT_RUNNING"

@@ -69,7 +69,7 @@ def store_full() -> ResourceExhausted:
     return ResourceExhausted(
         Reason.STORE_FULL,
         "etcd's database is full (NOSPACE alarm); writes resume once an operator has "
-        "compacted, defragmented and disarmed the alarm (README: etcd space)",
+        "compacted, defragmented and disarmed the alarm (docs/storage.md, etcd space)",
     )
 
 

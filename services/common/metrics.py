@@ -1,5 +1,5 @@
 """Every Prometheus metric Baton exposes, defined once, and the endpoint
-that serves them (`--metrics-listen`, README "Metrics").
+that serves them (`--metrics-listen`, docs/metrics.md).
 
 Conventions (Prometheus'): base units in the name (`_seconds`, `_bytes`),
 counters end in `_total`, histograms rather than summaries (they aggregate

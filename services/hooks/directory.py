@@ -4,7 +4,7 @@ introspection (DescribeSession), and the channel index (ListChannelSessions).
 Reads only. Each description is one etcd read transaction inside one
 session's keys plus the index entries pointing at it (its inbox token's
 entry, which names the tenant, and its channel-index entry); a listing is
-one range read of one channel's index (DESIGN.md §10).
+one range read of one channel's index (docs/design.md §10).
 """
 
 from __future__ import annotations

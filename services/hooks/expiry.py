@@ -1,4 +1,4 @@
-"""The deduplication window (DESIGN.md §3): etcd leases that expire the keys
+"""The deduplication window (docs/design.md §3): etcd leases that expire the keys
 a live session would otherwise accumulate per command — delivery ids
 (`dlv/…`) and handoff records (`xfer/…`) — without any scan.
 

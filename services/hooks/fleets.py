@@ -6,7 +6,7 @@ Reads only: the registry keys of live instances (`d/`, each under its
 instance's lease), the lease's remaining TTL, and the deployment's ownership
 index (`i/{deployment}/{instance}/{sid}`, read keys-only in bounded chunks),
 so a listing costs one small range per deployment plus the index's keys,
-never a session's own keys (DESIGN.md §10).
+never a session's own keys (docs/design.md §10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The durable inbox (DESIGN.md §3): appends, and the fenced inbox stream.
+"""The durable inbox (docs/design.md §3): appends, and the fenced inbox stream.
 
 Appends to one session's inbox are group committed inside this process (one
 appender task per session, one txn per batch); the inbox-head compare-and-swap

@@ -1,4 +1,4 @@
-"""Ownership (DESIGN.md §5): takeover of a dead instance's sessions, parking,
+"""Ownership (docs/design.md §5): takeover of a dead instance's sessions, parking,
 and the ownership index an instance lists its sessions from.
 
 A takeover is a compare-and-swap of the fence and the owner record with epoch
@@ -63,7 +63,7 @@ class Ownership:
 
         A compare-and-swap of the fence and the owner record: the first caller
         wins; the others get FENCED (FAILED_PRECONDITION, as every fenced
-        refusal, DESIGN.md §2). A replay by the winner (same successor run)
+        refusal, docs/design.md §2). A replay by the winner (same successor run)
         returns the same result. The ownership index moves in the same txn. A
         parked session stays parked when nothing arrived since it parked (no
         bell rang); then the successor need not load it.

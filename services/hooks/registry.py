@@ -16,7 +16,7 @@ The rooms, each over the same etcd store:
   the channel index (ListChannelSessions).
 
 Every transaction stays inside one session's keys plus the index entries
-pointing at it (token index, ownership index, bell; DESIGN.md §10).
+pointing at it (token index, ownership index, bell; docs/design.md §10).
 Owner instances (`instances.py`) and transfers (`transfer.py`) are rooms of
 their own, beside this one.
 """

@@ -1,4 +1,4 @@
-"""The atomic handoff primitive (DESIGN.md §6, step 3).
+"""The atomic handoff primitive (docs/design.md §6, step 3).
 
 One etcd transaction inside one session's keys moves the whole session — its
 fence, owner record and ownership index entry — to a successor on an exact

@@ -1,4 +1,4 @@
-"""Session introspection at the edge (DESIGN.md §14): GetSession and
+"""Session introspection at the edge (docs/design.md §14): GetSession and
 ListSessions for the caller's channel.
 
 A view is gathered from what is already stored: anchor's last committed

@@ -1,4 +1,4 @@
-"""Ingress-driven upgrade (DESIGN.md §6): the new owner's acceptance.
+"""Ingress-driven upgrade (docs/design.md §6): the new owner's acceptance.
 
 The new owner (B), in one call (AcceptHandoff, driven by
 `OwnerHost.accept_handoff`): `offer` prepares a candidate — the agent is

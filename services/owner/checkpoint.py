@@ -1,4 +1,4 @@
-"""A session's checkpoint as a handoff carries it (DESIGN.md §6), and the
+"""A session's checkpoint as a handoff carries it (docs/design.md §6), and the
 checks every owner that takes one over makes — the new owner of a handoff
 (acceptance.py) and an adopting owner (adoption.py) alike: the snapshot is
 the named session's, in a format this build reads, not finalized, and a

@@ -1,4 +1,4 @@
-"""What a parent's model reads of its children (DESIGN.md §11): the result
+"""What a parent's model reads of its children (docs/design.md §11): the result
 of a tool call that waited for a child, the immediate answer of a call that
 gave one background work, a cancelled call, a background result as a
 message. JSON with sorted keys, so the same report always reads the same.

@@ -1,4 +1,4 @@
-"""What a child session owes its parent (DESIGN.md §11), as the lowest
+"""What a child session owes its parent (docs/design.md §11), as the lowest
 child layer of `SessionState` (turns.py), over `HeldSession` (held.py): the
 outcome of each turn that its parent's work started, the waits it (or a
 descendant) pauses on, and its finalization, as reports in its snapshot's

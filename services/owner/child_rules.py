@@ -1,4 +1,4 @@
-"""Child-session rules (DESIGN.md §11), as a layer of `SessionState`
+"""Child-session rules (docs/design.md §11), as a layer of `SessionState`
 (turns.py): what a step's child-starting tool call asks for, recording the
 work given to a child, applying a child's report to its parent, cancelling
 the children of a cancelled turn. Pure: no I/O. The handle rules themselves

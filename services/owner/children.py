@@ -1,9 +1,9 @@
-"""Child sessions, the I/O (DESIGN.md §11; the rules are in handles.py and
+"""Child sessions, the I/O (docs/design.md §11; the rules are in handles.py and
 turns.py): where a child is created, how work and controls reach it, and how
 its reports reach its parent. Every delivery is an inbox append through
 hooks (`ResumeHook`) with a delivery id derived from what it carries, so a
 repeat (a step run again, a run restarted) is appended once; no transaction
-ever spans a parent and a child (DESIGN.md §10).
+ever spans a parent and a child (docs/design.md §10).
 
 Placement: a child is created on the parent's deployment, on another live
 instance of it when there is one (chosen by a hash of the child's id), so one

@@ -1,4 +1,4 @@
-"""Compaction (DESIGN.md §4): the model's summary replaces the context.
+"""Compaction (docs/design.md §4): the model's summary replaces the context.
 
 One room with one model call: `summarize` asks the agent's model to
 summarize what it sees and applies the answer (or the failure) to the

@@ -1,4 +1,4 @@
-"""What a run does next, decided without I/O (DESIGN.md §4).
+"""What a run does next, decided without I/O (docs/design.md §4).
 
 The shell (`SessionRun`, session.py) takes a command from the inbox, asks
 `decide` what it means and performs the effect it gets back: a commit, the
@@ -367,7 +367,7 @@ def after_step(
 
 def compaction_due(state: SessionState) -> bool:
     """At a turn boundary: what the model sees outgrew the agent's context
-    budget (DESIGN.md §4)."""
+    budget (docs/design.md §4)."""
     agent = state.agent
     return not state.turn_open and state.context.over(
         agent.context_budget_bytes, agent.context_budget_entries

@@ -1,4 +1,4 @@
-"""When a run may leave its owner (DESIGN.md §6, issue 12), decided without
+"""When a run may leave its owner (docs/design.md §6, issue 12), decided without
 I/O: which delivery triggers a handoff, when a drain attempt is due, why
 a session cannot move yet, when an idle session may park. `Departures`
 (departures.py) makes the attempts.

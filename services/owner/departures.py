@@ -1,4 +1,4 @@
-"""A run's departures (DESIGN.md §6, issue 12), the I/O: handing the
+"""A run's departures (docs/design.md §6, issue 12), the I/O: handing the
 session off to the deployment that accepted a trigger, an operator's drain,
 parking it. When each is due is decided in departure_rules.py; the attempt
 itself is `HandoffAttempts`' (handoff.py), which answers with an `Attempt`:

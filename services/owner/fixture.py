@@ -16,7 +16,7 @@ Scripted behaviour of its model, by the last message it sees:
 - "big <kib>"               -> a `big` tool call whose result is <kib> KiB of text;
 - "say <kib>"               -> an answer of <kib> KiB of text;
 - compaction instructions   -> "<N> messages about: <first user message>".
-Child sessions (DESIGN.md §11):
+Child sessions (docs/design.md §11):
 - "ask <agent> <prompt>"    -> asks the subagent (`helper`, or `planner`, which
                                can ask `helper` itself; `nobody` names none); the
                                turn waits for the reply;

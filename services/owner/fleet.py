@@ -1,4 +1,4 @@
-"""One owner instance in its deployment's fleet (DESIGN.md §5).
+"""One owner instance in its deployment's fleet (docs/design.md §5).
 
 - Membership: registers `d/{deployment}/{instance}` under an etcd lease through
   hooks and keeps the lease alive every TTL/3. A keep-alive answering TTL 0

@@ -1,4 +1,4 @@
-"""Child sessions as their parent sees them (DESIGN.md §11): handles, what a
+"""Child sessions as their parent sees them (docs/design.md §11): handles, what a
 child's report means, eligibility for a handoff, budgets given to a child.
 Pure: no I/O. `SessionState` (turns.py) turns these into events and context
 (what the model reads of a child is child_outputs.py); the run (step.py,
@@ -104,7 +104,7 @@ class Handles:
     def busy(self) -> bool:
         """A child works for this session (a running task, an active subagent
         turn or workflow tool, a child waiting on a human): not idle, so a
-        delivery from another deployment is processed here (DESIGN.md §6)."""
+        delivery from another deployment is processed here (docs/design.md §6)."""
         return any(h.state == RUNNING for h in self._snapshot.handles)
 
     def awaited(self, turn_id: str) -> list[s.ChildHandle]:

@@ -1,4 +1,4 @@
-"""Ingress-driven upgrade (DESIGN.md §6): the old owner's attempt.
+"""Ingress-driven upgrade (docs/design.md §6): the old owner's attempt.
 
 A run that finds an eligible trigger (departure_rules.is_trigger), or an
 operator's drain, asks `HandoffAttempts` to move its session:

@@ -126,7 +126,7 @@ class OwnerHost(HostedSessions):
         return StartedSession(session_id, run_id, True, inbox)
 
     async def start_child(self, start: ChildStart) -> StartedSession:
-        """Create a child session (DESIGN.md §11) with its first work in its
+        """Create a child session (docs/design.md §11) with its first work in its
         inbox (one hooks transaction) and run it with that work in hand. Its
         first commit carries session.started with its first turn (its stream
         exists from the create: a follower waits for it); an owner that

@@ -16,7 +16,7 @@ A session held here is in one of four states:
 A successor continues from the last committed snapshot and its inbox
 position: committed steps are never executed again; the one step in flight
 when the previous owner died (its model and tool calls were never
-committed) is executed again — at-least-once for that step only (DESIGN.md
+committed) is executed again — at-least-once for that step only (docs/design.md
 §4).
 """
 

@@ -1,4 +1,4 @@
-"""A run's side of its session's inbox (DESIGN.md §3): the entries read and
+"""A run's side of its session's inbox (docs/design.md §3): the entries read and
 not processed yet, in seq order, from a server stream from hooks that stays
 open while a step runs.
 

@@ -1,4 +1,4 @@
-"""Parked sessions and bells (DESIGN.md §5): what an owner instance keeps of
+"""Parked sessions and bells (docs/design.md §5): what an owner instance keeps of
 a session it parked — its fence and consumed inbox position, no snapshot,
 no stream — and when it wakes it.
 

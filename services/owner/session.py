@@ -299,7 +299,7 @@ class SessionRun:
         child's work or report): taken now when it is the next one."""
         self._inbox.offer(entry)
 
-    # -- departures (DESIGN.md §6, issue 12) ---------------------------------------
+    # -- departures (docs/design.md §6, issue 12) ---------------------------------------
 
     def request_drain(self, target: str) -> None:
         """An operator drains this deployment to `target`: the session moves
@@ -381,7 +381,7 @@ class SessionRun:
 
     async def _compact_if_over_budget(self) -> None:
         """At a turn boundary: compact when what the model sees outgrew the
-        agent's context budget (DESIGN.md §4)."""
+        agent's context budget (docs/design.md §4)."""
         if decisions.compaction_due(self.state):
             compaction.log_over_budget(self.state, self._log)
             await self._summarize([], None)

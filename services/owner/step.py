@@ -1,4 +1,4 @@
-"""One step of a turn, the I/O (DESIGN.md §4): the model call, the tools it
+"""One step of a turn, the I/O (docs/design.md §4): the model call, the tools it
 asks for, and the work it gives child sessions. A step is abortable: a
 pushed cancel, reset or own timeout (`abort`) cancels it at once, keeping
 what it produced so far (`StepProgress`); giving a child its work is not

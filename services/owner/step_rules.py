@@ -1,4 +1,4 @@
-"""Step rules (DESIGN.md §4), a layer of `SessionState` (turns.py): a
+"""Step rules (docs/design.md §4), a layer of `SessionState` (turns.py): a
 step's tool calls (ids unique in the session; which run now, which give
 work to a child, which wait for the user) and what a step's progress does
 to history, usage and the stream. Pure: no I/O; the step itself is step.py.

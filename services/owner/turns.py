@@ -1,4 +1,4 @@
-"""Turn rules (DESIGN.md §4): what a command means for a session, what a
+"""Turn rules (docs/design.md §4): what a command means for a session, what a
 step does to it, when a budget is spent, which events say so. Pure: no I/O.
 A `SessionRun` (services/owner/session.py) reads the inbox, calls the model
 and tools, and commits what these rules produce.
@@ -17,7 +17,7 @@ and tools, and commits what these rules produce.
   and is admitted into the same turn.
 - budgets are checked before each model call; a spent budget asks the user
   (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
-- child sessions (DESIGN.md §11; the rules are in child_rules.py, the
+- child sessions (docs/design.md §11; the rules are in child_rules.py, the
   handle rules in handles.py): a turn waiting for a child's result is open
   but not waiting for the user (no session.waiting); a message arriving then
   is admitted into the turn and the model sees it with the result. A child's
@@ -122,7 +122,7 @@ class SessionState(StepRules):
         (a running task, an active subagent turn or workflow tool, a child
         waiting on a human), and not a child session itself (a child stays
         on the deployment that owns it). Pending commands are the run's
-        business (DESIGN.md §6)."""
+        business (docs/design.md §6)."""
         return not (self.turn_open or self.handles.busy() or self.is_child)
 
     # -- what a command means -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""A run's upkeep around its commits (DESIGN.md §4, §11), all under the
+"""A run's upkeep around its commits (docs/design.md §4, §11), all under the
 run's one `Background`:
 
 - the durable lifetime timer: armed with the run's id; when it fires, a

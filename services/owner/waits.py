@@ -1,4 +1,4 @@
-"""Wait rules (DESIGN.md §4), a layer of `SessionState` (turns.py): human
+"""Wait rules (docs/design.md §4), a layer of `SessionState` (turns.py): human
 input and sign-in pause the turn (the session waits); responses and
 callbacks resume it (the two-phase answers are decisions.py's); a plain
 message while a turn waits abandons the waits; a spent budget asks the user

@@ -298,7 +298,7 @@ class Session(_message.Message):
     """Turns started so far."""
     last_trace_id: _builtins.str
     """The trace id of the last commit made while tracing was on (the last
-    turn's trace, README "Traces"); empty when tracing was never on.
+    turn's trace, docs/metrics.md "Traces"); empty when tracing was never on.
     """
     @_builtins.property
     def status_reason(self) -> _session_pb2.ErrorDetail:

@@ -102,7 +102,7 @@ class StartSessionRequest(_message.Message):
 
     @_builtins.property
     def parent(self) -> _session_pb2.ParentLink:
-        """For a child session (started by its parent's owner, DESIGN.md §11): the
+        """For a child session (started by its parent's owner, docs/design.md §11): the
         parent, what runs in the child and its limits. Only owners set it.
         """
 

@@ -75,7 +75,7 @@ class OwnerServiceServicer:
 
     def AcceptHandoff(self, request, context):
         """Take a session over from an owner of another deployment (ingress-driven
-        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
         checkpoint must be readable, in a snapshot format this build reads, idle,
         and still the latest commit), move the session here with one Transfer on
         hooks, and start it with the trigger. Nothing is written unless the

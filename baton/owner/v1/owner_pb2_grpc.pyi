@@ -37,7 +37,7 @@ class OwnerServiceStub:
     """Start a new session on this deployment. Idempotent per session id."""
     AcceptHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]
     """Take a session over from an owner of another deployment (ingress-driven
-    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
     checkpoint must be readable, in a snapshot format this build reads, idle,
     and still the latest commit), move the session here with one Transfer on
     hooks, and start it with the trigger. Nothing is written unless the
@@ -70,7 +70,7 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     """Start a new session on this deployment. Idempotent per session id."""
     AcceptHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]  # type: ignore[assignment]
     """Take a session over from an owner of another deployment (ingress-driven
-    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
     checkpoint must be readable, in a snapshot format this build reads, idle,
     and still the latest commit), move the session here with one Transfer on
     hooks, and start it with the trigger. Nothing is written unless the
@@ -112,7 +112,7 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_owner_pb2.AcceptHandoffResponse, _abc.Awaitable[_owner_pb2.AcceptHandoffResponse]]:
         """Take a session over from an owner of another deployment (ingress-driven
-        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
         checkpoint must be readable, in a snapshot format this build reads, idle,
         and still the latest commit), move the session here with one Transfer on
         hooks, and start it with the trigger. Nothing is written unless the

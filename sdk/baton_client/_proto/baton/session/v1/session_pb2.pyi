@@ -609,7 +609,7 @@ class SendCommand(_message.Message):
     """How to admit the message while a turn is open."""
     parent_work: _builtins.int
     """Set only by a parent session's owner, on work it gives a child session
-    (DESIGN.md §11): the number of that piece of work. The child reports the
+    (docs/design.md §11): the number of that piece of work. The child reports the
     outcome of the turn it starts back to the parent as a task_result for
     this number. A child session refuses other conversational messages.
     """
@@ -1400,7 +1400,7 @@ Global___ChildHandle: _TypeAlias = ChildHandle  # noqa: Y015
 
 @_typing.final
 class ParentLink(_message.Message):
-    """ParentLink is a child session's record of its parent (DESIGN.md §11)."""
+    """ParentLink is a child session's record of its parent (docs/design.md §11)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
