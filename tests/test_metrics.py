@@ -33,6 +33,7 @@ _RPC = {
     "baton_rpc_server_handling_seconds": ("histogram", {"method"}),
     "baton_rpc_client_handled_total": ("counter", {"target", "method", "code"}),
     "baton_rpc_server_stream_messages_sent_total": ("counter", {"method"}),
+    "baton_rpc_client_streams_opened_total": ("counter", {"target", "method"}),
     "baton_rpc_client_stream_messages_received_total": ("counter", {"target", "method"}),
     "baton_build_info": ("gauge", {"version", "deployment"}),
 }

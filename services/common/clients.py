@@ -360,6 +360,8 @@ class _Client:
         CANCELLED when the caller stopped reading first."""
         code = "CANCELLED"
         meter, path = metrics.RPC, f"/{self.service}/{method}"
+        if meter.enabled:
+            meter.opened(self.kind, path)
         try:
             async for item in call:
                 if meter.enabled:

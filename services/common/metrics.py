@@ -74,6 +74,13 @@ RPC_SERVER_STREAM_SENT = Counter(
     ["method"],
     registry=None,
 )
+RPC_CLIENT_STREAMS_OPENED = Counter(
+    "baton_rpc_client_streams_opened_total",
+    "Server-streaming RPCs this process opened to another Baton service, by target service "
+    "and method (handled_total counts them when they end)",
+    ["target", "method"],
+    registry=None,
+)
 RPC_CLIENT_STREAM_RECEIVED = Counter(
     "baton_rpc_client_stream_messages_received_total",
     "Messages this process received on server-streaming RPCs of another Baton service, "
@@ -277,6 +284,7 @@ _RPC = (
     RPC_SERVER_SECONDS,
     RPC_CLIENT_HANDLED,
     RPC_SERVER_STREAM_SENT,
+    RPC_CLIENT_STREAMS_OPENED,
     RPC_CLIENT_STREAM_RECEIVED,
 )
 _STORE = (
@@ -353,6 +361,7 @@ class RpcMeter:
         self._called: dict[tuple[str, str, str], Any] = {}
         self._sent: dict[str, Any] = {}
         self._received: dict[tuple[str, str], Any] = {}
+        self._opened: dict[tuple[str, str], Any] = {}
 
     def served(self, method: str, code: str, seconds: float) -> None:
         key = (method, code)
@@ -377,6 +386,14 @@ class RpcMeter:
         counter = self._sent.get(method)
         if counter is None:
             counter = self._sent[method] = RPC_SERVER_STREAM_SENT.labels(method)
+        counter.inc()
+
+    def opened(self, target: str, method: str) -> None:
+        """One server stream opened to `target`."""
+        key = (target, method)
+        counter = self._opened.get(key)
+        if counter is None:
+            counter = self._opened[key] = RPC_CLIENT_STREAMS_OPENED.labels(target, method)
         counter.inc()
 
     def received(self, target: str, method: str) -> None:
