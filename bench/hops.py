@@ -19,12 +19,14 @@ counters (README "Metrics"):
   txn_write, txn_read - Baton's ranges are read-only txns -, lease_*), watch
   creations and the watch responses and events they received.
 
-What varies with time rather than with the path is left out and listed under
-"background" in docs/hops.md: lease keep-alives of the owners' instance
-leases (KeepAliveInstance, lease_keepalive), store health's alarm checks, and
-the read a hooks scrape does for `baton_live_instances` (one per scrape,
-measured first and subtracted). The counts settle before the second scrape:
-the non-hooks processes are scraped until two scrapes agree.
+What varies with time rather than with the path is left out (BACKGROUND;
+printed per window, never written): lease keep-alives of the owners' instance
+leases (KeepAliveInstance, lease_keepalive), store health's alarm checks, an
+ingress' orphan-liveness rechecks, and the read a hooks scrape does for
+`baton_live_instances` (one per scrape, measured first and subtracted);
+owners' reconciliation and anchor's sweeps are stretched past the run. The
+counts settle before the second scrape: the non-hooks processes are scraped
+until two scrapes agree.
 
 This process is the client of the public API only: it follows each session
 through ingress (StreamEvents, opened before the first scrape) and never calls
@@ -252,10 +254,6 @@ def waiting_after(count: int) -> Callable[[list[s.Event]], bool]:
     return lambda events: sum(e.kind == K.EVENT_KIND_SESSION_WAITING for e in events) >= count
 
 
-def has(kind: int, count: int = 1) -> Callable[[list[s.Event]], bool]:
-    return lambda events: sum(e.kind == kind for e in events) >= count
-
-
 @dataclass
 class HopRun:
     """The stack, its public clients, and the counting."""
@@ -429,74 +427,57 @@ class HopRun:
 
 # -- the paths ---------------------------------------------------------------------
 
-Path_ = Callable[[HopRun, dict[str, Any]], Awaitable[str]]
+Path_ = Callable[[HopRun, dict[str, Any]], Awaitable[None]]
 
 
-async def one_step_turn(run: HopRun, into: dict[str, Any]) -> str:
+async def one_step_turn(run: HopRun, into: dict[str, Any]) -> None:
     async with run.session("ing-a") as (sid, follower):
         async with run.window(into, follower):
             await run.send("ing-a", sid, "hello again")
             await follower.wait(waiting_after(2), "the turn")
-    return (
-        "An idle, unparked session on a1: SendMessage through ing-a until the "
-        "follower (StreamEvents through ing-a) sees SESSION_WAITING."
-    )
 
 
-async def steered_turn(run: HopRun, into: dict[str, Any]) -> str:
+async def steered_turn(run: HopRun, into: dict[str, Any]) -> None:
     async with run.session("ing-a") as (sid, follower):
+        calls = "baton_model_call_seconds_count"
+        base = (await run.owner_scrape("a1")).total(calls)
+
+        async def step_two_running() -> bool:
+            # Step 2's model call is done, its 600 ms tool call runs: a steer
+            # message now joins at step 3's boundary. (Sent as soon as step 1
+            # was on the stream, it could reach a1 before step 2's model call
+            # and end the turn a step early.)
+            return (await run.owner_scrape("a1")).total(calls) >= base + 2
+
         async with run.window(into, follower):
             await run.send("ing-a", sid, "sleep 3 600", caller="alice")
-            await follower.wait(has(K.EVENT_KIND_STEP_COMPLETED, 2), "step 1")
+            await eventually(step_two_running, "step 2's tool call")
             await run.send("ing-a", sid, "hello", caller="bob", steer=True)
             await follower.wait(waiting_after(2), "the steered turn")
-    return (
-        "`sleep 3 600` (three steps: two 600 ms tool steps, then the answer); "
-        "once step 1 is on the stream a second principal's steer message joins "
-        "the open turn at the next model-call boundary (two sends, one turn)."
-    )
 
 
-async def subagent_turn(run: HopRun, into: dict[str, Any]) -> str:
+async def subagent_turn(run: HopRun, into: dict[str, Any]) -> None:
     async with run.session("ing-a") as (sid, follower):
         async with run.window(into, follower):
             await run.send("ing-a", sid, "ask helper what is 6*7")
             await follower.wait(waiting_after(2), "the parent's turn")
-    return (
-        "`ask helper what is 6*7`: the parent's turn starts a child session "
-        "(the helper), which runs its own two-step turn (calculator, answer); its "
-        "result comes back as the parent's tool result, the parent answers. "
-        "Counted until the child's tail settled too."
-    )
 
 
-async def upgrade_turn(run: HopRun, into: dict[str, Any]) -> str:
+async def upgrade_turn(run: HopRun, into: dict[str, Any]) -> None:
     async with run.session("ing-a") as (sid, follower):
         async with run.window(into, follower):
             await run.send("ing-b", sid, "hello from b")
             await follower.wait(waiting_after(2), "the upgrade turn")
-    return (
-        "A session idle on a1 (dep-a) gets a message through ing-b (dep-b): "
-        "hooks answers that the session belongs to another deployment, a1 hands "
-        "it off to b1 (AcceptHandoff, Transfer), b1 runs the turn. Counted until "
-        "SESSION_WAITING on b1 and the tail settled (b1 parks it only later)."
-    )
 
 
-async def wake_from_parking(run: HopRun, into: dict[str, Any]) -> str:
+async def wake_from_parking(run: HopRun, into: dict[str, Any]) -> None:
     async with run.session("ing-b") as (sid, follower):
         async with run.window(into, follower):  # (after b1 parked the session)
             await run.send("ing-b", sid, "wake up")
             await follower.wait(waiting_after(2), "the turn after the wake")
-    return (
-        f"A session on b1 parked after {PARK_AFTER} s idle: a message through "
-        "ing-b rings b1's bell (WatchBells), b1 resumes the session and runs the "
-        "turn. Counted until SESSION_WAITING; the session parks again later, "
-        "outside the window."
-    )
 
 
-async def takeover(run: HopRun, into: dict[str, Any]) -> str:
+async def takeover(run: HopRun, into: dict[str, Any]) -> None:
     # a1 holds the sessions of the paths before (one-step, steered, the
     # subagent's parent and child); one more, idle, for the takeover's turn.
     async with run.session("ing-a") as (sid, follower):
@@ -513,15 +494,49 @@ async def takeover(run: HopRun, into: dict[str, Any]) -> str:
             await eventually(taken, "a2 took a1's sessions over")
             await run.send("ing-a", sid, "after the takeover")
             await follower.wait(waiting_after(2), "the turn on a2")
-    return (
+
+
+# What each path is (docs/hops.md).
+WHAT = {
+    "one_step_turn": (
+        "An idle, unparked session on a1: SendMessage through ing-a until the "
+        "follower (StreamEvents through ing-a) sees SESSION_WAITING."
+    ),
+    "steered_turn": (
+        "`sleep 3 600` (three steps: two 600 ms tool steps, then the answer); "
+        "once step 1 is on the stream a second principal's steer message joins "
+        "the open turn at the next model-call boundary (two sends, one turn)."
+    ),
+    "subagent_turn": (
+        "`ask helper what is 6*7`: the parent's turn starts a child session "
+        "(the helper), which runs its own two-step turn (calculator, answer); its "
+        "result comes back as the parent's tool result, the parent answers. "
+        "Counted until the child's tail settled too."
+    ),
+    "upgrade_turn": (
+        "A session idle on a1 (dep-a) gets a message through ing-b (dep-b). "
+        "It is appended like any other, stamped with dep-b; a1 reads it, finds "
+        "it accepted by another deployment and hands the session over: it looks "
+        "up dep-b's instances, calls AcceptHandoff on b1, the fence moves by "
+        "Transfer, a1's inbox stream ends (FAILED_PRECONDITION) and b1 opens its "
+        "own and runs the turn. Counted until SESSION_WAITING on b1 and the tail "
+        "settled (b1 parks it only later)."
+    ),
+    "wake_from_parking": (
+        f"A session on b1 parked after {PARK_AFTER} s idle: a message through "
+        "ing-b rings b1's bell (WatchBells), b1 resumes the session and runs the "
+        "turn. Counted until SESSION_WAITING; the session parks again later, "
+        "outside the window."
+    ),
+    "takeover": (
         "kill -9 of a1 while it holds idle sessions (the held count below): "
         "a2 learns of the dead lease (WatchInstances), lists a1's sessions and "
         "takes each over; then one turn on a taken-over session through ing-a "
         "(whose ResumeHook finds the new owner). Lease expiry takes the "
         "instance lease TTL; the wait is not counted, the keep-alives during it "
         "are background."
-    )
-
+    ),
+}
 
 RUNS: dict[str, Path_] = {
     "one_step_turn": one_step_turn,
@@ -549,9 +564,8 @@ async def measure(etcd_endpoint: str, workdir: Path) -> dict[str, Any]:
         paths: dict[str, Any] = {}
         for name in PATHS:
             into: dict[str, Any] = {}
-            what = await RUNS[name](run, into)
+            await RUNS[name](run, into)
             paths[name] = {
-                "what": what,
                 "messages": messages(into["path"]),
                 "etcd_requests": etcd_requests(into["path"]),
                 "counts": into["path"],
@@ -568,11 +582,18 @@ async def measure(etcd_endpoint: str, workdir: Path) -> dict[str, Any]:
 
 
 def as_json(measured: dict[str, Any]) -> str:
+    """What a run counted, without the background (it differs every run;
+    the committed file changes only when a path does)."""
+    paths = {
+        name: {k: v for k, v in path.items() if k != "background"}
+        for name, path in measured["paths"].items()
+    }
     doc = {
         "about": "Generated by `python -m bench.hops --write` (see docs/hops.md); "
         "tests/test_hops.py compares a counted run with `counts`.",
         "background_keys": list(BACKGROUND),
-        **measured,
+        "scrape_reads_subtracted": measured["scrape_reads_subtracted"],
+        "paths": paths,
     }
     return json.dumps(doc, indent=2, sort_keys=False) + "\n"
 
@@ -605,11 +626,33 @@ How a row reads:
 - messages = 2 x rpc + open + stream; etcd requests = every `etcd` row except the
   watch responses and events.
 
-Left out (by time, not by path), listed per path under background:
-owner instances' lease keep-alives (`KeepAliveInstance` and hooks'
-`lease_keepalive`), store health's `alarm` checks; and the one read each hooks
-scrape does for `baton_live_instances`, measured and subtracted.
+Left out, as they run by the clock and not by the path (`bench.hops` prints
+what each window saw of them): owner instances' lease keep-alives (`KeepAliveInstance`
+and hooks' `lease_keepalive`), store health's `alarm` checks, and an
+ingress' orphan-liveness checks after it accepted a command for another
+deployment's session (`ListInstances` at 0, 3, 10 and 30 s, cached 2 s; each
+one hooks read, subtracted with it). The one read each hooks scrape does for
+`baton_live_instances` is measured and subtracted. Owners' reconciliation
+(one `ListInstanceSessions` and its read per owner every
+`BATON_OWNER_RECONCILE_INTERVAL`, 15 s by default) and anchor's retention and
+horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) are stretched past
+the run.
+
+The stack: hooks, anchor, owners a1 and a2 of deployment dep-a with ingress
+ing-a, owner b1 of dep-b (parking sessions idle 2 s) with ingress ing-b; TLS
+everywhere. Each path runs on a session that ran one turn before (warm
+channels and caches), between two scrapes of every process, once the stack
+is quiet. Counts of a process killed in the window (takeover) are left out.
 """
+
+
+_KINDS = ("rpc", "open", "stream", "end", "etcd", "edge")
+
+
+def _row_order(item: tuple[str, int]) -> tuple[int, str]:
+    """Between processes first (calls, streams), then etcd, then the edge."""
+    kind = item[0].split(" ", 1)[0]
+    return (_KINDS.index(kind) if kind in _KINDS else len(_KINDS), item[0])
 
 
 def as_markdown(measured: dict[str, Any]) -> str:
@@ -625,17 +668,14 @@ def as_markdown(measured: dict[str, Any]) -> str:
     for name in PATHS:
         p = paths[name]
         lines.append(f"\n## {name}\n")
-        lines.append(p["what"])
+        lines.append(WHAT[name])
         lines.append("\nEvents the follower saw: " + ", ".join(p["events"]) + ".")
         if "held_sessions" in p:
             lines.append(f"\nSessions a1 held when killed: {p['held_sessions']}.")
         lines.append("\n| hop | count |")
         lines.append("|---|---|")
-        for key, value in p["counts"].items():
+        for key, value in sorted(p["counts"].items(), key=_row_order):
             lines.append(f"| `{key}` | {value} |")
-        if p["background"]:
-            shown = ", ".join(f"`{k}` {v}" for k, v in p["background"].items())
-            lines.append(f"\nBackground in the window (not compared): {shown}.")
     return "\n".join(lines) + "\n"
 
 
@@ -654,7 +694,13 @@ def compare(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite docs/hops.json and .md")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite docs/hops.md from docs/hops.json"
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        MD_PATH.write_text(as_markdown(json.loads(JSON_PATH.read_text())))
+        return 0
     server = certs.start_etcd()
     try:
         with tempfile.TemporaryDirectory(prefix="baton-hops-") as workdir:
@@ -662,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     print(as_markdown(measured))
+    for name in PATHS:
+        background = measured["paths"][name]["background"]
+        print(f"background in {name} (not compared):", json.dumps(background))
     if JSON_PATH.exists():
         changes = compare(json.loads(JSON_PATH.read_text()), measured)
         print("\n".join(changes) if changes else "docs/hops.json: no change in the counts")
