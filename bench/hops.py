@@ -6,7 +6,9 @@ request and watch event of six paths, counted on a real stack.
 
 Starts a TLS etcd and real processes, each serving its metrics: hooks,
 anchor, owners a1 and a2 of deployment dep-a (ingress ing-a), owner b1 of
-dep-b (ingress ing-b; it parks sessions idle for PARK_AFTER seconds). Each
+dep-b (ingress ing-b), and owner p1 of dep-p (ingress ing-p), the only one
+that parks sessions (idle PARK_AFTER seconds: no park lands in another
+path's window, and the wake's session parks again only after its window). Each
 path runs between two scrapes of every process and is the difference of the
 counters (README "Metrics"):
 
@@ -65,7 +67,7 @@ K = s.EventKind
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 JSON_PATH = DOCS / "hops.json"
 MD_PATH = DOCS / "hops.md"
-PARK_AFTER = 2.0
+PARK_AFTER = 5.0
 # Each owner lists its own index every reconcile interval (services/owner/
 # fleet.py): one ListInstanceSessions and its read in hooks, at any time. The
 # hop stack stretches the interval past the run; docs/hops.md lists the cost.
@@ -90,14 +92,35 @@ BACKGROUND = (
     # An ingress that accepted a command for a session of another deployment
     # checks that deployment is still live right after and again 3, 10 and
     # 30 s later, cached for 2 s (services/ingress/orphans.py): these land in
-    # whichever window runs then. Each is one read in hooks, subtracted below.
+    # whichever window runs then, each one read in hooks (subtracted, see
+    # `orphan_checks`).
     "rpc ingress -> hooks ListInstances",
+    "served hooks ListInstances",
 )
-# Background calls whose etcd reads in hooks are subtracted from
-# "etcd hooks txn_read" with them: reads per call.
-BACKGROUND_READS = {"rpc ingress -> hooks ListInstances": 1}
-_ROLE = {"hooks": "hooks", "anchor": "anchor", "ing-a": "ingress", "ing-b": "ingress"}
-_OWNERS = ("a1", "a2", "b1")
+_SERVED_LIST = BACKGROUND[-1]
+
+
+def orphan_checks(diff: Counts) -> int:
+    """The ingress' liveness checks hooks served in a window: the
+    ListInstances calls it served less the owners' (which are path hops).
+    Counted by hooks as it answers, right after its read: the ingress' own
+    count, at the answer's arrival, could miss one at a window's end."""
+    return diff.get(_SERVED_LIST, 0) - diff.get("rpc owner -> hooks ListInstances", 0)
+
+
+_INGRESSES = ("ing-a", "ing-b", "ing-p")
+_ROLE = {"hooks": "hooks", "anchor": "anchor", **{i: "ingress" for i in _INGRESSES}}
+_OWNERS = ("a1", "a2", "b1", "p1")
+# The order the paths run in: the wake last, as its session's first park
+# takes PARK_AFTER (the takeover kills a1 and leaves p1 alone).
+RUN_ORDER = (
+    "one_step_turn",
+    "steered_turn",
+    "subagent_turn",
+    "upgrade_turn",
+    "takeover",
+    "wake_from_parking",
+)
 _ETCD_COUNTERS = {
     "baton_etcd_watches_created_total": "watch_create",
     "baton_etcd_watch_responses_total": "watch_responses",
@@ -152,6 +175,12 @@ def counts_of(process: str, scraped: Scrape) -> Counts:
                 add(f"edge client -> ingress {_method(labels['method'])}{code}", sample.value)
             elif sample.name == "baton_rpc_server_stream_messages_sent_total":
                 add(f"edge ingress -> client {_method(labels['method'])}", sample.value)
+        elif (
+            me == "hooks"
+            and sample.name == "baton_rpc_server_handled_total"
+            and labels["method"].endswith("/ListInstances")
+        ):
+            add(_SERVED_LIST, sample.value)
         elif sample.name == "baton_etcd_txn_seconds_count":
             add(f"etcd {me} {labels['op']}", sample.value)
         elif sample.name in _ETCD_COUNTERS:
@@ -278,19 +307,21 @@ class HopRun:
             owners={"a1": ("dep-a", ""), "a2": ("dep-a", "")},
             ingresses={"ing-a": ("dep-a", "a1")},
         )
+        stack.start_owner("b1", deployment_id="dep-b")
         stack.start_owner(
-            "b1", deployment_id="dep-b", env={"BATON_OWNER_PARK_AFTER": str(PARK_AFTER)}
+            "p1", deployment_id="dep-p", env={"BATON_OWNER_PARK_AFTER": str(PARK_AFTER)}
         )
         stack.start_ingress("ing-b", "dep-b", ["b1"])
+        stack.start_ingress("ing-p", "dep-p", ["p1"])
         run = cls(stack)
-        for name in ("ing-a", "ing-b"):
+        for name in _INGRESSES:
             run.channels[name] = public_channel(stack.addr(name))
             run.ingress[name] = ingress_pb2_grpc.IngressServiceStub(run.channels[name])
         return run
 
     @property
     def processes(self) -> list[str]:
-        return ["hooks", "anchor", "ing-a", "ing-b", *(o for o in _OWNERS if self.alive(o))]
+        return ["hooks", "anchor", *_INGRESSES, *(o for o in _OWNERS if self.alive(o))]
 
     def alive(self, process: str) -> bool:
         proc = self.stack.owners.get(process)
@@ -306,7 +337,8 @@ class HopRun:
 
         hooks = HooksClient(self.stack.addr("hooks"), timeout=5, security=self.stack.probe)
         try:
-            for deployment, want in (("dep-a", {"a1", "a2"}), ("dep-b", {"b1"})):
+            deployments = (("dep-a", {"a1", "a2"}), ("dep-b", {"b1"}), ("dep-p", {"p1"}))
+            for deployment, want in deployments:
 
                 async def registered(d: str = deployment, w: set[str] = want) -> bool:
                     return w <= {i.instance_id for i in await hooks.list_instances(d)}
@@ -351,7 +383,7 @@ class HopRun:
     ) -> AsyncIterator[None]:
         """Counts what runs inside into `into` ("path", "background"): the
         differences of the processes alive at both ends (a process killed in
-        the window counts for nothing), once the stack is quiet before: b1
+        the window counts for nothing), once the stack is quiet before: p1
         parked every session it holds (a park is a path of its own, never
         part of another's window) and the counts settled."""
         await self.all_parked()
@@ -366,7 +398,7 @@ class HopRun:
         diff = difference(
             combined({n: after[n] for n in both}), combined({n: before[n] for n in both})
         )
-        background_reads = sum(diff.get(k, 0) * n for k, n in BACKGROUND_READS.items())
+        background_reads = orphan_checks(diff)
         if self.scrape_read or background_reads:
             reads = diff.get("etcd hooks txn_read", 0) - self.scrape_read - background_reads
             diff["etcd hooks txn_read"] = reads
@@ -414,15 +446,15 @@ class HopRun:
         return (await self.scrape([owner]))[owner]
 
     async def all_parked(self) -> None:
-        """b1 (which parks idle sessions) holds none unparked."""
+        """p1 (which parks idle sessions) holds none unparked."""
 
         async def parked() -> bool:
-            scraped = await self.owner_scrape("b1")
+            scraped = await self.owner_scrape("p1")
             return scraped.total("baton_sessions") == scraped.total(
                 "baton_sessions", state="parked"
             )
 
-        await eventually(parked, "b1 parked every session it holds")
+        await eventually(parked, "p1 parked every session it holds", PARK_AFTER + 30)
 
 
 # -- the paths ---------------------------------------------------------------------
@@ -471,9 +503,9 @@ async def upgrade_turn(run: HopRun, into: dict[str, Any]) -> None:
 
 
 async def wake_from_parking(run: HopRun, into: dict[str, Any]) -> None:
-    async with run.session("ing-b") as (sid, follower):
-        async with run.window(into, follower):  # (after b1 parked the session)
-            await run.send("ing-b", sid, "wake up")
+    async with run.session("ing-p") as (sid, follower):
+        async with run.window(into, follower):  # (after p1 parked the session)
+            await run.send("ing-p", sid, "wake up")
             await follower.wait(waiting_after(2), "the turn after the wake")
 
 
@@ -520,11 +552,11 @@ WHAT = {
         "up dep-b's instances, calls AcceptHandoff on b1, the fence moves by "
         "Transfer, a1's inbox stream ends (FAILED_PRECONDITION) and b1 opens its "
         "own and runs the turn. Counted until SESSION_WAITING on b1 and the tail "
-        "settled (b1 parks it only later)."
+        "settled."
     ),
     "wake_from_parking": (
-        f"A session on b1 parked after {PARK_AFTER} s idle: a message through "
-        "ing-b rings b1's bell (WatchBells), b1 resumes the session and runs the "
+        f"A session on p1 parked after {PARK_AFTER:g} s idle: a message through "
+        "ing-p rings p1's bell (WatchBells), p1 resumes the session and runs the "
         "turn. Counted until SESSION_WAITING; the session parks again later, "
         "outside the window."
     ),
@@ -549,20 +581,19 @@ RUNS: dict[str, Path_] = {
 
 
 async def measure(etcd_endpoint: str, workdir: Path) -> dict[str, Any]:
-    """Every path, in PATHS order (takeover last: it kills a1)."""
+    """Every path, run in RUN_ORDER, reported in PATHS order."""
     run = HopRun.start(etcd_endpoint, workdir)
     try:
         await run.wait_registered()
         await run.calibrate()
         # One turn first so every process has its channels, streams and
-        # caches as in steady state (b1 parks its session later: the wake
-        # path waits for that).
+        # caches as in steady state (p1's first is the wake's own).
         async with run.session("ing-a"):
             pass
         async with run.session("ing-b"):
             pass
         paths: dict[str, Any] = {}
-        for name in PATHS:
+        for name in RUN_ORDER:
             into: dict[str, Any] = {}
             await RUNS[name](run, into)
             paths[name] = {
@@ -573,7 +604,8 @@ async def measure(etcd_endpoint: str, workdir: Path) -> dict[str, Any]:
                 "events": [k.removeprefix("EVENT_KIND_") for k in into.get("events", [])],
                 **({"held_sessions": into["held"]["sessions"]} if "held" in into else {}),
             }
-        return {"scrape_reads_subtracted": run.scrape_read, "paths": paths}
+        ordered = {name: paths[name] for name in PATHS}
+        return {"scrape_reads_subtracted": run.scrape_read, "paths": ordered}
     finally:
         await run.close()
 
@@ -639,7 +671,8 @@ horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) are stretched past
 the run.
 
 The stack: hooks, anchor, owners a1 and a2 of deployment dep-a with ingress
-ing-a, owner b1 of dep-b (parking sessions idle 2 s) with ingress ing-b; TLS
+ing-a, owner b1 of dep-b with ingress ing-b, owner p1 of dep-p (the only
+one parking sessions, idle 5 s) with ingress ing-p; TLS
 everywhere. Each path runs on a session that ran one turn before (warm
 channels and caches), between two scrapes of every process, once the stack
 is quiet. Counts of a process killed in the window (takeover) are left out.
