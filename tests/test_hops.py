@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from bench import hops
+from tests.scrape import parse
 
 # Rows that batching may merge (see the module docstring), besides every
 # `watch_responses`.
@@ -85,4 +86,58 @@ def test_a_path_carries_the_messages_and_requests_of_the_map(
     assert got["events"] == want["events"], "the path itself changed (its events)"
     assert got.get("held_sessions") == want.get("held_sessions")
     wrong = differences(want["counts"], got["counts"])
-    assert not wrong, f"{path} differs from docs/hops.json:\n  " + "\n  ".join(wrong)
+    assert not wrong, (
+        f"{path} differs from docs/hops.json (if that is meant: python -m bench.hops --write):"
+        + "".join(f"\n  {line}" for line in wrong)
+    )
+
+
+_H = "/baton.hooks.v1.HookRegistryService/"
+_HOOKS_SCRAPE = f"""\
+# TYPE baton_rpc_server_handled_total counter
+baton_rpc_server_handled_total{{method="{_H}ListInstances",code="OK"}} 3
+baton_rpc_server_handled_total{{method="{_H}ResumeHook",code="OK"}} 9
+# TYPE baton_etcd_txn_seconds histogram
+baton_etcd_txn_seconds_bucket{{op="txn_write",le="+Inf"}} 4
+baton_etcd_txn_seconds_count{{op="txn_write"}} 4
+baton_etcd_txn_seconds_sum{{op="txn_write"}} 0.01
+# TYPE baton_etcd_watch_events_total counter
+baton_etcd_watch_events_total 7
+"""
+_OWNER_SCRAPE = f"""\
+# TYPE baton_rpc_client_handled_total counter
+baton_rpc_client_handled_total{{target="hooks",method="{_H}StreamInbox",code="CANCELLED"}} 1
+baton_rpc_client_handled_total{{target="hooks",method="{_H}ListInstances",code="OK"}} 1
+baton_rpc_client_handled_total{{target="anchor",\
+method="/baton.anchor.v1.AnchorService/CommitStep",code="OK"}} 2
+# TYPE baton_rpc_client_streams_opened_total counter
+baton_rpc_client_streams_opened_total{{target="hooks",method="{_H}StreamInbox"}} 2
+# TYPE baton_rpc_client_stream_messages_received_total counter
+baton_rpc_client_stream_messages_received_total{{target="hooks",method="{_H}StreamInbox"}} 5
+"""
+
+
+def test_scrapes_read_as_hop_rows() -> None:
+    """A caller's calls are rows of the caller, a stream's end is no
+    message, etcd rows are the store's; messages and requests add up."""
+    owner = hops.counts_of("a1", parse(_OWNER_SCRAPE))
+    assert owner == {
+        "end owner -> hooks StreamInbox [CANCELLED]": 1,
+        "rpc owner -> anchor CommitStep": 2,
+        "rpc owner -> hooks ListInstances": 1,
+        "open owner -> hooks StreamInbox": 2,
+        "stream hooks -> owner StreamInbox": 5,
+    }
+    assert hops.messages(owner) == 2 * 2 + 2 * 1 + 2 + 5
+    store = hops.counts_of("hooks", parse(_HOOKS_SCRAPE))
+    assert store == {
+        "served hooks ListInstances": 3,
+        "etcd hooks txn_write": 4,
+        "etcd hooks watch_events": 7,
+    }
+    assert hops.etcd_requests(store) == 4
+    both = hops.combined({"a1": owner, "hooks": store})
+    assert hops.orphan_checks(both) == 2  # 3 served, 1 of them the owner's
+    own, background = hops.split(hops.difference(both, {"etcd hooks txn_write": 1}))
+    assert own["etcd hooks txn_write"] == 3
+    assert background == {"served hooks ListInstances": 3}
