@@ -1,4 +1,4 @@
-"""A turn that asks a subagent, against a plain one-step turn (DESIGN.md §11).
+"""A turn that asks a subagent, against a plain one-step turn (docs/design.md §11).
 
     python -m bench.children [--iterations 200] [--warmup 10] [--per-session 40]
                              [--json PATH] [--smoke]

@@ -1,4 +1,4 @@
-"""A session's cost does not grow with its age (DESIGN.md §4).
+"""A session's cost does not grow with its age (docs/design.md §4).
 
     python -m bench.long_session [--turns 5000] [--window 200] [--commits 300]
                                  [--upgrade-prelude 1000] [--upgrade-turns 30]
@@ -61,7 +61,7 @@ from services.common.etcd import Store, make_client
 from services.common.identity import Role
 from services.common.keys import Keys
 from services.common.txn import Txn
-from services.owner.session import RunIdentity, make_event
+from services.owner.held import RunIdentity, make_event
 
 TARGET_AGE_RATIO = 1.1
 TARGET_UPGRADE_RATIO = 2.0

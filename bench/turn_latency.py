@@ -210,6 +210,8 @@ class BenchStack:
     # Every service serves Prometheus metrics (--metrics-listen) on its own port.
     metrics: bool = False
     metrics_addrs: dict[str, str] = field(default_factory=dict)
+    # Every service's extra environment (e.g. OTEL_* for tracing).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -288,6 +290,7 @@ class BenchStack:
                     **(deployment_b if name.endswith("-b") else common),
                     **self._tls_env(role, own),
                     **metrics,
+                    **self.env,
                 },
                 log_path=os.path.join(self.log_dir, f"{name}.log"),
             ).start()
@@ -1238,13 +1241,14 @@ async def _scrape_forever(urls: Sequence[str]) -> None:
             await asyncio.sleep(SCRAPE_EVERY_S)
 
 
-async def compare_metrics(
-    args: argparse.Namespace, stacks: dict[str, BenchStack]
+async def compare_sides(
+    args: argparse.Namespace, stacks: dict[str, BenchStack], blocks: int
 ) -> dict[str, Any]:
-    """One-step turns on two identical stacks, metrics off and on, in
-    alternating blocks (so drift in the machine's load hits both alike):
-    turn latency and the services' CPU per turn of each, and the ratios."""
-    blocks = max(1, args.metrics_blocks)
+    """One-step turns on identical stacks that differ in one setting, in
+    blocks whose order rotates (so drift in the machine's load hits every
+    side alike): turn latency and the services' CPU per turn of each. Every
+    stack that serves metrics is scraped meanwhile."""
+    blocks = max(1, blocks)
     per_block = max(1, args.turns // blocks)
     sides: dict[str, dict[str, Any]] = {}
     channels = []
@@ -1258,12 +1262,13 @@ async def compare_metrics(
             for i in range(args.warmup_turns):
                 await one_turn(stub, follower, f"warm {i}", f"w-{i}")
             sides[label] = {"stub": stub, "follower": follower, "turn": Dist(), "cpu_s": 0.0}
-        urls = [f"http://{a}/metrics" for a in stacks["on"].metrics_addrs.values()]
+        urls = [f"http://{a}/metrics" for s in stacks.values() for a in s.metrics_addrs.values()]
         scraper = asyncio.get_running_loop().create_task(_scrape_forever(urls))
+        labels = list(stacks)
         try:
             for block in range(blocks):
-                order = ("off", "on") if block % 2 == 0 else ("on", "off")
-                for label in order:
+                shift = block % len(labels)
+                for label in labels[shift:] + labels[:shift]:
                     side, stack = sides[label], stacks[label]
                     before = stack.cpu()
                     for i in range(per_block):
@@ -1290,10 +1295,22 @@ async def compare_metrics(
             "turn": side["turn"],
             "services_cpu_ms_per_turn": side["cpu_s"] * 1000 / turns,
         }
-    out["p50_ratio"] = out["on"]["turn"].pct(50) / out["off"]["turn"].pct(50)
-    out["cpu_ratio"] = (
-        out["on"]["services_cpu_ms_per_turn"] / out["off"]["services_cpu_ms_per_turn"]
-    )
+    return out
+
+
+def _ratios(out: dict[str, Any], label: str, base: str = "off") -> tuple[float, float]:
+    """(p50, services CPU per turn) of `label` over `base`."""
+    p50 = out[label]["turn"].pct(50) / out[base]["turn"].pct(50)
+    cpu = out[label]["services_cpu_ms_per_turn"] / out[base]["services_cpu_ms_per_turn"]
+    return p50, cpu
+
+
+async def compare_metrics(
+    args: argparse.Namespace, stacks: dict[str, BenchStack]
+) -> dict[str, Any]:
+    """Metrics off and on (`compare_sides`), and the on/off ratios."""
+    out = await compare_sides(args, stacks, args.metrics_blocks)
+    out["p50_ratio"], out["cpu_ratio"] = _ratios(out, "on")
     return out
 
 
@@ -1338,6 +1355,128 @@ def main_metrics_compare(args: argparse.Namespace) -> int:
     print(report_metrics_compare(result), flush=True)
     figures = dict(result)
     for label in ("off", "on"):
+        figures[label] = dict(result[label], turn=result[label]["turn"].summary())
+    write_json(args.json, figures)
+    return 0
+
+
+# -- tracing off vs on (--tracing-compare) ----------------------------------------
+
+TRACING_SIDES = ("off", "metrics", "tracing")
+
+
+class _SpanSink:
+    """An OTLP/gRPC trace collector in the bench process: receives (and
+    counts) what the traced stack exports, as a collector would."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+
+        sink = self
+
+        class Servicer(otlp_grpc.TraceServiceServicer):
+            async def Export(  # noqa: N802 - the proto's name
+                self, request: otlp.ExportTraceServiceRequest, context: Any
+            ) -> otlp.ExportTraceServiceResponse:
+                sink.spans += sum(
+                    len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans
+                )
+                return otlp.ExportTraceServiceResponse()
+
+        self.server = grpc.aio.server()
+        otlp_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(1)
+
+
+def tracing_env(port: int) -> dict[str, str]:
+    """Tracing on, every span sampled, exported to the bench's sink."""
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    }
+
+
+async def compare_tracing(args: argparse.Namespace, logs: str) -> dict[str, Any]:
+    """Three stacks, same run: everything off; metrics on, tracing off;
+    metrics and tracing on (always-sample). Ratios against all off."""
+    sink = _SpanSink()
+    await sink.start()
+    stacks: dict[str, BenchStack] = {}
+    try:
+        for label in TRACING_SIDES:
+            directory = os.path.join(logs, f"tracing-{label}")
+            os.makedirs(directory, exist_ok=True)
+            stacks[label] = BenchStack(
+                directory,
+                second_deployment=False,
+                log_level=args.log_level,
+                tls=not args.plaintext,
+                metrics=label != "off",
+                env=tracing_env(sink.port) if label == "tracing" else {},
+            )
+            _progress(f"starting the {label} stack (logs in {directory})")
+            # Blocking starts (they wait for health): the sink serves meanwhile.
+            await asyncio.get_running_loop().run_in_executor(None, stacks[label].start)
+        out = await compare_sides(args, stacks, args.metrics_blocks)
+    finally:
+        loop = asyncio.get_running_loop()
+        for stack in stacks.values():
+            # The traced services export what they buffered on SIGTERM: the
+            # sink serves meanwhile.
+            await loop.run_in_executor(None, stack.stop)
+        await sink.stop()
+    for label in ("metrics", "tracing"):
+        out[f"{label}_p50_ratio"], out[f"{label}_cpu_ratio"] = _ratios(out, label)
+    out["spans_exported"] = sink.spans
+    if not sink.spans:
+        raise RuntimeError("the traced stack exported no spans")
+    return out
+
+
+def report_tracing_compare(result: dict[str, Any]) -> str:
+    lines = [
+        f"tracing off vs on: {result['turns_each']} one-step turns each, in "
+        f"{result['blocks']} rotating blocks (load {result['load']}); "
+        f"{result['spans_exported']} spans exported",
+    ]
+    names = {
+        "off": "metrics off, tracing off",
+        "metrics": "metrics on, tracing off",
+        "tracing": "metrics on, tracing on",
+    }
+    for label in TRACING_SIDES:
+        side = result[label]
+        lines.append(
+            _row(f"  {names[label]} turn", side["turn"])
+            + f"  services CPU {side['services_cpu_ms_per_turn']:.2f} ms/turn"
+        )
+    for label in ("metrics", "tracing"):
+        lines.append(
+            f"  ratio {names[label]} / all off: p50 {result[f'{label}_p50_ratio']:.3f}x, "
+            f"services CPU per turn {result[f'{label}_cpu_ratio']:.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def main_tracing_compare(args: argparse.Namespace) -> int:
+    with log_dir(args.log_dir, "baton-bench-") as logs:
+        result = asyncio.run(compare_tracing(args, logs))
+    print(report_tracing_compare(result), flush=True)
+    figures = dict(result)
+    for label in TRACING_SIDES:
         figures[label] = dict(result[label], turn=result[label]["turn"].summary())
     write_json(args.json, figures)
     return 0
@@ -1651,7 +1790,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "turn of each, and the on/off ratios",
     )
     parser.add_argument(
-        "--metrics-blocks", type=int, default=10, help="alternating blocks of --metrics-compare"
+        "--metrics-blocks",
+        type=int,
+        default=10,
+        help="alternating blocks of --metrics-compare and --tracing-compare",
+    )
+    parser.add_argument(
+        "--tracing-compare",
+        action="store_true",
+        help="instead of the phases above: --turns one-step turns on each of three identical "
+        "stacks: metrics and tracing off; metrics on; metrics and tracing on (OTLP to a "
+        "collector in the bench, every span sampled), in rotating blocks; turn latency and "
+        "services' CPU per turn of each, and the ratios against all off",
     )
     args = parser.parse_args(argv)
     apply_smoke(parser, args, SMOKE)
@@ -1666,6 +1816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.metrics_compare:
         return main_metrics_compare(args)
+    if args.tracing_compare:
+        return main_tracing_compare(args)
     profiler = (
         Profiler(args.profile, args.profiler, args.profile_rate, args.profile_phase)
         if args.profile

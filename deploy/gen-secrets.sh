@@ -101,7 +101,7 @@ password >"$out/etcd/root-password"
 password >"$out/etcd/baton-password"
 
 ca "$out/tls" "baton services CA"
-# The role is the CN and a spiffe://baton/<role> URI SAN (README "Security");
+# The role is the CN and a spiffe://baton/<role> URI SAN (docs/security.md);
 # owner and ingress certificates are per deployment id (mode fleet).
 for role in hooks anchor; do
     cert "$out/tls" "$out/tls" "$role" "$role" \

@@ -598,6 +598,14 @@ DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] =
                         "events trimmed/s (below the horizon)",
                     ),
                     (
+                        f"sum(rate(baton_inbox_entries_deleted_total[{_RATE}]))",
+                        "consumed inbox entries deleted/s",
+                    ),
+                    (
+                        f"sum by (reason) (rate(baton_dedupe_leases_granted_total[{_RATE}]))",
+                        "dedupe leases granted/s: {{reason}}",
+                    ),
+                    (
                         "histogram_quantile(0.95, sum by (le) "
                         f"(rate(baton_inbox_append_batch_size_bucket[{_RATE}])))",
                         "append batch p95",
@@ -703,7 +711,7 @@ def dashboard() -> dict[str, object]:
     return {
         "uid": "baton-overview",
         "title": "Baton",
-        "description": 'Baton\'s sessions, turns, upgrades, store and edge (README "Metrics")',
+        "description": "Baton's sessions, turns, upgrades, store and edge (docs/metrics.md)",
         "tags": ["baton"],
         "schemaVersion": 39,
         "version": 1,

@@ -1,4 +1,4 @@
-"""A chaos run with a history check (DESIGN.md §9, issue 16).
+"""A chaos run with a history check (docs/design.md §9, issue 16).
 
 The production topology on loopback, as real processes: a three-member etcd
 cluster, two hooks and two anchors, and two deployments, each with two owners

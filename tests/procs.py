@@ -1,6 +1,6 @@
 """Baton as real processes, for recovery tests: hooks, anchor, ingress and N
 owner instances of one deployment over a real etcd, with the means to kill,
-pause and start them, and checks of the history invariants (DESIGN.md §9).
+pause and start them, and checks of the history invariants (docs/design.md §9).
 Every process gets its role's certificate from the test PKI (TLS on every
 hop and to etcd) and ingress reads its API keys from a file."""
 
@@ -25,6 +25,7 @@ from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError
 from services.common.identity import Role
+from services.common.keys import Keys, prefix_end, seq_of
 from services.common.tls import Security, tls_options
 from tests import certs
 from tests.certs import TEST_PREFIX
@@ -65,6 +66,7 @@ class ProcessStack:
     park_after: float | None = None
     owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
     anchor_env: dict[str, str] = field(default_factory=dict)  # anchor's extra env
+    env: dict[str, str] = field(default_factory=dict)  # every process's extra env
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
     hooks: ServiceProcess | None = None
     anchor: ServiceProcess | None = None
@@ -98,6 +100,7 @@ class ProcessStack:
             "BATON_ANCHOR_ADDR": self.addr("anchor"),
             "BATON_DEPLOYMENT_ID": self.deployment_id,
             "BATON_SHUTDOWN_GRACE": "1",
+            **self.env,
             **extra,
         }
 
@@ -321,6 +324,17 @@ class StackClients:
 # -- history checks --------------------------------------------------------------
 
 
+async def inbox_entries_left(endpoint: str, prefix: str, session_id: str) -> list[int]:
+    """The seqs of the session's stored inbox entries: once every command is
+    answered, none (each was deleted by the commit that consumed it)."""
+    client = await certs.etcd_client(endpoint)
+    try:
+        inbox = Keys(prefix).inbox_prefix(session_id)
+        return [seq_of(kv.key) for kv in await client.get_range(inbox, prefix_end(inbox))]
+    finally:
+        await client.close()
+
+
 def received_seqs(events: list[s.Event]) -> list[int]:
     return [e.inbox_seq for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]
 
@@ -538,7 +552,7 @@ class ReplicatedClients:
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     # An ingress stopping cancels calls still in flight after
-                    # its grace (1 s here): a gateway sends again (README).
+                    # its grace (1 s here): a gateway sends again (docs/grpcurl.md).
                     grpc.StatusCode.CANCELLED,
                 ):
                     raise

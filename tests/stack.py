@@ -172,11 +172,12 @@ class Stack:
         return out
 
 
-def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None) -> HooksConfig:
+def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None, **options: object) -> HooksConfig:
     return HooksConfig(
         listen="127.0.0.1:0",
         etcd=etcd_as(etcd, Role.HOOKS),
         tls=(pki or certs.pki()).security(Role.HOOKS),
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -199,6 +200,7 @@ async def start_stack(
     deployment_id: str = "dep-a",
     *,
     anchor_options: dict[str, object] | None = None,
+    hooks_options: dict[str, object] | None = None,
     limits: ChannelLimits | None = None,
     api_keys: ApiKeys | None = None,
     pki: LocalPki | None = None,
@@ -208,7 +210,7 @@ async def start_stack(
     test PKI)."""
     pki = pki or certs.pki()
     etcd = etcd_config(etcd_endpoint)
-    hooks = await create_hooks(hooks_config(etcd, pki))
+    hooks = await create_hooks(hooks_config(etcd, pki, **(hooks_options or {})))
     await hooks.start()
     anchor = await create_anchor(anchor_config(etcd, pki, **(anchor_options or {})))
     await anchor.start()

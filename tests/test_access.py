@@ -438,7 +438,10 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         "GetOwner": h.GetOwnerRequest(session_id=sid),
         "DescribeSession": h.DescribeSessionRequest(session_id=sid),
         "ListChannelSessions": h.ListChannelSessionsRequest(channel="slack", limit=10),
+        "ListDeployments": h.ListDeploymentsRequest(),
+        "DescribeDeployment": h.DescribeDeploymentRequest(deployment_id=deployment_id),
         "DrainSessions": o.DrainSessionsRequest(to_deployment_id="dep-b"),
+        "ResumeSession": o.ResumeSessionRequest(session_id=sid),
         "AdoptSession": o.AdoptSessionRequest(session_id=sid),
         "CommitStep": a.CommitStepRequest(
             fence=fence,

@@ -419,13 +419,24 @@ async def test_a_session_can_hold_256_addresses_and_release_them(
 async def test_client_cannot_set_accepted_deployment_id(stack: Stack, etcd: aetcd.Client) -> None:
     session_id = await stack.create()
     labels = {"accepted_deployment_id": "dep-evil", "deployment_id": "latest"}
-    response = await stack.send(session_id, "who accepted me?", labels=labels)
-    assert response.accepted_deployment_id == stack.deployment_id
+    # The entry as appended, seen by a watch: the commit that consumes it
+    # deletes it, possibly before a read after the send.
+    watch = await etcd.watch_prefix(Keys(stack.etcd.prefix).inbox_prefix(session_id))
+    try:
+        response = await stack.send(session_id, "who accepted me?", labels=labels)
 
-    key = Keys(stack.etcd.prefix).inbox_entry(session_id, response.receipt.seq)
-    stored = await etcd.get(key)
-    assert stored is not None
-    entry = s.InboxEntry.FromString(stored.value)
+        async def appended() -> bytes:
+            async for event in watch:
+                if event.kv.value:
+                    return bytes(event.kv.value)
+            raise AssertionError("the watch ended")
+
+        stored = await asyncio.wait_for(appended(), 10)
+    finally:
+        await watch.cancel()
+    assert response.accepted_deployment_id == stack.deployment_id
+    entry = s.InboxEntry.FromString(stored)
+    assert entry.seq == response.receipt.seq
     assert entry.command.delivery.accepted_deployment_id == stack.deployment_id
     assert entry.command.delivery.channel == "slack"
     assert dict(entry.command.delivery.labels) == labels

@@ -56,6 +56,27 @@ def test_metrics_compare_bench_smoke(tmp_path: Path) -> None:
     assert figures["p50_ratio"] > 0 and figures["cpu_ratio"] > 0
 
 
+def test_tracing_compare_bench_smoke(tmp_path: Path) -> None:
+    """--tracing-compare: all three stacks run their turns, the traced one
+    exports spans to the bench's collector, and the ratios are reported."""
+    out = tmp_path / "tracing.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.turn_latency", "--smoke", "--tracing-compare"]
+        + ["--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ratio metrics on, tracing on / all off: p50 " in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["turns_each"] == 4 and figures["blocks"] == 2
+    assert [figures[side]["turn"]["n"] for side in ("off", "metrics", "tracing")] == [4, 4, 4]
+    assert figures["spans_exported"] > 0
+    assert figures["tracing_p50_ratio"] > 0 and figures["tracing_cpu_ratio"] > 0
+
+
 def test_long_session_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "long.json"
     proc = subprocess.run(
@@ -134,3 +155,21 @@ def test_tls_overhead_bench_smoke(tmp_path: Path) -> None:
         assert figures["modes"][mode]["turn"]["n"] == 5
         assert figures["modes"][mode]["turns_per_s"] > 0
     assert figures["ratios"]["turn_p50_tls_over_plaintext"] > 0
+
+
+def test_inbox_cleanup_bench_smoke(tmp_path: Path) -> None:
+    """bench.inbox_cleanup: every way runs its turns on a real etcd and is
+    reported against the one that deletes nothing."""
+    out = tmp_path / "cleanup.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.inbox_cleanup", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "in_txn / none p50: " in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"none", "in_txn", "in_txn_from_start", "after"}
+    assert all(way["p50_ms"] > 0 for way in figures.values())

@@ -15,13 +15,12 @@ from services.common.errors import Reason
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
-from services.owner.handles import Handles, Refusal, Verdict, child_budget
+from services.owner.handles import Handles, Refusal, Verdict, child_budget, child_control
 from services.owner.held import RunIdentity
+from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
-    Outcome,
     SessionState,
-    StepProgress,
     initial_snapshot,
 )
 
@@ -132,7 +131,7 @@ def test_a_foreground_subagent_makes_the_turn_wait_without_waiting_for_the_user(
     assert st.snapshot.open_turn.usage.model_calls == 1 + 2
     assert st.steps_taken() == 1 + 2
     assert st.snapshot.inbox_next_seq == 2
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     assert st.idle_for_handoff(), "a parked handle is only an address"
 
 
@@ -143,7 +142,7 @@ def test_a_background_result_starts_a_turn_or_joins_the_open_one() -> None:
     assert outcome is Outcome.CONTINUE  # the call got the handle at once
     assert kinds(events)[2:4] == ["TASK_STARTED", "TOOL_CALL_RESULT"]
     assert json.loads(events[3].tool_result.output)["status"] == "running"
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     assert not st.idle_for_handoff(), "a running background task keeps the parent busy"
 
     result = report(1, child, result="2")
@@ -194,7 +193,7 @@ def test_cancel_detaches_and_cancels_the_turns_children() -> None:
     open_turn(st)
     child, _, _ = child_step(st)
     events: list[s.Event] = []
-    st.settle(events, K.EVENT_KIND_TURN_CANCELLED)
+    st.close_turn(events, K.EVENT_KIND_TURN_CANCELLED)
     assert kinds(events) == ["TOOL_CALL_RESULT", "TURN_CANCELLED", "SESSION_WAITING"]
     assert json.loads(events[0].tool_result.output)["status"] == "cancelled"
     [(to, command)] = st.outgoing
@@ -230,7 +229,7 @@ def test_settled_handles_are_bounded() -> None:
     handles = Handles(st.snapshot)
     for n in range(limits.MAX_SETTLED_HANDLES + 5):
         handle = handles.start(f"ses_{n:026d}", s.TASK_KIND_SUBAGENT, "helper", "d", "t", "")
-        handles.settle(handle)
+        handles.mark_finalized(handle)
     assert len(st.snapshot.handles) == limits.MAX_SETTLED_HANDLES
     assert handles.find(f"ses_{0:026d}") is None
     for n in range(limits.MAX_LIVE_HANDLES):
@@ -299,7 +298,7 @@ def test_a_child_reports_the_outcome_of_its_parents_work() -> None:
     events = st.start_turn(send(0, "what is 2+2", caller="", work=3), collections.deque())
     assert st.snapshot.parent.work == 3
     st.apply_step(StepProgress(reply=ModelReply(text="4", input_tokens=2)), events)
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     [out] = st.snapshot.parent.outbox
     assert out.status == s.TASK_STATUS_COMPLETED and out.result == "4" and out.work == 3
     assert out.task_delivery_id == f"task:{SID}:3" and out.parent_session_id == PARENT
@@ -315,7 +314,7 @@ def test_a_child_reports_waits_cancels_and_its_finalization() -> None:
     assert wait.status == s.TASK_STATUS_WAITING and wait.waiting_session_id == SID
     assert wait.input_request.prompt == "Name?" and wait.work == 1
     cancel = s.InboxEntry(seq=1, command=s.Command(cancel=s.CancelCommand()))
-    st.settle(events, K.EVENT_KIND_TURN_CANCELLED, entry=cancel)
+    st.close_turn(events, K.EVENT_KIND_TURN_CANCELLED, entry=cancel)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_CANCELLED
     st.finalize(events, s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand())), None)
     final = st.snapshot.parent.outbox[-1]
@@ -327,7 +326,7 @@ def test_a_refused_commit_reports_a_failure_instead_of_its_answer() -> None:
     st = state(parent=link())
     events = st.start_turn(send(0, "go", caller="", work=1), collections.deque())
     st.apply_step(StepProgress(reply=ModelReply(text="answer")), events)
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_COMPLETED
     error = s.ErrorDetail(reason=Reason.COMMIT_TOO_LARGE, message="too large")
     st.refused(events, False, error)
@@ -405,3 +404,16 @@ def test_planning_child_work() -> None:
     )
     nested = deep.plan_child_work(call, frozenset(), s.Usage(), lambda n: True)
     assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS
+
+
+def test_child_controls_are_built_once_with_derived_delivery_ids() -> None:
+    # A reset is one per parent (a repeat is deduplicated by the child's
+    # inbox); a cancel names the work it cancels.
+    reset = child_control(SID, "its parent session finalized")
+    assert reset.WhichOneof("kind") == "reset"
+    assert reset.delivery.delivery_id == f"reset:{SID}"
+    assert reset.reset.reason == "its parent session finalized"
+    cancel = child_control(SID, "the turn was cancelled", cancel_work=3)
+    assert cancel.WhichOneof("kind") == "cancel"
+    assert cancel.delivery.delivery_id == f"cancel:{SID}:3"
+    assert cancel.cancel.reason == "the turn was cancelled"

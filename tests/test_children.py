@@ -1,4 +1,4 @@
-"""Child sessions end to end through ingress (DESIGN.md §11), on one
+"""Child sessions end to end through ingress (docs/design.md §11), on one
 deployment: background tasks, subagents and workflow tools run as sessions
 of their own; their results come back through the parent's inbox; cancel and
 reset cascade; budgets roll up; bad input changes nothing. Every outcome is
@@ -468,7 +468,7 @@ async def test_a_child_whose_creator_died_before_its_first_commit_keeps_its_pare
         assert found.parent.parent_session_id == parent and found.parent.name == "helper"
     finally:
         await hooks.close()
-    host._start_activation(created.fence)  # what a takeover or a restart does
+    host.start_activation(created.fence)  # what a takeover or a restart does
     events = await follow_until(stack, child, waits(1))
     assert kinds(events)[:2] == names(STARTED, TURN_STARTED)
     assert texts(events, ANSWERED) == ["The result is 25."]

@@ -6,7 +6,7 @@ being delivered (at failpoints in the report delivery and in the parent's
 application of it); a handoff whose AcceptHandoff answer is lost races a
 child's report.
 
-Every scenario checks the history (DESIGN.md §9, §11): each stream gapless;
+Every scenario checks the history (docs/design.md §9, §11): each stream gapless;
 every accepted command processed once, in FIFO order; every result applied
 once; no committed step run twice; the owner runs of each session follow one
 another and never come back; the child stays on its deployment.

@@ -1,4 +1,4 @@
-"""Child sessions through upgrades (DESIGN.md §6 and §11), two deployments in
+"""Child sessions through upgrades (docs/design.md §6 and §11), two deployments in
 this process: a running child keeps its parent where it is (the delivery
 from the other deployment is processed here and forgotten); parked and
 available handles cross a handoff while the child stays on its deployment;
@@ -17,7 +17,9 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import BatonError
 from services.common.identity import Role
-from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from services.owner.commit import commit_step
+from services.owner.held import RunIdentity, make_event
+from services.owner.turns import initial_snapshot
 from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (

@@ -34,16 +34,25 @@ class Run:
 
 
 async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
+    """`baton sessions ARGS...` as a process."""
+    return await baton("sessions", *args, env=env)
+
+
+async def baton(*args: str, env: dict[str, str] | None = None) -> Run:
+    """`baton ARGS...` as a process (this checkout's CLI), with no connection
+    settings from this process's environment."""
     base = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("BATON_INGRESS", "BATON_TLS", "BATON_PLAINTEXT", "BATON_API"))
+        if not k.startswith(
+            ("BATON_INGRESS", "BATON_HOOKS", "BATON_ANCHOR", "BATON_TLS", "BATON_PLAINTEXT")
+        )
+        and not k.startswith(("BATON_API", "BATON_PROFILE"))
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "services.cli",
-        "sessions",
         *args,
         cwd=ROOT,
         env={**base, **(env or {})},
@@ -214,20 +223,16 @@ async def test_settings_from_the_environment_and_from_the_profile(
     assert run.code == sessions.EXIT_USAGE and "cannot read the profile" in run.err, run
 
 
-README = ROOT / "README.md"
+def doc_section(name: str) -> str:
+    """The text of `docs/<name>`, where the README's sections moved."""
+    return (ROOT / "docs" / name).read_text()
 
 
-def readme_section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"## {title}\n")
-    return text[start : text.index("\n## ", start + 1)]
-
-
-async def test_the_readme_examples_run_as_shown(stack: Stack, tmp_path: Path) -> None:
-    """The commands of README's Introspection section, run verbatim through
+async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path) -> None:
+    """The commands of docs/introspection.md, run verbatim through
     bash (with `baton` the CLI of this checkout and the settings a
     `baton up` profile would give), print what the section says."""
-    section = readme_section("Introspection")
+    section = doc_section("introspection.md")
     commands = [line for line in section.splitlines() if line.startswith("baton sessions ")]
     assert len(commands) == 3, commands
     header = next(line for line in section.splitlines() if line.startswith("SESSION "))

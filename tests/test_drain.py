@@ -1,4 +1,4 @@
-"""Retiring a deployment strands nothing (DESIGN.md §13, issue 12), with
+"""Retiring a deployment strands nothing (docs/design.md §13, issue 12), with
 real processes: two deployments side by side, each with its own owner and
 ingress, sharing hooks, anchor and etcd.
 

@@ -1,4 +1,4 @@
-"""etcd's space under a busy session (DESIGN.md §4; README "etcd space").
+"""etcd's space under a busy session (docs/design.md §4; docs/storage.md "etcd space").
 
 - Many senders to one session: etcd (auto-compacting, as every etcd Baton
   starts) keeps its database within a small multiple of the live data,
@@ -179,7 +179,7 @@ async def test_a_nospace_alarm_is_reported_fails_fast_and_is_survived(
         await busy.send(sid, "while full")
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert error_reason(refused.value) == "STORE_FULL"
-    # The operator: free space, compact, defragment, disarm (README).
+    # The operator: free space, compact, defragment, disarm (docs/storage.md).
     await raw.delete_prefix(b"/filler/")
     status = await raw.maintenancestub.Status(rpc.StatusRequest(), timeout=10)
     revision = status.header.revision
@@ -202,7 +202,7 @@ async def test_a_nospace_alarm_is_reported_fails_fast_and_is_survived(
 
 async def test_health_follows_the_store_through_an_etcd_restart(tmp_path: Path) -> None:
     """hooks and anchor say NOT_SERVING once etcd has been unreachable for a
-    while, and SERVING again when it is back (DESIGN.md §8, issue 9)."""
+    while, and SERVING again when it is back (docs/design.md §8, issue 9)."""
     data_dir = tmp_path / "etcd"
     data_dir.mkdir()
     etcd = start_etcd(data_dir=str(data_dir))

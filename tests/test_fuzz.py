@@ -87,6 +87,8 @@ READ_ONLY = {
     "ListChannelSessions",
     "GetSession",
     "ListSessions",
+    "ListDeployments",
+    "DescribeDeployment",
 }
 
 
@@ -124,6 +126,9 @@ def test_every_rpc_is_fuzzed_including_introspection() -> None:
         "/baton.ingress.v1.IngressService/ListSessions",
         "/baton.hooks.v1.HookRegistryService/DescribeSession",
         "/baton.hooks.v1.HookRegistryService/ListChannelSessions",
+        "/baton.hooks.v1.HookRegistryService/ListDeployments",
+        "/baton.hooks.v1.HookRegistryService/DescribeDeployment",
+        "/baton.owner.v1.OwnerService/ResumeSession",
     ):
         assert method in paths
 
@@ -304,10 +309,13 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "token": [ids.inbox_token(session_id), "slack:victim"],
         "tokens": ["slack:victim", "slack:other"],
         "channel": ["slack"],
+        "after_channel": ["slack", "web"],
         "alias": ["victim", "slack:victim"],
         "aliases": ["victim", "another"],
         "text": ["hello", "calc 6*7"],
         "delivery_id": ["d-1", "d-2"],
+        "traceparent": ["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"],
+        "last_trace_id": ["4bf92f3577b34da6a3ce929d0e0e4736"],
         "request_id": ["r-1", "r-2"],
         "handoff_id": ["ho_fuzz"],
         "address": ["127.0.0.1:1"],
@@ -318,6 +326,7 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "start_seq": [0, 3],
         "snapshot_revision": [snapshot_kv.mod_revision],
         "expected_snapshot_revision": [snapshot_kv.mod_revision],
+        "consumed_inbox_from": [0, head],
         "seq": [0, 1, 2],
         "next_event_seq": [1, 2, 3],
         "kind": [1, 2, 3],
@@ -374,6 +383,7 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "hooks-as-ingress": open_channel(
             stack.addr(stack.hooks), stack.security(Role.INGRESS, dep)
         ),
+        "hooks-as-operator": open_channel(stack.addr(stack.hooks), stack.security(Role.OPERATOR)),
         "baton.ingress.v1.IngressService": public_channel(stack.addr(stack.ingress), stack.pki),
     }
     return Target(stack, etcd, channels, known, hints)
@@ -388,6 +398,8 @@ def channel_for(target: Target, rpc: Rpc) -> grpc.aio.Channel:
             return target.channels["owner-as-owner"]  # AcceptHandoff: another deployment's
         return target.channels["owner-as-operator"]  # DrainSessions
     if rpc.service == "baton.hooks.v1.HookRegistryService" and Role.OWNER not in allowed:
+        if Role.INGRESS not in allowed:
+            return target.channels["hooks-as-operator"]  # the fleets' operator views
         return target.channels["hooks-as-ingress"]  # introspection reads
     return target.channels[rpc.service]
 

@@ -168,12 +168,6 @@ def test_doc_shows_exactly_the_tested_commands() -> None:
     assert sorted(shown) == sorted(DOCUMENTED)
 
 
-def test_readme_includes_the_doc_verbatim() -> None:
-    doc = DOC.read_text()
-    body = doc[doc.index("-->") + 3 :].strip()
-    assert body in (DOC.parent.parent / "README.md").read_text()
-
-
 def certs_dir() -> str:
     """The test PKI's directory: the same file names as `baton up`'s."""
     certs.files(Role.OPERATOR)  # issued on first use
@@ -191,6 +185,9 @@ def test_doc_variables_match_baton_up_defaults() -> None:
     # The launcher's plan: hooks at base + 1, the second ingress at base + 4.
     assert f"HOOKS=127.0.0.1:{DEFAULT_PORT_BASE + 1} " in doc
     assert f"HOST2=127.0.0.1:{DEFAULT_PORT_BASE + 4} " in doc
+    # $PORT of the internal health check: hooks, then anchor and the owner.
+    assert f"PORT={DEFAULT_PORT_BASE + 1} " in doc
+    assert f"{DEFAULT_PORT_BASE + 2} for anchor, {DEFAULT_PORT_BASE + 3} for the owner" in doc
 
 
 async def test_reflection_and_health_on_every_server(stack: Stack, grpcurl: Grpcurl) -> None:

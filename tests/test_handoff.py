@@ -1,4 +1,4 @@
-"""Ingress-driven upgrades (DESIGN.md §6): a send accepted by another
+"""Ingress-driven upgrades (docs/design.md §6): a send accepted by another
 deployment moves an idle session there in one atomic step; everything else
 stays put and leaves no upgrade state behind.
 
@@ -26,8 +26,10 @@ from services.common.grpc_errors import from_rpc_error
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.common.permits import PermitSigner, grant_for
 from services.owner import handoff
+from services.owner.commit import commit_step
+from services.owner.held import RunIdentity, make_event
 from services.owner.host import OwnerHost
-from services.owner.session import RunIdentity, commit_step, initial_snapshot, make_event
+from services.owner.turns import initial_snapshot
 from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment
@@ -93,7 +95,7 @@ class Env:
         assert epoch == 1 and record.deployment_id == self.a.deployment_id
 
         async def released() -> bool:
-            return all(not self.host(t).handoffs.accepting for t in targets)
+            return all(not self.host(t).acceptance.accepting for t in targets)
 
         await eventually(released, "no handoff in flight", 10)
 
@@ -181,7 +183,7 @@ async def test_an_idle_session_moves_to_the_deployment_that_accepted_the_send(
     epoch, record = await env.owner(sid)
     assert (epoch, record.deployment_id, record.instance_id) == (2, "dep-b", "dep-b-i1")
     assert len(await env.transfers(sid)) == 1
-    assert not env.host(b).handoffs.accepting
+    assert not env.host(b).acceptance.accepting
     assert sid not in env.host(a).runs and sid in env.host(b).runs
 
     # Identity, settled state, usage, limits, hooks and the timeout carried over.
@@ -386,7 +388,7 @@ async def test_a_delivery_racing_the_transfer_fails_it_and_a_keeps_fifo(env: Env
     trigger = await b.send(sid, "whoami")
 
     async def prepared() -> bool:
-        return bool(env.host(b).handoffs.accepting)
+        return bool(env.host(b).acceptance.accepting)
 
     await eventually(prepared, "B validating the checkpoint", 10)
     # Ingress keeps accepting and resolving the alias during the handoff.
@@ -649,9 +651,9 @@ async def test_lost_transfer_answers_never_strand_the_session(env: Env, lose_for
     a, b = env.a, env.b
     sid = await a.create()
     start = (await turn(a, sid, "hello", 1))[-1].seq + 1
-    broker = env.host(b).handoffs
-    flaky = _FlakyHooks(broker.hooks, lose_for)
-    broker.hooks = flaky  # type: ignore[assignment]
+    acceptance = env.host(b).acceptance
+    flaky = _FlakyHooks(acceptance.hooks, lose_for)
+    acceptance.hooks = flaky  # type: ignore[assignment]
     receipt = await b.send(sid, "whoami")
     events = await follow_until(b, sid, waits(1), start_seq=start, timeout=20)
     assert flaky.calls >= 2, "the transfer was never replayed"

@@ -4,7 +4,7 @@ etcd), with a process killed (SIGKILL, at a failpoint or by the test) at each
 step of the protocol, a lost transfer response, and deliveries racing the
 transfer.
 
-Every scenario checks the invariants (DESIGN.md §9): the stream is gapless;
+Every scenario checks the invariants (docs/design.md §9): the stream is gapless;
 every accepted command is processed once, in FIFO order; no model or tool
 step runs twice; owner runs follow one another, each on one deployment; the
 alias resolves to the same session throughout.

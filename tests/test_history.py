@@ -1,4 +1,4 @@
-"""Sessions without a size limit (DESIGN.md §4): the model history is appended
+"""Sessions without a size limit (docs/design.md §4): the model history is appended
 as entries of its own by the commits that add them, the snapshot stays
 bounded, what the model sees is compacted over the agent's context budget,
 retired entries are deleted, a commit that can never succeed fails its turn

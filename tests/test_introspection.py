@@ -1,4 +1,4 @@
-"""Session introspection through the public API (DESIGN.md §14), on real
+"""Session introspection through the public API (docs/design.md §14), on real
 etcd and real gRPC: GetSession reports each status as the session goes
 through it, with what hooks and anchor store; ListSessions pages through a
 channel's sessions exactly once each, filters them, and shows another
@@ -259,26 +259,29 @@ async def test_a_page_is_cut_short_by_its_size_and_the_token_goes_on(
     assert len((await list_page(stack, 50)).sessions) == 1
 
 
-async def test_list_pages_through_200_sessions_exactly_once(stack: Stack) -> None:
+async def test_list_pages_through_1000_sessions_exactly_once(stack: Stack) -> None:
+    """1,000 sessions (created 50 at a time, concurrently), paged through
+    while more are created: each listed exactly once, in order."""
+
     async def create_many(n: int, prefix: str) -> list[str]:
         out: list[str] = []
-        for start in range(0, n, 20):
+        for start in range(0, n, 50):
             out += await asyncio.gather(
                 *(
                     stack.create(request_id=f"{prefix}-{i}")
-                    for i in range(start, min(n, start + 20))
+                    for i in range(start, min(n, start + 50))
                 )
             )
         return out
 
-    before = set(await create_many(200, "bulk"))
+    before = set(await create_many(1000, "bulk"))
     seen: list[str] = []
     token = ""
     pages = 0
     added: list[str] = []
     while True:
-        page = await list_page(stack, 37, token)
-        assert len(page.sessions) <= 37
+        page = await list_page(stack, 173, token)
+        assert len(page.sessions) <= 173
         seen += [v.session_id for v in page.sessions]
         pages += 1
         if pages <= 3:  # sessions created while paging
@@ -290,7 +293,7 @@ async def test_list_pages_through_200_sessions_exactly_once(stack: Stack) -> Non
     assert before <= set(seen), "a session was skipped"
     assert set(seen) <= before | set(added)
     assert seen == sorted(seen)
-    assert pages >= 200 // 37
+    assert pages >= 1000 // 173
     # Default page size; the maximum caps a larger one.
     assert len((await list_page(stack)).sessions) == listing.DEFAULT_PAGE_SIZE
     assert len((await list_page(stack, 10_000)).sessions) == listing.MAX_PAGE_SIZE
@@ -490,6 +493,34 @@ async def test_after_an_upgrade_the_view_names_the_new_owner(stack: Stack) -> No
         dep_b = await list_all(stack, filter='deployment = "dep-b"')
         assert [v.session_id for v in dep_b] == [sid]
     finally:
+        await hooks.close()
+        await stop_deployment(other)
+
+
+async def test_a_session_between_transfer_and_its_successors_commit_is_handing_off(
+    stack: Stack,
+) -> None:
+    """The failpoint `handoff.after_transfer` holds the successor after the
+    transfer committed and before it runs: GetSession says handing_off (the
+    owner record names dep-b, the last snapshot dep-a), then idle on dep-b."""
+    from services.common import failpoints
+
+    sid = await stack.create()
+    await stack.send(sid, "hello")
+    await stack.events(sid, until=1)
+    await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+    other = await add_deployment(stack, "dep-b")
+    hooks = stack.hooks_client(timeout=5)
+    failpoints.configure("handoff.after_transfer=once:sleep(4000)")
+    try:
+        await eventually(lambda: hooks.list_instances("dep-b"), "dep-b registered", 15)
+        await other.send(sid, "whoami")
+        moving = await status_becomes(stack, sid, ST.SESSION_STATUS_HANDING_OFF)
+        assert moving.deployment_id == "dep-b" and moving.inbox_depth == 1
+        after = await status_becomes(stack, sid, ST.SESSION_STATUS_IDLE)
+        assert after.deployment_id == "dep-b" and after.epoch == moving.epoch
+    finally:
+        failpoints.configure("")
         await hooks.close()
         await stop_deployment(other)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import re
@@ -24,9 +25,12 @@ from services.cli.__main__ import main as baton_main
 from services.cli.launcher import (
     CERTS_DIR,
     DEMO_API_KEY,
+    DEMO_DONE_LINE,
     READY_LINE,
     DeploymentPorts,
     LaunchError,
+    LaunchSettings,
+    LocalSystem,
     Ports,
 )
 from tests.scrape import Scrape, scrape
@@ -288,8 +292,9 @@ async def baton(*args: str, env: Mapping[str, str]) -> tuple[int, str, str]:
 
 
 async def test_baton_sessions_needs_no_flags_against_baton_up() -> None:
-    """`baton up` writes the CLI profile (its ingress and CA) before it says
-    it is ready; `baton sessions list/get` then need no flag and no
+    """`baton up` writes the CLI profile (its ingress, hooks, anchor, CA and
+    operator certificate) before it says it is ready; `baton sessions
+    list/get`, `deployments describe`, `sessions resume` then need no flag and no
     variable but the profile's place (here a test file, not the user's);
     stopping removes the profile."""
     async with launched() as launcher:
@@ -308,6 +313,16 @@ async def test_baton_sessions_needs_no_flags_against_baton_up() -> None:
         code, out, err = await baton("sessions", "get", session_id[1], "-o", "json", env=env)
         assert code == 0, err
         assert json.loads(out)["session_id"] == session_id[1]
+        # The operator's commands too: the profile names hooks, anchor and
+        # operator.crt/.key.
+        code, out, err = await baton("deployments", "describe", "dep-1", "-o", "json", env=env)
+        assert code == 0, err
+        described = json.loads(out)
+        # (with the demo's child sessions)
+        assert session_id[1] in [v["session_id"] for v in described["sessions"]]
+        assert len(described["deployment"]["instances"]) == 1
+        code, out, err = await baton("sessions", "resume", session_id[1], env=env)
+        assert code == 0 and "is not stalled" in out, err
         launcher.proc.send_signal(signal.SIGTERM)
         assert await launcher.wait_exit(STOP_TIMEOUT) == 0, launcher.output
         assert not launcher.profile.exists()
@@ -319,7 +334,9 @@ async def test_up_with_demo_and_sigint() -> None:
         await launcher.wait_for_line(re.escape(READY_LINE), STARTUP_TIMEOUT)
         await launcher.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
         assert any("The result is 35." in line for line in launcher.lines), launcher.output
-        # Still up after the demo.
+        # Still up after the demo, and it says so, and how to stop it.
+        await launcher.wait_for_line(re.escape(DEMO_DONE_LINE), DEMO_TIMEOUT)
+        assert "keeps running" in DEMO_DONE_LINE and "Ctrl-C" in DEMO_DONE_LINE
         assert launcher.proc.returncode is None
         assert all(is_running(pid) for pid in launcher.pids.values()), launcher.output
 
@@ -536,3 +553,23 @@ def test_port_plan_with_replicas_and_etcd_members() -> None:
     assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6
     with pytest.raises(LaunchError, match="would both use"):
         Ports.plan(50051, 50151, replicas=2)
+
+
+def test_up_passes_the_dedupe_window_to_hooks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`baton up --dedupe-window S` becomes hooks' BATON_DEDUPE_WINDOW (only
+    hooks'); without it hooks keeps its default; less than a second is a
+    usage error."""
+    ports = Ports.plan(50051, 23790)
+    system = LocalSystem(
+        LaunchSettings(plaintext=True, dedupe_window=5.0), ports, tmp_path, io.StringIO()
+    )
+    assert system._service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
+    assert "BATON_DEDUPE_WINDOW" not in system._service_env("anchor", None)
+    default = LocalSystem(LaunchSettings(plaintext=True), ports, tmp_path, io.StringIO())
+    assert "BATON_DEDUPE_WINDOW" not in default._service_env("hooks", None)
+    with pytest.raises(SystemExit) as exited:
+        baton_main(["up", "--dedupe-window", "0.5"])
+    assert exited.value.code == 2
+    assert "at least 1 second" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Long-lived sessions with real processes (DESIGN.md §4, §5, §6, §9).
+"""Long-lived sessions with real processes (docs/design.md §4, §5, §6, §9).
 
 - A session of 2,000 turns with messages of 4-30 KiB (tens of MB of history)
   keeps answering: its history is appended and compacted, never rewritten;

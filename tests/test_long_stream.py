@@ -16,7 +16,8 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.clients import AnchorClient, HooksClient
 from services.common.identity import Role
-from services.owner.session import RunIdentity, initial_snapshot, make_event
+from services.owner.held import RunIdentity, make_event
+from services.owner.turns import initial_snapshot
 from tests.procs import SLACK, ProcessStack
 from tests.stack import public_channel
 

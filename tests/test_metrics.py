@@ -1,4 +1,4 @@
-"""Prometheus metrics (README "Metrics"): the names, types and labels each
+"""Prometheus metrics (docs/metrics.md): the names, types and labels each
 service exposes; the endpoint; and, over real processes, a conversation with
 a takeover (kill -9 of an owner), an upgrade (a send through another
 deployment's ingress) and a refused send, after which each process's scrape
@@ -52,6 +52,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         **_STORE,
         "baton_inbox_appends_total": ("counter", {"outcome"}),
         "baton_inbox_append_batch_size": ("histogram", set()),
+        "baton_dedupe_leases_granted_total": ("counter", {"reason"}),
         "baton_transfers_total": ("counter", {"outcome"}),
         "baton_live_instances": ("gauge", {"deployment"}),
     },
@@ -63,6 +64,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_events_committed_total": ("counter", set()),
         "baton_stream_events_trimmed_total": ("counter", set()),
         "baton_stream_trim_batch_seconds": ("histogram", set()),
+        "baton_inbox_entries_deleted_total": ("counter", set()),
     },
     "owner": {
         **_RPC,
@@ -79,6 +81,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_handoff_duration_seconds": ("histogram", set()),
         "baton_takeovers_total": ("counter", set()),
         "baton_restarts_total": ("counter", set()),
+        "baton_resumes_total": ("counter", set()),
         "baton_commits_total": ("counter", {"outcome"}),
     },
     "ingress": {

@@ -429,15 +429,31 @@ async def test_cost_computed_from_prices(server: ChatServer, make_model: Any) ->
 
 
 async def test_injected_client_is_left_open(server: ChatServer) -> None:
-    import httpx
+    import openai
 
     server.script = [Reply(body=completion("ok"))]
-    async with httpx.AsyncClient() as client:
+    async with openai.AsyncOpenAI(base_url=server.base_url + "/", api_key="k") as client:
         model = OpenAIChatModel(server.base_url + "/", "m", client=client)
         assert (await model.complete("", USER_HELLO, ())).text == "ok"
         await model.aclose()
-        assert not client.is_closed
+        assert not client.is_closed()
     assert server.requests[0].path == "/v1/chat/completions"  # trailing slash tolerated
+
+
+async def test_no_api_key_sends_no_authorization(server: ChatServer, make_model: Any) -> None:
+    server.script = [Reply(body=completion("ok"))]
+    await make_model().complete("", USER_HELLO, ())
+    assert "authorization" not in server.requests[0].headers
+
+
+async def test_the_clients_own_retries_are_off(server: ChatServer, make_model: Any) -> None:
+    """Every attempt is this adapter's: the official client never retries
+    underneath it (its retries would multiply Baton's)."""
+    server.script = [Reply(503, {"error": "busy"})]
+    with pytest.raises(ModelError):
+        await make_model(max_retries=1).complete("", USER_HELLO, ())
+    assert len(server.requests) == 2
+    assert [r.headers.get("x-stainless-retry-count") for r in server.requests] == ["0", "0"]
 
 
 # -- the agent factory -------------------------------------------------------
@@ -486,7 +502,7 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
 async def test_a_failed_model_call_publishes_a_safe_summary(
     server: ChatServer, monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str
 ) -> None:
-    """DESIGN.md §12: public events carry safe summaries of upstream failures.
+    """docs/design.md §12: public events carry safe summaries of upstream failures.
     A session on the OpenAI agent whose endpoint fails: the stream's
     turn.failed names the HTTP status, not the endpoint or what it said."""
     from tests.stack import start_stack, stop_stack

@@ -1,5 +1,5 @@
 """Parking, bells, leases and takeover: hooks primitives and an owner that
-parks idle sessions (DESIGN.md §5).
+parks idle sessions (docs/design.md §5).
 
 The inbox append compares the owner record against a cached copy and rings
 the owner instance's bell in the same txn while the record says parked; these
@@ -31,7 +31,7 @@ from services.hooks.server import create_server as create_hooks
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server as create_owner
 from tests import certs
-from tests.procs import answered, check_history, eventually
+from tests.procs import answered, check_history, eventually, inbox_entries_left
 from tests.stack import Stack, hooks_config
 
 K = s.EventKind
@@ -140,7 +140,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     lost = [r for r in results if isinstance(r, BaseException)]
     assert len(won) == 1 and len(lost) == 1, results
     assert isinstance(lost[0], Fenced)
-    # On the wire too: FENCED is FAILED_PRECONDITION everywhere (DESIGN.md §2).
+    # On the wire too: FENCED is FAILED_PRECONDITION everywhere (docs/design.md §2).
     assert isinstance(lost[0].__cause__, grpc.aio.AioRpcError)
     assert lost[0].__cause__.code() == grpc.StatusCode.FAILED_PRECONDITION
     taken = won[0]
@@ -275,6 +275,8 @@ async def test_an_idle_session_parks_and_wakes_on_input(
         history = await events()
         check_history(history, receipts)
         assert len({e.owner_run_id for e in history}) == 1  # woken with the same fence
+        # Each wake read from the parked position; every entry it consumed is gone.
+        assert await inbox_entries_left(stack.etcd.endpoint, stack.etcd.prefix, sid) == []
     finally:
         await owner.close()
         await hooks.close()
@@ -303,7 +305,8 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     are ignored, and a bell that rang while the run was parking is honoured
     when the session lands in `parked`."""
     from services.owner.fixture import build_agent
-    from services.owner.host import OwnerHost, ParkedSession
+    from services.owner.host import OwnerHost
+    from services.owner.parking import ParkedSession
 
     host = OwnerHost(
         "dep-u",
@@ -318,7 +321,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         host._activating.add(fence.session_id)
         woken.append((fence.session_id, unpark))
 
-    host._start_activation = record  # type: ignore[method-assign]
+    host.start_activation = record  # type: ignore[method-assign]
     try:
         host._hold("ses_a", ParkedSession("run_a", 2, inbox_next_seq=5))
         host.ring("ses_a", 5)  # stale: nothing new
@@ -327,7 +330,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         host.ring("ses_a", 6)
         assert woken == [("ses_a", True)] and "ses_a" not in host.parked
         host.ring("ses_a", 7)  # rung while waking: remembered, no second wake
-        assert woken == [("ses_a", True)] and host._bells["ses_a"] == 7
+        assert woken == [("ses_a", True)] and host.parking.bells["ses_a"] == 7
 
         # A bell rung while the run was still parking (it is in `runs`).
         host.runs["ses_b"] = object()  # type: ignore[assignment]
@@ -337,7 +340,7 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         assert woken[-1] == ("ses_b", True)
         # Unknown sessions' bells (lost to another instance) are ignored.
         host.ring("ses_c", 3)
-        assert "ses_c" not in host._bells
+        assert "ses_c" not in host.parking.bells
     finally:
         await host.close()
         await host.hooks.close()

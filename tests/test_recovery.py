@@ -1,4 +1,4 @@
-"""Crash recovery with real processes (DESIGN.md §5, §9).
+"""Crash recovery with real processes (docs/design.md §5, §9).
 
 Owner instances register under leases; when one dies (kill -9) or is paused
 past its lease (SIGSTOP), another instance of the deployment takes its
@@ -40,6 +40,7 @@ from tests.procs import (
     answered,
     check_history,
     eventually,
+    inbox_entries_left,
     received_seqs,
 )
 
@@ -110,6 +111,8 @@ async def test_kill9_mid_step_is_taken_over_and_continues(make_stack: MakeStack)
         took = await wait_owner(c, sid, "o2", stack.lease_ttl + TAKEOVER_SLACK_S)
         events = await c.wait_events(sid, lambda ev: answered(ev, 4), "every command answered")
         check_history(events, receipts)
+        # The successor read from the snapshot's position and deleted what it consumed.
+        assert await inbox_entries_left(stack.etcd_endpoint, stack.prefix, sid) == []
         first_run, second_run = runs_in_order(events)
         assert answers(events) == [
             "The result is slept 3.",

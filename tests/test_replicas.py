@@ -1,4 +1,4 @@
-"""Hooks and anchor replicas share nothing but etcd (DESIGN.md §13).
+"""Hooks and anchor replicas share nothing but etcd (docs/design.md §13).
 
 Every cache a hooks process keeps is tried here with a second replica
 changing etcd behind its back:

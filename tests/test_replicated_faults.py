@@ -1,4 +1,4 @@
-"""Faults on the replicated topology, with real processes (DESIGN.md §13).
+"""Faults on the replicated topology, with real processes (docs/design.md §13).
 
 Two hooks, two anchors, two owners and two ingresses of one deployment, each
 client given every replica; sessions converse under load (every send retried

@@ -2,7 +2,7 @@
 a fresh virtual environment that holds nothing but its three dependencies
 (grpcio, protobuf, googleapis-common-protos, and what they require: this
 machine's, linked in, so the test needs no network), where the servers, etcd's client and the dev
-tools cannot be imported. There the README's "Client SDK" example runs
+tools cannot be imported. There the example of docs/sdk.md runs
 against a real stack."""
 
 from __future__ import annotations
@@ -144,16 +144,15 @@ client.close()
     assert pip_check.returncode == 0, pip_check.stdout
 
 
-def readme_example() -> str:
-    """The first python block of the README's "Client SDK" section."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Client SDK\n", 1)[1].split("\n## ", 1)[0]
-    found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert found, "the Client SDK section has no python example"
+def documented_example() -> str:
+    """The first python block of docs/sdk.md."""
+    text = (ROOT / "docs" / "sdk.md").read_text()
+    found = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    assert found, "docs/sdk.md has no python example"
     return found.group(1)
 
 
-async def test_the_readme_example_runs_with_the_sdk_alone(
+async def test_the_documented_example_runs_with_the_sdk_alone(
     sdk_python: Path, stack: Stack, tmp_path: Path
 ) -> None:
     """Against a real stack, configured as `baton up` leaves it: a profile
@@ -171,7 +170,7 @@ async def test_the_readme_example_runs_with_the_sdk_alone(
     process = await asyncio.create_subprocess_exec(
         str(sdk_python),
         "-c",
-        readme_example(),
+        documented_example(),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=isolated_env(BATON_PROFILE=str(profile), BATON_API_KEY=SLACK_KEY),

@@ -1,4 +1,4 @@
-"""A live session's stream retention horizon (DESIGN.md §7; issue 20): anchor
+"""A live session's stream retention horizon (docs/design.md §7; issue 20): anchor
 keeps at least the last `--stream-retention-events` events and every event
 younger than `--stream-retention`, deletes the rest in the background, and a
 read below the horizon (from the start, or a slow reader the horizon passes)
@@ -34,7 +34,8 @@ from services.common.config import ConfigError
 from services.common.errors import OutOfRange, Reason
 from services.common.identity import Role
 from services.common.keys import Keys, OwnerRecord
-from services.owner.session import RunIdentity, initial_snapshot, make_event
+from services.owner.held import RunIdentity, make_event
+from services.owner.turns import initial_snapshot
 from tests.certs import etcd_client
 from tests.procs import ProcessStack, check_history, eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack

@@ -1,4 +1,4 @@
-"""The atomic handoff primitive on hooks (DESIGN.md §6 step 3): one etcd txn
+"""The atomic handoff primitive on hooks (docs/design.md §6 step 3): one etcd txn
 moves a session to a successor on an exact deployment, or writes nothing."""
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ from services.common import limits
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
+from services.owner.step_rules import Outcome, StepProgress
 from services.owner.turns import (
     Admission,
-    Outcome,
     SessionState,
-    StepProgress,
     initial_snapshot,
     safe_error,
 )
@@ -111,7 +110,7 @@ def test_steps_fold_into_history_usage_and_events() -> None:
     assert st.apply_step(progress, events) is Outcome.CONTINUE
     answer = StepProgress(reply=ModelReply(text="The result is 2.", output_tokens=4))
     assert st.apply_step(answer, events) is Outcome.FINAL
-    st.settle(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
     assert kinds(events) == [
         "TURN_STARTED",
         "MESSAGE_RECEIVED",

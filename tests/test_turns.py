@@ -1,4 +1,4 @@
-"""Turn rules end to end through ingress (DESIGN.md §3-§4, §9; the module
+"""Turn rules end to end through ingress (docs/design.md §3-§4, §9; the module
 docstring of services/owner/session.py): steering, queueing, merging, cancel,
 human input, sign-in, limits, clear/compact/reset, the session timeout and
 runtime aliases. Every outcome is read off the public event stream."""

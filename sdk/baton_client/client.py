@@ -163,7 +163,7 @@ class Client:
         timeout: float | None = None,
     ) -> SessionPage:
         """One page of the channel's sessions (AIP-158 paging, an AIP-160
-        filter subset: see the README)."""
+        filter subset: see docs/introspection.md)."""
         request = pb.ListSessionsRequest(page_size=page_size, page_token=page_token, filter=filter)
         raw = self._call(self._stub.ListSessions, request, timeout)
         return SessionPage(tuple(raw.sessions), raw.next_page_token)

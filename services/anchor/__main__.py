@@ -5,4 +5,4 @@ from services.anchor.server import create_server
 from services.common.server import run_main
 
 if __name__ == "__main__":
-    run_main(AnchorConfig.load, create_server)
+    run_main(AnchorConfig.load, create_server, service="anchor")

@@ -1,4 +1,4 @@
-"""A session's model history behind one small interface (DESIGN.md §4, §13).
+"""A session's model history behind one small interface (docs/design.md §4, §13).
 
 History entries are appended at consecutive indexes and never rewritten; the
 snapshot keeps only the head (`HistoryLog`: next index, context start, context

@@ -1,4 +1,4 @@
-"""A live session's stream retention horizon (DESIGN.md §7, §13).
+"""A live session's stream retention horizon (docs/design.md §7, §13).
 
 Anchor keeps, per live session, at least the last `keep_events` events and
 every event younger than `keep_seconds`; the events below that horizon are

@@ -182,9 +182,12 @@ class Journal:
         close: bool,
         expected_snapshot_revision: int | None = None,
         history: Sequence[s.ChatMessage] = (),
+        consumed_from: int | None = None,
     ) -> tuple[int, bool]:
         """One fenced txn: events + history entries + snapshot (+ the closed
-        marker and the retention index entry).
+        marker and the retention index entry), deleting the inbox entries
+        the snapshot says are consumed, from `consumed_from` (the replaced
+        snapshot's position; None: from the inbox's first key).
 
         Returns (revision, replayed). With `expected_snapshot_revision` the txn
         also compares the snapshot's mod revision, so no delayed or reordered
@@ -192,6 +195,13 @@ class Journal:
         stored snapshot and first event are byte-identical) writes nothing and
         reports replayed."""
         commit = encode_commit(fence, events, snapshot, close, history)
+        consumed = snapshot.inbox_next_seq
+        if consumed_from is not None and consumed_from > consumed:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD,
+                f"consumed_inbox_from {consumed_from} is beyond the snapshot's "
+                f"inbox_next_seq {consumed}",
+            )
         k = self._keys
         sid = fence.session_id
         txn = Txn().require(commit.fence.compare(k), cmp_absent(k.closed(sid)))
@@ -218,6 +228,7 @@ class Journal:
         if commit.history:
             first_index = snapshot.history_log.next_index - len(commit.history)
             txn.success += await self._history.stage(sid, first_index, commit.history)
+        deletes = self._delete_consumed(txn, sid, consumed_from, consumed)
         if close:
             txn.put(k.closed(sid), str(events[-1].seq).encode())
             expires_ms = int((self._clock() + self._retention_seconds) * 1000)
@@ -234,13 +245,15 @@ class Journal:
         if result.succeeded:
             metrics.EVENTS_COMMITTED.inc(len(events))
             metrics.COMMIT_BYTES.observe(commit.size)
+            if deletes:
+                metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
             if pages and self._horizon is not None and not close:
                 self._horizon.committed(sid, snapshot.next_event_seq)
             return result.revision, False
         commit.fence.check(result.value("fence"))
         stored = result.kv("snapshot")
         same_snapshot = stored is not None and stored.value == commit.snapshot_bytes
-        stored_first = result.value("first")
+        stored_first = result.value("first") if events else None
         same_first = (
             not events
             or stored_first == commit.encoded_events[0]
@@ -265,6 +278,26 @@ class Journal:
             Reason.SEQ_CONFLICT,
             f"events must continue the stream gaplessly at seq {first}",
         )
+
+    def _delete_consumed(
+        self, txn: Txn, session_id: str, consumed_from: int | None, consumed: int
+    ) -> bool:
+        """Add the delete of the inbox entries [consumed_from, consumed) to a
+        commit's txn (one range; None: from the inbox's first key); False
+        when there are none. Nothing after the commit reads them: a
+        takeover, handoff or wake reads from the snapshot's position. etcd
+        walks every key it still indexes in a range, the tombstones of
+        deleted ones included until compaction: hence the lower bound."""
+        if consumed <= (consumed_from or 0):
+            return False
+        k = self._keys
+        start = (
+            k.inbox_prefix(session_id)
+            if consumed_from is None
+            else k.inbox_entry(session_id, consumed_from)
+        )
+        txn.delete(start, k.inbox_entry(session_id, consumed), name="consumed")
+        return True
 
     async def snapshot(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         """The last committed snapshot and its key's mod revision (what the

@@ -1,4 +1,4 @@
-"""Deleting finalized sessions after their retention (DESIGN.md §4).
+"""Deleting finalized sessions after their retention (docs/design.md §4).
 
 The commit that closes a session's stream also writes a retention-index entry
 `gc/{expires}/{sid}`. Every anchor replica sweeps the index now and then;

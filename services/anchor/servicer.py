@@ -15,6 +15,7 @@ from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
 from services.common.scope import DeploymentScope
 from services.common.server import Context
+from services.common.tracing import check_trace_id
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -50,6 +51,9 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         check_seq(request.fence.epoch, "fence.epoch")
         if request.HasField("expected_snapshot_revision"):
             check_seq(request.expected_snapshot_revision, "expected_snapshot_revision")
+        if request.HasField("consumed_inbox_from"):
+            check_seq(request.consumed_inbox_from, "consumed_inbox_from")
+        check_trace_id(request.snapshot.last_trace_id, "snapshot.last_trace_id")
         await self._scope.check(identity.current(), request.fence)
         revision, replayed = await self._journal.commit(
             request.fence,
@@ -60,6 +64,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             if request.HasField("expected_snapshot_revision")
             else None,
             request.history,
+            request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 

@@ -7,17 +7,26 @@ baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--stream-retention-events 100000] [--stream-retention 604800]
 baton demo [--ingress 127.0.0.1:50051] [--upgrade-ingress 127.0.0.1:50055 ...]
            (--ca-cert CA | --plaintext)              (API key: env BATON_API_KEY)
-baton deployments drain OLD --to NEW [--hooks 127.0.0.1:50052] [--wait 60]
-                                     (operator certificate: BATON_TLS_CERT/KEY/CA, or --plaintext)
 baton hash-key CHANNEL                               (reads the key from stdin)
 baton etcd check [--etcd ENDPOINTS] [-o text|json]   (root's etcd certificate: --etcd-cert/
                                                       key/ca or BATON_ETCD_*, or --plaintext)
 baton etcd binary                                    (the etcd `baton up` would start)
-baton sessions list [--filter F] [--limit 100] [--page-size N] [-o text|json|jsonl]
-baton sessions get ID|ALIAS [-o text|json|jsonl]
+baton --version
+
+As a channel (API key: env BATON_API_KEY), through the ingress:
+baton sessions list [--filter F] [--limit 100] [--page-size N]
+baton sessions get ID|ALIAS
+baton sessions events ID|ALIAS [--follow] [--from SEQ]
+baton sessions send ID|ALIAS TEXT [--delivery-id D] [--queue]
+baton sessions cancel|reset ID|ALIAS [--reason R] [--delivery-id D]
       [--ingress ADDR] [--ca-cert CA | --plaintext] [--tls-server-name NAME]
-      (API key: env BATON_API_KEY; defaults from `baton up`'s profile, see
-      services/cli/profile.py; exit codes in services/cli/sessions.py)
+As an operator (BATON_TLS_CERT/KEY/CA), through hooks, anchor and owners:
+baton sessions resume ID
+baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait 60]
+baton handoffs get HANDOFF_ID --session ID
+      [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]
+Every one of these takes -o text|json|jsonl; defaults come from `baton up`'s
+profile (services/cli/profile.py); exit codes in services/cli/operate.py.
 
 API keys never come from argv: the ingress reads a key file, `baton demo`
 the environment (default: the loopback demo key).
@@ -36,12 +45,13 @@ from typing import Any
 import aetcd
 import grpc
 
-from services.cli import demo, deployments, etcd_check, launcher, profile, sessions
+from services.cli import demo, etcd_check, launcher, operate
 from services.cli.processes import EtcdRefused, accept_etcd_risk_from_env, find_etcd
+from services.common import metrics
 from services.common.config import ConfigError
 from services.common.errors import BatonError
 from services.common.ids import validate_channel, validate_deployment_id
-from services.common.tls import Security, TlsFiles
+from services.common.tls import TlsFiles
 from services.ingress import api_keys
 
 
@@ -85,8 +95,17 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _window_seconds(value: str) -> float:
+    """A duration of at least a second (hooks refuses less at startup)."""
+    seconds = _seconds(value)
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, not {value}")
+    return seconds
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Run Baton locally and talk to it.")
+    parser.add_argument("--version", action="version", version=f"baton {metrics.version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     up = commands.add_parser(
@@ -176,6 +195,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a live session's stream keeps every event younger than this many seconds "
         "(anchor's --stream-retention; default 604800, 7 days; 0: the count alone decides)",
     )
+    up.add_argument(
+        "--dedupe-window",
+        type=_window_seconds,
+        metavar="SECONDS",
+        help="hooks: how long a delivery id (and a handoff record) is remembered; a repeat "
+        "inside the window answers the first receipt (default 86400, a day)",
+    )
     up.add_argument("--demo", action="store_true", help="run the demo once when ready")
     up.add_argument(
         "--run-dir",
@@ -242,51 +268,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds for the whole demo (default 60)"
     )
-    fleet = commands.add_parser(
-        "deployments", help="operate deployments (drain one before retiring it)"
-    ).add_subparsers(dest="action", metavar="ACTION")
-    drain = fleet.add_parser(
-        "drain",
-        help="hand every session of a deployment to another one",
-        description=(
-            "Ask every live owner instance of OLD to hand every session it holds to NEW "
-            "through the ordinary handoff (idle and parked ones at once, busy ones the "
-            "moment they are next idle), report progress, and stop when nothing is left "
-            "or after --wait seconds, listing what is left and why (exit 3). Safe to "
-            "repeat."
-        ),
-    )
-    drain.add_argument("old", metavar="OLD", help="the exact deployment id to drain")
-    drain.add_argument("--to", dest="new", required=True, metavar="NEW", help="exact target")
-    drain.add_argument(
-        "--hooks",
-        default=os.environ.get("BATON_HOOKS_ADDR", "127.0.0.1:50052"),
-        help="hooks host:port (env BATON_HOOKS_ADDR, default 127.0.0.1:50052)",
-    )
-    drain.add_argument(
-        "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
-    )
-    drain.add_argument(
-        "--tls-cert",
-        default=os.environ.get("BATON_TLS_CERT", ""),
-        help="an operator certificate (env BATON_TLS_CERT)",
-    )
-    drain.add_argument(
-        "--tls-key", default=os.environ.get("BATON_TLS_KEY", ""), help="env BATON_TLS_KEY"
-    )
-    drain.add_argument(
-        "--tls-ca", default=os.environ.get("BATON_TLS_CA", ""), help="env BATON_TLS_CA"
-    )
-    drain.add_argument(
-        "--tls-ip-server-name",
-        default=os.environ.get("BATON_TLS_IP_SERVER_NAME", ""),
-        help="name the owners, dialled at the IP they registered, are verified against "
-        "(env BATON_TLS_IP_SERVER_NAME; default the IP)",
-    )
-    drain.add_argument(
-        "--plaintext", action="store_true", help="talk plaintext (a `baton up --plaintext`)"
-    )
-    _add_sessions(commands)
+    operate.add_session_commands(commands)
+    operate.add_deployment_commands(commands)
+    operate.add_handoff_commands(commands)
     hash_key = commands.add_parser(
         "hash-key",
         help="print the API key file line that grants a key (read from stdin) as a hash",
@@ -378,116 +362,6 @@ def _etcd_binary() -> int:
     return 0
 
 
-def _add_sessions(commands: Any) -> None:
-    group = commands.add_parser(
-        "sessions",
-        help="look into sessions (list, get)",
-        description=(
-            "Session introspection through the public API, as the channel whose API key is "
-            "in BATON_API_KEY (default: the loopback demo key). Connection defaults come from "
-            "the profile `baton up` writes, so against `baton up` no flag is needed. Exit "
-            "codes: 0 done, 1 refused (the reason is printed), 2 usage, 3 not found, "
-            "4 unavailable."
-        ),
-    ).add_subparsers(dest="action", metavar="ACTION")
-    listing = group.add_parser(
-        "list",
-        help="list the channel's sessions",
-        description="List the channel's sessions in session id order, every page up to --limit.",
-    )
-    listing.add_argument(
-        "--filter",
-        default="",
-        help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
-        "create_time, update_time; see README)",
-    )
-    listing.add_argument(
-        "--limit", type=_non_negative, default=100, help="at most this many (0 = all; default 100)"
-    )
-    listing.add_argument(
-        "--page-size", type=_non_negative, default=0, help="sessions per call (default: server's)"
-    )
-    one = group.add_parser("get", help="one session", description="One session, by id or alias.")
-    one.add_argument("session", metavar="ID", help="a session id (ses_...) or an alias")
-    for sub in (listing, one):
-        sub.add_argument("-o", "--output", choices=sessions.OUTPUTS, default="text")
-        sub.add_argument(
-            "--ingress",
-            default=os.environ.get("BATON_INGRESS_ADDR", ""),
-            help=f"ingress host:port (env BATON_INGRESS_ADDR; default: the profile's, "
-            f"else {demo.DEFAULT_INGRESS})",
-        )
-        tls = sub.add_mutually_exclusive_group()
-        tls.add_argument(
-            "--ca-cert",
-            default=os.environ.get("BATON_TLS_CA", ""),
-            help="CA the ingress certificate chains to (env BATON_TLS_CA; default: the profile's)",
-        )
-        tls.add_argument(
-            "--plaintext",
-            action="store_true",
-            default=os.environ.get("BATON_PLAINTEXT", "") in ("1", "true"),
-            help="talk plaintext (env BATON_PLAINTEXT=1; a `baton up --plaintext`)",
-        )
-        sub.add_argument(
-            "--tls-server-name", default="", help="name to verify the ingress certificate as"
-        )
-        sub.add_argument(
-            "--profile",
-            default="",
-            help="profile file (env BATON_PROFILE; default ~/.config/baton/profile.json)",
-        )
-
-
-def _non_negative(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from exc
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {number}")
-    return number
-
-
-def _connection(args: argparse.Namespace) -> sessions.Connection:
-    """Flags and environment first, then the profile, then the defaults."""
-    path = Path(args.profile) if args.profile else profile.default_path()
-    found = profile.read(path) or profile.Profile()
-    explicit_tls = bool(args.ca_cert or args.plaintext)
-    return sessions.Connection(
-        ingress=args.ingress or found.ingress or demo.DEFAULT_INGRESS,
-        api_key=os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
-        ca_cert=args.ca_cert or ("" if explicit_tls else found.ca_cert),
-        plaintext=args.plaintext or (not explicit_tls and found.plaintext),
-        server_name=args.tls_server_name,
-    )
-
-
-def _sessions(args: argparse.Namespace) -> int:
-    name = f"baton sessions {args.action}"
-    try:
-        connection = _connection(args)
-        if args.action == "get":
-            run = sessions.get(connection, args.session, args.output)
-        else:
-            run = sessions.list_sessions(
-                connection,
-                args.output,
-                filter_text=args.filter,
-                limit=args.limit,
-                page_size=args.page_size,
-            )
-        return asyncio.run(run)
-    except (sessions.UsageError, profile.ProfileError) as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
-        return sessions.EXIT_USAGE
-    except BatonError as exc:
-        print(f"{name}: {exc.reason}: {exc.message}", file=sys.stderr)
-        return sessions.exit_code_of(exc)
-    except KeyboardInterrupt:
-        return 130
-
-
 def _hash_key(args: argparse.Namespace) -> int:
     key = sys.stdin.readline().strip()
     try:
@@ -496,32 +370,6 @@ def _hash_key(args: argparse.Namespace) -> int:
         print(f"baton hash-key: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def _drain(args: argparse.Namespace) -> int:
-    if args.plaintext:
-        security = Security.plaintext()
-    elif args.tls_cert and args.tls_key and args.tls_ca:
-        security = Security.tls(
-            args.tls_cert, args.tls_key, args.tls_ca, ip_server_name=args.tls_ip_server_name
-        )
-    else:
-        print(
-            "baton deployments drain: pass an operator certificate (--tls-cert/--tls-key/"
-            "--tls-ca or BATON_TLS_*; `baton up` writes operator.crt/.key) or --plaintext",
-            file=sys.stderr,
-        )
-        return deployments.EXIT_USAGE
-    try:
-        return asyncio.run(
-            deployments.drain(args.hooks, args.old, args.new, security, wait_s=args.wait)
-        )
-    except (deployments.DrainError, BatonError) as exc:
-        message = exc.message if isinstance(exc, BatonError) else str(exc)
-        print(f"baton deployments drain: {message}", file=sys.stderr)
-        return deployments.EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
 
 
 def _deployment_ids(values: Sequence[str] | None) -> tuple[str, ...]:
@@ -570,6 +418,7 @@ def _up(args: argparse.Namespace) -> int:
         accept_etcd_risk=args.accept_etcd_risk,
         stream_retention_events=args.stream_retention_events,
         stream_retention=args.stream_retention,
+        dedupe_window=args.dedupe_window,
     )
     return launcher.launch(settings)
 
@@ -609,10 +458,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_up(args))
     if args.command == "demo":
         sys.exit(_demo(args))
-    if args.command == "deployments" and getattr(args, "action", None) == "drain":
-        sys.exit(_drain(args))
-    if args.command == "sessions" and getattr(args, "action", None) in ("list", "get"):
-        sys.exit(_sessions(args))
+    if operate.handles(args):
+        sys.exit(operate.run(args))
     if args.command == "hash-key":
         sys.exit(_hash_key(args))
     if args.command == "etcd" and getattr(args, "action", None) == "check":

@@ -1,21 +1,28 @@
 """`baton deployments drain OLD --to NEW`: retire a deployment without
-stranding a session (DESIGN.md §13, docs/deploy.md).
+stranding a session (docs/design.md §13, docs/deploy.md).
 
 Asks every live owner instance of OLD to hand every session it holds to NEW
 through the ordinary handoff: idle ones at once, parked ones after waking
 them, busy ones the moment they are next idle. Reports progress and, when it
 stops waiting, what is left and why. Safe to repeat: each instance only
 (re)sets its drain target and answers its progress.
+
+Output (`-o`): `text` progress lines for people; `json` one object at the
+end (`from`, `to`, `drained`, `moved`, `left`, the last report of each
+instance with its blockers, or with no fleet left the sessions left on it);
+`jsonl` a line per change of progress, then that object.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 from services.common import ids
-from services.common.clients import DrainReport, HooksClient, OwnerClient
+from services.common.clients import DrainReport, HooksClient, OwnedSession, OwnerClient
 from services.common.errors import BatonError
 from services.common.tls import Security
 
@@ -38,9 +45,27 @@ async def drain(
     wait_s: float = 60.0,
     poll_s: float = 0.5,
     write: Callable[[str], None] = print,
+    output: str = "text",
 ) -> int:
     """Drain `old` to `new`; EXIT_DRAINED once no instance of `old` holds a
     session, EXIT_LEFT when some are still there after `wait_s`."""
+    machine = output != "text"
+    say = (lambda line: None) if machine else write
+
+    def outcome(code: int, reports: list[DrainReport], left_on_gone: list[str]) -> int:
+        if machine:
+            data = {
+                "from": old,
+                "to": new,
+                "drained": code == EXIT_DRAINED,
+                "moved": sum(r.moved for r in reports),
+                "left": sum(r.remaining for r in reports) + len(left_on_gone),
+                "instances": [asdict(r) for r in reports],
+                "sessions_left_without_fleet": left_on_gone,
+            }
+            write(json.dumps(data, indent=2 if output == "json" else None, sort_keys=True))
+        return code
+
     old = ids.validate_deployment_id(old)
     new = ids.validate_deployment_id(new)
     if old == new:
@@ -55,7 +80,9 @@ async def drain(
         while True:
             instances = await hooks.list_instances(old)
             if not instances:
-                return await _no_fleet_left(hooks, old, new, write)
+                left_on_gone = await hooks.list_instance_sessions(old, "")
+                code = _no_fleet_left(left_on_gone, old, new, say)
+                return outcome(code, [], [o.fence.session_id for o in left_on_gone])
             reports: list[DrainReport] = []
             for instance in instances:
                 client = owners.get(instance.address)
@@ -66,24 +93,26 @@ async def drain(
                 try:
                     reports.append(await client.drain_sessions(new))
                 except BatonError as exc:  # gone meanwhile: its sessions are taken over
-                    write(f"  {instance.instance_id}: {exc.reason}: {exc.message}")
+                    say(f"  {instance.instance_id}: {exc.reason}: {exc.message}")
             moved = sum(r.moved for r in reports)
             left = sum(r.remaining for r in reports)
             per_instance = ", ".join(f"{r.instance_id}: {r.remaining}" for r in reports)
             line = f"  {moved} moved to {new}, {left} left on {old} ({per_instance})"
             if line != last:
-                write(line)
+                say(line)
+                if output == "jsonl":
+                    write(json.dumps({"moved": moved, "left": left}, sort_keys=True))
                 last = line
             if left == 0:
-                write(f"drained: nothing left on {old}; its fleet can be scaled to zero")
-                return EXIT_DRAINED
+                say(f"drained: nothing left on {old}; its fleet can be scaled to zero")
+                return outcome(EXIT_DRAINED, reports, [])
             if time.monotonic() >= deadline:
-                write(f"{left} session(s) left on {old} after {wait_s:.0f}s:")
+                say(f"{left} session(s) left on {old} after {wait_s:.0f}s:")
                 for report in reports:
                     for blocker in report.blockers:
-                        write(f"  {blocker.session_id}  {blocker.reason}  {blocker.detail}")
-                write("run the same command again to keep draining")
-                return EXIT_LEFT
+                        say(f"  {blocker.session_id}  {blocker.reason}  {blocker.detail}")
+                say("run the same command again to keep draining")
+                return outcome(EXIT_LEFT, reports, [])
             await asyncio.sleep(poll_s)
     except BatonError as exc:
         raise DrainError(f"{exc.reason}: {exc.message}") from exc
@@ -93,12 +122,11 @@ async def drain(
             await client.close()
 
 
-async def _no_fleet_left(
-    hooks: HooksClient, old: str, new: str, write: Callable[[str], None]
+def _no_fleet_left(
+    left: list[OwnedSession], old: str, new: str, write: Callable[[str], None]
 ) -> int:
     """`old` has no live owner to drain its sessions: say whether any are
     left on it, and what becomes of them (docs/deploy.md, adoption)."""
-    left = await hooks.list_instance_sessions(old, "")
     if not left:
         write(f"deployment {old} has no live owner instance and holds no session")
         return EXIT_DRAINED

@@ -9,8 +9,8 @@ the user name. This creates (idempotently, over TLS, as the `root` user):
 - user `root` (password-less: it authenticates by its certificate) with the
   root role, which etcd requires before auth can be enabled;
 
-then enables auth. The same steps with etcdctl are in README's security
-section. Used by `baton up` and the test stack.
+then enables auth. The same steps with etcdctl are in docs/security.md. Used
+by `baton up` and the test stack.
 """
 
 from __future__ import annotations

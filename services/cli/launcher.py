@@ -76,6 +76,11 @@ DEFAULT_ETCD_PORT = 23790
 DEMO_CHANNEL = "demo"
 # Well known, so loopback-only: `baton up` grants it unless given a key file.
 DEMO_API_KEY = "demo-key-0001-loopback-only"
+# What `baton up --demo` says once the demo has ended: the system stays up.
+DEMO_DONE_LINE = (
+    "baton up: the demo is over; Baton keeps running (try `baton sessions list`). "
+    "Ctrl-C or SIGTERM stops everything."
+)
 CERTS_DIR = "certs"
 # What the certificate directory holds (besides owner-<dep>/ingress-<dep>).
 CERTIFICATE_FILES = ("ca.crt", "operator.crt", "operator.key", "hooks.crt", "anchor.crt")
@@ -145,6 +150,8 @@ class LaunchSettings:
     # (--stream-retention-events, --stream-retention); None: anchor's default.
     stream_retention_events: int | None = None
     stream_retention: float | None = None
+    # hooks' --dedupe-window (seconds; None: hooks' default, a day).
+    dedupe_window: float | None = None
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:
@@ -646,6 +653,8 @@ class LocalSystem:
                 "BATON_TLS_KEY": security.files.key,
                 "BATON_TLS_CA": security.files.ca,
             }
+        if name == "hooks" and self.settings.dedupe_window is not None:
+            env["BATON_DEDUPE_WINDOW"] = f"{self.settings.dedupe_window:g}"
         if dep is None:
             if name == "anchor":
                 env |= self._stream_retention_env()
@@ -817,6 +826,7 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
             time.sleep(0.1)
         if demo.returncode != 0:
             system.say(f"baton up: the demo failed (exit code {demo.returncode}); still running")
+        system.say(DEMO_DONE_LINE)
     finally:
         if demo.poll() is None:
             demo.terminate()
@@ -871,6 +881,7 @@ def _write_profile(system: LocalSystem) -> None:
     """Where `baton sessions ...` finds this system with no flags
     (services/cli/profile.py)."""
     path = profile.default_path()
+    operator = system.pki.files(Role.OPERATOR) if system.pki is not None else None
     try:
         profile.write(
             path,
@@ -878,13 +889,17 @@ def _write_profile(system: LocalSystem) -> None:
                 ingress=f"127.0.0.1:{system.ports.ingress}",
                 ca_cert=system.ca_cert,
                 plaintext=system.pki is None,
+                hooks=f"127.0.0.1:{system.ports.hooks[0]}",
+                anchor=f"127.0.0.1:{system.ports.anchors[0]}",
+                operator_cert=operator.cert if operator is not None else "",
+                operator_key=operator.key if operator is not None else "",
                 run_dir=str(system.run_dir),
             ),
         )
     except OSError as exc:
         system.say(f"baton up: no CLI profile written ({exc}); pass --ingress/--ca-cert")
         return
-    system.say(f"CLI profile: {path} (baton sessions list needs no flags)")
+    system.say(f"CLI profile: {path} (baton sessions list, baton deployments list need no flags)")
 
 
 def launch(settings: LaunchSettings, out: TextIO | None = None) -> int:

@@ -209,7 +209,7 @@ class EtcdProcess:
     tls: EtcdTls | None = None
     proc: subprocess.Popen[bytes] | None = None
     # Every etcd Baton starts compacts its history (periodic: keeps this
-    # window of revisions, compacting as often); see README "etcd space".
+    # window of revisions, compacting as often); see docs/storage.md "etcd space".
     compaction_retention: str = "1m"
     # The backend quota (NOSPACE alarm above it); 0 = etcd's default, 2 GiB.
     quota_bytes: int = 0

@@ -1,15 +1,19 @@
 """The CLI's connection profile: where a running `baton up` can be reached.
 
 `baton up` writes one when everything is SERVING (the first deployment's
-ingress, the CA of its run dir, or plaintext) and removes it when it stops,
-if it is still its own. The commands that talk to a running Baton
-(`baton sessions ...`) read it as their defaults, so against `baton up`
-they need no flags. Precedence, highest first: flags, environment
-variables (BATON_INGRESS_ADDR, BATON_TLS_CA, BATON_PLAINTEXT, BATON_API_KEY),
-the profile, built-in defaults (127.0.0.1:50051, the loopback demo key).
+ingress, hooks and anchor, the CA of its run dir and the paths of its
+operator certificate, or plaintext) and removes it when it stops, if it is
+still its own. The commands that talk to a running Baton (`baton sessions
+...`, `baton deployments ...`, `baton handoffs ...`) read it as their
+defaults, so against `baton up` they need no flags. Precedence, highest
+first: flags, environment variables (BATON_INGRESS_ADDR, BATON_HOOKS_ADDR,
+BATON_ANCHOR_ADDR, BATON_TLS_CA, BATON_TLS_CERT, BATON_TLS_KEY,
+BATON_PLAINTEXT, BATON_API_KEY), the profile, built-in defaults
+(127.0.0.1:50051-50053, the loopback demo key).
 
 The profile holds no secret: an API key comes from the environment only
-(the demo key is public, and only for loopback).
+(the demo key is public, and only for loopback); the operator certificate
+is named by its files' paths.
 
 Where: $BATON_PROFILE, else $XDG_CONFIG_HOME/baton/profile.json (default
 ~/.config/baton/profile.json).
@@ -34,6 +38,11 @@ class Profile:
     ingress: str = ""
     ca_cert: str = ""
     plaintext: bool = False
+    hooks: str = ""
+    anchor: str = ""
+    # The operator certificate and key (paths) for hooks, anchor and owners.
+    operator_cert: str = ""
+    operator_key: str = ""
     # The run dir of the `baton up` that wrote it (to remove only its own).
     run_dir: str = ""
 
@@ -60,6 +69,10 @@ def read(path: Path) -> Profile | None:
         ingress=str(data.get("ingress", "")),
         ca_cert=str(data.get("ca_cert", "")),
         plaintext=bool(data.get("plaintext", False)),
+        hooks=str(data.get("hooks", "")),
+        anchor=str(data.get("anchor", "")),
+        operator_cert=str(data.get("operator_cert", "")),
+        operator_key=str(data.get("operator_key", "")),
         run_dir=str(data.get("run_dir", "")),
     )
 

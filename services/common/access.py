@@ -61,6 +61,9 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     # introspection reads (an ingress names its caller's channel)
     _HOOKS + "DescribeSession": _roles(INGRESS, OPERATOR),
     _HOOKS + "ListChannelSessions": _roles(INGRESS, OPERATOR),
+    # operator views of the owner fleets
+    _HOOKS + "ListDeployments": _roles(OPERATOR),
+    _HOOKS + "DescribeDeployment": _roles(OPERATOR),
     # anchor: the journal
     _ANCHOR + "CommitStep": _roles(OWNER),
     _ANCHOR + "GetSnapshot": _roles(INGRESS, OWNER, OPERATOR),
@@ -75,6 +78,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     # an operator retires a deployment; an ingress has its own deployment's
     # owner adopt sessions whose deployment is gone
     _OWNER + "DrainSessions": _roles(OPERATOR),
+    # an operator runs a stalled session again (docs/failures.md)
+    _OWNER + "ResumeSession": _roles(OPERATOR),
     _OWNER + "AdoptSession": _roles(INGRESS),
     # ingress: the public API, authenticated by channel API keys
     _INGRESS + "CreateSession": _roles(PUBLIC),

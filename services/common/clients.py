@@ -33,7 +33,7 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.owner.v1 import owner_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics
+from services.common import ids, metrics, tracing
 from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from services.common.errors import Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
@@ -60,6 +60,8 @@ HOOKS_IDEMPOTENT = frozenset(
         "GetOwner",
         "DescribeSession",
         "ListChannelSessions",
+        "ListDeployments",
+        "DescribeDeployment",
         # A repeat returns the first result: the same session and fence
         # (CreateSession), the same claim set (ClaimHooks, DisposeHooks), the
         # first receipt for a delivery id (ResumeHook; `HooksClient.resume`
@@ -99,6 +101,8 @@ OWNER_IDEMPOTENT = frozenset(
         # One handoff id per (old fence, adopting instance): a repeat replays
         # the same transfer.
         "AdoptSession",
+        # A repeat finds the session no longer stalled (resumed = false).
+        "ResumeSession",
     }
 )
 
@@ -311,6 +315,21 @@ def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSession
     return response
 
 
+def _traced(command: s.Command) -> s.Command:
+    """`command` with the current span's trace context in its delivery
+    metadata, when tracing is on and it has none yet (a copy; `command`
+    itself is left as it is)."""
+    if not tracing.TRACING.enabled or command.delivery.traceparent:
+        return command
+    traceparent = tracing.current_traceparent()
+    if not traceparent:
+        return command
+    stamped = s.Command()
+    stamped.CopyFrom(command)
+    stamped.delivery.traceparent = traceparent
+    return stamped
+
+
 class _Client:
     """`target`: one address, several comma-separated, or a `dns:///` name
     (see `channels.grpc_target`); `security`: this process's identity, which
@@ -396,6 +415,8 @@ class HooksClient(_Client):
         parent: s.ParentLink | None = None,
         first_command: s.Command | None = None,
     ) -> CreatedSession:
+        if first_command is not None:
+            first_command = _traced(first_command)
         request = hooks_pb.CreateSessionRequest(
             session_id=session_id,
             owner=owner,
@@ -417,12 +438,15 @@ class HooksClient(_Client):
     async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
         """Append `command` to the inbox `token` names. A command without a
         delivery id gets a fresh one here, so that a retry of this call
-        (by gRPC, on another replica) is deduplicated, never appended twice."""
+        (by gRPC, on another replica) is deduplicated, never appended twice.
+        While tracing is on, the command carries the current span's context
+        (the producer of the inbox entry, see `services.common.tracing`)."""
         if not command.delivery.delivery_id:
             stamped = s.Command()
             stamped.CopyFrom(command)
             stamped.delivery.delivery_id = ids.new_delivery_id()
             command = stamped
+        command = _traced(command)
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
         response = await self._unary(
             "ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)
@@ -584,6 +608,19 @@ class HooksClient(_Client):
             tuple((entry.session_id, entry.create_time) for entry in r.sessions), r.more
         )
 
+    async def list_all_sessions(
+        self, after_channel: str, after_session_id: str, limit: int
+    ) -> tuple[tuple[tuple[str, str], ...], bool]:
+        """Operator: one page of every channel's index, in (channel, session
+        id) order: ((channel, session id), ...) and whether more follow."""
+        request = hooks_pb.ListChannelSessionsRequest(
+            after_channel=after_channel, after_session_id=after_session_id, limit=limit
+        )
+        r = await self._unary(
+            "ListChannelSessions", self.stub.ListChannelSessions(request, timeout=self.timeout)
+        )
+        return tuple((entry.channel, entry.session_id) for entry in r.sessions), r.more
+
     async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
         response = await self._unary(
@@ -592,6 +629,22 @@ class HooksClient(_Client):
         return RecordedTransfer(
             response.fence, response.successor, response.trigger_seq, response.reason
         )
+
+    async def list_deployments(self) -> list[hooks_pb.DeploymentInfo]:
+        """Operator: every deployment with a live instance, its fleet."""
+        response = await self._unary(
+            "ListDeployments",
+            self.stub.ListDeployments(hooks_pb.ListDeploymentsRequest(), timeout=self.timeout),
+        )
+        return list(response.deployments)
+
+    async def describe_deployment(self, deployment_id: str) -> hooks_pb.DeploymentInfo:
+        """Operator: one deployment's instances, leases and session counts."""
+        request = hooks_pb.DescribeDeploymentRequest(deployment_id=deployment_id)
+        response = await self._unary(
+            "DescribeDeployment", self.stub.DescribeDeployment(request, timeout=self.timeout)
+        )
+        return response.deployment
 
 
 class AnchorClient(_Client):
@@ -713,3 +766,12 @@ class OwnerClient(_Client):
             "AdoptSession", self.stub.AdoptSession(request, timeout=self.timeout)
         )
         return Moved(response.fence, response.replayed)
+
+    async def resume_session(self, session_id: str) -> tuple[bool, s.Fence]:
+        """Operator: run a session stalled on this instance again (resumed,
+        its fence); resumed is False when it is held here but not stalled."""
+        request = owner_pb.ResumeSessionRequest(session_id=session_id)
+        response = await self._unary(
+            "ResumeSession", self.stub.ResumeSession(request, timeout=self.timeout)
+        )
+        return response.resumed, response.fence

@@ -15,7 +15,7 @@ from aetcd import rpc, rtypes
 from aetcd import watcher as aetcd_watcher
 from grpc.aio import AioRpcError
 
-from services.common import metrics
+from services.common import metrics, retry
 from services.common.channels import grpc_target
 from services.common.errors import (
     Aborted,
@@ -55,6 +55,10 @@ is raised: the backend reached --quota-backend-bytes."""
 
 COMPACTED_DETAIL = "required revision has been compacted"
 
+LEASE_NOT_FOUND_DETAIL = "requested lease not found"
+"""What etcd says (NOT_FOUND) to a txn whose taken branch puts a key under a
+lease it does not know (expired, revoked, or lost with a restored backup)."""
+
 CORRUPT_DETAIL = "corrupt cluster"
 """What etcd says (DATA_LOSS, "etcdserver: corrupt cluster") to every write
 while its CORRUPT alarm is raised: a corruption check found members whose
@@ -65,7 +69,7 @@ def store_full() -> ResourceExhausted:
     return ResourceExhausted(
         Reason.STORE_FULL,
         "etcd's database is full (NOSPACE alarm); writes resume once an operator has "
-        "compacted, defragmented and disarmed the alarm (README: etcd space)",
+        "compacted, defragmented and disarmed the alarm (docs/storage.md, etcd space)",
     )
 
 
@@ -89,6 +93,9 @@ def map_rpc_error(exc: AioRpcError) -> BatonError:
         return store_full()
     if exc.code() == grpc.StatusCode.DATA_LOSS:  # CORRUPT_DETAIL; any data loss is that
         return store_corrupt()
+    if exc.code() == grpc.StatusCode.NOT_FOUND and LEASE_NOT_FOUND_DETAIL in details:
+        # Nothing was written; the caller grants a new lease and retries.
+        return Aborted(Reason.LEASE_NOT_FOUND, "etcd does not know the lease a key was put under")
     if exc.code() == grpc.StatusCode.OUT_OF_RANGE and COMPACTED_DETAIL in details:
         return Aborted(Reason.REVISION_COMPACTED, "the read revision was compacted; read again")
     if exc.code() in _TRANSIENT:
@@ -330,6 +337,7 @@ _ALARM = metrics.ETCD_TXN_SECONDS.labels("alarm")
 _LEASE_GRANT = metrics.ETCD_TXN_SECONDS.labels("lease_grant")
 _LEASE_KEEPALIVE = metrics.ETCD_TXN_SECONDS.labels("lease_keepalive")
 _LEASE_REVOKE = metrics.ETCD_TXN_SECONDS.labels("lease_revoke")
+_LEASE_TTL = metrics.ETCD_TXN_SECONDS.labels("lease_ttl")
 
 
 def _counted(error: BatonError) -> BatonError:
@@ -432,6 +440,20 @@ class Store:
         finally:
             _LEASE_KEEPALIVE.observe(time.perf_counter() - start)
         return 0
+
+    async def lease_time_to_live(self, lease_id: int) -> tuple[int, int]:
+        """A lease's (remaining TTL, granted TTL) in seconds; (0, 0) when it
+        expired or never was."""
+        start = time.perf_counter()
+        try:
+            reply = await self.client.leasestub.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self.timeout
+            )
+        except (AioRpcError, AttributeError) as exc:
+            raise _counted(store_unavailable(exc)) from exc
+        finally:
+            _LEASE_TTL.observe(time.perf_counter() - start)
+        return max(int(reply.TTL), 0), max(int(reply.grantedTTL), 0)
 
     async def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease: the keys under it go at once. An unknown or expired
@@ -626,7 +648,6 @@ async def follow_range(
     start_revision: int,
     *,
     first_watch: Any = None,
-    backoff: float = 0.2,
 ) -> AsyncIterator[Any]:
     """Watch `prefix` from `start_revision`, resuming after etcd failures.
 
@@ -639,6 +660,7 @@ async def follow_range(
     re-reads from its own cursor.
     """
     next_revision = start_revision
+    backoff = retry.ETCD_WATCH.backoff()
     while True:
         watch, first_watch = first_watch, None
         # Only the first watch can hold events the read covered. (Not
@@ -661,8 +683,7 @@ async def follow_range(
             # name another (resumed) watch, which the cancel would silence.
             watch = None
             log.warning("watch interrupted; resuming", prefix=prefix.decode(), error=repr(exc))
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.wait()
         finally:
             if watch is not None:
                 await cancel_watch(watch)

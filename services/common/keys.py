@@ -31,7 +31,7 @@ disposal, the token-index entries pointing at that session):
                                                               the session's keys are deleted
                                                               after `expires` (unix ms)
 
-Owner instances and their sessions (DESIGN.md §5):
+Owner instances and their sessions (docs/design.md §5):
 
     {root}d/{deployment}/{instance}       InstanceRecord JSON  live owner instances; attached to
                                                                the instance's etcd lease, so the

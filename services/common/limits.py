@@ -1,4 +1,4 @@
-"""Size limits every service agrees on (DESIGN.md §4: nothing a session
+"""Size limits every service agrees on (docs/design.md §4: nothing a session
 stores grows with its age inside one value or one transaction).
 
 etcd refuses a request over ~1.5 MiB and, by default, a txn of more than 128

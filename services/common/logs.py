@@ -1,4 +1,5 @@
-"""structlog, configured once: JSON off a terminal, console on one."""
+"""structlog, configured once: JSON off a terminal, console on one; the trace
+and span ids on every line written inside a span while tracing is on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+from services.common.tracing import log_trace_ids
 
 MAX_LOGGED_CHARS = 512
 
@@ -37,6 +40,7 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            log_trace_ids,
             clip_values,
             renderer,
         ],

@@ -1,5 +1,5 @@
 """Every Prometheus metric Baton exposes, defined once, and the endpoint
-that serves them (`--metrics-listen`, README "Metrics").
+that serves them (`--metrics-listen`, docs/metrics.md).
 
 Conventions (Prometheus'): base units in the name (`_seconds`, `_bytes`),
 counters end in `_total`, histograms rather than summaries (they aggregate
@@ -144,6 +144,13 @@ INBOX_APPEND_BATCH = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64),
     registry=None,
 )
+DEDUPE_LEASES_GRANTED = Counter(
+    "baton_dedupe_leases_granted_total",
+    "etcd leases granted for the deduplication window (delivery ids, handoff records), "
+    "by reason: rotated (a new time bucket), missing (etcd no longer knew the last one)",
+    ["reason"],
+    registry=None,
+)
 TRANSFERS = Counter(
     "baton_transfers_total",
     "Transfer calls (handoff, drain, adoption moves), by outcome: moved, replayed, refused",
@@ -186,6 +193,11 @@ STREAM_TRIM_BATCH_SECONDS = Histogram(
     "baton_stream_trim_batch_seconds",
     "One trim transaction (at most 512 events below a session's horizon), failures included",
     buckets=_SECONDS,
+    registry=None,
+)
+INBOX_ENTRIES_DELETED = Counter(
+    "baton_inbox_entries_deleted_total",
+    "Consumed inbox entries deleted by the commits that consumed them",
     registry=None,
 )
 
@@ -255,6 +267,11 @@ RESTARTS = Counter(
     "Failed runs restarted (transient or deterministic failures; not the stalls)",
     registry=None,
 )
+RESUMES = Counter(
+    "baton_resumes_total",
+    "Stalled sessions an operator resumed (OwnerService.ResumeSession)",
+    registry=None,
+)
 COMMITS = Counter(
     "baton_commits_total",
     "Step commits through anchor, by outcome: ok, fenced (another run owns the "
@@ -296,7 +313,15 @@ _STORE = (
     STORE_SERVING,
 )
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
-    "hooks": (*_RPC, *_STORE, INBOX_APPENDS, INBOX_APPEND_BATCH, TRANSFERS, LIVE_INSTANCES),
+    "hooks": (
+        *_RPC,
+        *_STORE,
+        INBOX_APPENDS,
+        INBOX_APPEND_BATCH,
+        DEDUPE_LEASES_GRANTED,
+        TRANSFERS,
+        LIVE_INSTANCES,
+    ),
     "anchor": (
         *_RPC,
         *_STORE,
@@ -305,6 +330,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         EVENTS_COMMITTED,
         STREAM_EVENTS_TRIMMED,
         STREAM_TRIM_BATCH_SECONDS,
+        INBOX_ENTRIES_DELETED,
     ),
     "owner": (
         *_RPC,
@@ -318,15 +344,19 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         HANDOFF_SECONDS,
         TAKEOVERS,
         RESTARTS,
+        RESUMES,
         COMMITS,
     ),
     "ingress": (*_RPC, SENDS, LIMIT_REFUSALS),
 }
 
 
+DISTRIBUTION = "baton-runtime"  # the servers' distribution (pyproject.toml)
+
+
 def version() -> str:
     try:
-        return importlib.metadata.version("baton")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

@@ -1,6 +1,6 @@
 """Transfer permits: the current owner's signed consent to move its session.
 
-A handoff's `Transfer` is called by the successor (DESIGN.md §6), so hooks
+A handoff's `Transfer` is called by the successor (docs/design.md §6), so hooks
 never sees the current owner on that call, and a successor's certificate
 only proves where the session is going. The current owner therefore signs a
 `TransferGrant` — this fence, this handoff, this checkpoint, to this

@@ -16,14 +16,14 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import access, errors, identity, metrics
+from services.common import access, errors, identity, metrics, tracing
 from services.common.config import Capacity, ConfigError
 from services.common.grpc_errors import status_code, to_status
 from services.common.identity import Caller, Role
@@ -35,6 +35,9 @@ from services.common.tls import (
     request_reload,
     server_credentials,
 )
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = structlog.get_logger("baton.server")
 
@@ -275,7 +278,7 @@ class _Served:
     status, anything unmapped to INTERNAL), one log line and the RPC metrics
     at its end."""
 
-    __slots__ = ("call", "context", "stream", "start", "admitted")
+    __slots__ = ("call", "context", "stream", "start", "admitted", "span")
 
     def __init__(self, call: _Call, context: Context, stream: bool) -> None:
         self.call = call
@@ -283,9 +286,14 @@ class _Served:
         self.stream = stream
         self.start = 0.0
         self.admitted = False
+        self.span: Span | None = None
 
     async def __aenter__(self) -> _Served:
         structlog.contextvars.bind_contextvars(**self.call.bound)
+        if tracing.TRACING.enabled:
+            self.span = tracing.start_server_span(
+                self.call.method, self.context.invocation_metadata()
+            )
         self.start = time.perf_counter()
         return self
 
@@ -301,24 +309,29 @@ class _Served:
         if self.admitted:
             self.admitted = False
             self.call.gate.leave(self.stream)
-        method = self.call.method
         if exc is None:
             _log_call("OK", "", self.start)
-            _meter(method, "OK", self.start)
+            self._end("OK")
             return
         if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
             # Cancelled, closed (GeneratorExit) or already answered.
             _log_call("CANCELLED", "", self.start)
-            _meter(method, "CANCELLED", self.start)
+            self._end("CANCELLED")
             return
         if isinstance(exc, errors.BatonError):
-            code = status_code(exc).name
-            _log_call(code, exc.reason, self.start)
+            code, reason = status_code(exc).name, exc.reason
         else:  # the boundary: anything unmapped is INTERNAL
-            code = "INTERNAL"
-            _log_call(code, errors.Reason.INTERNAL, self.start)
-        _meter(method, code, self.start)
+            code, reason = "INTERNAL", errors.Reason.INTERNAL
+        _log_call(code, reason, self.start)
+        self._end(code, reason)
         await _abort(self.context, exc)
+
+    def _end(self, code: str, reason: str = "") -> None:
+        """The call's metrics and its span, with its status code."""
+        _meter(self.call.method, code, self.start)
+        if self.span is not None:
+            tracing.end_server_span(self.span, code, reason)
+            self.span = None
 
 
 PUBLIC_CALLER = Caller(role=Role.PUBLIC)
@@ -562,12 +575,21 @@ class _ServiceConfig(Protocol):
     def grace(self) -> float: ...
 
 
-def run_main(load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]]) -> None:
-    """The `python -m services.<name>` entry: config, logging, serve, exit."""
+def run_main(
+    load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]], *, service: str
+) -> None:
+    """The `python -m services.<name>` entry: config, tracing (if the OTEL_*
+    environment asks, services.common.tracing), logging, serve, exit."""
     from services.common.logs import configure_logging
 
     try:
         config = load()
+        # Before any channel opens: channels get tracing's interceptors then.
+        tracing.TRACING.configure(
+            service,
+            str(getattr(config, "deployment_id", "")),
+            str(getattr(config, "instance_id", "")),
+        )
     except ConfigError as exc:
         sys.exit(str(exc))
     configure_logging(config.log_level)
@@ -580,3 +602,5 @@ def run_main(load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer
         asyncio.run(_serve())
     except ConfigError as exc:
         sys.exit(str(exc))
+    finally:
+        tracing.TRACING.shutdown()  # exports the spans still buffered

@@ -1,5 +1,5 @@
 """A session's status: the one place that says where a session stands
-(DESIGN.md §14), for introspection now and for metrics and logs later.
+(docs/design.md §14), for introspection now and for metrics and logs later.
 
 Pure: it reads `SessionFacts`, plain values gathered from what hooks (owner
 record, inbox head) and anchor (snapshot, latest event) store, and does no

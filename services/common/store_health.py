@@ -5,7 +5,7 @@ it, and SERVING again once etcd recovers.
 Three conditions count: etcd unreachable for longer than `unreachable_after`
 (a blip does not flap the status, STORE_UNAVAILABLE); etcd's NOSPACE alarm,
 raised when its database reached the quota (every write fails until an
-operator compacts, defragments and disarms it; README "etcd space";
+operator compacts, defragments and disarms it; docs/storage.md "etcd space";
 STORE_FULL); and etcd's CORRUPT alarm, raised by its corruption checks when
 members' data differ (every write fails until an operator replaces the bad
 member and disarms it; docs/etcd.md "corruption"; STORE_CORRUPT). Each is

@@ -34,6 +34,8 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from services.common import tracing
+
 log = structlog.get_logger("baton.tls")
 
 DEFAULT_CHECK_SECONDS = 10.0
@@ -283,13 +285,15 @@ def open_secure_channel(
 ) -> grpc.aio.Channel:
     """A channel to `target` with this process's identity, that follows
     certificate rotations (see the module doc); plaintext when so configured."""
+    # Tracing's client interceptors, only while tracing is on (None: none).
+    interceptors = tracing.client_interceptors()
     if security.files is None:
-        return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     options = tls_options(target, options, security.ip_server_name)
     watcher = CertificateWatcher(security.files, security.check_every)
     return ReloadingChannel(  # type: ignore[return-value]  # forwards every Channel method
         lambda material: grpc.aio.secure_channel(
-            target, channel_credentials(material), options=options
+            target, channel_credentials(material), options=options, interceptors=interceptors
         ),
         watcher,
     )

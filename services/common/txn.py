@@ -1,6 +1,6 @@
 """One etcd transaction, written as a sentence: compares, writes, and reads
 with names (`result.value("fence")`, never `responses[3]`); and the fence
-value every owner write compares (DESIGN.md §2).
+value every owner write compares (docs/design.md §2).
 
     txn = Txn().require(fence.compare(keys), cmp_absent(keys.closed(sid)))
     txn.put(keys.snapshot(sid), raw)

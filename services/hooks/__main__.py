@@ -5,4 +5,4 @@ from services.hooks.config import HooksConfig
 from services.hooks.server import create_server
 
 if __name__ == "__main__":
-    run_main(HooksConfig.load, create_server)
+    run_main(HooksConfig.load, create_server, service="hooks")

@@ -18,10 +18,18 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import AlreadyExists, Reason, Unavailable
 from services.common.etcd import Store, cmp_absent, cmp_value
-from services.common.keys import ChannelEntry, Keys, TokenRecord, canonical_json, parse_fence
+from services.common.keys import (
+    ChannelEntry,
+    Keys,
+    TokenRecord,
+    canonical_json,
+    fence_value,
+    parse_fence,
+)
 from services.common.txn import Fence, Txn
+from services.hooks.expiry import ExpiryLeases
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
-from services.hooks.sessions import SessionCache, SessionState, owner_record
+from services.hooks.sessions import CachedSession, SessionCache, owner_record
 from services.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
 
 
@@ -34,9 +42,11 @@ class Claims:
         keys: Keys,
         tokens: TokenIndex,
         sessions: SessionCache,
+        leases: ExpiryLeases,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
+        self._leases = leases
         self._store = store
         self._keys = keys
         self._tokens = tokens
@@ -58,7 +68,6 @@ class Claims:
         ids.validate_deployment_id(owner.deployment_id)
         ids.validate_id(owner.owner_run_id, "owner_run_id")
         ids.validate_id(owner.instance_id, "instance_id")
-        k = self._keys
         tokens = [ids.inbox_token(session_id)]
         for alias in aliases:
             ids.split_token(alias)
@@ -71,34 +80,17 @@ class Claims:
         owner_raw = owner_now.encode()
         first = _first_entry(first_command)
         head = 0 if first is None else 1
-        txn = (
-            Txn()
-            .require(cmp_absent(k.fence(session_id)), *(cmp_absent(k.token(t)) for t in tokens))
-            .put(k.fence(session_id), fence.value)
-            .put(k.owner(session_id), owner_raw)
-            .put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence.value)
-            .put(k.hooks(session_id), canonical_json(tokens))
-            .put(k.inbox_head(session_id), str(head).encode())
-            # The channel index entry: created with the session, deleted with
-            # its token-index entries (services/anchor/retention.py).
-            .put(
-                k.channel_entry(channel, session_id),
-                ChannelEntry(created_ms=int(self._clock() * 1000)).encode(),
+        created_ms = int(self._clock() * 1000)
+
+        def create_txn(lease: int) -> Txn:
+            return self._create_txn(
+                session_id, owner, channel, tokens, record, first, created_ms, lease
             )
-        )
-        if first is not None:
-            txn.put(k.inbox_entry(session_id, 0), first.SerializeToString())
-            if first.command.delivery.delivery_id:
-                txn.put(k.delivery(session_id, first.command.delivery.delivery_id), b"0")
-        for token in tokens:
-            txn.put(k.token(token), record)
-        txn.read_on_failure("fence", k.fence(session_id))
-        txn.read_on_failure("hooks", k.hooks(session_id))
-        txn.read_on_failure("first", k.inbox_entry(session_id, 0))
-        txn.read_each("tokens", [k.token(t) for t in tokens], on="failure")
-        result = await txn.run(self._store)
+
+        delivery_id = first.command.delivery.delivery_id if first is not None else ""
+        result = await self._leases.run(create_txn, leased=bool(delivery_id))
         if result.succeeded:
-            self._sessions.remember(session_id, SessionState(head, owner_raw, owner_now))
+            self._sessions.remember(session_id, CachedSession(head, owner_raw, owner_now))
             return fence.proto(), tokens, first
         existing = result.value("fence")
         if existing == fence.value:  # a retry of the create that already succeeded
@@ -114,6 +106,50 @@ class Claims:
             )
         check_unclaimed(tokens, result.values("tokens"))
         raise Unavailable(Reason.CONFLICT, "create raced a concurrent change; retry")
+
+    def _create_txn(
+        self,
+        session_id: str,
+        owner: s.OwnerIdentity,
+        channel: str,
+        tokens: list[str],
+        record: bytes,
+        first: s.InboxEntry | None,
+        created_ms: int,
+        lease: int,
+    ) -> Txn:
+        """Compares: no such session, every token unclaimed. Writes the
+        session's records, its index entries and the first entry (its
+        delivery id under the window lease). Reads on failure: what was
+        compared, and entry 0 (a retry's)."""
+        k = self._keys
+        fence = fence_value(1, owner.owner_run_id)
+        txn = (
+            Txn()
+            .require(cmp_absent(k.fence(session_id)), *(cmp_absent(k.token(t)) for t in tokens))
+            .put(k.fence(session_id), fence)
+            .put(k.owner(session_id), owner_record(owner, 1).encode())
+            .put(k.owned(owner.deployment_id, owner.instance_id, session_id), fence)
+            .put(k.hooks(session_id), canonical_json(tokens))
+            .put(k.inbox_head(session_id), b"0" if first is None else b"1")
+            # The channel index entry: created with the session, deleted with
+            # its token-index entries (services/anchor/retention.py).
+            .put(
+                k.channel_entry(channel, session_id),
+                ChannelEntry(created_ms=created_ms).encode(),
+            )
+        )
+        if first is not None:
+            txn.put(k.inbox_entry(session_id, 0), first.SerializeToString())
+            if first.command.delivery.delivery_id:
+                txn.put(k.delivery(session_id, first.command.delivery.delivery_id), b"0", lease)
+        for token in tokens:
+            txn.put(k.token(token), record)
+        txn.read_on_failure("fence", k.fence(session_id))
+        txn.read_on_failure("hooks", k.hooks(session_id))
+        txn.read_on_failure("first", k.inbox_entry(session_id, 0))
+        txn.read_each("tokens", [k.token(t) for t in tokens], on="failure")
+        return txn
 
     async def claim(self, fence: s.Fence, tokens: list[str], channel: str = "") -> list[str]:
         """Claim tokens for the fenced session, all or nothing."""

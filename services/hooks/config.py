@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import Setting, StoreServiceConfig
+from services.common.config import Setting, StoreServiceConfig, as_float
+from services.hooks.expiry import DEFAULT_WINDOW_SECONDS
 
 
 @dataclass(frozen=True)
 class HooksConfig(StoreServiceConfig):
+    # How long a delivery id (and a handoff record) is remembered: a repeat
+    # inside it answers the first receipt (services/hooks/expiry.py).
+    dedupe_window_seconds: float = DEFAULT_WINDOW_SECONDS
+
     @classmethod
     def load(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
@@ -17,5 +22,12 @@ class HooksConfig(StoreServiceConfig):
         listen = Setting(
             "--listen", "BATON_HOOKS_LISTEN", "host:port to serve on", "127.0.0.1:50052"
         )
-        shared, _ = cls.read("services.hooks", listen, (), argv, environ)
-        return cls(**shared)
+        window = Setting(
+            "--dedupe-window",
+            "BATON_DEDUPE_WINDOW",
+            "seconds a delivery id (and a handoff record) is remembered: a repeat inside "
+            "the window answers the first receipt, after it the id is a new command",
+            str(int(DEFAULT_WINDOW_SECONDS)),
+        )
+        shared, values = cls.read("services.hooks", listen, (window,), argv, environ)
+        return cls(**shared, dedupe_window_seconds=as_float(values, "dedupe_window", minimum=1.0))

@@ -4,7 +4,7 @@ introspection (DescribeSession), and the channel index (ListChannelSessions).
 Reads only. Each description is one etcd read transaction inside one
 session's keys plus the index entries pointing at it (its inbox token's
 entry, which names the tenant, and its channel-index entry); a listing is
-one range read of one channel's index (DESIGN.md §10).
+one range read of one channel's index (docs/design.md §10).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.bounds import check_range, check_seq
-from services.common.errors import NotFound, Reason
+from services.common.errors import InvalidArgument, NotFound, Reason
 from services.common.etcd import Store
 from services.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
 from services.common.txn import Txn
@@ -45,6 +45,15 @@ class ChannelPage:
     """One page of a channel's index: (session id, created unix ms) pairs."""
 
     sessions: tuple[tuple[str, int], ...]
+    more: bool
+
+
+@dataclass(frozen=True)
+class IndexPage:
+    """One page of every channel's index: (channel, session id, created
+    unix ms), in (channel, session id) order."""
+
+    sessions: tuple[tuple[str, str, int], ...]
     more: bool
 
 
@@ -122,3 +131,30 @@ class SessionDirectory:
             for kv in result.kvs("page")
         )
         return ChannelPage(sessions, result.more("page"))
+
+    async def list_all_channels(
+        self, after_channel: str, after_session_id: str, limit: int
+    ) -> IndexPage:
+        """Up to `limit` sessions of every channel after (after_channel,
+        after_session_id), in (channel, session id) order: an operator's
+        listing across tenants (one range read of the channel index)."""
+        if bool(after_channel) != bool(after_session_id):
+            raise InvalidArgument(
+                Reason.INVALID_FIELD,
+                "after_channel and after_session_id go together (both set, or both empty)",
+            )
+        if after_channel:
+            ids.validate_channel(after_channel)
+            ids.validate_session_id(after_session_id)
+        check_range(limit, "limit", MAX_LIST_LIMIT, 1)
+        k = self._keys
+        prefix = k.channels_prefix()
+        start = (
+            k.channel_entry(after_channel, after_session_id) + b"\0" if after_channel else prefix
+        )
+        result = await Txn().read("page", start, prefix_end(prefix), limit=limit).run(self._store)
+        sessions = []
+        for kv in result.kvs("page"):
+            channel, _, session_id = kv.key[len(prefix) :].decode().partition("/")
+            sessions.append((channel, session_id, ChannelEntry.decode(kv.value).created_ms))
+        return IndexPage(tuple(sessions), result.more("page"))

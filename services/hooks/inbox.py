@@ -1,9 +1,14 @@
-"""The durable inbox (DESIGN.md §3): appends, and the fenced inbox stream.
+"""The durable inbox (docs/design.md §3): appends, and the fenced inbox stream.
 
 Appends to one session's inbox are group committed inside this process (one
 appender task per session, one txn per batch); the inbox-head compare-and-swap
 is the cross-process fallback. A delivery id repeated inside a batch is
 appended once; one already in the inbox answers with its first receipt.
+
+Delivery ids are remembered for the deduplication window: each `dlv/` key
+is put under this replica's current window lease (`expiry.ExpiryLeases`),
+and etcd deletes it when the lease expires. Inside the window a repeat finds
+the key (compared absent by every append), whichever replica it reaches.
 
 Parking: the append txn also compares the owner record against the cached copy
 (`sessions`, corrected from the failure branch), and while that record says
@@ -15,6 +20,7 @@ exactly for the arrivals after a successful park, with no race against
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,8 +33,10 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Reason, 
 from services.common.etcd import Store, cmp_absent, cmp_value, watch_then_read
 from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
 from services.common.tasks import Background
+from services.common.tracing import check_traceparent
 from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.sessions import SessionCache, SessionState
+from services.hooks.expiry import ExpiryLeases
+from services.hooks.sessions import CachedSession, SessionCache
 from services.hooks.tokens import TokenIndex
 
 MAX_COMMAND_BYTES = 256 * 1024
@@ -49,6 +57,7 @@ def check_command(command: s.Command) -> None:
         )
     if command.delivery.delivery_id:
         ids.validate_id(command.delivery.delivery_id, "delivery_id")
+    check_traceparent(command.delivery.traceparent)
 
 
 @dataclass
@@ -111,12 +120,18 @@ class Inbox:
     """ResumeHook and StreamInbox over one etcd store."""
 
     def __init__(
-        self, store: Store, keys: Keys, tokens: TokenIndex, sessions: SessionCache
+        self,
+        store: Store,
+        keys: Keys,
+        tokens: TokenIndex,
+        sessions: SessionCache,
+        leases: ExpiryLeases,
     ) -> None:
         self._store = store
         self._keys = keys
         self._tokens = tokens
         self._sessions = sessions
+        self._leases = leases
         self._queues: dict[str, _SessionQueue] = {}
         self._background = Background()
 
@@ -173,19 +188,24 @@ class Inbox:
                 return
             state = await self._sessions.state(session_id)
             attempt = _Attempt.of(state.head, batch)
-            result = await self._append_txn(session_id, state, attempt).run(self._store)
+            result = await self._leases.run(
+                functools.partial(self._append_txn, session_id, state, attempt),
+                leased=bool(attempt.delivery_ids),
+            )
             if result.succeeded:
                 state.head = attempt.new_head
-                _settle_appended(session_id, state.owner, attempt)
+                _answer_appended(session_id, state.owner, attempt)
                 return
             batch = self._after_refusal(session_id, batch, attempt, result)
         raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
 
-    def _append_txn(self, session_id: str, state: SessionState, attempt: _Attempt) -> Txn:
+    def _append_txn(
+        self, session_id: str, state: CachedSession, attempt: _Attempt, lease: int
+    ) -> Txn:
         """Compares: the head, not finalized, the owner record as cached, each
         token's entry, each delivery id absent. Writes: the entries, their
-        delivery ids, the new head, and the bell while parked. Reads on
-        failure: all that was compared."""
+        delivery ids (under the window lease), the new head, and the bell
+        while parked. Reads on failure: all that was compared."""
         k, sid = self._keys, session_id
         txn = Txn().require(
             cmp_value(k.inbox_head(sid), str(attempt.head).encode()),
@@ -201,7 +221,7 @@ class Inbox:
             entry = s.InboxEntry(seq=seq, command=item.command, accepted_at=now)
             txn.put(k.inbox_entry(sid, seq), entry.SerializeToString())
             if item.delivery_id:
-                txn.put(k.delivery(sid, item.delivery_id), str(seq).encode())
+                txn.put(k.delivery(sid, item.delivery_id), str(seq).encode(), lease)
         new_head = str(attempt.new_head).encode()
         txn.put(k.inbox_head(sid), new_head)
         if state.owner.parked:
@@ -218,7 +238,7 @@ class Inbox:
     def _after_refusal(
         self, session_id: str, batch: list[_Append], attempt: _Attempt, result: TxnResult
     ) -> list[_Append]:
-        """Learn why the append was refused; settle the commands already
+        """Learn why the append was refused; answer the commands already
         delivered, resubmit those whose token moved, and return the rest to
         try again. Raises when the session is gone or finalized."""
         state = self._sessions.learn(session_id, result.value("head"), result.value("owner"))
@@ -242,7 +262,7 @@ class Inbox:
         for item in batch:
             if item.delivery_id in delivered:
                 seq = delivered[item.delivery_id]
-                _settle(item, _receipt(session_id, state.owner, seq, duplicate=True))
+                _answer(item, _receipt(session_id, state.owner, seq, duplicate=True))
             elif item.token in moved:
                 self._tokens.forget(item.token)
                 self._resubmit(item)
@@ -260,7 +280,7 @@ class Inbox:
                 if not item.future.done():
                     item.future.set_exception(exc)
                 return
-            _settle(item, receipt)
+            _answer(item, receipt)
 
         self._background.spawn(again())
 
@@ -347,16 +367,16 @@ def _receipt(
     )
 
 
-def _settle_appended(session_id: str, owner: OwnerRecord, attempt: _Attempt) -> None:
+def _answer_appended(session_id: str, owner: OwnerRecord, attempt: _Attempt) -> None:
     """Receipts for an append that committed: each command its seq, each
     repeat of a delivery id the seq of its first."""
     seqs = attempt.seqs()
     for item in attempt.appended:
-        _settle(item, _receipt(session_id, owner, seqs[id(item)]))
+        _answer(item, _receipt(session_id, owner, seqs[id(item)]))
     for item, first in attempt.repeats:
-        _settle(item, _receipt(session_id, owner, seqs[id(first)], duplicate=True))
+        _answer(item, _receipt(session_id, owner, seqs[id(first)], duplicate=True))
 
 
-def _settle(item: _Append, receipt: s.Receipt) -> None:
+def _answer(item: _Append, receipt: s.Receipt) -> None:
     if not item.future.done():
         item.future.set_result(receipt)

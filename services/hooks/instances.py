@@ -3,7 +3,7 @@
 An owner instance registers `d/{deployment}/{instance}` under an etcd lease
 that it keeps alive through hooks; when the lease expires the key vanishes and
 the instances of the same deployment take its sessions over. The registry is
-small and global (DESIGN.md §10); bells are per instance (`bell/{instance}/`).
+small and global (docs/design.md §10); bells are per instance (`bell/{instance}/`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ownership (DESIGN.md §5): takeover of a dead instance's sessions, parking,
+"""Ownership (docs/design.md §5): takeover of a dead instance's sessions, parking,
 and the ownership index an instance lists its sessions from.
 
 A takeover is a compare-and-swap of the fence and the owner record with epoch
@@ -25,7 +25,7 @@ from services.common.etcd import Store, cmp_value
 from services.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS
-from services.hooks.sessions import SessionCache, SessionState, owner_record
+from services.hooks.sessions import CachedSession, SessionCache, owner_record
 
 _LIST_CHUNK = 64
 
@@ -63,7 +63,7 @@ class Ownership:
 
         A compare-and-swap of the fence and the owner record: the first caller
         wins; the others get FENCED (FAILED_PRECONDITION, as every fenced
-        refusal, DESIGN.md §2). A replay by the winner (same successor run)
+        refusal, docs/design.md §2). A replay by the winner (same successor run)
         returns the same result. The ownership index moves in the same txn. A
         parked session stays parked when nothing arrived since it parked (no
         bell rang); then the successor need not load it.
@@ -122,7 +122,7 @@ class Ownership:
             if read.value("bell") is not None:
                 txn.delete(k.bell(expected_instance_id, sid))
             if (await txn.run(self._store)).succeeded:
-                self._sessions.remember(sid, SessionState(int(head_raw), new_raw, new_record))
+                self._sessions.remember(sid, CachedSession(int(head_raw), new_raw, new_record))
                 return TakeOver(new.proto(), parked, int(head_raw))
             # Something moved (an arrival, a park) between the read and the txn: again.
         raise Unavailable(Reason.CONFLICT, "takeover kept racing concurrent changes; retry")
@@ -200,7 +200,7 @@ class Ownership:
             result = await txn.run(self._store)
             if result.succeeded:
                 head = int(result.value("head") or b"0")
-                self._sessions.remember(sid, SessionState(head, new_raw, new_record))
+                self._sessions.remember(sid, CachedSession(head, new_raw, new_record))
                 return head
             used_raw = state.owner_raw
             owner.check(result.value("fence"))

@@ -10,11 +10,13 @@ The rooms, each over the same etcd store:
 - `claims.Claims` — CreateSession, ClaimHooks, DisposeHooks;
 - `inbox.Inbox` — ResumeHook (group-committed appends) and StreamInbox;
 - `ownership.Ownership` — takeover, parking, the ownership index;
+- `expiry.ExpiryLeases` (shared with transfers) — the deduplication
+  window's etcd leases, which expire delivery ids and handoff records;
 - `directory.SessionDirectory` — introspection reads (DescribeSession) and
   the channel index (ListChannelSessions).
 
 Every transaction stays inside one session's keys plus the index entries
-pointing at it (token index, ownership index, bell; DESIGN.md §10).
+pointing at it (token index, ownership index, bell; docs/design.md §10).
 Owner instances (`instances.py`) and transfers (`transfer.py`) are rooms of
 their own, beside this one.
 """
@@ -29,7 +31,8 @@ from services.common.errors import NotFound
 from services.common.etcd import Store
 from services.common.keys import Keys, TokenRecord
 from services.hooks.claims import Claims
-from services.hooks.directory import ChannelPage, SessionDirectory, SessionRecord
+from services.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
+from services.hooks.expiry import ExpiryLeases
 from services.hooks.inbox import Inbox
 from services.hooks.ownership import OwnedSession, Ownership, TakeOver
 from services.hooks.sessions import SessionCache
@@ -40,11 +43,12 @@ class HookRegistry:
     """Domain operations of the hooks service over one etcd store; each
     method is one room's."""
 
-    def __init__(self, store: Store, keys: Keys) -> None:
+    def __init__(self, store: Store, keys: Keys, leases: ExpiryLeases) -> None:
+        self.leases = leases
         self.sessions = SessionCache(store, keys)
         self.tokens = TokenIndex(store, keys)
-        self.claims = Claims(store, keys, self.tokens, self.sessions)
-        self.inbox = Inbox(store, keys, self.tokens, self.sessions)
+        self.claims = Claims(store, keys, self.tokens, self.sessions, leases)
+        self.inbox = Inbox(store, keys, self.tokens, self.sessions, leases)
         self.ownership = Ownership(store, keys, self.sessions)
         self.directory = SessionDirectory(store, keys)
 
@@ -113,6 +117,11 @@ class HookRegistry:
 
     async def list_channel(self, channel: str, after_session_id: str, limit: int) -> ChannelPage:
         return await self.directory.list_channel(channel, after_session_id, limit)
+
+    async def list_all_channels(
+        self, after_channel: str, after_session_id: str, limit: int
+    ) -> IndexPage:
+        return await self.directory.list_all_channels(after_channel, after_session_id, limit)
 
     def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
         """A transfer wrote a new owner record (see `SessionCache.owner_moved`)."""

@@ -10,6 +10,8 @@ from services.common.scope import DeploymentScope
 from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
+from services.hooks.expiry import ExpiryLeases
+from services.hooks.fleets import FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.servicer import HookRegistryServicer
@@ -22,8 +24,9 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     # An external cluster's members are judged too: refuse a known-bad release.
     store = await connect_checked(config.etcd)
     keys = Keys(config.etcd.prefix)
-    registry = HookRegistry(store, keys)
-    transfers = Transfers(store, keys, on_moved=registry.owner_moved)
+    leases = ExpiryLeases(store, config.dedupe_window_seconds)
+    registry = HookRegistry(store, keys, leases)
+    transfers = Transfers(store, keys, leases, on_moved=registry.owner_moved)
     instances = InstanceRegistry(store, keys)
     servicer = HookRegistryServicer(
         registry,
@@ -31,6 +34,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         transfers,
         DeploymentScope(store, keys),
         PermitVerifier(config.tls),
+        FleetViews(store, keys),
     )
     server = build_server(
         config.listen,

@@ -19,6 +19,7 @@ from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
 from services.common.server import Context
 from services.hooks.directory import timestamp_ms
+from services.hooks.fleets import Fleet, FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.transfer import Transfers
@@ -52,7 +53,9 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         transfers: Transfers,
         scope: DeploymentScope,
         permits: PermitVerifier,
+        fleets: FleetViews,
     ) -> None:
+        self._fleets = fleets
         self._registry = registry
         self._instances = instances
         self._transfers = transfers
@@ -203,14 +206,29 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ListChannelSessions(
         self, request: pb.ListChannelSessionsRequest, context: Context
     ) -> pb.ListChannelSessionsResponse:
-        if not request.channel:
-            raise InvalidArgument(Reason.MISSING_FIELD, "channel is required")
+        if not _tenant_channel(request.channel):  # an operator's listing across channels
+            every = await self._registry.list_all_channels(
+                request.after_channel, request.after_session_id, request.limit
+            )
+            return pb.ListChannelSessionsResponse(
+                sessions=[
+                    pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms), channel=channel)
+                    for channel, sid, ms in every.sessions
+                ],
+                more=every.more,
+            )
+        if request.after_channel:
+            raise InvalidArgument(
+                Reason.INVALID_FIELD, "after_channel goes with an empty channel only"
+            )
         page = await self._registry.list_channel(
             request.channel, request.after_session_id, request.limit
         )
         return pb.ListChannelSessionsResponse(
             sessions=[
-                pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms))
+                pb.ChannelSession(
+                    session_id=sid, create_time=timestamp_ms(ms), channel=request.channel
+                )
                 for sid, ms in page.sessions
             ],
             more=page.more,
@@ -434,6 +452,37 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             yield pb.WatchBellsResponse(
                 bells=[pb.Bell(session_id=b.session_id, inbox_head=b.inbox_head) for b in bells]
             )
+
+    async def ListDeployments(
+        self, request: pb.ListDeploymentsRequest, context: Context
+    ) -> pb.ListDeploymentsResponse:
+        fleets = await self._fleets.list_all()
+        return pb.ListDeploymentsResponse(deployments=[_deployment_info(f) for f in fleets])
+
+    async def DescribeDeployment(
+        self, request: pb.DescribeDeploymentRequest, context: Context
+    ) -> pb.DescribeDeploymentResponse:
+        structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
+        fleet = await self._fleets.describe(request.deployment_id)
+        return pb.DescribeDeploymentResponse(deployment=_deployment_info(fleet))
+
+
+def _deployment_info(fleet: Fleet) -> pb.DeploymentInfo:
+    return pb.DeploymentInfo(
+        deployment_id=fleet.deployment_id,
+        instances=[
+            pb.InstanceLease(
+                instance=_instance_info(i.record),
+                lease_id=i.lease_id,
+                ttl_seconds=i.ttl_seconds,
+                granted_ttl_seconds=i.granted_ttl_seconds,
+                sessions=i.sessions,
+            )
+            for i in fleet.instances
+        ],
+        sessions=fleet.sessions,
+        sessions_of_gone_instances=fleet.sessions_of_gone_instances,
+    )
 
 
 def _instance_info(record: InstanceRecord) -> pb.InstanceInfo:

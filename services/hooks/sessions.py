@@ -32,7 +32,7 @@ def owner_record(owner: s.OwnerIdentity, epoch: int, parked: bool = False) -> Ow
 
 
 @dataclass(slots=True)
-class SessionState:
+class CachedSession:
     """What this hooks process last saw of a session's head and owner record."""
 
     head: int
@@ -47,9 +47,9 @@ class SessionCache:
         self._store = store
         self._keys = keys
         self._size = size
-        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self._sessions: OrderedDict[str, CachedSession] = OrderedDict()
 
-    async def state(self, session_id: str) -> SessionState:
+    async def state(self, session_id: str) -> CachedSession:
         """The cached head and owner record; read both in one go when unknown."""
         state = self._sessions.get(session_id)
         if state is not None:
@@ -64,7 +64,7 @@ class SessionCache:
         )
         return self.learn(session_id, result.value("head"), result.value("owner"))
 
-    async def refresh(self, session_id: str) -> SessionState:
+    async def refresh(self, session_id: str) -> CachedSession:
         """Read the session again, whatever the cache holds."""
         self._sessions.pop(session_id, None)
         return await self.state(session_id)
@@ -74,7 +74,7 @@ class SessionCache:
         record: cache it, so the next append does not fail its compare first."""
         self.learn(session_id, str(head).encode(), owner_raw)
 
-    def learn(self, session_id: str, head: bytes | None, owner: bytes | None) -> SessionState:
+    def learn(self, session_id: str, head: bytes | None, owner: bytes | None) -> CachedSession:
         """Cache what a read (or a failure branch) returned; NotFound when
         the session is gone."""
         if head is None or owner is None:
@@ -82,12 +82,12 @@ class SessionCache:
             raise NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
         state = self._sessions.get(session_id)
         if state is None or state.owner_raw != owner:
-            state = SessionState(int(head), owner, OwnerRecord.decode(owner))
+            state = CachedSession(int(head), owner, OwnerRecord.decode(owner))
         else:
             state.head = int(head)
         return self.remember(session_id, state)
 
-    def remember(self, session_id: str, state: SessionState) -> SessionState:
+    def remember(self, session_id: str, state: CachedSession) -> CachedSession:
         """Cache what this process just wrote."""
         self._sessions[session_id] = state
         self._sessions.move_to_end(session_id)

@@ -1,5 +1,5 @@
 """The token index: which session a hook token names, who may address it
-(tenancy, DESIGN.md §2), and how many a session may hold.
+(tenancy, docs/design.md §2), and how many a session may hold.
 
 Lookups read etcd; only the inbox append reads this process's cache of index
 entries, because its transaction compares the entry it used (a stale one

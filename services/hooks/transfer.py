@@ -1,11 +1,15 @@
-"""The atomic handoff primitive (DESIGN.md §6, step 3).
+"""The atomic handoff primitive (docs/design.md §6, step 3).
 
 One etcd transaction inside one session's keys moves the whole session — its
 fence, owner record and ownership index entry — to a successor on an exact
 deployment. Tokens map to sessions, not runs, so no token-index entry changes;
 the session's own record of its claim set is what the transaction compares.
 The outcome is recorded under the handoff id in the same transaction, so a
-replay returns the same result and an uncertain outcome can be looked up.
+replay returns the same result and an uncertain outcome can be looked up,
+for the deduplication window: the record is put under the window lease
+(`expiry.py`) and etcd deletes it after that. Later, GetTransfer answers
+NOT_FOUND (TRANSFER_NOT_FOUND) and a replay of the request is refused by the
+fence it names, which moved with the transfer.
 
 Why the session moves decides the one inbox compare: a trigger must be the
 inbox head (the last arrival); a drain must find nothing unprocessed (the
@@ -34,6 +38,7 @@ from services.common.errors import (
 from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_none, cmp_value
 from services.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
+from services.hooks.expiry import ExpiryLeases
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,12 @@ class Transfers:
         self,
         store: Store,
         keys: Keys,
+        leases: ExpiryLeases,
         on_moved: Callable[[str, int, bytes], None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
+        self._leases = leases
         self._on_moved = on_moved  # (session, inbox head, new owner record)
 
     async def transfer(
@@ -141,36 +148,42 @@ class Transfers:
             epoch=moved_to.epoch,
         )
         claimed = canonical_json(list(hooks))
-        txn = Txn().require(
-            owner.compare(k),
-            cmp_value(k.hooks(sid), claimed),
-            cmp_mod(k.snapshot(sid), snapshot_revision),
-            cmp_absent(k.closed(sid)),
-            cmp_absent(k.transfer(sid, handoff_id)),
-        )
-        if head is not None:
-            txn.require(cmp_value(k.inbox_head(sid), str(head).encode()))
-        old_fleet = k.deployment_prefix(expected_owner.deployment_id)
-        if reason == s.TRANSFER_REASON_ADOPTION:
-            # No permit can come from a fleet that is gone: what allows an
-            # adoption is that the session's deployment has no live instance.
-            txn.require(cmp_none(old_fleet, prefix_end(old_fleet)))
-            txn.read_on_failure("live", old_fleet, prefix_end(old_fleet), keys_only=True, limit=1)
-        txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
-        old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
-        new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
-        if old_index != new_index:  # (one txn may not name a key twice)
-            txn.delete(old_index)
-        txn.put(new_index, moved_to.value)
-        txn.delete(k.bell(expected_owner.instance_id, sid))
-        txn.put(k.transfer(sid, handoff_id), outcome.encode())
-        txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
-        txn.read_on_failure("fence", k.fence(sid))
-        txn.read_on_failure("hooks", k.hooks(sid))
-        txn.read_on_failure("head", k.inbox_head(sid))
-        txn.read_on_failure("closed", k.closed(sid))
-        txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
-        result = await txn.run(self._store)
+
+        def transfer_txn(lease: int) -> Txn:
+            txn = Txn().require(
+                owner.compare(k),
+                cmp_value(k.hooks(sid), claimed),
+                cmp_mod(k.snapshot(sid), snapshot_revision),
+                cmp_absent(k.closed(sid)),
+                cmp_absent(k.transfer(sid, handoff_id)),
+            )
+            if head is not None:
+                txn.require(cmp_value(k.inbox_head(sid), str(head).encode()))
+            old_fleet = k.deployment_prefix(expected_owner.deployment_id)
+            if reason == s.TRANSFER_REASON_ADOPTION:
+                # No permit can come from a fleet that is gone: what allows an
+                # adoption is that the session's deployment has no live instance.
+                txn.require(cmp_none(old_fleet, prefix_end(old_fleet)))
+                txn.read_on_failure(
+                    "live", old_fleet, prefix_end(old_fleet), keys_only=True, limit=1
+                )
+            txn.put(k.fence(sid), moved_to.value).put(k.owner(sid), record.encode())
+            old_index = k.owned(expected_owner.deployment_id, expected_owner.instance_id, sid)
+            new_index = k.owned(successor.deployment_id, successor.instance_id, sid)
+            if old_index != new_index:  # (one txn may not name a key twice)
+                txn.delete(old_index)
+            txn.put(new_index, moved_to.value)
+            txn.delete(k.bell(expected_owner.instance_id, sid))
+            txn.put(k.transfer(sid, handoff_id), outcome.encode(), lease)
+            txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
+            txn.read_on_failure("fence", k.fence(sid))
+            txn.read_on_failure("hooks", k.hooks(sid))
+            txn.read_on_failure("head", k.inbox_head(sid))
+            txn.read_on_failure("closed", k.closed(sid))
+            txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
+            return txn
+
+        result = await self._leases.run(transfer_txn)
         if result.succeeded:
             if self._on_moved is not None and head is not None:
                 self._on_moved(sid, head, record.encode())
@@ -212,7 +225,9 @@ class Transfers:
         value = result.value("transfer")
         if value is None:
             raise NotFound(
-                Reason.TRANSFER_NOT_FOUND, f"no transfer {handoff_id} of session {session_id}"
+                Reason.TRANSFER_NOT_FOUND,
+                f"no transfer {handoff_id} of session {session_id} (a handoff record is "
+                f"kept for the deduplication window, {self._leases.window_seconds:g} s)",
             )
         return TransferOutcome.decode(session_id, value)
 

@@ -5,4 +5,4 @@ from services.ingress.config import IngressConfig
 from services.ingress.server import create_server
 
 if __name__ == "__main__":
-    run_main(IngressConfig.load, create_server)
+    run_main(IngressConfig.load, create_server, service="ingress")

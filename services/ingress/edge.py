@@ -35,7 +35,7 @@ _REFUSED = metrics.SENDS.labels("refused")
 def session_not_found(session_id: str) -> NotFound:
     """The one answer for a session id the caller's channel cannot address,
     whether it does not exist or belongs to another channel (Google AIP-211:
-    no existence leak; see README)."""
+    no existence leak; see docs/security.md "Existence")."""
     return NotFound(Reason.SESSION_NOT_FOUND, f"session {session_id} not found")
 
 

@@ -1,4 +1,4 @@
-"""Session introspection at the edge (DESIGN.md §14): GetSession and
+"""Session introspection at the edge (docs/design.md §14): GetSession and
 ListSessions for the caller's channel.
 
 A view is gathered from what is already stored: anchor's last committed
@@ -36,6 +36,9 @@ from services.ingress.edge import session_not_found
 RECENT_EVENTS = 16
 """Events read back from the stream head: the latest one dates the last
 commit and tells a stall; the latest failure among them is reported."""
+
+ANY_CHANNEL = ""
+"""`SessionViews.gather`'s channel for an operator: every channel."""
 
 LIST_CONCURRENCY = 16
 """Sessions of one ListSessions page gathered at once."""
@@ -153,6 +156,7 @@ def build_view(
         session.pending_inputs.extend(snapshot.open_turn.pending_inputs)
         session.pending_authorizations.extend(snapshot.open_turn.pending_authorizations)
         session.children.extend(snapshot.handles)
+        session.last_trace_id = snapshot.last_trace_id
         if snapshot.HasField("timeout") and snapshot.timeout.HasField("deadline"):
             session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
     session.inbox_depth = max(0, described.inbox_head - consumed)
@@ -205,13 +209,16 @@ class SessionViews:
         self._clock = clock
 
     async def gather(self, channel: str, session_id: str) -> Gathered:
-        """One session of `channel`; NotFound when missing or another's."""
+        """One session of `channel`; NotFound when missing or another's.
+        ANY_CHANNEL ("") is an operator's view (the CLI, with the operator
+        certificate): the session of whichever channel; a tenant's call
+        always names its authenticated channel."""
         ids.validate_session_id(session_id)
         try:
             snapshot: s.SessionSnapshot | None = await self._anchor.snapshot(session_id)
         except NotFound:
             snapshot = None  # no commit yet: what hooks knows is all there is
-        if snapshot is not None and snapshot.channel != channel:
+        if channel != ANY_CHANNEL and snapshot is not None and snapshot.channel != channel:
             raise session_not_found(session_id)
         consumed = snapshot.inbox_next_seq if snapshot is not None else 0
         try:

@@ -1,4 +1,4 @@
-"""Retiring a deployment strands nothing (DESIGN.md §13, issue 12).
+"""Retiring a deployment strands nothing (docs/design.md §13, issue 12).
 
 Only a live owner of a session's own deployment reads its inbox. When this
 ingress accepts a command for a session whose deployment has no live owner

@@ -5,4 +5,4 @@ from services.owner.config import OwnerConfig
 from services.owner.server import create_server
 
 if __name__ == "__main__":
-    run_main(OwnerConfig.load, create_server)
+    run_main(OwnerConfig.load, create_server, service="owner")

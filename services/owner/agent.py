@@ -1,5 +1,5 @@
 """What authored agent code provides: instructions, a model adapter, tools,
-and the child sessions it may start (DESIGN.md §11).
+and the child sessions it may start (docs/design.md §11).
 
 An agent belongs to a deployment: the owner builds it from its own code with
 `load_agent(spec, deployment_id)`, where spec is `module:factory` and the

@@ -1,4 +1,4 @@
-"""Child-session rules (DESIGN.md §11), as a layer of `SessionState`
+"""Child-session rules (docs/design.md §11), as a layer of `SessionState`
 (turns.py): what a step's child-starting tool call asks for, recording the
 work given to a child, applying a child's report to its parent, cancelling
 the children of a cancelled turn, and — in a child — the reports it owes
@@ -90,8 +90,8 @@ class ChildRules(HeldSession):
             and bool(send.text.strip())
         )
 
-    def judge(self, entry: s.InboxEntry) -> h.Judgement:
-        return self.handles.judge(
+    def report_judgement(self, entry: s.InboxEntry) -> h.Judgement:
+        return self.handles.judge_report(
             self.identity.fence.session_id, self.turn_id, entry.command.task_result
         )
 
@@ -119,10 +119,7 @@ class ChildRules(HeldSession):
             if evicted is not None:
                 # The least recently used idle child makes room: finalized.
                 parent = self.identity.fence.session_id
-                command = s.Command(
-                    delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
-                    reset=s.ResetCommand(reason=f"session {parent} holds too many children"),
-                )
+                command = h.child_control(parent, f"session {parent} holds too many children")
                 self.outgoing.append((evicted.child_session_id, command))
                 handle = self.handles.find(work.child_session_id) or handle
         events.append(
@@ -218,7 +215,7 @@ class ChildRules(HeldSession):
         """Apply a child's report (not a rejected one) and consume it. For
         AWAITED the waiting tool call gets the result; for ADMIT it joins
         the open turn (a caller with no open turn starts one first)."""
-        judgement = self.judge(entry)
+        judgement = self.report_judgement(entry)
         handle = judgement.handle
         verdict = judgement.verdict
         assert handle is not None and verdict is not Verdict.REJECT
@@ -256,8 +253,8 @@ class ChildRules(HeldSession):
                     waiting_session_id=where,
                 )
             return verdict
-        if verdict is Verdict.SETTLE:
-            self.handles.settle(handle)
+        if verdict is Verdict.FINALIZED:
+            self.handles.mark_finalized(handle)
             return verdict
         call_id = handle.tool_call_id
         h.add_usage(self.snapshot.usage, report.usage)
@@ -316,9 +313,8 @@ class ChildRules(HeldSession):
                 self.record_result(result, events)
                 handle.tool_call_id = ""
             parent = self.identity.fence.session_id
-            command = s.Command(
-                delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent}:{handle.work}"),
-                cancel=s.CancelCommand(reason=f"the turn of session {parent} was cancelled"),
+            command = h.child_control(
+                parent, f"the turn of session {parent} was cancelled", cancel_work=handle.work
             )
             self.outgoing.append((handle.child_session_id, command))
 

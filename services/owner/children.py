@@ -1,9 +1,9 @@
-"""Child sessions, the I/O (DESIGN.md §11; the rules are in handles.py and
+"""Child sessions, the I/O (docs/design.md §11; the rules are in handles.py and
 turns.py): where a child is created, how work and controls reach it, and how
 its reports reach its parent. Every delivery is an inbox append through
 hooks (`ResumeHook`) with a delivery id derived from what it carries, so a
 repeat (a step run again, a run restarted) is appended once; no transaction
-ever spans a parent and a child (DESIGN.md §10).
+ever spans a parent and a child (docs/design.md §10).
 
 Placement: a child is created on the parent's deployment, on another live
 instance of it when there is one (chosen by a hash of the child's id), so one
@@ -15,25 +15,21 @@ deployment keeps addressing it by its id.
 
 from __future__ import annotations
 
-import asyncio
-import time
-import zlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
-from services.common.clients import HooksClient, OwnerClient, StartedSession
+from services.common import failpoints, ids, retry
+from services.common.clients import HooksClient, OwnerInstance, StartedSession
 from services.common.errors import BatonError, FailedPrecondition, NotFound
+from services.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.children")
 
-REGISTRY_CACHE_SECONDS = 5.0
 START_CALL_SECONDS = 10.0
-DELIVERY_RETRY_MAX_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -60,8 +56,20 @@ class ChildStart:
         )
 
 
-StartLocal = Callable[[ChildStart], Awaitable[StartedSession]]
-Offer = Callable[[str, s.InboxEntry], None]
+class LocalOwner(Protocol):
+    """What `Children` needs of the owner instance it works for (`OwnerHost`):
+    the one callable interface left between them, because a child may be
+    started on this very instance, and a delivery to a session that runs
+    here is handed to its run at once. Both are downward for the host, which
+    owns the runs; `Children` never holds a run."""
+
+    async def start_child(self, start: ChildStart) -> StartedSession:
+        """Create and run the child session on this instance."""
+        ...
+
+    def offer(self, session_id: str, entry: s.InboxEntry) -> None:
+        """An entry just appended to `session_id`'s inbox by this process."""
+        ...
 
 
 class Children:
@@ -73,37 +81,26 @@ class Children:
         deployment_id: str,
         instance_id: str,
         hooks: HooksClient,
-        start_local: StartLocal,
-        offer: Offer | None = None,
+        local: LocalOwner,
     ) -> None:
         self.deployment_id = deployment_id
         self.instance_id = instance_id
         self._hooks = hooks
-        self._start_local = start_local
-        self._offer = offer
-        self._peers: dict[str, OwnerClient] = {}
-        self._instances: tuple[float, list[tuple[str, str]]] = (0.0, [])
+        self._local = local
+        self._peers = Peers(hooks, call_seconds=START_CALL_SECONDS)
 
     async def close(self) -> None:
-        for peer in self._peers.values():
-            await peer.close()
-        self._peers.clear()
+        await self._peers.close()
 
-    async def _live_peers(self) -> list[tuple[str, str]]:
-        """(instance id, address) of the other live instances (cached)."""
-        expires, peers = self._instances
-        if expires > time.monotonic():
-            return peers
+    async def _live_peers(self) -> list[OwnerInstance]:
+        """The other live instances of this deployment, in a stable order."""
         try:
-            live = await self._hooks.list_instances(self.deployment_id)
+            live = await self._peers.instances(self.deployment_id)
         except BatonError as exc:
             log.info("instance lookup failed; starting children here", reason=exc.reason)
             return []
-        peers = sorted(
-            (i.instance_id, i.address) for i in live if i.instance_id != self.instance_id
-        )
-        self._instances = (time.monotonic() + REGISTRY_CACHE_SECONDS, peers)
-        return peers
+        others = [i for i in live if i.instance_id != self.instance_id]
+        return sorted(others, key=lambda i: (i.instance_id, i.address))
 
     async def start(
         self, child_session_id: str, channel: str, parent: s.ParentLink, work: s.Command
@@ -114,39 +111,34 @@ class Children:
         start = ChildStart(child_session_id, self.deployment_id, channel, parent, work)
         peers = await self._live_peers()
         if peers:
-            instance_id, address = peers[zlib.crc32(child_session_id.encode()) % len(peers)]
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self._peers[address] = OwnerClient(
-                    address, timeout=START_CALL_SECONDS, security=self._hooks.security
-                )
+            chosen = place(child_session_id, peers)
             try:
-                started = await peer.start_session(start.request())
+                started = await self._peers.client(chosen.address).start_session(start.request())
                 return started.first_command_appended
             except BatonError as exc:
                 if not exc.retryable:
                     raise
                 # The peer may be gone: start it here (the registry catches up).
-                self._instances = (0.0, [])
+                self._peers.forget(self.deployment_id)
                 log.info(
                     "peer could not start a child; starting it here",
-                    peer_instance_id=instance_id,
+                    peer_instance_id=chosen.instance_id,
                     child_session_id=child_session_id,
                     reason=exc.reason,
                 )
-        return (await self._start_local(start)).first_command_appended
+        return (await self._local.start_child(start)).first_command_appended
 
     async def send(self, session_id: str, command: s.Command) -> s.Receipt:
         """Append `command` to the inbox of `session_id` (a child, or a
         parent), retrying transient failures with the same delivery id; a run
         of that session in this process gets it at once. Raises what cannot
         succeed (the session finalized or gone)."""
-        backoff = 0.05
+        backoff = retry.DELIVERY.backoff()
         while True:
             try:
                 receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
-                if self._offer is not None and not receipt.duplicate:
-                    self._offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
+                if not receipt.duplicate:
+                    self._local.offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
                 return receipt
             except BatonError as exc:
                 if not exc.retryable:
@@ -157,8 +149,7 @@ class Children:
                     delivery_id=command.delivery.delivery_id,
                     reason=exc.reason,
                 )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, DELIVERY_RETRY_MAX_SECONDS)
+            await backoff.wait()
 
     async def send_control(self, session_id: str, command: s.Command) -> None:
         """A cancel or reset for a child: one that is finalized or gone needs none."""

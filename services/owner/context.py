@@ -1,4 +1,4 @@
-"""What the model sees of a session's history (DESIGN.md §4).
+"""What the model sees of a session's history (docs/design.md §4).
 
 The history is appended as entries of their own (one per index) by the
 commits that add them; the snapshot keeps only its head (`HistoryLog`). A

@@ -16,7 +16,7 @@ Scripted behaviour of its model, by the last message it sees:
 - "big <kib>"               -> a `big` tool call whose result is <kib> KiB of text;
 - "say <kib>"               -> an answer of <kib> KiB of text;
 - compaction instructions   -> "<N> messages about: <first user message>".
-Child sessions (DESIGN.md §11):
+Child sessions (docs/design.md §11):
 - "ask <agent> <prompt>"    -> asks the subagent (`helper`, or `planner`, which
                                can ask `helper` itself; `nobody` names none); the
                                turn waits for the reply;
@@ -463,3 +463,23 @@ def build_crash_on_load_agent(deployment_id: str) -> Agent:
     """The fixture agent whose authored code raises whenever a session loads:
     every run fails until the restart budget is spent."""
     return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load)
+
+
+class LoadRefusal:
+    """The cause of a stall that an operator can fix (tests of
+    `baton sessions resume`): while `refusing`, the agent of
+    `build_refuse_load_until_fixed_agent` raises on every load, as
+    `build_crash_on_load_agent` does; set it False to fix the cause."""
+
+    refusing = True
+
+
+def _refuse_to_load_until_fixed(snapshot: s.SessionSnapshot) -> None:
+    if LoadRefusal.refusing:
+        _refuse_to_load(snapshot)
+
+
+def build_refuse_load_until_fixed_agent(deployment_id: str) -> Agent:
+    """The fixture agent whose sessions fail to load until
+    `LoadRefusal.refusing` is set False (in the owner's process)."""
+    return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load_until_fixed)

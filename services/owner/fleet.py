@@ -1,4 +1,4 @@
-"""One owner instance in its deployment's fleet (DESIGN.md §5).
+"""One owner instance in its deployment's fleet (docs/design.md §5).
 
 - Membership: registers `d/{deployment}/{instance}` under an etcd lease through
   hooks and keeps the lease alive every TTL/3. A keep-alive answering TTL 0
@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from services.common import retry
 from services.common.clients import HooksClient, OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
 from services.common.tasks import Background
@@ -40,8 +41,6 @@ log = structlog.get_logger("baton.owner.fleet")
 
 ADOPT_CONCURRENCY = 32
 ADOPT_ROUNDS = 20
-BACKOFF_FIRST = 0.1
-BACKOFF_MAX = 2.0
 DEREGISTER_SECONDS = 2.0
 
 
@@ -106,7 +105,7 @@ class FleetMembership:
     # -- membership ---------------------------------------------------------------
 
     async def _join(self) -> None:
-        backoff = BACKOFF_FIRST
+        backoff = retry.FLEET.backoff()
         while True:
             try:
                 registered = await self.hooks.register_instance(
@@ -117,9 +116,9 @@ class FleetMembership:
                 if not exc.retryable:
                     self._log.error("registration refused", reason=exc.reason, error=exc.message)
                     raise
-                self._log.warning("registration retry", reason=exc.reason, backoff_s=backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+                pause = backoff.next_delay()
+                self._log.warning("registration retry", reason=exc.reason, backoff_s=pause)
+                await asyncio.sleep(pause)
         self.lease_id = registered.lease_id
         self._log.info("registered", lease_id=self.lease_id, ttl_s=registered.ttl_seconds)
         self._spawn(self._keep_alive())
@@ -157,7 +156,7 @@ class FleetMembership:
 
     async def _watch_instances(self) -> None:
         live: set[str] | None = None
-        backoff = BACKOFF_FIRST
+        backoff = retry.FLEET.backoff()
         while True:
             try:
                 async for change in self.hooks.watch_instances(self.deployment_id):
@@ -169,11 +168,10 @@ class FleetMembership:
                     dead.discard(self.instance_id)
                     for instance_id in sorted(dead):
                         self._schedule_adoption(instance_id)
-                    backoff = BACKOFF_FIRST
+                    backoff.reset()
             except BatonError as exc:
                 self._log.warning("instance watch interrupted", reason=exc.reason)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            await backoff.wait()
 
     def _schedule_adoption(self, instance_id: str) -> None:
         if instance_id in self._adopting:
@@ -196,14 +194,13 @@ class FleetMembership:
         """Take over every session indexed under `instance_id`, until none is
         left there (the others' wins leave the index too)."""
         bound = self._log.bind(dead_instance_id=instance_id)
-        backoff = BACKOFF_FIRST
+        backoff = retry.FLEET.backoff()
         for _ in range(ADOPT_ROUNDS):
             try:
                 owned = await self.hooks.list_instance_sessions(self.deployment_id, instance_id)
             except BatonError as exc:
                 bound.warning("listing sessions failed", reason=exc.reason)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                await backoff.wait()
                 continue
             if instance_id == self.instance_id:
                 # Our own index lists what this process already took over
@@ -223,8 +220,7 @@ class FleetMembership:
                 return
             bound.info("takeover round done", won=won, listed=len(owned))
             if not won:  # lost every race or failed: let the index settle
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                await backoff.wait()
         # Tried again by the reconciler, until nothing is left there (our own
         # id is the reconciler's own business: two sightings first).
         if instance_id != self.instance_id:
@@ -314,14 +310,13 @@ class FleetMembership:
     # -- bells ----------------------------------------------------------------------
 
     async def _watch_bells(self) -> None:
-        backoff = BACKOFF_FIRST
+        backoff = retry.FLEET.backoff()
         while True:
             try:
                 async for bells in self.hooks.watch_bells(self.instance_id):
                     for bell in bells:
                         self.host.ring(bell.session_id, bell.inbox_head)
-                    backoff = BACKOFF_FIRST
+                    backoff.reset()
             except BatonError as exc:
                 self._log.warning("bell watch interrupted", reason=exc.reason)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            await backoff.wait()

@@ -1,4 +1,4 @@
-"""Child sessions as their parent sees them (DESIGN.md §11): handles, what a
+"""Child sessions as their parent sees them (docs/design.md §11): handles, what a
 child's report means, eligibility for a handoff, budgets given to a child.
 Pure: no I/O. `SessionState` (turns.py) turns these into events and context;
 `SessionRun` (session.py) does the deliveries.
@@ -19,7 +19,7 @@ or its finalization (FINALIZED). What a report means depends on the handle:
   or starts a turn when the parent is idle (ADMIT);
 - its turn is gone (cancelled, failed): recorded on the stream only (RECORD);
 - a wait: shown on the parent's stream, answered at the child (SURFACE);
-- the finalization of a child that was not working: settles it (SETTLE);
+- the finalization of a child that was not working: its handle is SETTLED (FINALIZED);
 - anything else (an unknown child, another parent's child, a result for work
   that is not running) changes nothing and is rejected with a reason.
 """
@@ -57,7 +57,7 @@ class Verdict(enum.Enum):
     ADMIT = "admit"  # a background result: joins the open turn, or starts one
     RECORD = "record"  # its turn is gone: on the stream only
     SURFACE = "surface"  # a wait of the child, shown on the parent's stream
-    SETTLE = "settle"  # a child that was not working finalized
+    FINALIZED = "finalized"  # a child that was not working finalized
     REJECT = "reject"  # changes nothing; a command.rejected says why
 
 
@@ -111,7 +111,7 @@ class Handles:
     def busy(self) -> bool:
         """A child works for this session (a running task, an active subagent
         turn or workflow tool, a child waiting on a human): not idle, so a
-        delivery from another deployment is processed here (DESIGN.md §6)."""
+        delivery from another deployment is processed here (docs/design.md §6)."""
         return any(h.state == RUNNING for h in self._snapshot.handles)
 
     def awaited(self, turn_id: str) -> list[s.ChildHandle]:
@@ -151,7 +151,7 @@ class Handles:
             return None
         evicted = s.ChildHandle()
         evicted.CopyFrom(idle)
-        self.settle(idle)
+        self.mark_finalized(idle)
         return evicted
 
     def _to_end(self, handle: s.ChildHandle) -> s.ChildHandle:
@@ -222,7 +222,7 @@ class Handles:
 
     # -- reports ---------------------------------------------------------------
 
-    def judge(self, session_id: str, turn_id: str, report: s.TaskResultCommand) -> Judgement:
+    def judge_report(self, session_id: str, turn_id: str, report: s.TaskResultCommand) -> Judgement:
         """What `report` means for this session, whose open turn is `turn_id`."""
         child = report.child_session_id
         if report.parent_session_id and report.parent_session_id != session_id:
@@ -249,7 +249,7 @@ class Handles:
                     f"child session {child} is settled already",
                 )
             if handle.state != RUNNING:
-                return Judgement(Verdict.SETTLE, handle)
+                return Judgement(Verdict.FINALIZED, handle)
             return Judgement(self._outcome(handle, turn_id), handle)
         running = handle.state == RUNNING and report.work == handle.work
         if status == s.TASK_STATUS_WAITING and running:
@@ -284,7 +284,7 @@ class Handles:
         handle.tool_call_id = ""
         handle.detached = handle.waiting = False
 
-    def settle(self, handle: s.ChildHandle) -> None:
+    def mark_finalized(self, handle: s.ChildHandle) -> None:
         """The child finalized (`handle` is not to be used after this)."""
         handle.state = SETTLED
         handle.tool_call_id = ""
@@ -305,7 +305,7 @@ class Handles:
                 cancelled.append(handle)
         return cancelled
 
-    def settle_all(self) -> list[s.ChildHandle]:
+    def finalize_all(self) -> list[s.ChildHandle]:
         """The session finalizes: every child that is not settled yet is to
         be finalized too. Returns them (settled here)."""
         ending = [h for h in self._snapshot.handles if h.state != SETTLED]
@@ -329,6 +329,24 @@ class Handles:
 
 
 # -- budgets -------------------------------------------------------------------
+
+
+def child_control(
+    parent_session_id: str, reason: str, *, cancel_work: int | None = None
+) -> s.Command:
+    """The one builder of a parent's controls for a child: a reset, or with
+    `cancel_work` a cancel of that piece of work. The delivery id is derived
+    from the parent (and the work cancelled), so a control sent again after
+    a crash is appended to the child's inbox once."""
+    if cancel_work is not None:
+        return s.Command(
+            delivery=s.DeliveryMetadata(delivery_id=f"cancel:{parent_session_id}:{cancel_work}"),
+            cancel=s.CancelCommand(reason=reason),
+        )
+    return s.Command(
+        delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent_session_id}"),
+        reset=s.ResetCommand(reason=reason),
+    )
 
 
 def add_usage(total: s.Usage, step: s.Usage) -> None:

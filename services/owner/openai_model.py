@@ -1,10 +1,14 @@
 """A model adapter for an OpenAI-compatible chat-completions endpoint.
 
-`OpenAIChatModel` implements `services.owner.agent.ModelAdapter` by POSTing the
-session history to `{base_url}/chat/completions`. Every request has a timeout;
-429, 5xx, connection errors and timeouts are retried with exponential backoff
-(a `Retry-After` header is honoured, capped); any other failure raises
-`ModelError` at once.
+`OpenAIChatModel` implements `services.owner.agent.ModelAdapter` by sending the
+session history to `{base_url}/chat/completions` with the official `openai`
+client (its 3.x line, on httpx2). Every request has a timeout; 429, 5xx,
+connection errors and timeouts are retried here with exponential backoff (a
+`Retry-After` header is honoured, capped), and the client's own retries are
+off (`max_retries=0`) so that the two never stack; any other failure raises
+`ModelError` at once. The reply is read from the raw response, so that a
+reply the client's types would refuse still gets this module's safe,
+specific summary.
 
 An owner selects it with `BATON_AGENT=services.owner.openai_model:build_agent`
 and configures it from the environment (see `build_agent`).
@@ -20,10 +24,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
+import openai
 import structlog
 
 from baton.session.v1 import session_pb2 as s
+from services.common import tracing
 from services.owner.agent import Agent, ModelRejected, ModelReply, RequestedCall, Tool
 from services.owner.fixture import TOOLS
 
@@ -96,7 +101,7 @@ class OpenAIChatModel:
         backoff_base: float = 0.5,
         price_input_micros_per_1k: int = 0,
         price_output_micros_per_1k: int = 0,
-        client: httpx.AsyncClient | None = None,
+        client: openai.AsyncOpenAI | None = None,
         *,
         max_backoff: float = 30.0,
     ) -> None:
@@ -121,9 +126,7 @@ class OpenAIChatModel:
         self.max_backoff = max_backoff
         self.price_input_micros_per_1k = price_input_micros_per_1k
         self.price_output_micros_per_1k = price_output_micros_per_1k
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._api_key = api_key
         # An injected client belongs to the caller; one made here is made lazily
         # (inside the running event loop) and closed by `aclose`.
         self._client = client
@@ -135,14 +138,22 @@ class OpenAIChatModel:
     async def aclose(self) -> None:
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await client.close()
 
     async def complete(
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
     ) -> ModelReply:
         payload = self.request_body(instructions, history, tools)
         data = await self._post(payload)
-        return self.parse_reply(data)
+        reply = self.parse_reply(data)
+        attributes: dict[str, str | int | bool] = {
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": self.model,
+            "gen_ai.usage.input_tokens": reply.input_tokens,
+            "gen_ai.usage.output_tokens": reply.output_tokens,
+        }
+        tracing.annotate(**attributes)  # on the owner's `chat` span, while tracing is on
+        return reply
 
     # -- request ------------------------------------------------------------
 
@@ -168,22 +179,29 @@ class OpenAIChatModel:
             ]
         return body
 
+    def _open(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(
+                base_url=self.base_url,
+                # A keyless endpoint: the client wants a key, and each request
+                # then omits the Authorization header (`_post`).
+                api_key=self._api_key or "unused",
+                timeout=self.timeout,
+                max_retries=0,  # retried here, with Baton's backoff and caps
+            )
+        return self._client
+
     async def _post(self, payload: dict[str, Any]) -> Any:
-        client = self._client
-        if client is None:
-            client = self._client = httpx.AsyncClient()
-        content = json.dumps(payload).encode()
+        client = self._open()
+        headers: dict[str, Any] = {} if self._api_key else {"Authorization": openai.Omit()}
         attempts = self.max_retries + 1
         for attempt in range(1, attempts + 1):
             retry_after: float | None = None
             try:
-                response = await client.post(
-                    self.url,
-                    content=content,
-                    headers=self._headers,
-                    timeout=httpx.Timeout(self.timeout),
+                raw = await client.chat.completions.with_raw_response.create(
+                    **payload, extra_headers=headers, timeout=self.timeout
                 )
-            except httpx.TimeoutException as exc:
+            except openai.APITimeoutError as exc:
                 if attempt == attempts:
                     raise ModelTimeout(
                         f"model request timed out after {self.timeout}s "
@@ -191,42 +209,42 @@ class OpenAIChatModel:
                         attempts=attempt,
                         detail=f"POST {self.url}",
                     ) from exc
-                reason = f"timeout ({type(exc).__name__})"
-            except httpx.TransportError as exc:
+                reason = "timeout"
+            except openai.APIConnectionError as exc:
+                failure = type(exc.__cause__ or exc).__name__
                 if attempt == attempts:
                     raise ModelError(
                         f"model request failed after {attempts} "
-                        f"attempt{'s' if attempts != 1 else ''}: {type(exc).__name__}",
+                        f"attempt{'s' if attempts != 1 else ''}: {failure}",
                         attempts=attempt,
-                        detail=f"POST {self.url}: {type(exc).__name__}: {exc}",
+                        detail=f"POST {self.url}: {failure}: {exc.__cause__ or exc}",
                     ) from exc
-                reason = f"transport error ({type(exc).__name__})"
-            else:
-                status = response.status_code
-                if status < 300:
-                    try:
-                        return response.json()
-                    except ValueError as exc:
-                        raise ModelError(
-                            f"model endpoint returned invalid JSON (HTTP {status})",
-                            status=status,
-                            body=_excerpt(response.text),
-                            attempts=attempt,
-                        ) from exc
+                reason = f"transport error ({failure})"
+            except openai.APIStatusError as exc:
+                status = exc.status_code
                 retryable = status == 429 or status >= 500
                 if not retryable or attempt == attempts:
-                    body = _excerpt(response.text)
                     tried = f" after {attempt} attempts" if attempt > 1 else ""
                     error = ModelError if retryable else ModelRequestRejected
                     raise error(
                         f"model endpoint returned HTTP {status}{tried}",
                         status=status,
-                        body=body,
+                        body=_excerpt(exc.response.text),
                         attempts=attempt,
                         detail=f"POST {self.url}",
-                    )
+                    ) from exc
                 reason = f"HTTP {status}"
-                retry_after = _retry_after(response.headers)
+                retry_after = _retry_after(exc.response.headers)
+            else:
+                try:
+                    return json.loads(raw.http_response.text)
+                except ValueError as exc:
+                    raise ModelError(
+                        f"model endpoint returned invalid JSON (HTTP {raw.status_code})",
+                        status=raw.status_code,
+                        body=_excerpt(raw.http_response.text),
+                        attempts=attempt,
+                    ) from exc
             delay = self._delay(attempt, retry_after)
             log.warning(
                 "model request failed; retrying",
@@ -343,7 +361,7 @@ def _tool_name(name: str) -> str:
     return repr(name[:64])
 
 
-def _retry_after(headers: httpx.Headers) -> float | None:
+def _retry_after(headers: Mapping[str, str]) -> float | None:
     """Retry-After as seconds (delta-seconds or an HTTP date), if present and sensible."""
     value = headers.get("retry-after")
     if not value:

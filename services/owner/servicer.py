@@ -16,8 +16,8 @@ from services.common.clients import StartedSession
 from services.common.errors import PermissionDenied, Reason
 from services.common.identity import Role
 from services.common.server import Context
+from services.owner.acceptance import HandoffOffer
 from services.owner.children import ChildStart
-from services.owner.handoff import HandoffOffer
 from services.owner.host import OwnerHost
 
 
@@ -25,7 +25,8 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
     """Role checks are the interceptor's. Sessions start here, and orphans are
     adopted here, only at the request of this deployment's own ingress (child
     sessions: of this deployment's own owners); a handoff comes from the
-    owner its request names as the current one; a drain is an operator's."""
+    owner its request names as the current one; a drain and a resume are an
+    operator's."""
 
     def __init__(self, host: OwnerHost) -> None:
         self._host = host
@@ -127,3 +128,10 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
         identity.current().require_deployment(self._host.deployment_id, "this owner")
         adopted = await self._host.adopt_orphan(request.session_id)
         return pb.AdoptSessionResponse(fence=adopted.fence, replayed=adopted.replayed)
+
+    async def ResumeSession(
+        self, request: pb.ResumeSessionRequest, context: Context
+    ) -> pb.ResumeSessionResponse:
+        structlog.contextvars.bind_contextvars(session_id=request.session_id)
+        fence = await self._host.resume_stalled(request.session_id)
+        return pb.ResumeSessionResponse(resumed=fence is not None, fence=fence)

@@ -1,4 +1,4 @@
-"""Turn rules (DESIGN.md §4): what a command means for a session, what a
+"""Turn rules (docs/design.md §4): what a command means for a session, what a
 step does to it, when a budget is spent, which events say so. Pure: no I/O.
 A `SessionRun` (services/owner/session.py) reads the inbox, calls the model
 and tools, and commits what these rules produce.
@@ -17,7 +17,7 @@ and tools, and commits what these rules produce.
   and is admitted into the same turn.
 - budgets are checked before each model call; a spent budget asks the user
   (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
-- child sessions (DESIGN.md §11; the rules are in child_rules.py, the
+- child sessions (docs/design.md §11; the rules are in child_rules.py, the
   handle rules in handles.py): a turn waiting for a child's result is open
   but not waiting for the user (no session.waiting); a message arriving then
   is admitted into the turn and the model sees it with the result. A child's
@@ -28,7 +28,9 @@ and tools, and commits what these rules produce.
 
 The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
 event and id primitives) under `ChildRules` (child_rules.py) under
-`SessionState` (here); each calls only the layers below it.
+`WaitRules` (waits.py: human input, sign-in, rejections) under
+`StepRules` (step_rules.py: what a step did) under `SessionState`
+(here); each calls only the layers below it.
 """
 
 from __future__ import annotations
@@ -37,22 +39,18 @@ import collections
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
 from services.common.errors import Reason
 from services.owner import handles as h
 from services.owner.agent import (
-    ASK_SUBAGENT,
-    CONTINUE_TASK,
     Agent,
     ModelReply,
-    dumps_arguments,
 )
-from services.owner.child_rules import ChildRules, ChildWork
 from services.owner.handles import Verdict
 from services.owner.held import RunIdentity, make_event
+from services.owner.step_rules import StepRules, usage_of
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 
@@ -71,30 +69,6 @@ class Admission(enum.Enum):
     DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
     REJECT = "reject"  # unknown kind: consumed with an error event
     BLOCK = "block"  # waits until the turn settles
-
-
-class Outcome(enum.Enum):
-    """What a step left the turn in."""
-
-    CONTINUE = "continue"  # tools ran; next step
-    FINAL = "final"  # the model answered
-    PAUSED = "paused"  # waits for input or sign-in
-    AWAITING = "awaiting"  # waits for children's results only
-    ABORTED = "aborted"  # a pushed command aborted the step
-    FAILED = "failed"  # the model failed
-
-
-@dataclass
-class StepProgress:
-    """What an (abortable) step produced so far; applied by `apply_step`."""
-
-    reply: ModelReply | None = None
-    error: str = ""
-    reason: str = Reason.MODEL_ERROR
-    calls: list[s.ToolCall] = field(default_factory=list)
-    results: dict[int, s.ToolResult] = field(default_factory=dict)
-    children: dict[int, ChildWork] = field(default_factory=dict)
-    aborted: bool = False
 
 
 def initial_snapshot(
@@ -131,18 +105,6 @@ def initial_snapshot(
     return snapshot
 
 
-add_usage = h.add_usage
-
-
-def usage_of(reply: ModelReply) -> s.Usage:
-    return s.Usage(
-        input_tokens=reply.input_tokens,
-        output_tokens=reply.output_tokens,
-        model_calls=reply.model_calls,
-        cost_micros=reply.cost_micros,
-    )
-
-
 def context_change(
     before: tuple[int, int], after: tuple[int, int], automatic: bool = False
 ) -> s.ContextChange:
@@ -165,7 +127,7 @@ def principal(entry: s.InboxEntry) -> tuple[str, str]:
     return entry.command.delivery.channel, entry.command.delivery.caller
 
 
-class SessionState(ChildRules):
+class SessionState(StepRules):
     """A session as a run holds it — snapshot, context window, identity — and
     every rule of how commands and steps change it (the child-session rules
     are the `ChildRules` layer). The run decides when to call the model, a
@@ -196,7 +158,7 @@ class SessionState(ChildRules):
         (a running task, an active subagent turn or workflow tool, a child
         waiting on a human), and not a child session itself (a child stays
         on the deployment that owns it). Pending commands are the run's
-        business (DESIGN.md §6)."""
+        business (docs/design.md §6)."""
         return not (self.turn_open or self.handles.busy() or self.is_child)
 
     # -- what a command means -----------------------------------------------------
@@ -223,7 +185,7 @@ class SessionState(ChildRules):
             waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
             return Admission.BLOCK if waiting else Admission.DROP
         if kind == "task_result":
-            verdict = self.judge(entry).verdict
+            verdict = self.report_judgement(entry).verdict
             if verdict is Verdict.REJECT:
                 return Admission.REJECT
             if verdict is Verdict.ADMIT:
@@ -245,50 +207,6 @@ class SessionState(ChildRules):
 
     def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
         return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK
-
-    def auth_wait(self, attempt_id: str) -> s.AuthorizationWait | None:
-        if not self.turn_open:
-            return None
-        for wait in self.snapshot.open_turn.pending_authorizations:
-            if (
-                attempt_id in wait.expected_attempt_ids
-                and attempt_id not in wait.reported_attempt_ids
-            ):
-                return wait
-        return None
-
-    def rejection(self, entry: s.InboxEntry, reason: str = "", message: str = "") -> s.Event:
-        """The command.rejected event for `entry` (a default reason by kind)."""
-        if not reason:
-            kind = entry.command.WhichOneof("kind")
-            if kind is None:
-                reason = Reason.UNKNOWN_COMMAND
-                message = (
-                    f"deployment {self.identity.deployment_id} does not know this command kind"
-                )
-            elif kind == "send" and self.refuses_message(entry):
-                parent = self.snapshot.parent.parent_session_id
-                reason = Reason.CHILD_SESSION
-                message = (
-                    f"this is a child session of {parent}: it takes messages from its "
-                    "parent only (input responses and controls are accepted)"
-                )
-            elif kind == "send":
-                reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
-            elif kind == "task_result":
-                judgement = self.judge(entry)
-                reason, message = judgement.reason, judgement.message
-            else:
-                reason = Reason.UNSUPPORTED_COMMAND
-                message = (
-                    f"command kind {kind!r} is not supported by deployment "
-                    f"{self.identity.deployment_id}"
-                )
-        return self.event(
-            s.EVENT_KIND_COMMAND_REJECTED,
-            entry,
-            error=s.ErrorDetail(reason=reason, message=message),
-        )
 
     # -- turns -------------------------------------------------------------------
 
@@ -379,134 +297,7 @@ class SessionState(ChildRules):
             return True
         return bool(limits_.cost_budget_micros and usage.cost_micros >= limits_.cost_budget_micros)
 
-    def tool_calls(self, reply: ModelReply) -> list[s.ToolCall]:
-        """The reply's tool calls, with ids unique in the session."""
-        first = self.snapshot.tool_call_count
-        return [
-            s.ToolCall(
-                id=f"call_{first + offset + 1}",
-                name=requested.name,
-                arguments_json=dumps_arguments(requested.arguments),
-            )
-            for offset, requested in enumerate(reply.tool_calls)
-        ]
-
-    def runs_now(self, call: s.ToolCall) -> bool:
-        """A tool call the step runs itself (others wait for the user)."""
-        tool = self.agent.tool_index.get(call.name)
-        return tool is None or not (tool.needs_approval or tool.sign_in_attempts)
-
-    def starts_child(self, call: s.ToolCall) -> bool:
-        """A tool call that gives work to a child session."""
-        if call.name in (ASK_SUBAGENT, CONTINUE_TASK):
-            return call.name in self.agent.tool_index
-        tool = self.agent.tool_index.get(call.name)
-        return tool is not None and tool.starts_child and self.runs_now(call)
-
-    def apply_step(self, progress: StepProgress, events: list[s.Event]) -> Outcome:
-        """Fold a step's progress into history, usage and events."""
-        snap = self.snapshot
-        reply = progress.reply
-        if reply is None:
-            return Outcome.ABORTED if progress.aborted else Outcome.FAILED
-        snap.open_turn.steps += 1
-        step = snap.open_turn.steps
-        events.append(self.event(s.EVENT_KIND_STEP_STARTED, step=step))
-        usage = usage_of(reply)
-        add_usage(snap.open_turn.usage, usage)
-        add_usage(snap.usage, usage)
-        outcome = Outcome.CONTINUE
-        if reply.question:
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.question))
-            events.append(
-                self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.question)
-            )
-            self.request_input(events, s.INPUT_KIND_QUESTION, reply.question, step=step)
-            outcome = Outcome.PAUSED
-        elif not progress.calls:
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, content=reply.text))
-            events.append(self.event(s.EVENT_KIND_MESSAGE_COMPLETED, step=step, text=reply.text))
-            outcome = Outcome.FINAL
-        else:
-            snap.tool_call_count += len(progress.calls)
-            self.context.remember(s.ChatMessage(role=s.ROLE_ASSISTANT, tool_calls=progress.calls))
-            for index, call in enumerate(progress.calls):
-                events.append(
-                    self.event(s.EVENT_KIND_TOOL_CALL_REQUESTED, step=step, tool_call=call)
-                )
-                tool = self.agent.tool_index.get(call.name)
-                if index in progress.children:
-                    self.child_given_work(progress.children[index], call, events, step)
-                elif index in progress.results:
-                    result = progress.results[index]
-                    self.record_result(result, events, step)
-                    if result.is_error and self.agent.fail_on_tool_error:
-                        progress.reason, progress.error = Reason.TOOL_FAILED, result.output[:500]
-                        outcome = Outcome.FAILED
-                elif progress.aborted:
-                    self.record_result(_error_result(call, "cancelled"), events, step)
-                elif tool is not None and tool.needs_approval:
-                    self.request_input(
-                        events,
-                        s.INPUT_KIND_APPROVAL,
-                        f"Allow {call.name}({call.arguments_json})?",
-                        step=step,
-                        tool_call=call,
-                    )
-                    outcome = Outcome.PAUSED
-                elif tool is not None and tool.sign_in_attempts:
-                    self.require_authorization(events, call, tool.sign_in_attempts, step)
-                    outcome = Outcome.PAUSED
-        events.append(self.event(s.EVENT_KIND_STEP_COMPLETED, step=step, usage=usage))
-        if progress.aborted:
-            return Outcome.ABORTED
-        if outcome is Outcome.CONTINUE and self.handles.awaited(self.turn_id):
-            return Outcome.AWAITING
-        if outcome is Outcome.FINAL:
-            self.answer = reply.text
-        return outcome
-
-    def request_input(
-        self,
-        events: list[s.Event],
-        kind: s.InputKind.ValueType,
-        prompt: str,
-        *,
-        step: int = 0,
-        tool_call: s.ToolCall | None = None,
-    ) -> None:
-        request = s.InputRequest(
-            request_id=self.next_id("input"), kind=kind, prompt=prompt, tool_call=tool_call
-        )
-        self.snapshot.open_turn.pending_inputs.append(request)
-        events.append(self.event(s.EVENT_KIND_INPUT_REQUESTED, step=step, input_request=request))
-        self.report_wait(request=request)
-
-    def ask_to_extend_budget(self, events: list[s.Event]) -> None:
-        self.request_input(
-            events, s.INPUT_KIND_SESSION_LIMIT, "The session budget is spent. Extend it?"
-        )
-        events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
-
-    def require_authorization(
-        self, events: list[s.Event], call: s.ToolCall, attempts: int, step: int
-    ) -> None:
-        wait = s.AuthorizationWait(tool_call=call)
-        for _ in range(attempts):
-            attempt = self.next_id("attempt")
-            wait.expected_attempt_ids.append(attempt)
-            events.append(
-                self.event(
-                    s.EVENT_KIND_AUTHORIZATION_REQUIRED,
-                    step=step,
-                    tool_call=call,
-                    attempt_id=attempt,
-                )
-            )
-            self.report_wait(attempt_id=attempt)
-        self.snapshot.open_turn.pending_authorizations.append(wait)
-
-    def settle(
+    def close_turn(
         self,
         events: list[s.Event],
         kind: s.EventKind.ValueType,
@@ -528,52 +319,12 @@ class SessionState(ChildRules):
         if waiting:
             events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
 
-    # -- waits: human input and sign-in -------------------------------------------
-
-    def abandon_waits(self) -> list[s.Event]:
-        """A plain message while the turn waits: pending waits are closed
-        (approvals and sign-ins as not done) and the turn goes on."""
-        events: list[s.Event] = []
-        turn = self.snapshot.open_turn
-        for request in turn.pending_inputs:
-            if request.kind == s.INPUT_KIND_APPROVAL:
-                message = "not approved: the user sent a new message"
-                self.record_result(_error_result(request.tool_call, message), events)
-        for wait in turn.pending_authorizations:
-            message = "sign-in abandoned: the user sent a new message"
-            self.record_result(_error_result(wait.tool_call, message), events)
-        del turn.pending_inputs[:]
-        del turn.pending_authorizations[:]
-        return events
-
     def cancel_waiting_turn(self, entry: s.InboxEntry) -> list[s.Event]:
         events: list[s.Event] = []
         if self.turn_open:
             events = self.abandon_waits()
-            self.settle(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
+            self.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
         return events
-
-    def extend_budget(self) -> None:
-        """The user approved a SESSION_LIMIT request."""
-        snap = self.snapshot
-        used = snap.usage.input_tokens + snap.usage.output_tokens
-        snap.limits.token_budget = used + max(snap.limits.token_budget, 1)
-        if snap.limits.cost_budget_micros:
-            snap.limits.cost_budget_micros = snap.usage.cost_micros + snap.limits.cost_budget_micros
-
-    def close_auth_wait(self, call: s.ToolCall) -> None:
-        turn = self.snapshot.open_turn
-        remaining = [w for w in turn.pending_authorizations if w.tool_call.id != call.id]
-        del turn.pending_authorizations[:]
-        turn.pending_authorizations.extend(remaining)
-
-    def waiting_for_user(self) -> bool:
-        turn = self.snapshot.open_turn
-        return bool(turn.pending_inputs or turn.pending_authorizations)
-
-    def still_waiting(self) -> bool:
-        """The open turn waits: for the user, or for children's results."""
-        return self.waiting_for_user() or bool(self.handles.awaited(self.turn_id))
 
     # -- context: clear, compaction, finalization ---------------------------------
 
@@ -596,7 +347,7 @@ class SessionState(ChildRules):
         """Replace the context with the summary in `reply`; `entry` is the
         compact command, or None when the owner compacted on its own."""
         usage = usage_of(reply)
-        add_usage(self.snapshot.usage, usage)
+        h.add_usage(self.snapshot.usage, usage)
         summary = f"Summary of earlier conversation: {reply.text}"
         self.context.reset([s.ChatMessage(role=s.ROLE_SYSTEM, content=summary)])
         change = context_change(before, self.context.size(), automatic=entry is None)
@@ -636,11 +387,8 @@ class SessionState(ChildRules):
         if self.turn_open:
             events += self.cancel_waiting_turn(entry)
         parent = self.identity.fence.session_id
-        for handle in self.handles.settle_all():
-            command = s.Command(
-                delivery=s.DeliveryMetadata(delivery_id=f"reset:{parent}"),
-                reset=s.ResetCommand(reason=f"its parent session {parent} finalized"),
-            )
+        for handle in self.handles.finalize_all():
+            command = h.child_control(parent, f"its parent session {parent} finalized")
             self.outgoing.append((handle.child_session_id, command))
         self.context.reset()
         self.snapshot.status = s.SESSION_STATUS_FINALIZED
@@ -695,7 +443,3 @@ class SessionState(ChildRules):
         else:
             events.append(self.event(s.EVENT_KIND_SESSION_WAITING))
         return events
-
-
-def _error_result(call: s.ToolCall, output: str) -> s.ToolResult:
-    return s.ToolResult(tool_call_id=call.id, name=call.name, output=output, is_error=True)

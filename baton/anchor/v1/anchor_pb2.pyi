@@ -31,6 +31,7 @@ class CommitStepRequest(_message.Message):
     CLOSE_STREAM_FIELD_NUMBER: _builtins.int
     EXPECTED_SNAPSHOT_REVISION_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    CONSUMED_INBOX_FROM_FIELD_NUMBER: _builtins.int
     close_stream: _builtins.bool
     """True when the last event is terminal: the stream closes with this commit."""
     expected_snapshot_revision: _builtins.int
@@ -38,6 +39,15 @@ class CommitStepRequest(_message.Message):
     Compared in the same transaction, so a delayed or reordered commit can
     never roll the snapshot back; a retry of an applied commit is reported as
     replayed. Unset skips the compare.
+    """
+    consumed_inbox_from: _builtins.int
+    """The inbox_next_seq of the snapshot this commit replaces. The commit's
+    transaction deletes the consumed inbox entries in
+    [consumed_inbox_from, snapshot.inbox_next_seq); unset, every entry below
+    snapshot.inbox_next_seq (a range from the inbox's first key, which costs
+    etcd a walk over the tombstones of its last compaction window: an owner
+    leaves it unset only on a run's first commit). At most
+    snapshot.inbox_next_seq.
     """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
@@ -67,13 +77,19 @@ class CommitStepRequest(_message.Message):
         close_stream: _builtins.bool = ...,
         expected_snapshot_revision: _builtins.int | None = ...,
         history: _abc.Iterable[_session_pb2.ChatMessage] | None = ...,
+        consumed_inbox_from: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_consumed_inbox_from", b"_consumed_inbox_from", "_expected_snapshot_revision", b"_expected_snapshot_revision", "consumed_inbox_from", b"consumed_inbox_from", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision", "close_stream", b"close_stream", "events", b"events", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "history", b"history", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_consumed_inbox_from", b"_consumed_inbox_from", "_expected_snapshot_revision", b"_expected_snapshot_revision", "close_stream", b"close_stream", "consumed_inbox_from", b"consumed_inbox_from", "events", b"events", "expected_snapshot_revision", b"expected_snapshot_revision", "fence", b"fence", "history", b"history", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__consumed_inbox_from: _TypeAlias = _typing.Literal["consumed_inbox_from"]  # noqa: Y015
+    _WhichOneofArgType__consumed_inbox_from: _TypeAlias = _typing.Literal["_consumed_inbox_from", b"_consumed_inbox_from"]  # noqa: Y015
     _WhichOneofReturnType__expected_snapshot_revision: _TypeAlias = _typing.Literal["expected_snapshot_revision"]  # noqa: Y015
     _WhichOneofArgType__expected_snapshot_revision: _TypeAlias = _typing.Literal["_expected_snapshot_revision", b"_expected_snapshot_revision"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__consumed_inbox_from) -> _WhichOneofReturnType__consumed_inbox_from | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_snapshot_revision) -> _WhichOneofReturnType__expected_snapshot_revision | None: ...
 
 Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015

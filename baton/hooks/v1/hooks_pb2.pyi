@@ -21,6 +21,173 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ListDeploymentsRequest(_message.Message):
+    """ListDeploymentsRequest asks for every deployment with a live instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsRequest: _TypeAlias = ListDeploymentsRequest  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsResponse(_message.Message):
+    """ListDeploymentsResponse lists deployments in deployment id order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeploymentInfo]:
+        """The deployments (at most 1000)."""
+
+    def __init__(
+        self,
+        *,
+        deployments: _abc.Iterable[Global___DeploymentInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployments", b"deployments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsResponse: _TypeAlias = ListDeploymentsResponse  # noqa: Y015
+
+@_typing.final
+class DescribeDeploymentRequest(_message.Message):
+    """DescribeDeploymentRequest names a deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The exact deployment id."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDeploymentRequest: _TypeAlias = DescribeDeploymentRequest  # noqa: Y015
+
+@_typing.final
+class DescribeDeploymentResponse(_message.Message):
+    """DescribeDeploymentResponse is the deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___DeploymentInfo:
+        """The deployment."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___DeploymentInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDeploymentResponse: _TypeAlias = DescribeDeploymentResponse  # noqa: Y015
+
+@_typing.final
+class DeploymentInfo(_message.Message):
+    """DeploymentInfo is a deployment's owner fleet and the sessions it owns."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    SESSIONS_OF_GONE_INSTANCES_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The deployment id."""
+    sessions: _builtins.int
+    """Sessions in the deployment's ownership index (owned by its instances,
+    live or gone).
+    """
+    sessions_of_gone_instances: _builtins.int
+    """Of those, the sessions owned by instances that are not live."""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceLease]:
+        """Its live instances, in instance id order."""
+
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instances: _abc.Iterable[Global___InstanceLease] | None = ...,
+        sessions: _builtins.int = ...,
+        sessions_of_gone_instances: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instances", b"instances", "sessions", b"sessions", "sessions_of_gone_instances", b"sessions_of_gone_instances"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentInfo: _TypeAlias = DeploymentInfo  # noqa: Y015
+
+@_typing.final
+class InstanceLease(_message.Message):
+    """InstanceLease is a live owner instance with its lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    GRANTED_TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    """The etcd lease its registration is held under."""
+    ttl_seconds: _builtins.int
+    """Seconds left before the lease expires unless kept alive; 0 when it just
+    expired.
+    """
+    granted_ttl_seconds: _builtins.int
+    """The TTL the lease was granted with."""
+    sessions: _builtins.int
+    """Sessions the instance owns (ownership index)."""
+    @_builtins.property
+    def instance(self) -> Global___InstanceInfo:
+        """The instance."""
+
+    def __init__(
+        self,
+        *,
+        instance: Global___InstanceInfo | None = ...,
+        lease_id: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+        granted_ttl_seconds: _builtins.int = ...,
+        sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["granted_ttl_seconds", b"granted_ttl_seconds", "instance", b"instance", "lease_id", b"lease_id", "sessions", b"sessions", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceLease: _TypeAlias = InstanceLease  # noqa: Y015
+
+@_typing.final
 class DescribeSessionRequest(_message.Message):
     """DescribeSessionRequest names a session."""
 
@@ -133,22 +300,33 @@ class ListChannelSessionsRequest(_message.Message):
     CHANNEL_FIELD_NUMBER: _builtins.int
     AFTER_SESSION_ID_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
+    AFTER_CHANNEL_FIELD_NUMBER: _builtins.int
     channel: _builtins.str
-    """The channel."""
+    """The channel. Empty (operators and other internal callers only; an
+    ingress always names its tenant) lists every channel's index, in
+    (channel, session id) order.
+    """
     after_session_id: _builtins.str
-    """Start after this session id; empty starts at the first."""
+    """Start after this session id; empty starts at the first. With an empty
+    channel: after this session of `after_channel`.
+    """
     limit: _builtins.int
     """At most this many (1 to 1000)."""
+    after_channel: _builtins.str
+    """With an empty channel: the channel of `after_session_id` (both set, or
+    both empty to start at the first channel).
+    """
     def __init__(
         self,
         *,
         channel: _builtins.str = ...,
         after_session_id: _builtins.str = ...,
         limit: _builtins.int = ...,
+        after_channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_session_id", b"after_session_id", "channel", b"channel", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_channel", b"after_channel", "after_session_id", b"after_session_id", "channel", b"channel", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -162,8 +340,11 @@ class ChannelSession(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
+    channel: _builtins.str
+    """The session's channel."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -173,10 +354,11 @@ class ChannelSession(_message.Message):
         *,
         session_id: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "create_time", b"create_time", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

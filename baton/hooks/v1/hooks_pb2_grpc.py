@@ -136,6 +136,16 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.FromString,
                 _registered_method=True)
+        self.ListDeployments = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/ListDeployments',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsResponse.FromString,
+                _registered_method=True)
+        self.DescribeDeployment = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/DescribeDeployment',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentResponse.FromString,
+                _registered_method=True)
 
 
 class HookRegistryServiceServicer:
@@ -298,6 +308,23 @@ class HookRegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDeployments(self, request, context):
+        """Operator: the deployments that have live owner instances, each with its
+        instances (leases and session counts) and its sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeDeployment(self, request, context):
+        """Operator: one exact deployment: its live instances with their leases
+        and how many sessions each owns, and the sessions owned by instances
+        that are gone (to be taken over, or adopted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HookRegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -400,6 +427,16 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.ListChannelSessions,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.SerializeToString,
+            ),
+            'ListDeployments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeployments,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsResponse.SerializeToString,
+            ),
+            'DescribeDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDeployment,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -944,6 +981,60 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/ListChannelSessions',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.ListChannelSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeployments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/ListDeployments',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ListDeploymentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/DescribeDeployment',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.DescribeDeploymentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -99,6 +99,15 @@ class HookRegistryServiceStub:
     """List a channel's sessions in session id order, one bounded page at a
     time (the channel index, written with each session's creation).
     """
+    ListDeployments: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListDeploymentsRequest, _hooks_pb2.ListDeploymentsResponse]
+    """Operator: the deployments that have live owner instances, each with its
+    instances (leases and session counts) and its sessions.
+    """
+    DescribeDeployment: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]
+    """Operator: one exact deployment: its live instances with their leases
+    and how many sessions each owns, and the sessions owned by instances
+    that are gone (to be taken over, or adopted).
+    """
 
 @_typing.type_check_only
 class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
@@ -170,6 +179,15 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     ListChannelSessions: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListChannelSessionsRequest, _hooks_pb2.ListChannelSessionsResponse]  # type: ignore[assignment]
     """List a channel's sessions in session id order, one bounded page at a
     time (the channel index, written with each session's creation).
+    """
+    ListDeployments: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListDeploymentsRequest, _hooks_pb2.ListDeploymentsResponse]  # type: ignore[assignment]
+    """Operator: the deployments that have live owner instances, each with its
+    instances (leases and session counts) and its sessions.
+    """
+    DescribeDeployment: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]  # type: ignore[assignment]
+    """Operator: one exact deployment: its live instances with their leases
+    and how many sessions each owns, and the sessions owned by instances
+    that are gone (to be taken over, or adopted).
     """
 
 class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -359,6 +377,27 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_hooks_pb2.ListChannelSessionsResponse, _abc.Awaitable[_hooks_pb2.ListChannelSessionsResponse]]:
         """List a channel's sessions in session id order, one bounded page at a
         time (the channel index, written with each session's creation).
+        """
+
+    @_abc_1.abstractmethod
+    def ListDeployments(
+        self,
+        request: _hooks_pb2.ListDeploymentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.ListDeploymentsResponse, _abc.Awaitable[_hooks_pb2.ListDeploymentsResponse]]:
+        """Operator: the deployments that have live owner instances, each with its
+        instances (leases and session counts) and its sessions.
+        """
+
+    @_abc_1.abstractmethod
+    def DescribeDeployment(
+        self,
+        request: _hooks_pb2.DescribeDeploymentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.DescribeDeploymentResponse, _abc.Awaitable[_hooks_pb2.DescribeDeploymentResponse]]:
+        """Operator: one exact deployment: its live instances with their leases
+        and how many sessions each owns, and the sessions owned by instances
+        that are gone (to be taken over, or adopted).
         """
 
 def add_HookRegistryServiceServicer_to_server(servicer: HookRegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -54,7 +54,7 @@ class IngressServiceStub:
     """
     ListSessions: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.ListSessionsRequest, _ingress_pb2.ListSessionsResponse]
     """List the caller's channel's sessions in session id order, a page at a
-    time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+    time (AIP-158), optionally filtered (a subset of AIP-160; see docs/introspection.md).
     """
 
 @_typing.type_check_only
@@ -83,7 +83,7 @@ class IngressServiceAsyncStub(IngressServiceStub):
     """
     ListSessions: _aio.UnaryUnaryMultiCallable[_ingress_pb2.ListSessionsRequest, _ingress_pb2.ListSessionsResponse]  # type: ignore[assignment]
     """List the caller's channel's sessions in session id order, a page at a
-    time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+    time (AIP-158), optionally filtered (a subset of AIP-160; see docs/introspection.md).
     """
 
 class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -145,7 +145,7 @@ class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ingress_pb2.ListSessionsResponse, _abc.Awaitable[_ingress_pb2.ListSessionsResponse]]:
         """List the caller's channel's sessions in session id order, a page at a
-        time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+        time (AIP-158), optionally filtered (a subset of AIP-160; see docs/introspection.md).
         """
 
 def add_IngressServiceServicer_to_server(servicer: IngressServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

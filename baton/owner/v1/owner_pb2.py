@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61ton/owner/v1/owner.proto\x12\x0e\x62\x61ton.owner.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xf1\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0f\n\x07\x61liases\x18\x04 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x06 \x01(\x04\x12,\n\x06parent\x18\x07 \x01(\x0b\x32\x1c.baton.session.v1.ParentLink\x12\x30\n\rfirst_command\x18\x08 \x01(\x0b\x32\x19.baton.session.v1.Command\"\x86\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cowner_run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x13\n\x0binbox_token\x18\x04 \x01(\t\x12\x1e\n\x16\x66irst_command_appended\x18\x05 \x01(\x08\"\x90\x03\n\x14\x41\x63\x63\x65ptHandoffRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12&\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x33\n\nfrom_owner\x18\x04 \x01(\x0b\x32\x1f.baton.session.v1.OwnerIdentity\x12\x19\n\x11snapshot_revision\x18\x05 \x01(\x04\x12-\n\x07trigger\x18\x06 \x01(\x0b\x32\x1c.baton.session.v1.InboxEntry\x12\x12\n\ncheckpoint\x18\x07 \x01(\x0c\x12.\n\x07\x63ontext\x18\x08 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12\x30\n\x06reason\x18\t \x01(\x0e\x32 .baton.session.v1.TransferReason\x12\x30\n\x06permit\x18\n \x01(\x0b\x32 .baton.session.v1.TransferPermit\"0\n\x14\x44rainSessionsRequest\x12\x18\n\x10to_deployment_id\x18\x01 \x01(\t\"\xaf\x01\n\x15\x44rainSessionsResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10to_deployment_id\x18\x03 \x01(\t\x12\r\n\x05moved\x18\x04 \x01(\x04\x12\x11\n\tremaining\x18\x05 \x01(\x04\x12.\n\x08\x62lockers\x18\x06 \x03(\x0b\x32\x1c.baton.owner.v1.DrainBlocker\"B\n\x0c\x44rainBlocker\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\")\n\x13\x41\x64optSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"P\n\x14\x41\x64optSessionResponse\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\x85\x01\n\x15\x41\x63\x63\x65ptHandoffResponse\x12\x32\n\tsuccessor\x18\x01 \x01(\x0b\x32\x1f.baton.session.v1.OwnerIdentity\x12&\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x32\x80\x03\n\x0cOwnerService\x12Y\n\x0cStartSession\x12#.baton.owner.v1.StartSessionRequest\x1a$.baton.owner.v1.StartSessionResponse\x12\\\n\rAcceptHandoff\x12$.baton.owner.v1.AcceptHandoffRequest\x1a%.baton.owner.v1.AcceptHandoffResponse\x12\\\n\rDrainSessions\x12$.baton.owner.v1.DrainSessionsRequest\x1a%.baton.owner.v1.DrainSessionsResponse\x12Y\n\x0c\x41\x64optSession\x12#.baton.owner.v1.AdoptSessionRequest\x1a$.baton.owner.v1.AdoptSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x61ton/owner/v1/owner.proto\x12\x0e\x62\x61ton.owner.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"*\n\x14ResumeSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"P\n\x15ResumeSessionResponse\x12\x0f\n\x07resumed\x18\x01 \x01(\x08\x12&\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x17.baton.session.v1.Fence\"\xf1\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rdeployment_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x0f\n\x07\x61liases\x18\x04 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\x06 \x01(\x04\x12,\n\x06parent\x18\x07 \x01(\x0b\x32\x1c.baton.session.v1.ParentLink\x12\x30\n\rfirst_command\x18\x08 \x01(\x0b\x32\x19.baton.session.v1.Command\"\x86\x01\n\x14StartSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cowner_run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x13\n\x0binbox_token\x18\x04 \x01(\t\x12\x1e\n\x16\x66irst_command_appended\x18\x05 \x01(\x08\"\x90\x03\n\x14\x41\x63\x63\x65ptHandoffRequest\x12\x12\n\nhandoff_id\x18\x01 \x01(\t\x12&\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x15\n\rdeployment_id\x18\x03 \x01(\t\x12\x33\n\nfrom_owner\x18\x04 \x01(\x0b\x32\x1f.baton.session.v1.OwnerIdentity\x12\x19\n\x11snapshot_revision\x18\x05 \x01(\x04\x12-\n\x07trigger\x18\x06 \x01(\x0b\x32\x1c.baton.session.v1.InboxEntry\x12\x12\n\ncheckpoint\x18\x07 \x01(\x0c\x12.\n\x07\x63ontext\x18\x08 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12\x30\n\x06reason\x18\t \x01(\x0e\x32 .baton.session.v1.TransferReason\x12\x30\n\x06permit\x18\n \x01(\x0b\x32 .baton.session.v1.TransferPermit\"0\n\x14\x44rainSessionsRequest\x12\x18\n\x10to_deployment_id\x18\x01 \x01(\t\"\xaf\x01\n\x15\x44rainSessionsResponse\x12\x15\n\rdeployment_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x18\n\x10to_deployment_id\x18\x03 \x01(\t\x12\r\n\x05moved\x18\x04 \x01(\x04\x12\x11\n\tremaining\x18\x05 \x01(\x04\x12.\n\x08\x62lockers\x18\x06 \x03(\x0b\x32\x1c.baton.owner.v1.DrainBlocker\"B\n\x0c\x44rainBlocker\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\")\n\x13\x41\x64optSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"P\n\x14\x41\x64optSessionResponse\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\x85\x01\n\x15\x41\x63\x63\x65ptHandoffResponse\x12\x32\n\tsuccessor\x18\x01 \x01(\x0b\x32\x1f.baton.session.v1.OwnerIdentity\x12&\n\x05\x66\x65nce\x18\x02 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x32\xde\x03\n\x0cOwnerService\x12Y\n\x0cStartSession\x12#.baton.owner.v1.StartSessionRequest\x1a$.baton.owner.v1.StartSessionResponse\x12\\\n\rAcceptHandoff\x12$.baton.owner.v1.AcceptHandoffRequest\x1a%.baton.owner.v1.AcceptHandoffResponse\x12\\\n\rDrainSessions\x12$.baton.owner.v1.DrainSessionsRequest\x1a%.baton.owner.v1.DrainSessionsResponse\x12Y\n\x0c\x41\x64optSession\x12#.baton.owner.v1.AdoptSessionRequest\x1a$.baton.owner.v1.AdoptSessionResponse\x12\\\n\rResumeSession\x12$.baton.owner.v1.ResumeSessionRequest\x1a%.baton.owner.v1.ResumeSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.owner.v1.owner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTSESSIONREQUEST']._serialized_start=79
-  _globals['_STARTSESSIONREQUEST']._serialized_end=320
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=323
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=457
-  _globals['_ACCEPTHANDOFFREQUEST']._serialized_start=460
-  _globals['_ACCEPTHANDOFFREQUEST']._serialized_end=860
-  _globals['_DRAINSESSIONSREQUEST']._serialized_start=862
-  _globals['_DRAINSESSIONSREQUEST']._serialized_end=910
-  _globals['_DRAINSESSIONSRESPONSE']._serialized_start=913
-  _globals['_DRAINSESSIONSRESPONSE']._serialized_end=1088
-  _globals['_DRAINBLOCKER']._serialized_start=1090
-  _globals['_DRAINBLOCKER']._serialized_end=1156
-  _globals['_ADOPTSESSIONREQUEST']._serialized_start=1158
-  _globals['_ADOPTSESSIONREQUEST']._serialized_end=1199
-  _globals['_ADOPTSESSIONRESPONSE']._serialized_start=1201
-  _globals['_ADOPTSESSIONRESPONSE']._serialized_end=1281
-  _globals['_ACCEPTHANDOFFRESPONSE']._serialized_start=1284
-  _globals['_ACCEPTHANDOFFRESPONSE']._serialized_end=1417
-  _globals['_OWNERSERVICE']._serialized_start=1420
-  _globals['_OWNERSERVICE']._serialized_end=1804
+  _globals['_RESUMESESSIONREQUEST']._serialized_start=78
+  _globals['_RESUMESESSIONREQUEST']._serialized_end=120
+  _globals['_RESUMESESSIONRESPONSE']._serialized_start=122
+  _globals['_RESUMESESSIONRESPONSE']._serialized_end=202
+  _globals['_STARTSESSIONREQUEST']._serialized_start=205
+  _globals['_STARTSESSIONREQUEST']._serialized_end=446
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=449
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=583
+  _globals['_ACCEPTHANDOFFREQUEST']._serialized_start=586
+  _globals['_ACCEPTHANDOFFREQUEST']._serialized_end=986
+  _globals['_DRAINSESSIONSREQUEST']._serialized_start=988
+  _globals['_DRAINSESSIONSREQUEST']._serialized_end=1036
+  _globals['_DRAINSESSIONSRESPONSE']._serialized_start=1039
+  _globals['_DRAINSESSIONSRESPONSE']._serialized_end=1214
+  _globals['_DRAINBLOCKER']._serialized_start=1216
+  _globals['_DRAINBLOCKER']._serialized_end=1282
+  _globals['_ADOPTSESSIONREQUEST']._serialized_start=1284
+  _globals['_ADOPTSESSIONREQUEST']._serialized_end=1325
+  _globals['_ADOPTSESSIONRESPONSE']._serialized_start=1327
+  _globals['_ADOPTSESSIONRESPONSE']._serialized_end=1407
+  _globals['_ACCEPTHANDOFFRESPONSE']._serialized_start=1410
+  _globals['_ACCEPTHANDOFFRESPONSE']._serialized_end=1543
+  _globals['_OWNERSERVICE']._serialized_start=1546
+  _globals['_OWNERSERVICE']._serialized_end=2024
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,59 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ResumeSessionRequest(_message.Message):
+    """ResumeSessionRequest names a stalled session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSessionRequest: _TypeAlias = ResumeSessionRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSessionResponse(_message.Message):
+    """ResumeSessionResponse says what the resume did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESUMED_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
+    resumed: _builtins.bool
+    """True when the session was stalled here and runs again now; false when
+    this instance holds it but it is not stalled (running, parked, or
+    resumed already).
+    """
+    @_builtins.property
+    def fence(self) -> _session_pb2.Fence:
+        """The session's fence (its owner run is unchanged by a resume)."""
+
+    def __init__(
+        self,
+        *,
+        resumed: _builtins.bool = ...,
+        fence: _session_pb2.Fence | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "resumed", b"resumed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSessionResponse: _TypeAlias = ResumeSessionResponse  # noqa: Y015
+
+@_typing.final
 class StartSessionRequest(_message.Message):
     """StartSessionRequest creates a session."""
 
@@ -49,7 +102,7 @@ class StartSessionRequest(_message.Message):
 
     @_builtins.property
     def parent(self) -> _session_pb2.ParentLink:
-        """For a child session (started by its parent's owner, DESIGN.md §11): the
+        """For a child session (started by its parent's owner, docs/design.md §11): the
         parent, what runs in the child and its limits. Only owners set it.
         """
 

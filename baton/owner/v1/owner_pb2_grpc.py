@@ -55,6 +55,11 @@ class OwnerServiceStub:
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.SerializeToString,
                 response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.FromString,
                 _registered_method=True)
+        self.ResumeSession = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/ResumeSession',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionResponse.FromString,
+                _registered_method=True)
 
 
 class OwnerServiceServicer:
@@ -70,7 +75,7 @@ class OwnerServiceServicer:
 
     def AcceptHandoff(self, request, context):
         """Take a session over from an owner of another deployment (ingress-driven
-        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
         checkpoint must be readable, in a snapshot format this build reads, idle,
         and still the latest commit), move the session here with one Transfer on
         hooks, and start it with the trigger. Nothing is written unless the
@@ -98,6 +103,17 @@ class OwnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeSession(self, request, context):
+        """Operator: run a session this instance holds stalled (its restart budget
+        spent) again, once the cause of its failures is fixed: the budget is
+        renewed, the inbox kept, and `session.resumed` is committed to its
+        stream (docs/failures.md). Safe to repeat: a session that is not stalled
+        here answers resumed = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OwnerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +136,11 @@ def add_OwnerServiceServicer_to_server(servicer, server):
                     servicer.AdoptSession,
                     request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.FromString,
                     response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.SerializeToString,
+            ),
+            'ResumeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSession,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +252,33 @@ class OwnerService:
             '/baton.owner.v1.OwnerService/AdoptSession',
             baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.SerializeToString,
             baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/ResumeSession',
+            baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.ResumeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

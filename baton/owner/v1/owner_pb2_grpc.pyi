@@ -37,7 +37,7 @@ class OwnerServiceStub:
     """Start a new session on this deployment. Idempotent per session id."""
     AcceptHandoff: _grpc.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]
     """Take a session over from an owner of another deployment (ingress-driven
-    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
     checkpoint must be readable, in a snapshot format this build reads, idle,
     and still the latest commit), move the session here with one Transfer on
     hooks, and start it with the trigger. Nothing is written unless the
@@ -53,6 +53,13 @@ class OwnerServiceStub:
     whose last commit left it settled (a fenced Transfer, as a handoff).
     Refused, and logged for operators, while it is not settled.
     """
+    ResumeSession: _grpc.UnaryUnaryMultiCallable[_owner_pb2.ResumeSessionRequest, _owner_pb2.ResumeSessionResponse]
+    """Operator: run a session this instance holds stalled (its restart budget
+    spent) again, once the cause of its failures is fixed: the budget is
+    renewed, the inbox kept, and `session.resumed` is committed to its
+    stream (docs/failures.md). Safe to repeat: a session that is not stalled
+    here answers resumed = false.
+    """
 
 @_typing.type_check_only
 class OwnerServiceAsyncStub(OwnerServiceStub):
@@ -63,7 +70,7 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     """Start a new session on this deployment. Idempotent per session id."""
     AcceptHandoff: _aio.UnaryUnaryMultiCallable[_owner_pb2.AcceptHandoffRequest, _owner_pb2.AcceptHandoffResponse]  # type: ignore[assignment]
     """Take a session over from an owner of another deployment (ingress-driven
-    upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+    upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
     checkpoint must be readable, in a snapshot format this build reads, idle,
     and still the latest commit), move the session here with one Transfer on
     hooks, and start it with the trigger. Nothing is written unless the
@@ -78,6 +85,13 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     """Adopt a session whose deployment has no live owner instance left and
     whose last commit left it settled (a fenced Transfer, as a handoff).
     Refused, and logged for operators, while it is not settled.
+    """
+    ResumeSession: _aio.UnaryUnaryMultiCallable[_owner_pb2.ResumeSessionRequest, _owner_pb2.ResumeSessionResponse]  # type: ignore[assignment]
+    """Operator: run a session this instance holds stalled (its restart budget
+    spent) again, once the cause of its failures is fixed: the budget is
+    renewed, the inbox kept, and `session.resumed` is committed to its
+    stream (docs/failures.md). Safe to repeat: a session that is not stalled
+    here answers resumed = false.
     """
 
 class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -98,7 +112,7 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_owner_pb2.AcceptHandoffResponse, _abc.Awaitable[_owner_pb2.AcceptHandoffResponse]]:
         """Take a session over from an owner of another deployment (ingress-driven
-        upgrade, DESIGN.md §6): prepare a candidate (this build's agent code; the
+        upgrade, docs/design.md §6): prepare a candidate (this build's agent code; the
         checkpoint must be readable, in a snapshot format this build reads, idle,
         and still the latest commit), move the session here with one Transfer on
         hooks, and start it with the trigger. Nothing is written unless the
@@ -125,6 +139,19 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Adopt a session whose deployment has no live owner instance left and
         whose last commit left it settled (a fenced Transfer, as a handoff).
         Refused, and logged for operators, while it is not settled.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeSession(
+        self,
+        request: _owner_pb2.ResumeSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owner_pb2.ResumeSessionResponse, _abc.Awaitable[_owner_pb2.ResumeSessionResponse]]:
+        """Operator: run a session this instance holds stalled (its restart budget
+        spent) again, once the cause of its failures is fixed: the budget is
+        renewed, the inbox kept, and `session.resumed` is committed to its
+        stream (docs/failures.md). Safe to repeat: a session that is not stalled
+        here answers resumed = false.
         """
 
 def add_OwnerServiceServicer_to_server(servicer: OwnerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

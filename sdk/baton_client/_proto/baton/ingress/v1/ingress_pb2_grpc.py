@@ -115,7 +115,7 @@ class IngressServiceServicer:
 
     def ListSessions(self, request, context):
         """List the caller's channel's sessions in session id order, a page at a
-        time (AIP-158), optionally filtered (a subset of AIP-160; see README).
+        time (AIP-158), optionally filtered (a subset of AIP-160; see docs/introspection.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -184,7 +184,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_SESSION_STALLED: _EventKind.ValueType  # 22
     """The owner stopped running the session: its runs kept failing and the
     restart budget is spent (`error` says why). Accepted commands stay in the
-    inbox until an operator restarts the owner or another owner takes over.
+    inbox until an operator resumes the session (`baton sessions resume`),
+    restarts the owner, or another owner takes over.
     """
     EVENT_KIND_TASK_STARTED: _EventKind.ValueType  # 23
     """The session gave work to a child session (a new one, or a parked or
@@ -195,6 +196,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     EVENT_KIND_TASK_FAILED: _EventKind.ValueType  # 25
     """A child's work failed, was cancelled, or the child finalized; `error`
     says why.
+    """
+    EVENT_KIND_SESSION_RESUMED: _EventKind.ValueType  # 26
+    """An operator resumed the stalled session (OwnerService.ResumeSession):
+    its restart budget is renewed and it runs again from its inbox.
     """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper):
@@ -249,7 +254,8 @@ EVENT_KIND_SESSION_HANDED_OFF: EventKind.ValueType  # 21
 EVENT_KIND_SESSION_STALLED: EventKind.ValueType  # 22
 """The owner stopped running the session: its runs kept failing and the
 restart budget is spent (`error` says why). Accepted commands stay in the
-inbox until an operator restarts the owner or another owner takes over.
+inbox until an operator resumes the session (`baton sessions resume`),
+restarts the owner, or another owner takes over.
 """
 EVENT_KIND_TASK_STARTED: EventKind.ValueType  # 23
 """The session gave work to a child session (a new one, or a parked or
@@ -260,6 +266,10 @@ EVENT_KIND_TASK_COMPLETED: EventKind.ValueType  # 24
 EVENT_KIND_TASK_FAILED: EventKind.ValueType  # 25
 """A child's work failed, was cancelled, or the child finalized; `error`
 says why.
+"""
+EVENT_KIND_SESSION_RESUMED: EventKind.ValueType  # 26
+"""An operator resumed the stalled session (OwnerService.ResumeSession):
+its restart budget is renewed and it runs again from its inbox.
 """
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
@@ -516,6 +526,7 @@ class DeliveryMetadata(_message.Message):
     ACCEPTED_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     CALLER_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     delivery_id: _builtins.str
     """Caller-supplied idempotency key; a repeat returns the first receipt."""
     channel: _builtins.str
@@ -524,6 +535,12 @@ class DeliveryMetadata(_message.Message):
     """The deployment id of the ingress that accepted the command (trusted)."""
     caller: _builtins.str
     """The principal on whose behalf the channel sent the command."""
+    traceparent: _builtins.str
+    """The W3C trace context (version 00, exactly 55 characters) of the request
+    that delivered the command, set by the service that sent it to hooks
+    while tracing is on; empty otherwise. The owner's span that processes the
+    command links to it. Anything else is refused (MALFORMED_TRACEPARENT).
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form caller metadata; never interpreted by Baton."""
@@ -536,10 +553,11 @@ class DeliveryMetadata(_message.Message):
         accepted_deployment_id: _builtins.str = ...,
         caller: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_deployment_id", b"accepted_deployment_id", "caller", b"caller", "channel", b"channel", "delivery_id", b"delivery_id", "labels", b"labels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_deployment_id", b"accepted_deployment_id", "caller", b"caller", "channel", b"channel", "delivery_id", b"delivery_id", "labels", b"labels", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -591,7 +609,7 @@ class SendCommand(_message.Message):
     """How to admit the message while a turn is open."""
     parent_work: _builtins.int
     """Set only by a parent session's owner, on work it gives a child session
-    (DESIGN.md §11): the number of that piece of work. The child reports the
+    (docs/design.md §11): the number of that piece of work. The child reports the
     outcome of the turn it starts back to the parent as a task_result for
     this number. A child session refuses other conversational messages.
     """
@@ -1382,7 +1400,7 @@ Global___ChildHandle: _TypeAlias = ChildHandle  # noqa: Y015
 
 @_typing.final
 class ParentLink(_message.Message):
-    """ParentLink is a child session's record of its parent (DESIGN.md §11)."""
+    """ParentLink is a child session's record of its parent (docs/design.md §11)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1736,6 +1754,7 @@ class SessionSnapshot(_message.Message):
     HISTORY_LOG_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
     HANDLES_FIELD_NUMBER: _builtins.int
+    LAST_TRACE_ID_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1756,6 +1775,11 @@ class SessionSnapshot(_message.Message):
     """Tool calls made so far (for unique tool call ids)."""
     id_count: _builtins.int
     """Ids handed out so far (input requests, sign-in attempts)."""
+    last_trace_id: _builtins.str
+    """The trace id (32 lowercase hex) of the span that made the last commit
+    while tracing was on (the turn's `process inbox` span); empty when
+    tracing was never on. Anything else is refused (MALFORMED_TRACE_ID).
+    """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Format 1 only: the conversation history, inline. Format 2 never writes
@@ -1825,10 +1849,11 @@ class SessionSnapshot(_message.Message):
         history_log: Global___HistoryLog | None = ...,
         parent: Global___ParentLink | None = ...,
         handles: _abc.Iterable[Global___ChildHandle] | None = ...,
+        last_trace_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "parent", b"parent", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "last_trace_id", b"last_trace_id", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

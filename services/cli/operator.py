@@ -1,0 +1,335 @@
+"""The operator's commands: `baton sessions resume`, `baton deployments
+list|describe`, `baton handoffs get`. They talk to the internal services
+with the operator certificate (every call is role-checked there:
+services/common/access.py), not to the public ingress:
+
+- hooks: ListDeployments / DescribeDeployment (each deployment's instances
+  with their leases and session counts), ListInstanceSessions (a
+  deployment's sessions), ListChannelSessions with no channel (every
+  channel's index), GetOwner and ListInstances (where a session runs),
+  GetTransfer (a handoff by id), DescribeSession;
+- anchor: GetSnapshot and ReadEvents (a session's view, gathered by the same
+  code as the public GetSession: services/ingress/introspection.py, across
+  channels);
+- the owner instance holding a stalled session: ResumeSession.
+
+Output and exit codes are those of `services.cli.sessions` (0 done, 1
+refused, 2 usage, 3 not found, 4 unavailable); JSON is the proto3 JSON
+mapping with the proto's field names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf import json_format
+
+from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.ingress.v1 import ingress_pb2 as pb
+from baton.session.v1 import session_pb2 as s
+from services.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
+from services.common import ids
+from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.errors import NotFound, Reason, Unavailable
+from services.common.tls import Security
+from services.ingress import listing
+from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, Gathered, SessionViews
+
+DEFAULT_HOOKS = "127.0.0.1:50052"
+DEFAULT_ANCHOR = "127.0.0.1:50053"
+
+
+@dataclass(frozen=True)
+class OperatorConnection:
+    """Where hooks and anchor are, and the operator's identity."""
+
+    hooks: str
+    anchor: str
+    security: Security
+
+
+def _dump(data: object, output: str) -> str:
+    if output == "jsonl":
+        return json.dumps(data, sort_keys=True)
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    all_rows = [tuple(header), *[tuple(r) for r in rows]]
+    widths = [max(len(row[i]) for row in all_rows) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in all_rows
+    ]
+
+
+def deployment_json(info: hooks_pb.DeploymentInfo) -> dict[str, object]:
+    return json_format.MessageToDict(
+        info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+async def resume(
+    connection: OperatorConnection,
+    session_id: str,
+    output: str,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions resume ID`: find the instance that holds the session
+    (hooks' owner record and live instances) and ask it to run the session
+    again with a renewed restart budget."""
+    ids.validate_session_id(session_id)
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    try:
+        owner = await hooks.get_owner(session_id)
+        instances = await hooks.list_instances(owner.owner.deployment_id)
+    finally:
+        await hooks.close()
+    holder = next((i for i in instances if i.instance_id == owner.owner.instance_id), None)
+    if holder is None:  # retryable: once taken over, a resume finds it running
+        raise Unavailable(
+            Reason.UPSTREAM_UNAVAILABLE,
+            f"session {session_id} is owned by instance {owner.owner.instance_id} of "
+            f"{owner.owner.deployment_id}, which is not live: another instance of the "
+            "deployment takes it over and runs it with a fresh restart budget",
+        )
+    client = OwnerClient(holder.address, security=connection.security)
+    try:
+        resumed, fence = await client.resume_session(session_id)
+    finally:
+        await client.close()
+    if output != "text":
+        data = {
+            "session_id": session_id,
+            "resumed": resumed,
+            "deployment_id": holder.deployment_id,
+            "instance_id": holder.instance_id,
+            "fence": json_format.MessageToDict(fence, preserving_proto_field_name=True),
+        }
+        write(_dump(data, output))
+    elif resumed:
+        write(
+            f"resumed: session {session_id} runs again on {holder.instance_id} "
+            f"({holder.deployment_id}) with a renewed restart budget; its inbox is kept"
+        )
+    else:
+        write(f"session {session_id} is not stalled on {holder.instance_id}: nothing to resume")
+    return EXIT_OK
+
+
+INDEX_PAGE = 200
+"""Index entries read per call while listing across channels."""
+
+
+async def sessions_all_channels(
+    connection: OperatorConnection,
+    output: str,
+    *,
+    filter_text: str = "",
+    limit: int = 100,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions list --all-channels`: every channel's sessions in
+    (channel, session id) order, each as GetSession reports it, filtered as
+    ListSessions filters (the same AIP-160 subset, checked before any call),
+    up to `limit` (0: all)."""
+    wanted = listing.parse_filter(filter_text)
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
+    views = SessionViews(hooks, anchor)
+    slots = asyncio.Semaphore(LIST_CONCURRENCY)
+    found: list[pb.Session] = []
+
+    async def one(session_id: str) -> Gathered | None:
+        async with slots:
+            try:
+                return await views.gather(ANY_CHANNEL, session_id)
+            except NotFound:  # gone (retention) since the index was read
+                return None
+
+    try:
+        after = ("", "")
+        while not limit or len(found) < limit:
+            page, more = await hooks.list_all_sessions(*after, INDEX_PAGE)
+            gathered = await asyncio.gather(*(one(sid) for _, sid in page))
+            listed = [g.session for g in gathered if g is not None and wanted.matches(g.fields)]
+            listed = listed[: limit - len(found)] if limit else listed
+            found.extend(listed)
+            if output == "jsonl":  # streamed as pages arrive
+                for line in render(listed, output, single=False):
+                    write(line)
+            if not more or not page:
+                break
+            after = page[-1]
+    finally:
+        await hooks.close()
+        await anchor.close()
+    if output != "jsonl":
+        for line in render(found, output, single=False):
+            write(line)
+    return EXIT_OK
+
+
+async def deployments_list(
+    connection: OperatorConnection, output: str, write: Callable[[str], None] = print
+) -> int:
+    """`baton deployments list`: every deployment with a live owner instance."""
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    try:
+        found = await hooks.list_deployments()
+    finally:
+        await hooks.close()
+    if output == "json":
+        write(_dump([deployment_json(d) for d in found], output))
+    elif output == "jsonl":
+        for info in found:
+            write(_dump(deployment_json(info), output))
+    else:
+        rows = [
+            (
+                d.deployment_id,
+                str(len(d.instances)),
+                str(d.sessions),
+                str(d.sessions_of_gone_instances),
+            )
+            for d in found
+        ]
+        for line in _table(("DEPLOYMENT", "INSTANCES", "SESSIONS", "ON_GONE"), rows):
+            write(line)
+    return EXIT_OK
+
+
+async def deployment_sessions(
+    hooks: HooksClient, anchor: AnchorClient, deployment_id: str, limit: int
+) -> tuple[list[pb.Session], int]:
+    """Up to `limit` (0: all) sessions of a deployment's ownership index, in
+    session id order, each as GetSession reports it (across channels), and
+    how many the index holds."""
+    owned = await hooks.list_instance_sessions(deployment_id, "")
+    wanted = sorted({o.fence.session_id for o in owned})
+    views = SessionViews(hooks, anchor)
+    slots = asyncio.Semaphore(LIST_CONCURRENCY)
+
+    async def one(session_id: str) -> pb.Session | None:
+        async with slots:
+            try:
+                return (await views.gather(ANY_CHANNEL, session_id)).session
+            except NotFound:  # gone (retention) since the index was read
+                return None
+
+    chosen = wanted[:limit] if limit else wanted
+    gathered = await asyncio.gather(*(one(sid) for sid in chosen))
+    return [v for v in gathered if v is not None], len(wanted)
+
+
+async def deployments_describe(
+    connection: OperatorConnection,
+    deployment_id: str,
+    output: str,
+    *,
+    limit: int = 100,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton deployments describe DEP`: its instances with their leases and
+    session counts, and its sessions with their statuses (to watch a
+    drain)."""
+    deployment_id = ids.validate_deployment_id(deployment_id)
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
+    try:
+        info = await hooks.describe_deployment(deployment_id)
+        sessions, total = await deployment_sessions(hooks, anchor, deployment_id, limit)
+    finally:
+        await hooks.close()
+        await anchor.close()
+    statuses = Counter(status_name(v.status) for v in sessions)
+    if output != "text":
+        data = {
+            "deployment": deployment_json(info),
+            "sessions": [to_json(v) for v in sessions],
+            "sessions_listed": len(sessions),
+            "sessions_total": total,
+            "status_counts": dict(sorted(statuses.items())),
+        }
+        write(_dump(data, output))
+        return EXIT_OK
+    write(f"deployment:  {deployment_id}")
+    write(
+        f"sessions:    {info.sessions} ({info.sessions_of_gone_instances} on instances that "
+        "are gone)"
+    )
+    write(f"statuses:    {', '.join(f'{k} {n}' for k, n in sorted(statuses.items())) or '-'}")
+    write("")
+    rows = [
+        (
+            i.instance.instance_id,
+            i.instance.address,
+            str(i.lease_id),
+            f"{i.ttl_seconds}/{i.granted_ttl_seconds}s",
+            str(i.sessions),
+        )
+        for i in info.instances
+    ]
+    for line in _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS"), rows):
+        write(line)
+    write("")
+    for line in table_of(sessions):
+        write(line)
+    if len(sessions) < total:
+        write(f"... {total - len(sessions)} more (--limit 0 lists all)")
+    return EXIT_OK
+
+
+_REASONS = {
+    s.TRANSFER_REASON_UNSPECIFIED: "trigger",
+}
+
+
+def reason_name(reason: s.TransferReason.ValueType) -> str:
+    if reason in _REASONS:
+        return _REASONS[reason]
+    return s.TransferReason.Name(reason).removeprefix("TRANSFER_REASON_").lower()
+
+
+async def handoff_get(
+    connection: OperatorConnection,
+    session_id: str,
+    handoff_id: str,
+    output: str,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton handoffs get HANDOFF_ID --session ID`: a recorded transfer (the
+    handoff id is on the session's `session.handed_off` event)."""
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    try:
+        found = await hooks.get_transfer(session_id, handoff_id)
+    finally:
+        await hooks.close()
+    response = hooks_pb.GetTransferResponse(
+        fence=found.fence,
+        successor=found.successor,
+        trigger_seq=found.trigger_seq,
+        reason=found.reason,
+    )
+    if output != "text":
+        data = {
+            "handoff_id": handoff_id,
+            "session_id": session_id,
+            **json_format.MessageToDict(response, preserving_proto_field_name=True),
+        }
+        write(_dump(data, output))
+        return EXIT_OK
+    write(f"handoff:     {handoff_id}")
+    write(f"session:     {session_id}")
+    write(f"reason:      {reason_name(found.reason)}")
+    write(
+        f"successor:   run {found.successor.owner_run_id}, deployment "
+        f"{found.successor.deployment_id}, instance {found.successor.instance_id}"
+    )
+    write(f"epoch:       {found.fence.epoch}")
+    write(f"trigger seq: {found.trigger_seq}")
+    return EXIT_OK

@@ -1,0 +1,112 @@
+"""Operator views of the owner fleets (ListDeployments, DescribeDeployment):
+each deployment's live instances with their leases, and how many sessions
+each owns.
+
+Reads only: the registry keys of live instances (`d/`, each under its
+instance's lease), the lease's remaining TTL, and the deployment's ownership
+index (`i/{deployment}/{instance}/{sid}`, read keys-only in bounded chunks),
+so a listing costs one small range per deployment plus the index's keys,
+never a session's own keys (docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from services.common import ids
+from services.common.etcd import Store
+from services.common.keys import InstanceRecord, Keys, prefix_end
+from services.common.txn import Txn
+
+MAX_DEPLOYMENTS = 1000
+"""Deployments one ListDeployments answers at most."""
+INDEX_CHUNK = 5000
+"""Ownership-index keys read per range (keys-only, well under etcd's limits)."""
+
+
+@dataclass(frozen=True)
+class InstanceLease:
+    """A live owner instance, its lease, and the sessions it owns."""
+
+    record: InstanceRecord
+    lease_id: int
+    ttl_seconds: int
+    granted_ttl_seconds: int
+    sessions: int
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A deployment's live instances and the sessions its index holds."""
+
+    deployment_id: str
+    instances: tuple[InstanceLease, ...]
+    sessions: int
+    sessions_of_gone_instances: int
+
+
+class FleetViews:
+    """Operator reads of owner fleets over one etcd store."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+
+    async def describe(self, deployment_id: str) -> Fleet:
+        """One exact deployment (a deployment without live instances or
+        sessions is described as empty, not NOT_FOUND: ids are not stored)."""
+        ids.validate_deployment_id(deployment_id)
+        prefix = self._keys.deployment_prefix(deployment_id)
+        live = await Txn().read("live", prefix, prefix_end(prefix)).run(self._store)
+        kvs = live.kvs("live")
+        owned = await self._owned_counts(deployment_id)
+        leases = await asyncio.gather(*(self._lease(int(kv.lease)) for kv in kvs))
+        instances = []
+        for kv, (ttl, granted) in zip(kvs, leases, strict=True):
+            record = InstanceRecord.decode(kv.value)
+            instances.append(
+                InstanceLease(record, int(kv.lease), ttl, granted, owned.get(record.instance_id, 0))
+            )
+        live_ids = {lease.record.instance_id for lease in instances}
+        return Fleet(
+            deployment_id=deployment_id,
+            instances=tuple(sorted(instances, key=lambda i: i.record.instance_id)),
+            sessions=sum(owned.values()),
+            sessions_of_gone_instances=sum(n for i, n in owned.items() if i not in live_ids),
+        )
+
+    async def list_all(self) -> list[Fleet]:
+        """Every deployment with a live instance, in deployment id order (at
+        most MAX_DEPLOYMENTS)."""
+        prefix = self._keys.instances_prefix()
+        result = (
+            await Txn().read("live", prefix, prefix_end(prefix), keys_only=True).run(self._store)
+        )
+        deployments = sorted(
+            {kv.key[len(prefix) :].decode().partition("/")[0] for kv in result.kvs("live")}
+        )[:MAX_DEPLOYMENTS]
+        return [await self.describe(deployment) for deployment in deployments]
+
+    async def _lease(self, lease_id: int) -> tuple[int, int]:
+        if lease_id <= 0:
+            return 0, 0
+        return await self._store.lease_time_to_live(lease_id)
+
+    async def _owned_counts(self, deployment_id: str) -> dict[str, int]:
+        """Sessions per instance in the deployment's ownership index."""
+        prefix = self._keys.owned_prefix(deployment_id)
+        end = prefix_end(prefix)
+        start = prefix
+        counts: dict[str, int] = {}
+        while True:
+            page = await (
+                Txn().read("owned", start, end, keys_only=True, limit=INDEX_CHUNK).run(self._store)
+            )
+            kvs = page.kvs("owned")
+            for kv in kvs:
+                instance = kv.key[len(prefix) :].decode().partition("/")[0]
+                counts[instance] = counts.get(instance, 0) + 1
+            if not kvs or not page.more("owned"):
+                return counts
+            start = kvs[-1].key + b"\0"
