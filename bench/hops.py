@@ -89,6 +89,9 @@ BACKGROUND = (
     "etcd hooks lease_keepalive",
     "etcd hooks alarm",
     "etcd anchor alarm",
+    # hooks puts delivery ids under a lease of the current time bucket
+    # (dedupe window / 16) and grants one at each bucket's first append.
+    "etcd hooks lease_grant",
     # An ingress that accepted a command for a session of another deployment
     # checks that deployment is still live right after and again 3, 10 and
     # 30 s later, cached for 2 s (services/ingress/orphans.py): these land in
@@ -659,12 +662,14 @@ How a row reads:
   watch responses and events.
 
 Left out, as they run by the clock and not by the path (`bench.hops` prints
-what each window saw of them): owner instances' lease keep-alives (`KeepAliveInstance`
-and hooks' `lease_keepalive`), store health's `alarm` checks, and an
-ingress' orphan-liveness checks after it accepted a command for another
-deployment's session (`ListInstances` at 0, 3, 10 and 30 s, cached 2 s; each
-one hooks read, subtracted with it). The one read each hooks scrape does for
-`baton_live_instances` is measured and subtracted. Owners' reconciliation
+what each window saw of them): owner instances' lease keep-alives
+(`KeepAliveInstance` and hooks' `lease_keepalive`), store health's `alarm`
+checks, the dedupe lease hooks grants at the first append of each time
+bucket (`lease_grant`), and an ingress' orphan-liveness checks after it
+accepted a command for another deployment's session (`ListInstances` at 0,
+3, 10 and 30 s, cached 2 s; each one hooks read, subtracted with it). The
+one read each hooks scrape does for `baton_live_instances` is measured and
+subtracted. Owners' reconciliation
 (one `ListInstanceSessions` and its read per owner every
 `BATON_OWNER_RECONCILE_INTERVAL`, 15 s by default) and anchor's retention and
 horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) are stretched past
