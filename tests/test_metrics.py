@@ -32,11 +32,17 @@ _RPC = {
     "baton_rpc_server_handled_total": ("counter", {"method", "code"}),
     "baton_rpc_server_handling_seconds": ("histogram", {"method"}),
     "baton_rpc_client_handled_total": ("counter", {"target", "method", "code"}),
+    "baton_rpc_server_stream_messages_sent_total": ("counter", {"method"}),
+    "baton_rpc_client_streams_opened_total": ("counter", {"target", "method"}),
+    "baton_rpc_client_stream_messages_received_total": ("counter", {"target", "method"}),
     "baton_build_info": ("gauge", {"version", "deployment"}),
 }
 _STORE = {
     "baton_etcd_txn_seconds": ("histogram", {"op"}),
     "baton_etcd_errors_total": ("counter", {"reason"}),
+    "baton_etcd_watches_created_total": ("counter", set()),
+    "baton_etcd_watch_responses_total": ("counter", set()),
+    "baton_etcd_watch_events_total": ("counter", set()),
     "baton_store_serving": ("gauge", set()),
 }
 # The issue's list (issue 19), and the inbox age gauge added with it.

@@ -378,8 +378,13 @@ class _Client:
         iterator is closed). Counted when metrics are served: OK at its end,
         CANCELLED when the caller stopped reading first."""
         code = "CANCELLED"
+        meter, path = metrics.RPC, f"/{self.service}/{method}"
+        if meter.enabled:
+            meter.opened(self.kind, path)
         try:
             async for item in call:
+                if meter.enabled:
+                    meter.received(self.kind, path)
                 yield convert(item)
             code = "OK"
         except grpc.aio.AioRpcError as exc:

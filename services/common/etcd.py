@@ -248,6 +248,9 @@ class _Watcher(aetcd_watcher.Watcher):  # type: ignore[misc]  # aetcd is untyped
         await self._end_stream(error, me)
 
     async def _handle_response(self, response: Any) -> None:
+        if response.events:  # what etcd sent, whether or not a watch still wants it
+            metrics.ETCD_WATCH_RESPONSES.inc()
+            metrics.ETCD_WATCH_EVENTS.inc(len(response.events))
         async with self._lock:
             if self._request_handler is not asyncio.current_task():
                 return  # an ended stream's answer
@@ -591,7 +594,9 @@ async def _create_watch(client: EtcdClient, prefix: bytes, kwargs: dict[str, Any
         creating = asyncio.ensure_future(client.watch_prefix(prefix, **kwargs))
         done, _ = await asyncio.wait({creating}, timeout=client.watch_create_timeout)
         if done:
-            return creating.result()
+            watch = creating.result()
+            metrics.ETCD_WATCHES_CREATED.inc()
+            return watch
         await client.reset_watches("a watch creation timed out; the watch stream was reset")
         await asyncio.wait({creating})
         if not creating.cancelled() and creating.exception() is None:

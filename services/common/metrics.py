@@ -67,6 +67,27 @@ RPC_CLIENT_HANDLED = Counter(
     ["target", "method", "code"],
     registry=None,
 )
+RPC_SERVER_STREAM_SENT = Counter(
+    "baton_rpc_server_stream_messages_sent_total",
+    "Messages this server sent on server-streaming RPCs, by full method name "
+    "(a unary call is one message each way and is counted by handled_total)",
+    ["method"],
+    registry=None,
+)
+RPC_CLIENT_STREAMS_OPENED = Counter(
+    "baton_rpc_client_streams_opened_total",
+    "Server-streaming RPCs this process opened to another Baton service, by target service "
+    "and method (handled_total counts them when they end)",
+    ["target", "method"],
+    registry=None,
+)
+RPC_CLIENT_STREAM_RECEIVED = Counter(
+    "baton_rpc_client_stream_messages_received_total",
+    "Messages this process received on server-streaming RPCs of another Baton service, "
+    "by target service and method",
+    ["target", "method"],
+    registry=None,
+)
 BUILD_INFO = "baton_build_info"
 
 # -- hooks and anchor: etcd (services/common/etcd.py, store_health.py) ---------
@@ -84,6 +105,22 @@ ETCD_ERRORS = Counter(
     "etcd calls that failed, by the reason they were mapped to "
     "(STORE_UNAVAILABLE, STORE_FULL, ...)",
     ["reason"],
+    registry=None,
+)
+ETCD_WATCHES_CREATED = Counter(
+    "baton_etcd_watches_created_total",
+    "etcd watches this process created (each one request and one answer on the watch stream)",
+    registry=None,
+)
+ETCD_WATCH_RESPONSES = Counter(
+    "baton_etcd_watch_responses_total",
+    "Watch responses from etcd that carried events (etcd may batch several events, "
+    "always whole revisions, into one)",
+    registry=None,
+)
+ETCD_WATCH_EVENTS = Counter(
+    "baton_etcd_watch_events_total",
+    "Events received on this process's etcd watches (one per key put or deleted)",
     registry=None,
 )
 STORE_SERVING = Gauge(
@@ -259,8 +296,22 @@ LIMIT_REFUSALS = Counter(
     registry=None,
 )
 
-_RPC = (RPC_SERVER_HANDLED, RPC_SERVER_SECONDS, RPC_CLIENT_HANDLED)
-_STORE = (ETCD_TXN_SECONDS, ETCD_ERRORS, STORE_SERVING)
+_RPC = (
+    RPC_SERVER_HANDLED,
+    RPC_SERVER_SECONDS,
+    RPC_CLIENT_HANDLED,
+    RPC_SERVER_STREAM_SENT,
+    RPC_CLIENT_STREAMS_OPENED,
+    RPC_CLIENT_STREAM_RECEIVED,
+)
+_STORE = (
+    ETCD_TXN_SECONDS,
+    ETCD_ERRORS,
+    ETCD_WATCHES_CREATED,
+    ETCD_WATCH_RESPONSES,
+    ETCD_WATCH_EVENTS,
+    STORE_SERVING,
+)
 SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     "hooks": (
         *_RPC,
@@ -338,6 +389,9 @@ class RpcMeter:
         self._served: dict[tuple[str, str], Any] = {}
         self._timed: dict[str, Any] = {}
         self._called: dict[tuple[str, str, str], Any] = {}
+        self._sent: dict[str, Any] = {}
+        self._received: dict[tuple[str, str], Any] = {}
+        self._opened: dict[tuple[str, str], Any] = {}
 
     def served(self, method: str, code: str, seconds: float) -> None:
         key = (method, code)
@@ -355,6 +409,29 @@ class RpcMeter:
         counter = self._called.get(key)
         if counter is None:
             counter = self._called[key] = RPC_CLIENT_HANDLED.labels(target, method, code)
+        counter.inc()
+
+    def sent(self, method: str) -> None:
+        """One message of a server stream sent."""
+        counter = self._sent.get(method)
+        if counter is None:
+            counter = self._sent[method] = RPC_SERVER_STREAM_SENT.labels(method)
+        counter.inc()
+
+    def opened(self, target: str, method: str) -> None:
+        """One server stream opened to `target`."""
+        key = (target, method)
+        counter = self._opened.get(key)
+        if counter is None:
+            counter = self._opened[key] = RPC_CLIENT_STREAMS_OPENED.labels(target, method)
+        counter.inc()
+
+    def received(self, target: str, method: str) -> None:
+        """One message of a server stream received from `target`."""
+        key = (target, method)
+        counter = self._received.get(key)
+        if counter is None:
+            counter = self._received[key] = RPC_CLIENT_STREAM_RECEIVED.labels(target, method)
         counter.inc()
 
 

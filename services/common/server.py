@@ -263,7 +263,10 @@ class _Call:
         async def wrapped(raw: bytes, context: Context) -> AsyncIterator[Any]:
             async with _Served(self, context, stream=True) as served:
                 served.admit()
+                meter = metrics.RPC
                 async for item in behavior(decode(raw), context):
+                    if meter.enabled:
+                        meter.sent(self.method)
                     yield item
 
         return wrapped

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -214,7 +215,7 @@ class Inbox:
             *(cmp_absent(k.delivery(sid, d)) for d in attempt.delivery_ids),
         )
         now = Timestamp()
-        now.GetCurrentTime()
+        now.FromNanoseconds(time.time_ns())  # (GetCurrentTime goes through datetime)
         for offset, item in enumerate(attempt.appended):
             seq = attempt.head + offset
             entry = s.InboxEntry(seq=seq, command=item.command, accepted_at=now)
