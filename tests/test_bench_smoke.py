@@ -199,3 +199,6 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
     # The stack without the clean-up keeps every event and delivery id.
     assert figures["off_end"]["parts"]["dlv"]["keys"] >= figures["off_end"]["turn"]
     assert figures["pairs"] == 3 and figures["cleanup"]["p50_ratio"] > 0
+    interleaved = figures["interleaved"]
+    assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
+    assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)
