@@ -249,7 +249,9 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         # The same ages side by side, so both see the same load (it moves a
         # lot within minutes here): a young session at --early, one turn
         # each in turn with the old one.
-        _progress(f"a young session's turns {args.early}.. interleaved with the old one's")
+        _progress(
+            f"a young session's turns {args.early - args.window}.. interleaved with the old one's"
+        )
         sides["young"] = young = Side(stacks["on"])
         await young.open()
         await young.block(args.early - args.window, "y")
