@@ -173,3 +173,32 @@ def test_inbox_cleanup_bench_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert set(figures) == {"none", "in_txn", "in_txn_from_start", "after"}
     assert all(way["p50_ms"] > 0 for way in figures.values())
+
+
+def test_storage_bench_smoke(tmp_path: Path) -> None:
+    """bench.storage: both stacks run their turns, the clean-up stack's
+    session is counted quiet at both points, and the ratios are reported."""
+    out = tmp_path / "storage.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.storage", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "keys (but history) late/early <= 1.1" in proc.stdout, proc.stdout
+    assert "clean-up cost: " in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    early, late = figures["points"]["early"], figures["points"]["late"]
+    assert (early["turn"], late["turn"]) == (20, 60)
+    # Quiet, the session holds its horizon and no delivery id.
+    for point in (early, late):
+        assert point["parts"]["ev"]["keys"] <= 30 and "dlv" not in point["parts"]
+        assert point["db_size"] > 0
+    # The stack without the clean-up keeps every event and delivery id.
+    assert figures["off_end"]["parts"]["dlv"]["keys"] >= figures["off_end"]["turn"]
+    assert figures["pairs"] == 3 and figures["cleanup"]["p50_ratio"] > 0
+    interleaved = figures["interleaved"]
+    assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
+    assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)

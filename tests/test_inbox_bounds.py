@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import aetcd
+import grpc
 import pytest
 
 from baton.session.v1 import session_pb2 as s
@@ -38,6 +39,7 @@ from tests.stack import (
     stop_stack,
 )
 from tests.test_inbox import assert_admitted_once_in_order, read_until_idle, received
+from tests.test_stream_retention import below_horizon_of
 
 WINDOW = 2.0  # seconds: a key lives between WINDOW and lease_ttl(WINDOW)
 K = s.EventKind
@@ -68,12 +70,14 @@ async def count(client: aetcd.Client, stack: Stack, session_id: str, part: str) 
     return len(await client.get_range(prefix, prefix_end(prefix)))
 
 
-async def gone(client: aetcd.Client, stack: Stack, session_id: str, part: str) -> None:
+async def gone(
+    client: aetcd.Client, stack: Stack, session_id: str, part: str, window: float = WINDOW
+) -> None:
     async def empty() -> bool:
         return await count(client, stack, session_id, part) == 0
 
     # etcd revokes an expired lease within about a second of its TTL.
-    await eventually(empty, f"{part} keys expired", timeout=lease_ttl(WINDOW) + 8)
+    await eventually(empty, f"{part} keys expired", timeout=lease_ttl(window) + 8)
 
 
 def value(counter: object, *labels: str) -> float:
@@ -118,19 +122,40 @@ async def test_a_live_sessions_inbox_and_delivery_keys_stay_bounded(
 async def test_a_long_sessions_keys_and_bytes_stay_flat_under_every_policy(
     etcd_endpoint: str,
 ) -> None:
+    """The short version of the long test below (CI runs it): a 50-event
+    horizon, a 2 s window, quiet after 60 and after 180 turns."""
+    await a_long_session_stays_bounded(etcd_endpoint, keep=50, window=WINDOW, points=(60, 180))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_three_thousand_turns_keep_the_keys_and_bytes_of_three_hundred_slow(
+    etcd_endpoint: str,
+) -> None:
+    """Issue 20's long test: `--stream-retention-events 200 --dedupe-window
+    5`, quiet after 300 and after 3,000 short turns."""
+    await a_long_session_stays_bounded(etcd_endpoint, keep=200, window=5.0, points=(300, 3000))
+
+
+async def a_long_session_stays_bounded(
+    etcd_endpoint: str, *, keep: int, window: float, points: tuple[int, int]
+) -> None:
     """Everything a live session keeps is set by policy: a stream horizon of
-    50 events, a 2 s dedupe window, a 16 KiB context budget. Quiet after 60
-    and after 180 short turns (each with a delivery id), the session holds
-    the same keys and bytes, but for the model history, which the context
-    budget bounds in bytes."""
+    `keep` events, a dedupe window of `window` seconds, a 16 KiB context
+    budget. Quiet after each of `points` short turns (each with a delivery
+    id), the session holds the same keys and, within a constant, the same
+    bytes, but for the model history, which the context budget bounds in
+    bytes. At the end: a read from 0 answers OUT_OF_RANGE naming the earliest
+    seq kept, reading from there is gapless to the head, and a repeated
+    delivery id is a duplicate inside the window and a new command after it."""
     running = await start_stack(
         etcd_endpoint,
         anchor_options={
-            "stream_retention_events": 50,
+            "stream_retention_events": keep,
             "stream_retention_seconds": 0.0,
             "retention_sweep_seconds": 0.2,
         },
-        hooks_options={"dedupe_window_seconds": WINDOW},
+        hooks_options={"dedupe_window_seconds": window},
         agent="services.owner.fixture:build_small_context_agent",
     )
     client = await etcd_client(running.etcd.endpoint)
@@ -138,29 +163,33 @@ async def test_a_long_sessions_keys_and_bytes_stay_flat_under_every_policy(
         sid = await running.create()
         prefix = Keys(running.etcd.prefix).session_prefix(sid)
         sent = 0
-        sizes: list[tuple[int, int, int]] = []
-        for target in (60, 180):
+        sizes: list[tuple[int, int]] = []
+
+        async def snapshot() -> s.SessionSnapshot | None:
+            raw = await client.get(prefix + b"snap")
+            return s.SessionSnapshot.FromString(raw.value) if raw else None
+
+        async def settled(n: int) -> None:
+            async def done() -> bool:
+                snap = await snapshot()
+                return (
+                    snap is not None and snap.inbox_next_seq == n and not snap.HasField("open_turn")
+                )
+
+            await eventually(done, f"{n} turns settled", timeout=30 + n / 20)
+
+        for target in points:
             while sent < target:
                 await running.send(
                     sid, f"turn {sent}", delivery_id=f"t-{sent}", turn_policy=s.TURN_POLICY_QUEUE
                 )
                 sent += 1
-
-            async def settled(n: int = sent) -> bool:
-                raw = await client.get(prefix + b"snap")
-                snapshot = s.SessionSnapshot.FromString(raw.value) if raw else None
-                return (
-                    snapshot is not None
-                    and snapshot.inbox_next_seq == n
-                    and not snapshot.HasField("open_turn")
-                )
-
-            await eventually(settled, f"{sent} turns settled", timeout=30)
-            await gone(client, running, sid, "dlv/")
+            await settled(sent)
+            await gone(client, running, sid, "dlv/", window)
 
             async def trimmed() -> bool:
                 kept = await client.get_range(*_range(prefix + b"ev/"))
-                return len(kept) <= 50
+                return len(kept) <= keep
 
             await eventually(trimmed, "the stream trimmed to its horizon", timeout=10)
             kvs = await client.get_range(*_range(prefix))
@@ -174,7 +203,36 @@ async def test_a_long_sessions_keys_and_bytes_stay_flat_under_every_policy(
             assert await count(client, running, sid, "c/in/") == 0
         (keys_early, bytes_early), (keys_late, bytes_late) = sizes
         assert keys_late == keys_early, sizes
-        assert abs(bytes_late - bytes_early) <= 256, sizes  # (counters and seqs grew digits)
+        # Seqs, counters and turn numbers grew digits (and varint bytes): at
+        # most a few bytes per event kept.
+        assert abs(bytes_late - bytes_early) <= 256 + 4 * keep, sizes
+
+        # The stream: below the horizon a reader is told where it starts,
+        # from there it is gapless to the head.
+        snap = await snapshot()
+        assert snap is not None
+        head = snap.next_event_seq
+        with pytest.raises(grpc.aio.AioRpcError) as below:
+            await running.events(sid, start_seq=0, follow=False)
+        earliest = below_horizon_of(below.value)
+        assert head - keep <= earliest < head
+        kept = await running.events(sid, start_seq=earliest, follow=False)
+        assert [e.seq for e in kept] == list(range(earliest, head))
+
+        # A delivery id: a duplicate inside the window, a new command after it.
+        first = (await running.send(sid, "again", delivery_id="repeat")).receipt
+        repeat = (await running.send(sid, "again", delivery_id="repeat")).receipt
+        assert not first.duplicate and repeat.duplicate and repeat.seq == first.seq
+        await settled(sent + 1)
+        await gone(client, running, sid, "dlv/", window)
+        later = (await running.send(sid, "again", delivery_id="repeat")).receipt
+        assert not later.duplicate and later.seq == first.seq + 1
+        await settled(sent + 2)
+        tail = await running.events(sid, start_seq=head, follow=False)
+        assert [(e.inbox_seq, e.delivery_id) for e in received(tail)] == [
+            (first.seq, "repeat"),
+            (later.seq, "repeat"),
+        ]
     finally:
         await client.close()
         await stop_stack(running)
