@@ -8,6 +8,7 @@ test_children_faults.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -18,7 +19,7 @@ from services.common import ids
 from services.common.errors import BatonError, Reason
 from services.common.grpc_errors import error_reason
 from services.owner.host import OwnerHost
-from tests.stack import WEB, Stack
+from tests.stack import WEB, Stack, start_stack, stop_stack
 from tests.test_turns import (
     CANCEL,
     RESET,
@@ -479,3 +480,38 @@ async def test_a_child_whose_creator_died_before_its_first_commit_keeps_its_pare
     # report is rejected there, and changes nothing.
     rejected = await follow_until(stack, parent, seen(REJECTED))
     assert one(rejected, REJECTED).error.reason == "UNKNOWN_TASK"
+
+
+async def test_a_parked_childs_question_is_not_reported_again_after_the_dedupe_window(
+    etcd_endpoint: str,
+) -> None:
+    """A child delivers its question to the parent and parks. Its delivered
+    report must leave its committed outbox before it parks: delivery ids are
+    remembered for the window only, so a woken run that sent the report again
+    after it would surface the question on the parent a second time."""
+    stack = await start_stack(
+        etcd_endpoint, hooks_options={"dedupe_window_seconds": 1.0}, park_after=0.3
+    )
+    try:
+        sid = await stack.create()
+        await stack.send(sid, "ask helper ask my name")
+        events = await follow_until(stack, sid, seen(INPUT_REQUESTED))
+        asked = one(events, INPUT_REQUESTED)
+        child = child_of(events)
+        host = stack.owner.app
+        assert isinstance(host, OwnerHost)
+        deadline = asyncio.get_running_loop().time() + 15
+        while child not in host.parked:
+            assert asyncio.get_running_loop().time() < deadline, "the child never parked"
+            await asyncio.sleep(0.05)
+        assert not (await snapshot_of(stack, child)).parent.outbox, "parked with its report"
+        await asyncio.sleep(3.5)  # past the window (1 s, plus its lease buckets)
+        await respond(
+            stack, child, s.InputResponse(request_id=asked.input_request.request_id, text="Ada")
+        )
+        events += await follow_until(stack, sid, waits(1), start_seq=len(events))
+        assert texts(events, ANSWERED) == ["helper says: Nice to meet you, Ada."]
+        assert len(of(events, INPUT_REQUESTED)) == 1, "the question surfaced twice"
+        assert not of(events, REJECTED), [e.error.reason for e in of(events, REJECTED)]
+    finally:
+        await stop_stack(stack)

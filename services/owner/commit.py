@@ -161,6 +161,9 @@ class RunCommits:
         self._log = log
         self.revision = revision  # the last committed snapshot's mod revision, when known
         self._committed_snapshot = state.snapshot.SerializeToString()
+        # A child's reports in the last committed snapshot: delivering one
+        # leaves the outbox in memory, the next commit persists that.
+        self._committed_reports = len(state.snapshot.parent.outbox)
         # The inbox position of this run's last commit: the next commit
         # deletes the entries consumed since (its first, every one below:
         # also any an older version left behind).
@@ -209,9 +212,18 @@ class RunCommits:
         self._turns.committed(events)
         self._committed_snapshot = state.snapshot.SerializeToString()
         self._committed_inbox = state.snapshot.inbox_next_seq
+        self._committed_reports = len(state.snapshot.parent.outbox)
         self.progressed = True
         self._upkeep.start_retire()
         self._upkeep.deliver_reports()
+
+    @property
+    def delivered_uncommitted(self) -> bool:
+        """Reports delivered since the last commit, which still lists them: a
+        run that stops now (parks) must commit first, or the next run sends
+        them again, and a repeat after the delivery ids' window would be
+        appended anew."""
+        return self._committed_reports > len(self._state.snapshot.parent.outbox)
 
     async def guarded(self, work: Awaitable[None]) -> None:
         """Run `work`; a commit it makes that can never succeed (too large,

@@ -317,6 +317,11 @@ class SessionRun:
             reports_pending=self._upkeep.reports_pending(),
         ):
             return False
+        if self._commits.delivered_uncommitted:
+            # The emptied outbox durable first (a snapshot-only commit): a
+            # woken run must not deliver them again (docs/design.md §16).
+            await self._commits.guarded(self._commits.commit([]))
+            return False  # parks at the next idle timeout, if still idle
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
         with self._inbox.idle_while(not self.state.turn_open):
