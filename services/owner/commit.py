@@ -161,9 +161,6 @@ class RunCommits:
         self._log = log
         self.revision = revision  # the last committed snapshot's mod revision, when known
         self._committed_snapshot = state.snapshot.SerializeToString()
-        # A child's reports in the last committed snapshot: delivering one
-        # leaves the outbox in memory, the next commit persists that.
-        self._committed_reports = len(state.snapshot.parent.outbox)
         # The inbox position of this run's last commit: the next commit
         # deletes the entries consumed since (its first, every one below:
         # also any an older version left behind).
@@ -212,7 +209,6 @@ class RunCommits:
         self._turns.committed(events)
         self._committed_snapshot = state.snapshot.SerializeToString()
         self._committed_inbox = state.snapshot.inbox_next_seq
-        self._committed_reports = len(state.snapshot.parent.outbox)
         self.progressed = True
         self._upkeep.start_retire()
         self._upkeep.deliver_reports()
@@ -223,7 +219,9 @@ class RunCommits:
         run that stops now (parks) must commit first, or the next run sends
         them again, and a repeat after the delivery ids' window would be
         appended anew."""
-        return self._committed_reports > len(self._state.snapshot.parent.outbox)
+        state = self._state
+        outbox = {report.task_delivery_id for report in state.snapshot.parent.outbox}
+        return bool(state.committed_reports - outbox)
 
     async def guarded(self, work: Awaitable[None]) -> None:
         """Run `work`; a commit it makes that can never succeed (too large,
