@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -305,10 +306,29 @@ class Journal:
         loaded, _ = await self._read_snapshot(session_id)
         return loaded.snapshot, loaded.revision
 
+    async def snapshot_and_horizon(self, session_id: str) -> tuple[s.SessionSnapshot, int, int]:
+        """`snapshot` and the stream's retention horizon (the first seq kept),
+        read in one transaction: at that revision [horizon, head) are all
+        stored (services/anchor/horizon.py)."""
+        ids.validate_session_id(session_id)
+        k = self._keys
+        result = await (
+            Txn()
+            .read("snapshot", k.snapshot(session_id))
+            .read("horizon", k.horizon(session_id))
+            .run(self._store)
+        )
+        loaded = self._decode_snapshot(session_id, result.kv("snapshot"))
+        return loaded.snapshot, loaded.revision, horizon_of(result.value("horizon"))
+
     async def _read_snapshot(self, session_id: str) -> tuple[LoadedSnapshot, int]:
         ids.validate_session_id(session_id)
         result = await Txn().read("snapshot", self._keys.snapshot(session_id)).run(self._store)
-        kv = result.kv("snapshot")
+        return self._decode_snapshot(session_id, result.kv("snapshot")), result.revision
+
+    @staticmethod
+    def _decode_snapshot(session_id: str, kv: Any) -> LoadedSnapshot:
+        """The stored snapshot `kv` (None: NOT_FOUND)."""
         if kv is None:
             raise NotFound(
                 Reason.SESSION_NOT_FOUND,
@@ -320,7 +340,7 @@ class Journal:
             raise FailedPrecondition(
                 Reason.SNAPSHOT_UNREADABLE, f"the snapshot of session {session_id} cannot be parsed"
             ) from exc
-        return LoadedSnapshot(snapshot, kv.mod_revision), result.revision
+        return LoadedSnapshot(snapshot, kv.mod_revision)
 
     async def load(
         self, session_id: str, expected_revision: int | None = None

@@ -72,8 +72,8 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         self, request: pb.GetSnapshotRequest, context: Context
     ) -> pb.GetSnapshotResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
-        snapshot, revision = await self._journal.snapshot(request.session_id)
-        return pb.GetSnapshotResponse(snapshot=snapshot, revision=revision)
+        snapshot, revision, horizon = await self._journal.snapshot_and_horizon(request.session_id)
+        return pb.GetSnapshotResponse(snapshot=snapshot, revision=revision, earliest_seq=horizon)
 
     async def ReadEvents(
         self, request: pb.ReadEventsRequest, context: Context

@@ -113,7 +113,7 @@ def text_of(session: pb.Session) -> list[str]:
         f"owner:       run {session.owner_run_id}, epoch {session.epoch}, "
         f"instance {session.instance_id}",
         f"inbox:       {session.inbox_depth} unconsumed{age}",
-        f"stream head: {session.stream_head}",
+        f"stream head: {session.stream_head} (kept from seq {session.earliest_seq})",
         f"turns:       {session.turn_count}",
         f"usage:       {used} tokens, {session.usage.model_calls} model calls{remaining}",
         f"aliases:     {', '.join(session.aliases) or '-'}",

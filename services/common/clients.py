@@ -675,6 +675,15 @@ class AnchorClient(_Client):
         )
         return response.snapshot, response.revision
 
+    async def snapshot_and_horizon(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
+        """The snapshot and the stream's retention horizon (the earliest seq
+        kept), read together."""
+        request = anchor_pb.GetSnapshotRequest(session_id=session_id)
+        response = await self._unary(
+            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+        )
+        return response.snapshot, response.earliest_seq
+
     async def load_session(
         self, session_id: str, expected_revision: int | None = None
     ) -> LoadedSession:

@@ -128,8 +128,10 @@ def build_view(
     described: SessionDescription,
     recent: Sequence[s.Event],
     now_ms: int,
+    earliest_seq: int = 0,
 ) -> Gathered:
-    """The public view from what was read (pure)."""
+    """The public view from what was read (pure); `earliest_seq` is the
+    stream's retention horizon read with the snapshot."""
     latest = recent[-1] if recent else None
     view: StatusView = session_status(facts_of(snapshot, described, latest))
     session = pb.Session(
@@ -149,6 +151,7 @@ def build_view(
     if snapshot is not None:
         consumed = snapshot.inbox_next_seq
         session.stream_head = snapshot.next_event_seq
+        session.earliest_seq = earliest_seq
         session.turn_count = snapshot.turn_count
         session.usage.CopyFrom(snapshot.usage)
         session.limits.CopyFrom(snapshot.limits)
@@ -214,8 +217,10 @@ class SessionViews:
         certificate): the session of whichever channel; a tenant's call
         always names its authenticated channel."""
         ids.validate_session_id(session_id)
+        earliest = 0
         try:
-            snapshot: s.SessionSnapshot | None = await self._anchor.snapshot(session_id)
+            snapshot: s.SessionSnapshot | None
+            snapshot, earliest = await self._anchor.snapshot_and_horizon(session_id)
         except NotFound:
             snapshot = None  # no commit yet: what hooks knows is all there is
         if channel != ANY_CHANNEL and snapshot is not None and snapshot.channel != channel:
@@ -228,7 +233,7 @@ class SessionViews:
         head = snapshot.next_event_seq if snapshot is not None else 0
         recent = await self._recent(session_id, head) if head else []
         now_ms = int(self._clock() * 1000)
-        return build_view(session_id, snapshot, described, recent, now_ms)
+        return build_view(session_id, snapshot, described, recent, now_ms, earliest)
 
     async def _recent(self, session_id: str, head: int) -> list[s.Event]:
         """The latest events before `head`; when fewer are kept (the stream's

@@ -150,9 +150,15 @@ class GetSnapshotResponse(_message.Message):
 
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    EARLIEST_SEQ_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The etcd mod revision of the snapshot key: pass it as the next commit's
     expected_snapshot_revision.
+    """
+    earliest_seq: _builtins.int
+    """The stream's retention horizon, read with the snapshot: the earliest seq
+    still kept (a read from below it is OUT_OF_RANGE); 0 until retention
+    deleted an event.
     """
     @_builtins.property
     def snapshot(self) -> _session_pb2.SessionSnapshot:
@@ -163,10 +169,11 @@ class GetSnapshotResponse(_message.Message):
         *,
         snapshot: _session_pb2.SessionSnapshot | None = ...,
         revision: _builtins.int = ...,
+        earliest_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["earliest_seq", b"earliest_seq", "revision", b"revision", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -276,6 +276,7 @@ class Session(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
     LAST_TRACE_ID_FIELD_NUMBER: _builtins.int
+    EARLIEST_SEQ_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id."""
     channel: _builtins.str
@@ -299,6 +300,11 @@ class Session(_message.Message):
     last_trace_id: _builtins.str
     """The trace id of the last commit made while tracing was on (the last
     turn's trace, docs/metrics.md "Traces"); empty when tracing was never on.
+    """
+    earliest_seq: _builtins.int
+    """The stream's retention horizon: the earliest seq still kept, so events
+    [earliest_seq, stream_head) can be read; a read from below it is
+    OUT_OF_RANGE/BELOW_HORIZON. 0 until retention deleted an event.
     """
     @_builtins.property
     def status_reason(self) -> _session_pb2.ErrorDetail:
@@ -384,10 +390,11 @@ class Session(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
         last_trace_id: _builtins.str = ...,
+        earliest_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "last_failure", b"last_failure", "limits", b"limits", "oldest_unconsumed_age", b"oldest_unconsumed_age", "parent", b"parent", "remaining", b"remaining", "status_reason", b"status_reason", "timeout_deadline", b"timeout_deadline", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "children", b"children", "create_time", b"create_time", "deployment_id", b"deployment_id", "epoch", b"epoch", "inbox_depth", b"inbox_depth", "instance_id", b"instance_id", "last_failure", b"last_failure", "last_trace_id", b"last_trace_id", "limits", b"limits", "oldest_unconsumed_age", b"oldest_unconsumed_age", "owner_run_id", b"owner_run_id", "parent", b"parent", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "remaining", b"remaining", "session_id", b"session_id", "status", b"status", "status_reason", b"status_reason", "stream_head", b"stream_head", "timeout_deadline", b"timeout_deadline", "turn_count", b"turn_count", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "channel", b"channel", "children", b"children", "create_time", b"create_time", "deployment_id", b"deployment_id", "earliest_seq", b"earliest_seq", "epoch", b"epoch", "inbox_depth", b"inbox_depth", "instance_id", b"instance_id", "last_failure", b"last_failure", "last_trace_id", b"last_trace_id", "limits", b"limits", "oldest_unconsumed_age", b"oldest_unconsumed_age", "owner_run_id", b"owner_run_id", "parent", b"parent", "pending_authorizations", b"pending_authorizations", "pending_inputs", b"pending_inputs", "remaining", b"remaining", "session_id", b"session_id", "status", b"status", "status_reason", b"status_reason", "stream_head", b"stream_head", "timeout_deadline", b"timeout_deadline", "turn_count", b"turn_count", "update_time", b"update_time", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
