@@ -168,6 +168,7 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         listed = {d["deployment_id"]: d for d in json.loads(run.out)}
         assert set(listed) == {"dep-a", "dep-b"}
         assert listed["dep-a"]["sessions"] == "4" and listed["dep-b"]["sessions"] == "0"
+        assert {d["status"] for d in listed.values()} == {"DEPLOYMENT_STATUS_ACTIVE"}
         (instance,) = listed["dep-a"]["instances"]
         assert instance["instance"]["instance_id"] == "dep-a-i1"
         assert int(instance["lease_id"]) > 0 and instance["sessions"] == "4"
@@ -175,8 +176,11 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         run = await baton("deployments", "list", *ops, env=env)
         assert run.code == 0, run.err
         header, *rows = run.out.splitlines()
-        assert header.split() == ["DEPLOYMENT", "INSTANCES", "SESSIONS", "ON_GONE"]
-        assert [row.split() for row in rows] == [["dep-a", "1", "4", "0"], ["dep-b", "1", "0", "0"]]
+        assert header.split() == ["DEPLOYMENT", "STATUS", "INSTANCES", "SESSIONS", "ON_GONE"]
+        assert [row.split() for row in rows] == [
+            ["dep-a", "active", "1", "4", "0"],
+            ["dep-b", "active", "1", "0", "0"],
+        ]
         # describe: every channel's sessions, each as GetSession shows it.
         run = await baton("deployments", "describe", "dep-a", "-o", "json", *ops, env=env)
         assert run.code == 0, run.err

@@ -23,7 +23,7 @@ baton sessions cancel|reset ID|ALIAS [--reason R] [--delivery-id D]
 As an operator (BATON_TLS_CERT/KEY/CA), through hooks, anchor and owners:
 baton sessions resume ID
 baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait 60]
-baton handoffs get HANDOFF_ID --session ID
+baton handoffs get HANDOFF_ID [--session ID]
       [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]
 Every one of these takes -o text|json|jsonl; defaults come from `baton up`'s
 profile (services/cli/profile.py); exit codes in services/cli/operate.py.

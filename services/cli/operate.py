@@ -238,8 +238,12 @@ def add_deployment_commands(commands: Any) -> None:
     ).add_subparsers(dest="action", metavar="ACTION")
     listing = fleet.add_parser(
         "list",
-        help="deployments with live owner instances",
-        description="Every deployment with a live owner instance: instances and sessions.",
+        help="every deployment the registry knows, with its status",
+        description=(
+            "Every deployment the registry knows (a live owner instance, or sessions left in "
+            "its ownership index): its status (active: a live instance; retired: no live "
+            "instance, sessions left on it), its instances and sessions, 0 included."
+        ),
     )
     _operator_flags(listing)
     describe = fleet.add_parser(
@@ -285,11 +289,17 @@ def add_handoff_commands(commands: Any) -> None:
         description=(
             "The recorded outcome of a handoff (a trigger, a drain or an adoption): the "
             "successor run, its deployment and instance, the new epoch. The handoff id is on "
-            "the session's session.handed_off event; handoffs are kept with their session."
+            "the session's session.handed_off event; a handoff is kept for the deduplication "
+            "window (a day by default), and found by its id alone."
         ),
     )
     get.add_argument("handoff", metavar="HANDOFF_ID")
-    get.add_argument("--session", required=True, help="the session it moved (ses_...)")
+    get.add_argument(
+        "--session",
+        default="",
+        help="the session it moved (ses_...); needed only for a handoff recorded before the "
+        "handoff index existed",
+    )
     _operator_flags(get)
 
 

@@ -67,6 +67,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def deployment_status_name(status: hooks_pb.DeploymentStatus.ValueType) -> str:
+    """`DEPLOYMENT_STATUS_RETIRED` -> `retired`."""
+    return hooks_pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
+
+
 def deployment_json(info: hooks_pb.DeploymentInfo) -> dict[str, object]:
     return json_format.MessageToDict(
         info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -177,7 +182,8 @@ async def sessions_all_channels(
 async def deployments_list(
     connection: OperatorConnection, output: str, write: Callable[[str], None] = print
 ) -> int:
-    """`baton deployments list`: every deployment with a live owner instance."""
+    """`baton deployments list`: every deployment the registry knows, with
+    its status and its instance and session counts (0 included)."""
     hooks = HooksClient(connection.hooks, security=connection.security)
     try:
         found = await hooks.list_deployments()
@@ -192,13 +198,15 @@ async def deployments_list(
         rows = [
             (
                 d.deployment_id,
+                deployment_status_name(d.status),
                 str(len(d.instances)),
                 str(d.sessions),
                 str(d.sessions_of_gone_instances),
             )
             for d in found
         ]
-        for line in _table(("DEPLOYMENT", "INSTANCES", "SESSIONS", "ON_GONE"), rows):
+        header = ("DEPLOYMENT", "STATUS", "INSTANCES", "SESSIONS", "ON_GONE")
+        for line in _table(header, rows):
             write(line)
     return EXIT_OK
 
@@ -258,6 +266,7 @@ async def deployments_describe(
         write(_dump(data, output))
         return EXIT_OK
     write(f"deployment:  {deployment_id}")
+    write(f"status:      {deployment_status_name(info.status)}")
     write(
         f"sessions:    {info.sessions} ({info.sessions_of_gone_instances} on instances that "
         "are gone)"
@@ -302,13 +311,18 @@ async def handoff_get(
     output: str,
     write: Callable[[str], None] = print,
 ) -> int:
-    """`baton handoffs get HANDOFF_ID --session ID`: a recorded transfer (the
-    handoff id is on the session's `session.handed_off` event)."""
+    """`baton handoffs get HANDOFF_ID [--session ID]`: a recorded transfer
+    (the handoff id is on the session's `session.handed_off` event); without
+    a session, hooks finds it through its handoff index."""
+    if session_id:
+        ids.validate_session_id(session_id)
+    ids.validate_id(handoff_id, "handoff_id")
     hooks = HooksClient(connection.hooks, security=connection.security)
     try:
         found = await hooks.get_transfer(session_id, handoff_id)
     finally:
         await hooks.close()
+    session_id = found.fence.session_id
     response = hooks_pb.GetTransferResponse(
         fence=found.fence,
         successor=found.successor,

@@ -30,6 +30,11 @@ disposal, the token-index entries pointing at that session):
                                                               commit that closes the stream;
                                                               the session's keys are deleted
                                                               after `expires` (unix ms)
+    {root}hx/{handoff}             "{sid}"                    handoff index: written by the
+                                                              transfer txn beside the session's
+                                                              `xfer/{handoff}` record, under the
+                                                              same deduplication-window lease
+                                                              (GetTransfer by handoff id alone)
 
 Owner instances and their sessions (docs/design.md §5):
 
@@ -148,6 +153,10 @@ class Keys:
     def retention(self, expires_ms: int, session_id: str) -> bytes:
         return f"{self.root}gc/{expires_ms:015d}/{session_id}".encode()
 
+    def handoff(self, handoff_id: str) -> bytes:
+        """The handoff index: which session a handoff id moved."""
+        return f"{self.root}hx/{handoff_id}".encode()
+
     def token(self, token: str) -> bytes:
         return f"{self.root}t/{token}".encode()
 
@@ -171,6 +180,10 @@ class Keys:
 
     def instance(self, deployment_id: str, instance_id: str) -> bytes:
         return f"{self.root}d/{deployment_id}/{instance_id}".encode()
+
+    def ownership_prefix(self) -> bytes:
+        """Every deployment's ownership index."""
+        return f"{self.root}i/".encode()
 
     def owned_prefix(self, deployment_id: str, instance_id: str = "") -> bytes:
         """The ownership index of a deployment, or of one of its instances."""

@@ -1,6 +1,12 @@
 """Operator views of the owner fleets (ListDeployments, DescribeDeployment):
-each deployment's live instances with their leases, and how many sessions
-each owns.
+each deployment's status, its live instances with their leases, and how many
+sessions each owns.
+
+A deployment is known to the registry while it has a live instance (`d/`) or
+sessions in its ownership index (`i/`); its status follows from those two
+(`fleet_status`). The registry does not record an operator's drain (the drain
+target lives in each owner instance, `baton_draining`), so a fleet being
+drained is ACTIVE until its instances are gone.
 
 Reads only: the registry keys of live instances (`d/`, each under its
 instance's lease), the lease's remaining TTL, and the deployment's ownership
@@ -12,6 +18,7 @@ never a session's own keys (docs/design.md §10).
 from __future__ import annotations
 
 import asyncio
+import enum
 from dataclasses import dataclass
 
 from services.common import ids
@@ -23,6 +30,21 @@ MAX_DEPLOYMENTS = 1000
 """Deployments one ListDeployments answers at most."""
 INDEX_CHUNK = 5000
 """Ownership-index keys read per range (keys-only, well under etcd's limits)."""
+
+
+class FleetStatus(enum.Enum):
+    """What the registry knows of a deployment's fleet."""
+
+    ACTIVE = "active"  # a live owner instance
+    RETIRED = "retired"  # no live instance, sessions left in its index
+    DRAINED = "drained"  # no live instance, no session
+
+
+def fleet_status(live_instances: int, sessions: int) -> FleetStatus:
+    """A deployment's status from its live instances and indexed sessions (pure)."""
+    if live_instances:
+        return FleetStatus.ACTIVE
+    return FleetStatus.RETIRED if sessions else FleetStatus.DRAINED
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,10 @@ class Fleet:
     instances: tuple[InstanceLease, ...]
     sessions: int
     sessions_of_gone_instances: int
+
+    @property
+    def status(self) -> FleetStatus:
+        return fleet_status(len(self.instances), self.sessions)
 
 
 class FleetViews:
@@ -77,16 +103,37 @@ class FleetViews:
         )
 
     async def list_all(self) -> list[Fleet]:
-        """Every deployment with a live instance, in deployment id order (at
-        most MAX_DEPLOYMENTS)."""
+        """Every deployment the registry knows (a live instance, or sessions
+        in its ownership index), in deployment id order (at most
+        MAX_DEPLOYMENTS)."""
         prefix = self._keys.instances_prefix()
         result = (
             await Txn().read("live", prefix, prefix_end(prefix), keys_only=True).run(self._store)
         )
-        deployments = sorted(
-            {kv.key[len(prefix) :].decode().partition("/")[0] for kv in result.kvs("live")}
-        )[:MAX_DEPLOYMENTS]
+        live = {kv.key[len(prefix) :].decode().partition("/")[0] for kv in result.kvs("live")}
+        indexed = await self._indexed_deployments()
+        deployments = sorted(live | indexed)[:MAX_DEPLOYMENTS]
         return [await self.describe(deployment) for deployment in deployments]
+
+    async def _indexed_deployments(self) -> set[str]:
+        """The deployments with sessions in the ownership index: one
+        one-key read per deployment, skipping each one's entries (at most
+        MAX_DEPLOYMENTS + 1 reads)."""
+        prefix = self._keys.ownership_prefix()
+        end = prefix_end(prefix)
+        start = prefix
+        found: set[str] = set()
+        while len(found) <= MAX_DEPLOYMENTS:
+            page = await (
+                Txn().read("owned", start, end, keys_only=True, limit=1).run(self._store)
+            )
+            kvs = page.kvs("owned")
+            if not kvs:
+                return found
+            deployment = kvs[0].key[len(prefix) :].decode().partition("/")[0]
+            found.add(deployment)
+            start = prefix_end(self._keys.owned_prefix(deployment))
+        return found
 
     async def _lease(self, lease_id: int) -> tuple[int, int]:
         if lease_id <= 0:

@@ -19,7 +19,7 @@ from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
 from services.common.server import Context
 from services.hooks.directory import timestamp_ms
-from services.hooks.fleets import Fleet, FleetViews
+from services.hooks.fleets import Fleet, FleetStatus, FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
 from services.hooks.transfer import Transfers, plan_transfer
@@ -150,7 +150,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(
             session_id=request.session_id, handoff_id=request.handoff_id
         )
-        outcome = await self._transfers.get(request.session_id, request.handoff_id)
+        if request.session_id:
+            outcome = await self._transfers.get(request.session_id, request.handoff_id)
+        else:  # by the handoff id alone (the handoff index)
+            outcome = await self._transfers.find(request.handoff_id)
         return pb.GetTransferResponse(
             fence=outcome.fence,
             successor=outcome.successor,
@@ -470,9 +473,17 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         return pb.DescribeDeploymentResponse(deployment=_deployment_info(fleet))
 
 
+_FLEET_STATUS = {
+    FleetStatus.ACTIVE: pb.DEPLOYMENT_STATUS_ACTIVE,
+    FleetStatus.RETIRED: pb.DEPLOYMENT_STATUS_RETIRED,
+    FleetStatus.DRAINED: pb.DEPLOYMENT_STATUS_DRAINED,
+}
+
+
 def _deployment_info(fleet: Fleet) -> pb.DeploymentInfo:
     return pb.DeploymentInfo(
         deployment_id=fleet.deployment_id,
+        status=_FLEET_STATUS[fleet.status],
         instances=[
             pb.InstanceLease(
                 instance=_instance_info(i.record),

@@ -9,7 +9,9 @@ replay returns the same result and an uncertain outcome can be looked up,
 for the deduplication window: the record is put under the window lease
 (`expiry.py`) and etcd deletes it after that. Later, GetTransfer answers
 NOT_FOUND (TRANSFER_NOT_FOUND) and a replay of the request is refused by the
-fence it names, which moved with the transfer.
+fence it names, which moved with the transfer. The same transaction writes
+the handoff index (`hx/{handoff}` → the session, under the same lease), so an
+operator finds a handoff by its id alone (`find`).
 
 Why the session moves decides the one inbox compare: a trigger must be the
 inbox head (the last arrival); a drain must find nothing unprocessed (the
@@ -242,6 +244,27 @@ class Transfers:
         return TransferOutcome.decode(session_id, value)
 
 
+    async def find(self, handoff_id: str) -> TransferOutcome:
+        """A transfer by its handoff id alone, through the handoff index
+        (`hx/{handoff}`, written with the record under the same lease). A
+        record written before the index existed, or one whose session was
+        deleted by retention since, is NOT_FOUND: name the session then."""
+        ids.validate_id(handoff_id, "handoff_id")
+        result = await Txn().read("index", self._keys.handoff(handoff_id)).run(self._store)
+        session_id = result.value("index")
+        if session_id is not None:
+            try:
+                return await self.get(session_id.decode(), handoff_id)
+            except NotFound:
+                pass
+        raise NotFound(
+            Reason.TRANSFER_NOT_FOUND,
+            f"no transfer {handoff_id} in the handoff index (a handoff record is kept for the "
+            f"deduplication window, {self._leases.window_seconds:g} s; one recorded before "
+            "the index existed is found with its session id)",
+        )
+
+
 def _transfer_txn(
     k: Keys,
     plan: TransferPlan,
@@ -278,6 +301,9 @@ def _transfer_txn(
     txn.put(new_index, moved_to.value)
     txn.delete(k.bell(expected_owner.instance_id, sid))
     txn.put(k.transfer(sid, handoff_id), outcome.encode(), lease)
+    # The handoff index points at this one session and expires with the
+    # record (same lease), so GetTransfer needs only the id (§10).
+    txn.put(k.handoff(handoff_id), sid.encode(), lease)
     txn.read_on_failure("transfer", k.transfer(sid, handoff_id))
     txn.read_on_failure("fence", k.fence(sid))
     txn.read_on_failure("hooks", k.hooks(sid))

@@ -9,6 +9,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,9 +21,49 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _DeploymentStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeploymentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeploymentStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEPLOYMENT_STATUS_UNSPECIFIED: _DeploymentStatus.ValueType  # 0
+    """Never used."""
+    DEPLOYMENT_STATUS_ACTIVE: _DeploymentStatus.ValueType  # 1
+    """At least one owner instance is live."""
+    DEPLOYMENT_STATUS_RETIRED: _DeploymentStatus.ValueType  # 2
+    """No owner instance is live, and sessions are still in its ownership
+    index: a settled one moves when a message for it arrives through
+    another deployment's ingress (adoption), one left mid-step waits for an
+    owner of this deployment.
+    """
+    DEPLOYMENT_STATUS_DRAINED: _DeploymentStatus.ValueType  # 3
+    """No owner instance is live and no session is left on it (the registry
+    keeps nothing more of it: only DescribeDeployment of its id says so).
+    """
+
+class DeploymentStatus(_DeploymentStatus, metaclass=_DeploymentStatusEnumTypeWrapper):
+    """DeploymentStatus is what the registry knows of a deployment's fleet."""
+
+DEPLOYMENT_STATUS_UNSPECIFIED: DeploymentStatus.ValueType  # 0
+"""Never used."""
+DEPLOYMENT_STATUS_ACTIVE: DeploymentStatus.ValueType  # 1
+"""At least one owner instance is live."""
+DEPLOYMENT_STATUS_RETIRED: DeploymentStatus.ValueType  # 2
+"""No owner instance is live, and sessions are still in its ownership
+index: a settled one moves when a message for it arrives through
+another deployment's ingress (adoption), one left mid-step waits for an
+owner of this deployment.
+"""
+DEPLOYMENT_STATUS_DRAINED: DeploymentStatus.ValueType  # 3
+"""No owner instance is live and no session is left on it (the registry
+keeps nothing more of it: only DescribeDeployment of its id says so).
+"""
+Global___DeploymentStatus: _TypeAlias = DeploymentStatus  # noqa: Y015
+
 @_typing.final
 class ListDeploymentsRequest(_message.Message):
-    """ListDeploymentsRequest asks for every deployment with a live instance."""
+    """ListDeploymentsRequest asks for every deployment the registry knows."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -117,6 +158,7 @@ class DeploymentInfo(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     SESSIONS_FIELD_NUMBER: _builtins.int
     SESSIONS_OF_GONE_INSTANCES_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The deployment id."""
     sessions: _builtins.int
@@ -125,6 +167,8 @@ class DeploymentInfo(_message.Message):
     """
     sessions_of_gone_instances: _builtins.int
     """Of those, the sessions owned by instances that are not live."""
+    status: Global___DeploymentStatus.ValueType
+    """The deployment's status, from its live instances and its sessions."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceLease]:
         """Its live instances, in instance id order."""
@@ -136,10 +180,11 @@ class DeploymentInfo(_message.Message):
         instances: _abc.Iterable[Global___InstanceLease] | None = ...,
         sessions: _builtins.int = ...,
         sessions_of_gone_instances: _builtins.int = ...,
+        status: Global___DeploymentStatus.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instances", b"instances", "sessions", b"sessions", "sessions_of_gone_instances", b"sessions_of_gone_instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instances", b"instances", "sessions", b"sessions", "sessions_of_gone_instances", b"sessions_of_gone_instances", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1430,7 +1475,9 @@ class GetTransferRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     HANDOFF_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
-    """The session."""
+    """The session; empty: found by the handoff id alone (the handoff index,
+    kept with the record for the deduplication window).
+    """
     handoff_id: _builtins.str
     """The handoff id."""
     def __init__(

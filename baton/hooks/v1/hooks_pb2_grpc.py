@@ -268,7 +268,9 @@ class HookRegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTransfer(self, request, context):
-        """Look up the outcome of a transfer by its handoff id.
+        """Look up the outcome of a transfer by its handoff id (and session, or
+        through the handoff index by the id alone); fence.session_id names the
+        session it moved.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -309,7 +311,8 @@ class HookRegistryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListDeployments(self, request, context):
-        """Operator: the deployments that have live owner instances, each with its
+        """Operator: every deployment the registry knows (a live owner instance,
+        or sessions in its ownership index), each with its status, its
         instances (leases and session counts) and its sessions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -81,7 +81,10 @@ class HookRegistryServiceStub:
     A replay of the same handoff id returns the same result.
     """
     GetTransfer: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]
-    """Look up the outcome of a transfer by its handoff id."""
+    """Look up the outcome of a transfer by its handoff id (and session, or
+    through the handoff index by the id alone); fence.session_id names the
+    session it moved.
+    """
     GetOwner: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.GetOwnerRequest, _hooks_pb2.GetOwnerResponse]
     """Who owns a session now: fence, owner identity, parked, inbox head."""
     WatchInstances: _grpc.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]
@@ -100,7 +103,8 @@ class HookRegistryServiceStub:
     time (the channel index, written with each session's creation).
     """
     ListDeployments: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListDeploymentsRequest, _hooks_pb2.ListDeploymentsResponse]
-    """Operator: the deployments that have live owner instances, each with its
+    """Operator: every deployment the registry knows (a live owner instance,
+    or sessions in its ownership index), each with its status, its
     instances (leases and session counts) and its sessions.
     """
     DescribeDeployment: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]
@@ -162,7 +166,10 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     A replay of the same handoff id returns the same result.
     """
     GetTransfer: _aio.UnaryUnaryMultiCallable[_hooks_pb2.GetTransferRequest, _hooks_pb2.GetTransferResponse]  # type: ignore[assignment]
-    """Look up the outcome of a transfer by its handoff id."""
+    """Look up the outcome of a transfer by its handoff id (and session, or
+    through the handoff index by the id alone); fence.session_id names the
+    session it moved.
+    """
     GetOwner: _aio.UnaryUnaryMultiCallable[_hooks_pb2.GetOwnerRequest, _hooks_pb2.GetOwnerResponse]  # type: ignore[assignment]
     """Who owns a session now: fence, owner identity, parked, inbox head."""
     WatchInstances: _aio.UnaryStreamMultiCallable[_hooks_pb2.WatchInstancesRequest, _hooks_pb2.WatchInstancesResponse]  # type: ignore[assignment]
@@ -181,7 +188,8 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     time (the channel index, written with each session's creation).
     """
     ListDeployments: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListDeploymentsRequest, _hooks_pb2.ListDeploymentsResponse]  # type: ignore[assignment]
-    """Operator: the deployments that have live owner instances, each with its
+    """Operator: every deployment the registry knows (a live owner instance,
+    or sessions in its ownership index), each with its status, its
     instances (leases and session counts) and its sessions.
     """
     DescribeDeployment: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]  # type: ignore[assignment]
@@ -336,7 +344,10 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _hooks_pb2.GetTransferRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_hooks_pb2.GetTransferResponse, _abc.Awaitable[_hooks_pb2.GetTransferResponse]]:
-        """Look up the outcome of a transfer by its handoff id."""
+        """Look up the outcome of a transfer by its handoff id (and session, or
+        through the handoff index by the id alone); fence.session_id names the
+        session it moved.
+        """
 
     @_abc_1.abstractmethod
     def GetOwner(
@@ -385,7 +396,8 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _hooks_pb2.ListDeploymentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_hooks_pb2.ListDeploymentsResponse, _abc.Awaitable[_hooks_pb2.ListDeploymentsResponse]]:
-        """Operator: the deployments that have live owner instances, each with its
+        """Operator: every deployment the registry knows (a live owner instance,
+        or sessions in its ownership index), each with its status, its
         instances (leases and session counts) and its sessions.
         """
 
