@@ -8,6 +8,8 @@ against the RPC behind it:
 - `baton deployments list` (ListDeployments) shows every deployment the
   registry knows with its status, 0 counts included: a fleet with no session
   yet, and one scaled to zero with sessions left on it (retired);
+- `baton sessions get ID --all-channels`: an operator's view of any
+  channel's session, as its channel's GetSession shows it;
 - GetSession (and `baton sessions get`) reports the stream's retention
   horizon, `earliest_seq`, read with the snapshot."""
 
@@ -23,15 +25,17 @@ import pytest
 from google.protobuf import json_format
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.cli import sessions
+from services.common import ids
 from services.common.clients import HooksClient
 from services.common.errors import InvalidArgument, NotFound
 from services.common.identity import Role
 from services.common.keys import Keys
 from tests.certs import etcd_client
 from tests.procs import eventually
-from tests.stack import Stack, add_deployment, start_stack, stop_deployment, stop_stack
+from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack
 from tests.test_cli_operator import operator_flags
 from tests.test_cli_sessions import as_json, baton, env_of, flags, get_session, idle_session
 from tests.test_turns import follow_until, waits
@@ -170,6 +174,29 @@ async def test_handoffs_by_id_alone_and_every_deployment_with_its_status(
         await hooks.close()
         if not stopped:
             await stop_deployment(b)
+
+
+async def test_an_operator_gets_a_session_of_any_channel(stack: Stack, tmp_path: Path) -> None:
+    env = env_of(tmp_path)
+    ops = operator_flags(stack)
+    web = await stack.create(metadata=WEB)
+    await stack.send(web, "hello", metadata=WEB)
+    await stack.events(web, until=1, metadata=WEB)
+    response = await stack.ingress_stub.GetSession(
+        pb.GetSessionRequest(session_id=web), metadata=WEB, timeout=10
+    )
+    run = await baton("sessions", "get", web, "--all-channels", "-o", "json", *ops, env=env)
+    assert run.code == 0, run.err
+    assert json.loads(run.out) == as_json(response.session)
+    run = await baton("sessions", "get", web, "--all-channels", *ops, env=env)
+    assert run.code == 0, run.err
+    assert f"session:     {web}" in run.out and "channel:     web" in run.out
+    # As the slack channel, through the ingress, it is unknown.
+    run = await baton("sessions", "get", web, *flags(stack), env=env)
+    assert run.code == sessions.EXIT_NOT_FOUND, run
+    missing = ids.new_session_id()
+    run = await baton("sessions", "get", missing, "--all-channels", *ops, env=env)
+    assert run.code == sessions.EXIT_NOT_FOUND and "SESSION_NOT_FOUND" in run.err, run
 
 
 async def test_get_session_reports_the_stream_retention_horizon(

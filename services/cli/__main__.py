@@ -21,7 +21,7 @@ baton sessions send ID|ALIAS TEXT [--delivery-id D] [--queue]
 baton sessions cancel|reset ID|ALIAS [--reason R] [--delivery-id D]
       [--ingress ADDR] [--ca-cert CA | --plaintext] [--tls-server-name NAME]
 As an operator (BATON_TLS_CERT/KEY/CA), through hooks, anchor and owners:
-baton sessions resume ID
+baton sessions resume ID | get ID --all-channels | list --all-channels
 baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait 60]
 baton handoffs get HANDOFF_ID [--session ID]
       [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]

@@ -140,7 +140,14 @@ def add_session_commands(commands: Any) -> None:
     _add_list(group)
     one = group.add_parser("get", help="one session", description="One session, by id or alias.")
     _session_arg(one)
+    one.add_argument(
+        "--all-channels",
+        action="store_true",
+        help="operator: a session of any channel (by id), as its channel's GetSession shows "
+        "it, through hooks and anchor with the operator certificate (--hooks/--anchor/--tls-*)",
+    )
     _tenant_flags(one)
+    _operator_services(one)
     _add_events(group)
     _add_send_and_controls(group)
     _add_resume(group)
@@ -436,6 +443,9 @@ def run(args: argparse.Namespace) -> int:
             call = operator.sessions_all_channels(
                 _operator_connection(args), args.output, filter_text=args.filter, limit=args.limit
             )
+        elif args.command == "sessions" and args.action == "get" and args.all_channels:
+            connection = _operator_connection(args)
+            call = operator.session_any_channel(connection, args.session, args.output)
         elif args.command == "sessions" and args.action in _TENANT:
             call = _tenant_call(args)
         else:

@@ -1,5 +1,6 @@
-"""The operator's commands: `baton sessions resume`, `baton deployments
-list|describe`, `baton handoffs get`. They talk to the internal services
+"""The operator's commands: `baton sessions resume`, `baton sessions
+get|list --all-channels`, `baton deployments list|describe`, `baton handoffs
+get`. They talk to the internal services
 with the operator certificate (every call is role-checked there:
 services/common/access.py), not to the public ingress:
 
@@ -123,6 +124,28 @@ async def resume(
         )
     else:
         write(f"session {session_id} is not stalled on {holder.instance_id}: nothing to resume")
+    return EXIT_OK
+
+
+async def session_any_channel(
+    connection: OperatorConnection,
+    session_id: str,
+    output: str,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions get ID --all-channels`: one session of whichever
+    channel, as its channel's GetSession shows it (the same gathering code,
+    across channels)."""
+    ids.validate_session_id(session_id)
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
+    try:
+        gathered = await SessionViews(hooks, anchor).gather(ANY_CHANNEL, session_id)
+    finally:
+        await hooks.close()
+        await anchor.close()
+    for line in render([gathered.session], output, single=True):
+        write(line)
     return EXIT_OK
 
 
