@@ -327,7 +327,7 @@ async def test_the_documented_cli_block_runs_as_shown(etcd_endpoint: str, tmp_pa
         assert "calc 6*7" in texts and any("42" in str(text) for text in texts)
         assert cancelled.startswith(f"cancel accepted: session {sid}")
         assert "is not stalled" in resumed
-        assert listed.splitlines()[1].split()[:2] == ["dep-1", "1"]
+        assert listed.splitlines()[1].split()[:3] == ["dep-1", "active", "1"]
         assert [v["session_id"] for v in json.loads(described)["sessions"]] == [sid]
         assert reset.startswith(f"reset accepted: session {sid}")
         assert "session.completed" in followed.splitlines()[-1]
