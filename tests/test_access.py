@@ -415,6 +415,12 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         ),
         "KeepAliveInstance": h.KeepAliveInstanceRequest(lease_id=1),
         "DeregisterInstance": h.DeregisterInstanceRequest(lease_id=1),
+        "SetInstanceDrain": h.SetInstanceDrainRequest(
+            deployment_id=deployment_id,
+            instance_id=t.owner.instance_id,
+            lease_id=1,
+            to_deployment_id="dep-thief",
+        ),
         "ListInstances": h.ListInstancesRequest(deployment_id=deployment_id),
         "WatchInstances": h.WatchInstancesRequest(deployment_id=deployment_id),
         "ListInstanceSessions": h.ListInstanceSessionsRequest(
@@ -615,6 +621,7 @@ async def test_an_owner_acts_only_for_its_own_deployment(
         "DisposeHooks",
         "StreamInbox",
         "RegisterInstance",
+        "SetInstanceDrain",
         "WatchInstances",
         "ListInstanceSessions",
         "TakeOverSession",

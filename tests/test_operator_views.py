@@ -7,7 +7,8 @@ against the RPC behind it:
   deduplication-window lease); `--session` still works;
 - `baton deployments list` (ListDeployments) shows every deployment the
   registry knows with its status, 0 counts included: a fleet with no session
-  yet, and one scaled to zero with sessions left on it (retired);
+  yet (active), one an operator drains (its instance announces the target:
+  draining), one scaled to zero with sessions left on it (retired);
 - `baton sessions get ID --all-channels`: an operator's view of any
   channel's session, as its channel's GetSession shows it;
 - GetSession (and `baton sessions get`) reports the stream's retention
@@ -29,15 +30,17 @@ from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.cli import sessions
 from services.common import ids
-from services.common.clients import HooksClient
+from services.common.clients import HooksClient, OwnerClient
 from services.common.errors import InvalidArgument, NotFound
 from services.common.identity import Role
 from services.common.keys import Keys
+from services.hooks.fleets import FleetStatus, fleet_status
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack
 from tests.test_cli_operator import operator_flags
 from tests.test_cli_sessions import as_json, baton, env_of, flags, get_session, idle_session
+from tests.test_sdk import sdk
 from tests.test_turns import follow_until, waits
 
 K = s.EventKind
@@ -73,6 +76,15 @@ def without_ttl(printed: str) -> dict[str, dict[str, object]]:
             instance.pop("ttl_seconds", None)
         out[data["deployment_id"]] = data
     return out
+
+
+def test_a_deployments_status_follows_from_its_fleet_and_sessions() -> None:
+    assert fleet_status(live_instances=2, sessions=5) == FleetStatus.ACTIVE
+    assert fleet_status(live_instances=1, sessions=0) == FleetStatus.ACTIVE  # a new fleet
+    assert fleet_status(live_instances=1, sessions=3, draining=True) == FleetStatus.DRAINING
+    assert fleet_status(live_instances=1, sessions=0, draining=True) == FleetStatus.DRAINED
+    assert fleet_status(live_instances=0, sessions=3) == FleetStatus.RETIRED
+    assert fleet_status(live_instances=0, sessions=0) == FleetStatus.DRAINED
 
 
 async def test_handoffs_by_id_alone_and_every_deployment_with_its_status(
@@ -140,6 +152,27 @@ async def test_handoffs_by_id_alone_and_every_deployment_with_its_status(
         run = await baton("handoffs", "get", "ho_nothing", *ops, env=env)
         assert run.code == sessions.EXIT_NOT_FOUND and "TRANSFER_NOT_FOUND" in run.err, run
 
+        # An operator's drain of dep-a: its instance announces the target,
+        # and dep-a is draining while a session (waiting for input) is left.
+        asking = await idle_session(stack, "ask my name")
+        owner = OwnerClient(stack.addr(stack.owner), security=stack.security(Role.OPERATOR))
+        try:
+            report = await owner.drain_sessions("dep-b")
+        finally:
+            await owner.close()
+        assert report.remaining == 1 and report.blockers[0].session_id == asking
+
+        async def draining() -> hooks_pb.DeploymentInfo | None:
+            found = {i.deployment_id: i for i in await hooks.list_deployments()}
+            a = found["dep-a"]
+            return a if a.status == hooks_pb.DEPLOYMENT_STATUS_DRAINING else None
+
+        drained_a = await eventually(draining, "dep-a draining (on its next keep-alive)")
+        assert [i.drain_to_deployment_id for i in drained_a.instances] == ["dep-b"]
+        run = await baton("deployments", "list", *ops, env=env)
+        assert run.code == 0, run.err
+        assert ["dep-a", "draining", "1", "1", "0"] in [r.split() for r in run.out.splitlines()]
+
         # dep-b scaled to zero with the session left on it: retired, listed.
         await stop_deployment(b)
         stopped = True
@@ -151,7 +184,7 @@ async def test_handoffs_by_id_alone_and_every_deployment_with_its_status(
         infos = await hooks.list_deployments()
         statuses = {i.deployment_id: i.status for i in infos}
         assert statuses == {
-            "dep-a": hooks_pb.DEPLOYMENT_STATUS_ACTIVE,
+            "dep-a": hooks_pb.DEPLOYMENT_STATUS_DRAINING,
             "dep-b": hooks_pb.DEPLOYMENT_STATUS_RETIRED,
         }
         retired = next(i for i in infos if i.deployment_id == "dep-b")
@@ -222,17 +255,19 @@ async def test_get_session_reports_the_stream_retention_horizon(
         key = Keys(stack.etcd.prefix).horizon(sid)
 
         async def trimmed() -> int:
+            # Retention moves the horizon in the background, in rounds: it
+            # stays once it keeps exactly the last 20 (the session is idle).
             stored = await raw.get(key)
-            if stored is None:
+            if stored is None or int(stored.value) != head - 20:
                 return 0
-            # Retention runs in the background: stable once both agree.
-            view = await get_session(stack, sid)
-            return view.earliest_seq if view.earliest_seq == int(stored.value) else 0
+            return (await get_session(stack, sid)).earliest_seq
 
-        earliest = await eventually(trimmed, "the stream trimmed")
-        assert 0 < earliest <= head - 20
+        earliest = await eventually(trimmed, "the stream trimmed to its last 20 events")
+        assert earliest == head - 20
         view = await get_session(stack, sid)
         assert view.stream_head == head and view.earliest_seq == earliest
+        async with sdk(stack) as client:  # the SDK's Session carries it too
+            assert (await client.get_session(sid)).earliest_seq == earliest
         # What it names is what a read finds: from there gapless, below it refused.
         kept = await stack.events(sid, start_seq=earliest, follow=False)
         assert [e.seq for e in kept] == list(range(earliest, head))

@@ -248,8 +248,9 @@ def add_deployment_commands(commands: Any) -> None:
         help="every deployment the registry knows, with its status",
         description=(
             "Every deployment the registry knows (a live owner instance, or sessions left in "
-            "its ownership index): its status (active: a live instance; retired: no live "
-            "instance, sessions left on it), its instances and sessions, 0 included."
+            "its ownership index): its status (active, draining, drained, or retired: no live "
+            "instance, sessions left on it; docs/cli.md), its instances and sessions, 0 "
+            "included."
         ),
     )
     _operator_flags(listing)

@@ -48,6 +48,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _HOOKS + "RegisterInstance": _roles(OWNER),
     _HOOKS + "KeepAliveInstance": _roles(OWNER),
     _HOOKS + "DeregisterInstance": _roles(OWNER),
+    _HOOKS + "SetInstanceDrain": _roles(OWNER),
     # (an ingress checks whether an orphaned session's deployment is live)
     _HOOKS + "ListInstances": _roles(INGRESS, OWNER, OPERATOR),
     _HOOKS + "WatchInstances": _roles(OWNER),

@@ -74,9 +74,11 @@ HOOKS_IDEMPOTENT = frozenset(
         "TakeOverSession",
         "SetParked",
         "Transfer",
-        # A lease refreshed or revoked twice is refreshed or revoked.
+        # A lease refreshed or revoked twice is refreshed or revoked; a drain
+        # target set twice is set.
         "KeepAliveInstance",
         "DeregisterInstance",
+        "SetInstanceDrain",
     }
 )
 ANCHOR_IDEMPOTENT = frozenset(
@@ -501,6 +503,21 @@ class HooksClient(_Client):
             "KeepAliveInstance", self.stub.KeepAliveInstance(request, timeout=self.timeout)
         )
         return response.ttl_seconds
+
+    async def set_instance_drain(
+        self, deployment_id: str, instance_id: str, lease_id: int, to_deployment_id: str
+    ) -> None:
+        """Announce in the instance's registry record the deployment its
+        drain hands sessions to ("" = none)."""
+        request = hooks_pb.SetInstanceDrainRequest(
+            deployment_id=deployment_id,
+            instance_id=instance_id,
+            lease_id=lease_id,
+            to_deployment_id=to_deployment_id,
+        )
+        await self._unary(
+            "SetInstanceDrain", self.stub.SetInstanceDrain(request, timeout=self.timeout)
+        )
 
     async def deregister_instance(self, lease_id: int) -> None:
         request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)

@@ -315,20 +315,24 @@ class Bell:
 
 @dataclass(frozen=True)
 class InstanceRecord:
-    """A live owner instance (`d/{deployment}/{instance}`, under its lease)."""
+    """A live owner instance (`d/{deployment}/{instance}`, under its lease);
+    `drain_to`: the deployment an operator's drain hands its sessions to, as
+    the instance announced it ("" = not draining)."""
 
     deployment_id: str
     instance_id: str
     address: str
+    drain_to: str = ""
 
     def encode(self) -> bytes:
-        return canonical_json(
-            {
-                "address": self.address,
-                "deployment_id": self.deployment_id,
-                "instance_id": self.instance_id,
-            }
-        )
+        data = {
+            "address": self.address,
+            "deployment_id": self.deployment_id,
+            "instance_id": self.instance_id,
+        }
+        if self.drain_to:
+            data["drain_to"] = self.drain_to
+        return canonical_json(data)
 
     @classmethod
     def decode(cls, value: bytes) -> InstanceRecord:
@@ -337,4 +341,5 @@ class InstanceRecord:
             deployment_id=str(data.get("deployment_id", "")),
             instance_id=str(data.get("instance_id", "")),
             address=str(data.get("address", "")),
+            drain_to=str(data.get("drain_to", "")),
         )

@@ -4,9 +4,9 @@ sessions each owns.
 
 A deployment is known to the registry while it has a live instance (`d/`) or
 sessions in its ownership index (`i/`); its status follows from those two
-(`fleet_status`). The registry does not record an operator's drain (the drain
-target lives in each owner instance, `baton_draining`), so a fleet being
-drained is ACTIVE until its instances are gone.
+(`fleet_status`). An instance working on an operator's drain announces its
+target in its registry record (SetInstanceDrain), which makes the fleet
+DRAINING.
 
 Reads only: the registry keys of live instances (`d/`, each under its
 instance's lease), the lease's remaining TTL, and the deployment's ownership
@@ -36,14 +36,18 @@ class FleetStatus(enum.Enum):
     """What the registry knows of a deployment's fleet."""
 
     ACTIVE = "active"  # a live owner instance
+    DRAINING = "draining"  # live, and an instance works on an operator's drain
     RETIRED = "retired"  # no live instance, sessions left in its index
-    DRAINED = "drained"  # no live instance, no session
+    DRAINED = "drained"  # no session left: drained by an operator, or no live instance
 
 
-def fleet_status(live_instances: int, sessions: int) -> FleetStatus:
-    """A deployment's status from its live instances and indexed sessions (pure)."""
-    if live_instances:
+def fleet_status(live_instances: int, sessions: int, draining: bool = False) -> FleetStatus:
+    """A deployment's status from its live instances (whether one drains)
+    and its indexed sessions (pure)."""
+    if live_instances and not draining:
         return FleetStatus.ACTIVE
+    if live_instances:  # an operator's drain: done once nothing is left
+        return FleetStatus.DRAINING if sessions else FleetStatus.DRAINED
     return FleetStatus.RETIRED if sessions else FleetStatus.DRAINED
 
 
@@ -69,7 +73,8 @@ class Fleet:
 
     @property
     def status(self) -> FleetStatus:
-        return fleet_status(len(self.instances), self.sessions)
+        draining = any(i.record.drain_to for i in self.instances)
+        return fleet_status(len(self.instances), self.sessions, draining)
 
 
 class FleetViews:

@@ -8,12 +8,13 @@ small and global (docs/design.md §10); bells are per instance (`bell/{instance}
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.common import ids, metrics
-from services.common.errors import InvalidArgument, Reason
-from services.common.etcd import Store, follow_range
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
+from services.common.etcd import Store, cmp_mod, follow_range
 from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 
@@ -70,6 +71,44 @@ class InstanceRegistry:
         if lease_id <= 0:
             raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
         await self._store.revoke_lease(lease_id)
+
+    async def set_drain(
+        self, deployment_id: str, instance_id: str, lease_id: int, drain_to: str
+    ) -> None:
+        """Record in the instance's registry key the drain target it works
+        on ("" = none), so the registry can say a deployment is draining.
+        The key stays under its lease; refused (FAILED_PRECONDITION) when the
+        instance is not registered under `lease_id`."""
+        ids.validate_deployment_id(deployment_id)
+        ids.validate_id(instance_id, "instance_id")
+        if lease_id <= 0:
+            raise InvalidArgument(Reason.INVALID_LEASE, "lease_id must be positive")
+        if drain_to:
+            ids.validate_deployment_id(drain_to)
+            if drain_to == deployment_id:
+                raise InvalidArgument(
+                    Reason.INVALID_FIELD, f"deployment {drain_to} cannot be drained to itself"
+                )
+        key = self._keys.instance(deployment_id, instance_id)
+        found = (await Txn().read("instance", key).run(self._store)).kv("instance")
+        if found is None or int(found.lease) != lease_id:
+            raise FailedPrecondition(
+                Reason.INVALID_LEASE,
+                f"instance {instance_id} of {deployment_id} is not registered under lease "
+                f"{lease_id}",
+            )
+        record = InstanceRecord.decode(found.value)
+        changed = dataclasses.replace(record, drain_to=drain_to)
+        if changed == record:
+            return
+        result = await (
+            Txn()
+            .require(cmp_mod(key, int(found.mod_revision)))
+            .put(key, changed.encode(), lease=lease_id)
+            .run(self._store)
+        )
+        if not result.succeeded:  # registered again meanwhile: its new record rules
+            raise Aborted(Reason.INVALID_LEASE, f"instance {instance_id} registered again; retry")
 
     async def live(self, deployment_id: str) -> list[InstanceRecord]:
         ids.validate_deployment_id(deployment_id)

@@ -380,6 +380,18 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         await self._instances.deregister(request.lease_id)
         return pb.DeregisterInstanceResponse()
 
+    async def SetInstanceDrain(
+        self, request: pb.SetInstanceDrainRequest, context: Context
+    ) -> pb.SetInstanceDrainResponse:
+        structlog.contextvars.bind_contextvars(
+            deployment_id=request.deployment_id, instance_id=request.instance_id
+        )
+        identity.current().require_deployment(request.deployment_id, "the instance")
+        await self._instances.set_drain(
+            request.deployment_id, request.instance_id, request.lease_id, request.to_deployment_id
+        )
+        return pb.SetInstanceDrainResponse()
+
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: Context
     ) -> pb.ListInstancesResponse:
@@ -477,6 +489,7 @@ _FLEET_STATUS = {
     FleetStatus.ACTIVE: pb.DEPLOYMENT_STATUS_ACTIVE,
     FleetStatus.RETIRED: pb.DEPLOYMENT_STATUS_RETIRED,
     FleetStatus.DRAINED: pb.DEPLOYMENT_STATUS_DRAINED,
+    FleetStatus.DRAINING: pb.DEPLOYMENT_STATUS_DRAINING,
 }
 
 
@@ -491,6 +504,7 @@ def _deployment_info(fleet: Fleet) -> pb.DeploymentInfo:
                 ttl_seconds=i.ttl_seconds,
                 granted_ttl_seconds=i.granted_ttl_seconds,
                 sessions=i.sessions,
+                drain_to_deployment_id=i.record.drain_to,
             )
             for i in fleet.instances
         ],

@@ -17,6 +17,8 @@
   whose takeover ran out of rounds are tried again: whatever a lost watch
   event or a bug in the host drops, a session with input is run again
   within a bounded time (issue 16).
+- Drains: the target of an operator's drain is announced in the registry
+  entry on the next keep-alive (SetInstanceDrain), for `baton deployments list`.
 - Graceful shutdown stops every run, then revokes the lease, so the other
   instances take the sessions over at once instead of after the TTL.
 """
@@ -67,6 +69,7 @@ class FleetMembership:
         self.keepalive_every = keepalive_every
         self.lease_id = 0
         self.lease_lost = asyncio.Event()
+        self._announced_drain = ""  # the drain target the registry entry names
         self._on_lease_lost = on_lease_lost
         self._background = Background()
         self._adopting: dict[str, bool] = {}  # instance -> run another round after this one
@@ -144,6 +147,24 @@ class FleetMembership:
             if ttl <= 0:
                 await self._lose_lease()
                 return
+            await self._announce_drain()
+
+    async def _announce_drain(self) -> None:
+        """Record the host's drain target in this instance's registry entry
+        when it changed since the last announcement (looked at on every
+        keep-alive, so the registry says DRAINING within one interval)."""
+        target = self.host.drains.target
+        if target == self._announced_drain:
+            return
+        try:
+            async with asyncio.timeout(self.keepalive_every):
+                await self.hooks.set_instance_drain(
+                    self.deployment_id, self.instance_id, self.lease_id, target
+                )
+        except (BatonError, TimeoutError) as exc:  # the next keep-alive tries again
+            self._log.warning("drain announcement failed", error=repr(exc))
+            return
+        self._announced_drain = target
 
     async def _lose_lease(self) -> None:
         self._log.error("lease expired: stopping every run; the sessions are taken over")

@@ -38,8 +38,13 @@ class _DeploymentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Depl
     owner of this deployment.
     """
     DEPLOYMENT_STATUS_DRAINED: _DeploymentStatus.ValueType  # 3
-    """No owner instance is live and no session is left on it (the registry
-    keeps nothing more of it: only DescribeDeployment of its id says so).
+    """No session is left on it: an operator's drain moved them all (its fleet
+    can be scaled to zero), or no owner instance is live either (then the
+    registry keeps nothing of it: only DescribeDeployment of its id says so).
+    """
+    DEPLOYMENT_STATUS_DRAINING: _DeploymentStatus.ValueType  # 4
+    """Owner instances are live, at least one works on an operator's drain (its
+    InstanceLease names the target), and sessions are still on it.
     """
 
 class DeploymentStatus(_DeploymentStatus, metaclass=_DeploymentStatusEnumTypeWrapper):
@@ -56,8 +61,13 @@ another deployment's ingress (adoption), one left mid-step waits for an
 owner of this deployment.
 """
 DEPLOYMENT_STATUS_DRAINED: DeploymentStatus.ValueType  # 3
-"""No owner instance is live and no session is left on it (the registry
-keeps nothing more of it: only DescribeDeployment of its id says so).
+"""No session is left on it: an operator's drain moved them all (its fleet
+can be scaled to zero), or no owner instance is live either (then the
+registry keeps nothing of it: only DescribeDeployment of its id says so).
+"""
+DEPLOYMENT_STATUS_DRAINING: DeploymentStatus.ValueType  # 4
+"""Owner instances are live, at least one works on an operator's drain (its
+InstanceLease names the target), and sessions are still on it.
 """
 Global___DeploymentStatus: _TypeAlias = DeploymentStatus  # noqa: Y015
 
@@ -201,6 +211,7 @@ class InstanceLease(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     GRANTED_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     SESSIONS_FIELD_NUMBER: _builtins.int
+    DRAIN_TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     """The etcd lease its registration is held under."""
     ttl_seconds: _builtins.int
@@ -211,6 +222,10 @@ class InstanceLease(_message.Message):
     """The TTL the lease was granted with."""
     sessions: _builtins.int
     """Sessions the instance owns (ownership index)."""
+    drain_to_deployment_id: _builtins.str
+    """The deployment an operator's drain hands its sessions to, as the
+    instance announced it; empty while it does not drain.
+    """
     @_builtins.property
     def instance(self) -> Global___InstanceInfo:
         """The instance."""
@@ -223,10 +238,11 @@ class InstanceLease(_message.Message):
         ttl_seconds: _builtins.int = ...,
         granted_ttl_seconds: _builtins.int = ...,
         sessions: _builtins.int = ...,
+        drain_to_deployment_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["granted_ttl_seconds", b"granted_ttl_seconds", "instance", b"instance", "lease_id", b"lease_id", "sessions", b"sessions", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_to_deployment_id", b"drain_to_deployment_id", "granted_ttl_seconds", b"granted_ttl_seconds", "instance", b"instance", "lease_id", b"lease_id", "sessions", b"sessions", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -579,6 +595,57 @@ class DeregisterInstanceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeregisterInstanceResponse: _TypeAlias = DeregisterInstanceResponse  # noqa: Y015
+
+@_typing.final
+class SetInstanceDrainRequest(_message.Message):
+    """SetInstanceDrainRequest names a registered instance and its drain target."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """The instance's exact deployment."""
+    instance_id: _builtins.str
+    """The instance id."""
+    lease_id: _builtins.int
+    """The lease it is registered under (from RegisterInstance)."""
+    to_deployment_id: _builtins.str
+    """The exact deployment its sessions are drained to; empty: not draining."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        lease_id: _builtins.int = ...,
+        to_deployment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instance_id", b"instance_id", "lease_id", b"lease_id", "to_deployment_id", b"to_deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetInstanceDrainRequest: _TypeAlias = SetInstanceDrainRequest  # noqa: Y015
+
+@_typing.final
+class SetInstanceDrainResponse(_message.Message):
+    """SetInstanceDrainResponse confirms."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetInstanceDrainResponse: _TypeAlias = SetInstanceDrainResponse  # noqa: Y015
 
 @_typing.final
 class InstanceInfo(_message.Message):

@@ -81,6 +81,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.FromString,
                 _registered_method=True)
+        self.SetInstanceDrain = channel.unary_unary(
+                '/baton.hooks.v1.HookRegistryService/SetInstanceDrain',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainResponse.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/baton.hooks.v1.HookRegistryService/ListInstances',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ListInstancesRequest.SerializeToString,
@@ -214,6 +219,15 @@ class HookRegistryServiceServicer:
     def DeregisterInstance(self, request, context):
         """Leave the deployment at shutdown: revoke the lease at once, so the other
         instances take the sessions over without waiting for the TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetInstanceDrain(self, request, context):
+        """Record in an instance's registry entry the drain target it works on (an
+        operator's DrainSessions), or that it drains no more: what lets the
+        registry say a deployment is draining. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -375,6 +389,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.DeregisterInstance,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.SerializeToString,
+            ),
+            'SetInstanceDrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetInstanceDrain,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -687,6 +706,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/DeregisterInstance',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.DeregisterInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetInstanceDrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.hooks.v1.HookRegistryService/SetInstanceDrain',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.SetInstanceDrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,11 @@ class HookRegistryServiceStub:
     """Leave the deployment at shutdown: revoke the lease at once, so the other
     instances take the sessions over without waiting for the TTL.
     """
+    SetInstanceDrain: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.SetInstanceDrainRequest, _hooks_pb2.SetInstanceDrainResponse]
+    """Record in an instance's registry entry the drain target it works on (an
+    operator's DrainSessions), or that it drains no more: what lets the
+    registry say a deployment is draining. Idempotent.
+    """
     ListInstances: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]
     """List the live instances of an exact deployment."""
     ListInstanceSessions: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ListInstanceSessionsRequest, _hooks_pb2.ListInstanceSessionsResponse]
@@ -143,6 +148,11 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     DeregisterInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DeregisterInstanceRequest, _hooks_pb2.DeregisterInstanceResponse]  # type: ignore[assignment]
     """Leave the deployment at shutdown: revoke the lease at once, so the other
     instances take the sessions over without waiting for the TTL.
+    """
+    SetInstanceDrain: _aio.UnaryUnaryMultiCallable[_hooks_pb2.SetInstanceDrainRequest, _hooks_pb2.SetInstanceDrainResponse]  # type: ignore[assignment]
+    """Record in an instance's registry entry the drain target it works on (an
+    operator's DrainSessions), or that it drains no more: what lets the
+    registry say a deployment is draining. Idempotent.
     """
     ListInstances: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ListInstancesRequest, _hooks_pb2.ListInstancesResponse]  # type: ignore[assignment]
     """List the live instances of an exact deployment."""
@@ -279,6 +289,17 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_hooks_pb2.DeregisterInstanceResponse, _abc.Awaitable[_hooks_pb2.DeregisterInstanceResponse]]:
         """Leave the deployment at shutdown: revoke the lease at once, so the other
         instances take the sessions over without waiting for the TTL.
+        """
+
+    @_abc_1.abstractmethod
+    def SetInstanceDrain(
+        self,
+        request: _hooks_pb2.SetInstanceDrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_hooks_pb2.SetInstanceDrainResponse, _abc.Awaitable[_hooks_pb2.SetInstanceDrainResponse]]:
+        """Record in an instance's registry entry the drain target it works on (an
+        operator's DrainSessions), or that it drains no more: what lets the
+        registry say a deployment is draining. Idempotent.
         """
 
     @_abc_1.abstractmethod
