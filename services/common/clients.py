@@ -639,6 +639,8 @@ class HooksClient(_Client):
         return tuple((entry.channel, entry.session_id) for entry in r.sessions), r.more
 
     async def get_transfer(self, session_id: str, handoff_id: str) -> RecordedTransfer:
+        """A recorded transfer; `session_id` "" finds it by the handoff id
+        alone (hooks' handoff index; `fence.session_id` names the session)."""
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
         response = await self._unary(
             "GetTransfer", self.stub.GetTransfer(request, timeout=self.timeout)
@@ -648,7 +650,7 @@ class HooksClient(_Client):
         )
 
     async def list_deployments(self) -> list[hooks_pb.DeploymentInfo]:
-        """Operator: every deployment with a live instance, its fleet."""
+        """Operator: every deployment the registry knows, its status and fleet."""
         response = await self._unary(
             "ListDeployments",
             self.stub.ListDeployments(hooks_pb.ListDeploymentsRequest(), timeout=self.timeout),

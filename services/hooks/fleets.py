@@ -129,9 +129,7 @@ class FleetViews:
         start = prefix
         found: set[str] = set()
         while len(found) <= MAX_DEPLOYMENTS:
-            page = await (
-                Txn().read("owned", start, end, keys_only=True, limit=1).run(self._store)
-            )
+            page = await Txn().read("owned", start, end, keys_only=True, limit=1).run(self._store)
             kvs = page.kvs("owned")
             if not kvs:
                 return found

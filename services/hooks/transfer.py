@@ -243,7 +243,6 @@ class Transfers:
             )
         return TransferOutcome.decode(session_id, value)
 
-
     async def find(self, handoff_id: str) -> TransferOutcome:
         """A transfer by its handoff id alone, through the handoff index
         (`hx/{handoff}`, written with the record under the same lease). A
