@@ -80,7 +80,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     ) -> AsyncIterator[pb.ReadEventsResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         check_seq(request.start_seq, "start_seq")
-        async for events in self._journal.read(
+        async for events in self._journal.events.read(
             request.session_id, request.start_seq, request.follow
         ):
             yield pb.ReadEventsResponse(events=events)
