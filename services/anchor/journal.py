@@ -171,7 +171,8 @@ class Journal:
             snapshot_revision=stored.mod_revision if stored is not None else 0,
             first_event=result.value("first") if commit.events else None,
             closed=result.value("closed") is not None,
-            horizon=horizon_of(result.value("horizon")),
+            # (read back with the first event: a snapshot-only commit has neither)
+            horizon=horizon_of(result.value("horizon")) if commit.events else 0,
         )
         return refused_commit(commit, seen, expected_snapshot_revision)
 
