@@ -46,7 +46,8 @@ class LoadedSnapshot:
 
 
 class Journal:
-    """Domain operations of the anchor service over one etcd store."""
+    """Domain operations of the anchor service over one etcd store; its
+    `events` reads the streams (services/anchor/stream.py)."""
 
     def __init__(
         self,
