@@ -27,7 +27,9 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
-from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_present, watch_then_read
+from services.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
+from services.common.etcd_store import Store
+from services.common.etcd_watch import watch_then_read
 from services.common.keys import Keys, prefix_end, seq_of
 from services.common.txn import Fence, Txn
 

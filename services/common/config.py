@@ -278,7 +278,7 @@ class EtcdConfig:
         """etcd's TLS defaults to the service's own identity; plaintext only
         with --etcd-plaintext, or with --plaintext and no --etcd-ca."""
         # Not at the top: etcd.py imports aetcd, which ingress and owner never need.
-        from services.common.etcd import etcd_target
+        from services.common.etcd_client import etcd_target
 
         try:
             etcd_target(values["etcd"])

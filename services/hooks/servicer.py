@@ -14,10 +14,10 @@ from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, PermissionDenied, Reason
 from services.common.identity import Caller, Role
 from services.common.ids import brief
+from services.common.interceptor import Context
 from services.common.keys import InstanceRecord
 from services.common.permits import PermitVerifier, grant_for
 from services.common.scope import DeploymentScope
-from services.common.server import Context
 from services.hooks.directory import timestamp_ms
 from services.hooks.fleets import Fleet, FleetViews
 from services.hooks.instances import InstanceRegistry
