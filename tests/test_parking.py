@@ -21,11 +21,14 @@ import pytest
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient, TakenOver
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import TakenOver
 from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HooksClient
 from services.common.keys import Keys
-from services.common.server import GrpcServer
+from services.common.owner_client import OwnerClient
 from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
 from services.owner.config import OwnerConfig

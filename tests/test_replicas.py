@@ -32,11 +32,12 @@ from baton.session.v1 import session_pb2 as s
 from services.anchor.journal import Journal
 from services.anchor.server import create_server as create_anchor
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import NotFound
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys
-from services.common.server import GrpcServer
 from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
 from services.ingress.api_keys import ApiKeys

@@ -30,7 +30,8 @@ from services.anchor.horizon import StreamHorizon, horizon_of, opened_pages
 from services.anchor.stream import EventStream
 from services.common import ids, metrics
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Reason
-from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_present
+from services.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
+from services.common.etcd_store import Store
 from services.common.keys import Keys
 from services.common.txn import Fence, Txn, TxnResult
 

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import BatonError
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
 from services.common.txn import Txn
 

@@ -13,8 +13,8 @@ from services.anchor.journal import Journal, LoadedSnapshot
 from services.common import identity
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
+from services.common.interceptor import Context
 from services.common.scope import DeploymentScope
-from services.common.server import Context
 from services.common.tracing import check_trace_id
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024

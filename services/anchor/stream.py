@@ -18,7 +18,8 @@ from services.anchor.commits import TERMINAL_KINDS
 from services.anchor.horizon import below_horizon, horizon_of
 from services.common import ids, limits, metrics
 from services.common.errors import NotFound, Reason
-from services.common.etcd import Follower, Store, watch_then_read
+from services.common.etcd_store import Store
+from services.common.etcd_watch import Follower, watch_then_read
 from services.common.keys import Keys, prefix_end, seq_of
 from services.common.txn import Txn
 

@@ -17,7 +17,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import AlreadyExists, Reason, Unavailable
-from services.common.etcd import Store, cmp_absent, cmp_value
+from services.common.etcd_ops import cmp_absent, cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import (
     ChannelEntry,
     Keys,

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from services.common import metrics
 from services.common.errors import Aborted, Reason, Unavailable
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.txn import Txn, TxnResult
 
 DEFAULT_WINDOW_SECONDS = 24 * 3600.0

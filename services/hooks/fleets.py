@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from services.common import ids
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 

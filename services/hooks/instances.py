@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from services.common import ids, metrics
 from services.common.errors import InvalidArgument, Reason
-from services.common.etcd import Store, follow_range
+from services.common.etcd_store import Store
+from services.common.etcd_watch import follow_range
 from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 

@@ -22,7 +22,8 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.etcd import Store, cmp_value
+from services.common.etcd_ops import cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS

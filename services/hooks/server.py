@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.common.etcd_members import connect_checked
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
 from services.common.keys import Keys
 from services.common.permits import PermitVerifier
 from services.common.scope import DeploymentScope
-from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
 from services.hooks.consent import Consent

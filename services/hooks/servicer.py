@@ -15,8 +15,8 @@ from services.common import identity, ids, metrics
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
 from services.common.identity import Role
+from services.common.interceptor import Context
 from services.common.scope import DeploymentScope
-from services.common.server import Context
 from services.hooks.consent import Consent
 from services.hooks.directory import timestamp_ms
 from services.hooks.fleets import FleetViews

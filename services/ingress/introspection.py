@@ -27,8 +27,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, SessionDescription
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import SessionDescription
 from services.common.errors import NotFound, OutOfRange
+from services.common.hooks_client import HooksClient
 from services.common.status import SessionFacts, Status, StatusView, session_status
 from services.ingress import listing
 from services.ingress.edge import session_not_found

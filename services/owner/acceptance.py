@@ -33,13 +33,8 @@ from google.protobuf.message import DecodeError
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import (
-    AnchorClient,
-    HandoffAccepted,
-    HooksClient,
-    LoadedSession,
-    Moved,
-)
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import HandoffAccepted, LoadedSession, Moved
 from services.common.errors import (
     Aborted,
     BatonError,
@@ -50,6 +45,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.hooks_client import HooksClient
 from services.owner.checkpoint import Arrival, CheckpointRules
 from services.owner.handles import Handles
 from services.owner.handoff import REFUSALS

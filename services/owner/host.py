@@ -20,11 +20,10 @@ from collections.abc import Callable
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import (
-    AnchorClient,
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import (
     DrainReport,
     HandoffAccepted,
-    HooksClient,
     Moved,
     OwnedSession,
     StartedSession,
@@ -37,6 +36,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.hooks_client import HooksClient
 from services.owner.acceptance import TRANSFER_SETTLE_SECONDS, HandoffOffer
 from services.owner.agent import Agent
 from services.owner.checkpoint import Arrival

@@ -31,7 +31,7 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import (
     BatonError,
     FailedPrecondition,
@@ -40,6 +40,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.hooks_client import HooksClient
 from services.common.inflight import InFlight
 from services.common.tasks import Background
 from services.owner.acceptance import HandoffAcceptance

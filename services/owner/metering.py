@@ -63,7 +63,7 @@ class HeldSessions(Collector):
     """baton_sessions{state}, baton_inbox_oldest_unconsumed_seconds and
     baton_draining (1 while an operator's drain target is set), computed
     from the host's state when scraped (on the event loop that
-    changes them: see metrics.MetricsEndpoint).
+    changes them: see metrics_endpoint.MetricsEndpoint).
 
     `oldest` answers the acceptance time (epoch seconds) of the oldest
     command a run has read and not yet taken up, or None. What is not read

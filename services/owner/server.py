@@ -8,8 +8,9 @@ import sys
 import structlog
 
 from baton.owner.v1 import owner_pb2, owner_pb2_grpc
-from services.common.clients import AnchorClient, HooksClient
-from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.common.anchor_client import AnchorClient
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from services.common.hooks_client import HooksClient
 from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
 from services.owner.fleet import FleetMembership

@@ -29,8 +29,9 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import BatonError, Fenced
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner import compaction, decisions, departure_rules
 from services.owner.agent import Agent

@@ -20,8 +20,8 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import metrics
-from services.common.clients import HooksClient
 from services.common.errors import BatonError, Reason
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner import handles as h
 from services.owner import spans  # tracing
