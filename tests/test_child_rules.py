@@ -13,6 +13,7 @@ import json
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import Reason
+from services.owner.admission import Admission
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
@@ -20,10 +21,7 @@ from services.owner.handles import Handles, Refusal, Verdict, child_budget, chil
 from services.owner.held import RunIdentity
 from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import (
-    Admission,
-    SessionState,
-)
+from services.owner.turns import SessionState
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

@@ -9,16 +9,13 @@ import collections
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
+from services.owner.admission import Admission
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
 from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import (
-    Admission,
-    SessionState,
-    safe_error,
-)
+from services.owner.turns import SessionState, safe_error
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import Reason
+from services.owner.admission import Admission
 from services.owner.handles import Verdict
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import Admission, SessionState
+from services.owner.turns import SessionState
 from services.owner.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]

@@ -45,7 +45,7 @@ from services.owner.held import RunIdentity
 from services.owner.hosting import HostedSessions
 from services.owner.parking import ParkedSession
 from services.owner.restarts import DEFAULT_RESTART_BUDGET
-from services.owner.session import RunStart
+from services.owner.runs import RunStart
 from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 

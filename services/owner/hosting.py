@@ -53,7 +53,8 @@ from services.owner.handoff import HandoffAttempts
 from services.owner.held import RunIdentity, make_event
 from services.owner.parking import ParkedSession, Parking
 from services.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
-from services.owner.session import RunExit, RunServices, RunStart, SessionRun
+from services.owner.runs import RunExit, RunServices, RunStart
+from services.owner.session import SessionRun
 from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 log = structlog.get_logger("baton.owner")
@@ -205,9 +206,9 @@ class HostedSessions:
         services = RunServices(
             self.hooks,
             self.anchor,
+            self.catalog,
             attempts=self.attempts,
             children=self.children,
-            subagents=self.catalog.subagent,
             park_after=self.park_after,
         )
         run = SessionRun(identity, agent, start, services, drain_to=self.drains.target)
