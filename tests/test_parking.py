@@ -306,11 +306,11 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     when the session lands in `parked`."""
     from services.owner.fixture import build_agent
     from services.owner.host import OwnerHost
+    from services.owner.hosting import HostSettings
     from services.owner.parking import ParkedSession
 
     host = OwnerHost(
-        "dep-u",
-        "unit-1",
+        HostSettings("dep-u", "unit-1"),
         build_agent("dep-u"),
         HooksClient("127.0.0.1:1", security=Security.plaintext()),
         AnchorClient("127.0.0.1:1", security=Security.plaintext()),

@@ -15,8 +15,6 @@ agent for a session without one). An operator's drain is drains.py's.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
@@ -42,40 +40,19 @@ from services.owner.agent import Agent
 from services.owner.checkpoint import Arrival
 from services.owner.children import Children, ChildStart
 from services.owner.held import RunIdentity
-from services.owner.hosting import HostedSessions
+from services.owner.hosting import HostedSessions, HostSettings
 from services.owner.parking import ParkedSession
-from services.owner.restarts import DEFAULT_RESTART_BUDGET
 from services.owner.runs import RunStart
-from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
+from services.owner.snapshots import initial_snapshot
 
 
 class OwnerHost(HostedSessions):
     """Starts, adopts, takes over and drains the sessions of one instance."""
 
     def __init__(
-        self,
-        deployment_id: str,
-        instance_id: str,
-        agent: Agent,
-        hooks: HooksClient,
-        anchor: AnchorClient,
-        *,
-        park_after: float | None = None,
-        clock: Callable[[], float] = time.time,
-        readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT}),
-        restart_budget: int = DEFAULT_RESTART_BUDGET,
+        self, settings: HostSettings, agent: Agent, hooks: HooksClient, anchor: AnchorClient
     ) -> None:
-        super().__init__(
-            deployment_id,
-            instance_id,
-            agent,
-            hooks,
-            anchor,
-            park_after=park_after,
-            clock=clock,
-            readable_formats=readable_formats,
-            restart_budget=restart_budget,
-        )
+        super().__init__(settings, agent, hooks, anchor)
         self.children = Children(self.deployment_id, self.instance_id, hooks, self)
 
     # -- sessions created here -----------------------------------------------

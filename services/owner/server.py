@@ -14,6 +14,7 @@ from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
 from services.owner.fleet import FleetMembership
 from services.owner.host import OwnerHost
+from services.owner.hosting import HostSettings
 from services.owner.metering import HeldSessions
 from services.owner.servicer import OwnerServicer
 
@@ -58,16 +59,14 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
     hooks = HooksClient(config.hooks, security=config.tls)
     anchor = AnchorClient(config.anchor, security=config.tls)
-    host = OwnerHost(
+    settings = HostSettings(
         config.deployment_id,
         config.instance_id,
-        agent,
-        hooks,
-        anchor,
         park_after=config.park_after,
         readable_formats=config.snapshot_formats,
         restart_budget=config.restart_budget,
     )
+    host = OwnerHost(settings, agent, hooks, anchor)
     servicer = OwnerServicer(host)
     server = build_server(
         config.listen,
