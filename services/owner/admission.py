@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
-from services.owner.handles import Verdict
+from services.owner.handles import ReportMeaning
 from services.owner.step_rules import StepRules
 
 
@@ -66,12 +66,12 @@ class AdmissionRules(StepRules):
             waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
             return Admission.BLOCK if waiting else Admission.DROP
         if kind == "task_result":
-            verdict = self.report_judgement(entry).verdict
-            if verdict is Verdict.REJECT:
+            meaning = self.read_report(entry).meaning
+            if meaning is ReportMeaning.REJECT:
                 return Admission.REJECT
-            if verdict is Verdict.ADMIT:
+            if meaning is ReportMeaning.ADMIT:
                 return Admission.ADMIT
-            if verdict is Verdict.AWAITED:
+            if meaning is ReportMeaning.AWAITED:
                 return Admission.BLOCK  # the run resumes the waiting turn with it
             return Admission.REPORT
         if kind is None:
@@ -114,24 +114,24 @@ class AdmissionRules(StepRules):
         admitted = 0
         while pending:
             entry = pending[0]
-            verdict = self.classify(entry)
-            if verdict is Admission.BLOCK:
+            admission = self.classify(entry)
+            if admission is Admission.BLOCK:
                 break
-            if verdict is Admission.ADMIT:
+            if admission is Admission.ADMIT:
                 if admitted >= limits.MAX_ADMITTED_PER_BOUNDARY:
                     break  # the rest join at the next boundary
                 admitted += 1
             pending.popleft()
-            if verdict is Admission.ADMIT:
+            if admission is Admission.ADMIT:
                 self.admit(entry, events)
-            elif verdict is Admission.REPORT:
+            elif admission is Admission.REPORT:
                 self.apply_report(entry, events)
-            elif verdict is Admission.DROP:
+            elif admission is Admission.DROP:
                 self.consume(entry)
-            elif verdict is Admission.REJECT:
+            elif admission is Admission.REJECT:
                 self.consume(entry)
                 events.append(self.rejection(entry))
             else:
                 self.consume(entry)
-                return verdict, entry
+                return admission, entry
         return Admission.BLOCK, None

@@ -28,7 +28,7 @@ from services.owner import child_outputs as outputs
 from services.owner import handles as h
 from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
 from services.owner.child_reports import ChildReports
-from services.owner.handles import Verdict
+from services.owner.handles import ReportMeaning
 from services.owner.held import RunIdentity
 
 
@@ -86,8 +86,8 @@ class ChildRules(ChildReports):
             and bool(send.text.strip())
         )
 
-    def report_judgement(self, entry: s.InboxEntry) -> h.Judgement:
-        return self.handles.judge_report(
+    def read_report(self, entry: s.InboxEntry) -> h.ReportReading:
+        return self.handles.read_report(
             self.identity.fence.session_id, self.turn_id, entry.command.task_result
         )
 
@@ -230,22 +230,22 @@ class ChildRules(ChildReports):
         handle = self.handles.find(child_session_id)
         return handle.work + 1 if handle is not None else 1
 
-    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> Verdict:
+    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> ReportMeaning:
         """Apply a child's report (not a rejected one) and consume it. For
         AWAITED the waiting tool call gets the result; for ADMIT it joins
         the open turn (a caller with no open turn starts one first)."""
-        judgement = self.report_judgement(entry)
-        handle = judgement.handle
-        verdict = judgement.verdict
-        assert handle is not None and verdict is not Verdict.REJECT
+        reading = self.read_report(entry)
+        handle = reading.handle
+        meaning = reading.meaning
+        assert handle is not None and meaning is not ReportMeaning.REJECT
         self.consume(entry)
-        if verdict is Verdict.SURFACE:
+        if meaning is ReportMeaning.SURFACE:
             self._surface_wait(entry, handle, events)
-        elif verdict is Verdict.FINALIZED:
+        elif meaning is ReportMeaning.FINALIZED:
             self.handles.mark_finalized(handle)
         else:
-            self._apply_outcome(entry, handle, verdict, events)
-        return verdict
+            self._apply_outcome(entry, handle, meaning, events)
+        return meaning
 
     def _surface_wait(
         self, entry: s.InboxEntry, handle: s.ChildHandle, events: list[s.Event]
@@ -274,7 +274,11 @@ class ChildRules(ChildReports):
             self.report_descendant_wait(report, where)
 
     def _apply_outcome(
-        self, entry: s.InboxEntry, handle: s.ChildHandle, verdict: Verdict, events: list[s.Event]
+        self,
+        entry: s.InboxEntry,
+        handle: s.ChildHandle,
+        meaning: ReportMeaning,
+        events: list[s.Event],
     ) -> None:
         """A child's work ended: count what it spent, finish the handle, say
         so, and give the result to the call waiting for it (AWAITED) or to
@@ -282,7 +286,7 @@ class ChildRules(ChildReports):
         report = entry.command.task_result
         call_id = handle.tool_call_id
         h.add_usage(self.snapshot.usage, report.usage)
-        if verdict in (Verdict.AWAITED, Verdict.ADMIT) and self.turn_open:
+        if meaning in (ReportMeaning.AWAITED, ReportMeaning.ADMIT) and self.turn_open:
             turn = self.snapshot.open_turn
             h.add_usage(turn.usage, report.usage)
             turn.child_steps += report.steps
@@ -300,13 +304,13 @@ class ChildRules(ChildReports):
                 task=_copy(handle),
             )
         )
-        if verdict is Verdict.AWAITED:
+        if meaning is ReportMeaning.AWAITED:
             output = outputs.tool_output(handle, report)
             result = s.ToolResult(
                 tool_call_id=call_id, name=handle.name, output=output, is_error=failed
             )
             self.record_result(result, events)
-        elif verdict is Verdict.ADMIT:
+        elif meaning is ReportMeaning.ADMIT:
             content = outputs.message_content(handle, report)
             self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
         self.handles.prune()
