@@ -35,7 +35,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.owner.acceptance import TRANSFER_SETTLE_SECONDS, HandoffOffer
+from services.owner.acceptance import TRANSFER_ANSWER_SECONDS, HandoffOffer
 from services.owner.agent import Agent
 from services.owner.checkpoint import Arrival
 from services.owner.children import Children, ChildStart
@@ -230,11 +230,11 @@ class OwnerHost(HostedSessions):
         async with self.acceptance.offer(offer) as arrival:
             if isinstance(arrival, HandoffAccepted):
                 return arrival  # a repeat of a handoff that moved the session
-            # Settled in the background (replays until a definite answer) and
-            # started there on success: the caller waits a bounded time only.
-            settling = self._background.spawn(self._arrive(arrival), outcome_optional=True)
+            # Transferred in the background (replays until a definite answer)
+            # and started there on success: the caller waits a bounded time only.
+            arriving = self._background.spawn(self._arrive(arrival), outcome_optional=True)
             try:
-                moved = await asyncio.wait_for(asyncio.shield(settling), TRANSFER_SETTLE_SECONDS)
+                moved = await asyncio.wait_for(asyncio.shield(arriving), TRANSFER_ANSWER_SECONDS)
             except TimeoutError as exc:
                 handoff_id = arrival.transfer.handoff_id
                 self._log.warning(
@@ -244,7 +244,7 @@ class OwnerHost(HostedSessions):
                 )
                 raise Unavailable(
                     Reason.UPSTREAM_UNAVAILABLE,
-                    f"the transfer of handoff {handoff_id} is not settled yet",
+                    f"the transfer of handoff {handoff_id} has no definite answer yet",
                 ) from exc
             return HandoffAccepted(arrival.transfer.successor, moved.fence, moved.replayed)
 
