@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +164,20 @@ class HostedSessions:
 
     async def close(self) -> None:
         await self.stop()
+
+    def sessions_by_state(self) -> dict[str, Sized]:
+        """The sessions held, by state (metering.HeldView)."""
+        return {"running": self.runs, "parked": self.parked, "stalled": self.stalled}
+
+    def oldest_pending_accepted(self) -> float | None:
+        """When the oldest command a run has read and not taken up yet was
+        accepted (epoch seconds); None when none waits (metering.HeldView)."""
+        times = (run.oldest_pending_accepted() for run in self.runs.values())
+        return min((t for t in times if t is not None), default=None)
+
+    def draining(self) -> bool:
+        """An operator's drain target is set (metering.HeldView)."""
+        return bool(self.drains.target)
 
     def held(self) -> int:
         """Sessions this instance holds: running, loading, parked or stalled."""
