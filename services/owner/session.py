@@ -162,6 +162,11 @@ class SessionRun:
         """When the oldest entry read and not processed yet was accepted."""
         return self._inbox.oldest_accepted()
 
+    def offer(self, entry: s.InboxEntry) -> None:
+        """An entry appended to this session's inbox by this process (a
+        child's work or report): taken now when it is the next one."""
+        self._inbox.offer(entry)
+
     # -- the program ------------------------------------------------------
 
     async def run(self) -> RunExit:
@@ -242,20 +247,6 @@ class SessionRun:
         await self._upkeep.retired()
         return RunExit.FINALIZED
 
-    async def _try_drain(self) -> Attempt:
-        with self._spans.handoff(None, self.drain_to):  # tracing
-            return await self._departures.try_drain(self._commits.checkpoint())
-
-    async def _try_hand_off(self, entry: s.InboxEntry) -> Attempt:
-        target = entry.command.delivery.accepted_deployment_id
-        with self._spans.handoff(entry, target):  # tracing
-            return await self._departures.try_hand_off(self._commits.checkpoint(), entry)
-
-    def offer(self, entry: s.InboxEntry) -> None:
-        """An entry appended to this session's inbox by this process (a
-        child's work or report): taken now when it is the next one."""
-        self._inbox.offer(entry)
-
     # -- departures (docs/design.md §6, issue 12) ---------------------------------------
 
     def request_drain(self, target: str) -> None:
@@ -266,6 +257,15 @@ class SessionRun:
 
     def _drain_due(self) -> bool:
         return self._departures.drain_due(len(self._pending))
+
+    async def _try_drain(self) -> Attempt:
+        with self._spans.handoff(None, self.drain_to):  # tracing
+            return await self._departures.try_drain(self._commits.checkpoint())
+
+    async def _try_hand_off(self, entry: s.InboxEntry) -> Attempt:
+        target = entry.command.delivery.accepted_deployment_id
+        with self._spans.handoff(entry, target):  # tracing
+            return await self._departures.try_hand_off(self._commits.checkpoint(), entry)
 
     async def _try_park(self) -> bool:
         if not departure_rules.may_park(
