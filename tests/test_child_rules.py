@@ -388,7 +388,7 @@ def test_planning_child_work() -> None:
         ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
     )
     step = s.Usage(input_tokens=20, output_tokens=5)
-    plan = st.plan_child_work(call, frozenset(), step, lambda name: name == "helper")
+    plan = st.plan_child_work(call, frozenset(), step, frozenset({"helper"}))
     assert not isinstance(plan, Refusal)
     child = ids.child_session_id(SID, call.id)
     assert plan.work.child_session_id == child and not plan.work.resumed
@@ -399,7 +399,7 @@ def test_planning_child_work() -> None:
 
     def refused(name: str, arguments: dict[str, object]) -> str:
         [bad] = st.tool_calls(ModelReply(tool_calls=[RequestedCall(name, arguments)]))
-        result = st.plan_child_work(bad, frozenset(), s.Usage(), lambda n: n == "helper")
+        result = st.plan_child_work(bad, frozenset(), s.Usage(), frozenset({"helper"}))
         assert isinstance(result, Refusal), result
         return result.reason
 
@@ -418,7 +418,7 @@ def test_planning_child_work() -> None:
     [call] = deep.tool_calls(
         ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
     )
-    nested = deep.plan_child_work(call, frozenset(), s.Usage(), lambda n: True)
+    nested = deep.plan_child_work(call, frozenset(), s.Usage(), frozenset({"helper"}))
     assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS
 
 

@@ -18,7 +18,7 @@ and reports these rules produce.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -138,13 +138,14 @@ class ChildRules(ChildReports):
         call: s.ToolCall,
         reserved: frozenset[str],
         step: s.Usage,
-        has_subagent: Callable[[str], bool],
+        subagents: Container[str],
     ) -> ChildPlan | h.Refusal:
         """What the child-starting tool `call` asks for (ask_subagent,
         continue_task, a background or workflow tool), or why it cannot be
         done (`reserved`: children given work earlier in this step; `step`:
-        what this step spent so far, which the new child's budget leaves out)."""
-        ask = self._what_call_asks(call, reserved, has_subagent)
+        what this step spent so far, which the new child's budget leaves out;
+        `subagents`: the names of this deployment's subagents)."""
+        ask = self._what_call_asks(call, reserved, subagents)
         if isinstance(ask, h.Refusal):
             return ask
         child, kind, name, text, background = ask
@@ -165,7 +166,7 @@ class ChildRules(ChildReports):
         return ChildPlan(given, command, link)
 
     def _what_call_asks(
-        self, call: s.ToolCall, reserved: frozenset[str], has_subagent: Callable[[str], bool]
+        self, call: s.ToolCall, reserved: frozenset[str], subagents: Container[str]
     ) -> tuple[str, s.TaskKind.ValueType, str, str, bool] | h.Refusal:
         """(child, kind, name, text, background) of a child-starting call;
         child is "" for a new child (its id is derived later)."""
@@ -184,7 +185,7 @@ class ChildRules(ChildReports):
         elif call.name == ASK_SUBAGENT:
             kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
             text = str(arguments.get("prompt", ""))
-            if not has_subagent(name):
+            if name not in subagents:
                 return h.Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
         else:
             tool = self.agent.tool_index[call.name]

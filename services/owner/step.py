@@ -132,9 +132,7 @@ class StepRunner:
         children = self._children
         if children is None:
             return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
-        plan = self._state.plan_child_work(
-            call, reserved, step, lambda name: self._catalog.subagent(name) is not None
-        )
+        plan = self._state.plan_child_work(call, reserved, step, self._catalog.subagent_names)
         if isinstance(plan, Refusal):
             return plan
         child = plan.work.child_session_id
