@@ -74,9 +74,9 @@ class OwnerHost(HostedSessions):
         ids.validate_channel(channel)
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
-        known = self.runs.get(session_id) or self.parked.get(session_id)
+        known = self._held_here(session_id, inbox)
         if known is not None:
-            return StartedSession(session_id, known.run_id, False, inbox)
+            return known
         run_id = ids.new_run_id()
         with self._arriving.hold(session_id):
             try:
@@ -84,10 +84,7 @@ class OwnerHost(HostedSessions):
                     session_id, self._owner(run_id), channel, aliases
                 )
             except AlreadyExists as exc:
-                if exc.reason == Reason.SESSION_EXISTS:
-                    run_id = exc.metadata.get("owner_run_id", "")
-                    return StartedSession(session_id, run_id, False, inbox)
-                raise
+                return _started_elsewhere(exc, session_id, inbox)
             identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
             snapshot = initial_snapshot(
                 session_id,
@@ -117,9 +114,9 @@ class OwnerHost(HostedSessions):
         self._validate_parent_link(parent, list(start.aliases))
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
-        known = self.runs.get(session_id) or self.parked.get(session_id)
+        known = self._held_here(session_id, inbox)
         if known is not None:
-            return StartedSession(session_id, known.run_id, False, inbox)
+            return known
         if session_id in self._activating:
             return StartedSession(session_id, "", False, inbox)
         run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
@@ -129,10 +126,7 @@ class OwnerHost(HostedSessions):
                     session_id, self._owner(run_id), start.channel, [], parent, start.first_command
                 )
         except AlreadyExists as exc:
-            if exc.reason == Reason.SESSION_EXISTS:
-                found = exc.metadata.get("owner_run_id", "")
-                return StartedSession(session_id, found, False, inbox)
-            raise
+            return _started_elsewhere(exc, session_id, inbox)
         if session_id in self.runs:  # a concurrent start of the same child won
             return StartedSession(session_id, run_id, False, inbox)
         identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
@@ -148,6 +142,13 @@ class OwnerHost(HostedSessions):
             parent_session_id=parent.parent_session_id,
         )
         return StartedSession(session_id, run_id, True, inbox, first_command_appended=bool(seed))
+
+    def _held_here(self, session_id: str, inbox: str) -> StartedSession | None:
+        """A start of a session this instance runs or holds parked: found."""
+        known = self.runs.get(session_id) or self.parked.get(session_id)
+        if known is None:
+            return None
+        return StartedSession(session_id, known.run_id, False, inbox)
 
     def _check_deployment(self, deployment_id: str) -> None:
         ids.validate_deployment_id(deployment_id)
@@ -308,3 +309,12 @@ class OwnerHost(HostedSessions):
             self.attempts.last_refusal,
             self.held(),
         )
+
+
+def _started_elsewhere(exc: AlreadyExists, session_id: str, inbox: str) -> StartedSession:
+    """A create that found the session started (by another start, or
+    another instance): found, with its owner's run id. Any other conflict
+    is raised."""
+    if exc.reason != Reason.SESSION_EXISTS:
+        raise exc
+    return StartedSession(session_id, exc.metadata.get("owner_run_id", ""), False, inbox)

@@ -50,6 +50,17 @@ DEFAULT_INSTRUCTIONS = (
 )
 
 
+def _retry_policy(backoff_base: float, max_backoff: float) -> retry.RetryPolicy | None:
+    """The waits between attempts, as a policy of common/retry.py built from
+    this endpoint's settings (an authored agent's, so not a row of its
+    table). No jitter: the waits are the configured ones. None: a zero base
+    or cap, retry at once."""
+    if backoff_base <= 0 or max_backoff <= 0:
+        return None
+    first = min(backoff_base, max_backoff)
+    return retry.RetryPolicy("model", first=first, cap=max_backoff, jitter=0.0)
+
+
 class OpenAIChatModel:
     """A `ModelAdapter` for an OpenAI-compatible `/chat/completions` endpoint."""
 
@@ -86,16 +97,7 @@ class OpenAIChatModel:
         self.max_retries = max_retries
         self.backoff_base = backoff_base
         self.max_backoff = max_backoff
-        # The waits between attempts, as a policy of common/retry.py built
-        # from this endpoint's settings (an authored agent's, so not a row of
-        # its table). No jitter: the waits are the configured ones, as before.
-        self._retry = (
-            retry.RetryPolicy(
-                "model", first=min(backoff_base, max_backoff), cap=max_backoff, jitter=0.0
-            )
-            if backoff_base > 0 and max_backoff > 0
-            else None
-        )
+        self._retry = _retry_policy(backoff_base, max_backoff)
         self.price_input_micros_per_1k = price_input_micros_per_1k
         self.price_output_micros_per_1k = price_output_micros_per_1k
         self._api_key = api_key
