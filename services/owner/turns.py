@@ -54,7 +54,7 @@ from services.owner.agent import (
 from services.owner.held import RunIdentity, make_event
 from services.owner.step_rules import usage_of
 
-SETTLE_KINDS = frozenset(
+TURN_END_KINDS = frozenset(
     {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
 )
 
@@ -275,7 +275,7 @@ class SessionState(AdmissionRules):
         if turn_id:
             usage.CopyFrom(snap.open_turn.usage)
         else:
-            settled = [e for e in refused_events if e.kind in SETTLE_KINDS and e.turn_id]
+            settled = [e for e in refused_events if e.kind in TURN_END_KINDS and e.turn_id]
             if settled:
                 turn_id = settled[-1].turn_id
                 usage.CopyFrom(settled[-1].usage)
