@@ -336,7 +336,7 @@ class HopRun:
         self.stack.stop()
 
     async def wait_registered(self) -> None:
-        from services.common.clients import HooksClient
+        from services.common.hooks_client import HooksClient
 
         hooks = HooksClient(self.stack.addr("hooks"), timeout=5, security=self.stack.probe)
         try:

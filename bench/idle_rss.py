@@ -37,8 +37,9 @@ from bench.common import write_json
 from services.cli.etcd_auth import enable_auth
 from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
 from services.common import ids
-from services.common.clients import HooksClient, OwnerClient
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
+from services.common.owner_client import OwnerClient
 from services.common.pki import LocalPki
 from services.common.tls import Security
 

@@ -34,7 +34,9 @@ from collections.abc import Sequence
 
 from bench.common import apply_smoke, write_json
 from services.cli.processes import EtcdProcess
-from services.common.etcd import Store, cmp_value, make_client, op_delete, op_put
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import cmp_value, op_delete, op_put
+from services.common.etcd_store import Store
 from services.common.keys import Keys
 from services.common.tls import Security
 

@@ -56,8 +56,10 @@ from bench.turn_latency import (
     wait_registered,
 )
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
-from services.common.etcd import Store, make_client
+from services.common.anchor_client import AnchorClient
+from services.common.etcd_client import make_client
+from services.common.etcd_store import Store
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys
 from services.common.txn import Txn

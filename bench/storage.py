@@ -61,7 +61,8 @@ from aetcd import rpc
 from baton.ingress.v1 import ingress_pb2_grpc
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import BenchStack, Dist, Follower, create_session, load_average, one_turn
-from services.common.etcd import Store, make_client
+from services.common.etcd_client import make_client
+from services.common.etcd_store import Store
 from services.common.keys import Keys, prefix_end
 from services.common.txn import Txn
 from services.hooks.expiry import lease_ttl

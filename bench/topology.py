@@ -68,7 +68,7 @@ from services.cli.processes import (
     free_port,
     wait_serving,
 )
-from services.common.clients import HooksClient
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.pki import LocalPki
 from services.common.tls import Security, tls_options

@@ -73,18 +73,18 @@ from services.cli.processes import (
     free_port,
     wait_serving,
 )
-from services.common.clients import HooksClient
-from services.common.etcd import (
-    Store,
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import (
     cmp_absent,
     cmp_present,
     cmp_value,
-    create_watch,
-    make_client,
     op_get,
     op_put,
     single_value,
 )
+from services.common.etcd_store import Store
+from services.common.etcd_watch import create_watch
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys, TokenRecord, fence_value
 from services.common.pki import LocalPki

@@ -22,8 +22,9 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import ServiceProcess, free_port, wait_serving
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import BatonError
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys, prefix_end, seq_of
 from services.common.tls import Security, tls_options

@@ -18,11 +18,13 @@ from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.anchor.config import AnchorConfig
 from services.anchor.server import create_server as create_anchor
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.anchor_client import AnchorClient
 from services.common.config import EtcdConfig
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
+from services.common.owner_client import OwnerClient
 from services.common.pki import LocalPki
-from services.common.server import GrpcServer
 from services.common.tls import Security, load_material
 from services.hooks.config import HooksConfig
 from services.hooks.server import create_server as create_hooks

@@ -32,10 +32,10 @@ from services.common.channels import open_channel
 from services.common.config import ConfigError
 from services.common.errors import BatonError, PermissionDenied, Reason
 from services.common.grpc_errors import from_rpc_error
+from services.common.grpc_server import ServiceBinding, build_server
 from services.common.identity import CERTIFICATE_ROLES, Caller, Role
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.common.pki import LocalPki
-from services.common.server import ServiceBinding, build_server
 from services.common.tls import Security, load_material, server_name
 from tests.stack import Stack, start_stack, stop_stack
 
@@ -769,7 +769,9 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
     """The services reach etcd over TLS as users whose role covers the test
     prefix only; etcd refuses plaintext, and certificates of non-users."""
     from services.common.errors import BatonError
-    from services.common.etcd import Store, make_client, op_get, op_put
+    from services.common.etcd_client import make_client
+    from services.common.etcd_ops import op_get, op_put
+    from services.common.etcd_store import Store
     from tests import certs
 
     plain = Store(make_client(stack.etcd.endpoint, 2), 2)

@@ -20,10 +20,10 @@ from baton.session.v1 import session_pb2 as s
 from services.cli.processes import free_port
 from services.common import ids
 from services.common.channels import grpc_target, service_config
-from services.common.clients import HOOKS_IDEMPOTENT, HooksClient
 from services.common.config import ConfigError, EtcdConfig
 from services.common.errors import NotFound, Unavailable
-from services.common.server import GrpcServer
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HOOKS_IDEMPOTENT, HooksClient
 from services.hooks.registry import HookRegistry
 from services.hooks.server import create_server as create_hooks
 from services.ingress.config import IngressConfig

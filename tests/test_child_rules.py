@@ -13,17 +13,15 @@ import json
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import Reason
+from services.owner.admission import Admission
 from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from services.owner.child_rules import ChildWork
 from services.owner.fixture import build_agent
-from services.owner.handles import Handles, Refusal, Verdict, child_budget, child_control
+from services.owner.handles import Handles, Refusal, ReportMeaning, child_budget, child_control
 from services.owner.held import RunIdentity
 from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import (
-    Admission,
-    SessionState,
-)
+from services.owner.turns import SessionState
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
@@ -113,7 +111,7 @@ def test_a_foreground_subagent_makes_the_turn_wait_without_waiting_for_the_user(
     reply = report(1, child, result="2", usage=usage, steps=2)
     assert st.classify(reply) is Admission.BLOCK  # the run resumes the turn with it
     events = []
-    assert st.apply_report(reply, events) is Verdict.AWAITED
+    assert st.apply_report(reply, events) is ReportMeaning.AWAITED
     assert kinds(events) == ["TASK_COMPLETED", "TOOL_CALL_RESULT"]
     assert events[0].text == "2" and events[0].usage == usage
     output = json.loads(events[1].tool_result.output)
@@ -158,8 +156,8 @@ def test_a_background_result_starts_a_turn_or_joins_the_open_one() -> None:
     _, _, _ = child_step(st, background=True)
     second = Handles(st.snapshot).running()[0].child_session_id
     events = []
-    verdict, stop = st.admit_pending(collections.deque([report(2, second, result="3")]), events)
-    assert (verdict, stop) == (Admission.BLOCK, None)
+    admission, stop = st.admit_pending(collections.deque([report(2, second, result="3")]), events)
+    assert (admission, stop) == (Admission.BLOCK, None)
     assert kinds(events) == ["TASK_COMPLETED"]
     assert st.snapshot.inbox_next_seq == 3
 
@@ -204,7 +202,7 @@ def test_cancel_detaches_and_cancels_the_turns_children() -> None:
     late = report(1, child, s.TASK_STATUS_CANCELLED, error=s.ErrorDetail(reason="CANCELLED"))
     assert st.classify(late) is Admission.REPORT
     events = []
-    assert st.apply_report(late, events) is Verdict.RECORD
+    assert st.apply_report(late, events) is ReportMeaning.RECORD
     assert kinds(events) == ["TASK_FAILED"] and not st.turn_open
     assert st.idle_for_handoff()
 
@@ -276,7 +274,7 @@ def test_a_surfaced_wait_shows_on_the_parent_and_keeps_it_busy() -> None:
     wait = report(1, child, s.TASK_STATUS_WAITING, input_request=request, waiting_session_id=child)
     assert st.classify(wait) is Admission.REPORT
     events: list[s.Event] = []
-    assert st.apply_report(wait, events) is Verdict.SURFACE
+    assert st.apply_report(wait, events) is ReportMeaning.SURFACE
     assert kinds(events) == ["INPUT_REQUESTED"]
     assert events[0].child_session_id == child and events[0].input_request == request
     assert Handles(st.snapshot).find(child).waiting  # type: ignore[union-attr]
@@ -390,7 +388,7 @@ def test_planning_child_work() -> None:
         ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
     )
     step = s.Usage(input_tokens=20, output_tokens=5)
-    plan = st.plan_child_work(call, frozenset(), step, lambda name: name == "helper")
+    plan = st.plan_child_work(call, frozenset(), step, frozenset({"helper"}))
     assert not isinstance(plan, Refusal)
     child = ids.child_session_id(SID, call.id)
     assert plan.work.child_session_id == child and not plan.work.resumed
@@ -401,7 +399,7 @@ def test_planning_child_work() -> None:
 
     def refused(name: str, arguments: dict[str, object]) -> str:
         [bad] = st.tool_calls(ModelReply(tool_calls=[RequestedCall(name, arguments)]))
-        result = st.plan_child_work(bad, frozenset(), s.Usage(), lambda n: n == "helper")
+        result = st.plan_child_work(bad, frozenset(), s.Usage(), frozenset({"helper"}))
         assert isinstance(result, Refusal), result
         return result.reason
 
@@ -420,7 +418,7 @@ def test_planning_child_work() -> None:
     [call] = deep.tool_calls(
         ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
     )
-    nested = deep.plan_child_work(call, frozenset(), s.Usage(), lambda n: True)
+    nested = deep.plan_child_work(call, frozenset(), s.Usage(), frozenset({"helper"}))
     assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS
 
 

@@ -421,3 +421,20 @@ def test_a_session_says_why_it_cannot_move_yet() -> None:
     assert "child session" in departure_rules.busy_with(st)
     st.start_turn(send(0), none())
     assert "turn is open" in departure_rules.busy_with(st)
+
+
+def test_every_effect_has_its_one_apply_in_the_shell() -> None:
+    """The shell's dispatch is one `_apply_<kind>` per effect the decisions
+    can return (session.py), and nothing else is named so."""
+    import re
+    import typing
+
+    from services.owner.session import SessionRun
+
+    def snake(name: str) -> str:
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+    effects = {f"_apply_{snake(kind.__name__)}" for kind in typing.get_args(decisions.Effect)}
+    assert len(effects) == 7
+    applies = {name for name in vars(SessionRun) if name.startswith("_apply_")}
+    assert applies == effects

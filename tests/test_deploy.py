@@ -495,7 +495,7 @@ async def handshakes(tls: Path, svc: str) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from services.common.channels import open_channel
-    from services.common.server import build_server
+    from services.common.grpc_server import build_server
 
     def security(stem: str, server_name: str = "") -> Security:
         files = (str(tls / f"{stem}.crt"), str(tls / f"{stem}.key"), str(tls / "ca.crt"))

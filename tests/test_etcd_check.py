@@ -22,7 +22,9 @@ from services.cli.etcd_check import (
     members_consistent,
 )
 from services.cli.processes import EtcdCluster
-from services.common.etcd import Store, make_client, op_put
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import op_put
+from services.common.etcd_store import Store
 from services.common.tls import Security
 from tests import certs
 

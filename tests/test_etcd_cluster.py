@@ -19,15 +19,10 @@ import pytest
 
 from services.cli.processes import EtcdCluster
 from services.common.errors import Unavailable
-from services.common.etcd import (
-    Store,
-    cmp_absent,
-    etcd_target,
-    follow_range,
-    make_client,
-    op_get,
-    op_put,
-)
+from services.common.etcd_client import etcd_target, make_client
+from services.common.etcd_ops import cmp_absent, op_get, op_put
+from services.common.etcd_store import Store
+from services.common.etcd_watch import follow_range
 from services.common.keys import prefix_end
 from tests import certs
 from tests.procs import eventually

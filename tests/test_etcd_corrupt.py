@@ -22,7 +22,9 @@ from grpc_health.v1 import health_pb2
 from baton.session.v1 import session_pb2 as s
 from services.cli.processes import EtcdProcess
 from services.common.errors import Reason, Unavailable
-from services.common.etcd import Store, make_client, op_put
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import op_put
+from services.common.etcd_store import Store
 from services.common.grpc_errors import error_reason
 from services.ingress.limits import ChannelLimits
 from tests import certs

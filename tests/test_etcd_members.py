@@ -17,7 +17,7 @@ import pytest
 from services.anchor.server import create_server as create_anchor
 from services.cli.processes import EtcdProcess
 from services.common.config import EtcdConfig
-from services.common.etcd import make_client
+from services.common.etcd_client import make_client
 from services.common.etcd_members import UnsafeEtcd, member_statuses
 from services.common.identity import Role
 from services.hooks.server import create_server as create_hooks

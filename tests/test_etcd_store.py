@@ -22,15 +22,11 @@ from aetcd import rpc
 
 from services.cli.processes import EtcdProcess
 from services.common.errors import Unavailable
-from services.common.etcd import (
-    Store,
-    _Watcher,
-    cancel_watch,
-    make_client,
-    op_get,
-    op_put,
-    open_watch,
-)
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import op_get, op_put
+from services.common.etcd_store import Store
+from services.common.etcd_watch import cancel_watch, open_watch
+from services.common.etcd_watch_stream import EtcdWatcher
 from services.common.keys import prefix_end
 from tests import certs
 from tests.test_etcd_binary import wheel_etcd
@@ -236,7 +232,7 @@ async def test_a_stream_reset_outlives_a_stream_that_swallows_its_cancellation()
     stream, a live reader) for good. The reset must return, the pending
     creation fail, and the next creation get a watch on a new stream."""
     stub = _SwallowingWatchStub()
-    watcher = _Watcher(stub, timeout=None)
+    watcher = EtcdWatcher(stub, timeout=None)
 
     async def ignore(_: object) -> None:
         pass

@@ -20,10 +20,12 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import BatonError, Fenced, Reason
 from services.common.grpc_errors import from_rpc_error
+from services.common.hooks_client import HooksClient
 from services.common.keys import Keys, fence_value, parse_fence, prefix_end
+from services.common.owner_client import OwnerClient
 from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
 from services.owner.config import OwnerConfig
 from services.owner.host import OwnerHost

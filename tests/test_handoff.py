@@ -20,9 +20,9 @@ import pytest
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids
-from services.common.clients import HooksClient
 from services.common.errors import BatonError, Reason, Unavailable
 from services.common.grpc_errors import from_rpc_error
+from services.common.hooks_client import HooksClient
 from services.common.keys import Keys, OwnerRecord, parse_fence
 from services.common.permits import PermitSigner, grant_for
 from services.owner import handoff

@@ -11,7 +11,7 @@ import pytest
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import HooksClient
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys, prefix_end, seq_of
 from services.hooks.server import create_server as create_hooks

@@ -20,9 +20,10 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, metrics
-from services.common.clients import HooksClient
 from services.common.errors import NotFound, Reason
-from services.common.etcd import Store, make_client
+from services.common.etcd_client import make_client
+from services.common.etcd_store import Store
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys, prefix_end
 from services.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl

@@ -14,7 +14,8 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.owner.held import RunIdentity, make_event
 from services.owner.snapshots import initial_snapshot

@@ -18,9 +18,10 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import metrics
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.config import ConfigError, as_listen
-from services.common.server import build_server
+from services.common.grpc_server import build_server
+from services.common.hooks_client import HooksClient
 from services.common.tls import Security
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.scrape import Scrape, scrape, total

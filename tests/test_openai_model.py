@@ -523,3 +523,15 @@ async def test_a_failed_model_call_publishes_a_safe_summary(
     assert secret.encode() not in public
     assert server.base_url.encode() not in public
     assert b"127.0.0.1" not in public
+
+
+def test_waits_between_attempts_follow_the_configured_backoff() -> None:
+    """Pure: the wait before each retry doubles from `backoff_base` up to
+    `max_backoff`; a Retry-After replaces it, capped; a zero base retries
+    at once; a cap below the base caps the first wait too."""
+    model = OpenAIChatModel("http://127.0.0.1:1", "m", backoff_base=0.5, max_backoff=3.0)
+    assert [model._delay(n, None) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert model._delay(1, 10.0) == 3.0 and model._delay(2, 0.25) == 0.25
+    assert OpenAIChatModel("http://127.0.0.1:1", "m", backoff_base=0.0)._delay(3, None) == 0.0
+    low_cap = OpenAIChatModel("http://127.0.0.1:1", "m", backoff_base=2.0, max_backoff=0.5)
+    assert [low_cap._delay(n, None) for n in (1, 2)] == [0.5, 0.5]

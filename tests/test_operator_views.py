@@ -30,10 +30,11 @@ from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.cli import sessions
 from services.common import ids
-from services.common.clients import HooksClient, OwnerClient
 from services.common.errors import InvalidArgument, NotFound
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys
+from services.common.owner_client import OwnerClient
 from services.hooks.fleets import FleetStatus, fleet_status
 from tests.certs import etcd_client
 from tests.procs import eventually

@@ -21,11 +21,14 @@ import pytest
 from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient, TakenOver
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import TakenOver
 from services.common.config import ConfigError
 from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HooksClient
 from services.common.keys import Keys
-from services.common.server import GrpcServer
+from services.common.owner_client import OwnerClient
 from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
 from services.owner.config import OwnerConfig
@@ -306,11 +309,11 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     when the session lands in `parked`."""
     from services.owner.fixture import build_agent
     from services.owner.host import OwnerHost
+    from services.owner.hosting import HostSettings
     from services.owner.parking import ParkedSession
 
     host = OwnerHost(
-        "dep-u",
-        "unit-1",
+        HostSettings("dep-u", "unit-1"),
         build_agent("dep-u"),
         HooksClient("127.0.0.1:1", security=Security.plaintext()),
         AnchorClient("127.0.0.1:1", security=Security.plaintext()),
@@ -341,6 +344,47 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
         # Unknown sessions' bells (lost to another instance) are ignored.
         host.ring("ses_c", 3)
         assert "ses_c" not in host.parking.bells
+    finally:
+        await host.close()
+        await host.hooks.close()
+        await host.anchor.close()
+
+
+async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
+    """baton_sessions{state}, the oldest unprocessed command's age and
+    baton_draining come from the host's one view of its sessions
+    (metering.HeldView), read at each scrape."""
+    from services.owner.fixture import build_agent
+    from services.owner.host import OwnerHost
+    from services.owner.hosting import HostSettings
+    from services.owner.metering import HeldSessions
+    from services.owner.parking import ParkedSession
+
+    host = OwnerHost(
+        HostSettings("dep-u", "unit-1"),
+        build_agent("dep-u"),
+        HooksClient("127.0.0.1:1", security=Security.plaintext()),
+        AnchorClient("127.0.0.1:1", security=Security.plaintext()),
+    )
+
+    def scrape() -> dict[tuple[str, tuple[str, ...]], float]:
+        return {
+            (sample.name, tuple(sample.labels.values())): sample.value
+            for family in HeldSessions(host, clock=lambda: 100.0).collect()
+            for sample in family.samples
+        }
+
+    try:
+        host._hold("ses_a", ParkedSession("run_a", 2, inbox_next_seq=5))
+        host.restarts.stalled["ses_b"] = s.Fence(session_id="ses_b", owner_run_id="run_b")
+        got = scrape()
+        assert got[("baton_sessions", ("parked",))] == 1
+        assert got[("baton_sessions", ("stalled",))] == 1
+        assert got[("baton_sessions", ("running",))] == 0
+        assert got[("baton_inbox_oldest_unconsumed_seconds", ())] == 0.0
+        assert got[("baton_draining", ())] == 0.0
+        host.drains.start("dep-v", host.held())
+        assert scrape()[("baton_draining", ())] == 1.0
     finally:
         await host.close()
         await host.hooks.close()

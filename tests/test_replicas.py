@@ -29,13 +29,15 @@ import pytest
 
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.anchor.journal import Journal
 from services.anchor.server import create_server as create_anchor
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import NotFound
+from services.common.grpc_server import GrpcServer
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.keys import Keys
-from services.common.server import GrpcServer
 from services.common.tls import Security
 from services.hooks.server import create_server as create_hooks
 from services.ingress.api_keys import ApiKeys
@@ -49,9 +51,8 @@ from tests.test_inbox import assert_admitted_once_in_order, read_until_idle, rec
 GHOST_DEPLOYMENT = "dep-ghost"  # no owner runs it: sessions stay as the test leaves them
 
 
-def count(server: GrpcServer, method: str, counts: Counter[str], label: str) -> None:
-    """Count calls of `method` of the server's domain object under `label`."""
-    app = server.app
+def count(app: object, method: str, counts: Counter[str], label: str) -> None:
+    """Count calls of `method` of a server's domain object under `label`."""
     original: Callable[..., Any] = getattr(app, method)
     if asyncio.iscoroutinefunction(original):
 
@@ -94,10 +95,12 @@ class Replicated:
         self.hooks.append(hooks)
         self.anchors.append(anchor)
         for i, server in enumerate(self.hooks):
-            count(server, "resume", self.counts, f"hooks{i}.resume")
+            count(server.app, "resume", self.counts, f"hooks{i}.resume")
         for i, server in enumerate(self.anchors):
-            count(server, "commit", self.counts, f"anchor{i}.commit")
-            count(server, "read", self.counts, f"anchor{i}.read")
+            journal = server.app
+            assert isinstance(journal, Journal)
+            count(journal, "commit", self.counts, f"anchor{i}.commit")
+            count(journal.events, "read", self.counts, f"anchor{i}.read")
         owner = await create_owner(
             OwnerConfig(
                 listen="127.0.0.1:0",

@@ -22,7 +22,7 @@ from baton.owner.v1 import owner_pb2
 from services.anchor.server import create_server as create_anchor
 from services.cli.processes import sync_channel
 from services.common.channels import open_channel
-from services.common.server import GrpcServer
+from services.common.grpc_server import GrpcServer
 from services.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import Stack, anchor_config, hooks_config, public_channel

@@ -262,7 +262,7 @@ async def test_a_slow_reader_the_horizon_passes_is_told_and_resumes_from_the_ear
     await eventually(kept_exactly(counted, raw, sid, KEEP), "trimmed", timeout=10)
     first_kept = head - KEEP
     # A follower from the horizon takes its first page, then stalls.
-    reader = journal(counted).read(sid, first_kept, follow=True)
+    reader = journal(counted).events.read(sid, first_kept, follow=True)
     try:
         page = await anext(reader)
         assert [e.seq for e in page] == list(range(first_kept, first_kept + len(page)))

@@ -35,8 +35,9 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, tracing
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import InvalidArgument, Reason
+from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.stack import Stack, public_channel, start_stack, stop_stack

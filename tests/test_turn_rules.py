@@ -9,16 +9,13 @@ import collections
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
+from services.owner.admission import Admission
 from services.owner.agent import ModelReply, RequestedCall
 from services.owner.fixture import build_agent
 from services.owner.held import RunIdentity
 from services.owner.snapshots import initial_snapshot
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import (
-    Admission,
-    SessionState,
-    safe_error,
-)
+from services.owner.turns import SessionState, safe_error
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
@@ -80,8 +77,8 @@ def test_a_boundary_admits_steers_and_stops_at_a_cancel() -> None:
     st.start_turn(send(0), collections.deque())
     pending = collections.deque([send(1, caller="u2"), entry(2, cancel=s.CancelCommand()), send(3)])
     events: list[s.Event] = []
-    verdict, stop = st.admit_pending(pending, events)
-    assert verdict is Admission.CANCEL and stop is not None and stop.seq == 2
+    admission, stop = st.admit_pending(pending, events)
+    assert admission is Admission.CANCEL and stop is not None and stop.seq == 2
     assert kinds(events) == ["MESSAGE_RECEIVED"]
     assert [e.seq for e in pending] == [3]
     assert st.snapshot.inbox_next_seq == 3

@@ -12,7 +12,9 @@ import pytest
 
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import Fenced, NotFound, Reason
-from services.common.etcd import Store, cmp_absent, cmp_none, cmp_value, make_client
+from services.common.etcd_client import make_client
+from services.common.etcd_ops import cmp_absent, cmp_none, cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import Keys, prefix_end
 from services.common.txn import Fence, Txn
 from tests import certs

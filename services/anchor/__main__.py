@@ -2,7 +2,7 @@
 
 from services.anchor.config import AnchorConfig
 from services.anchor.server import create_server
-from services.common.server import run_main
+from services.common.service_main import run_main
 
 if __name__ == "__main__":
     run_main(AnchorConfig.load, create_server, service="anchor")

@@ -25,7 +25,8 @@ from aetcd import rpc
 
 from services.common import limits
 from services.common.errors import FailedPrecondition, InvalidArgument, Reason
-from services.common.etcd import Store, op_put
+from services.common.etcd_ops import op_put
+from services.common.etcd_store import Store
 from services.common.keys import Keys, seq_of
 from services.common.txn import Txn
 

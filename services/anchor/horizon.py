@@ -40,7 +40,8 @@ import structlog
 
 from services.common import limits, metrics
 from services.common.errors import BatonError, OutOfRange, Reason
-from services.common.etcd import Store, cmp_absent, cmp_value
+from services.common.etcd_ops import cmp_absent, cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import Keys, prefix_end, seq_of
 from services.common.txn import Txn
 

@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, limits
 from services.common.errors import BatonError
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
 from services.common.txn import Txn
 
@@ -88,6 +88,13 @@ class Retention:
     async def delete_session(self, session_id: str) -> None:
         """Every key of the session and every index entry pointing at it."""
         ids.validate_session_id(session_id)
+        await self._delete_index_entries(session_id)
+        await self._delete_keys(session_id)
+
+    async def _delete_index_entries(self, session_id: str) -> None:
+        """The token-index entries still naming the session, with its
+        channel-index entries (one txn: one never outlives the other), its
+        ownership-index entry and bell."""
         k = self._keys
         found = await (
             Txn()
@@ -114,8 +121,6 @@ class Retention:
             if raw is not None and TokenRecord.decode(raw).session_id == session_id:
                 cleanup.delete(k.token(token))
                 channels.add(TokenRecord.decode(raw).channel)
-        # The channel index entry goes with the token-index entries (same
-        # txn), so one is never left without the other.
         for channel in sorted(c for c in channels if c):
             cleanup.delete(k.channel_entry(channel, session_id))
         raw_owner = found.value("owner")
@@ -125,7 +130,10 @@ class Retention:
             cleanup.delete(k.bell(owner.instance_id, session_id))
         if cleanup.success:
             await cleanup.run(self._store)
-        prefix = k.session_prefix(session_id)
+
+    async def _delete_keys(self, session_id: str) -> None:
+        """The session's own keys, in bounded txns (DELETE_BATCH keys each)."""
+        prefix = self._keys.session_prefix(session_id)
         end = prefix_end(prefix)
         while True:
             page = await (

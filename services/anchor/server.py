@@ -9,9 +9,9 @@ from services.anchor.journal import Journal
 from services.anchor.retention import Retention
 from services.anchor.servicer import AnchorServicer
 from services.common.etcd_members import connect_checked
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
 from services.common.keys import Keys
 from services.common.scope import DeploymentScope
-from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 
 SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name

@@ -13,8 +13,8 @@ from services.anchor.journal import Journal, LoadedSnapshot
 from services.common import identity
 from services.common.bounds import check_seq
 from services.common.errors import InvalidArgument, Reason
+from services.common.interceptor import Context
 from services.common.scope import DeploymentScope
-from services.common.server import Context
 from services.common.tracing import check_trace_id
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
@@ -80,7 +80,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     ) -> AsyncIterator[pb.ReadEventsResponse]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         check_seq(request.start_seq, "start_seq")
-        async for events in self._journal.read(
+        async for events in self._journal.events.read(
             request.session_id, request.start_seq, request.follow
         ):
             yield pb.ReadEventsResponse(events=events)

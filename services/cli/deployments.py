@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from services.common import ids
-from services.common.clients import DrainReport, HooksClient, OwnedSession, OwnerClient
+from services.common.client_answers import DrainReport, OwnedSession
 from services.common.errors import BatonError
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 from services.common.tls import Security
 
 EXIT_DRAINED = 0

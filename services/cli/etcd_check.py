@@ -30,7 +30,7 @@ from typing import Any
 
 from aetcd import rpc
 
-from services.common.etcd import EtcdClient, make_client
+from services.common.etcd_client import EtcdClient, make_client
 from services.common.etcd_members import (
     Member,
     MemberStatus,

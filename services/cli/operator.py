@@ -34,8 +34,10 @@ from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import NotFound, Reason, Unavailable
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 from services.common.tls import Security
 from services.ingress import listing
 from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, Gathered, SessionViews

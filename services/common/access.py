@@ -1,6 +1,6 @@
 """Which roles may call which RPC: one declared table, deny by default.
 
-The server interceptor (`services.common.server`) looks every call's method
+The server interceptor (`services.common.interceptor`) looks every call's method
 up here and answers PERMISSION_DENIED/ROLE_NOT_ALLOWED when the caller's
 certificate role (`services.common.identity`) is not listed, and
 PERMISSION_DENIED/RPC_NOT_ALLOWED when the method has no entry at all. A new

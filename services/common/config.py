@@ -277,8 +277,8 @@ class EtcdConfig:
     def from_values(cls, values: Mapping[str, str], service: Security) -> EtcdConfig:
         """etcd's TLS defaults to the service's own identity; plaintext only
         with --etcd-plaintext, or with --plaintext and no --etcd-ca."""
-        # Not at the top: etcd.py imports aetcd, which ingress and owner never need.
-        from services.common.etcd import etcd_target
+        # Not at the top: etcd_client.py imports aetcd, which ingress and owner never need.
+        from services.common.etcd_client import etcd_target
 
         try:
             etcd_target(values["etcd"])

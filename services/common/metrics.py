@@ -1,5 +1,5 @@
-"""Every Prometheus metric Baton exposes, defined once, and the endpoint
-that serves them (`--metrics-listen`, docs/metrics.md).
+"""Every Prometheus metric Baton exposes, defined once, and which ones each
+service exposes (`SERVICE_METRICS`, `registry_for`; docs/metrics.md).
 
 Conventions (Prometheus'): base units in the name (`_seconds`, `_bytes`),
 counters end in `_total`, histograms rather than summaries (they aggregate
@@ -12,20 +12,14 @@ process; `SERVICE_METRICS` says which ones each service exposes, so a hooks
 scrape shows no owner metrics. Gauges that are a view of state held
 elsewhere (the owner's sessions, the live instances in etcd) are computed at
 scrape time by a collector or a refresh hook, never kept up to date by hand.
-
-The endpoint is a small asyncio HTTP responder on the server's own event
-loop, not prometheus-client's threaded server: collectors read the owner's
-maps on the loop that changes them, and a refresh may await etcd.
+`rpc_metrics` records the RPC metrics; `metrics_endpoint` serves them all.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
-import structlog
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -34,10 +28,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
-
-log = structlog.get_logger("baton.metrics")
 
 # No `_created` series next to every counter and histogram: they double the
 # series count and say only when the process started.
@@ -46,7 +37,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # (untyped in promet
 # Seconds: from a fast RPC (sub-millisecond) to a long model call or stream.
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
-# -- every server and client (services/common/server.py, clients.py) -----------
+# -- every server and client (services/common/interceptor.py, rpc_client.py) ---
 
 RPC_SERVER_HANDLED = Counter(
     "baton_rpc_server_handled_total",
@@ -90,7 +81,7 @@ RPC_CLIENT_STREAM_RECEIVED = Counter(
 )
 BUILD_INFO = "baton_build_info"
 
-# -- hooks and anchor: etcd (services/common/etcd.py, store_health.py) ---------
+# -- hooks and anchor: etcd (services/common/etcd_*.py, store_health.py) -------
 
 ETCD_TXN_SECONDS = Histogram(
     "baton_etcd_txn_seconds",
@@ -378,72 +369,6 @@ class BuildInfo(Collector):
         yield family
 
 
-class RpcMeter:
-    """RPC metrics, recorded only in a process that serves them (a server
-    with `--metrics-listen`): with metrics off the interceptor and the client
-    base do one attribute check per call. Label children are cached, so a
-    call costs a dict lookup and an increment (and an observation)."""
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self._served: dict[tuple[str, str], Any] = {}
-        self._timed: dict[str, Any] = {}
-        self._called: dict[tuple[str, str, str], Any] = {}
-        self._sent: dict[str, Any] = {}
-        self._received: dict[tuple[str, str], Any] = {}
-        self._opened: dict[tuple[str, str], Any] = {}
-
-    def served(self, method: str, code: str, seconds: float) -> None:
-        key = (method, code)
-        counter = self._served.get(key)
-        if counter is None:
-            counter = self._served[key] = RPC_SERVER_HANDLED.labels(method, code)
-        counter.inc()
-        timer = self._timed.get(method)
-        if timer is None:
-            timer = self._timed[method] = RPC_SERVER_SECONDS.labels(method)
-        timer.observe(seconds)
-
-    def called(self, target: str, method: str, code: str) -> None:
-        key = (target, method, code)
-        counter = self._called.get(key)
-        if counter is None:
-            counter = self._called[key] = RPC_CLIENT_HANDLED.labels(target, method, code)
-        counter.inc()
-
-    def sent(self, method: str) -> None:
-        """One message of a server stream sent."""
-        counter = self._sent.get(method)
-        if counter is None:
-            counter = self._sent[method] = RPC_SERVER_STREAM_SENT.labels(method)
-        counter.inc()
-
-    def opened(self, target: str, method: str) -> None:
-        """One server stream opened to `target`."""
-        key = (target, method)
-        counter = self._opened.get(key)
-        if counter is None:
-            counter = self._opened[key] = RPC_CLIENT_STREAMS_OPENED.labels(target, method)
-        counter.inc()
-
-    def received(self, target: str, method: str) -> None:
-        """One message of a server stream received from `target`."""
-        key = (target, method)
-        counter = self._received.get(key)
-        if counter is None:
-            counter = self._received[key] = RPC_CLIENT_STREAM_RECEIVED.labels(target, method)
-        counter.inc()
-
-
-RPC = RpcMeter()
-
-Refresh = Callable[[], Awaitable[None]]
-"""Run before each scrape (e.g. hooks counting live instances in etcd)."""
-
-_REFRESH_SECONDS = 2.0
-_MAX_REQUEST_BYTES = 8192
-
-
 def registry_for(service: str, deployment_id: str = "") -> CollectorRegistry:
     """A registry with what `service` exposes (see SERVICE_METRICS; a server
     of another name, e.g. a test's, exposes the RPC metrics)."""
@@ -452,69 +377,3 @@ def registry_for(service: str, deployment_id: str = "") -> CollectorRegistry:
     for collector in SERVICE_METRICS.get(service, _RPC):
         registry.register(collector)
     return registry
-
-
-class MetricsEndpoint:
-    """`GET /metrics` in Prometheus' text format on `listen` (plaintext HTTP;
-    `--metrics-listen`), served on the running event loop."""
-
-    def __init__(self, listen: str, registry: CollectorRegistry) -> None:
-        self.listen = listen
-        self.registry = registry
-        self.refresh: list[Refresh] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    def add(self, collector: Collector) -> None:
-        self.registry.register(collector)
-
-    async def start(self) -> None:
-        host, _, port = self.listen.rpartition(":")
-        self._server = await asyncio.start_server(
-            self._serve, host.strip("[]"), int(port), limit=_MAX_REQUEST_BYTES
-        )
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        RPC.enabled = True
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            method, _, rest = head.decode("latin-1").partition(" ")
-            path = rest.partition(" ")[0].partition("?")[0]
-            if method != "GET" or path != "/metrics":
-                await _answer(writer, "404 Not Found", b"GET /metrics\n", "text/plain")
-                return
-            await self._refresh()
-            await _answer(writer, "200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def _refresh(self) -> None:
-        for refresh in self.refresh:
-            try:
-                await asyncio.wait_for(refresh(), _REFRESH_SECONDS)
-            except Exception as exc:  # noqa: BLE001 - a scrape shows the last values
-                log.warning("metrics refresh failed", error=repr(exc)[:200])
-
-
-async def _answer(
-    writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str
-) -> None:
-    writer.write(
-        (
-            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-        ).encode("latin-1")
-        + body
-    )
-    await writer.drain()

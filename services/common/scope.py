@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.identity import Caller, Role
 from services.common.keys import Keys, OwnerRecord
 from services.common.txn import Txn

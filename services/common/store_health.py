@@ -22,7 +22,7 @@ import structlog
 
 from services.common import metrics
 from services.common.errors import BatonError, Reason
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 
 log = structlog.get_logger("baton.store_health")
 

@@ -12,7 +12,7 @@ SDK's own reading of the environment: `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`,
 (service.name defaults to `baton-<service>`).
 
 Spans of gRPC calls are Baton's own (the server span in
-`services.common.server`, the client spans in `client_interceptors`), not
+`services.common.interceptor`, the client spans in `client_interceptors`), not
 opentelemetry-instrumentation-grpc's grpc.aio interceptors: tried with
 grpcio 1.85 and 0.66b2, its server interceptor answers UNKNOWN for a
 streaming handler that writes with `context.write` (grpc's own health

@@ -1,6 +1,6 @@
 """python -m services.hooks"""
 
-from services.common.server import run_main
+from services.common.service_main import run_main
 from services.hooks.config import HooksConfig
 from services.hooks.server import create_server
 

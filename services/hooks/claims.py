@@ -17,7 +17,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import AlreadyExists, Reason, Unavailable
-from services.common.etcd import Store, cmp_absent, cmp_value
+from services.common.etcd_ops import cmp_absent, cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import (
     ChannelEntry,
     Keys,
@@ -26,11 +27,52 @@ from services.common.keys import (
     fence_value,
     parse_fence,
 )
-from services.common.txn import Fence, Txn
+from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.expiry import ExpiryLeases
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
 from services.hooks.sessions import CachedSession, SessionCache, owner_record
 from services.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
+
+
+def session_tokens(
+    session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
+) -> list[str]:
+    """Validate a create's ids (InvalidArgument); the tokens the session
+    claims: its inbox token first, then each alias once, at most
+    MAX_HOOKS_PER_SESSION in all. Pure."""
+    ids.validate_session_id(session_id)
+    ids.validate_channel(channel)
+    ids.validate_deployment_id(owner.deployment_id)
+    ids.validate_id(owner.owner_run_id, "owner_run_id")
+    ids.validate_id(owner.instance_id, "instance_id")
+    tokens = [ids.inbox_token(session_id)]
+    for alias in aliases:
+        ids.split_token(alias)
+        if alias not in tokens:
+            tokens.append(alias)
+    check_hook_count(len(tokens))
+    return tokens
+
+
+def _created_before(
+    fence: Fence, tokens: list[str], first: s.InboxEntry | None, result: TxnResult
+) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
+    """A refused create: a retry of the create that already succeeded
+    answers as it did; otherwise SESSION_EXISTS, a claimed token, or a race."""
+    existing = result.value("fence")
+    if existing == fence.value:  # a retry of the create that already succeeded
+        raw = result.value("first")
+        entry = s.InboxEntry.FromString(raw) if raw is not None and first else None
+        return fence.proto(), json.loads(result.value("hooks") or b"[]"), entry
+    if existing is not None:
+        raise AlreadyExists(
+            Reason.SESSION_EXISTS,
+            f"session {fence.session_id} already exists",
+            session_id=fence.session_id,
+            owner_run_id=parse_fence(existing)[1],
+        )
+    check_unclaimed(tokens, result.values("tokens"))
+    raise Unavailable(Reason.CONFLICT, "create raced a concurrent change; retry")
 
 
 class Claims:
@@ -63,23 +105,11 @@ class Claims:
     ) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
         """Create the session; with `first_command`, appended as inbox entry
         0 by the same transaction. Returns (fence, claimed tokens, that entry)."""
-        ids.validate_session_id(session_id)
-        ids.validate_channel(channel)
-        ids.validate_deployment_id(owner.deployment_id)
-        ids.validate_id(owner.owner_run_id, "owner_run_id")
-        ids.validate_id(owner.instance_id, "instance_id")
-        tokens = [ids.inbox_token(session_id)]
-        for alias in aliases:
-            ids.split_token(alias)
-            if alias not in tokens:
-                tokens.append(alias)
-        check_hook_count(len(tokens))
+        tokens = session_tokens(session_id, owner, channel, aliases)
         fence = Fence(session_id, owner.owner_run_id, 1)
         record = TokenRecord(session_id=session_id, channel=channel, parent=_link(parent)).encode()
         owner_now = owner_record(owner, 1)
-        owner_raw = owner_now.encode()
         first = _first_entry(first_command)
-        head = 0 if first is None else 1
         created_ms = int(self._clock() * 1000)
 
         def create_txn(lease: int) -> Txn:
@@ -89,23 +119,11 @@ class Claims:
 
         delivery_id = first.command.delivery.delivery_id if first is not None else ""
         result = await self._leases.run(create_txn, leased=bool(delivery_id))
-        if result.succeeded:
-            self._sessions.remember(session_id, CachedSession(head, owner_raw, owner_now))
-            return fence.proto(), tokens, first
-        existing = result.value("fence")
-        if existing == fence.value:  # a retry of the create that already succeeded
-            raw = result.value("first")
-            entry = s.InboxEntry.FromString(raw) if raw is not None and first else None
-            return fence.proto(), json.loads(result.value("hooks") or b"[]"), entry
-        if existing is not None:
-            raise AlreadyExists(
-                Reason.SESSION_EXISTS,
-                f"session {session_id} already exists",
-                session_id=session_id,
-                owner_run_id=parse_fence(existing)[1],
-            )
-        check_unclaimed(tokens, result.values("tokens"))
-        raise Unavailable(Reason.CONFLICT, "create raced a concurrent change; retry")
+        if not result.succeeded:
+            return _created_before(fence, tokens, first, result)
+        head = 0 if first is None else 1
+        self._sessions.remember(session_id, CachedSession(head, owner_now.encode(), owner_now))
+        return fence.proto(), tokens, first
 
     def _create_txn(
         self,

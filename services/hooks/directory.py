@@ -18,7 +18,7 @@ from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.bounds import check_range, check_seq
 from services.common.errors import InvalidArgument, NotFound, Reason
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
 from services.common.txn import Txn
 

@@ -29,10 +29,11 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from services.common import metrics
 from services.common.errors import Aborted, Reason, Unavailable
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.txn import Txn, TxnResult
 
 DEFAULT_WINDOW_SECONDS = 24 * 3600.0
@@ -52,6 +53,15 @@ def bucket_width(window_seconds: float) -> float:
 def lease_ttl(window_seconds: float) -> int:
     """The TTL of a bucket's lease: the window plus two bucket widths."""
     return math.ceil(window_seconds + 2 * bucket_width(window_seconds))
+
+
+class LeasedTxn(Protocol):
+    """Builds a txn that puts its window-bound keys under `lease_id` (0: it
+    puts none). Pure, no I/O: `ExpiryLeases.run` calls it again under a new
+    lease when etcd forgot the one it named, so the caller's txn is built,
+    not run, by the caller (claims, inbox appends, transfers)."""
+
+    def __call__(self, lease_id: int, /) -> Txn: ...
 
 
 class ExpiryLeases:
@@ -94,7 +104,7 @@ class ExpiryLeases:
             self._lease_id = 0
             self._missing = True
 
-    async def run(self, build: Callable[[int], Txn], *, leased: bool = True) -> TxnResult:
+    async def run(self, build: LeasedTxn, *, leased: bool = True) -> TxnResult:
         """Run the txn `build(lease id)` makes (`leased=False`: it puts no
         key under the lease, which is then 0); built again under a new lease
         when etcd no longer knows the one it named."""

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 
 from services.common import ids
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 

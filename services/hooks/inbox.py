@@ -30,7 +30,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
-from services.common.etcd import Store, cmp_absent, cmp_value, watch_then_read
+from services.common.etcd_ops import cmp_absent, cmp_value
+from services.common.etcd_store import Store
+from services.common.etcd_watch import watch_then_read
 from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
 from services.common.tasks import Background
 from services.common.tracing import check_traceparent

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from services.common import ids, metrics
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
-from services.common.etcd import Store, cmp_mod, follow_range
+from services.common.etcd_ops import cmp_mod
+from services.common.etcd_store import Store
+from services.common.etcd_watch import follow_range
 from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
 from services.common.txn import Txn
 

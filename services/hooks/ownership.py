@@ -9,6 +9,7 @@ owner instance's bell while it is set.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -21,7 +22,8 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.etcd import Store, cmp_value
+from services.common.etcd_ops import cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.inbox import MAX_APPEND_ATTEMPTS
@@ -48,6 +50,18 @@ class OwnedSession:
     owner: OwnerRecord
 
 
+def _check_takeover(
+    expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity
+) -> str:
+    """The takeover request's ids (InvalidArgument); the session id."""
+    sid = ids.validate_session_id(expected.session_id)
+    ids.validate_id(expected_instance_id, "expected_instance_id")
+    ids.validate_deployment_id(successor.deployment_id)
+    ids.validate_id(successor.owner_run_id, "owner_run_id")
+    ids.validate_id(successor.instance_id, "instance_id")
+    return sid
+
+
 class Ownership:
     """TakeOverSession, SetParked and ListInstanceSessions over one etcd store."""
 
@@ -68,25 +82,11 @@ class Ownership:
         parked session stays parked when nothing arrived since it parked (no
         bell rang); then the successor need not load it.
         """
-        sid = ids.validate_session_id(expected.session_id)
-        ids.validate_id(expected_instance_id, "expected_instance_id")
-        ids.validate_deployment_id(successor.deployment_id)
-        ids.validate_id(successor.owner_run_id, "owner_run_id")
-        ids.validate_id(successor.instance_id, "instance_id")
-        k = self._keys
+        sid = _check_takeover(expected, expected_instance_id, successor)
         old = Fence.of(expected)
         new = Fence(sid, successor.owner_run_id, expected.epoch + 1)
         for _ in range(MAX_APPEND_ATTEMPTS):
-            read = await (
-                Txn()
-                .read("fence", k.fence(sid))
-                .read("owner", k.owner(sid))
-                .read("head", k.inbox_head(sid))
-                .read("closed", k.closed(sid))
-                .read("bell", k.bell(expected_instance_id, sid))
-                .read("live", k.instance(successor.deployment_id, expected_instance_id))
-                .run(self._store)
-            )
+            read = await self._read_for_takeover(sid, expected_instance_id, successor)
             fence_now = read.value("fence")
             owner_raw = read.value("owner")
             head_raw = read.value("head")
@@ -103,29 +103,60 @@ class Ownership:
                     session_id=sid,
                 )
             await self._check_movable(old, record, expected_instance_id, successor, read)
-            parked = record.parked and read.value("bell") is None
-            new_record = owner_record(successor, new.epoch, parked)
+            rang = read.value("bell") is not None
+            # Parked stays parked when nothing arrived since it parked (no bell).
+            new_record = owner_record(successor, new.epoch, record.parked and not rang)
             new_raw = new_record.encode()
-            txn = (
-                Txn()
-                .require(
-                    old.compare(k),
-                    cmp_value(k.owner(sid), owner_raw),
-                    cmp_value(k.inbox_head(sid), head_raw),
-                )
-                .put(k.fence(sid), new.value)
-                .put(k.owner(sid), new_raw)
-                .put(k.owned(successor.deployment_id, successor.instance_id, sid), new.value)
-            )
-            if expected_instance_id != successor.instance_id:
-                txn.delete(k.owned(record.deployment_id, expected_instance_id, sid))
-            if read.value("bell") is not None:
-                txn.delete(k.bell(expected_instance_id, sid))
+            txn = self._takeover_txn(old, new, record, expected_instance_id, successor, new_raw)
+            txn.require(cmp_value(self._keys.owner(sid), owner_raw))
+            txn.require(cmp_value(self._keys.inbox_head(sid), head_raw))
+            if rang:
+                txn.delete(self._keys.bell(expected_instance_id, sid))
             if (await txn.run(self._store)).succeeded:
                 self._sessions.remember(sid, CachedSession(int(head_raw), new_raw, new_record))
-                return TakeOver(new.proto(), parked, int(head_raw))
+                return TakeOver(new.proto(), new_record.parked, int(head_raw))
             # Something moved (an arrival, a park) between the read and the txn: again.
         raise Unavailable(Reason.CONFLICT, "takeover kept racing concurrent changes; retry")
+
+    async def _read_for_takeover(
+        self, sid: str, expected_instance_id: str, successor: s.OwnerIdentity
+    ) -> TxnResult:
+        """Fence, owner record, inbox head, closed marker, the old instance's
+        bell for the session and its liveness, in one read."""
+        k = self._keys
+        return await (
+            Txn()
+            .read("fence", k.fence(sid))
+            .read("owner", k.owner(sid))
+            .read("head", k.inbox_head(sid))
+            .read("closed", k.closed(sid))
+            .read("bell", k.bell(expected_instance_id, sid))
+            .read("live", k.instance(successor.deployment_id, expected_instance_id))
+            .run(self._store)
+        )
+
+    def _takeover_txn(
+        self,
+        old: Fence,
+        new: Fence,
+        record: OwnerRecord,
+        expected_instance_id: str,
+        successor: s.OwnerIdentity,
+        new_raw: bytes,
+    ) -> Txn:
+        """The swap: the new fence and owner record, the ownership index
+        entry moved to the successor's instance."""
+        k, sid = self._keys, old.session_id
+        txn = (
+            Txn()
+            .require(old.compare(k))
+            .put(k.fence(sid), new.value)
+            .put(k.owner(sid), new_raw)
+            .put(k.owned(successor.deployment_id, successor.instance_id, sid), new.value)
+        )
+        if expected_instance_id != successor.instance_id:
+            txn.delete(k.owned(record.deployment_id, expected_instance_id, sid))
+        return txn
 
     async def _check_movable(
         self,
@@ -164,7 +195,6 @@ class Ownership:
         Returns the inbox head. Repeating a request that took effect succeeds.
         """
         sid = ids.validate_session_id(fence.session_id)
-        k = self._keys
         owner = Fence.of(fence)
         for _ in range(MAX_APPEND_ATTEMPTS):
             state = await self._sessions.state(sid)
@@ -175,46 +205,49 @@ class Ownership:
                 owner.check(state.owner.fence)
                 if state.owner.parked == parked:
                     return state.head
-            record = state.owner
-            new_record = OwnerRecord(
-                owner_run_id=record.owner_run_id,
-                deployment_id=record.deployment_id,
-                instance_id=record.instance_id,
-                epoch=record.epoch,
-                parked=parked,
-            )
+            new_record = dataclasses.replace(state.owner, parked=parked)
             new_raw = new_record.encode()
-            txn = (
-                Txn()
-                .require(owner.compare(k), cmp_value(k.owner(sid), state.owner_raw))
-                .put(k.owner(sid), new_raw)
+            result = await self._park_txn(owner, state, new_raw, parked, inbox_next_seq).run(
+                self._store
             )
-            if parked:
-                txn.require(cmp_value(k.inbox_head(sid), str(inbox_next_seq).encode()))
-            else:
-                txn.delete(k.bell(record.instance_id, sid))
-            txn.read("head", k.inbox_head(sid))
-            txn.read_on_failure("fence", k.fence(sid))
-            txn.read_on_failure("owner", k.owner(sid))
-            txn.read_on_failure("head", k.inbox_head(sid))
-            result = await txn.run(self._store)
             if result.succeeded:
                 head = int(result.value("head") or b"0")
                 self._sessions.remember(sid, CachedSession(head, new_raw, new_record))
                 return head
-            used_raw = state.owner_raw
             owner.check(result.value("fence"))
-            state = self._sessions.learn(sid, result.value("head"), result.value("owner"))
-            if parked and state.owner_raw == used_raw and state.head != inbox_next_seq:
+            seen = self._sessions.learn(sid, result.value("head"), result.value("owner"))
+            if parked and seen.owner_raw == state.owner_raw and seen.head != inbox_next_seq:
                 raise Aborted(
                     Reason.INBOX_NOT_DRAINED,
-                    f"session {sid} has inbox entries up to {state.head}; "
+                    f"session {sid} has inbox entries up to {seen.head}; "
                     f"consumed up to {inbox_next_seq}",
                     session_id=sid,
-                    inbox_head=str(state.head),
+                    inbox_head=str(seen.head),
                 )
             # The owner record changed under our cache: again with the fresh one.
         raise Unavailable(Reason.CONFLICT, "park kept racing concurrent changes; retry")
+
+    def _park_txn(
+        self, owner: Fence, state: CachedSession, new_raw: bytes, parked: bool, inbox_next_seq: int
+    ) -> Txn:
+        """Compare the fence and the owner record as cached (and, to park,
+        the inbox head at `inbox_next_seq`); write the flipped record (and,
+        to unpark, delete the bell); read the head back either way."""
+        k, sid = self._keys, owner.session_id
+        txn = (
+            Txn()
+            .require(owner.compare(k), cmp_value(k.owner(sid), state.owner_raw))
+            .put(k.owner(sid), new_raw)
+        )
+        if parked:
+            txn.require(cmp_value(k.inbox_head(sid), str(inbox_next_seq).encode()))
+        else:
+            txn.delete(k.bell(state.owner.instance_id, sid))
+        txn.read("head", k.inbox_head(sid))
+        txn.read_on_failure("fence", k.fence(sid))
+        txn.read_on_failure("owner", k.owner(sid))
+        txn.read_on_failure("head", k.inbox_head(sid))
+        return txn
 
     async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
         """The sessions an instance owns (its ownership index), with their

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
 from services.common.errors import NotFound
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import Keys, TokenRecord
 from services.hooks.claims import Claims
 from services.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord

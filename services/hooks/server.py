@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.common.etcd_members import connect_checked
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
 from services.common.keys import Keys
 from services.common.permits import PermitVerifier
 from services.common.scope import DeploymentScope
-from services.common.server import GrpcServer, ServiceBinding, build_server
 from services.common.store_health import StoreHealth
 from services.hooks.config import HooksConfig
+from services.hooks.consent import Consent
 from services.hooks.expiry import ExpiryLeases
 from services.hooks.fleets import FleetViews
 from services.hooks.instances import InstanceRegistry
@@ -28,12 +29,13 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     registry = HookRegistry(store, keys, leases)
     transfers = Transfers(store, keys, leases)
     instances = InstanceRegistry(store, keys)
+    scope = DeploymentScope(store, keys)
     servicer = HookRegistryServicer(
         registry,
         instances,
         transfers,
-        DeploymentScope(store, keys),
-        PermitVerifier(config.tls),
+        scope,
+        Consent(registry, scope, PermitVerifier(config.tls)),
         FleetViews(store, keys),
     )
     server = build_server(

@@ -1,4 +1,6 @@
-"""HookRegistryService: translates between protos and the registry."""
+"""HookRegistryService: translates between protos and the registry (reply
+messages built in services/hooks/replies.py; consent beyond a caller's role
+checked by services/hooks/consent.py)."""
 
 from __future__ import annotations
 
@@ -11,17 +13,22 @@ from baton.hooks.v1 import hooks_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.common import identity, ids, metrics
 from services.common.bounds import check_seq
-from services.common.errors import InvalidArgument, PermissionDenied, Reason
-from services.common.identity import Caller, Role
-from services.common.ids import brief
-from services.common.keys import InstanceRecord
-from services.common.permits import PermitVerifier, grant_for
+from services.common.errors import InvalidArgument, Reason
+from services.common.identity import Role
+from services.common.interceptor import Context
 from services.common.scope import DeploymentScope
-from services.common.server import Context
+from services.hooks.consent import Consent
 from services.hooks.directory import timestamp_ms
-from services.hooks.fleets import Fleet, FleetStatus, FleetViews
+from services.hooks.fleets import FleetViews
 from services.hooks.instances import InstanceRegistry
 from services.hooks.registry import HookRegistry
+from services.hooks.replies import (
+    deployment_info,
+    describe_reply,
+    instance_info,
+    owner_fence,
+    owner_identity,
+)
 from services.hooks.transfer import Transfers, plan_transfer
 
 
@@ -52,7 +59,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         instances: InstanceRegistry,
         transfers: Transfers,
         scope: DeploymentScope,
-        permits: PermitVerifier,
+        consent: Consent,
         fleets: FleetViews,
     ) -> None:
         self._fleets = fleets
@@ -60,7 +67,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self._instances = instances
         self._transfers = transfers
         self._scope = scope
-        self._permits = permits
+        self._consent = consent
 
     async def _fenced(self, fence: s.Fence, present: bool) -> None:
         _require_fence(fence, present)
@@ -101,48 +108,11 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             request.reason,
             request.inbox_head,
         )
-        await self._permitted(request, plan.reason)  # once the request is known well-formed
+        await self._consent.check_transfer(plan, request.permit)  # once known well-formed
         done = await self._transfers.transfer(plan)
         if done.moved is not None:
             self._registry.owner_moved(done.moved)
         return pb.TransferResponse(fence=done.outcome.fence, replayed=done.replayed)
-
-    async def _permitted(
-        self, request: pb.TransferRequest, reason: s.TransferReason.ValueType
-    ) -> None:
-        """A transfer moves a session of the deployment `expected_owner`
-        names (checked against the owner record while the fence is current;
-        a fence that is not current is refused by the transfer itself). A
-        trigger or a drain needs that deployment's signed consent
-        (services/common/permits.py); an adoption's own compare is that the
-        deployment has no live instance."""
-        current = await self._scope.deployment_of(request.expected)
-        owner_deployment = request.expected_owner.deployment_id
-        if current is not None and current != owner_deployment:
-            raise PermissionDenied(
-                Reason.TRANSFER_NOT_PERMITTED,
-                f"transfer not permitted: session {request.expected.session_id} runs on "
-                f"another deployment than expected_owner names ({owner_deployment})",
-            )
-        if not self._permits.required or reason not in (
-            s.TRANSFER_REASON_TRIGGER,
-            s.TRANSFER_REASON_DRAIN,
-        ):
-            return
-        grant = grant_for(
-            request.expected,
-            request.handoff_id,
-            request.successor.deployment_id,
-            request.snapshot_revision,
-            reason,
-        )
-        signer = self._permits.signer(request.permit, grant)
-        if signer.deployment_id != owner_deployment:
-            raise PermissionDenied(
-                Reason.TRANSFER_NOT_PERMITTED,
-                f"transfer not permitted: its permit is signed by an owner of deployment "
-                f"{signer.deployment_id}, not of the session's ({owner_deployment})",
-            )
 
     async def GetTransfer(
         self, request: pb.GetTransferRequest, context: Context
@@ -165,16 +135,8 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         record, head = await self._transfers.owner(request.session_id)
         return pb.GetOwnerResponse(
-            fence=s.Fence(
-                session_id=request.session_id,
-                owner_run_id=record.owner_run_id,
-                epoch=record.epoch,
-            ),
-            owner=s.OwnerIdentity(
-                owner_run_id=record.owner_run_id,
-                deployment_id=record.deployment_id,
-                instance_id=record.instance_id,
-            ),
+            fence=owner_fence(request.session_id, record),
+            owner=owner_identity(record),
             parked=record.parked,
             inbox_head=head,
         )
@@ -185,29 +147,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         channel = _tenant_channel(request.channel)
         record = await self._registry.describe(request.session_id, channel, request.consumed_seq)
-        owner = record.owner
-        response = pb.DescribeSessionResponse(
-            fence=s.Fence(
-                session_id=record.session_id, owner_run_id=owner.owner_run_id, epoch=owner.epoch
-            ),
-            owner=s.OwnerIdentity(
-                owner_run_id=owner.owner_run_id,
-                deployment_id=owner.deployment_id,
-                instance_id=owner.instance_id,
-            ),
-            parked=owner.parked,
-            inbox_head=record.inbox_head,
-            hooks=record.hooks,
-            channel=record.channel,
-        )
-        if record.parent:
-            response.parent.ParseFromString(record.parent)
-        if record.created_ms:
-            response.create_time.CopyFrom(timestamp_ms(record.created_ms))
-        if record.oldest_unconsumed is not None:
-            response.oldest_unconsumed_seq = record.oldest_unconsumed.seq
-            response.oldest_unconsumed_accepted_at.CopyFrom(record.oldest_unconsumed.accepted_at)
-        return response
+        return describe_reply(record)
 
     async def ListChannelSessions(
         self, request: pb.ListChannelSessionsRequest, context: Context
@@ -280,49 +220,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         channel = _tenant_channel(request.channel)
         caller = identity.current()
         if caller.verified and caller.role is Role.OWNER:
-            await self._owner_may_deliver(caller, request.token, request.command)
+            await self._consent.check_delivery(caller, request.token, request.command)
         receipt = await self._registry.resume(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
-
-    async def _owner_may_deliver(self, caller: Caller, token: str, command: s.Command) -> None:
-        """An owner (whatever `channel` it names) delivers only what owners
-        deliver, by inbox token: to a session of its own deployment (e.g. a
-        timeout), to a child whose parent runs on its deployment (work,
-        cancel, reset), or a child's `task_result` to that child's own parent
-        from the child's deployment. Anything else is PERMISSION_DENIED/
-        DELIVERY_NOT_ALLOWED before anything is written. Deployments come
-        from the owner records (cached; read again before refusing, as a
-        session may have moved since)."""
-        namespace, raw = ids.split_token(token)
-        if namespace != ids.INBOX_NAMESPACE:
-            raise PermissionDenied(
-                Reason.DELIVERY_NOT_ALLOWED,
-                "an owner delivers by inbox token (session:<id>) only, or names the channel",
-            )
-        senders: tuple[str, ...]
-        if command.WhichOneof("kind") == "task_result":
-            report = command.task_result
-            child = ids.validate_session_id(report.child_session_id)
-            link = await self._registry.parent_of(child)
-            if report.parent_session_id != raw or link is None or link.parent_session_id != raw:
-                raise PermissionDenied(
-                    Reason.DELIVERY_NOT_ALLOWED,
-                    f"session {brief(child)} is not a child of session {raw}",
-                )
-            senders = (child, raw)
-        else:
-            link = await self._registry.parent_of(raw)
-            senders = (raw, link.parent_session_id) if link is not None else (raw,)
-        for fresh in (False, True):
-            for sid in senders:
-                if await self._registry.deployment_of(sid, fresh=fresh) == caller.deployment_id:
-                    return
-        raise PermissionDenied(
-            Reason.DELIVERY_NOT_ALLOWED,
-            f"an owner of deployment {caller.deployment_id} may not deliver this to session "
-            f"{raw}: neither it nor its parent (or the reporting child) runs there",
-        )
 
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: Context
@@ -396,7 +297,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.ListInstancesRequest, context: Context
     ) -> pb.ListInstancesResponse:
         records = await self._instances.live(request.deployment_id)
-        return pb.ListInstancesResponse(instances=[_instance_info(r) for r in records])
+        return pb.ListInstancesResponse(instances=[instance_info(r) for r in records])
 
     async def WatchInstances(
         self, request: pb.WatchInstancesRequest, context: Context
@@ -405,7 +306,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         identity.current().require_deployment(request.deployment_id, "the deployment")
         async for change in self._instances.watch(request.deployment_id):
             yield pb.WatchInstancesResponse(
-                instances=[_instance_info(r) for r in change.live],
+                instances=[instance_info(r) for r in change.live],
                 dead_instance_ids=change.dead,
             )
 
@@ -421,11 +322,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             sessions=[
                 pb.OwnedSession(
                     fence=o.fence,
-                    owner=s.OwnerIdentity(
-                        owner_run_id=o.owner.owner_run_id,
-                        deployment_id=o.owner.deployment_id,
-                        instance_id=o.owner.instance_id,
-                    ),
+                    owner=owner_identity(o.owner),
                     parked=o.owner.parked,
                 )
                 for o in owned
@@ -475,47 +372,11 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.ListDeploymentsRequest, context: Context
     ) -> pb.ListDeploymentsResponse:
         fleets = await self._fleets.list_all()
-        return pb.ListDeploymentsResponse(deployments=[_deployment_info(f) for f in fleets])
+        return pb.ListDeploymentsResponse(deployments=[deployment_info(f) for f in fleets])
 
     async def DescribeDeployment(
         self, request: pb.DescribeDeploymentRequest, context: Context
     ) -> pb.DescribeDeploymentResponse:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
         fleet = await self._fleets.describe(request.deployment_id)
-        return pb.DescribeDeploymentResponse(deployment=_deployment_info(fleet))
-
-
-_FLEET_STATUS = {
-    FleetStatus.ACTIVE: pb.DEPLOYMENT_STATUS_ACTIVE,
-    FleetStatus.RETIRED: pb.DEPLOYMENT_STATUS_RETIRED,
-    FleetStatus.DRAINED: pb.DEPLOYMENT_STATUS_DRAINED,
-    FleetStatus.DRAINING: pb.DEPLOYMENT_STATUS_DRAINING,
-}
-
-
-def _deployment_info(fleet: Fleet) -> pb.DeploymentInfo:
-    return pb.DeploymentInfo(
-        deployment_id=fleet.deployment_id,
-        status=_FLEET_STATUS[fleet.status],
-        instances=[
-            pb.InstanceLease(
-                instance=_instance_info(i.record),
-                lease_id=i.lease_id,
-                ttl_seconds=i.ttl_seconds,
-                granted_ttl_seconds=i.granted_ttl_seconds,
-                sessions=i.sessions,
-                drain_to_deployment_id=i.record.drain_to,
-            )
-            for i in fleet.instances
-        ],
-        sessions=fleet.sessions,
-        sessions_of_gone_instances=fleet.sessions_of_gone_instances,
-    )
-
-
-def _instance_info(record: InstanceRecord) -> pb.InstanceInfo:
-    return pb.InstanceInfo(
-        deployment_id=record.deployment_id,
-        instance_id=record.instance_id,
-        address=record.address,
-    )
+        return pb.DescribeDeploymentResponse(deployment=deployment_info(fleet))

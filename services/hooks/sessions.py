@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import NotFound, Reason
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord
 from services.common.txn import Txn
 

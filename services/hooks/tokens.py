@@ -19,7 +19,7 @@ from services.common.errors import (
     PermissionDenied,
     Reason,
 )
-from services.common.etcd import Store
+from services.common.etcd_store import Store
 from services.common.keys import Keys, TokenRecord
 from services.common.txn import Txn
 

@@ -37,7 +37,8 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
-from services.common.etcd import Store, cmp_absent, cmp_mod, cmp_none, cmp_value
+from services.common.etcd_ops import cmp_absent, cmp_mod, cmp_none, cmp_value
+from services.common.etcd_store import Store
 from services.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
 from services.common.txn import Fence, Txn, TxnResult
 from services.hooks.expiry import ExpiryLeases

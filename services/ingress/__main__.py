@@ -1,6 +1,6 @@
 """python -m services.ingress"""
 
-from services.common.server import run_main
+from services.common.service_main import run_main
 from services.ingress.config import IngressConfig
 from services.ingress.server import create_server
 

@@ -25,6 +25,49 @@ from services.common.tls import Security
 from services.ingress.api_keys import ApiKeys
 from services.ingress.limits import ChannelLimits
 
+# ingress's own settings; COMMON_SETTINGS follow them in --help.
+_SETTINGS = (
+    Setting("--listen", "BATON_INGRESS_LISTEN", "host:port to serve on", "127.0.0.1:50051"),
+    Setting("--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"),
+    Setting(
+        "--api-keys-file",
+        "BATON_API_KEYS_FILE",
+        "file of channel=sha256:<hex> (or channel=<key>) lines; re-read on SIGHUP",
+    ),
+    Setting("--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"),
+    Setting("--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"),
+    Setting(
+        "--owner",
+        "BATON_OWNER_ADDR",
+        f"owners of this deployment: {ADDRESSES_HELP}",
+        "127.0.0.1:50054",
+    ),
+    Setting(
+        "--max-message-bytes",
+        "BATON_MAX_MESSAGE_BYTES",
+        "largest message text",
+        "32768",
+    ),
+    Setting(
+        "--max-follow-streams",
+        "BATON_MAX_FOLLOW_STREAMS",
+        "open following StreamEvents calls per channel (0 = no limit)",
+        str(ChannelLimits.follow_streams),
+    ),
+    Setting(
+        "--max-sends-per-second",
+        "BATON_MAX_SENDS_PER_SECOND",
+        "SendMessage + SendControl calls per second per channel (0 = no limit)",
+        str(ChannelLimits.sends_per_second),
+    ),
+    Setting(
+        "--max-sessions-per-minute",
+        "BATON_MAX_SESSIONS_PER_MINUTE",
+        "CreateSession calls per minute per channel (0 = no limit)",
+        str(ChannelLimits.sessions_per_minute),
+    ),
+)
+
 
 @dataclass(frozen=True)
 class IngressConfig:
@@ -52,61 +95,7 @@ class IngressConfig:
     def load(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
     ) -> IngressConfig:
-        values = read_settings(
-            "services.ingress",
-            (
-                Setting(
-                    "--listen", "BATON_INGRESS_LISTEN", "host:port to serve on", "127.0.0.1:50051"
-                ),
-                Setting(
-                    "--deployment-id", "BATON_DEPLOYMENT_ID", "exact deployment id of this build"
-                ),
-                Setting(
-                    "--api-keys-file",
-                    "BATON_API_KEYS_FILE",
-                    "file of channel=sha256:<hex> (or channel=<key>) lines; re-read on SIGHUP",
-                ),
-                Setting(
-                    "--hooks", "BATON_HOOKS_ADDR", f"hooks: {ADDRESSES_HELP}", "127.0.0.1:50052"
-                ),
-                Setting(
-                    "--anchor", "BATON_ANCHOR_ADDR", f"anchor: {ADDRESSES_HELP}", "127.0.0.1:50053"
-                ),
-                Setting(
-                    "--owner",
-                    "BATON_OWNER_ADDR",
-                    f"owners of this deployment: {ADDRESSES_HELP}",
-                    "127.0.0.1:50054",
-                ),
-                Setting(
-                    "--max-message-bytes",
-                    "BATON_MAX_MESSAGE_BYTES",
-                    "largest message text",
-                    "32768",
-                ),
-                Setting(
-                    "--max-follow-streams",
-                    "BATON_MAX_FOLLOW_STREAMS",
-                    "open following StreamEvents calls per channel (0 = no limit)",
-                    str(ChannelLimits.follow_streams),
-                ),
-                Setting(
-                    "--max-sends-per-second",
-                    "BATON_MAX_SENDS_PER_SECOND",
-                    "SendMessage + SendControl calls per second per channel (0 = no limit)",
-                    str(ChannelLimits.sends_per_second),
-                ),
-                Setting(
-                    "--max-sessions-per-minute",
-                    "BATON_MAX_SESSIONS_PER_MINUTE",
-                    "CreateSession calls per minute per channel (0 = no limit)",
-                    str(ChannelLimits.sessions_per_minute),
-                ),
-                *COMMON_SETTINGS,
-            ),
-            argv,
-            environ,
-        )
+        values = read_settings("services.ingress", (*_SETTINGS, *COMMON_SETTINGS), argv, environ)
         try:
             deployment_id = validate_deployment_id(values["deployment_id"])
         except BatonError as exc:
@@ -122,12 +111,16 @@ class IngressConfig:
             max_message_bytes=as_int(values, "max_message_bytes", minimum=1),
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
-            limits=ChannelLimits(
-                follow_streams=as_int(values, "max_follow_streams"),
-                sends_per_second=as_float(values, "max_sends_per_second"),
-                sessions_per_minute=as_float(values, "max_sessions_per_minute"),
-            ),
+            limits=_channel_limits(values),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),
         )
+
+
+def _channel_limits(values: Mapping[str, str]) -> ChannelLimits:
+    return ChannelLimits(
+        follow_streams=as_int(values, "max_follow_streams"),
+        sends_per_second=as_float(values, "max_sends_per_second"),
+        sessions_per_minute=as_float(values, "max_sessions_per_minute"),
+    )

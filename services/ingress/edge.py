@@ -8,8 +8,8 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, metrics
+from services.common.anchor_client import AnchorClient
 from services.common.bounds import check_seq, check_session_settings
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
 from services.common.errors import (
     InvalidArgument,
     NotFound,
@@ -17,6 +17,8 @@ from services.common.errors import (
     Reason,
     Unauthenticated,
 )
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 from services.ingress.api_keys import ApiKeys
 from services.ingress.limits import ChannelBudget, ChannelLimits
 from services.ingress.orphans import OrphanWatch

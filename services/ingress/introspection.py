@@ -27,8 +27,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, SessionDescription
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import SessionDescription
 from services.common.errors import NotFound, OutOfRange
+from services.common.hooks_client import HooksClient
 from services.common.status import SessionFacts, Status, StatusView, session_status
 from services.ingress import listing
 from services.ingress.edge import session_not_found
@@ -122,6 +124,47 @@ def _ms(stamp: Timestamp | None) -> int:
     return stamp.ToMilliseconds() if stamp is not None and stamp.ByteSize() else 0
 
 
+def _copy_snapshot(session: pb.Session, snapshot: s.SessionSnapshot) -> None:
+    """What the view shows of the last committed snapshot."""
+    session.stream_head = snapshot.next_event_seq
+    session.turn_count = snapshot.turn_count
+    session.usage.CopyFrom(snapshot.usage)
+    session.limits.CopyFrom(snapshot.limits)
+    session.remaining.CopyFrom(_remaining(snapshot))
+    session.pending_inputs.extend(snapshot.open_turn.pending_inputs)
+    session.pending_authorizations.extend(snapshot.open_turn.pending_authorizations)
+    session.children.extend(snapshot.handles)
+    session.last_trace_id = snapshot.last_trace_id
+    if snapshot.HasField("timeout") and snapshot.timeout.HasField("deadline"):
+        session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
+
+
+def _copy_inbox(
+    session: pb.Session, described: SessionDescription, consumed: int, now_ms: int
+) -> None:
+    """The inbox's depth past the consumed position, and its oldest entry's age."""
+    session.inbox_depth = max(0, described.inbox_head - consumed)
+    oldest = described.oldest_unconsumed_accepted_at
+    if session.inbox_depth and oldest is not None:
+        age = Duration()
+        age.FromMilliseconds(max(0, now_ms - _ms(oldest)))
+        session.oldest_unconsumed_age.CopyFrom(age)
+
+
+def _last_failure(recent: Sequence[s.Event]) -> pb.SessionFailure | None:
+    """The latest failure among the recent events, if any."""
+    for event in reversed(recent):
+        if event.kind in _FAILURES:
+            return pb.SessionFailure(
+                reason=event.error.reason,
+                message=event.error.message,
+                turn_id=event.turn_id,
+                seq=event.seq,
+                time=event.time,
+            )
+    return None
+
+
 def build_view(
     session_id: str,
     snapshot: s.SessionSnapshot | None,
@@ -147,42 +190,17 @@ def build_view(
     if view.reason:
         session.status_reason.reason = view.reason
         session.status_reason.message = view.message
-    consumed = 0
     if snapshot is not None:
-        consumed = snapshot.inbox_next_seq
-        session.stream_head = snapshot.next_event_seq
+        _copy_snapshot(session, snapshot)
         session.earliest_seq = earliest_seq
-        session.turn_count = snapshot.turn_count
-        session.usage.CopyFrom(snapshot.usage)
-        session.limits.CopyFrom(snapshot.limits)
-        session.remaining.CopyFrom(_remaining(snapshot))
-        session.pending_inputs.extend(snapshot.open_turn.pending_inputs)
-        session.pending_authorizations.extend(snapshot.open_turn.pending_authorizations)
-        session.children.extend(snapshot.handles)
-        session.last_trace_id = snapshot.last_trace_id
-        if snapshot.HasField("timeout") and snapshot.timeout.HasField("deadline"):
-            session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
-    session.inbox_depth = max(0, described.inbox_head - consumed)
-    oldest = described.oldest_unconsumed_accepted_at
-    if session.inbox_depth and oldest is not None:
-        age = Duration()
-        age.FromMilliseconds(max(0, now_ms - _ms(oldest)))
-        session.oldest_unconsumed_age.CopyFrom(age)
+    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
+    _copy_inbox(session, described, consumed, now_ms)
     if described.parent is not None:
         session.parent.CopyFrom(described.parent)
         del session.parent.outbox[:]
-    for event in reversed(recent):
-        if event.kind in _FAILURES:
-            session.last_failure.CopyFrom(
-                pb.SessionFailure(
-                    reason=event.error.reason,
-                    message=event.error.message,
-                    turn_id=event.turn_id,
-                    seq=event.seq,
-                    time=event.time,
-                )
-            )
-            break
+    failure = _last_failure(recent)
+    if failure is not None:
+        session.last_failure.CopyFrom(failure)
     if described.create_time is not None:
         session.create_time.CopyFrom(described.create_time)
     if latest is not None and latest.HasField("time"):

@@ -18,8 +18,9 @@ import time
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common.clients import HooksClient, OwnerClient
 from services.common.errors import BatonError, Reason
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 from services.common.tasks import Background
 
 log = structlog.get_logger("baton.ingress.orphans")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from baton.ingress.v1 import ingress_pb2, ingress_pb2_grpc
-from services.common.clients import AnchorClient, HooksClient, OwnerClient
-from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.common.anchor_client import AnchorClient
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 from services.ingress.config import IngressConfig
 from services.ingress.edge import Edge
 from services.ingress.introspection import SessionViews

@@ -9,7 +9,7 @@ import structlog
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from services.common.bounds import check_seq
-from services.common.server import Context
+from services.common.interceptor import Context
 from services.ingress.edge import Edge
 from services.ingress.introspection import SessionViews
 

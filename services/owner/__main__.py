@@ -1,6 +1,6 @@
 """python -m services.owner"""
 
-from services.common.server import run_main
+from services.common.service_main import run_main
 from services.owner.config import OwnerConfig
 from services.owner.server import create_server
 

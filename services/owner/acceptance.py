@@ -11,7 +11,7 @@ inbox entry — and hands the host an `Arrival`. The host calls `transfer`
 inbox head, snapshot revision, unused handoff id) and starts the successor
 run with the trigger in hand. An uncertain Transfer is settled by replaying
 the identical request until the answer is definite (A waits for that at
-most TRANSFER_SETTLE_SECONDS; the rest happens in the background): every
+most TRANSFER_ANSWER_SECONDS; the rest happens in the background): every
 refusal is final (the fence and the snapshot revision never come back, the
 inbox head only grows), and the outcome is recorded under the handoff id,
 so a replay of an applied transfer returns it.
@@ -33,13 +33,8 @@ from google.protobuf.message import DecodeError
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import (
-    AnchorClient,
-    HandoffAccepted,
-    HooksClient,
-    LoadedSession,
-    Moved,
-)
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import HandoffAccepted, LoadedSession, Moved
 from services.common.errors import (
     Aborted,
     BatonError,
@@ -50,13 +45,14 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.hooks_client import HooksClient
 from services.owner.checkpoint import Arrival, CheckpointRules
 from services.owner.handles import Handles
 from services.owner.handoff import REFUSALS
 
 log = structlog.get_logger("baton.owner.handoff")
 
-TRANSFER_SETTLE_SECONDS = 3.0  # well inside the old owner's ACCEPT_CALL_SECONDS
+TRANSFER_ANSWER_SECONDS = 3.0  # well inside the old owner's ACCEPT_CALL_SECONDS
 TRANSFER_ATTEMPT_SECONDS = 1.0
 
 

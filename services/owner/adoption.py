@@ -12,8 +12,10 @@ import structlog
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import AnchorClient, HooksClient, LoadedSession
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import LoadedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.common.hooks_client import HooksClient
 from services.owner.checkpoint import Arrival, CheckpointRules
 from services.owner.handles import Handles
 

@@ -285,8 +285,10 @@ class AgentCatalog:
                 self._subagents.setdefault(sub.name, sub)
                 pending.append(sub)
 
-    def subagent(self, name: str) -> Agent | None:
-        return self._subagents.get(name)
+    @property
+    def subagent_names(self) -> frozenset[str]:
+        """Every subagent's name, anywhere in the tree of agents."""
+        return frozenset(self._subagents)
 
     def agent_for(self, parent: s.ParentLink | None) -> Agent:
         """The agent of a session with this parent link (None: a root

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton.session.v1 import session_pb2 as s
-from services.common.clients import LoadedSession
+from services.common.client_answers import LoadedSession
 from services.common.errors import FailedPrecondition, Reason
 from services.owner.agent import AgentCatalog
 

@@ -18,7 +18,7 @@ and reports these rules produce.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from baton.session.v1 import session_pb2 as s
@@ -28,7 +28,7 @@ from services.owner import child_outputs as outputs
 from services.owner import handles as h
 from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
 from services.owner.child_reports import ChildReports
-from services.owner.handles import Verdict
+from services.owner.handles import ReportMeaning
 from services.owner.held import RunIdentity
 
 
@@ -86,8 +86,8 @@ class ChildRules(ChildReports):
             and bool(send.text.strip())
         )
 
-    def report_judgement(self, entry: s.InboxEntry) -> h.Judgement:
-        return self.handles.judge_report(
+    def read_report(self, entry: s.InboxEntry) -> h.ReportReading:
+        return self.handles.read_report(
             self.identity.fence.session_id, self.turn_id, entry.command.task_result
         )
 
@@ -138,13 +138,14 @@ class ChildRules(ChildReports):
         call: s.ToolCall,
         reserved: frozenset[str],
         step: s.Usage,
-        has_subagent: Callable[[str], bool],
+        subagents: Container[str],
     ) -> ChildPlan | h.Refusal:
         """What the child-starting tool `call` asks for (ask_subagent,
         continue_task, a background or workflow tool), or why it cannot be
         done (`reserved`: children given work earlier in this step; `step`:
-        what this step spent so far, which the new child's budget leaves out)."""
-        ask = self._what_call_asks(call, reserved, has_subagent)
+        what this step spent so far, which the new child's budget leaves out;
+        `subagents`: the names of this deployment's subagents)."""
+        ask = self._what_call_asks(call, reserved, subagents)
         if isinstance(ask, h.Refusal):
             return ask
         child, kind, name, text, background = ask
@@ -165,7 +166,7 @@ class ChildRules(ChildReports):
         return ChildPlan(given, command, link)
 
     def _what_call_asks(
-        self, call: s.ToolCall, reserved: frozenset[str], has_subagent: Callable[[str], bool]
+        self, call: s.ToolCall, reserved: frozenset[str], subagents: Container[str]
     ) -> tuple[str, s.TaskKind.ValueType, str, str, bool] | h.Refusal:
         """(child, kind, name, text, background) of a child-starting call;
         child is "" for a new child (its id is derived later)."""
@@ -184,7 +185,7 @@ class ChildRules(ChildReports):
         elif call.name == ASK_SUBAGENT:
             kind, name = s.TASK_KIND_SUBAGENT, str(arguments.get("agent", ""))
             text = str(arguments.get("prompt", ""))
-            if not has_subagent(name):
+            if name not in subagents:
                 return h.Refusal(Reason.UNKNOWN_SUBAGENT, f"no subagent named {name!r}")
         else:
             tool = self.agent.tool_index[call.name]
@@ -230,22 +231,22 @@ class ChildRules(ChildReports):
         handle = self.handles.find(child_session_id)
         return handle.work + 1 if handle is not None else 1
 
-    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> Verdict:
+    def apply_report(self, entry: s.InboxEntry, events: list[s.Event]) -> ReportMeaning:
         """Apply a child's report (not a rejected one) and consume it. For
         AWAITED the waiting tool call gets the result; for ADMIT it joins
         the open turn (a caller with no open turn starts one first)."""
-        judgement = self.report_judgement(entry)
-        handle = judgement.handle
-        verdict = judgement.verdict
-        assert handle is not None and verdict is not Verdict.REJECT
+        reading = self.read_report(entry)
+        handle = reading.handle
+        meaning = reading.meaning
+        assert handle is not None and meaning is not ReportMeaning.REJECT
         self.consume(entry)
-        if verdict is Verdict.SURFACE:
+        if meaning is ReportMeaning.SURFACE:
             self._surface_wait(entry, handle, events)
-        elif verdict is Verdict.FINALIZED:
+        elif meaning is ReportMeaning.FINALIZED:
             self.handles.mark_finalized(handle)
         else:
-            self._apply_outcome(entry, handle, verdict, events)
-        return verdict
+            self._apply_outcome(entry, handle, meaning, events)
+        return meaning
 
     def _surface_wait(
         self, entry: s.InboxEntry, handle: s.ChildHandle, events: list[s.Event]
@@ -274,7 +275,11 @@ class ChildRules(ChildReports):
             self.report_descendant_wait(report, where)
 
     def _apply_outcome(
-        self, entry: s.InboxEntry, handle: s.ChildHandle, verdict: Verdict, events: list[s.Event]
+        self,
+        entry: s.InboxEntry,
+        handle: s.ChildHandle,
+        meaning: ReportMeaning,
+        events: list[s.Event],
     ) -> None:
         """A child's work ended: count what it spent, finish the handle, say
         so, and give the result to the call waiting for it (AWAITED) or to
@@ -282,7 +287,7 @@ class ChildRules(ChildReports):
         report = entry.command.task_result
         call_id = handle.tool_call_id
         h.add_usage(self.snapshot.usage, report.usage)
-        if verdict in (Verdict.AWAITED, Verdict.ADMIT) and self.turn_open:
+        if meaning in (ReportMeaning.AWAITED, ReportMeaning.ADMIT) and self.turn_open:
             turn = self.snapshot.open_turn
             h.add_usage(turn.usage, report.usage)
             turn.child_steps += report.steps
@@ -300,13 +305,13 @@ class ChildRules(ChildReports):
                 task=_copy(handle),
             )
         )
-        if verdict is Verdict.AWAITED:
+        if meaning is ReportMeaning.AWAITED:
             output = outputs.tool_output(handle, report)
             result = s.ToolResult(
                 tool_call_id=call_id, name=handle.name, output=output, is_error=failed
             )
             self.record_result(result, events)
-        elif verdict is Verdict.ADMIT:
+        elif meaning is ReportMeaning.ADMIT:
             content = outputs.message_content(handle, report)
             self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=content))
         self.handles.prune()

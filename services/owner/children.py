@@ -23,8 +23,9 @@ import structlog
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import HooksClient, OwnerInstance, StartedSession
+from services.common.client_answers import OwnerInstance, StartedSession
 from services.common.errors import BatonError, FailedPrecondition, NotFound
+from services.common.hooks_client import HooksClient
 from services.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.children")

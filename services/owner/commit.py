@@ -14,7 +14,7 @@ import structlog
 from baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import metrics, retry, tracing
-from services.common.clients import AnchorClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import (
     BatonError,
     DeadlineExceeded,

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from baton.session.v1 import session_pb2 as s
 from services.common.errors import Reason
-from services.owner.handles import Verdict
+from services.owner.admission import Admission
+from services.owner.handles import ReportMeaning
 from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import Admission, SessionState
+from services.owner.turns import SessionState
 from services.owner.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]
@@ -184,14 +185,14 @@ def _compact(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effe
 
 def _task_result(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     """A child's report, between steps (see handles.py for what it means)."""
-    judgement = state.report_judgement(entry)
-    if judgement.verdict is Verdict.REJECT:
-        return reject(state, entry, judgement.reason, judgement.message)
-    if judgement.verdict is Verdict.ADMIT and not state.turn_open:
+    reading = state.read_report(entry)
+    if reading.meaning is ReportMeaning.REJECT:
+        return reject(state, entry, reading.reason, reading.message)
+    if reading.meaning is ReportMeaning.ADMIT and not state.turn_open:
         return RunTurn(state.start_turn(entry, pending))
     events: list[s.Event] = []
-    verdict = state.apply_report(entry, events)
-    if verdict in (Verdict.AWAITED, Verdict.ADMIT) and state.turn_open:
+    meaning = state.apply_report(entry, events)
+    if meaning in (ReportMeaning.AWAITED, ReportMeaning.ADMIT) and state.turn_open:
         return go_on(state, events)
     return Commit(events)
 
@@ -323,11 +324,11 @@ def recovery(state: SessionState) -> bool:
 def before_step(state: SessionState, pending: Pending, events: list[s.Event]) -> Effect | None:
     """At a model-call boundary: admit what may join the turn; None when the
     next step runs, else how the turn ends."""
-    verdict, stop = state.admit_pending(pending, events)
-    if verdict is Admission.CANCEL:
+    admission, stop = state.admit_pending(pending, events)
+    if admission is Admission.CANCEL:
         state.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
         return Commit(events)
-    if verdict is Admission.FINALIZE:
+    if admission is Admission.FINALIZE:
         assert stop is not None
         is_timeout = stop.command.WhichOneof("kind") == "timeout"
         return Finalize(events, stop, s.ErrorDetail(reason=Reason.TIMEOUT) if is_timeout else None)

@@ -14,8 +14,8 @@ import time
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common.clients import HooksClient
 from services.common.errors import Aborted, BatonError, Fenced
+from services.common.hooks_client import HooksClient
 from services.owner import departure_rules
 from services.owner.checkpoint import Checkpoint
 from services.owner.handoff import Attempt, HandoffAttempts

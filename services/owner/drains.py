@@ -14,7 +14,7 @@ from typing import Protocol
 import structlog
 
 from services.common import ids
-from services.common.clients import DrainBlocker, DrainReport
+from services.common.client_answers import DrainBlocker, DrainReport
 from services.common.errors import InvalidArgument, Reason
 from services.common.tasks import Background
 from services.owner.parking import Parking

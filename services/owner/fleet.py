@@ -33,8 +33,9 @@ from typing import Any
 import structlog
 
 from services.common import retry
-from services.common.clients import HooksClient, OwnedSession
+from services.common.client_answers import OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner.config import DEFAULT_RECONCILE_INTERVAL
 from services.owner.host import OwnerHost

@@ -43,7 +43,7 @@ SETTLED = s.HANDLE_STATE_SETTLED
 OUTCOMES = frozenset({s.TASK_STATUS_COMPLETED, s.TASK_STATUS_FAILED, s.TASK_STATUS_CANCELLED})
 
 
-class Verdict(enum.Enum):
+class ReportMeaning(enum.Enum):
     """What a child's report does to its parent."""
 
     AWAITED = "awaited"  # the open turn waits for it: its tool call gets the result
@@ -55,8 +55,11 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Judgement:
-    verdict: Verdict
+class ReportReading:
+    """A child's report read against its handle: what it means, the handle
+    (when one matches) and, for a rejected report, why."""
+
+    meaning: ReportMeaning
     handle: s.ChildHandle | None = None
     reason: str = ""
     message: str = ""
@@ -215,58 +218,64 @@ class Handles:
 
     # -- reports ---------------------------------------------------------------
 
-    def judge_report(self, session_id: str, turn_id: str, report: s.TaskResultCommand) -> Judgement:
+    def read_report(
+        self, session_id: str, turn_id: str, report: s.TaskResultCommand
+    ) -> ReportReading:
         """What `report` means for this session, whose open turn is `turn_id`."""
         child = report.child_session_id
         if report.parent_session_id and report.parent_session_id != session_id:
-            return Judgement(
-                Verdict.REJECT,
+            return ReportReading(
+                ReportMeaning.REJECT,
                 reason=Reason.NOT_OUR_TASK,
                 message=f"child session {child} reports to session "
                 f"{report.parent_session_id}, not to this one",
             )
         handle = self.find(child)
         if handle is None:
-            return Judgement(
-                Verdict.REJECT,
+            return ReportReading(
+                ReportMeaning.REJECT,
                 reason=Reason.UNKNOWN_TASK,
                 message=f"this session never started child session {child!r}",
             )
         status = report.status
         if status == s.TASK_STATUS_FINALIZED:
             if handle.state == SETTLED:
-                return Judgement(
-                    Verdict.REJECT,
+                return ReportReading(
+                    ReportMeaning.REJECT,
                     handle,
                     Reason.TASK_SETTLED,
                     f"child session {child} is settled already",
                 )
             if handle.state != RUNNING:
-                return Judgement(Verdict.FINALIZED, handle)
-            return Judgement(self._outcome(handle, turn_id), handle)
+                return ReportReading(ReportMeaning.FINALIZED, handle)
+            return ReportReading(self._outcome(handle, turn_id), handle)
         running = handle.state == RUNNING and report.work == handle.work
         if status == s.TASK_STATUS_WAITING and running:
-            return Judgement(Verdict.SURFACE, handle)
+            return ReportReading(ReportMeaning.SURFACE, handle)
         if status not in OUTCOMES and status != s.TASK_STATUS_WAITING:
-            return Judgement(
-                Verdict.REJECT, handle, Reason.INVALID_FIELD, f"unknown task status {status}"
+            return ReportReading(
+                ReportMeaning.REJECT, handle, Reason.INVALID_FIELD, f"unknown task status {status}"
             )
         if not running:
-            return Judgement(
-                Verdict.REJECT,
+            return ReportReading(
+                ReportMeaning.REJECT,
                 handle,
                 Reason.TASK_NOT_RUNNING,
                 f"child session {child} has no running work {report.work} "
                 f"(its handle is {s.HandleState.Name(handle.state)}, work {handle.work})",
             )
-        return Judgement(self._outcome(handle, turn_id), handle)
+        return ReportReading(self._outcome(handle, turn_id), handle)
 
-    def _outcome(self, handle: s.ChildHandle, turn_id: str) -> Verdict:
+    def _outcome(self, handle: s.ChildHandle, turn_id: str) -> ReportMeaning:
         if handle.detached:
-            return Verdict.RECORD
+            return ReportMeaning.RECORD
         if handle.tool_call_id:
-            return Verdict.AWAITED if handle.turn_id == turn_id and turn_id else Verdict.RECORD
-        return Verdict.ADMIT
+            return (
+                ReportMeaning.AWAITED
+                if handle.turn_id == turn_id and turn_id
+                else ReportMeaning.RECORD
+            )
+        return ReportMeaning.ADMIT
 
     def finish(self, handle: s.ChildHandle, report: s.TaskResultCommand) -> None:
         """The running work is done (its result is being applied)."""

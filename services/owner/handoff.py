@@ -30,7 +30,7 @@ import structlog
 from baton.owner.v1 import owner_pb2 as owner_pb
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, metrics
-from services.common.clients import HooksClient, OwnerInstance
+from services.common.client_answers import OwnerInstance
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -41,6 +41,7 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
+from services.common.hooks_client import HooksClient
 from services.common.permits import PermitSigner, grant_for
 from services.owner.checkpoint import Checkpoint
 from services.owner.peers import Peers, place

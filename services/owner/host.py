@@ -15,16 +15,13 @@ agent for a session without one). An operator's drain is drains.py's.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids
-from services.common.clients import (
-    AnchorClient,
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import (
     DrainReport,
     HandoffAccepted,
-    HooksClient,
     Moved,
     OwnedSession,
     StartedSession,
@@ -37,45 +34,25 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.owner.acceptance import TRANSFER_SETTLE_SECONDS, HandoffOffer
+from services.common.hooks_client import HooksClient
+from services.owner.acceptance import TRANSFER_ANSWER_SECONDS, HandoffOffer
 from services.owner.agent import Agent
 from services.owner.checkpoint import Arrival
 from services.owner.children import Children, ChildStart
 from services.owner.held import RunIdentity
-from services.owner.hosting import HostedSessions
+from services.owner.hosting import HostedSessions, HostSettings
 from services.owner.parking import ParkedSession
-from services.owner.restarts import DEFAULT_RESTART_BUDGET
-from services.owner.session import RunStart
-from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
+from services.owner.runs import RunStart
+from services.owner.snapshots import initial_snapshot
 
 
 class OwnerHost(HostedSessions):
     """Starts, adopts, takes over and drains the sessions of one instance."""
 
     def __init__(
-        self,
-        deployment_id: str,
-        instance_id: str,
-        agent: Agent,
-        hooks: HooksClient,
-        anchor: AnchorClient,
-        *,
-        park_after: float | None = None,
-        clock: Callable[[], float] = time.time,
-        readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT}),
-        restart_budget: int = DEFAULT_RESTART_BUDGET,
+        self, settings: HostSettings, agent: Agent, hooks: HooksClient, anchor: AnchorClient
     ) -> None:
-        super().__init__(
-            deployment_id,
-            instance_id,
-            agent,
-            hooks,
-            anchor,
-            park_after=park_after,
-            clock=clock,
-            readable_formats=readable_formats,
-            restart_budget=restart_budget,
-        )
+        super().__init__(settings, agent, hooks, anchor)
         self.children = Children(self.deployment_id, self.instance_id, hooks, self)
 
     # -- sessions created here -----------------------------------------------
@@ -97,9 +74,9 @@ class OwnerHost(HostedSessions):
         ids.validate_channel(channel)
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
-        known = self.runs.get(session_id) or self.parked.get(session_id)
+        known = self._held_here(session_id, inbox)
         if known is not None:
-            return StartedSession(session_id, known.run_id, False, inbox)
+            return known
         run_id = ids.new_run_id()
         with self._arriving.hold(session_id):
             try:
@@ -107,10 +84,7 @@ class OwnerHost(HostedSessions):
                     session_id, self._owner(run_id), channel, aliases
                 )
             except AlreadyExists as exc:
-                if exc.reason == Reason.SESSION_EXISTS:
-                    run_id = exc.metadata.get("owner_run_id", "")
-                    return StartedSession(session_id, run_id, False, inbox)
-                raise
+                return _started_elsewhere(exc, session_id, inbox)
             identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
             snapshot = initial_snapshot(
                 session_id,
@@ -140,9 +114,9 @@ class OwnerHost(HostedSessions):
         self._validate_parent_link(parent, list(start.aliases))
         inbox = ids.inbox_token(session_id)
         await self._wait_ready()
-        known = self.runs.get(session_id) or self.parked.get(session_id)
+        known = self._held_here(session_id, inbox)
         if known is not None:
-            return StartedSession(session_id, known.run_id, False, inbox)
+            return known
         if session_id in self._activating:
             return StartedSession(session_id, "", False, inbox)
         run_id = ids.run_id_for(f"{session_id}/{self.instance_id}")
@@ -152,10 +126,7 @@ class OwnerHost(HostedSessions):
                     session_id, self._owner(run_id), start.channel, [], parent, start.first_command
                 )
         except AlreadyExists as exc:
-            if exc.reason == Reason.SESSION_EXISTS:
-                found = exc.metadata.get("owner_run_id", "")
-                return StartedSession(session_id, found, False, inbox)
-            raise
+            return _started_elsewhere(exc, session_id, inbox)
         if session_id in self.runs:  # a concurrent start of the same child won
             return StartedSession(session_id, run_id, False, inbox)
         identity = RunIdentity(created.fence, self.deployment_id, self.instance_id)
@@ -171,6 +142,13 @@ class OwnerHost(HostedSessions):
             parent_session_id=parent.parent_session_id,
         )
         return StartedSession(session_id, run_id, True, inbox, first_command_appended=bool(seed))
+
+    def _held_here(self, session_id: str, inbox: str) -> StartedSession | None:
+        """A start of a session this instance runs or holds parked: found."""
+        known = self.runs.get(session_id) or self.parked.get(session_id)
+        if known is None:
+            return None
+        return StartedSession(session_id, known.run_id, False, inbox)
 
     def _check_deployment(self, deployment_id: str) -> None:
         ids.validate_deployment_id(deployment_id)
@@ -253,11 +231,11 @@ class OwnerHost(HostedSessions):
         async with self.acceptance.offer(offer) as arrival:
             if isinstance(arrival, HandoffAccepted):
                 return arrival  # a repeat of a handoff that moved the session
-            # Settled in the background (replays until a definite answer) and
-            # started there on success: the caller waits a bounded time only.
-            settling = self._background.spawn(self._arrive(arrival), outcome_optional=True)
+            # Transferred in the background (replays until a definite answer)
+            # and started there on success: the caller waits a bounded time only.
+            arriving = self._background.spawn(self._arrive(arrival), outcome_optional=True)
             try:
-                moved = await asyncio.wait_for(asyncio.shield(settling), TRANSFER_SETTLE_SECONDS)
+                moved = await asyncio.wait_for(asyncio.shield(arriving), TRANSFER_ANSWER_SECONDS)
             except TimeoutError as exc:
                 handoff_id = arrival.transfer.handoff_id
                 self._log.warning(
@@ -267,7 +245,7 @@ class OwnerHost(HostedSessions):
                 )
                 raise Unavailable(
                     Reason.UPSTREAM_UNAVAILABLE,
-                    f"the transfer of handoff {handoff_id} is not settled yet",
+                    f"the transfer of handoff {handoff_id} has no definite answer yet",
                 ) from exc
             return HandoffAccepted(arrival.transfer.successor, moved.fence, moved.replayed)
 
@@ -331,3 +309,12 @@ class OwnerHost(HostedSessions):
             self.attempts.last_refusal,
             self.held(),
         )
+
+
+def _started_elsewhere(exc: AlreadyExists, session_id: str, inbox: str) -> StartedSession:
+    """A create that found the session started (by another start, or
+    another instance): found, with its owner's run id. Any other conflict
+    is raised."""
+    if exc.reason != Reason.SESSION_EXISTS:
+        raise exc
+    return StartedSession(session_id, exc.metadata.get("owner_run_id", ""), False, inbox)

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints, ids, retry
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import (
     BatonError,
     FailedPrecondition,
@@ -40,6 +41,7 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
+from services.common.hooks_client import HooksClient
 from services.common.inflight import InFlight
 from services.common.tasks import Background
 from services.owner.acceptance import HandoffAcceptance
@@ -53,12 +55,29 @@ from services.owner.handoff import HandoffAttempts
 from services.owner.held import RunIdentity, make_event
 from services.owner.parking import ParkedSession, Parking
 from services.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
-from services.owner.session import RunExit, RunServices, RunStart, SessionRun
+from services.owner.runs import RunExit, RunServices, RunStart
+from services.owner.session import SessionRun
 from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 log = structlog.get_logger("baton.owner")
 
 READY_WAIT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """How one owner instance holds its sessions (from `OwnerConfig`): who
+    it is, the idle time before a run parks (None: never parks), the
+    snapshot formats it can read (a handoff from an older or newer build),
+    the deterministic failures a session may have before it stalls, and the
+    clock parking reads deadlines with."""
+
+    deployment_id: str
+    instance_id: str
+    park_after: float | None = None
+    readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT})
+    restart_budget: int = DEFAULT_RESTART_BUDGET
+    clock: Callable[[], float] = time.time
 
 
 class HostedSessions:
@@ -67,25 +86,15 @@ class HostedSessions:
     children: Children  # set by OwnerHost, which is the children's LocalOwner
 
     def __init__(
-        self,
-        deployment_id: str,
-        instance_id: str,
-        agent: Agent,
-        hooks: HooksClient,
-        anchor: AnchorClient,
-        *,
-        park_after: float | None = None,
-        clock: Callable[[], float] = time.time,
-        readable_formats: frozenset[int] = frozenset({SNAPSHOT_FORMAT}),
-        restart_budget: int = DEFAULT_RESTART_BUDGET,
+        self, settings: HostSettings, agent: Agent, hooks: HooksClient, anchor: AnchorClient
     ) -> None:
-        self.deployment_id = ids.validate_deployment_id(deployment_id)
-        self.instance_id = ids.validate_id(instance_id, "instance_id")
+        self.deployment_id = ids.validate_deployment_id(settings.deployment_id)
+        self.instance_id = ids.validate_id(settings.instance_id, "instance_id")
         self.agent = agent
         self.catalog = AgentCatalog(agent)
         self.hooks = hooks
         self.anchor = anchor
-        self.park_after = park_after
+        self.park_after = settings.park_after
         self.runs: dict[str, SessionRun] = {}
         self._activating: set[str] = set()
         self._arriving = InFlight()  # sessions being created here
@@ -96,17 +105,17 @@ class HostedSessions:
         self._ready = asyncio.Event()
         self._stopped = False
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
-        self.parking = Parking(self, self._log, clock)
+        self.parking = Parking(self, self._log, settings.clock)
         self.restarts = Restarts(
             (self.deployment_id, self.instance_id),
             hooks,
             anchor,
             self,
             self._log,
-            restart_budget,
+            settings.restart_budget,
         )
         self.drains = Drains(self.deployment_id, self.instance_id, self.parking, self._log)
-        rules = CheckpointRules(self.deployment_id, readable_formats, self.catalog)
+        rules = CheckpointRules(self.deployment_id, settings.readable_formats, self.catalog)
         self.attempts = HandoffAttempts(self.deployment_id, self.instance_id, hooks)
         self.acceptance = HandoffAcceptance(self.instance_id, hooks, anchor, rules)
         self.adoption = Adoption(self.instance_id, hooks, anchor, rules)
@@ -157,6 +166,20 @@ class HostedSessions:
     async def close(self) -> None:
         await self.stop()
 
+    def sessions_by_state(self) -> dict[str, Sized]:
+        """The sessions held, by state (metering.HeldView)."""
+        return {"running": self.runs, "parked": self.parked, "stalled": self.stalled}
+
+    def oldest_pending_accepted(self) -> float | None:
+        """When the oldest command a run has read and not taken up yet was
+        accepted (epoch seconds); None when none waits (metering.HeldView)."""
+        times = (run.oldest_pending_accepted() for run in self.runs.values())
+        return min((t for t in times if t is not None), default=None)
+
+    def draining(self) -> bool:
+        """An operator's drain target is set (metering.HeldView)."""
+        return bool(self.drains.target)
+
     def held(self) -> int:
         """Sessions this instance holds: running, loading, parked or stalled."""
         return len(set(self.runs) | self._activating | set(self.parked) | set(self.stalled))
@@ -205,9 +228,9 @@ class HostedSessions:
         services = RunServices(
             self.hooks,
             self.anchor,
+            self.catalog,
             attempts=self.attempts,
             children=self.children,
-            subagents=self.catalog.subagent,
             park_after=self.park_after,
         )
         run = SessionRun(identity, agent, start, services, drain_to=self.drains.target)

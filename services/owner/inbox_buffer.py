@@ -19,8 +19,8 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import retry
-from services.common.clients import HooksClient
 from services.common.errors import BatonError, Fenced
+from services.common.hooks_client import HooksClient
 from services.owner.departures import Departures
 from services.owner.spans import RunSpans  # tracing
 from services.owner.step import StepRunner

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sized
+from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -59,27 +60,36 @@ def waited(entry: s.InboxEntry) -> None:
         metrics.INBOX_WAIT_SECONDS.observe(max(0.0, time.time() - accepted))
 
 
+class HeldView(Protocol):
+    """What `HeldSessions` reads from the host at each scrape (the host,
+    hosting.py, is one): the one place each of these is computed."""
+
+    def sessions_by_state(self) -> Mapping[str, Sized]:
+        """The sessions held, by state (running, parked, stalled)."""
+        ...
+
+    def oldest_pending_accepted(self) -> float | None:
+        """The acceptance time (epoch seconds) of the oldest command a run
+        has read and not yet taken up, or None."""
+        ...
+
+    def draining(self) -> bool:
+        """Whether an operator's drain target is set."""
+        ...
+
+
 class HeldSessions(Collector):
     """baton_sessions{state}, baton_inbox_oldest_unconsumed_seconds and
     baton_draining (1 while an operator's drain target is set), computed
     from the host's state when scraped (on the event loop that
-    changes them: see metrics.MetricsEndpoint).
+    changes them: see metrics_endpoint.MetricsEndpoint).
 
-    `oldest` answers the acceptance time (epoch seconds) of the oldest
-    command a run has read and not yet taken up, or None. What is not read
-    yet (a parked session's bell, a backlog behind the inbox page) is not
-    seen here: hooks' inbox, not the owner, holds those."""
+    What is not read yet (a parked session's bell, a backlog behind the
+    inbox page) is not seen in the oldest command's age: hooks' inbox, not
+    the owner, holds those."""
 
-    def __init__(
-        self,
-        states: Callable[[], Mapping[str, Sized]],
-        oldest: Callable[[], float | None],
-        draining: Callable[[], bool],
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self._states = states
-        self._oldest = oldest
-        self._draining = draining
+    def __init__(self, held: HeldView, clock: Callable[[], float] = time.time) -> None:
+        self._held = held
         self._clock = clock
 
     def collect(self) -> Iterable[Metric]:
@@ -89,10 +99,10 @@ class HeldSessions(Collector):
             "stalled (the restart budget is spent)",
             labels=["state"],
         )
-        for state, held in self._states().items():
+        for state, held in self._held.sessions_by_state().items():
             sessions.add_metric([state], len(held))
         yield sessions
-        oldest = self._oldest()
+        oldest = self._held.oldest_pending_accepted()
         age = GaugeMetricFamily(
             metrics.INBOX_OLDEST_UNCONSUMED,
             "Age of the oldest command this instance's runs have read and not taken up "
@@ -104,5 +114,5 @@ class HeldSessions(Collector):
             metrics.DRAINING,
             "1 while an operator's drain moves this instance's sessions to another deployment",
         )
-        draining.add_metric([], 1.0 if self._draining() else 0.0)
+        draining.add_metric([], 1.0 if self._held.draining() else 0.0)
         yield draining

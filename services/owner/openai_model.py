@@ -29,7 +29,7 @@ import openai
 import structlog
 
 from baton.session.v1 import session_pb2 as s
-from services.common import tracing
+from services.common import retry, tracing
 from services.owner import openai_wire as wire
 from services.owner.agent import Agent, ModelReply, Tool
 from services.owner.fixture_tools import TOOLS
@@ -48,6 +48,17 @@ DEFAULT_INSTRUCTIONS = (
     "You are a helpful assistant running on Baton. Use the provided tools when they help, "
     "and answer plainly once you have what you need."
 )
+
+
+def _retry_policy(backoff_base: float, max_backoff: float) -> retry.RetryPolicy | None:
+    """The waits between attempts, as a policy of common/retry.py built from
+    this endpoint's settings (an authored agent's, so not a row of its
+    table). No jitter: the waits are the configured ones. None: a zero base
+    or cap, retry at once."""
+    if backoff_base <= 0 or max_backoff <= 0:
+        return None
+    first = min(backoff_base, max_backoff)
+    return retry.RetryPolicy("model", first=first, cap=max_backoff, jitter=0.0)
 
 
 class OpenAIChatModel:
@@ -86,6 +97,7 @@ class OpenAIChatModel:
         self.max_retries = max_retries
         self.backoff_base = backoff_base
         self.max_backoff = max_backoff
+        self._retry = _retry_policy(backoff_base, max_backoff)
         self.price_input_micros_per_1k = price_input_micros_per_1k
         self.price_output_micros_per_1k = price_output_micros_per_1k
         self._api_key = api_key
@@ -211,11 +223,13 @@ class OpenAIChatModel:
         return f"HTTP {status}", _retry_after(exc.response.headers)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
-        """Backoff before attempt `attempt + 1`: Retry-After if given, else exponential."""
+        """Backoff before attempt `attempt + 1`: Retry-After if given, else
+        the model's retry policy (exponential, no wait past the cap)."""
         if retry_after is not None:
             return min(retry_after, self.max_backoff)
-        backoff: float = self.backoff_base * 2.0 ** (attempt - 1)
-        return min(backoff, self.max_backoff)
+        if self._retry is None:
+            return 0.0  # a zero base or cap: retry at once
+        return self._retry.delay(attempt)
 
     # -- reply --------------------------------------------------------------
 

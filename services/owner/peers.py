@@ -15,7 +15,9 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from services.common.clients import HooksClient, OwnerClient, OwnerInstance
+from services.common.client_answers import OwnerInstance
+from services.common.hooks_client import HooksClient
+from services.common.owner_client import OwnerClient
 
 REGISTRY_CACHE_SECONDS = 5.0
 

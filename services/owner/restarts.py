@@ -26,8 +26,10 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, metrics, retry
-from services.common.clients import AnchorClient, HooksClient, OwnedSession
+from services.common.anchor_client import AnchorClient
+from services.common.client_answers import OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Fenced, Reason
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner.commit import commit_step
 from services.owner.held import RunIdentity, make_event

@@ -8,12 +8,14 @@ import sys
 import structlog
 
 from baton.owner.v1 import owner_pb2, owner_pb2_grpc
-from services.common.clients import AnchorClient, HooksClient
-from services.common.server import GrpcServer, ServiceBinding, build_server
+from services.common.anchor_client import AnchorClient
+from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from services.common.hooks_client import HooksClient
 from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
 from services.owner.fleet import FleetMembership
 from services.owner.host import OwnerHost
+from services.owner.hosting import HostSettings
 from services.owner.metering import HeldSessions
 from services.owner.servicer import OwnerServicer
 
@@ -39,35 +41,18 @@ def advertised_address(listen: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def held_sessions(host: OwnerHost) -> HeldSessions:
-    """The host's sessions by state, its oldest unprocessed command, and
-    whether it is draining."""
-
-    def oldest() -> float | None:
-        times = [run.oldest_pending_accepted() for run in host.runs.values()]
-        return min((t for t in times if t is not None), default=None)
-
-    return HeldSessions(
-        lambda: {"running": host.runs, "parked": host.parked, "stalled": host.stalled},
-        oldest,
-        lambda: bool(host.drain_to),
-    )
-
-
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
     hooks = HooksClient(config.hooks, security=config.tls)
     anchor = AnchorClient(config.anchor, security=config.tls)
-    host = OwnerHost(
+    settings = HostSettings(
         config.deployment_id,
         config.instance_id,
-        agent,
-        hooks,
-        anchor,
         park_after=config.park_after,
         readable_formats=config.snapshot_formats,
         restart_budget=config.restart_budget,
     )
+    host = OwnerHost(settings, agent, hooks, anchor)
     servicer = OwnerServicer(host)
     server = build_server(
         config.listen,
@@ -95,7 +80,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     )
     fleet.start()
     if server.metrics is not None:
-        server.metrics.add(held_sessions(host))
+        server.metrics.add(HeldSessions(host))
     server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)

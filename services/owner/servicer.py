@@ -12,10 +12,10 @@ from baton.owner.v1 import owner_pb2 as pb
 from baton.owner.v1 import owner_pb2_grpc
 from services.common import identity
 from services.common.bounds import check_session_settings
-from services.common.clients import StartedSession
+from services.common.client_answers import StartedSession
 from services.common.errors import PermissionDenied, Reason
 from services.common.identity import Role
-from services.common.server import Context
+from services.common.interceptor import Context
 from services.owner.acceptance import HandoffOffer
 from services.owner.children import ChildStart
 from services.owner.host import OwnerHost

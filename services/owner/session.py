@@ -2,11 +2,13 @@
 
 The run reads the session's inbox continuously (a server stream from hooks),
 takes commands in inbox order, asks the decisions (decisions.py) what each
-means and performs the effect it gets back — a commit, the open turn's
-steps, a finalization, a compaction, tool calls for answered waits — then
-loops. Every step is committed through anchor as one fenced transaction:
-the step's events, the history entries it appended and the new snapshot,
-whose inbox position says which commands the step consumed.
+means and hands the effect it gets back to its one small `_apply_<kind>` —
+a commit, the open turn's steps, a finalization, a compaction, tool calls
+for answered waits — then loops (the shape of Temporal's workflow
+activation: the rules return effects, the shell carries them out). Every
+step is committed through anchor as one fenced transaction: the step's
+events, the history entries it appended and the new snapshot, whose inbox
+position says which commands the step consumed.
 
 The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
 (step.py: model, tools, child work), departures (departures.py: handoff,
@@ -15,26 +17,22 @@ the turn), upkeep (upkeep.py: timer, history retirement, controls to
 children before a commit, reports and aliases after it) and compaction.py
 for the model's summary; the shell holds no client of its own. The rules
 are in turns.py and its layers, handles.py, decisions.py and
-departure_rules.py; none of them does I/O.
+departure_rules.py; none of them does I/O. What a run starts from and
+how it ends (`RunStart`, `RunServices`, `RunExit`) is runs.py's.
 """
 
 from __future__ import annotations
 
-import enum
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import assert_never
 
 import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import failpoints
-from services.common.clients import AnchorClient, HooksClient
 from services.common.errors import BatonError, Fenced
 from services.common.tasks import Background
 from services.owner import compaction, decisions, departure_rules
 from services.owner.agent import Agent
-from services.owner.children import Children
 from services.owner.commit import RunCommits
 from services.owner.decisions import (
     AnswerAuthorization,
@@ -48,58 +46,17 @@ from services.owner.decisions import (
     Summarize,
 )
 from services.owner.departures import Departures
-from services.owner.handoff import Attempt, HandoffAttempts
+from services.owner.handoff import Attempt
 from services.owner.held import RunIdentity
 from services.owner.inbox_buffer import InboxBuffer, InboxClosed
 from services.owner.metering import waited
+from services.owner.runs import RunExit, RunServices, RunStart
 from services.owner.spans import RunSpans  # tracing
 from services.owner.step import StepRunner
 from services.owner.turns import SessionState
 from services.owner.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
-
-
-class RunExit(enum.Enum):
-    """Why a run ended."""
-
-    FENCED = "fenced"
-    FINALIZED = "finalized"
-    PARKED = "parked"
-    HANDED_OFF = "handed_off"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class RunServices:
-    """What the runs of one host share: the clients, the handoff attempts
-    (None: the session never hands off), the child sessions, the subagent
-    catalog (None: the agent's own), the idle time before a park (None:
-    never parks) and the clock."""
-
-    hooks: HooksClient
-    anchor: AnchorClient
-    attempts: HandoffAttempts | None = None
-    children: Children | None = None
-    subagents: Callable[[str], Agent | None] | None = None
-    park_after: float | None = None
-    clock: Callable[[], float] = time.time
-
-
-@dataclass(frozen=True)
-class RunStart:
-    """How one run begins: the snapshot it loaded and its revision (None:
-    unknown), inbox entries already in hand (`seed`: a child's first work, a
-    handoff's trigger), the handoff that moved it here, the context window
-    the snapshot refers to, and whether session.started is still to be
-    committed (`unstarted`)."""
-
-    snapshot: s.SessionSnapshot
-    revision: int | None = None
-    seed: Sequence[s.InboxEntry] = ()
-    handoff_id: str = ""
-    context: Sequence[s.ChatMessage] = ()
-    unstarted: bool = False
 
 
 def _run_log(identity: RunIdentity) -> structlog.BoundLogger:
@@ -143,8 +100,8 @@ class SessionRun:
         # reports): cancelled together when the run ends.
         self._background = Background()
         tasks, state, run_log = self._background, self.state, self._log
-        subagent = services.subagents or agent.subagent
-        self._step = StepRunner(identity, state, hooks, children, subagent, tasks, run_log)
+        catalog = services.catalog
+        self._step = StepRunner(identity, state, hooks, children, catalog, tasks, run_log)
         self._upkeep = Upkeep(identity, state, hooks, anchor, children, tasks, run_log)
         self._departures = Departures(
             state, hooks, run_log, attempts=services.attempts, drain_to=drain_to
@@ -205,6 +162,11 @@ class SessionRun:
         """When the oldest entry read and not processed yet was accepted."""
         return self._inbox.oldest_accepted()
 
+    def offer(self, entry: s.InboxEntry) -> None:
+        """An entry appended to this session's inbox by this process (a
+        child's work or report): taken now when it is the next one."""
+        self._inbox.offer(entry)
+
     # -- the program ------------------------------------------------------
 
     async def run(self) -> RunExit:
@@ -260,7 +222,7 @@ class SessionRun:
             turn = self.snapshot.open_turn
             self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
             with self._spans.process(state, None):  # tracing
-                await self._commits.guarded(self._turn_loop([]))
+                await self._commits.guarded(self._apply_run_turn(RunTurn([])))
 
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
@@ -279,25 +241,11 @@ class SessionRun:
                     return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
             with self._spans.process(self.state, entry):  # tracing
-                await self._commits.guarded(self._dispatch(entry))
+                await self._commits.guarded(self._process(entry))
             if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
                 await self._commits.guarded(self._compact_if_over_budget())
         await self._upkeep.retired()
         return RunExit.FINALIZED
-
-    async def _try_drain(self) -> Attempt:
-        with self._spans.handoff(None, self.drain_to):  # tracing
-            return await self._departures.try_drain(self._commits.checkpoint())
-
-    async def _try_hand_off(self, entry: s.InboxEntry) -> Attempt:
-        target = entry.command.delivery.accepted_deployment_id
-        with self._spans.handoff(entry, target):  # tracing
-            return await self._departures.try_hand_off(self._commits.checkpoint(), entry)
-
-    def offer(self, entry: s.InboxEntry) -> None:
-        """An entry appended to this session's inbox by this process (a
-        child's work or report): taken now when it is the next one."""
-        self._inbox.offer(entry)
 
     # -- departures (docs/design.md §6, issue 12) ---------------------------------------
 
@@ -309,6 +257,15 @@ class SessionRun:
 
     def _drain_due(self) -> bool:
         return self._departures.drain_due(len(self._pending))
+
+    async def _try_drain(self) -> Attempt:
+        with self._spans.handoff(None, self.drain_to):  # tracing
+            return await self._departures.try_drain(self._commits.checkpoint())
+
+    async def _try_hand_off(self, entry: s.InboxEntry) -> Attempt:
+        target = entry.command.delivery.accepted_deployment_id
+        with self._spans.handoff(entry, target):  # tracing
+            return await self._departures.try_hand_off(self._commits.checkpoint(), entry)
 
     async def _try_park(self) -> bool:
         if not departure_rules.may_park(
@@ -334,39 +291,50 @@ class SessionRun:
             return await self._commits.decide_uncertain_handoff()
         return attempt is Attempt.MOVED
 
-    # -- commands: ask the decisions, perform the effect -----------------------------
+    # -- commands: ask the decisions, apply the effect they return ---------------------
 
-    async def _dispatch(self, entry: s.InboxEntry) -> None:
+    async def _process(self, entry: s.InboxEntry) -> None:
+        """One command from the inbox: what it means is the decisions'
+        answer; the effect it returns is applied here."""
         effect = decisions.decide(self.state, entry, self._pending)
         if entry.command.WhichOneof("kind") == "task_result" and not isinstance(effect, Rejected):
             await failpoints.hit("children.apply_result")
         if isinstance(effect, Commit) and effect.note:
             self._log.info(effect.note, inbox_seq=entry.seq)
-        await self._perform(effect)
+        await self._apply(effect)
 
-    async def _perform(self, effect: Effect) -> None:
+    async def _apply(self, effect: Effect) -> None:
+        """Hand `effect` to its one `_apply_<kind>` (an effect may lead to
+        another: the decisions' answer to what the first one did)."""
         match effect:
-            case Commit(events):
-                await self._commits.commit(events)
-            case Rejected(entry, event):
-                self._log.info("command rejected", reason=event.error.reason, inbox_seq=entry.seq)
-                await self._commits.commit([event])
-            case RunTurn(events):
-                await self._turn_loop(events)
-            case Finalize(events, entry, error):
-                await self._finalize(events, entry, error)
-            case Summarize(events, entry):
-                await self._summarize(events, entry)
+            case Commit():
+                await self._apply_commit(effect)
+            case Rejected():
+                await self._apply_rejected(effect)
+            case RunTurn():
+                await self._apply_run_turn(effect)
+            case Finalize():
+                await self._apply_finalize(effect)
+            case Summarize():
+                await self._apply_summarize(effect)
             case AnswerInputs():
-                results = [await self._step.call_tool(call) for call in effect.to_run]
-                await self._perform(decisions.apply_input_answers(self.state, effect, results))
+                await self._apply_answer_inputs(effect)
             case AnswerAuthorization():
-                call = effect.to_run
-                result = await self._step.call_tool(call) if call is not None else None
-                await self._perform(decisions.apply_authorization(self.state, effect, result))
+                await self._apply_answer_authorization(effect)
+            case _:
+                assert_never(effect)
 
-    async def _turn_loop(self, events: list[s.Event]) -> None:
+    async def _apply_commit(self, effect: Commit) -> None:
+        await self._commits.commit(effect.events)
+
+    async def _apply_rejected(self, effect: Rejected) -> None:
+        reason = effect.event.error.reason
+        self._log.info("command rejected", reason=reason, inbox_seq=effect.entry.seq)
+        await self._commits.commit([effect.event])
+
+    async def _apply_run_turn(self, effect: RunTurn) -> None:
         """The open turn's steps until the decisions end it (one exit)."""
+        events = effect.events
         while True:
             ends = decisions.before_step(self.state, self._pending, events)
             if ends is None:
@@ -379,28 +347,38 @@ class SessionRun:
                     events = []
                     continue
                 ends = after
-            await self._perform(ends)
+            await self._apply(ends)
             return
 
-    # -- compaction and finalization ------------------------------------------------
+    async def _apply_finalize(self, effect: Finalize) -> None:
+        """Terminal: close the stream once, then release every token."""
+        error = effect.error
+        self.state.finalize(effect.events, effect.entry, error)
+        await self._commits.commit(effect.events, close=True)
+        await self._upkeep.release_aliases()
+        self._log.info("session finalized", reason=error.reason if error else "RESET")
+
+    async def _apply_summarize(self, effect: Summarize) -> None:
+        """The compact command, or the owner's own (`effect.entry` None)."""
+        await compaction.summarize(self.state, effect.events, effect.entry, self._log)
+        await self._commits.commit(effect.events)
+
+    async def _apply_answer_inputs(self, effect: AnswerInputs) -> None:
+        """Run the approved calls in order, then ask what their results mean."""
+        results = [await self._step.call_tool(call) for call in effect.to_run]
+        await self._apply(decisions.apply_input_answers(self.state, effect, results))
+
+    async def _apply_answer_authorization(self, effect: AnswerAuthorization) -> None:
+        """Run the call signed in for (none: refused), then ask what it means."""
+        call = effect.to_run
+        result = await self._step.call_tool(call) if call is not None else None
+        await self._apply(decisions.apply_authorization(self.state, effect, result))
+
+    # -- compaction ------------------------------------------------------------------
 
     async def _compact_if_over_budget(self) -> None:
         """At a turn boundary: compact when what the model sees outgrew the
         agent's context budget (docs/design.md §4)."""
         if decisions.compaction_due(self.state):
             compaction.log_over_budget(self.state, self._log)
-            await self._summarize([], None)
-
-    async def _summarize(self, events: list[s.Event], entry: s.InboxEntry | None) -> None:
-        """The compact command (`entry`), or the owner's own (None)."""
-        await compaction.summarize(self.state, events, entry, self._log)
-        await self._commits.commit(events)
-
-    async def _finalize(
-        self, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None = None
-    ) -> None:
-        """Terminal: close the stream once, then release every token."""
-        self.state.finalize(events, entry, error)
-        await self._commits.commit(events, close=True)
-        await self._upkeep.release_aliases()
-        self._log.info("session finalized", reason=error.reason if error else "RESET")
+            await self._apply_summarize(Summarize([], None))

@@ -14,18 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 
 import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import metrics
-from services.common.clients import HooksClient
 from services.common.errors import BatonError, Reason
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner import handles as h
 from services.owner import spans  # tracing
-from services.owner.agent import Agent, ModelRejected, Tool, ToolContext
+from services.owner.agent import AgentCatalog, ModelRejected, Tool, ToolContext
 from services.owner.child_rules import ChildWork
 from services.owner.children import Children
 from services.owner.handles import Refusal
@@ -43,7 +42,7 @@ class StepRunner:
         state: SessionState,
         hooks: HooksClient,
         children: Children | None,
-        subagent: Callable[[str], Agent | None],
+        catalog: AgentCatalog,
         background: Background,
         log: structlog.BoundLogger,
     ) -> None:
@@ -51,7 +50,7 @@ class StepRunner:
         self._state = state
         self._hooks = hooks
         self._children = children
-        self._subagent = subagent
+        self._catalog = catalog  # where a subagent's name is looked up
         self._background = background
         self._log = log
         self._task: asyncio.Task[None] | None = None
@@ -133,9 +132,7 @@ class StepRunner:
         children = self._children
         if children is None:
             return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
-        plan = self._state.plan_child_work(
-            call, reserved, step, lambda name: self._subagent(name) is not None
-        )
+        plan = self._state.plan_child_work(call, reserved, step, self._catalog.subagent_names)
         if isinstance(plan, Refusal):
             return plan
         child = plan.work.child_session_id

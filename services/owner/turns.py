@@ -30,43 +30,33 @@ The layers: `HeldSession` (held.py: identity, snapshot, context, handles,
 event and id primitives) under `ChildReports` (child_reports.py: what a
 child owes its parent) under `ChildRules` (child_rules.py) under
 `WaitRules` (waits.py: human input, sign-in, rejections) under
-`StepRules` (step_rules.py: what a step did) under `SessionState`
-(here); each calls only the layers below it.
+`StepRules` (step_rules.py: what a step did) under `AdmissionRules`
+(admission.py: how a command joins an open turn) under `SessionState`
+(here: turns opened and closed, context cleared and compacted, the session
+finalized, a refused commit rolled back); each calls only the layers below
+it.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 from collections.abc import Sequence
 
 from baton.session.v1 import session_pb2 as s
 from services.common import limits
 from services.common.errors import Reason
 from services.owner import handles as h
+from services.owner.admission import Admission, AdmissionRules, principal
 from services.owner.agent import (
     Agent,
     ModelReply,
 )
-from services.owner.handles import Verdict
 from services.owner.held import RunIdentity, make_event
-from services.owner.step_rules import StepRules, usage_of
+from services.owner.step_rules import usage_of
 
-SETTLE_KINDS = frozenset(
+TURN_END_KINDS = frozenset(
     {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}
 )
-
-
-class Admission(enum.Enum):
-    """How a pending command joins an open turn at a model-call boundary."""
-
-    ADMIT = "admit"  # a steer message or a background result: joins the open turn
-    REPORT = "report"  # a child's report that only changes handles/the stream
-    CANCEL = "cancel"  # settles the open turn as cancelled
-    FINALIZE = "finalize"  # reset or own timeout: ends the session
-    DROP = "drop"  # stale timeout or sign-in attempt: consumed, nothing else
-    REJECT = "reject"  # unknown kind: consumed with an error event
-    BLOCK = "block"  # waits until the turn settles
 
 
 def context_change(
@@ -87,11 +77,7 @@ def safe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def principal(entry: s.InboxEntry) -> tuple[str, str]:
-    return entry.command.delivery.channel, entry.command.delivery.caller
-
-
-class SessionState(StepRules):
+class SessionState(AdmissionRules):
     """A session as a run holds it — snapshot, context window, identity — and
     every rule of how commands and steps change it (the child-session rules
     are the `ChildRules` layer). The run decides when to call the model, a
@@ -125,53 +111,6 @@ class SessionState(StepRules):
         business (docs/design.md §6)."""
         return not (self.turn_open or self.handles.busy() or self.is_child)
 
-    # -- what a command means -----------------------------------------------------
-
-    def classify(self, entry: s.InboxEntry) -> Admission:
-        """How a command joins an open turn at a model-call boundary."""
-        command = entry.command
-        kind = command.WhichOneof("kind")
-        if kind == "send":
-            send = command.send
-            if self.refuses_message(entry):
-                return Admission.REJECT
-            if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
-                return Admission.BLOCK
-            return Admission.ADMIT if send.text.strip() else Admission.REJECT
-        if kind == "cancel":
-            return Admission.CANCEL
-        if kind == "reset":
-            return Admission.FINALIZE
-        if kind == "timeout":
-            own = command.timeout.armed_by_owner_run_id == self.run_id
-            return Admission.FINALIZE if own else Admission.DROP
-        if kind == "authorization_callback":
-            waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
-            return Admission.BLOCK if waiting else Admission.DROP
-        if kind == "task_result":
-            verdict = self.report_judgement(entry).verdict
-            if verdict is Verdict.REJECT:
-                return Admission.REJECT
-            if verdict is Verdict.ADMIT:
-                return Admission.ADMIT
-            if verdict is Verdict.AWAITED:
-                return Admission.BLOCK  # the run resumes the waiting turn with it
-            return Admission.REPORT
-        if kind is None:
-            return Admission.REJECT
-        return Admission.BLOCK
-
-    def aborts_step(self, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
-        """A pushed command aborts the running step at once: cancel, reset or
-        an own timeout, when every command ahead of it can join the turn."""
-        if self.classify(entry) not in (Admission.CANCEL, Admission.FINALIZE):
-            return False
-        joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT, Admission.REPORT)
-        return all(self.classify(e) in joinable for e in ahead)
-
-    def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
-        return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK
-
     # -- turns -------------------------------------------------------------------
 
     def start_turn(
@@ -198,53 +137,6 @@ class SessionState(StepRules):
             self.admit(pending.popleft(), events)
             admitted += 1
         return events
-
-    def admit(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
-        """Admit a steer message or a background result into the open turn."""
-        if entry.command.WhichOneof("kind") == "task_result":
-            self.apply_report(entry, events)
-        else:
-            self.admit_message(entry, events)
-
-    def admit_message(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
-        send = entry.command.send
-        text = send.text
-        self.consume(entry)
-        self.snapshot.open_turn.inbox_seqs.append(entry.seq)
-        if send.parent_work and self.is_child:
-            self.snapshot.parent.work = send.parent_work
-        self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=text))
-        events.append(self.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
-
-    def admit_pending(
-        self, pending: collections.deque[s.InboxEntry], events: list[s.Event]
-    ) -> tuple[Admission, s.InboxEntry | None]:
-        """At a model-call boundary: admit what may join the turn, in order;
-        stop at a command that settles or ends it (returned, consumed)."""
-        admitted = 0
-        while pending:
-            entry = pending[0]
-            verdict = self.classify(entry)
-            if verdict is Admission.BLOCK:
-                break
-            if verdict is Admission.ADMIT:
-                if admitted >= limits.MAX_ADMITTED_PER_BOUNDARY:
-                    break  # the rest join at the next boundary
-                admitted += 1
-            pending.popleft()
-            if verdict is Admission.ADMIT:
-                self.admit(entry, events)
-            elif verdict is Admission.REPORT:
-                self.apply_report(entry, events)
-            elif verdict is Admission.DROP:
-                self.consume(entry)
-            elif verdict is Admission.REJECT:
-                self.consume(entry)
-                events.append(self.rejection(entry))
-            else:
-                self.consume(entry)
-                return verdict, entry
-        return Admission.BLOCK, None
 
     def max_steps(self) -> int:
         return self.snapshot.limits.max_steps_per_turn or self.agent.max_steps_per_turn
@@ -383,7 +275,7 @@ class SessionState(StepRules):
         if turn_id:
             usage.CopyFrom(snap.open_turn.usage)
         else:
-            settled = [e for e in refused_events if e.kind in SETTLE_KINDS and e.turn_id]
+            settled = [e for e in refused_events if e.kind in TURN_END_KINDS and e.turn_id]
             if settled:
                 turn_id = settled[-1].turn_id
                 usage.CopyFrom(settled[-1].usage)

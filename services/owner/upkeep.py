@@ -24,8 +24,9 @@ import structlog
 
 from baton.session.v1 import session_pb2 as s
 from services.common import ids, retry
-from services.common.clients import AnchorClient, HooksClient
+from services.common.anchor_client import AnchorClient
 from services.common.errors import BatonError
+from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner.children import Children
 from services.owner.held import RunIdentity

@@ -46,8 +46,8 @@ class WaitRules(ChildRules):
             elif kind == "send":
                 reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
             elif kind == "task_result":
-                judgement = self.report_judgement(entry)
-                reason, message = judgement.reason, judgement.message
+                reading = self.read_report(entry)
+                reason, message = reading.reason, reading.message
             else:
                 reason = Reason.UNSUPPORTED_COMMAND
                 message = (

@@ -1,40 +1,22 @@
-"""One grpc.aio server bootstrap for every Baton service.
-
-TLS (mutual for internal services) or explicit loopback plaintext, health
-(overall and per service), reflection, one interceptor (caller identity and
-the per-RPC role table, a cap on concurrent calls, request decoding, error
-mapping through `grpc_errors`, one log line and the RPC metrics per call),
-the Prometheus endpoint (`--metrics-listen`), graceful shutdown on
-SIGTERM/SIGINT within a bounded grace period, and reload on SIGHUP.
-"""
+"""The one interceptor of every Baton server (`CallInterceptor`): caller
+identity and the per-RPC role table, a cap on concurrent calls, request
+decoding, error mapping through `grpc_errors`, one log line, a span and the
+RPC metrics per call."""
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from services.common import access, errors, identity, metrics, tracing
-from services.common.config import Capacity, ConfigError
+from services.common import access, errors, identity, rpc_metrics, tracing
+from services.common.config import Capacity
 from services.common.grpc_errors import status_code, to_status
 from services.common.identity import Caller, Role
 from services.common.ids import new_request_id
-from services.common.tls import (
-    CertificateWatcher,
-    Security,
-    is_loopback,
-    request_reload,
-    server_credentials,
-)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -49,19 +31,6 @@ Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 # Paths that are polled constantly; not worth a log line each.
 _QUIET_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
-
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
-
-_C = TypeVar("_C", bound="_ServiceConfig")
-
-
-@dataclass(frozen=True)
-class ServiceBinding:
-    """A servicer and how to register it, with its full proto service name."""
-
-    full_name: str
-    register: Callable[[grpc.aio.Server], None]
 
 
 def _request_id(details: grpc.HandlerCallDetails) -> str:
@@ -133,7 +102,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
     5. maps domain errors to statuses with ErrorInfo (anything unmapped is
        INTERNAL) and writes one log line per call, and, while this process
        serves metrics, counts it by method and code and times it
-       (`metrics.RPC`).
+       (`rpc_metrics.RPC`).
     """
 
     def __init__(
@@ -263,7 +232,7 @@ class _Call:
         async def wrapped(raw: bytes, context: Context) -> AsyncIterator[Any]:
             async with _Served(self, context, stream=True) as served:
                 served.admit()
-                meter = metrics.RPC
+                meter = rpc_metrics.RPC
                 async for item in behavior(decode(raw), context):
                     if meter.enabled:
                         meter.sent(self.method)
@@ -348,8 +317,8 @@ async def _abort(context: Context, exc: BaseException) -> None:
 
 
 def _meter(method: str, code: str, start: float) -> None:
-    if metrics.RPC.enabled:
-        metrics.RPC.served(method, code, time.perf_counter() - start)
+    if rpc_metrics.RPC.enabled:
+        rpc_metrics.RPC.served(method, code, time.perf_counter() - start)
 
 
 def _log_call(code: str, reason: str, start: float) -> None:
@@ -358,249 +327,3 @@ def _log_call(code: str, reason: str, start: float) -> None:
         log.debug("rpc", code=code, duration_ms=duration_ms)
     else:
         log.info("rpc", code=code, reason=reason, duration_ms=duration_ms)
-
-
-@dataclass
-class GrpcServer:
-    """A started (or startable) gRPC server with health and reflection."""
-
-    server: grpc.aio.Server
-    health: health.aio.HealthServicer
-    port: int
-    service_names: Sequence[str]
-    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    # Run on SIGHUP, after certificate watchers were told to re-check (e.g.
-    # ingress re-reads its API keys).
-    on_reload: list[Callable[[], object]] = field(default_factory=list)
-    # The service's root object (e.g. the owner host), for in-process tests.
-    app: object = None
-    # Supervised loops that run while the server serves (e.g. store health,
-    # sweeps); cancelled before `on_stop`.
-    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    # The server's certificate files, when serving TLS.
-    certificates: CertificateWatcher | None = None
-    # The plaintext health-only listener (`--health-listen`), if any: the
-    # same health statuses, nothing else.
-    health_server: grpc.aio.Server | None = None
-    health_port: int = 0
-    # The Prometheus endpoint (`--metrics-listen`), if any; `metrics_port`
-    # once started. Services add their collectors and refreshes to it.
-    metrics: metrics.MetricsEndpoint | None = None
-    metrics_port: int = 0
-
-    def reload(self) -> None:
-        """What SIGHUP does: re-read certificates and reloadable settings."""
-        request_reload()
-        if self.certificates is not None:
-            self.certificates.refresh()
-        for callback in self.on_reload:
-            callback()
-
-    async def start(self) -> None:
-        await self.server.start()
-        if self.health_server is not None:
-            await self.health_server.start()
-        if self.metrics is not None:
-            await self.metrics.start()
-            self.metrics_port = self.metrics.port
-        await self.set_serving(True)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(run()) for run in self.background]
-
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", *self.service_names):
-            await self.health.set(name, status)
-
-    async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, drain in-flight calls for `grace` s, then close."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
-        if self.metrics is not None:
-            await self.metrics.stop()
-        for callback in reversed(self.on_stop):
-            await callback()
-
-
-def build_server(
-    listen: str,
-    bindings: Sequence[ServiceBinding],
-    *,
-    service: str,
-    security: Security,
-    client_certificates: bool = True,
-    deployment_id: str = "",
-    max_message_bytes: int = MAX_MESSAGE_BYTES,
-    capacity: Capacity | None = None,
-    health_listen: str = "",
-    metrics_listen: str = "",
-) -> GrpcServer:
-    """Assemble a server: interceptor, services, health, reflection, port.
-
-    With TLS, `client_certificates` (hooks, anchor, owner) makes the
-    handshake demand a certificate from the CA bundle and the interceptor
-    check each call's role; without it (ingress) any TLS client may connect
-    and only RPCs open to the public are served. Plaintext must be asked for
-    and binds only loopback addresses.
-
-    `health_listen` adds a plaintext listener that serves grpc.health.v1 and
-    nothing else, with the same statuses, on any address: Kubernetes' gRPC
-    probes cannot speak TLS. Health says SERVING or NOT_SERVING per service
-    name and carries no data; the API stays behind TLS.
-
-    `metrics_listen` adds a plaintext HTTP listener serving Prometheus
-    metrics at /metrics (what `service` exposes, see `metrics.SERVICE_METRICS`),
-    on the address given: counts and timings, no session data."""
-    if not security.is_tls and not is_loopback(listen):
-        raise ConfigError(
-            f"{service}: refusing to serve plaintext on {listen}: plaintext is for "
-            "local development on a loopback address; configure --tls-cert/--tls-key/--tls-ca"
-        )
-    server = grpc.aio.server(
-        interceptors=[
-            CallInterceptor(
-                service,
-                deployment_id,
-                verify_callers=security.is_tls,
-                capacity=capacity,
-            )
-        ],
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_permit_without_calls", 1),
-            # Never share a port with another process silently.
-            ("grpc.so_reuseport", 0),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            # Clients reconnect every few minutes (streams in flight run to
-            # their end), and so resolve a dns:/// target again: replicas
-            # added since are balanced onto too.
-            ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
-        ],
-    )
-    for binding in bindings:
-        binding.register(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [b.full_name for b in bindings]
-    reflection.enable_server_reflection(
-        [
-            *names,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
-    watcher: CertificateWatcher | None = None
-    if security.is_tls:
-        credentials, watcher = server_credentials(security, require_client_auth=client_certificates)
-        port = server.add_secure_port(listen, credentials)
-    else:
-        port = server.add_insecure_port(listen)
-    if port == 0:
-        raise RuntimeError(f"could not bind {listen}")
-    health_server: grpc.aio.Server | None = None
-    health_port = 0
-    if health_listen:
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
-        health_port = health_server.add_insecure_port(health_listen)
-        if health_port == 0:
-            raise RuntimeError(f"could not bind {health_listen}")
-    endpoint = None
-    if metrics_listen:
-        endpoint = metrics.MetricsEndpoint(
-            metrics_listen, metrics.registry_for(service, deployment_id)
-        )
-    return GrpcServer(
-        server=server,
-        health=health_servicer,
-        port=port,
-        service_names=names,
-        certificates=watcher,
-        health_server=health_server,
-        health_port=health_port,
-        metrics=endpoint,
-    )
-
-
-async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
-    """Start, serve until SIGTERM/SIGINT, then shut down gracefully."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _reloader(server))
-    await server.start()
-    log.info(
-        "serving",
-        port=server.port,
-        services=list(server.service_names),
-        **({"health_port": server.health_port} if server.health_server else {}),
-        **({"metrics_port": server.metrics_port} if server.metrics else {}),
-    )
-    await stop.wait()
-    log.info("shutting down", grace_s=grace)
-    await server.stop(grace)
-    log.info("stopped")
-
-
-def _reloader(server: GrpcServer) -> Callable[[], None]:
-    def reload() -> None:
-        log.info("SIGHUP: reloading certificates and settings")
-        try:
-            server.reload()
-        except Exception:  # noqa: BLE001 - a bad reload keeps the old settings
-            log.exception("reload failed; keeping the previous settings")
-
-    return reload
-
-
-class _ServiceConfig(Protocol):
-    @property
-    def log_level(self) -> str: ...
-
-    @property
-    def grace(self) -> float: ...
-
-
-def run_main(
-    load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]], *, service: str
-) -> None:
-    """The `python -m services.<name>` entry: config, tracing (if the OTEL_*
-    environment asks, services.common.tracing), logging, serve, exit."""
-    from services.common.logs import configure_logging
-
-    try:
-        config = load()
-        # Before any channel opens: channels get tracing's interceptors then.
-        tracing.TRACING.configure(
-            service,
-            str(getattr(config, "deployment_id", "")),
-            str(getattr(config, "instance_id", "")),
-        )
-    except ConfigError as exc:
-        sys.exit(str(exc))
-    configure_logging(config.log_level)
-
-    async def _serve() -> None:
-        server = await create(config)
-        await run_until_signalled(server, grace=config.grace)
-
-    try:
-        asyncio.run(_serve())
-    except ConfigError as exc:
-        sys.exit(str(exc))
-    finally:
-        tracing.TRACING.shutdown()  # exports the spans still buffered

@@ -1,0 +1,198 @@
+"""A session's event stream read from etcd: replayed in pages, then followed
+live from a watch until the terminal event.
+
+A long stream is read in pages of READ_PAGE_EVENTS, so neither this
+process nor a slow reader's path holds more than a page; a cursor below
+the retention horizon (services/anchor/horizon.py) is told where the
+stream now starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+from baton.session.v1 import session_pb2 as s
+from services.anchor.commits import TERMINAL_KINDS
+from services.anchor.horizon import below_horizon, horizon_of
+from services.common import ids, limits, metrics
+from services.common.errors import NotFound, Reason
+from services.common.etcd_store import Store
+from services.common.etcd_watch import Follower, watch_then_read
+from services.common.keys import Keys, prefix_end, seq_of
+from services.common.txn import Txn
+
+_BATCH_BYTES = 512 * 1024
+
+
+@dataclass(frozen=True)
+class _Page:
+    """One read of a stream page, with what the reader checks in it."""
+
+    events: Sequence[bytes]
+    more: bool
+    exists: bool
+    closed: int | None
+    # The first seq kept (the retention horizon, services/anchor/horizon.py).
+    horizon: int
+    revision: int
+
+
+class EventStream:
+    """ReadEvents over one etcd store."""
+
+    def __init__(self, store: Store, keys: Keys) -> None:
+        self._store = store
+        self._keys = keys
+
+    async def _page(self, session_id: str, start_seq: int) -> _Page:
+        k = self._keys
+        result = await (
+            Txn()
+            .read(
+                "events",
+                k.event(session_id, start_seq),
+                prefix_end(k.events_prefix(session_id)),
+                limit=limits.READ_PAGE_EVENTS,
+            )
+            .read("snapshot", k.snapshot(session_id), keys_only=True)
+            .read("fence", k.fence(session_id), keys_only=True)
+            .read("closed", k.closed(session_id))
+            .read("horizon", k.horizon(session_id))
+            .run(self._store)
+        )
+        closed = result.value("closed")
+        # A session exists from its creation (its fence), before its first
+        # commit (a child session commits session.started with its first turn).
+        exists = result.kv("snapshot") is not None or result.kv("fence") is not None
+        return _Page(
+            events=[kv.value for kv in result.kvs("events")],
+            more=result.more("events"),
+            exists=exists,
+            closed=int(closed) if closed is not None else None,
+            horizon=horizon_of(result.value("horizon")),
+            revision=result.revision,
+        )
+
+    async def read(
+        self, session_id: str, start_seq: int, follow: bool
+    ) -> AsyncIterator[list[s.Event]]:
+        """Events from `start_seq` in order, in batches (replayed pages, then
+        one batch per commit); with `follow`, live until the terminal event.
+
+        A long stream is read in pages of READ_PAGE_EVENTS, so neither this
+        process nor a slow reader's path holds more than a page (the gRPC
+        stream's flow control paces the reads). A follower watches only for
+        its last page: the watch opens before that read (`watch_then_read`),
+        so a reader near the head sees new commits at once.
+
+        A cursor below the stream's retention horizon (services/anchor/
+        horizon.py) answers OUT_OF_RANGE/BELOW_HORIZON with the earliest seq
+        kept in the metadata, also when the horizon passes a slow reader
+        between two pages; a live follower gets every event from its watch."""
+        ids.validate_session_id(session_id)
+        if follow:
+            metrics.STREAM_FOLLOWERS.inc()
+        try:
+            async with contextlib.aclosing(self._read(session_id, start_seq, follow)) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            if follow:
+                metrics.STREAM_FOLLOWERS.dec()
+
+    async def _read(
+        self, session_id: str, start_seq: int, follow: bool
+    ) -> AsyncGenerator[list[s.Event], None]:
+        cursor = _Cursor(start_seq)
+        checked = False
+        watch = follow
+        while True:
+            watching = (
+                watch_then_read(self._store.client, self._keys.stream_prefix(session_id))
+                if watch
+                else contextlib.nullcontext()
+            )
+            async with watching as follower:
+                page = await self._page(session_id, cursor.next_seq)
+                if not checked:
+                    if not page.events and not page.exists:
+                        raise NotFound(
+                            Reason.SESSION_NOT_FOUND,
+                            f"session {session_id} not found (or finalized and past its retention)",
+                        )
+                    if page.closed is not None and start_seq > page.closed:
+                        return  # the cursor is past the terminal event: the stream is over
+                    checked = True
+                # Read in the page's own transaction: [horizon, head) is all
+                # there, so a cursor at or above it is gapless; one below it
+                # (a slow reader the horizon passed between pages) is told.
+                if cursor.next_seq < page.horizon:
+                    raise below_horizon(session_id, page.horizon, cursor.next_seq)
+                for batch in cursor.batches(page.events):
+                    yield batch
+                if cursor.ended:
+                    return
+                if page.more:
+                    watch = False  # catching up: page on, watch only at the end
+                    continue
+                if not follow or page.closed is not None:
+                    return
+                if follower is None:
+                    watch = True  # caught up by paging: watch, then read the tail
+                    continue
+                async for batch in self._live(session_id, follower, page.revision, cursor):
+                    yield batch
+                return
+
+    async def _live(
+        self, session_id: str, follower: Follower, revision: int, cursor: _Cursor
+    ) -> AsyncGenerator[list[s.Event], None]:
+        """Live: each commit reaches the reader as one batch (the watch sees
+        its events, then the commit marker it writes last)."""
+        marker = self._keys.commit_marker(session_id)
+        batch: list[s.Event] = []
+        async for change in follower.events(revision + 1):
+            key = change.kv.key
+            if key == marker:
+                if batch:
+                    yield batch
+                    if batch[-1].kind in TERMINAL_KINDS:
+                        return
+                    batch = []
+                continue
+            if not change.kv.value or seq_of(key) < cursor.next_seq:
+                continue
+            event = s.Event.FromString(change.kv.value)
+            batch.append(event)
+            cursor.next_seq = event.seq + 1
+
+
+class _Cursor:
+    """A reader's position: the next seq it wants, and whether it has read
+    the terminal event."""
+
+    def __init__(self, next_seq: int) -> None:
+        self.next_seq = next_seq
+        self.ended = False
+
+    def batches(self, page: Sequence[bytes]) -> Iterator[list[s.Event]]:
+        """A page's events in batches of about _BATCH_BYTES, up to the
+        terminal event."""
+        batch: list[s.Event] = []
+        size = 0
+        for raw in page:
+            event = s.Event.FromString(raw)
+            batch.append(event)
+            size += len(raw)
+            self.next_seq = event.seq + 1
+            if event.kind in TERMINAL_KINDS:
+                self.ended = True
+                yield batch
+                return
+            if size >= _BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch

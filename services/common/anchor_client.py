@@ -1,0 +1,120 @@
+"""The typed client of anchor (`AnchorService`): its idempotent methods
+(retried by gRPC, see `rpc_client`) and one call per RPC: commits, snapshots,
+session loads, history retirement and event reads."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton.anchor.v1 import anchor_pb2_grpc
+from baton.session.v1 import session_pb2 as s
+from services.common.channels import DEFAULT_CALL_TIMEOUT
+from services.common.client_answers import Committed, LoadedSession
+from services.common.errors import Reason, Unavailable
+from services.common.rpc_client import ServiceClient
+from services.common.tls import Security
+
+ANCHOR_SERVICE = anchor_pb.DESCRIPTOR.services_by_name["AnchorService"].full_name
+
+
+ANCHOR_IDEMPOTENT = frozenset(
+    {
+        "GetSnapshot",
+        "LoadSession",
+        "ReadEvents",
+        # A retried commit whose first attempt applied is recognised
+        # (byte-identical snapshot and first event) and reported as replayed.
+        "CommitStep",
+        # Deletes the fenced session's entries in a range: a repeat finds
+        # fewer (or none) left to delete.
+        "RetireHistory",
+    }
+)
+
+
+def _events_page(response: anchor_pb.ReadEventsResponse) -> list[s.Event]:
+    return list(response.events)
+
+
+def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSessionResponse:
+    return response
+
+
+class AnchorClient(ServiceClient):
+    service = ANCHOR_SERVICE
+    kind = "anchor"
+    idempotent = ANCHOR_IDEMPOTENT
+
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
+        super().__init__(target, timeout, security=security)
+        self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
+
+    async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
+        response = await self._unary(
+            "CommitStep", self.stub.CommitStep(request, timeout=self.timeout)
+        )
+        return Committed(response.revision, response.replayed)
+
+    async def snapshot(self, session_id: str) -> s.SessionSnapshot:
+        return (await self.snapshot_with_revision(session_id))[0]
+
+    async def snapshot_with_revision(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
+        """The snapshot and its key's mod revision (the next commit's expected one)."""
+        request = anchor_pb.GetSnapshotRequest(session_id=session_id)
+        response = await self._unary(
+            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+        )
+        return response.snapshot, response.revision
+
+    async def snapshot_and_horizon(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
+        """The snapshot and the stream's retention horizon (the earliest seq
+        kept), read together."""
+        request = anchor_pb.GetSnapshotRequest(session_id=session_id)
+        response = await self._unary(
+            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+        )
+        return response.snapshot, response.earliest_seq
+
+    async def load_session(
+        self, session_id: str, expected_revision: int | None = None
+    ) -> LoadedSession:
+        """The last committed snapshot, its revision and the history entries
+        of its context (read at the snapshot's revision). With
+        `expected_revision`, ABORTED/STALE_CHECKPOINT unless the snapshot is
+        still at that revision."""
+        request = anchor_pb.LoadSessionRequest(
+            session_id=session_id, expected_snapshot_revision=expected_revision
+        )
+        call = self.stub.LoadSession(request, timeout=self.timeout * 3)
+        loaded: LoadedSession | None = None
+        async for part in self._stream("LoadSession", call, _load_part):
+            if loaded is None:
+                loaded = LoadedSession(part.snapshot, part.revision, [])
+            else:
+                loaded.context.extend(part.history)
+        if loaded is None:
+            raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "LoadSession ended without a snapshot")
+        return loaded
+
+    async def retire_history(self, fence: s.Fence, below_index: int, from_index: int) -> int:
+        """Delete history entries below `below_index`; returns how many."""
+        request = anchor_pb.RetireHistoryRequest(
+            fence=fence, below_index=below_index, from_index=from_index
+        )
+        response = await self._unary(
+            "RetireHistory", self.stub.RetireHistory(request, timeout=self.timeout * 3)
+        )
+        return response.deleted
+
+    def read_events(
+        self, session_id: str, start_seq: int = 0, follow: bool = False
+    ) -> AsyncIterator[list[s.Event]]:
+        """The session's events from `start_seq`, a page at a time; with
+        `follow`, new ones as they are committed."""
+        request = anchor_pb.ReadEventsRequest(
+            session_id=session_id, start_seq=start_seq, follow=follow
+        )
+        return self._stream("ReadEvents", self.stub.ReadEvents(request), _events_page)

@@ -1,0 +1,114 @@
+"""What every typed client between Baton services shares
+(`hooks_client`, `anchor_client`, `owner_client`): every call has a
+deadline, and a failed call raises the domain error it carried (see
+`grpc_errors`).
+
+Each client balances over every replica its target names and lets gRPC
+retry the methods its service lists as idempotent (`channels.open_channel`).
+A method is on the list when running it twice has the effect of running it
+once: reads, and writes the server deduplicates by an id in the request
+(a delivery id, a handoff id, the fence of a replayed commit). Left off:
+RegisterInstance (each call grants a new lease) and AcceptHandoff (the old
+owner settles an uncertain handoff itself, and a replay on another instance
+would be refused as a reused handoff id after the first one moved the
+session).
+
+Calls answer with domain values (`client_answers`); a stream yields one
+value per message the server sends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from baton.session.v1 import session_pb2 as s
+from services.common import rpc_metrics, tracing
+from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from services.common.grpc_errors import from_rpc_error
+from services.common.tls import Security
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def traced(command: s.Command) -> s.Command:
+    """`command` with the current span's trace context in its delivery
+    metadata, when tracing is on and it has none yet (a copy; `command`
+    itself is left as it is)."""
+    if not tracing.TRACING.enabled or command.delivery.traceparent:
+        return command
+    traceparent = tracing.current_traceparent()
+    if not traceparent:
+        return command
+    stamped = s.Command()
+    stamped.CopyFrom(command)
+    stamped.delivery.traceparent = traceparent
+    return stamped
+
+
+class ServiceClient:
+    """`target`: one address, several comma-separated, or a `dns:///` name
+    (see `channels.grpc_target`); `security`: this process's identity, which
+    the server checks against its roles."""
+
+    service = ""
+    # The `target` label of `baton_rpc_client_handled_total`: the kind of
+    # service, never an address (owner peers are many).
+    kind = ""
+    idempotent: frozenset[str] = frozenset()
+
+    def __init__(
+        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+    ) -> None:
+        self.target = target
+        self.security = security
+        self.channel = open_channel(target, security, self.service, self.idempotent)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _done(self, method: str, code: str) -> None:
+        if rpc_metrics.RPC.enabled:
+            rpc_metrics.RPC.called(self.kind, f"/{self.service}/{method}", code)
+
+    async def _unary(self, method: str, call: Awaitable[_T]) -> _T:
+        """The answer of `call` (the stub's `method`); a failure raises the
+        domain error it carried. Counted when metrics are served."""
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            self._done(method, exc.code().name)
+            raise from_rpc_error(exc) from exc
+        except asyncio.CancelledError:
+            self._done(method, "CANCELLED")
+            raise
+        self._done(method, "OK")
+        return response
+
+    async def _stream(
+        self, method: str, call: grpc.aio.UnaryStreamCall[Any, _R], convert: Callable[[_R], _T]
+    ) -> AsyncIterator[_T]:
+        """The messages of `call` (the stub's `method`), each as `convert`
+        makes it; the call is cancelled when the iteration ends (or the
+        iterator is closed). Counted when metrics are served: OK at its end,
+        CANCELLED when the caller stopped reading first."""
+        code = "CANCELLED"
+        meter, path = rpc_metrics.RPC, f"/{self.service}/{method}"
+        if meter.enabled:
+            meter.opened(self.kind, path)
+        try:
+            async for item in call:
+                if meter.enabled:
+                    meter.received(self.kind, path)
+                yield convert(item)
+            code = "OK"
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
+            self._done(method, code)

@@ -1,0 +1,92 @@
+"""A Baton service's process: the `python -m services.<name>` entry
+(config, tracing, logging), serving until SIGTERM/SIGINT, then a graceful
+shutdown within a bounded grace period, and reload on SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import structlog
+
+from services.common import tracing
+from services.common.config import ConfigError
+from services.common.grpc_server import GrpcServer
+
+log = structlog.get_logger("baton.server")
+
+_C = TypeVar("_C", bound="_ServiceConfig")
+
+
+async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
+    """Start, serve until SIGTERM/SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(server))
+    await server.start()
+    log.info(
+        "serving",
+        port=server.port,
+        services=list(server.service_names),
+        **({"health_port": server.health_port} if server.health_server else {}),
+        **({"metrics_port": server.metrics_port} if server.metrics else {}),
+    )
+    await stop.wait()
+    log.info("shutting down", grace_s=grace)
+    await server.stop(grace)
+    log.info("stopped")
+
+
+def _reloader(server: GrpcServer) -> Callable[[], None]:
+    def reload() -> None:
+        log.info("SIGHUP: reloading certificates and settings")
+        try:
+            server.reload()
+        except Exception:  # noqa: BLE001 - a bad reload keeps the old settings
+            log.exception("reload failed; keeping the previous settings")
+
+    return reload
+
+
+class _ServiceConfig(Protocol):
+    @property
+    def log_level(self) -> str: ...
+
+    @property
+    def grace(self) -> float: ...
+
+
+def run_main(
+    load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]], *, service: str
+) -> None:
+    """The `python -m services.<name>` entry: config, tracing (if the OTEL_*
+    environment asks, services.common.tracing), logging, serve, exit."""
+    from services.common.logs import configure_logging
+
+    try:
+        config = load()
+        # Before any channel opens: channels get tracing's interceptors then.
+        tracing.TRACING.configure(
+            service,
+            str(getattr(config, "deployment_id", "")),
+            str(getattr(config, "instance_id", "")),
+        )
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    configure_logging(config.log_level)
+
+    async def _serve() -> None:
+        server = await create(config)
+        await run_until_signalled(server, grace=config.grace)
+
+    try:
+        asyncio.run(_serve())
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    finally:
+        tracing.TRACING.shutdown()  # exports the spans still buffered
