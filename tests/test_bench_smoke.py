@@ -202,3 +202,31 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
     interleaved = figures["interleaved"]
     assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
     assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)
+
+
+def test_scaling_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.scaling --smoke`: levels 1 and 4 each run their turns
+    and their etcd-alone pairs, and every level has positive figures."""
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.scaling", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    levels = figures["levels"]
+    assert [level["sessions"] for level in levels] == [1, 4]
+    for level in levels:
+        assert level["ran"], level
+        # --turns 6, at least 2 per session.
+        assert level["turns"] == max(6, 2 * level["sessions"])
+        assert level["turn"]["n"] == level["turns"]
+        assert level["turns_per_s"] > 0 and level["etcd_alone"]["pairs_per_s"] > 0
+        assert level["turn"]["p50_ms"] > 0 and level["turn"]["p99_ms"] > 0
+        assert level["over_etcd_alone"] > 0
+        assert level["services_cpu_ms_per_turn"] > 0
+        assert level["cpu_ms_per_turn"]["bench client"] >= 0
+        assert level["not_finalized"] == 0
