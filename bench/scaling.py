@@ -236,6 +236,32 @@ def level_figures(
     }
 
 
+async def etcd_alone(
+    stack: BenchStack, sessions: int, pairs: int, snapshot_bytes: int
+) -> dict[str, Any]:
+    """`pairs` append+commit pairs over `sessions` sessions on one aetcd
+    client, no services (at least one pair per session)."""
+    assert stack.etcd is not None
+    return await measure_floor_throughput(
+        stack.etcd.endpoint, sessions, max(pairs, sessions), snapshot_bytes, stack.etcd_security
+    )
+
+
+def both_halves(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """etcd alone over the pairs run before and after a level's turns: the
+    machine's drift during the level weighs on both sides of the ratio."""
+    pairs = before["pairs"] + after["pairs"]
+    elapsed = before["elapsed_s"] + after["elapsed_s"]
+    return {
+        "sessions": before["sessions"],
+        "pairs": pairs,
+        "elapsed_s": elapsed,
+        "pairs_per_s": pairs / elapsed,
+        "before_pairs_per_s": before["pairs_per_s"],
+        "after_pairs_per_s": after["pairs_per_s"],
+    }
+
+
 async def run_level(
     stack: BenchStack,
     stub: ingress_pb2_grpc.IngressServiceStub,
@@ -243,10 +269,7 @@ async def run_level(
     turns: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    assert stack.etcd is not None
-    floor = await measure_floor_throughput(
-        stack.etcd.endpoint, sessions, turns, args.snapshot_bytes, stack.etcd_security
-    )
+    floor_before = await etcd_alone(stack, sessions, turns // 2, args.snapshot_bytes)
     # Creating a session and opening its reader is a few calls; give large
     # levels time on a loaded machine.
     followers = await open_followers(stub, sessions, ready_timeout=20.0 + 0.1 * sessions)
@@ -264,6 +287,8 @@ async def run_level(
         unfinished = await finalize(stub, followers)
     finally:
         await asyncio.gather(*(f.close() for f in followers))
+    floor_after = await etcd_alone(stack, sessions, turns - turns // 2, args.snapshot_bytes)
+    floor = both_halves(floor_before, floor_after)
     figures = level_figures(tput, floor, marks[0], marks[1], os.cpu_count() or 1)
     figures["open_fds"] = fds
     figures["not_finalized"] = unfinished
