@@ -230,3 +230,19 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
         assert level["services_cpu_ms_per_turn"] > 0
         assert level["cpu_ms_per_turn"]["bench client"] >= 0
         assert level["not_finalized"] == 0
+
+
+def test_scaling_refuses_levels_over_a_limit() -> None:
+    """A level over a stack or client limit is not run; the reason names the
+    limit. Pure: no stack."""
+    from bench.scaling import StackLimits
+
+    limits = StackLimits(
+        follow_streams=1000, max_streams=600, max_unary=300, nofile=1024, open_fds=20
+    )
+    assert limits.refusal(256) == ""
+    assert "BATON_MAX_CONCURRENT_RPCS" in limits.refusal(512)
+    assert "BATON_MAX_CONCURRENT_STREAMS" in limits.refusal(700)
+    assert "BATON_MAX_FOLLOW_STREAMS" in limits.refusal(1001)
+    assert StackLimits(0, 10**5, 2000, 1024, 20).refusal(1500) == ""  # 0: no follow limit
+    assert "file descriptors" in StackLimits(1000, 10**5, 2000, 300, 100).refusal(1)
