@@ -48,6 +48,7 @@ class OwnedSession:
 
     fence: s.Fence
     owner: OwnerRecord
+    input_waiting: bool = False  # parked, and its bell rang since
 
 
 def _check_takeover(
@@ -252,13 +253,27 @@ class Ownership:
     async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
         """The sessions an instance owns (its ownership index), with their
         current owner records (read in chunks, one read txn each); every
-        instance's, live or gone, when `instance_id` is empty."""
+        instance's, live or gone, when `instance_id` is empty.
+
+        For one instance, its bells are read in the listing's own txn: a
+        parked session whose bell rang (input waiting) is `input_waiting`, so
+        a successor tells the sessions to claim first (running, or parked with
+        input) from the quiet parked ones from the owner records' `parked`
+        flags and the bells, each written in the txn of the state it
+        describes (the park, the append)."""
         ids.validate_deployment_id(deployment_id)
         if instance_id:
             ids.validate_id(instance_id, "instance_id")
         k = self._keys
         prefix = k.owned_prefix(deployment_id, instance_id)
-        listed = await Txn().read("owned", prefix, prefix_end(prefix)).run(self._store)
+        bells = k.bell_prefix(instance_id)
+        listing = Txn().read("owned", prefix, prefix_end(prefix))
+        if instance_id:
+            listing.read("bells", bells, prefix_end(bells), keys_only=True)
+        listed = await listing.run(self._store)
+        rung: set[str] = set()
+        if instance_id:
+            rung = {kv.key[len(bells) :].decode() for kv in listed.kvs("bells")}
         entries = []  # (session, the instance it is indexed under, fence)
         for kv in listed.kvs("owned"):
             rest = kv.key[len(prefix) :].decode()
@@ -279,5 +294,11 @@ class Ownership:
                 if record.fence != indexed or record.instance_id != holder:
                     continue  # moved on since the listing
                 epoch, run = parse_fence(indexed)
-                owned.append(OwnedSession(fence=Fence(sid, run, epoch).proto(), owner=record))
+                owned.append(
+                    OwnedSession(
+                        fence=Fence(sid, run, epoch).proto(),
+                        owner=record,
+                        input_waiting=record.parked and sid in rung,
+                    )
+                )
         return owned
