@@ -357,6 +357,7 @@ class FleetMembership:
             await asyncio.gather(*(worker() for _ in range(min(SWEEP_CONCURRENCY, len(order)))))
         finally:
             watch.cancel()
+            await asyncio.wait([watch])
             if self.unclaimed.get(instance_id) is backlog:
                 # What is left (the instance is live again, the lease was
                 # lost) is the next round's or another instance's.
