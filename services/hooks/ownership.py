@@ -9,6 +9,7 @@ owner instance's bell while it is set.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from services.hooks.inbox import MAX_APPEND_ATTEMPTS
 from services.hooks.sessions import CachedSession, SessionCache, owner_record
 
 _LIST_CHUNK = 64
+_LIST_READS = 4  # chunk reads of one listing in flight at once
 
 
 @dataclass(frozen=True)
@@ -279,15 +281,24 @@ class Ownership:
             rest = kv.key[len(prefix) :].decode()
             holder, _, sid = rest.rpartition("/") if not instance_id else (instance_id, "", rest)
             entries.append((sid, holder, kv.value))
+        chunks = [entries[i : i + _LIST_CHUNK] for i in range(0, len(entries), _LIST_CHUNK)]
+        slots = asyncio.Semaphore(_LIST_READS)
+
+        async def owners(chunk: list[tuple[str, str, bytes]]) -> list[bytes | None]:
+            async with slots:
+                read = (
+                    await Txn()
+                    .read_each("owners", [k.owner(sid) for sid, _, _ in chunk])
+                    .run(self._store)
+                )
+            return list(read.values("owners"))
+
+        # A few chunks at a time: a successor's listing of a dead instance's
+        # 10,000 sessions is on the path to answering its active ones.
+        records = await asyncio.gather(*(owners(chunk) for chunk in chunks))
         owned: list[OwnedSession] = []
-        for start in range(0, len(entries), _LIST_CHUNK):
-            chunk = entries[start : start + _LIST_CHUNK]
-            read = (
-                await Txn()
-                .read_each("owners", [k.owner(sid) for sid, _, _ in chunk])
-                .run(self._store)
-            )
-            for (sid, holder, indexed), raw in zip(chunk, read.values("owners"), strict=True):
+        for chunk, raws in zip(chunks, records, strict=True):
+            for (sid, holder, indexed), raw in zip(chunk, raws, strict=True):
                 if raw is None:
                     continue
                 record = OwnerRecord.decode(raw)
