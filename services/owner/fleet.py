@@ -9,7 +9,17 @@
 - Takeover: one stream of the deployment's live instances. When an instance
   disappears (or is found dead at start, owning sessions) this instance takes
   its sessions over, racing the other survivors: the first compare-and-swap
-  wins each session, the losers move on.
+  wins each session, the losers move on. Recovery scales with the active
+  sessions, not the parked ones: the listing tells them apart (the owner
+  records' `parked` flags and the dead instance's bells, each written in the
+  txn of the state it describes), the active ones (running, or parked with
+  input waiting) are claimed first at full speed, and the quiet parked ones
+  lazily: by a paced background sweep, and at once when a bell rings for
+  one (an arrival for a parked session rings the bell of the instance its
+  owner record names, dead or not; this instance watches the dead one's
+  bells while it sweeps). Every claim is the same fenced takeover (epoch + 1,
+  first compare-and-swap wins), so a session woken while a survivor sweeps
+  it has exactly one owner.
 - Bells: one stream for all of this instance's parked sessions; each bell is
   handed to the host, which wakes a parked session whose inbox moved.
 - Reconciliation: every few seconds, a session indexed under this instance
@@ -25,12 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from services.common import retry
+from services.common import failpoints, metrics, retry
 from services.common.client_answers import OwnedSession
 from services.common.errors import BatonError, FailedPrecondition, Reason
 from services.common.hooks_client import HooksClient
@@ -43,6 +55,12 @@ log = structlog.get_logger("baton.owner.fleet")
 ADOPT_CONCURRENCY = 32
 ADOPT_ROUNDS = 20
 DEREGISTER_SECONDS = 2.0
+# The lazy claim of quiet parked sessions: a few workers, paced at this many
+# claims a second per swept instance (a dead instance's 10,000 parked
+# sessions take a minute, leaving etcd and hooks to the live traffic).
+SWEEP_CONCURRENCY = 4
+DEFAULT_SWEEP_RATE = 200.0
+SWEEP_LOG_EVERY = 5.0  # seconds between a long sweep's progress lines
 
 
 class FleetMembership:
@@ -58,6 +76,7 @@ class FleetMembership:
         keepalive_every: float,
         on_lease_lost: Callable[[], Awaitable[None]] | None = None,
         reconcile_every: float = DEFAULT_RECONCILE_INTERVAL,
+        sweep_rate: float = DEFAULT_SWEEP_RATE,
     ) -> None:
         self.host = host
         self.hooks = hooks
@@ -76,9 +95,16 @@ class FleetMembership:
         # Sessions indexed under this instance that it did not hold at the
         # last reconciliation: session id -> fence value seen then.
         self._unheld: dict[str, bytes] = {}
+        # Quiet parked sessions listed and not claimed yet, by the instance
+        # they are indexed under: claimed by the sweep, or at once on a bell.
+        self.unclaimed: dict[str, dict[str, OwnedSession]] = {}
+        self._wake_slots = asyncio.Semaphore(ADOPT_CONCURRENCY)
         if reconcile_every <= 0:
             raise ValueError("reconcile_every must be positive")
+        if sweep_rate <= 0:
+            raise ValueError("sweep_rate must be positive")
         self.reconcile_every = reconcile_every
+        self.sweep_rate = sweep_rate
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
 
     def start(self) -> None:
@@ -125,8 +151,11 @@ class FleetMembership:
         self._spawn(self._keep_alive())
         self._spawn(self._watch_bells())
         # Sessions indexed under our own id belong to an earlier process with
-        # this instance id: take them over before creating new ones.
-        await self._adopt_instance(self.instance_id)
+        # this instance id: take the active ones over before creating new
+        # ones; the quiet parked ones are swept in the background.
+        active_taken = asyncio.Event()
+        self._schedule_adoption(self.instance_id, active_taken)
+        await active_taken.wait()
         self.host.set_ready()
         self._spawn(self._watch_instances())
         self._spawn(self._reconcile())
@@ -174,26 +203,36 @@ class FleetMembership:
                 self._log.warning("instance watch interrupted", reason=exc.reason)
             await backoff.wait()
 
-    def _schedule_adoption(self, instance_id: str) -> None:
+    def _schedule_adoption(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         if instance_id in self._adopting:
             self._adopting[instance_id] = True
             return
         self._adopting[instance_id] = False
-        self._spawn(self._adopt_rounds(instance_id))
+        self._spawn(self._adopt_rounds(instance_id, active_taken))
 
-    async def _adopt_rounds(self, instance_id: str) -> None:
+    async def _adopt_rounds(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         try:
             while True:
-                await self._adopt_instance(instance_id)
+                await self._adopt_instance(instance_id, active_taken)
                 if not self._adopting.get(instance_id):
                     return
                 self._adopting[instance_id] = False
         finally:
             self._adopting.pop(instance_id, None)
+            if active_taken is not None:
+                active_taken.set()
 
-    async def _adopt_instance(self, instance_id: str) -> None:
+    async def _adopt_instance(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         """Take over every session indexed under `instance_id`, until none is
-        left there (the others' wins leave the index too)."""
+        left there (the others' wins leave the index too): each round the
+        active sessions first (then `active_taken` is set), then the quiet
+        parked ones, lazily (`_sweep`)."""
         bound = self._log.bind(dead_instance_id=instance_id)
         backoff = retry.FLEET.backoff()
         for _ in range(ADOPT_ROUNDS):
@@ -213,8 +252,15 @@ class FleetMembership:
                 self._unfinished.discard(instance_id)
                 return
             random.shuffle(owned)  # spread the races between the survivors
-            bound.info("taking sessions over", sessions=len(owned))
-            won, live_again = await self._adopt_all(owned)
+            active = [o for o in owned if not o.parked or o.input_waiting]
+            quiet = [o for o in owned if o.parked and not o.input_waiting]
+            bound.info("taking sessions over", active=len(active), parked=len(quiet))
+            won, live_again = await self._adopt_all(active)
+            if active_taken is not None:
+                active_taken.set()
+            if quiet and not live_again:
+                swept, live_again = await self._sweep(instance_id, quiet, bound)
+                won += swept
             if live_again:
                 bound.info("instance is live again; not taking over")
                 self._unfinished.discard(instance_id)
@@ -241,19 +287,120 @@ class FleetMembership:
             for session in pending:
                 if live_again:
                     return
-                try:
-                    if await self.host.adopt(session):
-                        won += 1
-                except FailedPrecondition as exc:
-                    if exc.reason != Reason.INSTANCE_LIVE:
-                        self._log.error("takeover failed", reason=exc.reason, error=exc.message)
-                        continue
-                    live_again = True
-                except BatonError as exc:
-                    self._log.error("takeover failed", reason=exc.reason, error=exc.message)
+                taken, live = await self._take(session)
+                won += taken
+                live_again |= live
 
         await asyncio.gather(*(worker() for _ in range(min(ADOPT_CONCURRENCY, len(owned)))))
         return won, live_again
+
+    async def _take(self, session: OwnedSession) -> tuple[bool, bool]:
+        """One takeover: (won, whether its instance turned out live)."""
+        try:
+            return await self.host.adopt(session), False
+        except FailedPrecondition as exc:
+            if exc.reason == Reason.INSTANCE_LIVE:
+                return False, True
+            self._log.error("takeover failed", reason=exc.reason, error=exc.message)
+        except BatonError as exc:
+            self._log.error("takeover failed", reason=exc.reason, error=exc.message)
+        return False, False
+
+    # -- the lazy claim of quiet parked sessions ---------------------------------------
+
+    async def _sweep(
+        self, instance_id: str, quiet: list[OwnedSession], bound: structlog.BoundLogger
+    ) -> tuple[int, bool]:
+        """Claim the quiet parked sessions listed under `instance_id`: a few
+        workers at `sweep_rate` claims a second, while a watch of the
+        instance's bells claims a woken one at once. The watch starts after
+        the backlog is known, and its first answer is every bell already
+        rung: an arrival after the listing is never left to the sweep's
+        pace. Returns (won, whether the instance turned out live)."""
+        backlog = self.unclaimed.setdefault(instance_id, {})
+        for session in quiet:
+            backlog.setdefault(session.fence.session_id, session)
+        order = list(backlog)
+        watch = asyncio.ensure_future(self._watch_backlog_bells(instance_id, backlog))
+        loop = asyncio.get_running_loop()
+        started = last_log = next_at = loop.time()
+        won = claimed = 0
+        live_again = False
+        pending = iter(order)
+        bound.info("sweeping parked sessions", sessions=len(order), rate=self.sweep_rate)
+
+        async def worker() -> None:
+            nonlocal won, claimed, live_again, next_at, last_log
+            for sid in pending:
+                if live_again or self.lease_lost.is_set():
+                    return
+                now = loop.time()
+                slot, next_at = max(now, next_at), max(now, next_at) + 1 / self.sweep_rate
+                if slot > now:
+                    await asyncio.sleep(slot - now)
+                session = backlog.pop(sid, None)
+                if session is None:
+                    continue  # a bell claimed it first
+                taken, live = await self._take(session)
+                live_again |= live
+                claimed += 1
+                if taken:
+                    won += 1
+                    metrics.PARKED_CLAIMS.labels("swept").inc()
+                # Tests: a successor killed mid-sweep.
+                await failpoints.hit("fleet.swept")
+                if loop.time() - last_log >= SWEEP_LOG_EVERY:
+                    last_log = loop.time()
+                    bound.info("sweep progress", claimed=claimed, won=won, left=len(backlog))
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(SWEEP_CONCURRENCY, len(order)))))
+        finally:
+            watch.cancel()
+            await asyncio.wait([watch])
+            if self.unclaimed.get(instance_id) is backlog:
+                # What is left (the instance is live again, the lease was
+                # lost) is the next round's or another instance's.
+                del self.unclaimed[instance_id]
+        bound.info(
+            "sweep done",
+            claimed=claimed,
+            won=won,
+            seconds=round(loop.time() - started, 1),
+            live_again=live_again,
+        )
+        return won, live_again
+
+    async def _watch_backlog_bells(
+        self, instance_id: str, backlog: dict[str, OwnedSession]
+    ) -> None:
+        """While `instance_id`'s parked sessions are swept: a bell (input for
+        one of them) claims that one at once."""
+        backoff = retry.FLEET.backoff()
+        while True:
+            try:
+                async for bells in self.hooks.watch_bells(instance_id):
+                    for bell in bells:
+                        session = backlog.pop(bell.session_id, None)
+                        if session is not None:
+                            self._spawn(self._claim_woken(session))
+                    backoff.reset()
+            except BatonError as exc:
+                self._log.warning(
+                    "bell watch of a swept instance interrupted",
+                    swept_instance_id=instance_id,
+                    reason=exc.reason,
+                )
+            await backoff.wait()
+
+    async def _claim_woken(self, session: OwnedSession) -> None:
+        """A parked session of the backlog whose bell rang: take it over now
+        (the takeover sees the bell, so the session is not parked under
+        this instance and runs at once)."""
+        async with self._wake_slots:
+            taken, _ = await self._take(session)
+        if taken:
+            metrics.PARKED_CLAIMS.labels("woken").inc()
 
     # -- reconciliation -------------------------------------------------------------
 
@@ -285,11 +432,13 @@ class FleetMembership:
                 for o in owned
                 if not self.host.holds(o.fence.session_id)
             }
+            sweeping = self.unclaimed.get(self.instance_id, {})
             orphans = [
                 o
                 for o in owned
                 if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
                 and o.fence.session_id in unheld
+                and o.fence.session_id not in sweeping  # the sweep's, at its pace
             ]
             self._unheld = unheld
             if orphans:
@@ -321,3 +470,21 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("bell watch interrupted", reason=exc.reason)
             await backoff.wait()
+
+
+class UnclaimedSessions(Collector):
+    """`baton_parked_unclaimed_sessions`: quiet parked sessions this instance
+    listed under a dead instance (or under its own id, left by its earlier
+    process) and has not claimed yet (docs/metrics.md)."""
+
+    def __init__(self, fleet: FleetMembership) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            metrics.PARKED_UNCLAIMED,
+            "Quiet parked sessions of dead instances this instance listed and has not "
+            "claimed yet (its sweep claims them at a bounded rate; a bell claims one at once)",
+        )
+        family.add_metric([], sum(len(b) for b in self._fleet.unclaimed.values()))
+        yield family

@@ -13,7 +13,7 @@ from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
 from services.common.hooks_client import HooksClient
 from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
-from services.owner.fleet import FleetMembership
+from services.owner.fleet import FleetMembership, UnclaimedSessions
 from services.owner.host import OwnerHost
 from services.owner.hosting import HostSettings
 from services.owner.metering import HeldSessions
@@ -81,6 +81,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     fleet.start()
     if server.metrics is not None:
         server.metrics.add(HeldSessions(host))
+        server.metrics.add(UnclaimedSessions(fleet))
     server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)
