@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from baton.session.v1 import session_pb2 as s
-from services.owner.fleet import SWEEP_CONCURRENCY
+from services.owner.sweep import SWEEP_CONCURRENCY
 from tests.procs import ProcessStack, StackClients, answered, check_history, eventually
 from tests.scrape import scrape
 

@@ -35,32 +35,24 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from services.common import failpoints, metrics, retry
+from services.common import retry
 from services.common.client_answers import OwnedSession
-from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.common.errors import BatonError
 from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner.config import DEFAULT_RECONCILE_INTERVAL
 from services.owner.host import OwnerHost
+from services.owner.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
 
-ADOPT_CONCURRENCY = 32
 ADOPT_ROUNDS = 20
 DEREGISTER_SECONDS = 2.0
-# The lazy claim of quiet parked sessions: a few workers, paced at this many
-# claims a second per swept instance (a dead instance's 10,000 parked
-# sessions take a minute, leaving etcd and hooks to the live traffic).
-SWEEP_CONCURRENCY = 4
-DEFAULT_SWEEP_RATE = 200.0
-SWEEP_LOG_EVERY = 5.0  # seconds between a long sweep's progress lines
 
 
 class FleetMembership:
@@ -95,16 +87,14 @@ class FleetMembership:
         # Sessions indexed under this instance that it did not hold at the
         # last reconciliation: session id -> fence value seen then.
         self._unheld: dict[str, bytes] = {}
-        # Quiet parked sessions listed and not claimed yet, by the instance
-        # they are indexed under: claimed by the sweep, or at once on a bell.
-        self.unclaimed: dict[str, dict[str, OwnedSession]] = {}
-        self._wake_slots = asyncio.Semaphore(ADOPT_CONCURRENCY)
+        # Quiet parked sessions listed and not claimed yet: claimed by the
+        # sweep, or at once on a bell.
+        self.parked = ParkedSweep(
+            host, hooks, self._background, rate=sweep_rate, stopped=self.lease_lost
+        )
         if reconcile_every <= 0:
             raise ValueError("reconcile_every must be positive")
-        if sweep_rate <= 0:
-            raise ValueError("sweep_rate must be positive")
         self.reconcile_every = reconcile_every
-        self.sweep_rate = sweep_rate
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
 
     def start(self) -> None:
@@ -232,7 +222,7 @@ class FleetMembership:
         """Take over every session indexed under `instance_id`, until none is
         left there (the others' wins leave the index too): each round the
         active sessions first (then `active_taken` is set), then the quiet
-        parked ones, lazily (`_sweep`)."""
+        parked ones, lazily (`ParkedSweep.sweep`)."""
         bound = self._log.bind(dead_instance_id=instance_id)
         backoff = retry.FLEET.backoff()
         for _ in range(ADOPT_ROUNDS):
@@ -255,11 +245,11 @@ class FleetMembership:
             active = [o for o in owned if not o.parked or o.input_waiting]
             quiet = [o for o in owned if o.parked and not o.input_waiting]
             bound.info("taking sessions over", active=len(active), parked=len(quiet))
-            won, live_again = await self._adopt_all(active)
+            won, live_again = await claim_all(self.host, active)
             if active_taken is not None:
                 active_taken.set()
             if quiet and not live_again:
-                swept, live_again = await self._sweep(instance_id, quiet, bound)
+                swept, live_again = await self.parked.sweep(instance_id, quiet, bound)
                 won += swept
             if live_again:
                 bound.info("instance is live again; not taking over")
@@ -273,134 +263,6 @@ class FleetMembership:
         if instance_id != self.instance_id:
             self._unfinished.add(instance_id)
         bound.warning("sessions still indexed under the dead instance after every round")
-
-    async def _adopt_all(self, owned: list[OwnedSession]) -> tuple[int, bool]:
-        """Race for each session, a bounded number at a time (a few workers,
-        not one task per session: a dead instance may have held thousands).
-        Returns (won, whether the instance turned out live)."""
-        pending = iter(owned)
-        won = 0
-        live_again = False
-
-        async def worker() -> None:
-            nonlocal won, live_again
-            for session in pending:
-                if live_again:
-                    return
-                taken, live = await self._take(session)
-                won += taken
-                live_again |= live
-
-        await asyncio.gather(*(worker() for _ in range(min(ADOPT_CONCURRENCY, len(owned)))))
-        return won, live_again
-
-    async def _take(self, session: OwnedSession) -> tuple[bool, bool]:
-        """One takeover: (won, whether its instance turned out live)."""
-        try:
-            return await self.host.adopt(session), False
-        except FailedPrecondition as exc:
-            if exc.reason == Reason.INSTANCE_LIVE:
-                return False, True
-            self._log.error("takeover failed", reason=exc.reason, error=exc.message)
-        except BatonError as exc:
-            self._log.error("takeover failed", reason=exc.reason, error=exc.message)
-        return False, False
-
-    # -- the lazy claim of quiet parked sessions ---------------------------------------
-
-    async def _sweep(
-        self, instance_id: str, quiet: list[OwnedSession], bound: structlog.BoundLogger
-    ) -> tuple[int, bool]:
-        """Claim the quiet parked sessions listed under `instance_id`: a few
-        workers at `sweep_rate` claims a second, while a watch of the
-        instance's bells claims a woken one at once. The watch starts after
-        the backlog is known, and its first answer is every bell already
-        rung: an arrival after the listing is never left to the sweep's
-        pace. Returns (won, whether the instance turned out live)."""
-        backlog = self.unclaimed.setdefault(instance_id, {})
-        for session in quiet:
-            backlog.setdefault(session.fence.session_id, session)
-        order = list(backlog)
-        watch = asyncio.ensure_future(self._watch_backlog_bells(instance_id, backlog))
-        loop = asyncio.get_running_loop()
-        started = last_log = next_at = loop.time()
-        won = claimed = 0
-        live_again = False
-        pending = iter(order)
-        bound.info("sweeping parked sessions", sessions=len(order), rate=self.sweep_rate)
-
-        async def worker() -> None:
-            nonlocal won, claimed, live_again, next_at, last_log
-            for sid in pending:
-                if live_again or self.lease_lost.is_set():
-                    return
-                now = loop.time()
-                slot, next_at = max(now, next_at), max(now, next_at) + 1 / self.sweep_rate
-                if slot > now:
-                    await asyncio.sleep(slot - now)
-                session = backlog.pop(sid, None)
-                if session is None:
-                    continue  # a bell claimed it first
-                taken, live = await self._take(session)
-                live_again |= live
-                claimed += 1
-                if taken:
-                    won += 1
-                    metrics.PARKED_CLAIMS.labels("swept").inc()
-                # Tests: a successor killed mid-sweep.
-                await failpoints.hit("fleet.swept")
-                if loop.time() - last_log >= SWEEP_LOG_EVERY:
-                    last_log = loop.time()
-                    bound.info("sweep progress", claimed=claimed, won=won, left=len(backlog))
-
-        try:
-            await asyncio.gather(*(worker() for _ in range(min(SWEEP_CONCURRENCY, len(order)))))
-        finally:
-            watch.cancel()
-            await asyncio.wait([watch])
-            if self.unclaimed.get(instance_id) is backlog:
-                # What is left (the instance is live again, the lease was
-                # lost) is the next round's or another instance's.
-                del self.unclaimed[instance_id]
-        bound.info(
-            "sweep done",
-            claimed=claimed,
-            won=won,
-            seconds=round(loop.time() - started, 1),
-            live_again=live_again,
-        )
-        return won, live_again
-
-    async def _watch_backlog_bells(
-        self, instance_id: str, backlog: dict[str, OwnedSession]
-    ) -> None:
-        """While `instance_id`'s parked sessions are swept: a bell (input for
-        one of them) claims that one at once."""
-        backoff = retry.FLEET.backoff()
-        while True:
-            try:
-                async for bells in self.hooks.watch_bells(instance_id):
-                    for bell in bells:
-                        session = backlog.pop(bell.session_id, None)
-                        if session is not None:
-                            self._spawn(self._claim_woken(session))
-                    backoff.reset()
-            except BatonError as exc:
-                self._log.warning(
-                    "bell watch of a swept instance interrupted",
-                    swept_instance_id=instance_id,
-                    reason=exc.reason,
-                )
-            await backoff.wait()
-
-    async def _claim_woken(self, session: OwnedSession) -> None:
-        """A parked session of the backlog whose bell rang: take it over now
-        (the takeover sees the bell, so the session is not parked under
-        this instance and runs at once)."""
-        async with self._wake_slots:
-            taken, _ = await self._take(session)
-        if taken:
-            metrics.PARKED_CLAIMS.labels("woken").inc()
 
     # -- reconciliation -------------------------------------------------------------
 
@@ -427,22 +289,9 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("reconciliation listing failed", reason=exc.reason)
                 continue
-            unheld = {
-                o.fence.session_id: o.fence.SerializeToString()
-                for o in owned
-                if not self.host.holds(o.fence.session_id)
-            }
-            sweeping = self.unclaimed.get(self.instance_id, {})
-            orphans = [
-                o
-                for o in owned
-                if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
-                and o.fence.session_id in unheld
-                and o.fence.session_id not in sweeping  # the sweep's, at its pace
-            ]
-            self._unheld = unheld
+            orphans = self._orphans(owned)
             if orphans:
-                won, _ = await self._adopt_all(orphans)
+                won, _ = await claim_all(self.host, orphans)
                 # The others were finalized (their index entry is dropped
                 # by the takeover attempt) or taken by someone else.
                 if won:
@@ -457,6 +306,26 @@ class FleetMembership:
                         sessions=len(orphans) - won,
                     )
 
+    def _orphans(self, owned: list[OwnedSession]) -> list[OwnedSession]:
+        """The sessions of this instance's listing the host held in no state
+        at this reconciliation and the last, with the same fence (and that
+        the sweep is not claiming at its own pace)."""
+        unheld = {
+            o.fence.session_id: o.fence.SerializeToString()
+            for o in owned
+            if not self.host.holds(o.fence.session_id)
+        }
+        sweeping = self.parked.sweeping(self.instance_id)
+        orphans = [
+            o
+            for o in owned
+            if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
+            and o.fence.session_id in unheld
+            and o.fence.session_id not in sweeping
+        ]
+        self._unheld = unheld
+        return orphans
+
     # -- bells ----------------------------------------------------------------------
 
     async def _watch_bells(self) -> None:
@@ -470,21 +339,3 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("bell watch interrupted", reason=exc.reason)
             await backoff.wait()
-
-
-class UnclaimedSessions(Collector):
-    """`baton_parked_unclaimed_sessions`: quiet parked sessions this instance
-    listed under a dead instance (or under its own id, left by its earlier
-    process) and has not claimed yet (docs/metrics.md)."""
-
-    def __init__(self, fleet: FleetMembership) -> None:
-        self._fleet = fleet
-
-    def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily(
-            metrics.PARKED_UNCLAIMED,
-            "Quiet parked sessions of dead instances this instance listed and has not "
-            "claimed yet (its sweep claims them at a bounded rate; a bell claims one at once)",
-        )
-        family.add_metric([], sum(len(b) for b in self._fleet.unclaimed.values()))
-        yield family

@@ -13,11 +13,12 @@ from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
 from services.common.hooks_client import HooksClient
 from services.owner.agent import load_agent
 from services.owner.config import OwnerConfig
-from services.owner.fleet import FleetMembership, UnclaimedSessions
+from services.owner.fleet import FleetMembership
 from services.owner.host import OwnerHost
 from services.owner.hosting import HostSettings
 from services.owner.metering import HeldSessions
 from services.owner.servicer import OwnerServicer
+from services.owner.sweep import UnclaimedSessions
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
 EXIT_LEASE_LOST = 3
@@ -81,7 +82,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     fleet.start()
     if server.metrics is not None:
         server.metrics.add(HeldSessions(host))
-        server.metrics.add(UnclaimedSessions(fleet))
+        server.metrics.add(UnclaimedSessions(fleet.parked))
     server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)
