@@ -1,4 +1,4 @@
-"""Which etcd Baton starts (services/cli/processes.py `find_etcd`): a
+"""Which etcd Baton starts (services/cli/etcd_binary.py `find_etcd`): a
 known-bad release is refused before anything runs, saying why and what to
 install, unless the risk is accepted; a good one is chosen even when a bad
 one stands before it on PATH; and every etcd started runs with etcd's
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from services.cli import launcher
-from services.cli.processes import EtcdProcess, EtcdRefused, find_etcd
+from services.cli.etcd_binary import EtcdRefused, find_etcd
+from services.cli.etcd_process import EtcdProcess
 from services.common.etcd_releases import EtcdVersion
 
 

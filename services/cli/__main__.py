@@ -46,7 +46,7 @@ import aetcd
 import grpc
 
 from services.cli import demo, etcd_check, launcher, operate
-from services.cli.processes import EtcdRefused, accept_etcd_risk_from_env, find_etcd
+from services.cli.etcd_binary import EtcdRefused, accept_etcd_risk_from_env, find_etcd
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.errors import BatonError

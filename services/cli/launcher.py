@@ -55,17 +55,10 @@ import services
 from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from services.cli import profile
 from services.cli.etcd_auth import enable_auth
+from services.cli.etcd_binary import EtcdRefused, find_etcd
 from services.cli.etcd_check import members_consistent
-from services.cli.processes import (
-    EtcdCluster,
-    EtcdProcess,
-    EtcdRefused,
-    EtcdTls,
-    ServiceProcess,
-    etcd_healthy,
-    find_etcd,
-    sync_channel,
-)
+from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls, etcd_healthy
+from services.cli.processes import ServiceProcess, sync_channel
 from services.common.identity import Role
 from services.common.pki import LocalPki
 from services.common.tls import Security
