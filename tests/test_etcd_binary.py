@@ -19,6 +19,7 @@ import pytest
 from services.cli import launcher
 from services.cli.etcd_binary import EtcdRefused, find_etcd
 from services.cli.etcd_process import EtcdProcess
+from services.cli.launch_settings import LaunchSettings
 from services.common.etcd_releases import EtcdVersion
 
 
@@ -67,7 +68,7 @@ def test_a_good_etcd_later_on_path_wins_over_a_bad_one_first(tmp_path: Path) -> 
 def test_baton_up_refuses_a_known_bad_etcd_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    settings = launcher.LaunchSettings(
+    settings = LaunchSettings(
         port_base=0,
         etcd_port=0,
         run_dir=str(tmp_path / "run"),

@@ -22,17 +22,10 @@ from pathlib import Path
 import pytest
 
 from services.cli.__main__ import main as baton_main
-from services.cli.launcher import (
-    CERTS_DIR,
-    DEMO_API_KEY,
-    DEMO_DONE_LINE,
-    READY_LINE,
-    DeploymentPorts,
-    LaunchError,
-    LaunchSettings,
-    LocalSystem,
-    Ports,
-)
+from services.cli.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
+from services.cli.launcher import DEMO_DONE_LINE, READY_LINE
+from services.cli.local_system import CERTS_DIR, LocalSystem
+from services.cli.port_plan import DeploymentPorts, Ports
 from tests.scrape import Scrape, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
