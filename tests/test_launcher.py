@@ -558,10 +558,10 @@ def test_up_passes_the_dedupe_window_to_hooks(
     system = LocalSystem(
         LaunchSettings(plaintext=True, dedupe_window=5.0), ports, tmp_path, io.StringIO()
     )
-    assert system._service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
-    assert "BATON_DEDUPE_WINDOW" not in system._service_env("anchor", None)
+    assert system.service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
+    assert "BATON_DEDUPE_WINDOW" not in system.service_env("anchor", None)
     default = LocalSystem(LaunchSettings(plaintext=True), ports, tmp_path, io.StringIO())
-    assert "BATON_DEDUPE_WINDOW" not in default._service_env("hooks", None)
+    assert "BATON_DEDUPE_WINDOW" not in default.service_env("hooks", None)
     with pytest.raises(SystemExit) as exited:
         baton_main(["up", "--dedupe-window", "0.5"])
     assert exited.value.code == 2

@@ -204,11 +204,11 @@ def test_the_settings_come_from_flags_env_and_baton_up(tmp_path: Path) -> None:
         stream_retention_events=args.stream_retention_events, stream_retention=args.stream_retention
     )
     system = LocalSystem(settings, Ports.plan(0, 0), tmp_path, io.StringIO())
-    env = system._service_env("anchor", None)
+    env = system.service_env("anchor", None)
     assert AnchorConfig.load([], env).stream_policy == StreamPolicy(200, 2.5)
-    assert "BATON_STREAM_RETENTION" not in system._service_env("hooks", None)
+    assert "BATON_STREAM_RETENTION" not in system.service_env("hooks", None)
     unset = LocalSystem(LaunchSettings(), Ports.plan(0, 0), tmp_path, io.StringIO())
-    assert "BATON_STREAM_RETENTION_EVENTS" not in unset._service_env("anchor", None)
+    assert "BATON_STREAM_RETENTION_EVENTS" not in unset.service_env("anchor", None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--stream-retention-events", "0"])
 

@@ -282,6 +282,18 @@ class LocalSystem:
             )
         return etcd.path
 
+    def service_env(self, kind: str, dep: DeploymentPorts | None = None) -> dict[str, str]:
+        """The environment a `kind` process (of `dep`) starts with, but its
+        metrics address."""
+        return service_env(
+            kind,
+            dep,
+            settings=self.settings,
+            ports=self.ports,
+            security=self.security(Role(kind), dep.deployment_id if dep else ""),
+            api_key_file=self.api_key_file,
+        )
+
     def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:
         name = replica_label(kind, replica)
         port = self.ports.service_ports(kind, dep)[replica]
@@ -289,14 +301,7 @@ class LocalSystem:
         address = f"127.0.0.1:{port}"
         log_path = str(self.log_dir / log_name)
         metrics_port = self.ports.metrics[port]
-        env = service_env(
-            kind,
-            dep,
-            settings=self.settings,
-            ports=self.ports,
-            security=self.security(Role(kind), dep.deployment_id if dep else ""),
-            api_key_file=self.api_key_file,
-        ) | {"BATON_METRICS_LISTEN": f"127.0.0.1:{metrics_port}"}
+        env = self.service_env(kind, dep) | {"BATON_METRICS_LISTEN": f"127.0.0.1:{metrics_port}"}
         service = ServiceProcess(kind, address, env, log_path=log_path)
         label = f"{name} of {dep.deployment_id}" if dep else name
         try:

@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.cli.demo import format_event
+from services.cli.event_text import format_event
 from services.cli.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
 from services.common.grpc_errors import from_rpc_error
 
