@@ -21,7 +21,7 @@ class LaunchError(Exception):
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """The flags of `baton up`, checked (see services/cli/__main__.py)."""
+    """The flags of `baton up`, checked (services/cli/up_command.py)."""
 
     # One owner + one ingress per id, in this order; the first is where the
     # demo creates its session.
