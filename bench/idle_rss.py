@@ -42,7 +42,8 @@ from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from bench.common import write_json
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import EtcdProcess, EtcdTls, ServiceProcess, free_port, wait_serving
+from services.cli.etcd_process import EtcdProcess, EtcdTls
+from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common import ids
 from services.common.anchor_client import AnchorClient
 from services.common.hooks_client import HooksClient

@@ -64,15 +64,9 @@ from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from bench.common import apply_smoke, log_dir, write_json
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import (
-    EtcdProcess,
-    EtcdRefused,
-    EtcdTls,
-    ServiceProcess,
-    find_etcd,
-    free_port,
-    wait_serving,
-)
+from services.cli.etcd_binary import EtcdRefused, find_etcd
+from services.cli.etcd_process import EtcdProcess, EtcdTls
+from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import (
     cmp_absent,
