@@ -34,9 +34,9 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli.event_text import format_event
+from services.cli.launch_settings import DEMO_API_KEY
 
 DEFAULT_INGRESS = "127.0.0.1:50051"
-DEFAULT_API_KEY = "demo-key-0001-loopback-only"
 # The calculator message makes the fixture agent call a tool and answer
 # "The result is 35."; the "ask helper" message makes it ask its `helper`
 # subagent (a child session, which uses the calculator) and answer
@@ -160,7 +160,7 @@ def _trusting(ca_cert: str) -> grpc.ChannelCredentials:
 
 async def run_demo(
     ingress: str = DEFAULT_INGRESS,
-    api_key: str = DEFAULT_API_KEY,
+    api_key: str = DEMO_API_KEY,
     messages: Sequence[str] = DEFAULT_MESSAGES,
     *,
     upgrade_ingresses: Sequence[str] = (),

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from services.cli import demo
+from services.cli.launch_settings import DEMO_API_KEY
 
 
 def add_demo_command(commands: Any) -> None:
@@ -92,7 +93,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         asyncio.run(
             demo.run_demo(
                 args.ingress,
-                os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
+                os.environ.get("BATON_API_KEY") or DEMO_API_KEY,
                 messages,
                 upgrade_ingresses=args.upgrade_ingresses,
                 time_limit=args.time_limit,
