@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cli import demo, deployments, operator, profile, session_actions, sessions
+from services.cli.launch_settings import DEMO_API_KEY
 from services.common.errors import BatonError
 from services.common.tls import Security
 
@@ -45,7 +46,7 @@ def _tenant_connection(args: argparse.Namespace) -> sessions.Connection:
     explicit_tls = bool(args.ca_cert or args.plaintext)
     return sessions.Connection(
         ingress=args.ingress or found.ingress or demo.DEFAULT_INGRESS,
-        api_key=os.environ.get("BATON_API_KEY") or demo.DEFAULT_API_KEY,
+        api_key=os.environ.get("BATON_API_KEY") or DEMO_API_KEY,
         ca_cert=args.ca_cert or ("" if explicit_tls else found.ca_cert),
         plaintext=args.plaintext or (not explicit_tls and found.plaintext),
         server_name=args.tls_server_name,
