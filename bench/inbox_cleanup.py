@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 
 from bench.common import apply_smoke, write_json
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import cmp_value, op_delete, op_put
 from services.common.etcd_store import Store

@@ -60,14 +60,8 @@ from bench.turn_latency import (
     versions,
 )
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import (
-    EtcdCluster,
-    EtcdProcess,
-    EtcdTls,
-    ServiceProcess,
-    free_port,
-    wait_serving,
-)
+from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.hooks_client import HooksClient
 from services.common.identity import Role
 from services.common.pki import LocalPki

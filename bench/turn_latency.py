@@ -64,15 +64,9 @@ from baton.owner.v1 import owner_pb2
 from baton.session.v1 import session_pb2 as s
 from bench.common import apply_smoke, log_dir, write_json
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import (
-    EtcdProcess,
-    EtcdRefused,
-    EtcdTls,
-    ServiceProcess,
-    find_etcd,
-    free_port,
-    wait_serving,
-)
+from services.cli.etcd_binary import EtcdRefused, find_etcd
+from services.cli.etcd_process import EtcdProcess, EtcdTls
+from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import (
     cmp_absent,
@@ -877,44 +871,75 @@ async def measure_sequential(
         await follower.close()
 
 
+async def open_followers(
+    stub: ingress_pb2_grpc.IngressServiceStub, sessions: int, ready_timeout: float = 20.0
+) -> list[Follower]:
+    """`sessions` new sessions, each with a following reader open that has
+    seen its SESSION_STARTED (the caller closes them)."""
+    session_ids = await asyncio.gather(*(create_session(stub) for _ in range(sessions)))
+    followers = [Follower(stub, sid) for sid in session_ids]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(f.ready for f in followers)), ready_timeout)
+    except BaseException:
+        await asyncio.gather(*(f.close() for f in followers))
+        raise
+    return followers
+
+
+async def run_concurrent_turns(
+    stub: ingress_pb2_grpc.IngressServiceStub,
+    followers: Sequence[Follower],
+    total_turns: int,
+    on_measure_start: Callable[[], None],
+    on_measure_end: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Phase c on open followers: one warm-up turn per session, then
+    `total_turns` turns shared out over the sessions, each session's back to
+    back. `on_measure_start` / `on_measure_end` run right around the measured
+    turns (CPU samples taken there leave out the warm-up and the teardown)."""
+    sessions = len(followers)
+    # Warm-up: one turn per session (creates caches, opens inbox streams).
+    await asyncio.gather(*(one_turn(stub, f, "warm", f"w-{n}") for n, f in enumerate(followers)))
+    shares = [
+        total_turns // sessions + (1 if n < total_turns % sessions else 0) for n in range(sessions)
+    ]
+    latency = Dist()
+
+    async def worker(n: int, follower: Follower, count: int) -> None:
+        for i in range(count):
+            _, t = await one_turn(stub, follower, f"load turn {i}", f"d-{n}-{i}")
+            latency.samples.append(t)
+
+    on_measure_start()
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(worker(n, f, c) for n, (f, c) in enumerate(zip(followers, shares, strict=True)))
+    )
+    elapsed = time.perf_counter() - start
+    on_measure_end()
+    return {
+        "sessions": sessions,
+        "turns": total_turns,
+        "elapsed_s": elapsed,
+        "turns_per_s": total_turns / elapsed,
+        "turn": latency,
+    }
+
+
 async def measure_throughput(
     stub: ingress_pb2_grpc.IngressServiceStub,
     sessions: int,
     total_turns: int,
     on_measure_start: Callable[[], None],
+    on_measure_end: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    session_ids = await asyncio.gather(*(create_session(stub) for _ in range(sessions)))
-    followers = [Follower(stub, sid) for sid in session_ids]
+    """Phase c: `sessions` new sessions running `total_turns` turns (see
+    `run_concurrent_turns`)."""
+    followers = await open_followers(stub, sessions)
     try:
-        await asyncio.wait_for(asyncio.gather(*(f.ready for f in followers)), 20)
-        # Warm-up: one turn per session (creates caches, opens inbox streams).
-        await asyncio.gather(
-            *(one_turn(stub, f, "warm", f"w-{n}") for n, f in enumerate(followers))
+        return await run_concurrent_turns(
+            stub, followers, total_turns, on_measure_start, on_measure_end
         )
-        shares = [
-            total_turns // sessions + (1 if n < total_turns % sessions else 0)
-            for n in range(sessions)
-        ]
-        latency = Dist()
-
-        async def worker(n: int, follower: Follower, count: int) -> None:
-            for i in range(count):
-                _, t = await one_turn(stub, follower, f"load turn {i}", f"d-{n}-{i}")
-                latency.samples.append(t)
-
-        on_measure_start()
-        start = time.perf_counter()
-        await asyncio.gather(
-            *(worker(n, f, c) for n, (f, c) in enumerate(zip(followers, shares, strict=True)))
-        )
-        elapsed = time.perf_counter() - start
-        return {
-            "sessions": sessions,
-            "turns": total_turns,
-            "elapsed_s": elapsed,
-            "turns_per_s": total_turns / elapsed,
-            "turn": latency,
-        }
     finally:
         await asyncio.gather(*(f.close() for f in followers))
 
@@ -1202,9 +1227,9 @@ async def run(
         _progress(f"c: {args.concurrent_turns} turns over {args.sessions} concurrent sessions")
         with profiled(profiler, stack, "throughput"):
             tput = await measure_throughput(
-                stub, args.sessions, args.concurrent_turns, mark("tput")
+                stub, args.sessions, args.concurrent_turns, mark("tput"), mark("tput end")
             )
-            tput["per_turn"] = per_turn(marks["tput"], stack.sample(), args.concurrent_turns)
+            tput["per_turn"] = per_turn(marks["tput"], marks["tput end"], args.concurrent_turns)
         stack.check_alive()
         results["throughput"] = tput
     finally:

@@ -16,7 +16,7 @@ import tempfile
 import aetcd
 
 from services.cli.etcd_auth import enable_auth
-from services.cli.processes import EtcdCluster, EtcdProcess, EtcdTls
+from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
 from services.common.etcd_client import make_client
 from services.common.identity import Role
 from services.common.pki import LocalPki

@@ -51,7 +51,8 @@ from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
 from services.cli.etcd_check import members_consistent
-from services.cli.processes import EtcdCluster, ServiceProcess, free_port, wait_serving
+from services.cli.etcd_process import EtcdCluster
+from services.cli.processes import ServiceProcess, free_port, wait_serving
 from services.common.anchor_client import AnchorClient
 from services.common.errors import BatonError
 from services.common.hooks_client import HooksClient

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator, Iterator
 import aetcd
 import pytest
 
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from tests.certs import etcd_client, start_etcd
 from tests.procs import ProcessStack
 from tests.stack import Stack, start_stack, stop_stack

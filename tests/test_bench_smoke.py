@@ -202,3 +202,47 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
     interleaved = figures["interleaved"]
     assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
     assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)
+
+
+def test_scaling_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.scaling --smoke`: levels 1 and 4 each run their turns
+    and their etcd-alone pairs, and every level has positive figures."""
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.scaling", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    levels = figures["levels"]
+    assert [level["sessions"] for level in levels] == [1, 4]
+    for level in levels:
+        assert level["ran"], level
+        # --turns 6, at least 2 per session.
+        assert level["turns"] == max(6, 2 * level["sessions"])
+        assert level["turn"]["n"] == level["turns"]
+        assert level["turns_per_s"] > 0 and level["etcd_alone"]["pairs_per_s"] > 0
+        assert level["turn"]["p50_ms"] > 0 and level["turn"]["p99_ms"] > 0
+        assert level["over_etcd_alone"] > 0
+        assert level["services_cpu_ms_per_turn"] > 0
+        assert level["cpu_ms_per_turn"]["bench client"] >= 0
+        assert level["not_finalized"] == 0
+
+
+def test_scaling_refuses_levels_over_a_limit() -> None:
+    """A level over a stack or client limit is not run; the reason names the
+    limit. Pure: no stack."""
+    from bench.scaling import StackLimits
+
+    limits = StackLimits(
+        follow_streams=1000, max_streams=600, max_unary=300, nofile=1024, open_fds=20
+    )
+    assert limits.refusal(256) == ""
+    assert "BATON_MAX_CONCURRENT_RPCS" in limits.refusal(512)
+    assert "BATON_MAX_CONCURRENT_STREAMS" in limits.refusal(700)
+    assert "BATON_MAX_FOLLOW_STREAMS" in limits.refusal(1001)
+    assert StackLimits(0, 10**5, 2000, 1024, 20).refusal(1500) == ""  # 0: no follow limit
+    assert "file descriptors" in StackLimits(1000, 10**5, 2000, 300, 100).refusal(1)

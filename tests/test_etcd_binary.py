@@ -1,4 +1,4 @@
-"""Which etcd Baton starts (services/cli/processes.py `find_etcd`): a
+"""Which etcd Baton starts (services/cli/etcd_binary.py `find_etcd`): a
 known-bad release is refused before anything runs, saying why and what to
 install, unless the risk is accepted; a good one is chosen even when a bad
 one stands before it on PATH; and every etcd started runs with etcd's
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from services.cli import launcher
-from services.cli.processes import EtcdProcess, EtcdRefused, find_etcd
+from services.cli.etcd_binary import EtcdRefused, find_etcd
+from services.cli.etcd_process import EtcdProcess
+from services.cli.launch_settings import LaunchSettings
 from services.common.etcd_releases import EtcdVersion
 
 
@@ -66,7 +68,7 @@ def test_a_good_etcd_later_on_path_wins_over_a_bad_one_first(tmp_path: Path) -> 
 def test_baton_up_refuses_a_known_bad_etcd_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    settings = launcher.LaunchSettings(
+    settings = LaunchSettings(
         port_base=0,
         etcd_port=0,
         run_dir=str(tmp_path / "run"),

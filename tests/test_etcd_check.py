@@ -21,7 +21,7 @@ from services.cli.etcd_check import (
     check_members,
     members_consistent,
 )
-from services.cli.processes import EtcdCluster
+from services.cli.etcd_process import EtcdCluster
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import op_put
 from services.common.etcd_store import Store

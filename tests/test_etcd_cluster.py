@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.cli.processes import EtcdCluster
+from services.cli.etcd_process import EtcdCluster
 from services.common.errors import Unavailable
 from services.common.etcd_client import etcd_target, make_client
 from services.common.etcd_ops import cmp_absent, op_get, op_put

@@ -20,7 +20,7 @@ from aetcd import rpc
 from grpc_health.v1 import health_pb2
 
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from services.common.errors import Reason, Unavailable
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import op_put

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.anchor.server import create_server as create_anchor
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from services.common.config import EtcdConfig
 from services.common.etcd_client import make_client
 from services.common.etcd_members import UnsafeEtcd, member_statuses

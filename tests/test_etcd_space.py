@@ -23,7 +23,7 @@ from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from services.common.channels import open_channel
 from services.common.grpc_errors import error_reason
 from services.ingress.limits import ChannelLimits

@@ -20,7 +20,7 @@ import aetcd
 import pytest
 from aetcd import rpc
 
-from services.cli.processes import EtcdProcess
+from services.cli.etcd_process import EtcdProcess
 from services.common.errors import Unavailable
 from services.common.etcd_client import make_client
 from services.common.etcd_ops import op_get, op_put

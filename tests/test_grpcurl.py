@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from services.cli.launcher import CERTIFICATE_FILES, DEFAULT_PORT_BASE, DEMO_API_KEY
+from services.cli.launch_settings import DEFAULT_PORT_BASE, DEMO_API_KEY
+from services.cli.local_system import CERTIFICATE_FILES
 from services.common.identity import Role
 from tests import certs
 from tests.procs import eventually

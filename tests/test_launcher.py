@@ -22,17 +22,10 @@ from pathlib import Path
 import pytest
 
 from services.cli.__main__ import main as baton_main
-from services.cli.launcher import (
-    CERTS_DIR,
-    DEMO_API_KEY,
-    DEMO_DONE_LINE,
-    READY_LINE,
-    DeploymentPorts,
-    LaunchError,
-    LaunchSettings,
-    LocalSystem,
-    Ports,
-)
+from services.cli.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
+from services.cli.launcher import DEMO_DONE_LINE, READY_LINE
+from services.cli.local_system import CERTS_DIR, LocalSystem
+from services.cli.port_plan import DeploymentPorts, Ports
 from tests.scrape import Scrape, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -565,10 +558,10 @@ def test_up_passes_the_dedupe_window_to_hooks(
     system = LocalSystem(
         LaunchSettings(plaintext=True, dedupe_window=5.0), ports, tmp_path, io.StringIO()
     )
-    assert system._service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
-    assert "BATON_DEDUPE_WINDOW" not in system._service_env("anchor", None)
+    assert system.service_env("hooks", None)["BATON_DEDUPE_WINDOW"] == "5"
+    assert "BATON_DEDUPE_WINDOW" not in system.service_env("anchor", None)
     default = LocalSystem(LaunchSettings(plaintext=True), ports, tmp_path, io.StringIO())
-    assert "BATON_DEDUPE_WINDOW" not in default._service_env("hooks", None)
+    assert "BATON_DEDUPE_WINDOW" not in default.service_env("hooks", None)
     with pytest.raises(SystemExit) as exited:
         baton_main(["up", "--dedupe-window", "0.5"])
     assert exited.value.code == 2

@@ -81,6 +81,8 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_handoffs_total": ("counter", {"reason", "outcome"}),
         "baton_handoff_duration_seconds": ("histogram", set()),
         "baton_takeovers_total": ("counter", set()),
+        "baton_parked_claims_total": ("counter", {"how"}),
+        "baton_parked_unclaimed_sessions": ("gauge", set()),
         "baton_restarts_total": ("counter", set()),
         "baton_resumes_total": ("counter", set()),
         "baton_commits_total": ("counter", {"outcome"}),
@@ -96,6 +98,7 @@ _COLLECTED = {  # computed at scrape time, not metric objects
     "baton_sessions",
     "baton_inbox_oldest_unconsumed_seconds",
     "baton_draining",
+    "baton_parked_unclaimed_sessions",
 }
 
 

@@ -23,7 +23,8 @@ CHILD_TEST = textwrap.dedent(
 
     import pytest
 
-    from services.cli.processes import EtcdProcess, ServiceProcess, free_port, wait_serving
+    from services.cli.etcd_process import EtcdProcess
+    from services.cli.processes import ServiceProcess, free_port, wait_serving
     from services.common.tls import Security
 
     @pytest.mark.timeout({timeout})

@@ -127,6 +127,11 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     listed = await a.list_instance_sessions("dep-p", "dead-1")
     assert {o.fence.session_id for o in listed} == {quiet.session_id, rung.session_id}
     assert all(o.parked for o in listed)
+    # The listing's own txn reads the bells: a successor claims `rung` first.
+    assert {o.fence.session_id for o in listed if o.input_waiting} == {rung.session_id}
+    # Listing every instance of the deployment does not read bells.
+    every = await a.list_instance_sessions("dep-p", "")
+    assert not any(o.input_waiting for o in every if o.fence.session_id == rung.session_id)
 
     def successor(instance_id: str) -> s.OwnerIdentity:
         return s.OwnerIdentity(

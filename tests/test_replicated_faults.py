@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from baton.session.v1 import session_pb2 as s
-from services.cli.processes import EtcdCluster
+from services.cli.etcd_process import EtcdCluster
 from tests import certs
 from tests.procs import (
     ReplicatedClients,

@@ -27,8 +27,10 @@ from baton.session.v1 import session_pb2 as s
 from services.anchor.config import AnchorConfig
 from services.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
 from services.anchor.journal import Journal
-from services.cli.__main__ import _build_parser
-from services.cli.launcher import LaunchSettings, LocalSystem, Ports
+from services.cli.__main__ import build_parser
+from services.cli.launch_settings import LaunchSettings
+from services.cli.local_system import LocalSystem
+from services.cli.port_plan import Ports
 from services.common import ids, metrics
 from services.common.config import ConfigError
 from services.common.errors import OutOfRange, Reason
@@ -195,20 +197,20 @@ def test_the_settings_come_from_flags_env_and_baton_up(tmp_path: Path) -> None:
         with pytest.raises(ConfigError):
             AnchorConfig.load(bad, base)
     # `baton up` passes both to anchor (and to nothing else).
-    args = _build_parser().parse_args(
+    args = build_parser().parse_args(
         ["up", "--stream-retention-events", "200", "--stream-retention", "2.5"]
     )
     settings = LaunchSettings(
         stream_retention_events=args.stream_retention_events, stream_retention=args.stream_retention
     )
     system = LocalSystem(settings, Ports.plan(0, 0), tmp_path, io.StringIO())
-    env = system._service_env("anchor", None)
+    env = system.service_env("anchor", None)
     assert AnchorConfig.load([], env).stream_policy == StreamPolicy(200, 2.5)
-    assert "BATON_STREAM_RETENTION" not in system._service_env("hooks", None)
+    assert "BATON_STREAM_RETENTION" not in system.service_env("hooks", None)
     unset = LocalSystem(LaunchSettings(), Ports.plan(0, 0), tmp_path, io.StringIO())
-    assert "BATON_STREAM_RETENTION_EVENTS" not in unset._service_env("anchor", None)
+    assert "BATON_STREAM_RETENTION_EVENTS" not in unset.service_env("anchor", None)
     with pytest.raises(SystemExit):
-        _build_parser().parse_args(["up", "--stream-retention-events", "0"])
+        build_parser().parse_args(["up", "--stream-retention-events", "0"])
 
 
 # -- over a real stack ------------------------------------------------------------

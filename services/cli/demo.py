@@ -26,16 +26,17 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 
 from baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
+from services.cli.event_text import format_event
+from services.cli.launch_settings import DEMO_API_KEY
 
 DEFAULT_INGRESS = "127.0.0.1:50051"
-DEFAULT_API_KEY = "demo-key-0001-loopback-only"
 # The calculator message makes the fixture agent call a tool and answer
 # "The result is 35."; the "ask helper" message makes it ask its `helper`
 # subagent (a child session, which uses the calculator) and answer
@@ -51,44 +52,6 @@ _TERMINAL = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAIL
 
 class DemoError(Exception):
     """The demo could not finish; the message says why."""
-
-
-def kind_name(kind: s.EventKind.ValueType) -> str:
-    """EVENT_KIND_TOOL_CALL_REQUESTED -> "tool_call.requested"."""
-    try:
-        name = s.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower()
-    except ValueError:
-        return f"kind.{kind}"
-    if kind == s.EVENT_KIND_SESSION_HANDED_OFF:
-        return "session.handed_off"
-    subject, _, verb = name.rpartition("_")
-    return f"{subject}.{verb}" if subject else verb
-
-
-def format_event(event: s.Event) -> str:
-    """One readable line: seq, kind, and what the event carries."""
-    details: list[str] = []
-    if event.HasField("tool_call"):
-        call = event.tool_call
-        details.append(f"{call.name}({call.arguments_json})")
-    if event.HasField("tool_result"):
-        result = event.tool_result
-        marker = " (error)" if result.is_error else ""
-        details.append(f"{result.name} -> {result.output}{marker}")
-    if event.child_session_id:
-        details.append(f"{event.task.name or 'child'} {event.child_session_id}")
-    if event.kind == s.EVENT_KIND_SESSION_HANDED_OFF:
-        details.append(f"from {event.text or '?'} to {event.deployment_id or '?'}")
-    elif event.text:
-        details.append(json.dumps(event.text, ensure_ascii=False))
-    if event.HasField("usage"):
-        usage = event.usage
-        details.append(f"tokens in={usage.input_tokens} out={usage.output_tokens}")
-    if event.HasField("error"):
-        details.append(f"error {event.error.reason}: {event.error.message}")
-    if event.kind == s.EVENT_KIND_SESSION_STARTED and event.deployment_id:
-        details.append(f"deployment={event.deployment_id}")
-    return f"#{event.seq:<3} {kind_name(event.kind):<22} {' '.join(details)}".rstrip()
 
 
 @dataclass
@@ -197,7 +160,7 @@ def _trusting(ca_cert: str) -> grpc.ChannelCredentials:
 
 async def run_demo(
     ingress: str = DEFAULT_INGRESS,
-    api_key: str = DEFAULT_API_KEY,
+    api_key: str = DEMO_API_KEY,
     messages: Sequence[str] = DEFAULT_MESSAGES,
     *,
     upgrade_ingresses: Sequence[str] = (),
@@ -211,123 +174,177 @@ async def run_demo(
     their certificates against `server_name` when given, e.g. through a
     port-forward); plaintext when `ca_cert` is empty (a `baton up
     --plaintext` system)."""
-    stream = out or sys.stdout
-    credentials = _trusting(ca_cert) if ca_cert else None
-    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-
-    def connect(address: str) -> grpc.aio.Channel:
-        if credentials is None:
-            return grpc.aio.insecure_channel(address)
-        return grpc.aio.secure_channel(address, credentials, options=options)
-
-    def write(line: str) -> None:
-        print(line, file=stream, flush=True)
-
-    metadata = (("authorization", f"Bearer {api_key}"),)
-    async with connect(ingress) as channel:
+    dialer = _Dialer(_trusting(ca_cert) if ca_cert else None, server_name)
+    demo = _Conversation(ingress, (("authorization", f"Bearer {api_key}"),), dialer, out)
+    async with dialer.connect(ingress) as channel:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        await demo.create(stub)
+        demo.follow(stub, time_limit)
         try:
-            created = await stub.CreateSession(
-                ingress_pb.CreateSessionRequest(request_id=f"demo-{uuid.uuid4().hex}"),
-                metadata=metadata,
-                timeout=RPC_TIMEOUT,
-            )
-        except grpc.RpcError as exc:
-            raise DemoError(f"CreateSession at {ingress} failed: {_describe(exc)}") from exc
-        session_id: str = created.session_id
-        write(f"session {session_id} on deployment {created.deployment_id}")
-
-        tracker = TurnTracker()
-        # The one and only read of the stream: from seq 0, following, on the
-        # first ingress, for the whole demo (whatever deployment runs the
-        # session meanwhile). It is never reopened: an end or an error fails
-        # the demo.
-        call = stub.StreamEvents(
-            ingress_pb.StreamEventsRequest(session_id=session_id, start_seq=0, follow=True),
-            metadata=metadata,
-            timeout=time_limit,
-        )
-
-        async def follow() -> None:
-            async for response in call:
-                for event in response.events:
-                    write(format_event(event))
-                    tracker.observe(event)
-            tracker.changed.set()
-
-        follower = asyncio.create_task(follow())
-
-        async def send(
-            target: ingress_pb2_grpc.IngressServiceAsyncStub, text: str, where: str
-        ) -> ingress_pb.SendMessageResponse:
-            try:
-                sent: ingress_pb.SendMessageResponse = await target.SendMessage(
-                    ingress_pb.SendMessageRequest(session_id=session_id, text=text),
-                    metadata=metadata,
-                    timeout=RPC_TIMEOUT,
-                )
-            except grpc.RpcError as exc:
-                raise DemoError(f"SendMessage at {where} failed: {_describe(exc)}") from exc
-            return sent
-
-        async def settle(delivery_id: str) -> None:
-            settled = asyncio.create_task(tracker.wait_settled(delivery_id))
-            done, _ = await asyncio.wait({settled, follower}, return_when=asyncio.FIRST_COMPLETED)
-            if settled not in done:
-                settled.cancel()
-                error = follower.exception()
-                if error is not None:
-                    raise DemoError(f"event stream failed: {_describe(error)}") from error
-                raise DemoError("event stream ended before the turn settled")
-            settled.result()
-
-        async def upgrade(address: str) -> None:
-            source = tracker.deployment_id or created.deployment_id
-            first_seq = tracker.next_seq
-            write(f"> {UPGRADE_MESSAGE}   (via the ingress at {address})")
-            async with connect(address) as other:
-                sent = await send(
-                    ingress_pb2_grpc.IngressServiceStub(other), UPGRADE_MESSAGE, address
-                )
-            target = sent.accepted_deployment_id
-            if target == source:
-                raise DemoError(
-                    f"the ingress at {address} accepts for deployment {target}, which already "
-                    "runs the session: an upgrade ingress must serve another deployment"
-                )
-            await settle(sent.delivery_id)
-            handed = check_moved(tracker.events[first_seq:], source, target)
-            write(
-                f"upgraded: session {session_id} moved from {source} to {target} at "
-                f"#{handed.seq}, between two turns"
-            )
-
-        async def converse() -> None:
-            for text in messages:
-                write(f"> {text}")
-                first_seq = tracker.next_seq
-                sent = await send(stub, text, ingress)
-                await settle(sent.delivery_id)
-                for line in check_children(tracker.events[first_seq:]):
-                    write(line)
-            for address in upgrade_ingresses:
-                await upgrade(address)
-            if follower.done():
-                raise DemoError("the event stream ended during the demo")
-
-        try:
-            await asyncio.wait_for(converse(), time_limit)
+            await asyncio.wait_for(demo.converse(stub, messages, upgrade_ingresses), time_limit)
         except TimeoutError as exc:
             raise DemoError(f"demo did not finish within {time_limit:g}s") from exc
         finally:
-            call.cancel()
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
+            await demo.stop_following()
     if upgrade_ingresses:
-        last = tracker.next_seq - 1
-        write(
-            f"follower: one StreamEvents call on {ingress} read #0..#{last} in order: "
-            "no gap, no duplicate, no reconnect"
+        demo.write(
+            f"follower: one StreamEvents call on {ingress} read #0..#{demo.tracker.next_seq - 1} "
+            "in order: no gap, no duplicate, no reconnect"
         )
-    write(f"demo finished: session {session_id}")
-    return session_id
+    demo.write(f"demo finished: session {demo.session_id}")
+    return demo.session_id
+
+
+@dataclass(frozen=True)
+class _Dialer:
+    """Channels to the ingresses: TLS trusting the demo's CA (verified
+    against `server_name` when given), or plaintext."""
+
+    credentials: grpc.ChannelCredentials | None
+    server_name: str
+
+    def connect(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.aio.secure_channel(address, self.credentials, options=options)
+
+
+class _Conversation:
+    """One demo session: created on the first ingress, its stream followed
+    there by one call for the whole demo, messages sent and awaited one
+    turn at a time, then moved through each upgrade ingress."""
+
+    def __init__(
+        self,
+        ingress: str,
+        metadata: tuple[tuple[str, str], ...],
+        dialer: _Dialer,
+        out: TextIO | None,
+    ) -> None:
+        self.ingress = ingress
+        self.metadata = metadata
+        self.dialer = dialer
+        self.out = out or sys.stdout
+        self.tracker = TurnTracker()
+        self.session_id = ""
+        self.deployment_id = ""
+        self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    def write(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    async def create(self, stub: ingress_pb2_grpc.IngressServiceAsyncStub) -> None:
+        try:
+            created = await stub.CreateSession(
+                ingress_pb.CreateSessionRequest(request_id=f"demo-{uuid.uuid4().hex}"),
+                metadata=self.metadata,
+                timeout=RPC_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            raise DemoError(f"CreateSession at {self.ingress} failed: {_describe(exc)}") from exc
+        self.session_id = created.session_id
+        self.deployment_id = created.deployment_id
+        self.write(f"session {self.session_id} on deployment {self.deployment_id}")
+
+    def follow(self, stub: ingress_pb2_grpc.IngressServiceAsyncStub, time_limit: float) -> None:
+        """The one and only read of the stream: from seq 0, following, on the
+        first ingress, for the whole demo (whatever deployment runs the
+        session meanwhile). It is never reopened: an end or an error fails
+        the demo."""
+        call = stub.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=self.session_id, start_seq=0, follow=True),
+            metadata=self.metadata,
+            timeout=time_limit,
+        )
+        self._call = call
+
+        async def read() -> None:
+            async for response in call:
+                for event in response.events:
+                    self.write(format_event(event))
+                    self.tracker.observe(event)
+            self.tracker.changed.set()
+
+        self._follower = asyncio.create_task(read())
+
+    async def stop_following(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+
+    async def converse(
+        self,
+        stub: ingress_pb2_grpc.IngressServiceAsyncStub,
+        messages: Sequence[str],
+        upgrade_ingresses: Sequence[str],
+    ) -> None:
+        """Each message, one settled turn at a time (checking the children a
+        turn gave work to), then one move per upgrade ingress."""
+        for text in messages:
+            self.write(f"> {text}")
+            first_seq = self.tracker.next_seq
+            sent = await self._send(stub, text, self.ingress)
+            await self._settle(sent.delivery_id)
+            for line in check_children(self.tracker.events[first_seq:]):
+                self.write(line)
+        for address in upgrade_ingresses:
+            await self._upgrade(address)
+        if self._following_ended():
+            raise DemoError("the event stream ended during the demo")
+
+    async def _upgrade(self, address: str) -> None:
+        """Send `UPGRADE_MESSAGE` through another deployment's ingress and
+        check that the session moved there between two turns."""
+        source = self.tracker.deployment_id or self.deployment_id
+        first_seq = self.tracker.next_seq
+        self.write(f"> {UPGRADE_MESSAGE}   (via the ingress at {address})")
+        async with self.dialer.connect(address) as other:
+            stub = ingress_pb2_grpc.IngressServiceStub(other)
+            sent = await self._send(stub, UPGRADE_MESSAGE, address)
+        target = sent.accepted_deployment_id
+        if target == source:
+            raise DemoError(
+                f"the ingress at {address} accepts for deployment {target}, which already "
+                "runs the session: an upgrade ingress must serve another deployment"
+            )
+        await self._settle(sent.delivery_id)
+        handed = check_moved(self.tracker.events[first_seq:], source, target)
+        self.write(
+            f"upgraded: session {self.session_id} moved from {source} to {target} at "
+            f"#{handed.seq}, between two turns"
+        )
+
+    async def _send(
+        self, stub: ingress_pb2_grpc.IngressServiceAsyncStub, text: str, where: str
+    ) -> ingress_pb.SendMessageResponse:
+        try:
+            sent: ingress_pb.SendMessageResponse = await stub.SendMessage(
+                ingress_pb.SendMessageRequest(session_id=self.session_id, text=text),
+                metadata=self.metadata,
+                timeout=RPC_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            raise DemoError(f"SendMessage at {where} failed: {_describe(exc)}") from exc
+        return sent
+
+    async def _settle(self, delivery_id: str) -> None:
+        """Wait until a `session.waiting` settles `delivery_id`'s turn; the
+        stream failing or ending first fails the demo."""
+        assert self._follower is not None
+        follower = self._follower
+        settled = asyncio.create_task(self.tracker.wait_settled(delivery_id))
+        done, _ = await asyncio.wait({settled, follower}, return_when=asyncio.FIRST_COMPLETED)
+        if settled not in done:
+            settled.cancel()
+            error = follower.exception()
+            if error is not None:
+                raise DemoError(f"event stream failed: {_describe(error)}") from error
+            raise DemoError("event stream ended before the turn settled")
+        settled.result()
+
+    def _following_ended(self) -> bool:
+        return self._follower is None or self._follower.done()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from services.common import ids
-from services.common.client_answers import DrainReport, OwnedSession
+from services.common.client_answers import DrainReport, OwnedSession, OwnerInstance
 from services.common.errors import BatonError
 from services.common.hooks_client import HooksClient
 from services.common.owner_client import OwnerClient
@@ -51,77 +51,121 @@ async def drain(
 ) -> int:
     """Drain `old` to `new`; EXIT_DRAINED once no instance of `old` holds a
     session, EXIT_LEFT when some are still there after `wait_s`."""
-    machine = output != "text"
-    say = (lambda line: None) if machine else write
+    old = ids.validate_deployment_id(old)
+    new = ids.validate_deployment_id(new)
+    if old == new:
+        raise DrainError(f"deployment {old} cannot be drained to itself")
+    hooks = HooksClient(hooks_address, security=security)  # as an operator
+    progress = _Progress(old, new, write, output)
+    owners = _Owners(security)
+    try:
+        if not await hooks.list_instances(new):
+            raise DrainError(f"deployment {new} has no live owner instance to take sessions")
+        deadline = time.monotonic() + wait_s
+        while True:
+            instances = await hooks.list_instances(old)
+            if not instances:
+                left_on_gone = await hooks.list_instance_sessions(old, "")
+                code = _no_fleet_left(left_on_gone, old, new, progress.say)
+                return progress.outcome(code, [], [o.fence.session_id for o in left_on_gone])
+            reports = await owners.drain(instances, new, progress.say)
+            left = progress.report(reports)
+            if left == 0:
+                progress.say(f"drained: nothing left on {old}; its fleet can be scaled to zero")
+                return progress.outcome(EXIT_DRAINED, reports, [])
+            if time.monotonic() >= deadline:
+                progress.blocked(reports, left, wait_s)
+                return progress.outcome(EXIT_LEFT, reports, [])
+            await asyncio.sleep(poll_s)
+    except BatonError as exc:
+        raise DrainError(f"{exc.reason}: {exc.message}") from exc
+    finally:
+        await hooks.close()
+        await owners.close()
 
-    def outcome(code: int, reports: list[DrainReport], left_on_gone: list[str]) -> int:
-        if machine:
+
+class _Owners:
+    """A client per owner instance of the drained deployment, kept across
+    polls, asked to drain its sessions."""
+
+    def __init__(self, security: Security) -> None:
+        self._security = security
+        self._clients: dict[str, OwnerClient] = {}
+
+    async def drain(
+        self, instances: list[OwnerInstance], new: str, say: Callable[[str], None]
+    ) -> list[DrainReport]:
+        """Each instance's report on draining to `new` (one gone meanwhile
+        is said and skipped: its sessions are taken over)."""
+        reports: list[DrainReport] = []
+        for instance in instances:
+            client = self._clients.get(instance.address)
+            if client is None:
+                client = OwnerClient(instance.address, security=self._security)
+                self._clients[instance.address] = client
+            try:
+                reports.append(await client.drain_sessions(new))
+            except BatonError as exc:
+                say(f"  {instance.instance_id}: {exc.reason}: {exc.message}")
+        return reports
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+
+class _Progress:
+    """What a drain prints: progress lines for people (`text`), a line per
+    change of progress (`jsonl`), and one object at the end (`json`, `jsonl`)."""
+
+    def __init__(self, old: str, new: str, write: Callable[[str], None], output: str) -> None:
+        self.old = old
+        self.new = new
+        self.write = write
+        self.output = output
+        self.machine = output != "text"
+        self._last = ""
+
+    def say(self, line: str) -> None:
+        if not self.machine:
+            self.write(line)
+
+    def report(self, reports: list[DrainReport]) -> int:
+        """Say the progress if it changed; returns how many are left."""
+        moved = sum(r.moved for r in reports)
+        left = sum(r.remaining for r in reports)
+        per_instance = ", ".join(f"{r.instance_id}: {r.remaining}" for r in reports)
+        line = f"  {moved} moved to {self.new}, {left} left on {self.old} ({per_instance})"
+        if line != self._last:
+            self.say(line)
+            if self.output == "jsonl":
+                self.write(json.dumps({"moved": moved, "left": left}, sort_keys=True))
+            self._last = line
+        return left
+
+    def blocked(self, reports: list[DrainReport], left: int, wait_s: float) -> None:
+        """What is left after the wait, and why."""
+        self.say(f"{left} session(s) left on {self.old} after {wait_s:.0f}s:")
+        for report in reports:
+            for blocker in report.blockers:
+                self.say(f"  {blocker.session_id}  {blocker.reason}  {blocker.detail}")
+        self.say("run the same command again to keep draining")
+
+    def outcome(self, code: int, reports: list[DrainReport], left_on_gone: list[str]) -> int:
+        """The closing object (machine output only); returns `code`."""
+        if self.machine:
             data = {
-                "from": old,
-                "to": new,
+                "from": self.old,
+                "to": self.new,
                 "drained": code == EXIT_DRAINED,
                 "moved": sum(r.moved for r in reports),
                 "left": sum(r.remaining for r in reports) + len(left_on_gone),
                 "instances": [asdict(r) for r in reports],
                 "sessions_left_without_fleet": left_on_gone,
             }
-            write(json.dumps(data, indent=2 if output == "json" else None, sort_keys=True))
+            indent = 2 if self.output == "json" else None
+            self.write(json.dumps(data, indent=indent, sort_keys=True))
         return code
-
-    old = ids.validate_deployment_id(old)
-    new = ids.validate_deployment_id(new)
-    if old == new:
-        raise DrainError(f"deployment {old} cannot be drained to itself")
-    hooks = HooksClient(hooks_address, security=security)  # as an operator
-    owners: dict[str, OwnerClient] = {}
-    try:
-        if not await hooks.list_instances(new):
-            raise DrainError(f"deployment {new} has no live owner instance to take sessions")
-        deadline = time.monotonic() + wait_s
-        last = ""
-        while True:
-            instances = await hooks.list_instances(old)
-            if not instances:
-                left_on_gone = await hooks.list_instance_sessions(old, "")
-                code = _no_fleet_left(left_on_gone, old, new, say)
-                return outcome(code, [], [o.fence.session_id for o in left_on_gone])
-            reports: list[DrainReport] = []
-            for instance in instances:
-                client = owners.get(instance.address)
-                if client is None:
-                    client = owners[instance.address] = OwnerClient(
-                        instance.address, security=security
-                    )
-                try:
-                    reports.append(await client.drain_sessions(new))
-                except BatonError as exc:  # gone meanwhile: its sessions are taken over
-                    say(f"  {instance.instance_id}: {exc.reason}: {exc.message}")
-            moved = sum(r.moved for r in reports)
-            left = sum(r.remaining for r in reports)
-            per_instance = ", ".join(f"{r.instance_id}: {r.remaining}" for r in reports)
-            line = f"  {moved} moved to {new}, {left} left on {old} ({per_instance})"
-            if line != last:
-                say(line)
-                if output == "jsonl":
-                    write(json.dumps({"moved": moved, "left": left}, sort_keys=True))
-                last = line
-            if left == 0:
-                say(f"drained: nothing left on {old}; its fleet can be scaled to zero")
-                return outcome(EXIT_DRAINED, reports, [])
-            if time.monotonic() >= deadline:
-                say(f"{left} session(s) left on {old} after {wait_s:.0f}s:")
-                for report in reports:
-                    for blocker in report.blockers:
-                        say(f"  {blocker.session_id}  {blocker.reason}  {blocker.detail}")
-                say("run the same command again to keep draining")
-                return outcome(EXIT_LEFT, reports, [])
-            await asyncio.sleep(poll_s)
-    except BatonError as exc:
-        raise DrainError(f"{exc.reason}: {exc.message}") from exc
-    finally:
-        await hooks.close()
-        for client in owners.values():
-            await client.close()
 
 
 def _no_fleet_left(

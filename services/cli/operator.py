@@ -290,14 +290,27 @@ async def deployments_describe(
         }
         write(_dump(data, output))
         return EXIT_OK
-    write(f"deployment:  {deployment_id}")
-    write(f"status:      {deployment_status_name(info.status)}")
-    write(
+    for line in _described(deployment_id, info, sessions, total, statuses):
+        write(line)
+    return EXIT_OK
+
+
+def _described(
+    deployment_id: str,
+    info: hooks_pb.DeploymentInfo,
+    sessions: list[pb.Session],
+    total: int,
+    statuses: Counter[str],
+) -> list[str]:
+    """`deployments describe` as text: the counts, the instances, the sessions."""
+    lines = [
+        f"deployment:  {deployment_id}",
+        f"status:      {deployment_status_name(info.status)}",
         f"sessions:    {info.sessions} ({info.sessions_of_gone_instances} on instances that "
-        "are gone)"
-    )
-    write(f"statuses:    {', '.join(f'{k} {n}' for k, n in sorted(statuses.items())) or '-'}")
-    write("")
+        "are gone)",
+        f"statuses:    {', '.join(f'{k} {n}' for k, n in sorted(statuses.items())) or '-'}",
+        "",
+    ]
     rows = [
         (
             i.instance.instance_id,
@@ -308,14 +321,12 @@ async def deployments_describe(
         )
         for i in info.instances
     ]
-    for line in _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS"), rows):
-        write(line)
-    write("")
-    for line in table_of(sessions):
-        write(line)
+    lines += _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS"), rows)
+    lines.append("")
+    lines += table_of(sessions)
     if len(sessions) < total:
-        write(f"... {total - len(sessions)} more (--limit 0 lists all)")
-    return EXIT_OK
+        lines.append(f"... {total - len(sessions)} more (--limit 0 lists all)")
+    return lines
 
 
 _REASONS = {

@@ -15,7 +15,7 @@ arrives; `json` needs the whole array, so it is refused with --follow.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import grpc
@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from baton.ingress.v1 import ingress_pb2 as pb
 from baton.ingress.v1 import ingress_pb2_grpc
 from baton.session.v1 import session_pb2 as s
-from services.cli.demo import format_event
+from services.cli.event_text import format_event
 from services.cli.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
 from services.common.grpc_errors import from_rpc_error
 
@@ -71,9 +71,8 @@ async def events(
     which --from continues it without a gap or a repeat."""
     if follow and output == "json":
         raise UsageError("-o json prints one array at the end; use -o jsonl or text with --follow")
+    printed = _Printed(output, write, start_seq)
     channel = connection.open()
-    seen: list[s.Event] = []
-    next_seq = start_seq
     try:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
         # No deadline while following: the stream lasts as long as the
@@ -85,28 +84,45 @@ async def events(
         )
         try:
             async for response in call:
-                for event in response.events:
-                    next_seq = event.seq + 1
-                    if output == "json":
-                        seen.append(event)
-                    elif output == "jsonl":
-                        write(json.dumps(message_json(event), sort_keys=True))
-                    else:
-                        write(format_event(event))
+                printed.add(response.events)
                 if follow and any(e.kind in TERMINAL for e in response.events):
                     break  # the stream closes here; do not wait for the server's end
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc)
-            if next_seq > start_seq:
-                error.message += f" (continue with --from {next_seq})"
+            if printed.next_seq > start_seq:
+                error.message += f" (continue with --from {printed.next_seq})"
             raise error from exc
         finally:
             call.cancel()
     finally:
         await channel.close()
-    if output == "json":
-        write(json.dumps([message_json(e) for e in seen], indent=2, sort_keys=True))
+    printed.close()
     return EXIT_OK
+
+
+class _Printed:
+    """Events printed in the `-o` format as they arrive (`json`: kept for
+    the one array `close` prints), and the seq after the last one."""
+
+    def __init__(self, output: str, write: Callable[[str], None], next_seq: int) -> None:
+        self.output = output
+        self.write = write
+        self.next_seq = next_seq
+        self._kept: list[s.Event] = []
+
+    def add(self, events: Iterable[s.Event]) -> None:
+        for event in events:
+            self.next_seq = event.seq + 1
+            if self.output == "json":
+                self._kept.append(event)
+            elif self.output == "jsonl":
+                self.write(json.dumps(message_json(event), sort_keys=True))
+            else:
+                self.write(format_event(event))
+
+    def close(self) -> None:
+        if self.output == "json":
+            self.write(json.dumps([message_json(e) for e in self._kept], indent=2, sort_keys=True))
 
 
 def _receipt_line(verb: str, receipt: s.Receipt, delivery_id: str) -> str:

@@ -46,6 +46,7 @@ class OwnedSession:
     fence: s.Fence
     owner: s.OwnerIdentity
     parked: bool
+    input_waiting: bool = False  # parked, and its bell rang since (listing one instance)
 
 
 @dataclass(frozen=True)

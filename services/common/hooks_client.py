@@ -234,7 +234,9 @@ class HooksClient(ServiceClient):
         response = await self._unary(
             "ListInstanceSessions", self.stub.ListInstanceSessions(request, timeout=self.timeout)
         )
-        return [OwnedSession(o.fence, o.owner, o.parked) for o in response.sessions]
+        return [
+            OwnedSession(o.fence, o.owner, o.parked, o.input_waiting) for o in response.sessions
+        ]
 
     async def take_over_session(
         self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity

@@ -253,6 +253,15 @@ TAKEOVERS = Counter(
     "(a restarted process, or the reconciler finding a session no run holds)",
     registry=None,
 )
+PARKED_CLAIMS = Counter(
+    "baton_parked_claims_total",
+    "Quiet parked sessions of a dead instance (or of this instance's earlier process) "
+    "taken over lazily, after the active ones: by the paced sweep (swept) or at once "
+    "because input arrived for one (woken)",
+    ["how"],
+    registry=None,
+)
+PARKED_UNCLAIMED = "baton_parked_unclaimed_sessions"
 RESTARTS = Counter(
     "baton_restarts_total",
     "Failed runs restarted (transient or deterministic failures; not the stalls)",
@@ -334,6 +343,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         HANDOFFS,
         HANDOFF_SECONDS,
         TAKEOVERS,
+        PARKED_CLAIMS,
         RESTARTS,
         RESUMES,
         COMMITS,

@@ -324,6 +324,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
                     fence=o.fence,
                     owner=owner_identity(o.owner),
                     parked=o.owner.parked,
+                    input_waiting=o.input_waiting,
                 )
                 for o in owned
             ]

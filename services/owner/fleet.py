@@ -9,7 +9,17 @@
 - Takeover: one stream of the deployment's live instances. When an instance
   disappears (or is found dead at start, owning sessions) this instance takes
   its sessions over, racing the other survivors: the first compare-and-swap
-  wins each session, the losers move on.
+  wins each session, the losers move on. Recovery scales with the active
+  sessions, not the parked ones: the listing tells them apart (the owner
+  records' `parked` flags and the dead instance's bells, each written in the
+  txn of the state it describes), the active ones (running, or parked with
+  input waiting) are claimed first at full speed, and the quiet parked ones
+  lazily: by a paced background sweep, and at once when a bell rings for
+  one (an arrival for a parked session rings the bell of the instance its
+  owner record names, dead or not; this instance watches the dead one's
+  bells while it sweeps). Every claim is the same fenced takeover (epoch + 1,
+  first compare-and-swap wins), so a session woken while a survivor sweeps
+  it has exactly one owner.
 - Bells: one stream for all of this instance's parked sessions; each bell is
   handed to the host, which wakes a parked session whose inbox moved.
 - Reconciliation: every few seconds, a session indexed under this instance
@@ -34,15 +44,15 @@ import structlog
 
 from services.common import retry
 from services.common.client_answers import OwnedSession
-from services.common.errors import BatonError, FailedPrecondition, Reason
+from services.common.errors import BatonError
 from services.common.hooks_client import HooksClient
 from services.common.tasks import Background
 from services.owner.config import DEFAULT_RECONCILE_INTERVAL
 from services.owner.host import OwnerHost
+from services.owner.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
 
-ADOPT_CONCURRENCY = 32
 ADOPT_ROUNDS = 20
 DEREGISTER_SECONDS = 2.0
 
@@ -60,6 +70,7 @@ class FleetMembership:
         keepalive_every: float,
         on_lease_lost: Callable[[], Awaitable[None]] | None = None,
         reconcile_every: float = DEFAULT_RECONCILE_INTERVAL,
+        sweep_rate: float = DEFAULT_SWEEP_RATE,
     ) -> None:
         self.host = host
         self.hooks = hooks
@@ -79,6 +90,11 @@ class FleetMembership:
         # Sessions indexed under this instance that it did not hold at the
         # last reconciliation: session id -> fence value seen then.
         self._unheld: dict[str, bytes] = {}
+        # Quiet parked sessions listed and not claimed yet: claimed by the
+        # sweep, or at once on a bell.
+        self.parked = ParkedSweep(
+            host, hooks, self._background, rate=sweep_rate, stopped=self.lease_lost
+        )
         if reconcile_every <= 0:
             raise ValueError("reconcile_every must be positive")
         self.reconcile_every = reconcile_every
@@ -128,8 +144,11 @@ class FleetMembership:
         self._spawn(self._keep_alive())
         self._spawn(self._watch_bells())
         # Sessions indexed under our own id belong to an earlier process with
-        # this instance id: take them over before creating new ones.
-        await self._adopt_instance(self.instance_id)
+        # this instance id: take the active ones over before creating new
+        # ones; the quiet parked ones are swept in the background.
+        active_taken = asyncio.Event()
+        self._schedule_adoption(self.instance_id, active_taken)
+        await active_taken.wait()
         self.host.set_ready()
         self._spawn(self._watch_instances())
         self._spawn(self._reconcile())
@@ -195,26 +214,36 @@ class FleetMembership:
                 self._log.warning("instance watch interrupted", reason=exc.reason)
             await backoff.wait()
 
-    def _schedule_adoption(self, instance_id: str) -> None:
+    def _schedule_adoption(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         if instance_id in self._adopting:
             self._adopting[instance_id] = True
             return
         self._adopting[instance_id] = False
-        self._spawn(self._adopt_rounds(instance_id))
+        self._spawn(self._adopt_rounds(instance_id, active_taken))
 
-    async def _adopt_rounds(self, instance_id: str) -> None:
+    async def _adopt_rounds(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         try:
             while True:
-                await self._adopt_instance(instance_id)
+                await self._adopt_instance(instance_id, active_taken)
                 if not self._adopting.get(instance_id):
                     return
                 self._adopting[instance_id] = False
         finally:
             self._adopting.pop(instance_id, None)
+            if active_taken is not None:
+                active_taken.set()
 
-    async def _adopt_instance(self, instance_id: str) -> None:
+    async def _adopt_instance(
+        self, instance_id: str, active_taken: asyncio.Event | None = None
+    ) -> None:
         """Take over every session indexed under `instance_id`, until none is
-        left there (the others' wins leave the index too)."""
+        left there (the others' wins leave the index too): each round the
+        active sessions first (then `active_taken` is set), then the quiet
+        parked ones, lazily (`ParkedSweep.sweep`)."""
         bound = self._log.bind(dead_instance_id=instance_id)
         backoff = retry.FLEET.backoff()
         for _ in range(ADOPT_ROUNDS):
@@ -234,8 +263,15 @@ class FleetMembership:
                 self._unfinished.discard(instance_id)
                 return
             random.shuffle(owned)  # spread the races between the survivors
-            bound.info("taking sessions over", sessions=len(owned))
-            won, live_again = await self._adopt_all(owned)
+            active = [o for o in owned if not o.parked or o.input_waiting]
+            quiet = [o for o in owned if o.parked and not o.input_waiting]
+            bound.info("taking sessions over", active=len(active), parked=len(quiet))
+            won, live_again = await claim_all(self.host, active)
+            if active_taken is not None:
+                active_taken.set()
+            if quiet and not live_again:
+                swept, live_again = await self.parked.sweep(instance_id, quiet, bound)
+                won += swept
             if live_again:
                 bound.info("instance is live again; not taking over")
                 self._unfinished.discard(instance_id)
@@ -248,33 +284,6 @@ class FleetMembership:
         if instance_id != self.instance_id:
             self._unfinished.add(instance_id)
         bound.warning("sessions still indexed under the dead instance after every round")
-
-    async def _adopt_all(self, owned: list[OwnedSession]) -> tuple[int, bool]:
-        """Race for each session, a bounded number at a time (a few workers,
-        not one task per session: a dead instance may have held thousands).
-        Returns (won, whether the instance turned out live)."""
-        pending = iter(owned)
-        won = 0
-        live_again = False
-
-        async def worker() -> None:
-            nonlocal won, live_again
-            for session in pending:
-                if live_again:
-                    return
-                try:
-                    if await self.host.adopt(session):
-                        won += 1
-                except FailedPrecondition as exc:
-                    if exc.reason != Reason.INSTANCE_LIVE:
-                        self._log.error("takeover failed", reason=exc.reason, error=exc.message)
-                        continue
-                    live_again = True
-                except BatonError as exc:
-                    self._log.error("takeover failed", reason=exc.reason, error=exc.message)
-
-        await asyncio.gather(*(worker() for _ in range(min(ADOPT_CONCURRENCY, len(owned)))))
-        return won, live_again
 
     # -- reconciliation -------------------------------------------------------------
 
@@ -301,20 +310,9 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("reconciliation listing failed", reason=exc.reason)
                 continue
-            unheld = {
-                o.fence.session_id: o.fence.SerializeToString()
-                for o in owned
-                if not self.host.holds(o.fence.session_id)
-            }
-            orphans = [
-                o
-                for o in owned
-                if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
-                and o.fence.session_id in unheld
-            ]
-            self._unheld = unheld
+            orphans = self._orphans(owned)
             if orphans:
-                won, _ = await self._adopt_all(orphans)
+                won, _ = await claim_all(self.host, orphans)
                 # The others were finalized (their index entry is dropped
                 # by the takeover attempt) or taken by someone else.
                 if won:
@@ -328,6 +326,26 @@ class FleetMembership:
                         "index entries of finalized or moved sessions dropped",
                         sessions=len(orphans) - won,
                     )
+
+    def _orphans(self, owned: list[OwnedSession]) -> list[OwnedSession]:
+        """The sessions of this instance's listing the host held in no state
+        at this reconciliation and the last, with the same fence (and that
+        the sweep is not claiming at its own pace)."""
+        unheld = {
+            o.fence.session_id: o.fence.SerializeToString()
+            for o in owned
+            if not self.host.holds(o.fence.session_id)
+        }
+        sweeping = self.parked.sweeping(self.instance_id)
+        orphans = [
+            o
+            for o in owned
+            if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
+            and o.fence.session_id in unheld
+            and o.fence.session_id not in sweeping
+        ]
+        self._unheld = unheld
+        return orphans
 
     # -- bells ----------------------------------------------------------------------
 

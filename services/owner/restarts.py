@@ -6,7 +6,7 @@ Which failures are deterministic (the one table: docs/failures.md):
 - a commit that can never succeed (an entry, event, snapshot or commit over
   its limit; anything anchor refuses as INVALID_ARGUMENT) and a model
   request the endpoint rejects: the turn fails with the reason
-  (`SessionRun._guarded` for a refused commit; MODEL_REJECTED from the
+  (`RunCommits.guarded` for a refused commit; MODEL_REJECTED from the
   model adapter); nothing restarts;
 - a run that fails for any other non-retryable reason (authored code
   raising in Agent.on_load, owner code crashing, an unreadable snapshot or

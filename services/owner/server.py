@@ -18,6 +18,7 @@ from services.owner.host import OwnerHost
 from services.owner.hosting import HostSettings
 from services.owner.metering import HeldSessions
 from services.owner.servicer import OwnerServicer
+from services.owner.sweep import UnclaimedSessions
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
 EXIT_LEASE_LOST = 3
@@ -81,6 +82,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     fleet.start()
     if server.metrics is not None:
         server.metrics.add(HeldSessions(host))
+        server.metrics.add(UnclaimedSessions(fleet.parked))
     server.app = host
     # on_stop runs in reverse: the fleet (streams, runs, deregistration), then channels.
     server.on_stop.append(hooks.close)

@@ -760,8 +760,14 @@ class OwnedSession(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
+    INPUT_WAITING_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
     """Whether the session is parked (as of the listing)."""
+    input_waiting: _builtins.bool
+    """Parked, and input arrived since it parked (its owner's bell rang): a
+    successor claims it with the active sessions, not lazily. Only set when
+    the listing names an instance.
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The session's fence."""
@@ -776,10 +782,11 @@ class OwnedSession(_message.Message):
         fence: _session_pb2.Fence | None = ...,
         owner: _session_pb2.OwnerIdentity | None = ...,
         parked: _builtins.bool = ...,
+        input_waiting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "owner", b"owner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "owner", b"owner", "parked", b"parked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "input_waiting", b"input_waiting", "owner", b"owner", "parked", b"parked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
