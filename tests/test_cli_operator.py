@@ -36,6 +36,18 @@ K = s.EventKind
 ST = pb.SessionStatus
 
 
+@pytest.fixture
+async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
+    """conftest's stack with parking off: these tests compare statuses with
+    `idle`, and a session idle for 10 s parks (a loaded machine gets there
+    between two steps of a test)."""
+    running = await start_stack(etcd_endpoint, park_after=None)
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
+
+
 def operator_flags(stack: Stack) -> list[str]:
     files = stack.pki.files(Role.OPERATOR)
     return [

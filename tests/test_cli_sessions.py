@@ -13,14 +13,29 @@ import json
 import os
 import socket
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
 from baton.ingress.v1 import ingress_pb2 as pb
 from services.cli import profile, sessions
-from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack
+from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack, start_stack, stop_stack
+
+
+@pytest.fixture
+async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
+    """conftest's stack with parking off: these tests compare statuses with
+    `idle`, and a session idle for 10 s parks (a loaded machine gets there
+    between two steps of a test)."""
+    running = await start_stack(etcd_endpoint, park_after=None)
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_TIMEOUT = 60.0
