@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# The processes start in a fixture and the test only sleeps: the child run
+# times its test function alone (timeout_func_only), so its timeout can be
+# short however long a loaded machine takes to start etcd and hooks.
 CHILD_TEST = textwrap.dedent(
     """
     import os, time
@@ -27,8 +30,8 @@ CHILD_TEST = textwrap.dedent(
     from services.cli.processes import ServiceProcess, free_port, wait_serving
     from services.common.tls import Security
 
-    @pytest.mark.timeout({timeout})
-    def test_holds_processes() -> None:
+    @pytest.fixture
+    def processes() -> None:
         etcd = EtcdProcess().start()
         port = free_port()
         hooks = ServiceProcess(
@@ -40,6 +43,9 @@ CHILD_TEST = textwrap.dedent(
         wait_serving(f"127.0.0.1:{{port}}", Security.plaintext(), timeout=60)
         pids = Path({workdir!r}) / "pids"
         pids.write_text(f"{{etcd.proc.pid}} {{hooks.pid}}")
+
+    @pytest.mark.timeout({timeout})
+    def test_holds_processes(processes: None) -> None:
         time.sleep(600)
     """
 )
@@ -64,7 +70,7 @@ def run_and_interrupt(tmp_path: Path, *, timeout: int, sigterm: bool) -> list[in
     )
     runner = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        + ["-o", "timeout_method=thread", "test_child.py"],
+        + ["-o", "timeout_method=thread", "-o", "timeout_func_only=true", "test_child.py"],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -101,4 +107,4 @@ def test_a_test_run_sent_sigterm_leaves_no_etcd_or_service(tmp_path: Path) -> No
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_test_run_that_times_out_leaves_no_etcd_or_service(tmp_path: Path) -> None:
-    assert run_and_interrupt(tmp_path, timeout=20, sigterm=False) == []
+    assert run_and_interrupt(tmp_path, timeout=3, sigterm=False) == []
