@@ -26,7 +26,7 @@ from tests.stack import SLACK_KEY, Stack
 ROOT = Path(__file__).resolve().parent.parent
 SDK_DEPENDENCIES = ("grpcio", "protobuf", "googleapis-common-protos")  # as sdk/pyproject.toml
 # Importable next to the servers, never next to the SDK alone.
-SERVER_SIDE = ("services", "baton", "aetcd", "structlog", "cryptography", "grpc_tools", "pytest")
+SERVER_SIDE = ("baton_runtime", "services", "baton", "aetcd", "structlog", "cryptography", "grpc_tools", "pytest")
 
 
 def isolated_env(**extra: str) -> dict[str, str]:

@@ -3,7 +3,7 @@
 isort:skip_file
 The hook registry: hook tokens, the durable session inbox and ownership."""
 
-from baton.hooks.v1 import hooks_pb2 as _hooks_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as _hooks_pb2
 from collections import abc as _abc
 from grpc import aio as _aio
 import abc as _abc_1

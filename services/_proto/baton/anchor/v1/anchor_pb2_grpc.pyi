@@ -3,7 +3,7 @@
 isort:skip_file
 The anchor: a session's public event stream and durable snapshot."""
 
-from baton.anchor.v1 import anchor_pb2 as _anchor_pb2
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as _anchor_pb2
 from collections import abc as _abc
 from grpc import aio as _aio
 import abc as _abc_1

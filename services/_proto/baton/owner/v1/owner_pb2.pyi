@@ -3,7 +3,7 @@
 isort:skip_file
 The owner: runs session programs for one deployment."""
 
-from baton.session.v1 import session_pb2 as _session_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.owner.v1 import owner_pb2 as baton_dot_owner_dot_v1_dot_owner__pb2
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as baton_dot_owner_dot_v1_dot_owner__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

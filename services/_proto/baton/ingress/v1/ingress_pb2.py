@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
@@ -31,7 +31,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/in
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.ingress.v1.ingress_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton_runtime._proto.baton.ingress.v1.ingress_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SENDMESSAGEREQUEST_LABELSENTRY']._loaded_options = None

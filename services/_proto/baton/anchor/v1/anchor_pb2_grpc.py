@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.anchor.v1 import anchor_pb2 as baton_dot_anchor_dot_v1_dot_anchor__pb2
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as baton_dot_anchor_dot_v1_dot_anchor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@
 isort:skip_file
 The public edge for channel gateways."""
 
-from baton.ingress.v1 import ingress_pb2 as _ingress_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as _ingress_pb2
 from collections import abc as _abc
 from grpc import aio as _aio
 import abc as _abc_1

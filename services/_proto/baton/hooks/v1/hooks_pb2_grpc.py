@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.hooks.v1 import hooks_pb2 as baton_dot_hooks_dot_v1_dot_hooks__pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as baton_dot_hooks_dot_v1_dot_hooks__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

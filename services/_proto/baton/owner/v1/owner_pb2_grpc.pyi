@@ -3,7 +3,7 @@
 isort:skip_file
 The owner: runs session programs for one deployment."""
 
-from baton.owner.v1 import owner_pb2 as _owner_pb2
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as _owner_pb2
 from collections import abc as _abc
 from grpc import aio as _aio
 import abc as _abc_1

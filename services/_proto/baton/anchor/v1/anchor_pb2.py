@@ -22,14 +22,14 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xe1\x02\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07history\x18\x06 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12 \n\x13\x63onsumed_inbox_from\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revisionB\x16\n\x14_consumed_inbox_from\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"r\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x14\n\x0c\x65\x61rliest_seq\x18\x03 \x01(\x04\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"=\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event\"p\n\x12LoadSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"\x8c\x01\n\x13LoadSessionResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12.\n\x07history\x18\x03 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\"g\n\x14RetireHistoryRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x13\n\x0b\x62\x65low_index\x18\x02 \x01(\x04\x12\x12\n\nfrom_index\x18\x03 \x01(\x04\"?\n\x15RetireHistoryResponse\x12\x15\n\rretired_below\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x04\x32\xd5\x03\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x12Z\n\x0bLoadSession\x12#.baton.anchor.v1.LoadSessionRequest\x1a$.baton.anchor.v1.LoadSessionResponse0\x01\x12^\n\rRetireHistory\x12%.baton.anchor.v1.RetireHistoryRequest\x1a&.baton.anchor.v1.RetireHistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.anchor.v1.anchor_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton_runtime._proto.baton.anchor.v1.anchor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMMITSTEPREQUEST']._serialized_start=82

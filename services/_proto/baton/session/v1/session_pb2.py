@@ -30,7 +30,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x61ton/se
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.session.v1.session_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton_runtime._proto.baton.session.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DELIVERYMETADATA_LABELSENTRY']._loaded_options = None

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.ingress.v1 import ingress_pb2 as baton_dot_ingress_dot_v1_dot_ingress__pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as baton_dot_ingress_dot_v1_dot_ingress__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
