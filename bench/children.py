@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from bench.common import log_dir, write_json
 from bench.turn_latency import (
     BenchStack,

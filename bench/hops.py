@@ -52,12 +52,12 @@ from typing import Any
 
 import grpc
 
-from baton.anchor.v1 import anchor_pb2
-from baton.hooks.v1 import hooks_pb2
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from tests import certs
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.scrape import Scrape, scrape
@@ -336,7 +336,7 @@ class HopRun:
         self.stack.stop()
 
     async def wait_registered(self) -> None:
-        from services.common.hooks_client import HooksClient
+        from baton_runtime.common.hooks_client import HooksClient
 
         hooks = HooksClient(self.stack.addr("hooks"), timeout=5, security=self.stack.probe)
         try:

@@ -38,19 +38,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.etcd_auth import enable_auth
+from baton_runtime.cli.etcd_process import EtcdProcess, EtcdTls
+from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security
 from bench.common import write_json
-from services.cli.etcd_auth import enable_auth
-from services.cli.etcd_process import EtcdProcess, EtcdTls
-from services.cli.processes import ServiceProcess, free_port, wait_serving
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.owner_client import OwnerClient
-from services.common.pki import LocalPki
-from services.common.tls import Security
 
 DEPLOYMENT_ID = "bench-idle"
 INSTANCE_ID = "bench-idle-i1"

@@ -32,13 +32,13 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_ops import cmp_value, op_delete, op_put
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.tls import Security
 from bench.common import apply_smoke, write_json
-from services.cli.etcd_process import EtcdProcess
-from services.common.etcd_client import make_client
-from services.common.etcd_ops import cmp_value, op_delete, op_put
-from services.common.etcd_store import Store
-from services.common.keys import Keys
-from services.common.tls import Security
 
 WAYS = ("none", "in_txn", "in_txn_from_start", "after")
 SNAPSHOT = b"s" * 1024

@@ -39,9 +39,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.txn import Txn
+from baton_runtime.owner.held import RunIdentity, make_event
 from bench.common import log_dir, write_json
 from bench.turn_latency import (
     DEPLOYMENT_ID,
@@ -55,15 +64,6 @@ from bench.turn_latency import (
     one_turn,
     wait_registered,
 )
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.etcd_client import make_client
-from services.common.etcd_store import Store
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys
-from services.common.txn import Txn
-from services.owner.held import RunIdentity, make_event
 
 TARGET_AGE_RATIO = 1.1
 TARGET_UPGRADE_RATIO = 2.0

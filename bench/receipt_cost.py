@@ -36,10 +36,10 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.common.hooks_client import HooksClient
 from bench.turn_latency import cpu_seconds
-from services.common.hooks_client import HooksClient
 from tests import certs
 from tests.procs import SLACK, ProcessStack
 from tests.stack import public_channel

@@ -41,8 +41,10 @@ from typing import Any
 
 import grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.common.config import Capacity
+from baton_runtime.ingress.limits import ChannelLimits
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     METADATA,
@@ -57,8 +59,6 @@ from bench.turn_latency import (
     run_concurrent_turns,
     versions,
 )
-from services.common.config import Capacity
-from services.ingress.limits import ChannelLimits
 
 LEVELS = "1,8,32,128,512"
 SMOKE = {"levels": "1,4", "turns": 6, "min_turns_per_session": 2}

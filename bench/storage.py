@@ -58,14 +58,14 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.txn import Txn
+from baton_runtime.hooks.expiry import lease_ttl
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import BenchStack, Dist, Follower, create_session, load_average, one_turn
-from services.common.etcd_client import make_client
-from services.common.etcd_store import Store
-from services.common.keys import Keys, prefix_end
-from services.common.txn import Txn
-from services.hooks.expiry import lease_ttl
 
 TARGET_RATIO = 1.1
 OFF = {"BATON_STREAM_RETENTION_EVENTS": str(10**9), "BATON_DEDUPE_WINDOW": str(10**8)}

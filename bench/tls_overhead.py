@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     BenchStack,

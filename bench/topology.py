@@ -46,7 +46,14 @@ from typing import Any
 
 import grpc
 
-from baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.cli.etcd_auth import enable_auth
+from baton_runtime.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security, tls_options
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     API_KEY,
@@ -59,13 +66,6 @@ from bench.turn_latency import (
     measure_throughput,
     versions,
 )
-from services.cli.etcd_auth import enable_auth
-from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
-from services.cli.processes import ServiceProcess, free_port, wait_serving
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.pki import LocalPki
-from services.common.tls import Security, tls_options
 
 DEPLOYMENT_ID = "bench-topology"
 SMOKE = {"turns": 5, "warmup_turns": 2, "sessions": 2, "concurrent_turns": 6, "rounds": 1}

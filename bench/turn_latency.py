@@ -56,19 +56,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.anchor.v1 import anchor_pb2
-from baton.hooks.v1 import hooks_pb2
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
-from bench.common import apply_smoke, log_dir, write_json
-from services.cli.etcd_auth import enable_auth
-from services.cli.etcd_binary import EtcdRefused, find_etcd
-from services.cli.etcd_process import EtcdProcess, EtcdTls
-from services.cli.processes import ServiceProcess, free_port, wait_serving
-from services.common.etcd_client import make_client
-from services.common.etcd_ops import (
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.etcd_auth import enable_auth
+from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.cli.etcd_process import EtcdProcess, EtcdTls
+from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_ops import (
     cmp_absent,
     cmp_present,
     cmp_value,
@@ -76,13 +75,14 @@ from services.common.etcd_ops import (
     op_put,
     single_value,
 )
-from services.common.etcd_store import Store
-from services.common.etcd_watch import create_watch
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys, TokenRecord, fence_value
-from services.common.pki import LocalPki
-from services.common.tls import Security
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.etcd_watch import create_watch
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys, TokenRecord, fence_value
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security
+from bench.common import apply_smoke, log_dir, write_json
 
 # Targets from the project brief.
 TARGET_RATIO = 2.5  # one-step turn p50 within 2.5x the floor p50

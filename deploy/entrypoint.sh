@@ -25,10 +25,10 @@ command=$1
 shift
 case "$command" in
     hooks | anchor | owner | ingress)
-        exec "$python" -m "services.$command" "$@"
+        exec "$python" -m "baton_runtime.$command" "$@"
         ;;
     baton)
-        exec "$python" -m services.cli "$@"
+        exec "$python" -m baton_runtime.cli "$@"
         ;;
     etcdctl)
         exec etcdctl "$@"

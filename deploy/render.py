@@ -382,7 +382,7 @@ def check_etcd_release(manifest: Path = ETCD_MANIFEST) -> str:
     that table gives for it; returns the release. Raises RenderError."""
     sys.path.insert(0, str(DEPLOY.parent))
     try:
-        from services.common.etcd_releases import corruption_check_flags, judge, parse_version
+        from baton_runtime.common.etcd_releases import corruption_check_flags, judge, parse_version
     finally:
         sys.path.pop(0)
     text = manifest.read_text()
@@ -743,7 +743,7 @@ _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 def _known_series() -> set[str]:
     """Every metric name Baton exposes (services/common/metrics.py)."""
     sys.path.insert(0, str(DEPLOY.parent))
-    from services.common import metrics
+    from baton_runtime.common import metrics
 
     names = {metrics.SESSIONS, metrics.INBOX_OLDEST_UNCONSUMED, metrics.DRAINING}
     for service in metrics.SERVICE_METRICS:

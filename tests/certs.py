@@ -15,12 +15,12 @@ import tempfile
 
 import aetcd
 
-from services.cli.etcd_auth import enable_auth
-from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
-from services.common.etcd_client import make_client
-from services.common.identity import Role
-from services.common.pki import LocalPki
-from services.common.tls import Security, TlsFiles
+from baton_runtime.cli.etcd_auth import enable_auth
+from baton_runtime.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.identity import Role
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security, TlsFiles
 
 # Every test keeps its etcd keys under this prefix (a unique root each); the
 # etcd role of the services' certificates may touch nothing else.

@@ -47,17 +47,17 @@ from pathlib import Path
 
 import grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli.etcd_check import members_consistent
-from services.cli.etcd_process import EtcdCluster
-from services.cli.processes import ServiceProcess, free_port, wait_serving
-from services.common.anchor_client import AnchorClient
-from services.common.errors import BatonError
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.tls import Security
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.etcd_check import members_consistent
+from baton_runtime.cli.etcd_process import EtcdCluster
+from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.procs import API_KEY, SLACK, check_history, eventually

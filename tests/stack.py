@@ -13,27 +13,27 @@ from typing import Any
 
 import grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.anchor.config import AnchorConfig
-from services.anchor.server import create_server as create_anchor
-from services.common.anchor_client import AnchorClient
-from services.common.config import EtcdConfig
-from services.common.grpc_server import GrpcServer
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.owner_client import OwnerClient
-from services.common.pki import LocalPki
-from services.common.tls import Security, load_material
-from services.hooks.config import HooksConfig
-from services.hooks.server import create_server as create_hooks
-from services.ingress.api_keys import ApiKeys
-from services.ingress.config import IngressConfig
-from services.ingress.limits import ChannelLimits
-from services.ingress.server import create_server as create_ingress
-from services.owner.config import OwnerConfig
-from services.owner.server import create_server as create_owner
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.config import AnchorConfig
+from baton_runtime.anchor.server import create_server as create_anchor
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.config import EtcdConfig
+from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security, load_material
+from baton_runtime.hooks.config import HooksConfig
+from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.ingress.api_keys import ApiKeys
+from baton_runtime.ingress.config import IngressConfig
+from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.server import create_server as create_ingress
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.certs import TEST_PREFIX
 

@@ -22,21 +22,21 @@ from google.protobuf import message as pb_message
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from baton.anchor.v1 import anchor_pb2
-from baton.hooks.v1 import hooks_pb2
-from baton.ingress.v1 import ingress_pb2
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
-from services.common import access, ids
-from services.common.channels import open_channel
-from services.common.config import ConfigError
-from services.common.errors import BatonError, PermissionDenied, Reason
-from services.common.grpc_errors import from_rpc_error
-from services.common.grpc_server import ServiceBinding, build_server
-from services.common.identity import CERTIFICATE_ROLES, Caller, Role
-from services.common.keys import Keys, OwnerRecord, parse_fence
-from services.common.pki import LocalPki
-from services.common.tls import Security, load_material, server_name
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import access, ids
+from baton_runtime.common.channels import open_channel
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import BatonError, PermissionDenied, Reason
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.grpc_server import ServiceBinding, build_server
+from baton_runtime.common.identity import CERTIFICATE_ROLES, Caller, Role
+from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security, load_material, server_name
 from tests.stack import Stack, start_stack, stop_stack
 
 Code = grpc.StatusCode
@@ -206,7 +206,7 @@ async def test_the_server_caps_concurrent_calls_with_retry_info(
     """Over the server's capacity a call is refused at once with
     RESOURCE_EXHAUSTED/SERVER_BUSY and RetryInfo; when a slot frees, calls
     are served again (the count never goes wrong, unlike grpc#41531)."""
-    from services.common.config import Capacity
+    from baton_runtime.common.config import Capacity
     from tests import certs
 
     monkeypatch.setitem(access.RPC_ROLES, f"/{PROBE}/Hold", frozenset({Role.OPERATOR}))
@@ -264,7 +264,7 @@ async def test_the_server_caps_concurrent_streams_apart_from_calls(
     """Streams count against their own limit: over it a stream is refused
     with RESOURCE_EXHAUSTED/SERVER_BUSY while unary calls are still served;
     a stream the client cancels and a stream that ends both free their slot."""
-    from services.common.config import Capacity
+    from baton_runtime.common.config import Capacity
     from tests import certs
 
     for name in ("Hold", "Follow"):
@@ -337,7 +337,7 @@ async def test_plaintext_is_refused_for_a_non_loopback_bind() -> None:
 
 
 def test_tls_or_plaintext_must_be_chosen_explicitly() -> None:
-    from services.hooks.config import HooksConfig
+    from baton_runtime.hooks.config import HooksConfig
 
     with pytest.raises(ConfigError, match="--plaintext"):
         HooksConfig.load([], {})
@@ -768,10 +768,10 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
 ) -> None:
     """The services reach etcd over TLS as users whose role covers the test
     prefix only; etcd refuses plaintext, and certificates of non-users."""
-    from services.common.errors import BatonError
-    from services.common.etcd_client import make_client
-    from services.common.etcd_ops import op_get, op_put
-    from services.common.etcd_store import Store
+    from baton_runtime.common.errors import BatonError
+    from baton_runtime.common.etcd_client import make_client
+    from baton_runtime.common.etcd_ops import op_get, op_put
+    from baton_runtime.common.etcd_store import Store
     from tests import certs
 
     plain = Store(make_client(stack.etcd.endpoint, 2), 2)
@@ -914,7 +914,7 @@ async def test_the_demo_verifies_the_ingress_against_a_given_server_name(stack: 
     dialled is not a name the ingress certificate carries."""
     import io
 
-    from services.cli import demo
+    from baton_runtime.cli import demo
     from tests.stack import SLACK_KEY
 
     address = stack.addr(stack.ingress)

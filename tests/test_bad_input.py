@@ -13,16 +13,16 @@ import aetcd
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.config import ConfigError
-from services.common.errors import BatonError, InvalidArgument, Reason
-from services.common.grpc_errors import from_rpc_error
-from services.common.keys import Keys, prefix_end
-from services.ingress.config import IngressConfig
-from services.owner.config import OwnerConfig
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import BatonError, InvalidArgument, Reason
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.ingress.config import IngressConfig
+from baton_runtime.owner.config import OwnerConfig
 from tests.stack import SLACK, SLACK_KEY, WEB, Stack
 
 K = s.EventKind
@@ -793,8 +793,8 @@ async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: St
     """gRPC decodes before the handler runs; the servers decode themselves, so
     bytes that are not the method's message get INVALID_ARGUMENT with a
     reason (it used to be UNKNOWN), on public and internal servers alike."""
-    from services.common.channels import open_channel
-    from services.common.identity import Role
+    from baton_runtime.common.channels import open_channel
+    from baton_runtime.common.identity import Role
     from tests.stack import public_channel
 
     garbage = b"\xff\xff\xff\xff\x0f"  # a field 0 / truncated varint: never a message

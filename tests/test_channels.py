@@ -1,5 +1,5 @@
 """Clients over several replicas: address settings, round-robin, replicas
-shutting down, and retries of idempotent calls only (services.common.channels).
+shutting down, and retries of idempotent calls only (baton_runtime.common.channels).
 
 Real hooks servers on loopback over the test etcd; one of them may be given
 an etcd that is not there, so that it answers UNAVAILABLE to everything.
@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.cli.processes import free_port
-from services.common import ids
-from services.common.channels import grpc_target, service_config
-from services.common.config import ConfigError, EtcdConfig
-from services.common.errors import NotFound, Unavailable
-from services.common.grpc_server import GrpcServer
-from services.common.hooks_client import HOOKS_IDEMPOTENT, HooksClient
-from services.hooks.registry import HookRegistry
-from services.hooks.server import create_server as create_hooks
-from services.ingress.config import IngressConfig
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.processes import free_port
+from baton_runtime.common import ids
+from baton_runtime.common.channels import grpc_target, service_config
+from baton_runtime.common.config import ConfigError, EtcdConfig
+from baton_runtime.common.errors import NotFound, Unavailable
+from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.hooks_client import HOOKS_IDEMPOTENT, HooksClient
+from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.ingress.config import IngressConfig
 from tests.stack import SLACK_KEY, Stack, hooks_config
 
 

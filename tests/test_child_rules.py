@@ -10,18 +10,18 @@ from __future__ import annotations
 import collections
 import json
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
-from services.common.errors import Reason
-from services.owner.admission import Admission
-from services.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
-from services.owner.child_rules import ChildWork
-from services.owner.fixture import build_agent
-from services.owner.handles import Handles, Refusal, ReportMeaning, child_budget, child_control
-from services.owner.held import RunIdentity
-from services.owner.snapshots import initial_snapshot
-from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import SessionState
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, limits
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner.admission import Admission
+from baton_runtime.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
+from baton_runtime.owner.child_rules import ChildWork
+from baton_runtime.owner.fixture import build_agent
+from baton_runtime.owner.handles import Handles, Refusal, ReportMeaning, child_budget, child_control
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.owner.step_rules import Outcome, StepProgress
+from baton_runtime.owner.turns import SessionState
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

@@ -14,11 +14,11 @@ import json
 import grpc
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import BatonError, Reason
-from services.common.grpc_errors import error_reason
-from services.owner.host import OwnerHost
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import BatonError, Reason
+from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.owner.host import OwnerHost
 from tests.stack import WEB, Stack, start_stack, stop_stack
 from tests.test_turns import (
     CANCEL,

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli import deployments
-from services.common.owner_client import OwnerClient
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli import deployments
+from baton_runtime.common.owner_client import OwnerClient
 from tests.procs import SLACK, ProcessStack, StackClients, eventually, received_seqs
 from tests.stack import public_channel
 

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import BatonError
-from services.common.identity import Role
-from services.owner.commit import commit_step
-from services.owner.held import RunIdentity, make_event
-from services.owner.snapshots import initial_snapshot
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.identity import Role
+from baton_runtime.owner.commit import commit_step
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.snapshots import initial_snapshot
 from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from baton.session.v1 import session_pb2 as s
-from services.cli import sessions
-from services.common import metrics
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli import sessions
+from baton_runtime.common import metrics
 from tests.stack import SLACK_KEY, WEB_KEY, Stack
 from tests.test_cli_sessions import (
     CLI_TIMEOUT,
@@ -70,7 +70,7 @@ async def test_following_prints_each_event_as_it_arrives_until_the_end(
     env = {**os.environ, **env_of(tmp_path)}
     env.pop("PYTHONUNBUFFERED", None)  # each line is flushed by the CLI itself
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "sessions", "events", sid, "--follow",
+        sys.executable, "-m", "baton_runtime.cli", "sessions", "events", sid, "--follow",
         "-o", "jsonl", *flags(stack),
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -192,7 +192,7 @@ async def test_a_broken_follow_says_where_to_continue(stack: Stack, tmp_path: Pa
     sid = await idle_session(stack)
     head = len(await stack.events(sid, follow=False))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "sessions", "events", sid, "--follow",
+        sys.executable, "-m", "baton_runtime.cli", "sessions", "events", sid, "--follow",
         *flags(stack),
         cwd=ROOT, env={**os.environ, **env_of(tmp_path)},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

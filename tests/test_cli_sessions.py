@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from services.cli import profile, sessions
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime.cli import profile, sessions
 from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack, start_stack, stop_stack
 
 
@@ -67,7 +67,7 @@ async def baton(*args: str, env: dict[str, str] | None = None) -> Run:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "baton_runtime.cli",
         *args,
         cwd=ROOT,
         env={**base, **(env or {})},
@@ -261,7 +261,7 @@ async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path
     }
     outputs = []
     for command in commands:
-        script = f'baton() {{ "{sys.executable}" -m services.cli "$@"; }}; {command}'
+        script = f'baton() {{ "{sys.executable}" -m baton_runtime.cli "$@"; }}; {command}'
         proc = await asyncio.create_subprocess_exec(
             "bash", "-c", script, cwd=ROOT, env={**os.environ, **env},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

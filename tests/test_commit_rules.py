@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.anchor.commits import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.commits import (
     Commit,
     RefusedRead,
     check_consumed_from,
     encode_commit,
     refused_commit,
 )
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
+from baton_runtime.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
 
 SID = "ses_" + "a" * 26
 FENCE = s.Fence(session_id=SID, owner_run_id="run_1", epoch=1)

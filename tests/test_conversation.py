@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from tests.stack import Stack
 
 K = s.EventKind

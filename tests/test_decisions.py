@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import collections
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Reason
-from services.owner import decisions, departure_rules
-from services.owner.agent import ModelReply, RequestedCall
-from services.owner.decisions import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner import decisions, departure_rules
+from baton_runtime.owner.agent import ModelReply, RequestedCall
+from baton_runtime.owner.decisions import (
     AnswerAuthorization,
     AnswerInputs,
     Commit,
@@ -21,11 +21,11 @@ from services.owner.decisions import (
     RunTurn,
     Summarize,
 )
-from services.owner.fixture import build_agent
-from services.owner.held import RunIdentity
-from services.owner.snapshots import initial_snapshot
-from services.owner.step_rules import StepProgress
-from services.owner.turns import SessionState
+from baton_runtime.owner.fixture import build_agent
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.owner.step_rules import StepProgress
+from baton_runtime.owner.turns import SessionState
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
@@ -429,7 +429,7 @@ def test_every_effect_has_its_one_apply_in_the_shell() -> None:
     import re
     import typing
 
-    from services.owner.session import SessionRun
+    from baton_runtime.owner.session import SessionRun
 
     def snake(name: str) -> str:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

@@ -15,7 +15,7 @@ container's entrypoint runs the commands the manifests give it.
 - The certificates gen-secrets.sh writes name the roles (and deployment
   ids) Baton reads, and verify under the names the manifests dial.
 - Every BATON_* variable a manifest sets is a setting of that service
-  (`python -m services.<name> --help`), so the manifests invent no flags.
+  (`python -m baton_runtime.<name> --help`), so the manifests invent no flags.
 - The image's entrypoint script starts hooks, anchor, owner and ingress with
   the arguments and environment of their rendered Deployments (addresses
   moved to loopback, mounted files to the test PKI's), they answer the
@@ -40,13 +40,13 @@ from typing import Any
 import pytest
 import yaml
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli.processes import free_port, wait_serving
-from services.common.etcd_releases import corruption_check_flags, judge, parse_version
-from services.common.identity import Role
-from services.common.tls import Security
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.processes import free_port, wait_serving
+from baton_runtime.common.etcd_releases import corruption_check_flags, judge, parse_version
+from baton_runtime.common.identity import Role
+from baton_runtime.common.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.procs import eventually
@@ -461,7 +461,7 @@ async def test_gen_secrets_certificates_carry_the_identities_and_names_baton_che
     name for pod-IP dials, the public entry)."""
     from cryptography import x509
 
-    from services.common.identity import Caller, Role
+    from baton_runtime.common.identity import Caller, Role
 
     secrets = tmp_path / "secrets"
     gen_secrets(secrets, "baton", "build-1")
@@ -494,8 +494,8 @@ async def handshakes(tls: Path, svc: str) -> None:
     through BATON_TLS_IP_SERVER_NAME, the public entry's name)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.channels import open_channel
-    from services.common.grpc_server import build_server
+    from baton_runtime.common.channels import open_channel
+    from baton_runtime.common.grpc_server import build_server
 
     def security(stem: str, server_name: str = "") -> Security:
         files = (str(tls / f"{stem}.crt"), str(tls / f"{stem}.key"), str(tls / "ca.crt"))
@@ -524,9 +524,9 @@ async def handshakes(tls: Path, svc: str) -> None:
 
 
 def settings_of(role: str) -> set[str]:
-    """The environment variables `python -m services.<role> --help` names."""
+    """The environment variables `python -m baton_runtime.<role> --help` names."""
     result = subprocess.run(
-        [sys.executable, "-m", f"services.{role}", "--help"],
+        [sys.executable, "-m", f"baton_runtime.{role}", "--help"],
         capture_output=True,
         text=True,
         check=True,
@@ -544,7 +544,7 @@ def test_manifests_set_only_settings_the_services_have(rendered: Rendered) -> No
         assert known, role
         extra = AGENT_SETTINGS if role == "owner" else set()
         unknown = set(env_of(container)) - known - NOT_SETTINGS - extra
-        assert not unknown, f"{role}: not settings of services.{role}: {sorted(unknown)}"
+        assert not unknown, f"{role}: not settings of baton_runtime.{role}: {sorted(unknown)}"
 
 
 def test_the_image_runs_the_entrypoint_script() -> None:

@@ -22,10 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli import deployments
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli import deployments
 from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventually
 from tests.stack import public_channel
 
@@ -111,7 +111,7 @@ async def test_a_stopped_fleets_idle_session_is_adopted_by_the_accepting_deploym
             "BATON_TLS_KEY": files.key,
             "BATON_TLS_CA": files.ca,
         }
-        drain_command = [sys.executable, "-m", "services.cli", "deployments", "drain"]
+        drain_command = [sys.executable, "-m", "baton_runtime.cli", "deployments", "drain"]
         drain_command += ["dep-1", "--to", "dep-2", "--hooks", stack.addr("hooks"), "--wait", "5"]
         ran = await asyncio.to_thread(
             subprocess.run, drain_command, env=env, capture_output=True, text=True, timeout=60

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import launcher
-from services.cli.etcd_binary import EtcdRefused, find_etcd
-from services.cli.etcd_process import EtcdProcess
-from services.cli.launch_settings import LaunchSettings
-from services.common.etcd_releases import EtcdVersion
+from baton_runtime.cli import launcher
+from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.cli.launch_settings import LaunchSettings
+from baton_runtime.common.etcd_releases import EtcdVersion
 
 
 def wheel_etcd() -> str:

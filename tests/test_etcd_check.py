@@ -14,18 +14,18 @@ from collections.abc import Iterator
 import pytest
 from aetcd import rpc
 
-from services.cli.__main__ import main
-from services.cli.etcd_check import (
+from baton_runtime.cli.__main__ import main
+from baton_runtime.cli.etcd_check import (
     ConsistencyReport,
     MemberHash,
     check_members,
     members_consistent,
 )
-from services.cli.etcd_process import EtcdCluster
-from services.common.etcd_client import make_client
-from services.common.etcd_ops import op_put
-from services.common.etcd_store import Store
-from services.common.tls import Security
+from baton_runtime.cli.etcd_process import EtcdCluster
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_ops import op_put
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.tls import Security
 from tests import certs
 
 

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.anchor.server import create_server as create_anchor
-from services.cli.etcd_process import EtcdProcess
-from services.common.config import EtcdConfig
-from services.common.etcd_client import make_client
-from services.common.etcd_members import UnsafeEtcd, member_statuses
-from services.common.identity import Role
-from services.hooks.server import create_server as create_hooks
+from baton_runtime.anchor.server import create_server as create_anchor
+from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.common.config import EtcdConfig
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_members import UnsafeEtcd, member_statuses
+from baton_runtime.common.identity import Role
+from baton_runtime.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import anchor_config, etcd_config, hooks_config
 from tests.test_etcd_binary import wheel_etcd
@@ -89,7 +89,7 @@ async def test_a_good_member_is_accepted(good_etcd: EtcdProcess) -> None:
 
 
 def test_the_setting_is_a_flag_and_an_env_variable() -> None:
-    from services.hooks.config import HooksConfig
+    from baton_runtime.hooks.config import HooksConfig
 
     base = ["--plaintext"]
     assert not HooksConfig.load(base, {}).etcd.accept_risk

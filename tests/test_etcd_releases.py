@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.etcd_releases import (
+from baton_runtime.common.etcd_releases import (
     EtcdVersion,
     corruption_check_flags,
     judge,

@@ -22,11 +22,11 @@ import pytest
 from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.session.v1 import session_pb2 as s
-from services.cli.etcd_process import EtcdProcess
-from services.common.channels import open_channel
-from services.common.grpc_errors import error_reason
-from services.ingress.limits import ChannelLimits
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.common.channels import open_channel
+from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.ingress.limits import ChannelLimits
 from tests import certs
 from tests.certs import etcd_root_client, start_etcd
 from tests.procs import check_history, eventually

@@ -13,23 +13,23 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.anchor.v1 import anchor_pb2_grpc
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.hooks.v1 import hooks_pb2_grpc
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.errors import BatonError, Fenced, Reason
-from services.common.grpc_errors import from_rpc_error
-from services.common.hooks_client import HooksClient
-from services.common.keys import Keys, fence_value, parse_fence, prefix_end
-from services.common.owner_client import OwnerClient
-from services.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
-from services.owner.config import OwnerConfig
-from services.owner.host import OwnerHost
-from services.owner.server import create_server as create_owner
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import BatonError, Fenced, Reason
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.keys import Keys, fence_value, parse_fence, prefix_end
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.stack import Stack
 

@@ -37,14 +37,14 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.anchor.v1 import anchor_pb2
-from baton.hooks.v1 import hooks_pb2
-from baton.ingress.v1 import ingress_pb2
-from baton.owner.v1 import owner_pb2
-from services.common import access, ids
-from services.common.channels import open_channel
-from services.common.identity import Role
-from services.common.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime.common import access, ids
+from baton_runtime.common.channels import open_channel
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
 from tests.stack import SLACK, SLACK_KEY, Stack, public_channel, start_stack, stop_stack
 
 EXAMPLES = 250

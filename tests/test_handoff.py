@@ -17,19 +17,19 @@ import aetcd
 import grpc
 import pytest
 
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids
-from services.common.errors import BatonError, Reason, Unavailable
-from services.common.grpc_errors import from_rpc_error
-from services.common.hooks_client import HooksClient
-from services.common.keys import Keys, OwnerRecord, parse_fence
-from services.common.permits import PermitSigner, grant_for
-from services.owner import handoff
-from services.owner.commit import commit_step
-from services.owner.held import RunIdentity, make_event
-from services.owner.host import OwnerHost
-from services.owner.snapshots import initial_snapshot
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints, ids
+from baton_runtime.common.errors import BatonError, Reason, Unavailable
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.permits import PermitSigner, grant_for
+from baton_runtime.owner import handoff
+from baton_runtime.owner.commit import commit_step
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.snapshots import initial_snapshot
 from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment

@@ -13,11 +13,11 @@ import aetcd
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
-from services.common.grpc_errors import error_reason
-from services.common.keys import Keys
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, limits
+from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.common.keys import Keys
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
@@ -37,7 +37,7 @@ from tests.test_turns import (
 )
 
 K = s.EventKind
-SMALL_CONTEXT = "services.owner.fixture:build_small_context_agent"
+SMALL_CONTEXT = "baton_runtime.owner.fixture:build_small_context_agent"
 
 
 @pytest.fixture

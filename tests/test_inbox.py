@@ -8,13 +8,13 @@ import asyncio
 import aetcd
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys, prefix_end, seq_of
-from services.hooks.server import create_server as create_hooks
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys, prefix_end, seq_of
+from baton_runtime.hooks.server import create_server as create_hooks
 from tests.stack import SLACK, Stack, hooks_config
 
 K = s.EventKind

@@ -18,17 +18,17 @@ import aetcd
 import grpc
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics
-from services.common.errors import NotFound, Reason
-from services.common.etcd_client import make_client
-from services.common.etcd_store import Store
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys, prefix_end
-from services.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
-from services.hooks.registry import HookRegistry
-from services.hooks.server import create_server as create_hooks
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.errors import NotFound, Reason
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
+from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.server import create_server as create_hooks
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import (
@@ -157,7 +157,7 @@ async def a_long_session_stays_bounded(
             "retention_sweep_seconds": 0.2,
         },
         hooks_options={"dedupe_window_seconds": window},
-        agent="services.owner.fixture:build_small_context_agent",
+        agent="baton_runtime.owner.fixture:build_small_context_agent",
     )
     client = await etcd_client(running.etcd.endpoint)
     try:

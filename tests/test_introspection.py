@@ -14,12 +14,12 @@ import grpc
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.grpc_errors import from_rpc_error
-from services.common.keys import Keys
-from services.ingress import listing
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.keys import Keys
+from baton_runtime.ingress import listing
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import (
@@ -214,7 +214,9 @@ async def test_a_parked_session_reports_parked_and_wakes(parking: Stack) -> None
 @pytest.fixture
 async def crashing(etcd_endpoint: str) -> AsyncIterator[Stack]:
     stack = await start_stack(
-        etcd_endpoint, agent="services.owner.fixture:build_crash_on_load_agent", restart_budget=1
+        etcd_endpoint,
+        agent="baton_runtime.owner.fixture:build_crash_on_load_agent",
+        restart_budget=1,
     )
     try:
         yield stack
@@ -239,7 +241,7 @@ async def test_a_page_is_cut_short_by_its_size_and_the_token_goes_on(
     """A page stops before its sessions pass MAX_PAGE_BYTES (a page must fit
     in one message: 200 sessions with 256 aliases each would not), with a
     token that goes on from the first session it left out."""
-    from services.ingress import introspection
+    from baton_runtime.ingress import introspection
 
     made = sorted([await stack.create(request_id=f"size-{i}") for i in range(6)])
     one = (await get(stack, made[0])).ByteSize()
@@ -503,7 +505,7 @@ async def test_a_session_between_transfer_and_its_successors_commit_is_handing_o
     """The failpoint `handoff.after_transfer` holds the successor after the
     transfer committed and before it runs: GetSession says handing_off (the
     owner record names dep-b, the last snapshot dep-a), then idle on dep-b."""
-    from services.common import failpoints
+    from baton_runtime.common import failpoints
 
     sid = await stack.create()
     await stack.send(sid, "hello")

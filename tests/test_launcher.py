@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.__main__ import main as baton_main
-from services.cli.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
-from services.cli.launcher import DEMO_DONE_LINE, READY_LINE
-from services.cli.local_system import CERTS_DIR, LocalSystem
-from services.cli.port_plan import DeploymentPorts, Ports
+from baton_runtime.cli.__main__ import main as baton_main
+from baton_runtime.cli.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
+from baton_runtime.cli.launcher import DEMO_DONE_LINE, READY_LINE
+from baton_runtime.cli.local_system import CERTS_DIR, LocalSystem
+from baton_runtime.cli.port_plan import DeploymentPorts, Ports
 from tests.scrape import Scrape, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,12 +69,12 @@ def is_ours(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return b"services." in cmdline or b"etcd" in cmdline
+    return b"baton_runtime." in cmdline or b"etcd" in cmdline
 
 
 @dataclass
 class Launcher:
-    """A running `python -m services.cli up` and what it has printed."""
+    """A running `python -m baton_runtime.cli up` and what it has printed."""
 
     proc: asyncio.subprocess.Process
     lines: list[str] = field(default_factory=list)
@@ -95,7 +95,7 @@ class Launcher:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.cli",
+            "baton_runtime.cli",
             "up",
             "--port-base",
             "0",
@@ -189,7 +189,7 @@ async def run_demo(launcher: Launcher, ingress: str, *args: str) -> tuple[int, s
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "baton_runtime.cli",
         "demo",
         "--ingress",
         ingress,
@@ -268,7 +268,7 @@ async def baton(*args: str, env: Mapping[str, str]) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "baton_runtime.cli",
         *args,
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("BATON_")} | dict(env),

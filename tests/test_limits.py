@@ -13,13 +13,13 @@ import aetcd
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import BatonError, Reason, ResourceExhausted
-from services.common.grpc_errors import from_rpc_error
-from services.common.keys import Keys, prefix_end
-from services.ingress.limits import ChannelBudget, ChannelLimits, TokenBucket
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import BatonError, Reason, ResourceExhausted
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits, TokenBucket
 from tests.procs import check_history
 from tests.stack import SLACK, WEB, Stack, start_stack, stop_stack
 

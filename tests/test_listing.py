@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import ids
-from services.common.errors import InvalidArgument, Reason
-from services.common.status import Status
-from services.ingress import listing
+from baton_runtime.common import ids
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.status import Status
+from baton_runtime.ingress import listing
 
 T0 = 1_780_000_000_000  # unix ms
 

@@ -9,16 +9,16 @@ import asyncio
 import time
 from pathlib import Path
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.owner.held import RunIdentity, make_event
-from services.owner.snapshots import initial_snapshot
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.snapshots import initial_snapshot
 from tests.procs import SLACK, ProcessStack
 from tests.stack import public_channel
 

@@ -14,15 +14,15 @@ import httpx
 import pytest
 from prometheus_client.registry import Collector
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import metrics
-from services.common.anchor_client import AnchorClient
-from services.common.config import ConfigError, as_listen
-from services.common.grpc_server import build_server
-from services.common.hooks_client import HooksClient
-from services.common.tls import Security
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import metrics
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.config import ConfigError, as_listen
+from baton_runtime.common.grpc_server import build_server
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tls import Security
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.scrape import Scrape, scrape, total
 from tests.stack import public_channel

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from tests.stack import SLACK, Stack
 
 SENDERS = 4

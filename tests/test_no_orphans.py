@@ -26,9 +26,9 @@ CHILD_TEST = textwrap.dedent(
 
     import pytest
 
-    from services.cli.etcd_process import EtcdProcess
-    from services.cli.processes import ServiceProcess, free_port, wait_serving
-    from services.common.tls import Security
+    from baton_runtime.cli.etcd_process import EtcdProcess
+    from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+    from baton_runtime.common.tls import Security
 
     @pytest.fixture
     def processes() -> None:

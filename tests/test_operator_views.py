@@ -25,17 +25,17 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.session.v1 import session_pb2 as s
-from services.cli import sessions
-from services.common import ids
-from services.common.errors import InvalidArgument, NotFound
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys
-from services.common.owner_client import OwnerClient
-from services.hooks.fleets import FleetStatus, fleet_status
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli import sessions
+from baton_runtime.common import ids
+from baton_runtime.common.errors import InvalidArgument, NotFound
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.hooks.fleets import FleetStatus, fleet_status
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack

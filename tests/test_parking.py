@@ -18,21 +18,21 @@ import aetcd
 import grpc
 import pytest
 
-from baton.owner.v1 import owner_pb2
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import TakenOver
-from services.common.config import ConfigError
-from services.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
-from services.common.grpc_server import GrpcServer
-from services.common.hooks_client import HooksClient
-from services.common.keys import Keys
-from services.common.owner_client import OwnerClient
-from services.common.tls import Security
-from services.hooks.server import create_server as create_hooks
-from services.owner.config import OwnerConfig
-from services.owner.server import create_server as create_owner
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import TakenOver
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
+from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.tls import Security
+from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.procs import answered, check_history, eventually, inbox_entries_left
 from tests.stack import Stack, hooks_config
@@ -312,10 +312,10 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     """Bells are compared with the parked position: stale and duplicate bells
     are ignored, and a bell that rang while the run was parking is honoured
     when the session lands in `parked`."""
-    from services.owner.fixture import build_agent
-    from services.owner.host import OwnerHost
-    from services.owner.hosting import HostSettings
-    from services.owner.parking import ParkedSession
+    from baton_runtime.owner.fixture import build_agent
+    from baton_runtime.owner.host import OwnerHost
+    from baton_runtime.owner.hosting import HostSettings
+    from baton_runtime.owner.parking import ParkedSession
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),
@@ -359,11 +359,11 @@ async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
     """baton_sessions{state}, the oldest unprocessed command's age and
     baton_draining come from the host's one view of its sessions
     (metering.HeldView), read at each scrape."""
-    from services.owner.fixture import build_agent
-    from services.owner.host import OwnerHost
-    from services.owner.hosting import HostSettings
-    from services.owner.metering import HeldSessions
-    from services.owner.parking import ParkedSession
+    from baton_runtime.owner.fixture import build_agent
+    from baton_runtime.owner.host import OwnerHost
+    from baton_runtime.owner.hosting import HostSettings
+    from baton_runtime.owner.metering import HeldSessions
+    from baton_runtime.owner.parking import ParkedSession
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),

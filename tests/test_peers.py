@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from services.owner.peers import place
+from baton_runtime.owner.peers import place
 
 
 def test_placement_is_a_stable_hash_of_the_session_id() -> None:

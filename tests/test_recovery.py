@@ -27,11 +27,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.keys import Keys
-from services.owner.server import EXIT_LEASE_LOST
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.keys import Keys
+from baton_runtime.owner.server import EXIT_LEASE_LOST
 from tests.certs import etcd_client, start_etcd
 from tests.procs import (
     SLACK,

@@ -27,24 +27,24 @@ import aetcd
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.anchor.journal import Journal
-from services.anchor.server import create_server as create_anchor
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.errors import NotFound
-from services.common.grpc_server import GrpcServer
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
-from services.common.keys import Keys
-from services.common.tls import Security
-from services.hooks.server import create_server as create_hooks
-from services.ingress.api_keys import ApiKeys
-from services.ingress.config import IngressConfig
-from services.ingress.server import create_server as create_ingress
-from services.owner.config import OwnerConfig
-from services.owner.server import create_server as create_owner
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.journal import Journal
+from baton_runtime.anchor.server import create_server as create_anchor
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import NotFound
+from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.tls import Security
+from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.ingress.api_keys import ApiKeys
+from baton_runtime.ingress.config import IngressConfig
+from baton_runtime.ingress.server import create_server as create_ingress
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.server import create_server as create_owner
 from tests.stack import API_KEYS, Stack, anchor_config, hooks_config, public_channel
 from tests.test_inbox import assert_admitted_once_in_order, read_until_idle, received
 

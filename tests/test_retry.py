@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import retry
-from services.common.retry import Backoff, RetryPolicy
+from baton_runtime.common import retry
+from baton_runtime.common.retry import Backoff, RetryPolicy
 
 
 class FakeClock:

@@ -13,15 +13,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Reason
-from services.common.grpc_errors import from_rpc_error
-from services.common.identity import Role
-from services.common.pki import LocalPki
-from services.common.tls import load_material
-from services.ingress.api_keys import ApiKeys
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Reason
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.identity import Role
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import load_material
+from baton_runtime.ingress.api_keys import ApiKeys
 from tests.procs import ProcessStack, answered, check_history, eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 
@@ -127,7 +127,7 @@ async def test_a_ca_rotation_while_sessions_run_loses_nothing(
 def test_a_half_written_rotation_keeps_the_previous_certificate(tmp_path: Path) -> None:
     """A watcher that sees a certificate without its key (or a key of
     another certificate) keeps what it has until the pair matches."""
-    from services.common.tls import CertificateWatcher
+    from baton_runtime.common.tls import CertificateWatcher
 
     pki = LocalPki(tmp_path / "pki")
     files = pki.files(Role.HOOKS)
@@ -277,8 +277,8 @@ def _sha(key: str) -> str:
 
 
 def test_key_files_hold_hashes_or_strong_keys() -> None:
-    from services.common.config import ConfigError
-    from services.ingress.api_keys import hash_line, parse_key_lines
+    from baton_runtime.common.config import ConfigError
+    from baton_runtime.ingress.api_keys import hash_line, parse_key_lines
 
     good = parse_key_lines(f"# comment\nslack={OLD_KEY}\nweb=sha256:{_sha(NEW_KEY)}\n")
     assert set(good.values()) == {"slack", "web"}
@@ -308,7 +308,7 @@ def test_hash_key_reads_the_key_from_stdin(
     the key from argv)."""
     import io
 
-    from services.cli.__main__ import main as baton_main
+    from baton_runtime.cli.__main__ import main as baton_main
 
     monkeypatch.setattr("sys.stdin", io.StringIO(NEW_KEY + "\n"))
     with pytest.raises(SystemExit) as exited:

@@ -21,8 +21,8 @@ from baton_client._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_client._proto.baton.session.v1 import session_pb2 as s
 from baton_client.retry import RetryPolicy
 
-from services.common import errors as server_errors
-from services.common.grpc_errors import to_status
+from baton_runtime.common import errors as server_errors
+from baton_runtime.common.grpc_errors import to_status
 
 SERVICE = pb.DESCRIPTOR.services_by_name["IngressService"]
 METHOD = SERVICE.methods_by_name

@@ -20,13 +20,22 @@ from pathlib import Path
 
 import pytest
 
-from services.common.identity import Role
+from baton_runtime.common.identity import Role
 from tests.stack import SLACK_KEY, Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK_DEPENDENCIES = ("grpcio", "protobuf", "googleapis-common-protos")  # as sdk/pyproject.toml
 # Importable next to the servers, never next to the SDK alone.
-SERVER_SIDE = ("baton_runtime", "services", "baton", "aetcd", "structlog", "cryptography", "grpc_tools", "pytest")
+SERVER_SIDE = (
+    "baton_runtime",
+    "services",
+    "baton",
+    "aetcd",
+    "structlog",
+    "cryptography",
+    "grpc_tools",
+    "pytest",
+)
 
 
 def isolated_env(**extra: str) -> dict[str, str]:

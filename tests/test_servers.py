@@ -15,15 +15,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from baton.anchor.v1 import anchor_pb2
-from baton.hooks.v1 import hooks_pb2
-from baton.ingress.v1 import ingress_pb2
-from baton.owner.v1 import owner_pb2
-from services.anchor.server import create_server as create_anchor
-from services.cli.processes import sync_channel
-from services.common.channels import open_channel
-from services.common.grpc_server import GrpcServer
-from services.hooks.server import create_server as create_hooks
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
+from baton_runtime._proto.baton.owner.v1 import owner_pb2
+from baton_runtime.anchor.server import create_server as create_anchor
+from baton_runtime.cli.processes import sync_channel
+from baton_runtime.common.channels import open_channel
+from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import Stack, anchor_config, hooks_config, public_channel
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import InvalidArgument, Reason
-from services.hooks.claims import session_tokens
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.hooks.claims import session_tokens
 
 SID = "ses_" + "a" * 26
 OWNER = s.OwnerIdentity(owner_run_id="run_1", deployment_id="dep-a", instance_id="i1")

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from services.common.status import SessionFacts, Status, StatusView, session_status
+from baton_runtime.common.status import SessionFacts, Status, StatusView, session_status
 
 IDLE = SessionFacts(
     committed=True,

@@ -21,23 +21,23 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.anchor.config import AnchorConfig
-from services.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
-from services.anchor.journal import Journal
-from services.cli.__main__ import build_parser
-from services.cli.launch_settings import LaunchSettings
-from services.cli.local_system import LocalSystem
-from services.cli.port_plan import Ports
-from services.common import ids, metrics
-from services.common.config import ConfigError
-from services.common.errors import OutOfRange, Reason
-from services.common.identity import Role
-from services.common.keys import Keys, OwnerRecord
-from services.owner.held import RunIdentity, make_event
-from services.owner.snapshots import initial_snapshot
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.config import AnchorConfig
+from baton_runtime.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
+from baton_runtime.anchor.journal import Journal
+from baton_runtime.cli.__main__ import build_parser
+from baton_runtime.cli.launch_settings import LaunchSettings
+from baton_runtime.cli.local_system import LocalSystem
+from baton_runtime.cli.port_plan import Ports
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import OutOfRange, Reason
+from baton_runtime.common.identity import Role
+from baton_runtime.common.keys import Keys, OwnerRecord
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.snapshots import initial_snapshot
 from tests.certs import etcd_client
 from tests.procs import ProcessStack, check_history, eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack

@@ -3,8 +3,8 @@ stamped by any other run (a predecessor's timer) is ignored."""
 
 from __future__ import annotations
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
 from tests.stack import Stack
 
 

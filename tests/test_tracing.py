@@ -31,14 +31,14 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, tracing
-from services.common.anchor_client import AnchorClient
-from services.common.errors import InvalidArgument, Reason
-from services.common.hooks_client import HooksClient
-from services.common.identity import Role
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, tracing
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.identity import Role
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.stack import Stack, public_channel, start_stack, stop_stack
 
@@ -420,8 +420,11 @@ def test_off_by_default_imports_no_sdk_and_installs_no_interceptor() -> None:
     configured from an environment without OTEL_TRACES_EXPORTER."""
     code = """
 import sys
-from services.common import ids, tracing
-import services.owner.server, services.hooks.server, services.anchor.server, services.ingress.server
+from baton_runtime.common import ids, tracing
+import baton_runtime.owner.server
+import baton_runtime.hooks.server
+import baton_runtime.anchor.server
+import baton_runtime.ingress.server
 assert tracing.TRACING.configure("owner", "dep", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) is False
 assert tracing.TRACING.configure("owner", env={"OTEL_TRACES_EXPORTER": "none"}) is False
 assert tracing.TRACING.configure(
@@ -440,7 +443,7 @@ print("ok")
 
 
 def test_an_exporter_baton_does_not_ship_is_a_config_error() -> None:
-    from services.common.config import ConfigError
+    from baton_runtime.common.config import ConfigError
 
     with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER"):
         tracing.Tracing().configure("hooks", env={"OTEL_TRACES_EXPORTER": "zipkin"})

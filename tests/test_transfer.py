@@ -11,15 +11,15 @@ import aetcd
 import grpc
 import pytest
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.hooks.v1 import hooks_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.channels import open_channel
-from services.common.errors import Fenced
-from services.common.grpc_errors import from_rpc_error
-from services.common.keys import Keys, OwnerRecord, parse_fence
-from services.common.permits import PermitSigner, grant_for
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.channels import open_channel
+from baton_runtime.common.errors import Fenced
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.permits import PermitSigner, grant_for
 from tests import certs
 from tests.stack import Stack
 

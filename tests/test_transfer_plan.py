@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import InvalidArgument, Reason
-from services.hooks.transfer import TransferPlan, plan_transfer
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.hooks.transfer import TransferPlan, plan_transfer
 
 SID = "ses_" + "a" * 26
 FENCE = s.Fence(session_id=SID, owner_run_id="run_1", epoch=3)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import collections
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
-from services.owner.admission import Admission
-from services.owner.agent import ModelReply, RequestedCall
-from services.owner.fixture import build_agent
-from services.owner.held import RunIdentity
-from services.owner.snapshots import initial_snapshot
-from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import SessionState, safe_error
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
+from baton_runtime.owner.admission import Admission
+from baton_runtime.owner.agent import ModelReply, RequestedCall
+from baton_runtime.owner.fixture import build_agent
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.owner.step_rules import Outcome, StepProgress
+from baton_runtime.owner.turns import SessionState, safe_error
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

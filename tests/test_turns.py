@@ -11,9 +11,9 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.session.v1 import session_pb2 as s
-from services.common.grpc_errors import error_reason
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.grpc_errors import error_reason
 from tests.stack import SLACK, TERMINAL, Stack
 
 K = s.EventKind

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Fenced, NotFound, Reason
-from services.common.etcd_client import make_client
-from services.common.etcd_ops import cmp_absent, cmp_none, cmp_value
-from services.common.etcd_store import Store
-from services.common.keys import Keys, prefix_end
-from services.common.txn import Fence, Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Fenced, NotFound, Reason
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_none, cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.txn import Fence, Txn
 from tests import certs
 
 

@@ -1,8 +1,8 @@
-"""python -m services.anchor"""
+"""python -m baton_runtime.anchor"""
 
-from services.anchor.config import AnchorConfig
-from services.anchor.server import create_server
-from services.common.service_main import run_main
+from baton_runtime.anchor.config import AnchorConfig
+from baton_runtime.anchor.server import create_server
+from baton_runtime.common.service_main import run_main
 
 if __name__ == "__main__":
     run_main(AnchorConfig.load, create_server, service="anchor")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.anchor.horizon import DEFAULT_KEEP_EVENTS, StreamPolicy
-from services.common.config import Setting, StoreServiceConfig, as_float, as_int
+from baton_runtime.anchor.horizon import DEFAULT_KEEP_EVENTS, StreamPolicy
+from baton_runtime.common.config import Setting, StoreServiceConfig, as_float, as_int
 
 WEEK = 7 * 24 * 3600
 
@@ -59,7 +59,7 @@ class AnchorConfig(StoreServiceConfig):
                 str(WEEK),
             ),
         )
-        shared, values = cls.read("services.anchor", listen, retention, argv, environ)
+        shared, values = cls.read("baton_runtime.anchor", listen, retention, argv, environ)
         return cls(
             **shared,
             retention_seconds=as_float(values, "finalized_retention"),

@@ -23,12 +23,12 @@ from typing import Protocol
 
 from aetcd import rpc
 
-from services.common import limits
-from services.common.errors import FailedPrecondition, InvalidArgument, Reason
-from services.common.etcd_ops import op_put
-from services.common.etcd_store import Store
-from services.common.keys import Keys, seq_of
-from services.common.txn import Txn
+from baton_runtime.common import limits
+from baton_runtime.common.errors import FailedPrecondition, InvalidArgument, Reason
+from baton_runtime.common.etcd_ops import op_put
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, seq_of
+from baton_runtime.common.txn import Txn
 
 
 class HistoryStore(Protocol):

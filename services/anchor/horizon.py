@@ -38,12 +38,12 @@ from typing import Protocol
 
 import structlog
 
-from services.common import limits, metrics
-from services.common.errors import BatonError, OutOfRange, Reason
-from services.common.etcd_ops import cmp_absent, cmp_value
-from services.common.etcd_store import Store
-from services.common.keys import Keys, prefix_end, seq_of
-from services.common.txn import Txn
+from baton_runtime.common import limits, metrics
+from baton_runtime.common.errors import BatonError, OutOfRange, Reason
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.txn import Txn
 
 log = structlog.get_logger("baton.anchor.horizon")
 

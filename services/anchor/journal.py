@@ -18,23 +18,29 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from baton.session.v1 import session_pb2 as s
-from services.anchor.commits import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.commits import (
     Commit,
     RefusedRead,
     check_consumed_from,
     encode_commit,
     refused_commit,
 )
-from services.anchor.history import EtcdHistory, GuardFailed, HistoryStore
-from services.anchor.horizon import StreamHorizon, horizon_of, opened_pages
-from services.anchor.stream import EventStream
-from services.common import ids, metrics
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Reason
-from services.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
-from services.common.etcd_store import Store
-from services.common.keys import Keys
-from services.common.txn import Fence, Txn, TxnResult
+from baton_runtime.anchor.history import EtcdHistory, GuardFailed, HistoryStore
+from baton_runtime.anchor.horizon import StreamHorizon, horizon_of, opened_pages
+from baton_runtime.anchor.stream import EventStream
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Reason,
+)
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.txn import Fence, Txn, TxnResult
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 

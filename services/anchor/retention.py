@@ -20,12 +20,12 @@ from collections.abc import Callable
 import structlog
 from google.protobuf.message import DecodeError
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
-from services.common.errors import BatonError
-from services.common.etcd_store import Store
-from services.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
-from services.common.txn import Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, limits
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
+from baton_runtime.common.txn import Txn
 
 log = structlog.get_logger("baton.anchor.retention")
 

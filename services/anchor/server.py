@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from baton.anchor.v1 import anchor_pb2, anchor_pb2_grpc
-from services.anchor.config import AnchorConfig
-from services.anchor.horizon import StreamHorizon
-from services.anchor.journal import Journal
-from services.anchor.retention import Retention
-from services.anchor.servicer import AnchorServicer
-from services.common.etcd_members import connect_checked
-from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from services.common.keys import Keys
-from services.common.scope import DeploymentScope
-from services.common.store_health import StoreHealth
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2, anchor_pb2_grpc
+from baton_runtime.anchor.config import AnchorConfig
+from baton_runtime.anchor.horizon import StreamHorizon
+from baton_runtime.anchor.journal import Journal
+from baton_runtime.anchor.retention import Retention
+from baton_runtime.anchor.servicer import AnchorServicer
+from baton_runtime.common.etcd_members import connect_checked
+from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.common.store_health import StoreHealth
 
 SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 

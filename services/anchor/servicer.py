@@ -6,16 +6,16 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import structlog
 
-from baton.anchor.v1 import anchor_pb2 as pb
-from baton.anchor.v1 import anchor_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.anchor.journal import Journal, LoadedSnapshot
-from services.common import identity
-from services.common.bounds import check_seq
-from services.common.errors import InvalidArgument, Reason
-from services.common.interceptor import Context
-from services.common.scope import DeploymentScope
-from services.common.tracing import check_trace_id
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.journal import Journal, LoadedSnapshot
+from baton_runtime.common import identity
+from baton_runtime.common.bounds import check_seq
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.interceptor import Context
+from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.common.tracing import check_trace_id
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 

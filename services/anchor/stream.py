@@ -13,15 +13,15 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.anchor.commits import TERMINAL_KINDS
-from services.anchor.horizon import below_horizon, horizon_of
-from services.common import ids, limits, metrics
-from services.common.errors import NotFound, Reason
-from services.common.etcd_store import Store
-from services.common.etcd_watch import Follower, watch_then_read
-from services.common.keys import Keys, prefix_end, seq_of
-from services.common.txn import Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.commits import TERMINAL_KINDS
+from baton_runtime.anchor.horizon import below_horizon, horizon_of
+from baton_runtime.common import ids, limits, metrics
+from baton_runtime.common.errors import NotFound, Reason
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.etcd_watch import Follower, watch_then_read
+from baton_runtime.common.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.txn import Txn
 
 _BATCH_BYTES = 512 * 1024
 

@@ -1,4 +1,4 @@
-"""The `baton` command (also `python -m services.cli`).
+"""The `baton` command (also `python -m baton_runtime.cli`).
 
 baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
@@ -42,12 +42,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.cli import operate, operate_parser
-from services.cli.demo_command import add_demo_command, run_demo_command
-from services.cli.etcd_commands import add_etcd_commands, run_etcd_binary, run_etcd_check
-from services.cli.key_commands import add_hash_key_command, run_hash_key
-from services.cli.up_command import add_up_command, run_up
-from services.common import metrics
+from baton_runtime.cli import operate, operate_parser
+from baton_runtime.cli.demo_command import add_demo_command, run_demo_command
+from baton_runtime.cli.etcd_commands import add_etcd_commands, run_etcd_binary, run_etcd_check
+from baton_runtime.cli.key_commands import add_hash_key_command, run_hash_key
+from baton_runtime.cli.up_command import add_up_command, run_up
+from baton_runtime.common import metrics
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,11 +30,11 @@ from typing import Any, TextIO
 
 import grpc
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli.event_text import format_event
-from services.cli.launch_settings import DEMO_API_KEY
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.event_text import format_event
+from baton_runtime.cli.launch_settings import DEMO_API_KEY
 
 DEFAULT_INGRESS = "127.0.0.1:50051"
 # The calculator message makes the fixture agent call a tool and answer

@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
-from services.cli import demo
-from services.cli.launch_settings import DEMO_API_KEY
+from baton_runtime.cli import demo
+from baton_runtime.cli.launch_settings import DEMO_API_KEY
 
 
 def add_demo_command(commands: Any) -> None:

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from services.common import ids
-from services.common.client_answers import DrainReport, OwnedSession, OwnerInstance
-from services.common.errors import BatonError
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
-from services.common.tls import Security
+from baton_runtime.common import ids
+from baton_runtime.common.client_answers import DrainReport, OwnedSession, OwnerInstance
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.tls import Security
 
 EXIT_DRAINED = 0
 EXIT_USAGE = 2

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 import grpc
 from aetcd import rpc
 
-from services.common.keys import prefix_end
-from services.common.tls import TlsFiles, channel_credentials, load_material
+from baton_runtime.common.keys import prefix_end
+from baton_runtime.common.tls import TlsFiles, channel_credentials, load_material
 
 ROLE = "baton"
 ROOT = "root"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.etcd_releases import (
+from baton_runtime.common.etcd_releases import (
     INSTALL_HINT,
     EtcdVersion,
     Verdict,

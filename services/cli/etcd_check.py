@@ -30,8 +30,8 @@ from typing import Any
 
 from aetcd import rpc
 
-from services.common.etcd_client import EtcdClient, make_client
-from services.common.etcd_members import (
+from baton_runtime.common.etcd_client import EtcdClient, make_client
+from baton_runtime.common.etcd_members import (
     Member,
     MemberStatus,
     ask_member,
@@ -40,7 +40,7 @@ from services.common.etcd_members import (
     list_members,
     member_status,
 )
-from services.common.tls import Security, TlsFiles
+from baton_runtime.common.tls import Security, TlsFiles
 
 ROUNDS = 5
 

@@ -12,9 +12,9 @@ from typing import Any
 import aetcd
 import grpc
 
-from services.cli import etcd_check
-from services.cli.etcd_binary import EtcdRefused, find_etcd
-from services.common.tls import TlsFiles
+from baton_runtime.cli import etcd_check
+from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.common.tls import TlsFiles
 
 
 def add_etcd_commands(commands: Any) -> None:

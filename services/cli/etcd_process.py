@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import grpc
 from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 
-from services.cli.etcd_binary import EtcdBinary, find_etcd
-from services.cli.processes import free_port, guarded, sync_channel, terminate
-from services.common.etcd_releases import corruption_check_flags
-from services.common.tls import Security, TlsFiles
+from baton_runtime.cli.etcd_binary import EtcdBinary, find_etcd
+from baton_runtime.cli.processes import free_port, guarded, sync_channel, terminate
+from baton_runtime.common.etcd_releases import corruption_check_flags
+from baton_runtime.common.tls import Security, TlsFiles
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 
 
 def kind_name(kind: s.EventKind.ValueType) -> str:

@@ -7,10 +7,10 @@ import argparse
 import sys
 from typing import Any
 
-from services.common.config import ConfigError
-from services.common.errors import BatonError
-from services.common.ids import validate_channel
-from services.ingress import api_keys
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.ids import validate_channel
+from baton_runtime.ingress import api_keys
 
 
 def add_hash_key_command(commands: Any) -> None:

@@ -1,7 +1,7 @@
 """`baton up`: the whole system on one machine, as real processes.
 
 Creates a throwaway CA and one certificate per role in `{run dir}/certs`
-(TLS on every hop; see `services.common.pki`), starts etcd (one member, or a
+(TLS on every hop; see `baton_runtime.common.pki`), starts etcd (one member, or a
 cluster of `--etcd-members`) with TLS and user/role auth (the hooks and
 anchor certificates are etcd users limited to the `/baton/` prefix), then
 hooks and anchor (shared), then an owner and an ingress for each deployment
@@ -34,13 +34,18 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from services.cli import profile
-from services.cli.launch_settings import DEMO_API_KEY, DEMO_CHANNEL, LaunchError, LaunchSettings
-from services.cli.local_system import LocalSystem
-from services.cli.port_plan import Ports
-from services.cli.service_env import python_path
-from services.cli.supervised import StopSignals
-from services.common.identity import Role
+from baton_runtime.cli import profile
+from baton_runtime.cli.launch_settings import (
+    DEMO_API_KEY,
+    DEMO_CHANNEL,
+    LaunchError,
+    LaunchSettings,
+)
+from baton_runtime.cli.local_system import LocalSystem
+from baton_runtime.cli.port_plan import Ports
+from baton_runtime.cli.service_env import python_path
+from baton_runtime.cli.supervised import StopSignals
+from baton_runtime.common.identity import Role
 
 # What `baton up --demo` says once the demo has ended: the system stays up.
 DEMO_DONE_LINE = (
@@ -70,7 +75,7 @@ def _run_demo_child(system: LocalSystem, signals: StopSignals, time_limit: float
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "baton_runtime.cli",
             "demo",
             *demo_command(system.ports, system.ca_cert),
             "--time-limit",

@@ -18,31 +18,31 @@ import aetcd
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from services.cli.etcd_auth import enable_auth
-from services.cli.etcd_binary import EtcdRefused, find_etcd
-from services.cli.etcd_check import members_consistent
-from services.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls, etcd_healthy
-from services.cli.launch_settings import (
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
+from baton_runtime.cli.etcd_auth import enable_auth
+from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.cli.etcd_check import members_consistent
+from baton_runtime.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls, etcd_healthy
+from baton_runtime.cli.launch_settings import (
     DEMO_API_KEY,
     DEMO_CHANNEL,
     ETCD_PREFIX,
     LaunchError,
     LaunchSettings,
 )
-from services.cli.port_plan import (
+from baton_runtime.cli.port_plan import (
     PER_DEPLOYMENT,
     SHARED_OFFSETS,
     DeploymentPorts,
     Ports,
     replica_label,
 )
-from services.cli.processes import ServiceProcess, sync_channel
-from services.cli.service_env import addresses, service_env
-from services.cli.supervised import Child, StopSignals, log_tail
-from services.common.identity import Role
-from services.common.pki import LocalPki
-from services.common.tls import Security
+from baton_runtime.cli.processes import ServiceProcess, sync_channel
+from baton_runtime.cli.service_env import addresses, service_env
+from baton_runtime.cli.supervised import Child, StopSignals, log_tail
+from baton_runtime.common.identity import Role
+from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.tls import Security
 
 CERTS_DIR = "certs"
 # What the certificate directory holds (besides owner-<dep>/ingress-<dep>).

@@ -24,10 +24,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from services.cli import demo, deployments, operator, profile, session_actions, sessions
-from services.cli.launch_settings import DEMO_API_KEY
-from services.common.errors import BatonError
-from services.common.tls import Security
+from baton_runtime.cli import demo, deployments, operator, profile, session_actions, sessions
+from baton_runtime.cli.launch_settings import DEMO_API_KEY
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.tls import Security
 
 
 def _profile(args: argparse.Namespace) -> profile.Profile:

@@ -10,8 +10,8 @@ import argparse
 import os
 from typing import Any
 
-from services.cli import demo, operator, sessions
-from services.cli.arguments import non_negative
+from baton_runtime.cli import demo, operator, sessions
+from baton_runtime.cli.arguments import non_negative
 
 _ENV_TRUE = ("1", "true")
 

@@ -14,7 +14,7 @@ services/common/access.py), not to the public ingress:
   channels);
 - the owner instance holding a stalled session: ResumeSession.
 
-Output and exit codes are those of `services.cli.sessions` (0 done, 1
+Output and exit codes are those of `baton_runtime.cli.sessions` (0 done, 1
 refused, 2 usage, 3 not found, 4 unavailable); JSON is the proto3 JSON
 mapping with the proto's field names.
 """
@@ -29,18 +29,23 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.session.v1 import session_pb2 as s
-from services.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.errors import NotFound, Reason, Unavailable
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
-from services.common.tls import Security
-from services.ingress import listing
-from services.ingress.introspection import ANY_CHANNEL, LIST_CONCURRENCY, Gathered, SessionViews
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.sessions import EXIT_OK, render, status_name, table_of, to_json
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import NotFound, Reason, Unavailable
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.tls import Security
+from baton_runtime.ingress import listing
+from baton_runtime.ingress.introspection import (
+    ANY_CHANNEL,
+    LIST_CONCURRENCY,
+    Gathered,
+    SessionViews,
+)
 
 DEFAULT_HOOKS = "127.0.0.1:50052"
 DEFAULT_ANCHOR = "127.0.0.1:50053"

@@ -1,4 +1,4 @@
-"""`python -m services.cli.orphan_guard PARENT_PID -- COMMAND [ARGS...]`:
+"""`python -m baton_runtime.cli.orphan_guard PARENT_PID -- COMMAND [ARGS...]`:
 become COMMAND (same process id) with Linux's parent-death signal set to
 SIGKILL, so it dies when the thread that started it ends.
 
@@ -22,7 +22,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python -m services.cli.orphan_guard PARENT_PID -- COMMAND [ARGS...]")
+        sys.exit("usage: python -m baton_runtime.cli.orphan_guard PARENT_PID -- COMMAND [ARGS...]")
     parent, command = int(argv[0]), argv[2:]
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

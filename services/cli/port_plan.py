@@ -22,7 +22,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.cli.launch_settings import DEFAULT_DEPLOYMENT_ID, LaunchError
+from baton_runtime.cli.launch_settings import DEFAULT_DEPLOYMENT_ID, LaunchError
 
 # Offsets from --port-base of the shared services; per-deployment offsets are
 # `deployment_offsets`. Start order after etcd: the shared services, then

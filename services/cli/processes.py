@@ -1,5 +1,5 @@
 """Local child processes: free loopback ports, the guard that takes a child
-down with its parent, Baton service processes (`python -m services.<name>`)
+down with its parent, Baton service processes (`python -m baton_runtime.<name>`)
 started and stopped by PID, and waiting for a gRPC server to be SERVING.
 
 Used by `baton up`, the benchmarks and the tests that need real processes;
@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tls import Security, channel_credentials, load_material
+from baton_runtime.common.tls import Security, channel_credentials, load_material
 
 _HANDED_OUT: set[int] = set()
 
@@ -52,7 +52,7 @@ def guarded(command: Sequence[str]) -> list[str]:
     which for the default executor is the event loop's life."""
     if not sys.platform.startswith("linux"):
         return list(command)
-    guard = [sys.executable, "-m", "services.cli.orphan_guard", str(os.getpid()), "--"]
+    guard = [sys.executable, "-m", "baton_runtime.cli.orphan_guard", str(os.getpid()), "--"]
     return [*guard, *command]
 
 
@@ -98,7 +98,7 @@ def wait_serving(target: str, security: Security, service: str = "", timeout: fl
 
 @dataclass
 class ServiceProcess:
-    """One `python -m services.<name>` child process."""
+    """One `python -m baton_runtime.<name>` child process."""
 
     name: str
     listen: str
@@ -115,7 +115,7 @@ class ServiceProcess:
                 [
                     sys.executable,
                     "-m",
-                    f"services.{self.name}",
+                    f"baton_runtime.{self.name}",
                     "--listen",
                     self.listen,
                     *self.extra_args,

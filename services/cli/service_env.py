@@ -9,15 +9,15 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import services
-from services.cli.launch_settings import ETCD_PREFIX, LaunchSettings
-from services.cli.port_plan import DeploymentPorts, Ports
-from services.common.tls import Security
+import baton_runtime
+from baton_runtime.cli.launch_settings import ETCD_PREFIX, LaunchSettings
+from baton_runtime.cli.port_plan import DeploymentPorts, Ports
+from baton_runtime.common.tls import Security
 
 
 def python_path() -> str:
-    """PYTHONPATH for `python -m services.…` children, from any working dir."""
-    root = str(Path(services.__file__).resolve().parent.parent)
+    """PYTHONPATH for `python -m baton_runtime.…` children, from any working dir."""
+    root = str(Path(baton_runtime.__file__).resolve().parent.parent)
     return os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
 
 

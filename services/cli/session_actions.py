@@ -2,7 +2,7 @@
 commands a channel may send it, through the public API (IngressService
 StreamEvents / SendMessage / SendControl) as the channel whose API key is in
 BATON_API_KEY. Connection settings and exit codes are those of
-`services.cli.sessions`.
+`baton_runtime.cli.sessions`.
 
 Output (`-o`): `text` (one line per event, as the demo prints them; a
 receipt line), `json` (the proto3 JSON mapping with the proto's field
@@ -22,12 +22,12 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.cli.event_text import format_event
-from services.cli.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
-from services.common.grpc_errors import from_rpc_error
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.event_text import format_event
+from baton_runtime.cli.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
+from baton_runtime.common.grpc_errors import from_rpc_error
 
 REPLAY_TIMEOUT = 10 * CALL_TIMEOUT
 """Seconds a replay (no --follow) may take: a long stream is many pages."""

@@ -26,11 +26,11 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import BatonError, ErrorKind
-from services.common.grpc_errors import from_rpc_error
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import BatonError, ErrorKind
+from baton_runtime.common.grpc_errors import from_rpc_error
 
 EXIT_OK = 0
 EXIT_REFUSED = 1

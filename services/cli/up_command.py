@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.cli import arguments, launcher
-from services.cli.etcd_binary import accept_etcd_risk_from_env
-from services.cli.launch_settings import (
+from baton_runtime.cli import arguments, launcher
+from baton_runtime.cli.etcd_binary import accept_etcd_risk_from_env
+from baton_runtime.cli.launch_settings import (
     DEFAULT_DEPLOYMENT_ID,
     DEFAULT_ETCD_PORT,
     DEFAULT_PORT_BASE,
@@ -20,10 +20,10 @@ from services.cli.launch_settings import (
     DEMO_CHANNEL,
     LaunchSettings,
 )
-from services.common.config import ConfigError
-from services.common.errors import BatonError
-from services.common.ids import validate_deployment_id
-from services.ingress import api_keys
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.ids import validate_deployment_id
+from baton_runtime.ingress import api_keys
 
 
 def add_up_command(commands: Any) -> None:

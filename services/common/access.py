@@ -1,8 +1,8 @@
 """Which roles may call which RPC: one declared table, deny by default.
 
-The server interceptor (`services.common.interceptor`) looks every call's method
+The server interceptor (`baton_runtime.common.interceptor`) looks every call's method
 up here and answers PERMISSION_DENIED/ROLE_NOT_ALLOWED when the caller's
-certificate role (`services.common.identity`) is not listed, and
+certificate role (`baton_runtime.common.identity`) is not listed, and
 PERMISSION_DENIED/RPC_NOT_ALLOWED when the method has no entry at all. A new
 RPC therefore answers nothing until it is added here, and
 `tests/test_access.py` fails for any RPC of any Baton service without an
@@ -16,7 +16,7 @@ owner.
 
 from __future__ import annotations
 
-from services.common.identity import Role
+from baton_runtime.common.identity import Role
 
 INGRESS = Role.INGRESS
 OWNER = Role.OWNER

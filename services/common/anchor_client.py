@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.anchor.v1 import anchor_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common.channels import DEFAULT_CALL_TIMEOUT
-from services.common.client_answers import Committed, LoadedSession
-from services.common.errors import Reason, Unavailable
-from services.common.rpc_client import ServiceClient
-from services.common.tls import Security
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
+from baton_runtime.common.client_answers import Committed, LoadedSession
+from baton_runtime.common.errors import Reason, Unavailable
+from baton_runtime.common.rpc_client import ServiceClient
+from baton_runtime.common.tls import Security
 
 ANCHOR_SERVICE = anchor_pb.DESCRIPTOR.services_by_name["AnchorService"].full_name
 

@@ -8,7 +8,7 @@ bounded by what a session can reach (etcd revisions are int64).
 
 from __future__ import annotations
 
-from services.common.errors import InvalidArgument, Reason
+from baton_runtime.common.errors import InvalidArgument, Reason
 
 # Ten years: a deadline computed from it is a valid timestamp for centuries.
 MAX_TIMEOUT_SECONDS = 10 * 366 * 24 * 3600

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import grpc
 
-from services.common.tls import Security, open_secure_channel
+from baton_runtime.common.tls import Security, open_secure_channel
 
 DEFAULT_CALL_TIMEOUT = 10.0
 
@@ -47,7 +47,7 @@ _OPTIONS = [
 # gRPC retries a call only while no response has reached the caller, and
 # only on these codes. UNAVAILABLE: the call reached no replica (no
 # connection, a replica shutting down), or the replica could not finish it
-# (services.common.errors.Unavailable, e.g. its etcd unreachable) — then a
+# (baton_runtime.common.errors.Unavailable, e.g. its etcd unreachable) — then a
 # write's outcome may be unknown, which is why only idempotent methods retry.
 _RETRY_POLICY = {
     "maxAttempts": 4,

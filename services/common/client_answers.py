@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 
 
 @dataclass

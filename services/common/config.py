@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.channels import grpc_target
-from services.common.tls import DEFAULT_CHECK_SECONDS, Security
+from baton_runtime.common.channels import grpc_target
+from baton_runtime.common.tls import DEFAULT_CHECK_SECONDS, Security
 
 
 class ConfigError(ValueError):
@@ -278,7 +278,7 @@ class EtcdConfig:
         """etcd's TLS defaults to the service's own identity; plaintext only
         with --etcd-plaintext, or with --plaintext and no --etcd-ca."""
         # Not at the top: etcd_client.py imports aetcd, which ingress and owner never need.
-        from services.common.etcd_client import etcd_target
+        from baton_runtime.common.etcd_client import etcd_target
 
         try:
             etcd_target(values["etcd"])

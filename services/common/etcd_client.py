@@ -11,9 +11,9 @@ import aetcd
 import grpc
 from aetcd import rpc
 
-from services.common.channels import grpc_target
-from services.common.etcd_watch_stream import EtcdWatcher
-from services.common.tls import Security, channel_credentials, load_material, tls_options
+from baton_runtime.common.channels import grpc_target
+from baton_runtime.common.etcd_watch_stream import EtcdWatcher
+from baton_runtime.common.tls import Security, channel_credentials, load_material, tls_options
 
 _CHANNEL_OPTIONS = {
     "grpc.keepalive_time_ms": 5000,

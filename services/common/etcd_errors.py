@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from grpc.aio import AioRpcError
 
-from services.common.errors import (
+from baton_runtime.common.errors import (
     Aborted,
     BatonError,
     Internal,

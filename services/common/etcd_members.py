@@ -22,12 +22,12 @@ import structlog
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
-from services.common.config import ConfigError, EtcdConfig
-from services.common.etcd_client import EtcdClient, make_client
-from services.common.etcd_errors import COMPACTED_DETAIL
-from services.common.etcd_releases import Verdict, judge, parse_version
-from services.common.etcd_store import Store
-from services.common.tls import Security
+from baton_runtime.common.config import ConfigError, EtcdConfig
+from baton_runtime.common.etcd_client import EtcdClient, make_client
+from baton_runtime.common.etcd_errors import COMPACTED_DETAIL
+from baton_runtime.common.etcd_releases import Verdict, judge, parse_version
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.tls import Security
 
 log = structlog.get_logger("baton.etcd_members")
 

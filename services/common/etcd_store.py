@@ -12,13 +12,13 @@ import grpc
 from aetcd import rpc
 from grpc.aio import AioRpcError
 
-from services.common import metrics
-from services.common.errors import (
+from baton_runtime.common import metrics
+from baton_runtime.common.errors import (
     BatonError,
 )
-from services.common.etcd_client import EtcdClient
-from services.common.etcd_errors import map_rpc_error, store_unavailable
-from services.common.tasks import mark_retrieved
+from baton_runtime.common.etcd_client import EtcdClient
+from baton_runtime.common.etcd_errors import map_rpc_error, store_unavailable
+from baton_runtime.common.tasks import mark_retrieved
 
 # baton_etcd_txn_seconds{op}, one child per kind of call.
 _TXN_READ = metrics.ETCD_TXN_SECONDS.labels("txn_read")

@@ -13,14 +13,14 @@ from typing import Any
 import aetcd
 import structlog
 
-from services.common import metrics, retry
-from services.common.errors import (
+from baton_runtime.common import metrics, retry
+from baton_runtime.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.etcd_client import EtcdClient
-from services.common.etcd_errors import store_unavailable
-from services.common.tasks import mark_retrieved
+from baton_runtime.common.etcd_client import EtcdClient
+from baton_runtime.common.etcd_errors import store_unavailable
+from baton_runtime.common.tasks import mark_retrieved
 
 log = structlog.get_logger("baton.etcd")
 

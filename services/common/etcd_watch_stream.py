@@ -13,7 +13,7 @@ import aetcd
 from aetcd import rtypes
 from aetcd import watcher as aetcd_watcher
 
-from services.common import metrics
+from baton_runtime.common import metrics
 
 
 class EtcdWatcher(aetcd_watcher.Watcher):  # type: ignore[misc]  # aetcd is untyped: Any

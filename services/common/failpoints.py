@@ -23,7 +23,7 @@ import sys
 
 import structlog
 
-from services.common.errors import Reason, Unavailable
+from baton_runtime.common.errors import Reason, Unavailable
 
 log = structlog.get_logger("baton.failpoints")
 

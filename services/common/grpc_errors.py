@@ -7,7 +7,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.common import errors as e
+from baton_runtime.common import errors as e
 
 _TO_CODE: dict[e.ErrorKind, grpc.StatusCode] = {
     e.ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,

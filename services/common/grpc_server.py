@@ -15,11 +15,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import metrics
-from services.common.config import Capacity, ConfigError
-from services.common.interceptor import CallInterceptor
-from services.common.metrics_endpoint import MetricsEndpoint
-from services.common.tls import (
+from baton_runtime.common import metrics
+from baton_runtime.common.config import Capacity, ConfigError
+from baton_runtime.common.interceptor import CallInterceptor
+from baton_runtime.common.metrics_endpoint import MetricsEndpoint
+from baton_runtime.common.tls import (
     CertificateWatcher,
     Security,
     is_loopback,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.hooks.v1 import hooks_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.channels import DEFAULT_CALL_TIMEOUT
-from services.common.client_answers import (
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
+from baton_runtime.common.client_answers import (
     ChannelSessions,
     CreatedSession,
     HookTarget,
@@ -25,9 +25,9 @@ from services.common.client_answers import (
     SessionOwner,
     TakenOver,
 )
-from services.common.keys import Bell
-from services.common.rpc_client import ServiceClient, traced
-from services.common.tls import Security
+from baton_runtime.common.keys import Bell
+from baton_runtime.common.rpc_client import ServiceClient, traced
+from baton_runtime.common.tls import Security
 
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 
@@ -131,7 +131,7 @@ class HooksClient(ServiceClient):
         delivery id gets a fresh one here, so that a retry of this call
         (by gRPC, on another replica) is deduplicated, never appended twice.
         While tracing is on, the command carries the current span's context
-        (the producer of the inbox entry, see `services.common.tracing`)."""
+        (the producer of the inbox entry, see `baton_runtime.common.tracing`)."""
         if not command.delivery.delivery_id:
             stamped = s.Command()
             stamped.CopyFrom(command)

@@ -10,7 +10,7 @@ Every Baton certificate carries exactly one URI SAN, a SPIFFE id in the
 Owners and ingresses name their exact deployment; the shared services and
 operators name none. The server's interceptor reads the id from the verified
 peer certificate (`Caller.from_peer`), binds it for the call (`current`), and
-checks the per-RPC table in `services.common.access`. Servicers then scope
+checks the per-RPC table in `baton_runtime.common.access`. Servicers then scope
 what an owner may touch to its own deployment (`Caller.require_deployment`).
 
 In explicit plaintext mode (local development on loopback) there is no
@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.common.errors import PermissionDenied, Reason, Unauthenticated
-from services.common.ids import validate_deployment_id
+from baton_runtime.common.errors import PermissionDenied, Reason, Unauthenticated
+from baton_runtime.common.ids import validate_deployment_id
 
 TRUST_DOMAIN = "baton"
 _SPIFFE_PREFIX = f"spiffe://{TRUST_DOMAIN}/"

@@ -8,7 +8,7 @@ import os
 import re
 import time
 
-from services.common.errors import InvalidArgument, Reason
+from baton_runtime.common.errors import InvalidArgument, Reason
 
 SESSION_PREFIX = "ses_"
 INBOX_NAMESPACE = "session"

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 import grpc
 import structlog
 
-from services.common import access, errors, identity, rpc_metrics, tracing
-from services.common.config import Capacity
-from services.common.grpc_errors import status_code, to_status
-from services.common.identity import Caller, Role
-from services.common.ids import new_request_id
+from baton_runtime.common import access, errors, identity, rpc_metrics, tracing
+from baton_runtime.common.config import Capacity
+from baton_runtime.common.grpc_errors import status_code, to_status
+from baton_runtime.common.identity import Caller, Role
+from baton_runtime.common.ids import new_request_id
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -95,7 +95,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     1. binds service/rpc/request ids for the logs;
     2. identifies the caller from its verified certificate and checks the
-       per-RPC role table (`services.common.access`; deny by default);
+       per-RPC role table (`baton_runtime.common.access`; deny by default);
     3. admits the call against the server's `Capacity`;
     4. decodes the request body itself (gRPC hands over raw bytes), so an
        undecodable body is INVALID_ARGUMENT/MALFORMED_REQUEST, not UNKNOWN;

@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from services.common.tracing import log_trace_ids
+from baton_runtime.common.tracing import log_trace_ids
 
 MAX_LOGGED_CHARS = 512
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from services.common import rpc_metrics
+from baton_runtime.common import rpc_metrics
 
 log = structlog.get_logger("baton.metrics")
 

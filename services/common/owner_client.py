@@ -4,19 +4,19 @@ handoffs, drains, adoption and resumes."""
 
 from __future__ import annotations
 
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.owner.v1 import owner_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common.channels import DEFAULT_CALL_TIMEOUT
-from services.common.client_answers import (
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.owner.v1 import owner_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
+from baton_runtime.common.client_answers import (
     DrainBlocker,
     DrainReport,
     HandoffAccepted,
     Moved,
     StartedSession,
 )
-from services.common.rpc_client import ServiceClient
-from services.common.tls import Security
+from baton_runtime.common.rpc_client import ServiceClient
+from baton_runtime.common.tls import Security
 
 OWNER_SERVICE = owner_pb.DESCRIPTOR.services_by_name["OwnerService"].full_name
 

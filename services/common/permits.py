@@ -28,10 +28,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 from google.protobuf.message import DecodeError
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import BatonError, InvalidArgument, PermissionDenied, Reason
-from services.common.identity import Caller, Role
-from services.common.tls import CertificateWatcher, Material, Security
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import BatonError, InvalidArgument, PermissionDenied, Reason
+from baton_runtime.common.identity import Caller, Role
+from baton_runtime.common.tls import CertificateWatcher, Material, Security
 
 _CACHE_SIZE = 1_000
 # Bounds of a permit's fields (a grant is ~200 B, an ECDSA or RSA-4096

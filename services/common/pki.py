@@ -2,7 +2,7 @@
 
 `baton up` and the test stack create one at start: a CA, then one
 certificate per role (and per deployment for owners and ingresses), each
-with its SPIFFE id as the only URI SAN (`services.common.identity`), the
+with its SPIFFE id as the only URI SAN (`baton_runtime.common.identity`), the
 loopback names as DNS/IP SANs, and both server and client auth usage, so one
 file pair serves and calls. etcd gets a server certificate and its users get
 client certificates whose common name is the etcd user name (etcd maps a
@@ -26,8 +26,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.identity import Role, spiffe_id
-from services.common.tls import Security, TlsFiles
+from baton_runtime.common.identity import Role, spiffe_id
+from baton_runtime.common.tls import Security, TlsFiles
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DEFAULT_VALIDITY = datetime.timedelta(days=7)

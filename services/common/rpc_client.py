@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from baton.session.v1 import session_pb2 as s
-from services.common import rpc_metrics, tracing
-from services.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
-from services.common.grpc_errors import from_rpc_error
-from services.common.tls import Security
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import rpc_metrics, tracing
+from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.tls import Security
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")

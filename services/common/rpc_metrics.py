@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.metrics import (
+from baton_runtime.common.metrics import (
     RPC_CLIENT_HANDLED,
     RPC_CLIENT_STREAM_RECEIVED,
     RPC_CLIENT_STREAMS_OPENED,

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.etcd_store import Store
-from services.common.identity import Caller, Role
-from services.common.keys import Keys, OwnerRecord
-from services.common.txn import Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.identity import Caller, Role
+from baton_runtime.common.keys import Keys, OwnerRecord
+from baton_runtime.common.txn import Txn
 
 _CACHE_SIZE = 100_000
 

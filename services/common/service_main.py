@@ -1,4 +1,4 @@
-"""A Baton service's process: the `python -m services.<name>` entry
+"""A Baton service's process: the `python -m baton_runtime.<name>` entry
 (config, tracing, logging), serving until SIGTERM/SIGINT, then a graceful
 shutdown within a bounded grace period, and reload on SIGHUP."""
 
@@ -12,9 +12,9 @@ from typing import Protocol, TypeVar
 
 import structlog
 
-from services.common import tracing
-from services.common.config import ConfigError
-from services.common.grpc_server import GrpcServer
+from baton_runtime.common import tracing
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.grpc_server import GrpcServer
 
 log = structlog.get_logger("baton.server")
 
@@ -64,9 +64,9 @@ class _ServiceConfig(Protocol):
 def run_main(
     load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]], *, service: str
 ) -> None:
-    """The `python -m services.<name>` entry: config, tracing (if the OTEL_*
-    environment asks, services.common.tracing), logging, serve, exit."""
-    from services.common.logs import configure_logging
+    """The `python -m baton_runtime.<name>` entry: config, tracing (if the OTEL_*
+    environment asks, baton_runtime.common.tracing), logging, serve, exit."""
+    from baton_runtime.common.logs import configure_logging
 
     try:
         config = load()

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from services.common import metrics
-from services.common.errors import BatonError, Reason
-from services.common.etcd_store import Store
+from baton_runtime.common import metrics
+from baton_runtime.common.errors import BatonError, Reason
+from baton_runtime.common.etcd_store import Store
 
 log = structlog.get_logger("baton.store_health")
 

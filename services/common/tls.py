@@ -1,7 +1,7 @@
 """TLS for every hop: server credentials, client channels, reload from disk.
 
 A process has one identity: a certificate (with its Baton SPIFFE id, see
-`services.common.identity`), its key, and the CA bundle it trusts, given by
+`baton_runtime.common.identity`), its key, and the CA bundle it trusts, given by
 `--tls-cert/--tls-key/--tls-ca` (env `BATON_TLS_CERT/KEY/CA`). It serves with
 them and calls other services with them. Plaintext is a mode that must be
 asked for (`--plaintext`, env `BATON_PLAINTEXT=1`), and a plaintext server
@@ -34,7 +34,7 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from services.common import tracing
+from baton_runtime.common import tracing
 
 log = structlog.get_logger("baton.tls")
 

@@ -12,7 +12,7 @@ SDK's own reading of the environment: `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`,
 (service.name defaults to `baton-<service>`).
 
 Spans of gRPC calls are Baton's own (the server span in
-`services.common.interceptor`, the client spans in `client_interceptors`), not
+`baton_runtime.common.interceptor`, the client spans in `client_interceptors`), not
 opentelemetry-instrumentation-grpc's grpc.aio interceptors: tried with
 grpcio 1.85 and 0.66b2, its server interceptor answers UNKNOWN for a
 streaming handler that writes with `context.write` (grpc's own health
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from services.common.errors import InvalidArgument, Reason
+from baton_runtime.common.errors import InvalidArgument, Reason
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -81,7 +81,7 @@ class Tracing:
         """Start tracing if `env` asks for it (see the module doc); True if on.
         Raises ConfigError for an exporter Baton does not ship. (`env` says
         whether to trace; the SDK itself reads the process environment.)"""
-        from services.common.config import (
+        from baton_runtime.common.config import (
             ConfigError,  # (config imports channels, which import this)
         )
 
@@ -98,7 +98,7 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-        from services.common.metrics import version
+        from baton_runtime.common.metrics import version
 
         attributes: dict[str, str] = {"service.version": version()}
         if not env.get("OTEL_SERVICE_NAME"):
@@ -124,7 +124,7 @@ class Tracing:
 
     def start(self, provider: TracerProvider) -> None:
         """Trace into `provider` (what `configure` does; tests hand their own)."""
-        from services.common.metrics import version
+        from baton_runtime.common.metrics import version
 
         self._provider = provider
         self._tracer = provider.get_tracer("baton", version())

@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from aetcd import rpc
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Fenced, NotFound, Reason
-from services.common.etcd_ops import cmp_value, op_delete, op_get, op_put, single_value
-from services.common.etcd_store import Store
-from services.common.keys import Keys, fence_value
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Fenced, NotFound, Reason
+from baton_runtime.common.etcd_ops import cmp_value, op_delete, op_get, op_put, single_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, fence_value
 
 Branch = Literal["success", "failure"]
 

@@ -1,8 +1,8 @@
-"""python -m services.hooks"""
+"""python -m baton_runtime.hooks"""
 
-from services.common.service_main import run_main
-from services.hooks.config import HooksConfig
-from services.hooks.server import create_server
+from baton_runtime.common.service_main import run_main
+from baton_runtime.hooks.config import HooksConfig
+from baton_runtime.hooks.server import create_server
 
 if __name__ == "__main__":
     run_main(HooksConfig.load, create_server, service="hooks")

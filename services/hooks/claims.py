@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import AlreadyExists, Reason, Unavailable
-from services.common.etcd_ops import cmp_absent, cmp_value
-from services.common.etcd_store import Store
-from services.common.keys import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import AlreadyExists, Reason, Unavailable
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import (
     ChannelEntry,
     Keys,
     TokenRecord,
@@ -27,11 +27,11 @@ from services.common.keys import (
     fence_value,
     parse_fence,
 )
-from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.expiry import ExpiryLeases
-from services.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
-from services.hooks.sessions import CachedSession, SessionCache, owner_record
-from services.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
+from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.hooks.expiry import ExpiryLeases
+from baton_runtime.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
+from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_record
+from baton_runtime.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
 
 
 def session_tokens(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import Setting, StoreServiceConfig, as_float
-from services.hooks.expiry import DEFAULT_WINDOW_SECONDS
+from baton_runtime.common.config import Setting, StoreServiceConfig, as_float
+from baton_runtime.hooks.expiry import DEFAULT_WINDOW_SECONDS
 
 
 @dataclass(frozen=True)
@@ -29,5 +29,5 @@ class HooksConfig(StoreServiceConfig):
             "the window answers the first receipt, after it the id is a new command",
             str(int(DEFAULT_WINDOW_SECONDS)),
         )
-        shared, values = cls.read("services.hooks", listen, (window,), argv, environ)
+        shared, values = cls.read("baton_runtime.hooks", listen, (window,), argv, environ)
         return cls(**shared, dedupe_window_seconds=as_float(values, "dedupe_window", minimum=1.0))

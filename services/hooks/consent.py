@@ -7,15 +7,15 @@ cache, read again before refusing).
 
 from __future__ import annotations
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import PermissionDenied, Reason
-from services.common.identity import Caller
-from services.common.ids import brief
-from services.common.permits import PermitVerifier, grant_for
-from services.common.scope import DeploymentScope
-from services.hooks.registry import HookRegistry
-from services.hooks.transfer import TransferPlan
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import PermissionDenied, Reason
+from baton_runtime.common.identity import Caller
+from baton_runtime.common.ids import brief
+from baton_runtime.common.permits import PermitVerifier, grant_for
+from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.transfer import TransferPlan
 
 
 class Consent:

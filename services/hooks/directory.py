@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.bounds import check_range, check_seq
-from services.common.errors import InvalidArgument, NotFound, Reason
-from services.common.etcd_store import Store
-from services.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
-from services.common.txn import Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.bounds import check_range, check_seq
+from baton_runtime.common.errors import InvalidArgument, NotFound, Reason
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
+from baton_runtime.common.txn import Txn
 
 MAX_LIST_LIMIT = 1000
 """Channel-index entries one ListChannelSessions call returns at most."""

@@ -21,10 +21,10 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
-from services.common import ids
-from services.common.etcd_store import Store
-from services.common.keys import InstanceRecord, Keys, prefix_end
-from services.common.txn import Txn
+from baton_runtime.common import ids
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import InstanceRecord, Keys, prefix_end
+from baton_runtime.common.txn import Txn
 
 MAX_DEPLOYMENTS = 1000
 """Deployments one ListDeployments answers at most."""

@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
-from services.common.etcd_ops import cmp_absent, cmp_value
-from services.common.etcd_store import Store
-from services.common.etcd_watch import watch_then_read
-from services.common.keys import Keys, OwnerRecord, prefix_end, seq_of
-from services.common.tasks import Background
-from services.common.tracing import check_traceparent
-from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.expiry import ExpiryLeases
-from services.hooks.sessions import CachedSession, SessionCache
-from services.hooks.tokens import TokenIndex
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.etcd_watch import watch_then_read
+from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end, seq_of
+from baton_runtime.common.tasks import Background
+from baton_runtime.common.tracing import check_traceparent
+from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.hooks.expiry import ExpiryLeases
+from baton_runtime.hooks.sessions import CachedSession, SessionCache
+from baton_runtime.hooks.tokens import TokenIndex
 
 MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40

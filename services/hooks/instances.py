@@ -12,13 +12,13 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common import ids, metrics
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
-from services.common.etcd_ops import cmp_mod
-from services.common.etcd_store import Store
-from services.common.etcd_watch import follow_range
-from services.common.keys import Bell, InstanceRecord, Keys, prefix_end
-from services.common.txn import Txn
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
+from baton_runtime.common.etcd_ops import cmp_mod
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.etcd_watch import follow_range
+from baton_runtime.common.keys import Bell, InstanceRecord, Keys, prefix_end
+from baton_runtime.common.txn import Txn
 
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 300

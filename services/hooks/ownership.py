@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import (
     Aborted,
     FailedPrecondition,
     Fenced,
@@ -24,12 +24,12 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.etcd_ops import cmp_value
-from services.common.etcd_store import Store
-from services.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
-from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.inbox import MAX_APPEND_ATTEMPTS
-from services.hooks.sessions import CachedSession, SessionCache, owner_record
+from baton_runtime.common.etcd_ops import cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
+from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.hooks.inbox import MAX_APPEND_ATTEMPTS
+from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_record
 
 _LIST_CHUNK = 64
 _LIST_READS = 4  # chunk reads of one listing in flight at once

@@ -25,19 +25,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import NotFound
-from services.common.etcd_store import Store
-from services.common.keys import Keys, TokenRecord
-from services.hooks.claims import Claims
-from services.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
-from services.hooks.expiry import ExpiryLeases
-from services.hooks.inbox import Inbox
-from services.hooks.ownership import OwnedSession, Ownership, TakeOver
-from services.hooks.sessions import SessionCache
-from services.hooks.tokens import TokenIndex
-from services.hooks.transfer import OwnerMoved
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import NotFound
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, TokenRecord
+from baton_runtime.hooks.claims import Claims
+from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
+from baton_runtime.hooks.expiry import ExpiryLeases
+from baton_runtime.hooks.inbox import Inbox
+from baton_runtime.hooks.ownership import OwnedSession, Ownership, TakeOver
+from baton_runtime.hooks.sessions import SessionCache
+from baton_runtime.hooks.tokens import TokenIndex
+from baton_runtime.hooks.transfer import OwnerMoved
 
 
 class HookRegistry:

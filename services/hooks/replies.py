@@ -5,11 +5,11 @@ an owner)."""
 
 from __future__ import annotations
 
-from baton.hooks.v1 import hooks_pb2 as pb
-from baton.session.v1 import session_pb2 as s
-from services.common.keys import InstanceRecord, OwnerRecord
-from services.hooks.directory import SessionRecord, timestamp_ms
-from services.hooks.fleets import Fleet, FleetStatus
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.keys import InstanceRecord, OwnerRecord
+from baton_runtime.hooks.directory import SessionRecord, timestamp_ms
+from baton_runtime.hooks.fleets import Fleet, FleetStatus
 
 
 def owner_identity(record: OwnerRecord) -> s.OwnerIdentity:

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from services.common.etcd_members import connect_checked
-from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from services.common.keys import Keys
-from services.common.permits import PermitVerifier
-from services.common.scope import DeploymentScope
-from services.common.store_health import StoreHealth
-from services.hooks.config import HooksConfig
-from services.hooks.consent import Consent
-from services.hooks.expiry import ExpiryLeases
-from services.hooks.fleets import FleetViews
-from services.hooks.instances import InstanceRegistry
-from services.hooks.registry import HookRegistry
-from services.hooks.servicer import HookRegistryServicer
-from services.hooks.transfer import Transfers
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
+from baton_runtime.common.etcd_members import connect_checked
+from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.keys import Keys
+from baton_runtime.common.permits import PermitVerifier
+from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.common.store_health import StoreHealth
+from baton_runtime.hooks.config import HooksConfig
+from baton_runtime.hooks.consent import Consent
+from baton_runtime.hooks.expiry import ExpiryLeases
+from baton_runtime.hooks.fleets import FleetViews
+from baton_runtime.hooks.instances import InstanceRegistry
+from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.servicer import HookRegistryServicer
+from baton_runtime.hooks.transfer import Transfers
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 

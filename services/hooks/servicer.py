@@ -8,28 +8,28 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from baton.hooks.v1 import hooks_pb2 as pb
-from baton.hooks.v1 import hooks_pb2_grpc
-from baton.session.v1 import session_pb2 as s
-from services.common import identity, ids, metrics
-from services.common.bounds import check_seq
-from services.common.errors import InvalidArgument, Reason
-from services.common.identity import Role
-from services.common.interceptor import Context
-from services.common.scope import DeploymentScope
-from services.hooks.consent import Consent
-from services.hooks.directory import timestamp_ms
-from services.hooks.fleets import FleetViews
-from services.hooks.instances import InstanceRegistry
-from services.hooks.registry import HookRegistry
-from services.hooks.replies import (
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import identity, ids, metrics
+from baton_runtime.common.bounds import check_seq
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.identity import Role
+from baton_runtime.common.interceptor import Context
+from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.hooks.consent import Consent
+from baton_runtime.hooks.directory import timestamp_ms
+from baton_runtime.hooks.fleets import FleetViews
+from baton_runtime.hooks.instances import InstanceRegistry
+from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.replies import (
     deployment_info,
     describe_reply,
     instance_info,
     owner_fence,
     owner_identity,
 )
-from services.hooks.transfer import Transfers, plan_transfer
+from baton_runtime.hooks.transfer import Transfers, plan_transfer
 
 
 def _require_fence(fence: s.Fence, present: bool) -> None:
@@ -48,7 +48,7 @@ def _tenant_channel(channel: str) -> str:
 
 
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
-    """Role checks are the interceptor's (services.common.access); here,
+    """Role checks are the interceptor's (baton_runtime.common.access); here,
     owners are held to their own deployment: they create, register, list,
     take over and transfer (as successor) only within it, and fenced calls
     must name a session of it (`DeploymentScope`)."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import NotFound, Reason
-from services.common.etcd_store import Store
-from services.common.keys import Keys, OwnerRecord
-from services.common.txn import Txn
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import NotFound, Reason
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, OwnerRecord
+from baton_runtime.common.txn import Txn
 
 _SESSION_CACHE_SIZE = 100_000
 

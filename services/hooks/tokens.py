@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from services.common import ids
-from services.common.errors import (
+from baton_runtime.common import ids
+from baton_runtime.common.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Reason,
 )
-from services.common.etcd_store import Store
-from services.common.keys import Keys, TokenRecord
-from services.common.txn import Txn
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, TokenRecord
+from baton_runtime.common.txn import Txn
 
 _TOKEN_CACHE_SIZE = 100_000
 

@@ -26,9 +26,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.errors import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import (
     Aborted,
     AlreadyExists,
     BatonError,
@@ -37,11 +37,11 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
-from services.common.etcd_ops import cmp_absent, cmp_mod, cmp_none, cmp_value
-from services.common.etcd_store import Store
-from services.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
-from services.common.txn import Fence, Txn, TxnResult
-from services.hooks.expiry import ExpiryLeases
+from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_none, cmp_value
+from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
+from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.hooks.expiry import ExpiryLeases
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""python -m services.ingress"""
+"""python -m baton_runtime.ingress"""
 
-from services.common.service_main import run_main
-from services.ingress.config import IngressConfig
-from services.ingress.server import create_server
+from baton_runtime.common.service_main import run_main
+from baton_runtime.ingress.config import IngressConfig
+from baton_runtime.ingress.server import create_server
 
 if __name__ == "__main__":
     run_main(IngressConfig.load, create_server, service="ingress")

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import structlog
 
-from services.common.config import ConfigError
-from services.common.errors import BatonError
-from services.common.ids import validate_channel
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.ids import validate_channel
 
 log = structlog.get_logger("baton.ingress.keys")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import (
+from baton_runtime.common.config import (
     ADDRESSES_HELP,
     COMMON_SETTINGS,
     Capacity,
@@ -19,11 +19,11 @@ from services.common.config import (
     read_settings,
     security_from_values,
 )
-from services.common.errors import BatonError
-from services.common.ids import validate_deployment_id
-from services.common.tls import Security
-from services.ingress.api_keys import ApiKeys
-from services.ingress.limits import ChannelLimits
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.ids import validate_deployment_id
+from baton_runtime.common.tls import Security
+from baton_runtime.ingress.api_keys import ApiKeys
+from baton_runtime.ingress.limits import ChannelLimits
 
 # ingress's own settings; COMMON_SETTINGS follow them in --help.
 _SETTINGS = (
@@ -95,11 +95,13 @@ class IngressConfig:
     def load(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
     ) -> IngressConfig:
-        values = read_settings("services.ingress", (*_SETTINGS, *COMMON_SETTINGS), argv, environ)
+        values = read_settings(
+            "baton_runtime.ingress", (*_SETTINGS, *COMMON_SETTINGS), argv, environ
+        )
         try:
             deployment_id = validate_deployment_id(values["deployment_id"])
         except BatonError as exc:
-            raise ConfigError(f"services.ingress: {exc.message}") from exc
+            raise ConfigError(f"baton_runtime.ingress: {exc.message}") from exc
         return cls(
             listen=values["listen"],
             deployment_id=deployment_id,

@@ -4,24 +4,24 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
-from baton.ingress.v1 import ingress_pb2 as ingress_pb
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics
-from services.common.anchor_client import AnchorClient
-from services.common.bounds import check_seq, check_session_settings
-from services.common.errors import (
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, metrics
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.bounds import check_seq, check_session_settings
+from baton_runtime.common.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Reason,
     Unauthenticated,
 )
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
-from services.ingress.api_keys import ApiKeys
-from services.ingress.limits import ChannelBudget, ChannelLimits
-from services.ingress.orphans import OrphanWatch
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.ingress.api_keys import ApiKeys
+from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits
+from baton_runtime.ingress.orphans import OrphanWatch
 
 MAX_LABELS = 32
 MAX_LABEL_BYTES = 256

@@ -7,7 +7,7 @@ latest failure), then hooks' record of the session (owner, parked, inbox
 head and the oldest unconsumed entry, tokens, parent link, creation time).
 The snapshot is read first, so the inbox depth (head minus the snapshot's
 consumed position) is never negative. The status comes from the one pure
-function, `services.common.status.session_status`.
+function, `baton_runtime.common.status.session_status`.
 
 Another channel's session is NOT_FOUND exactly like a missing one (AIP-211):
 hooks checks the tenant of the session's inbox token, the snapshot names it
@@ -24,16 +24,16 @@ from dataclasses import dataclass
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import SessionDescription
-from services.common.errors import NotFound, OutOfRange
-from services.common.hooks_client import HooksClient
-from services.common.status import SessionFacts, Status, StatusView, session_status
-from services.ingress import listing
-from services.ingress.edge import session_not_found
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import SessionDescription
+from baton_runtime.common.errors import NotFound, OutOfRange
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.status import SessionFacts, Status, StatusView, session_status
+from baton_runtime.ingress import listing
+from baton_runtime.ingress.edge import session_not_found
 
 RECENT_EVENTS = 16
 """Events read back from the stream head: the latest one dates the last

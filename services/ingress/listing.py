@@ -31,10 +31,10 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from services.common import ids
-from services.common.bounds import check_range
-from services.common.errors import InvalidArgument, Reason
-from services.common.status import Status
+from baton_runtime.common import ids
+from baton_runtime.common.bounds import check_range
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.status import Status
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 200

@@ -17,11 +17,11 @@ import time
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import BatonError, Reason
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
-from services.common.tasks import Background
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import BatonError, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.tasks import Background
 
 log = structlog.get_logger("baton.ingress.orphans")
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from baton.ingress.v1 import ingress_pb2, ingress_pb2_grpc
-from services.common.anchor_client import AnchorClient
-from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
-from services.ingress.config import IngressConfig
-from services.ingress.edge import Edge
-from services.ingress.introspection import SessionViews
-from services.ingress.orphans import OrphanWatch
-from services.ingress.servicer import IngressServicer
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2, ingress_pb2_grpc
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.ingress.config import IngressConfig
+from baton_runtime.ingress.edge import Edge
+from baton_runtime.ingress.introspection import SessionViews
+from baton_runtime.ingress.orphans import OrphanWatch
+from baton_runtime.ingress.servicer import IngressServicer
 
 SERVICE_NAME = ingress_pb2.DESCRIPTOR.services_by_name["IngressService"].full_name
 

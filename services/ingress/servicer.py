@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from baton.ingress.v1 import ingress_pb2 as pb
-from baton.ingress.v1 import ingress_pb2_grpc
-from services.common.bounds import check_seq
-from services.common.interceptor import Context
-from services.ingress.edge import Edge
-from services.ingress.introspection import SessionViews
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.common.bounds import check_seq
+from baton_runtime.common.interceptor import Context
+from baton_runtime.ingress.edge import Edge
+from baton_runtime.ingress.introspection import SessionViews
 
 
 class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):

@@ -1,8 +1,8 @@
-"""python -m services.owner"""
+"""python -m baton_runtime.owner"""
 
-from services.common.service_main import run_main
-from services.owner.config import OwnerConfig
-from services.owner.server import create_server
+from baton_runtime.common.service_main import run_main
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.server import create_server
 
 if __name__ == "__main__":
     run_main(OwnerConfig.load, create_server, service="owner")

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import structlog
 from google.protobuf.message import DecodeError
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, retry
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import HandoffAccepted, LoadedSession, Moved
-from services.common.errors import (
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints, ids, retry
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import HandoffAccepted, LoadedSession, Moved
+from baton_runtime.common.errors import (
     Aborted,
     BatonError,
     DeadlineExceeded,
@@ -45,10 +45,10 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.hooks_client import HooksClient
-from services.owner.checkpoint import Arrival, CheckpointRules
-from services.owner.handles import Handles
-from services.owner.handoff import REFUSALS
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.checkpoint import Arrival, CheckpointRules
+from baton_runtime.owner.handles import Handles
+from baton_runtime.owner.handoff import REFUSALS
 
 log = structlog.get_logger("baton.owner.handoff")
 

@@ -19,10 +19,10 @@ import collections
 import enum
 from collections.abc import Sequence
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
-from services.owner.handles import ReportMeaning
-from services.owner.step_rules import StepRules
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
+from baton_runtime.owner.handles import ReportMeaning
+from baton_runtime.owner.step_rules import StepRules
 
 
 class Admission(enum.Enum):

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import structlog
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import LoadedSession
-from services.common.errors import BatonError, FailedPrecondition, Reason
-from services.common.hooks_client import HooksClient
-from services.owner.checkpoint import Arrival, CheckpointRules
-from services.owner.handles import Handles
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import LoadedSession
+from baton_runtime.common.errors import BatonError, FailedPrecondition, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.checkpoint import Arrival, CheckpointRules
+from baton_runtime.owner.handles import Handles
 
 log = structlog.get_logger("baton.owner.handoff")
 

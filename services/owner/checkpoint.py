@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from baton.hooks.v1 import hooks_pb2 as hooks_pb
-from baton.session.v1 import session_pb2 as s
-from services.common.client_answers import LoadedSession
-from services.common.errors import FailedPrecondition, Reason
-from services.owner.agent import AgentCatalog
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.client_answers import LoadedSession
+from baton_runtime.common.errors import FailedPrecondition, Reason
+from baton_runtime.owner.agent import AgentCatalog
 
 
 @dataclass(frozen=True)

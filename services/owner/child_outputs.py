@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.handles import kind_name
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.handles import kind_name
 
 STATUS_NAMES = {
     s.TASK_STATUS_COMPLETED: "completed",

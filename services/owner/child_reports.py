@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
-from services.common.errors import Reason
-from services.owner import handles as h
-from services.owner.agent import Agent
-from services.owner.held import HeldSession, RunIdentity
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner import handles as h
+from baton_runtime.owner.agent import Agent
+from baton_runtime.owner.held import HeldSession, RunIdentity
 
 
 class ChildReports(HeldSession):

@@ -21,15 +21,15 @@ import json
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, limits
-from services.common.errors import Reason
-from services.owner import child_outputs as outputs
-from services.owner import handles as h
-from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
-from services.owner.child_reports import ChildReports
-from services.owner.handles import ReportMeaning
-from services.owner.held import RunIdentity
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, limits
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner import child_outputs as outputs
+from baton_runtime.owner import handles as h
+from baton_runtime.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, Agent, ToolMode
+from baton_runtime.owner.child_reports import ChildReports
+from baton_runtime.owner.handles import ReportMeaning
+from baton_runtime.owner.held import RunIdentity
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,13 @@ from typing import Protocol
 
 import structlog
 
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, retry
-from services.common.client_answers import OwnerInstance, StartedSession
-from services.common.errors import BatonError, FailedPrecondition, NotFound
-from services.common.hooks_client import HooksClient
-from services.owner.peers import Peers, place
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints, ids, retry
+from baton_runtime.common.client_answers import OwnerInstance, StartedSession
+from baton_runtime.common.errors import BatonError, FailedPrecondition, NotFound
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.children")
 

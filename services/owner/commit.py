@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Sequence
 
 import structlog
 
-from baton.anchor.v1 import anchor_pb2 as anchor_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import metrics, retry, tracing
-from services.common.anchor_client import AnchorClient
-from services.common.errors import (
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import metrics, retry, tracing
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import (
     BatonError,
     DeadlineExceeded,
     Fenced,
@@ -24,12 +24,12 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.owner.checkpoint import Checkpoint
-from services.owner.held import RunIdentity
-from services.owner.inbox_buffer import InboxBuffer
-from services.owner.metering import TurnMeter
-from services.owner.turns import SessionState
-from services.owner.upkeep import Upkeep
+from baton_runtime.owner.checkpoint import Checkpoint
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.inbox_buffer import InboxBuffer
+from baton_runtime.owner.metering import TurnMeter
+from baton_runtime.owner.turns import SessionState
+from baton_runtime.owner.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.turns import SessionState, safe_error
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.turns import SessionState, safe_error
 
 
 async def summarize(

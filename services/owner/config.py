@@ -8,7 +8,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import (
+from baton_runtime.common.config import (
     ADDRESSES_HELP,
     COMMON_SETTINGS,
     Capacity,
@@ -21,11 +21,11 @@ from services.common.config import (
     read_settings,
     security_from_values,
 )
-from services.common.errors import BatonError
-from services.common.ids import validate_deployment_id
-from services.common.tls import Security
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.ids import validate_deployment_id
+from baton_runtime.common.tls import Security
 
-DEFAULT_AGENT = "services.owner.fixture:build_agent"
+DEFAULT_AGENT = "baton_runtime.owner.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
 DEFAULT_PARK_AFTER = 10.0
 DEFAULT_RECONCILE_INTERVAL = 15.0
@@ -134,7 +134,7 @@ class OwnerConfig:
     def load(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
     ) -> OwnerConfig:
-        values = read_settings("services.owner", SETTINGS, argv, environ)
+        values = read_settings("baton_runtime.owner", SETTINGS, argv, environ)
         deployment_id = _deployment_id(values["deployment_id"])
         formats = _snapshot_formats(values["snapshot_formats"])
         return cls(
@@ -165,7 +165,7 @@ def _deployment_id(raw: str) -> str:
     try:
         return validate_deployment_id(raw)
     except BatonError as exc:
-        raise ConfigError(f"services.owner: {exc.message}") from exc
+        raise ConfigError(f"baton_runtime.owner: {exc.message}") from exc
 
 
 def _snapshot_formats(raw: str) -> frozenset[int]:
@@ -174,8 +174,8 @@ def _snapshot_formats(raw: str) -> frozenset[int]:
         formats = frozenset(int(f) for f in raw.split(",") if f.strip())
     except ValueError as exc:
         raise ConfigError(
-            f"services.owner: --snapshot-formats must be integers, not {raw!r}"
+            f"baton_runtime.owner: --snapshot-formats must be integers, not {raw!r}"
         ) from exc
     if not formats:
-        raise ConfigError("services.owner: --snapshot-formats names no format")
+        raise ConfigError("baton_runtime.owner: --snapshot-formats names no format")
     return formats

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
 
 
 class ContextWindow:

@@ -21,13 +21,13 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Reason
-from services.owner.admission import Admission
-from services.owner.handles import ReportMeaning
-from services.owner.step_rules import Outcome, StepProgress
-from services.owner.turns import SessionState
-from services.owner.waits import error_result
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner.admission import Admission
+from baton_runtime.owner.handles import ReportMeaning
+from baton_runtime.owner.step_rules import Outcome, StepProgress
+from baton_runtime.owner.turns import SessionState
+from baton_runtime.owner.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]
 

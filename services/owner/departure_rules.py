@@ -6,8 +6,8 @@ a session cannot move yet, when an idle session may park. `Departures`
 
 from __future__ import annotations
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.turns import SessionState
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.turns import SessionState
 
 
 def is_trigger(state: SessionState, entry: s.InboxEntry, *, revision_known: bool) -> bool:

@@ -13,13 +13,13 @@ import time
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Aborted, BatonError, Fenced
-from services.common.hooks_client import HooksClient
-from services.owner import departure_rules
-from services.owner.checkpoint import Checkpoint
-from services.owner.handoff import Attempt, HandoffAttempts
-from services.owner.turns import SessionState
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Aborted, BatonError, Fenced
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner import departure_rules
+from baton_runtime.owner.checkpoint import Checkpoint
+from baton_runtime.owner.handoff import Attempt, HandoffAttempts
+from baton_runtime.owner.turns import SessionState
 
 DRAIN_RETRY_SECONDS = 2.0
 

@@ -13,11 +13,11 @@ from typing import Protocol
 
 import structlog
 
-from services.common import ids
-from services.common.client_answers import DrainBlocker, DrainReport
-from services.common.errors import InvalidArgument, Reason
-from services.common.tasks import Background
-from services.owner.parking import Parking
+from baton_runtime.common import ids
+from baton_runtime.common.client_answers import DrainBlocker, DrainReport
+from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.parking import Parking
 
 DRAIN_CONCURRENCY = 32  # parked sessions woken at once for a drain
 DRAIN_REPORT_BLOCKERS = 50

@@ -45,8 +45,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.agent import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.agent import (
     ASK_SUBAGENT,
     CONTINUE_TASK,
     Agent,
@@ -54,7 +54,7 @@ from services.owner.agent import (
     RequestedCall,
     Tool,
 )
-from services.owner.fixture_tools import CHILD_TOOLS, TOOLS
+from baton_runtime.owner.fixture_tools import CHILD_TOOLS, TOOLS
 
 _CALC = re.compile(r"^\s*(?:calc|what is)\s+(.+?)\??\s*$", re.IGNORECASE)
 _STEPS = re.compile(r"^\s*steps\s+(\d+)\s*$", re.IGNORECASE)

@@ -11,7 +11,7 @@ import asyncio
 import operator
 from typing import Any
 
-from services.owner.agent import Tool, ToolContext, ToolMode, WorkflowStep
+from baton_runtime.owner.agent import Tool, ToolContext, ToolMode, WorkflowStep
 
 _OPS: dict[type, Any] = {
     ast.Add: operator.add,

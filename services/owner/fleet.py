@@ -42,14 +42,14 @@ from typing import Any
 
 import structlog
 
-from services.common import retry
-from services.common.client_answers import OwnedSession
-from services.common.errors import BatonError
-from services.common.hooks_client import HooksClient
-from services.common.tasks import Background
-from services.owner.config import DEFAULT_RECONCILE_INTERVAL
-from services.owner.host import OwnerHost
-from services.owner.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
+from baton_runtime.common import retry
+from baton_runtime.common.client_answers import OwnedSession
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.config import DEFAULT_RECONCILE_INTERVAL
+from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
 

@@ -31,9 +31,9 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
-from services.common.errors import Reason
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
+from baton_runtime.common.errors import Reason
 
 RUNNING = s.HANDLE_STATE_RUNNING
 PARKED = s.HANDLE_STATE_PARKED

@@ -27,11 +27,11 @@ import time
 
 import structlog
 
-from baton.owner.v1 import owner_pb2 as owner_pb
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, metrics
-from services.common.client_answers import OwnerInstance
-from services.common.errors import (
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints, ids, metrics
+from baton_runtime.common.client_answers import OwnerInstance
+from baton_runtime.common.errors import (
     Aborted,
     AlreadyExists,
     BatonError,
@@ -41,10 +41,10 @@ from services.common.errors import (
     NotFound,
     Reason,
 )
-from services.common.hooks_client import HooksClient
-from services.common.permits import PermitSigner, grant_for
-from services.owner.checkpoint import Checkpoint
-from services.owner.peers import Peers, place
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.permits import PermitSigner, grant_for
+from baton_runtime.owner.checkpoint import Checkpoint
+from baton_runtime.owner.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.handoff")
 

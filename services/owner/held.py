@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.agent import Agent
-from services.owner.context import ContextWindow
-from services.owner.handles import Handles
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.agent import Agent
+from baton_runtime.owner.context import ContextWindow
+from baton_runtime.owner.handles import Handles
 
 
 @dataclass(frozen=True)

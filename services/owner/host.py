@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import asyncio
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import (
     DrainReport,
     HandoffAccepted,
     Moved,
     OwnedSession,
     StartedSession,
 )
-from services.common.errors import (
+from baton_runtime.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -34,16 +34,16 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.hooks_client import HooksClient
-from services.owner.acceptance import TRANSFER_ANSWER_SECONDS, HandoffOffer
-from services.owner.agent import Agent
-from services.owner.checkpoint import Arrival
-from services.owner.children import Children, ChildStart
-from services.owner.held import RunIdentity
-from services.owner.hosting import HostedSessions, HostSettings
-from services.owner.parking import ParkedSession
-from services.owner.runs import RunStart
-from services.owner.snapshots import initial_snapshot
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.acceptance import TRANSFER_ANSWER_SECONDS, HandoffOffer
+from baton_runtime.owner.agent import Agent
+from baton_runtime.owner.checkpoint import Arrival
+from baton_runtime.owner.children import Children, ChildStart
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.hosting import HostedSessions, HostSettings
+from baton_runtime.owner.parking import ParkedSession
+from baton_runtime.owner.runs import RunStart
+from baton_runtime.owner.snapshots import initial_snapshot
 
 
 class OwnerHost(HostedSessions):

@@ -30,10 +30,10 @@ from typing import Any
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints, ids, retry
-from services.common.anchor_client import AnchorClient
-from services.common.errors import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints, ids, retry
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import (
     BatonError,
     FailedPrecondition,
     Fenced,
@@ -41,23 +41,23 @@ from services.common.errors import (
     Reason,
     Unavailable,
 )
-from services.common.hooks_client import HooksClient
-from services.common.inflight import InFlight
-from services.common.tasks import Background
-from services.owner.acceptance import HandoffAcceptance
-from services.owner.adoption import Adoption
-from services.owner.agent import Agent, AgentCatalog
-from services.owner.checkpoint import CheckpointRules
-from services.owner.children import Children
-from services.owner.commit import commit_step
-from services.owner.drains import Drains
-from services.owner.handoff import HandoffAttempts
-from services.owner.held import RunIdentity, make_event
-from services.owner.parking import ParkedSession, Parking
-from services.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
-from services.owner.runs import RunExit, RunServices, RunStart
-from services.owner.session import SessionRun
-from services.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.inflight import InFlight
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.acceptance import HandoffAcceptance
+from baton_runtime.owner.adoption import Adoption
+from baton_runtime.owner.agent import Agent, AgentCatalog
+from baton_runtime.owner.checkpoint import CheckpointRules
+from baton_runtime.owner.children import Children
+from baton_runtime.owner.commit import commit_step
+from baton_runtime.owner.drains import Drains
+from baton_runtime.owner.handoff import HandoffAttempts
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.parking import ParkedSession, Parking
+from baton_runtime.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
+from baton_runtime.owner.runs import RunExit, RunServices, RunStart
+from baton_runtime.owner.session import SessionRun
+from baton_runtime.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
 
 log = structlog.get_logger("baton.owner")
 

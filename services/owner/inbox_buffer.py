@@ -17,14 +17,14 @@ from collections.abc import Iterator, Sequence
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import retry
-from services.common.errors import BatonError, Fenced
-from services.common.hooks_client import HooksClient
-from services.owner.departures import Departures
-from services.owner.spans import RunSpans  # tracing
-from services.owner.step import StepRunner
-from services.owner.turns import SessionState
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import retry
+from baton_runtime.common.errors import BatonError, Fenced
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.departures import Departures
+from baton_runtime.owner.spans import RunSpans  # tracing
+from baton_runtime.owner.step import StepRunner
+from baton_runtime.owner.turns import SessionState
 
 
 class InboxClosed(Exception):

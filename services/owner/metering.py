@@ -12,8 +12,8 @@ from typing import Protocol
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from baton.session.v1 import session_pb2 as s
-from services.common import metrics
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import metrics
 
 _OUTCOMES = {
     s.EVENT_KIND_TURN_COMPLETED: metrics.TURNS.labels("completed"),

@@ -1,6 +1,6 @@
 """A model adapter for an OpenAI-compatible chat-completions endpoint.
 
-`OpenAIChatModel` implements `services.owner.agent.ModelAdapter` by sending the
+`OpenAIChatModel` implements `baton_runtime.owner.agent.ModelAdapter` by sending the
 session history to `{base_url}/chat/completions` with the official `openai`
 client (its 3.x line, on httpx2). Every request has a timeout; 429, 5xx,
 connection errors and timeouts are retried here with exponential backoff (a
@@ -10,7 +10,7 @@ off (`max_retries=0`) so that the two never stack; any other failure raises
 reply the client's types would refuse still gets a safe, specific summary
 (the wire format and the errors are in openai_wire.py).
 
-An owner selects it with `BATON_AGENT=services.owner.openai_model:build_agent`
+An owner selects it with `BATON_AGENT=baton_runtime.owner.openai_model:build_agent`
 and configures it from the environment (see `build_agent`).
 """
 
@@ -28,12 +28,12 @@ from typing import Any
 import openai
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import retry, tracing
-from services.owner import openai_wire as wire
-from services.owner.agent import Agent, ModelReply, Tool
-from services.owner.fixture_tools import TOOLS
-from services.owner.openai_wire import ModelError, ModelRequestRejected, ModelTimeout
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import retry, tracing
+from baton_runtime.owner import openai_wire as wire
+from baton_runtime.owner.agent import Agent, ModelReply, Tool
+from baton_runtime.owner.fixture_tools import TOOLS
+from baton_runtime.owner.openai_wire import ModelError, ModelRequestRejected, ModelTimeout
 
 log = structlog.get_logger("baton.owner.openai_model")
 
@@ -270,7 +270,7 @@ def _required_env(name: str) -> str:
     value = os.environ.get(name, "").strip()
     if not value:
         raise RuntimeError(
-            f"{name} is required for services.owner.openai_model:build_agent "
+            f"{name} is required for baton_runtime.owner.openai_model:build_agent "
             f"(set {ENV_BASE_URL} to the endpoint, e.g. https://api.example.com/v1, "
             f"and {ENV_MODEL} to the model name)"
         )

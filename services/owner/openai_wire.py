@@ -12,8 +12,8 @@ from typing import Any
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.owner.agent import ModelRejected, ModelReply, RequestedCall, Tool
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.agent import ModelRejected, ModelReply, RequestedCall, Tool
 
 log = structlog.get_logger("baton.owner.openai_model")
 

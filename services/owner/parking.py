@@ -22,7 +22,7 @@ from typing import Protocol
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 
 
 @dataclass(slots=True)

@@ -15,9 +15,9 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from services.common.client_answers import OwnerInstance
-from services.common.hooks_client import HooksClient
-from services.common.owner_client import OwnerClient
+from baton_runtime.common.client_answers import OwnerInstance
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.owner_client import OwnerClient
 
 REGISTRY_CACHE_SECONDS = 5.0
 

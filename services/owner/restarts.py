@@ -24,17 +24,17 @@ from dataclasses import dataclass
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, metrics, retry
-from services.common.anchor_client import AnchorClient
-from services.common.client_answers import OwnedSession
-from services.common.errors import BatonError, FailedPrecondition, Fenced, Reason
-from services.common.hooks_client import HooksClient
-from services.common.tasks import Background
-from services.owner.commit import commit_step
-from services.owner.held import RunIdentity, make_event
-from services.owner.parking import Activator
-from services.owner.turns import safe_error
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, metrics, retry
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.client_answers import OwnedSession
+from baton_runtime.common.errors import BatonError, FailedPrecondition, Fenced, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.commit import commit_step
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.parking import Activator
+from baton_runtime.owner.turns import safe_error
 
 DEFAULT_RESTART_BUDGET = 5
 

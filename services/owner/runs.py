@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton.session.v1 import session_pb2 as s
-from services.common.anchor_client import AnchorClient
-from services.common.hooks_client import HooksClient
-from services.owner.agent import AgentCatalog
-from services.owner.children import Children
-from services.owner.handoff import HandoffAttempts
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.agent import AgentCatalog
+from baton_runtime.owner.children import Children
+from baton_runtime.owner.handoff import HandoffAttempts
 
 
 class RunExit(enum.Enum):

@@ -7,18 +7,18 @@ import sys
 
 import structlog
 
-from baton.owner.v1 import owner_pb2, owner_pb2_grpc
-from services.common.anchor_client import AnchorClient
-from services.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from services.common.hooks_client import HooksClient
-from services.owner.agent import load_agent
-from services.owner.config import OwnerConfig
-from services.owner.fleet import FleetMembership
-from services.owner.host import OwnerHost
-from services.owner.hosting import HostSettings
-from services.owner.metering import HeldSessions
-from services.owner.servicer import OwnerServicer
-from services.owner.sweep import UnclaimedSessions
+from baton_runtime._proto.baton.owner.v1 import owner_pb2, owner_pb2_grpc
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.owner.agent import load_agent
+from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.fleet import FleetMembership
+from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.hosting import HostSettings
+from baton_runtime.owner.metering import HeldSessions
+from baton_runtime.owner.servicer import OwnerServicer
+from baton_runtime.owner.sweep import UnclaimedSessions
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
 EXIT_LEASE_LOST = 3

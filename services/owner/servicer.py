@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import structlog
 
-from baton.owner.v1 import owner_pb2 as pb
-from baton.owner.v1 import owner_pb2_grpc
-from services.common import identity
-from services.common.bounds import check_session_settings
-from services.common.client_answers import StartedSession
-from services.common.errors import PermissionDenied, Reason
-from services.common.identity import Role
-from services.common.interceptor import Context
-from services.owner.acceptance import HandoffOffer
-from services.owner.children import ChildStart
-from services.owner.host import OwnerHost
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as pb
+from baton_runtime._proto.baton.owner.v1 import owner_pb2_grpc
+from baton_runtime.common import identity
+from baton_runtime.common.bounds import check_session_settings
+from baton_runtime.common.client_answers import StartedSession
+from baton_runtime.common.errors import PermissionDenied, Reason
+from baton_runtime.common.identity import Role
+from baton_runtime.common.interceptor import Context
+from baton_runtime.owner.acceptance import HandoffOffer
+from baton_runtime.owner.children import ChildStart
+from baton_runtime.owner.host import OwnerHost
 
 
 class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):

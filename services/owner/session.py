@@ -27,14 +27,14 @@ from typing import assert_never
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import failpoints
-from services.common.errors import BatonError, Fenced
-from services.common.tasks import Background
-from services.owner import compaction, decisions, departure_rules
-from services.owner.agent import Agent
-from services.owner.commit import RunCommits
-from services.owner.decisions import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints
+from baton_runtime.common.errors import BatonError, Fenced
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner import compaction, decisions, departure_rules
+from baton_runtime.owner.agent import Agent
+from baton_runtime.owner.commit import RunCommits
+from baton_runtime.owner.decisions import (
     AnswerAuthorization,
     AnswerInputs,
     Commit,
@@ -45,16 +45,16 @@ from services.owner.decisions import (
     RunTurn,
     Summarize,
 )
-from services.owner.departures import Departures
-from services.owner.handoff import Attempt
-from services.owner.held import RunIdentity
-from services.owner.inbox_buffer import InboxBuffer, InboxClosed
-from services.owner.metering import waited
-from services.owner.runs import RunExit, RunServices, RunStart
-from services.owner.spans import RunSpans  # tracing
-from services.owner.step import StepRunner
-from services.owner.turns import SessionState
-from services.owner.upkeep import Upkeep
+from baton_runtime.owner.departures import Departures
+from baton_runtime.owner.handoff import Attempt
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.inbox_buffer import InboxBuffer, InboxClosed
+from baton_runtime.owner.metering import waited
+from baton_runtime.owner.runs import RunExit, RunServices, RunStart
+from baton_runtime.owner.spans import RunSpans  # tracing
+from baton_runtime.owner.step import StepRunner
+from baton_runtime.owner.turns import SessionState
+from baton_runtime.owner.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from baton.session.v1 import session_pb2 as s
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 
 SNAPSHOT_FORMAT = 2  # 2: the model history is appended as entries of its own
 

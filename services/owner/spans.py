@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
 
-from baton.session.v1 import session_pb2 as s
-from services.common.tracing import OFF, TRACING, link_to, span
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.tracing import OFF, TRACING, link_to, span
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -35,7 +35,7 @@ MAX_LINKS = 100
 
 
 class _Held(Protocol):
-    """What the spans read of the run's session (services.owner.held.HeldSession)."""
+    """What the spans read of the run's session (baton_runtime.owner.held.HeldSession)."""
 
     @property
     def snapshot(self) -> s.SessionSnapshot: ...

@@ -17,20 +17,20 @@ import time
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import metrics
-from services.common.errors import BatonError, Reason
-from services.common.hooks_client import HooksClient
-from services.common.tasks import Background
-from services.owner import handles as h
-from services.owner import spans  # tracing
-from services.owner.agent import AgentCatalog, ModelRejected, Tool, ToolContext
-from services.owner.child_rules import ChildWork
-from services.owner.children import Children
-from services.owner.handles import Refusal
-from services.owner.held import RunIdentity
-from services.owner.step_rules import StepProgress, usage_of
-from services.owner.turns import SessionState, safe_error
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import metrics
+from baton_runtime.common.errors import BatonError, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner import handles as h
+from baton_runtime.owner import spans  # tracing
+from baton_runtime.owner.agent import AgentCatalog, ModelRejected, Tool, ToolContext
+from baton_runtime.owner.child_rules import ChildWork
+from baton_runtime.owner.children import Children
+from baton_runtime.owner.handles import Refusal
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.step_rules import StepProgress, usage_of
+from baton_runtime.owner.turns import SessionState, safe_error
 
 
 class StepRunner:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Reason
-from services.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, ModelReply, dumps_arguments
-from services.owner.child_rules import ChildWork
-from services.owner.handles import add_usage
-from services.owner.waits import WaitRules, error_result
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner.agent import ASK_SUBAGENT, CONTINUE_TASK, ModelReply, dumps_arguments
+from baton_runtime.owner.child_rules import ChildWork
+from baton_runtime.owner.handles import add_usage
+from baton_runtime.owner.waits import WaitRules, error_result
 
 
 class Outcome(enum.Enum):

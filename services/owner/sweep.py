@@ -17,12 +17,12 @@ import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common import failpoints, metrics, retry
-from services.common.client_answers import OwnedSession
-from services.common.errors import BatonError, FailedPrecondition, Reason
-from services.common.hooks_client import HooksClient
-from services.common.tasks import Background
-from services.owner.host import OwnerHost
+from baton_runtime.common import failpoints, metrics, retry
+from baton_runtime.common.client_answers import OwnedSession
+from baton_runtime.common.errors import BatonError, FailedPrecondition, Reason
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.host import OwnerHost
 
 log = structlog.get_logger("baton.owner.sweep")
 

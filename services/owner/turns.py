@@ -42,17 +42,17 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from baton.session.v1 import session_pb2 as s
-from services.common import limits
-from services.common.errors import Reason
-from services.owner import handles as h
-from services.owner.admission import Admission, AdmissionRules, principal
-from services.owner.agent import (
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import limits
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner import handles as h
+from baton_runtime.owner.admission import Admission, AdmissionRules, principal
+from baton_runtime.owner.agent import (
     Agent,
     ModelReply,
 )
-from services.owner.held import RunIdentity, make_event
-from services.owner.step_rules import usage_of
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.step_rules import usage_of
 
 TURN_END_KINDS = frozenset(
     {s.EVENT_KIND_TURN_COMPLETED, s.EVENT_KIND_TURN_FAILED, s.EVENT_KIND_TURN_CANCELLED}

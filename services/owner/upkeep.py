@@ -22,15 +22,15 @@ import asyncio
 
 import structlog
 
-from baton.session.v1 import session_pb2 as s
-from services.common import ids, retry
-from services.common.anchor_client import AnchorClient
-from services.common.errors import BatonError
-from services.common.hooks_client import HooksClient
-from services.common.tasks import Background
-from services.owner.children import Children
-from services.owner.held import RunIdentity
-from services.owner.turns import SessionState
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, retry
+from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.errors import BatonError
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.children import Children
+from baton_runtime.owner.held import RunIdentity
+from baton_runtime.owner.turns import SessionState
 
 
 class Upkeep:

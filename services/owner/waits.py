@@ -8,9 +8,9 @@ event a refused command gets. Pure: no I/O.
 
 from __future__ import annotations
 
-from baton.session.v1 import session_pb2 as s
-from services.common.errors import Reason
-from services.owner.child_rules import ChildRules
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner.child_rules import ChildRules
 
 
 class WaitRules(ChildRules):
