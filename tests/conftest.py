@@ -85,6 +85,29 @@ async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
 
 
 @pytest.fixture
+async def stack_never_parks(etcd_endpoint: str) -> AsyncIterator[Stack]:
+    """`stack` with parking off, for tests that compare statuses with
+    `idle`: a session idle for 10 s parks, which a loaded machine reaches
+    between two steps of a test."""
+    running = await start_stack(etcd_endpoint, park_after=None)
+    try:
+        yield running
+    finally:
+        await stop_stack(running)
+
+
+@pytest.fixture
+async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
+    """A raw etcd client on the module's etcd, for tests that start their
+    own stack."""
+    client = await etcd_client(etcd_endpoint)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
 async def etcd(stack: Stack) -> AsyncIterator[aetcd.Client]:
     """A raw etcd client, to inspect what the stack wrote."""
     client = await etcd_client(stack.etcd.endpoint)

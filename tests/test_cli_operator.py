@@ -37,15 +37,9 @@ ST = pb.SessionStatus
 
 
 @pytest.fixture
-async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
-    """conftest's stack with parking off: these tests compare statuses with
-    `idle`, and a session idle for 10 s parks (a loaded machine gets there
-    between two steps of a test)."""
-    running = await start_stack(etcd_endpoint, park_after=None)
-    try:
-        yield running
-    finally:
-        await stop_stack(running)
+def stack(stack_never_parks: Stack) -> Stack:
+    """These tests compare statuses with `idle`: conftest's stack_never_parks."""
+    return stack_never_parks
 
 
 def operator_flags(stack: Stack) -> list[str]:

@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,19 +21,13 @@ from google.protobuf import json_format
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime.cli import profile, sessions
-from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack, start_stack, stop_stack
+from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack
 
 
 @pytest.fixture
-async def stack(etcd_endpoint: str) -> AsyncIterator[Stack]:
-    """conftest's stack with parking off: these tests compare statuses with
-    `idle`, and a session idle for 10 s parks (a loaded machine gets there
-    between two steps of a test)."""
-    running = await start_stack(etcd_endpoint, park_after=None)
-    try:
-        yield running
-    finally:
-        await stop_stack(running)
+def stack(stack_never_parks: Stack) -> Stack:
+    """These tests compare statuses with `idle`: conftest's stack_never_parks."""
+    return stack_never_parks
 
 
 ROOT = Path(__file__).resolve().parent.parent

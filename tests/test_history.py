@@ -18,7 +18,6 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids, limits
 from baton_runtime.common.grpc_errors import error_reason
 from baton_runtime.common.keys import Keys
-from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import (
@@ -38,15 +37,6 @@ from tests.test_turns import (
 
 K = s.EventKind
 SMALL_CONTEXT = "baton_runtime.owner.fixture:build_small_context_agent"
-
-
-@pytest.fixture
-async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
-    client = await etcd_client(etcd_endpoint)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.fixture

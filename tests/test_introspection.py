@@ -20,7 +20,6 @@ from baton_runtime.common import ids
 from baton_runtime.common.grpc_errors import from_rpc_error
 from baton_runtime.common.keys import Keys
 from baton_runtime.ingress import listing
-from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import (
     SLACK,
@@ -412,15 +411,6 @@ async def retaining(etcd_endpoint: str) -> AsyncIterator[Stack]:
         yield stack
     finally:
         await stop_stack(stack)
-
-
-@pytest.fixture
-async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
-    client = await etcd_client(etcd_endpoint)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 async def test_the_channel_index_entry_goes_with_the_session(

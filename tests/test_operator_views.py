@@ -17,7 +17,6 @@ against the RPC behind it:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aetcd
@@ -36,7 +35,6 @@ from baton_runtime.common.identity import Role
 from baton_runtime.common.keys import Keys
 from baton_runtime.common.owner_client import OwnerClient
 from baton_runtime.hooks.fleets import FleetStatus, fleet_status
-from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack
 from tests.test_cli_operator import operator_flags
@@ -45,15 +43,6 @@ from tests.test_sdk import sdk
 from tests.test_turns import follow_until, waits
 
 K = s.EventKind
-
-
-@pytest.fixture
-async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
-    client = await etcd_client(etcd_endpoint)
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 def listed_json(infos: list[hooks_pb.DeploymentInfo]) -> dict[str, dict[str, object]]:

@@ -74,15 +74,6 @@ async def counted(etcd_endpoint: str) -> AsyncIterator[Stack]:
         yield stack
 
 
-@pytest.fixture
-async def raw(etcd_endpoint: str) -> AsyncIterator[aetcd.Client]:
-    client = await etcd_client(etcd_endpoint)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 def journal(stack: Stack) -> Journal:
     app = stack.anchor.app
     assert isinstance(app, Journal)
@@ -277,6 +268,9 @@ async def test_a_slow_reader_the_horizon_passes_is_told_and_resumes_from_the_ear
             return await stored_horizon(counted, raw, sid) > passed_at
 
         await eventually(passed_reader, "the horizon passed the reader", timeout=10)
+        # And the trim is over (no turn runs now), so the earliest seq the
+        # reader is told stays the earliest until it resumes from there.
+        await eventually(kept_exactly(counted, raw, sid, KEEP), "trimmed again", timeout=10)
         with pytest.raises(OutOfRange) as passed:
             await anext(reader)
     finally:
