@@ -29,6 +29,7 @@ from baton_runtime.common.keys import Keys, prefix_end
 from baton_runtime.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.ingress.limits import ChannelLimits
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import (
@@ -158,6 +159,9 @@ async def a_long_session_stays_bounded(
         },
         hooks_options={"dedupe_window_seconds": window},
         agent="baton_runtime.owner.fixture:build_small_context_agent",
+        # Storage is measured here, not the channel's send budget: 3,000
+        # short turns back to back outrun 200 sends a second.
+        limits=ChannelLimits(sends_per_second=0),
     )
     client = await etcd_client(running.etcd.endpoint)
     try:
