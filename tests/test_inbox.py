@@ -52,6 +52,11 @@ async def read_until_idle(
     return await stack.events(session_id, follow=False)
 
 
+def events_turn(events: list[s.Event]) -> str:
+    """The id of the last turn the stream opened."""
+    return next(e.turn_id for e in reversed(events) if e.kind == K.EVENT_KIND_TURN_STARTED)
+
+
 def assert_admitted_once_in_order(events: list[s.Event], texts_by_seq: dict[int, str]) -> None:
     """Every accepted inbox seq is admitted exactly once, in seq order, with
     its own text; every turn settles; the stream is gapless."""
@@ -60,7 +65,22 @@ def assert_admitted_once_in_order(events: list[s.Event], texts_by_seq: dict[int,
     assert [e.inbox_seq for e in got] == sorted(texts_by_seq), "not admitted once each in order"
     assert [e.text for e in got] == [texts_by_seq[e.inbox_seq] for e in got]
     kinds = [e.kind for e in events]
-    assert kinds.count(K.EVENT_KIND_TURN_STARTED) == kinds.count(K.EVENT_KIND_TURN_COMPLETED)
+    listing = "\n".join(f"{e.seq} {K.Name(e.kind)} {e.turn_id} {e.inbox_seq}" for e in events)
+    # Steered messages that keep arriving keep one turn going, a step per
+    # boundary; on a loaded machine such a turn reached the agent's limit of
+    # 8 steps and failed with MAX_STEPS (CI: 9 turns started, 8 completed).
+    # That is the step limit doing its job; any other failure is not.
+    failed = [e for e in events if e.kind == K.EVENT_KIND_TURN_FAILED]
+    for e in failed:
+        assert e.error.reason == "MAX_STEPS", listing
+        steps = [
+            x for x in events if x.kind == K.EVENT_KIND_STEP_STARTED and x.turn_id == e.turn_id
+        ]
+        assert len(steps) == 8, listing
+    assert kinds.count(K.EVENT_KIND_TURN_STARTED) == (
+        kinds.count(K.EVENT_KIND_TURN_COMPLETED) + len(failed)
+    ), listing
+    ended_by_limit = bool(failed) and failed[-1].turn_id == events_turn(events)
     # The fixture model answers the latest user message it has seen: every
     # answer echoes the message admitted last before it, and the last message
     # is answered.
@@ -72,7 +92,7 @@ def assert_admitted_once_in_order(events: list[s.Event], texts_by_seq: dict[int,
         elif e.kind == K.EVENT_KIND_MESSAGE_COMPLETED:
             assert e.text == f"echo: {latest}", (e.seq, e.text, latest)
             answered_last = True
-    assert answered_last, "the last message was not answered"
+    assert answered_last or ended_by_limit, "the last message was not answered"
 
 
 def assert_each_answered_in_own_turn(events: list[s.Event], texts_by_seq: dict[int, str]) -> None:
