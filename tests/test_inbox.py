@@ -11,13 +11,17 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
+from baton_runtime.common.errors import Reason
 from baton_runtime.common.hooks_client import HooksClient
 from baton_runtime.common.identity import Role
 from baton_runtime.common.keys import Keys, prefix_end, seq_of
 from baton_runtime.hooks.server import create_server as create_hooks
+from baton_runtime.owner.fixture import build_agent
 from tests.stack import SLACK, Stack, hooks_config
 
 K = s.EventKind
+# The steps a turn of the stack's agent may take (a steered turn can reach it).
+FIXTURE_STEP_LIMIT = build_agent("dep-a").max_steps_per_turn
 
 
 def received(events: list[s.Event]) -> list[s.Event]:
@@ -52,11 +56,6 @@ async def read_until_idle(
     return await stack.events(session_id, follow=False)
 
 
-def events_turn(events: list[s.Event]) -> str:
-    """The id of the last turn the stream opened."""
-    return next(e.turn_id for e in reversed(events) if e.kind == K.EVENT_KIND_TURN_STARTED)
-
-
 def assert_admitted_once_in_order(events: list[s.Event], texts_by_seq: dict[int, str]) -> None:
     """Every accepted inbox seq is admitted exactly once, in seq order, with
     its own text; every turn settles; the stream is gapless."""
@@ -68,19 +67,20 @@ def assert_admitted_once_in_order(events: list[s.Event], texts_by_seq: dict[int,
     listing = "\n".join(f"{e.seq} {K.Name(e.kind)} {e.turn_id} {e.inbox_seq}" for e in events)
     # Steered messages that keep arriving keep one turn going, a step per
     # boundary; on a loaded machine such a turn reached the agent's limit of
-    # 8 steps and failed with MAX_STEPS (CI: 9 turns started, 8 completed).
+    # steps and failed with MAX_STEPS (CI: 9 turns started, 8 completed).
     # That is the step limit doing its job; any other failure is not.
     failed = [e for e in events if e.kind == K.EVENT_KIND_TURN_FAILED]
     for e in failed:
-        assert e.error.reason == "MAX_STEPS", listing
+        assert e.error.reason == Reason.MAX_STEPS, listing
         steps = [
             x for x in events if x.kind == K.EVENT_KIND_STEP_STARTED and x.turn_id == e.turn_id
         ]
-        assert len(steps) == 8, listing
+        assert len(steps) == FIXTURE_STEP_LIMIT, listing
     assert kinds.count(K.EVENT_KIND_TURN_STARTED) == (
         kinds.count(K.EVENT_KIND_TURN_COMPLETED) + len(failed)
     ), listing
-    ended_by_limit = bool(failed) and failed[-1].turn_id == events_turn(events)
+    last_turn = next(e.turn_id for e in reversed(events) if e.kind == K.EVENT_KIND_TURN_STARTED)
+    ended_by_limit = bool(failed) and failed[-1].turn_id == last_turn
     # The fixture model answers the latest user message it has seen: every
     # answer echoes the message admitted last before it, and the last message
     # is answered.
