@@ -83,6 +83,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_takeovers_total": ("counter", set()),
         "baton_parked_claims_total": ("counter", {"how"}),
         "baton_parked_unclaimed_sessions": ("gauge", set()),
+        "baton_reconciled_sessions_total": ("counter", {"how"}),
         "baton_restarts_total": ("counter", set()),
         "baton_resumes_total": ("counter", set()),
         "baton_commits_total": ("counter", {"outcome"}),

@@ -43,6 +43,7 @@ from tests.procs import (
     inbox_entries_left,
     received_seqs,
 )
+from tests.scrape import scrape
 
 K = s.EventKind
 MakeStack = Callable[..., ProcessStack]
@@ -379,6 +380,47 @@ async def test_a_session_its_host_lost_is_taken_over_by_the_reconciler(
         check_history(events, receipts)
         assert (await c.hooks.get_owner(sid)).fence.epoch == epoch + 1
         assert len(runs_in_order(events)) == 2
+    finally:
+        await c.close()
+
+
+async def test_a_parked_session_whose_bell_was_lost_is_woken_by_the_reconciler(
+    make_stack: MakeStack,
+) -> None:
+    """A session held parked whose bell rang and never reached it (here: a
+    failpoint drops the first bell) is listed with input waiting: the
+    instance's reconciliation sees that twice with the same fence and wakes
+    it, with no takeover (same epoch), and the wake is counted."""
+    stack = make_stack(
+        owners=1,
+        park_after=0.3,
+        serve_metrics=True,
+        owner_env={
+            "BATON_FAILPOINTS": "host.ring=once:error",
+            "BATON_OWNER_RECONCILE_INTERVAL": "0.5",
+        },
+    )
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "hello")).receipt.seq]
+
+        async def parked() -> bool:
+            return (await c.hooks.get_owner(sid)).parked
+
+        await eventually(parked, "parked")
+        epoch = (await c.hooks.get_owner(sid)).fence.epoch
+        receipts.append((await c.send(sid, "anyone there?")).receipt.seq)
+        events = await c.wait_events(
+            sid, functools.partial(answered, count=2), "answered after reconciliation"
+        )
+        check_history(events, receipts)
+        assert (await c.hooks.get_owner(sid)).fence.epoch == epoch
+        assert "failpoint: bell dropped" in (stack.workdir / "o1.log").read_text()
+        scraped = await scrape(stack.metrics_url("o1"))
+        assert scraped.total("baton_reconciled_sessions_total", how="woken") == 1
+        assert scraped.total("baton_takeovers_total") == 0
     finally:
         await c.close()
 

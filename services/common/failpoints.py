@@ -65,4 +65,19 @@ async def hit(name: str) -> None:
         raise ValueError(f"failpoint {name!r}: unknown action {action!r}")
 
 
+def armed(name: str) -> bool:
+    """For a synchronous place: whether `name` is configured with `error`
+    (or `once:error`, consumed here); the caller then skips its step."""
+    action = _active.get(name)
+    if action is None:
+        return False
+    if action.startswith("once:"):
+        action = action.removeprefix("once:")
+        del _active[name]
+    if action != "error":
+        raise ValueError(f"failpoint {name!r}: only error is allowed here, not {action!r}")
+    log.warning("failpoint hit", failpoint=name, action=action)
+    return True
+
+
 configure(os.environ.get(ENV, ""))

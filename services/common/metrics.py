@@ -253,6 +253,16 @@ TAKEOVERS = Counter(
     "(a restarted process, or the reconciler finding a session no run holds)",
     registry=None,
 )
+RECONCILED = Counter(
+    "baton_reconciled_sessions_total",
+    "Sessions the reconciler found stuck under this instance and set going again: taken "
+    "over from itself (taken_over: no run held it) or woken (woken: held parked while its "
+    "bell had rung); each one is a lost wake-up, worth an alert",
+    ["how"],
+    registry=None,
+)
+for _how in ("taken_over", "woken"):
+    RECONCILED.labels(_how)  # exposed at 0, so increase() sees the first one
 PARKED_CLAIMS = Counter(
     "baton_parked_claims_total",
     "Quiet parked sessions of a dead instance (or of this instance's earlier process) "
@@ -344,6 +354,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         HANDOFF_SECONDS,
         TAKEOVERS,
         PARKED_CLAIMS,
+        RECONCILED,
         RESTARTS,
         RESUMES,
         COMMITS,

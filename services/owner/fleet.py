@@ -42,7 +42,7 @@ from typing import Any
 
 import structlog
 
-from baton_runtime.common import retry
+from baton_runtime.common import metrics, retry
 from baton_runtime.common.client_answers import OwnedSession
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.hooks_client import HooksClient
@@ -90,6 +90,9 @@ class FleetMembership:
         # Sessions indexed under this instance that it did not hold at the
         # last reconciliation: session id -> fence value seen then.
         self._unheld: dict[str, bytes] = {}
+        # Sessions this instance holds parked that the last listing showed
+        # with input waiting (a bell rang): session id -> fence value then.
+        self._unwoken: dict[str, bytes] = {}
         # Quiet parked sessions listed and not claimed yet: claimed by the
         # sweep, or at once on a bell.
         self.parked = ParkedSweep(
@@ -310,12 +313,20 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("reconciliation listing failed", reason=exc.reason)
                 continue
+            for sid in self._unwoken_parked(owned):
+                if self.host.wake_parked(sid):
+                    metrics.RECONCILED.labels("woken").inc()
+                    self._log.warning(
+                        "a parked session had input waiting and no bell reached it: woken",
+                        session_id=sid,
+                    )
             orphans = self._orphans(owned)
             if orphans:
                 won, _ = await claim_all(self.host, orphans)
                 # The others were finalized (their index entry is dropped
                 # by the takeover attempt) or taken by someone else.
                 if won:
+                    metrics.RECONCILED.labels("taken_over").inc(won)
                     self._log.warning(
                         "sessions indexed here had no run: taken over again",
                         sessions=won,
@@ -346,6 +357,21 @@ class FleetMembership:
         ]
         self._unheld = unheld
         return orphans
+
+    def _unwoken_parked(self, owned: list[OwnedSession]) -> list[str]:
+        """The sessions of this instance's listing that the host holds parked
+        while the listing shows their bell rung (input waiting), at this
+        reconciliation and the last, with the same fence: the bell never
+        reached the parked session (a wake deletes the bell, so two sightings
+        one interval apart are no race with a wake in flight)."""
+        unwoken = {
+            o.fence.session_id: o.fence.SerializeToString()
+            for o in owned
+            if o.parked and o.input_waiting and o.fence.session_id in self.host.parked
+        }
+        stuck = [sid for sid, fence in unwoken.items() if self._unwoken.get(sid) == fence]
+        self._unwoken = unwoken
+        return stuck
 
     # -- bells ----------------------------------------------------------------------
 

@@ -286,12 +286,25 @@ class HostedSessions:
 
     def ring(self, session_id: str, inbox_head: int) -> None:
         """A bell: the session's inbox reached `inbox_head` (parking.py)."""
+        if failpoints.armed("host.ring"):
+            # Tests: a bell that never reaches its parked session (the
+            # reconciler in services/owner/fleet.py must wake it).
+            self._log.warning("failpoint: bell dropped", session_id=session_id)
+            return
         busy = (
             session_id in self.runs
             or session_id in self._activating
             or session_id in self.restarts.adopting
         )
         self.parking.ring(session_id, inbox_head, busy=busy)
+
+    def wake_parked(self, session_id: str) -> bool:
+        """Wake a session held parked here (the reconciler: its bell rang and
+        never reached it). False when it is not parked here (any more)."""
+        if session_id not in self.parking.parked:
+            return False
+        self.parking.wake(session_id)
+        return True
 
     # -- activation: wake, takeover, restart ------------------------------------------
 
