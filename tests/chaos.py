@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -241,6 +242,9 @@ class ChaosReport:
     handoffs: int = 0
     duration_s: float = 0.0
     etcd_revision: int = 0  # where the members' hashes were compared (equal)
+    # Lost wake-ups the owners' reconcilers repaired (their log lines): late
+    # answers, not lost ones, but each one a watch event some process lost.
+    reconciled: Counter[str] = field(default_factory=Counter)
 
     def summary(self) -> str:
         faults = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items()))
@@ -248,7 +252,9 @@ class ChaosReport:
             f"chaos seed={self.seed}: {self.accepted} commands accepted over {self.sessions} "
             f"sessions in {self.duration_s:.0f}s, {sum(self.faults.values())} faults ({faults}), "
             f"{self.handoffs} handoffs, longest wait receipt->received {self.longest_wait_s:.1f}s, "
-            f"etcd members' hashes equal at revision {self.etcd_revision}"
+            f"etcd members' hashes equal at revision {self.etcd_revision}, "
+            f"reconciler repairs: woken {self.reconciled['woken']}, "
+            f"taken over {self.reconciled['taken_over']}"
         )
 
 
@@ -417,6 +423,7 @@ class Chaos:
             await self._settle(gateway)
             await self._check(gateway)
             await self._check_etcd()
+            self.report.reconciled = self._reconciler_repairs()
             self.report.duration_s = time.monotonic() - started
             return self.report
         finally:
@@ -593,6 +600,24 @@ class Chaos:
                 f"({len(stalled)} with no new event for {self.stall_after:.0f}s):\n"
                 + "\n".join(lines)
             )
+
+    def _reconciler_repairs(self) -> Counter[str]:
+        """What the owners' reconcilers repaired, from their JSON logs (each
+        process appends to its log across restarts)."""
+        repairs: Counter[str] = Counter()
+        for path in self.stack.workdir.glob("*.o*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                if "no bell reached it" not in line and "taken over again" not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if "no bell reached it" in record.get("event", ""):
+                    repairs["woken"] += 1
+                elif "taken over again" in record.get("event", ""):
+                    repairs["taken_over"] += int(record.get("sessions", 1))
+        return repairs
 
     async def _check_etcd(self) -> None:
         """The members hold the same data: their KV hashes at one revision."""
