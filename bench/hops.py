@@ -98,6 +98,10 @@ BACKGROUND = (
     # whichever window runs then, each one read in hooks (subtracted, see
     # `orphan_checks`).
     "rpc ingress -> hooks ListInstances",
+    # A multiplexed stream (an owner's CommitSteps to anchor) opens once per
+    # process and lane, at its first commit, and stays open: whichever path
+    # commits first on a process sees it (opening sends headers only).
+    "open owner -> anchor CommitSteps",
     "served hooks ListInstances",
 )
 _SERVED_LIST = BACKGROUND[-1]
@@ -172,6 +176,8 @@ def counts_of(process: str, scraped: Scrape) -> Counts:
             add(f"open {me} -> {labels['target']} {_method(labels['method'])}", sample.value)
         elif sample.name == "baton_rpc_client_stream_messages_received_total":
             add(f"stream {labels['target']} -> {me} {_method(labels['method'])}", sample.value)
+        elif sample.name == "baton_rpc_client_stream_messages_sent_total":
+            add(f"send {me} -> {labels['target']} {_method(labels['method'])}", sample.value)
         elif me == "ingress" and labels.get("method", "").startswith("/baton.ingress."):
             if sample.name == "baton_rpc_server_handled_total":
                 code = "" if labels["code"] == "OK" else f" [{labels['code']}]"
@@ -216,12 +222,12 @@ def split(counts: Counts) -> tuple[Counts, Counts]:
 def messages(counts: Counts) -> int:
     """gRPC messages between Baton processes: two per unary call (request
     and answer), one per stream opened (its request), one per stream message
-    received."""
+    received, one per message sent on a multiplexed stream."""
     total = 0
     for key, value in counts.items():
         if key.startswith("rpc "):
             total += 2 * value
-        elif key.startswith(("open ", "stream ")):
+        elif key.startswith(("open ", "stream ", "send ")):
             total += value
     return total
 
@@ -651,6 +657,10 @@ How a row reads:
   `stream B -> A Method`: messages A received on such streams; `end A -> B
   Method [CODE]`: streams that ended (no message; e.g. an inbox stream
   cancelled when its session parks).
+- `send A -> B Method`: messages A sent to B on a multiplexed stream (an
+  owner's commits on CommitSteps: one or more commits each, answered by
+  `stream B -> A Method` messages, one or more answers each). The stream
+  opens once per process and stays open, so its opening is left out.
 - `edge ...`: the public API (the test client and ingress): not between Baton
   processes, listed for scale.
 - `etcd S op`: requests service S made to etcd: `txn_write` (a transaction
@@ -658,7 +668,7 @@ How a row reads:
   transactions), `lease_*`, `watch_create`; and what its watches received:
   `watch_responses` (etcd's messages) carrying `watch_events` (one per key
   written or deleted).
-- messages = 2 x rpc + open + stream; etcd requests = every `etcd` row except the
+- messages = 2 x rpc + open + stream + send; etcd requests = every `etcd` row except the
   watch responses and events.
 
 Left out, as they run by the clock and not by the path (`bench.hops` prints
@@ -684,7 +694,7 @@ is quiet. Counts of a process killed in the window (takeover) are left out.
 """
 
 
-_KINDS = ("rpc", "open", "stream", "end", "etcd", "edge")
+_KINDS = ("rpc", "open", "send", "stream", "end", "etcd", "edge")
 
 
 def _row_order(item: tuple[str, int]) -> tuple[int, str]:

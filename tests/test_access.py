@@ -19,6 +19,7 @@ import aetcd
 import grpc
 import pytest
 from google.protobuf import message as pb_message
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -31,7 +32,7 @@ from baton_runtime.common import access, ids
 from baton_runtime.common.channels import open_channel
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import BatonError, PermissionDenied, Reason
-from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
 from baton_runtime.common.grpc_server import ServiceBinding, build_server
 from baton_runtime.common.identity import CERTIFICATE_ROLES, Caller, Role
 from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
@@ -454,6 +455,18 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
             events=[forged],
             snapshot=s.SessionSnapshot(session_id=sid, next_event_seq=1_001),
         ),
+        "CommitSteps": a.CommitStepsRequest(
+            calls=[
+                a.CommitStepCall(
+                    call_id=1,
+                    request=a.CommitStepRequest(
+                        fence=fence,
+                        events=[forged],
+                        snapshot=s.SessionSnapshot(session_id=sid, next_event_seq=1_001),
+                    ),
+                )
+            ]
+        ),
         "GetSnapshot": a.GetSnapshotRequest(session_id=sid),
         "LoadSession": a.LoadSessionRequest(session_id=sid),
         "RetireHistory": a.RetireHistoryRequest(fence=fence, below_index=10**6),
@@ -642,6 +655,22 @@ async def test_an_owner_acts_only_for_its_own_deployment(
             await channel.close()
         assert info.value.code() == Code.PERMISSION_DENIED, (name, info.value.details())
         assert from_rpc_error(info.value).reason == Reason.DEPLOYMENT_NOT_ALLOWED, name
+    # The multiplexed commits: the stream opens (the role is right), the
+    # commit it carries is refused as CommitStep refuses it.
+    method, address, response, _ = rpcs["CommitSteps"]
+    channel = open_channel(address, evil)
+    try:
+        call = channel.unary_stream(
+            method,
+            request_serializer=anchor_pb2.CommitStepsRequest.SerializeToString,
+            response_deserializer=response.FromString,
+        )(requests["CommitSteps"], timeout=5)
+        (answer,) = [a async for a in call]
+    finally:
+        await channel.close()
+    (refused,) = answer.answers
+    error = from_status_proto(status_pb2.Status.FromString(refused.status))
+    assert (refused.call_id, error.reason) == (1, Reason.DEPLOYMENT_NOT_ALLOWED)
     # An ingress may start sessions, and ask for adoptions, only on its own
     # deployment's owner.
     channel = open_channel(stack.addr(stack.owner), stack.security(Role.INGRESS, "dep-evil"))

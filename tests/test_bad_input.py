@@ -822,3 +822,73 @@ async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: St
             await channel.close()
         assert info.value.code() == Code.INVALID_ARGUMENT, (method, info.value.details())
         assert from_rpc_error(info.value).reason == Reason.MALFORMED_REQUEST
+
+
+async def test_commit_stream_bounds_are_refused_and_write_nothing(
+    stack: Stack, etcd: aetcd.Client
+) -> None:
+    """CommitSteps (the owner's multiplexed commits): a message with no call,
+    more than 256 or a bad traceparent, and an undecodable message end the
+    stream with INVALID_ARGUMENT and a reason; a call id of 0 or one in
+    flight is refused for that call alone; nothing is written."""
+    from google.rpc import status_pb2
+
+    from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
+    from baton_runtime.common.channels import open_channel
+    from baton_runtime.common.grpc_errors import from_status_proto
+
+    method = "/baton.anchor.v1.AnchorService/CommitSteps"
+    before = await durable_state(stack, etcd)
+    channel = open_channel(stack.addr(stack.anchor), stack.owner_security())
+    fenceless = a.CommitStepRequest()  # refused by CommitStep's own checks
+    try:
+        ending = {
+            "no call": a.CommitStepsRequest().SerializeToString(),
+            "too many": a.CommitStepsRequest(
+                calls=[a.CommitStepCall(call_id=i + 1, request=fenceless) for i in range(257)]
+            ).SerializeToString(),
+            "traceparent": a.CommitStepsRequest(
+                calls=[a.CommitStepCall(call_id=1, request=fenceless, traceparent="00-xyz")]
+            ).SerializeToString(),
+            "undecodable": b"\xff\xff\xff\xff\x0f",
+        }
+        reasons = {}
+        for what, body in ending.items():
+            call = channel.stream_stream(method)()
+            await call.write(body)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == Code.INVALID_ARGUMENT, (what, info.value.details())
+            reasons[what] = from_rpc_error(info.value).reason
+        assert reasons == {
+            "no call": Reason.INVALID_FIELD,
+            "too many": Reason.INVALID_FIELD,
+            "traceparent": Reason.MALFORMED_TRACEPARENT,
+            "undecodable": Reason.MALFORMED_REQUEST,
+        }
+        # Per call: a zero id, and the commit's own refusal (no fence).
+        call = channel.stream_stream(
+            method,
+            request_serializer=a.CommitStepsRequest.SerializeToString,
+            response_deserializer=a.CommitStepsResponse.FromString,
+        )()
+        await call.write(
+            a.CommitStepsRequest(
+                calls=[
+                    a.CommitStepCall(call_id=0, request=fenceless),
+                    a.CommitStepCall(call_id=5, request=fenceless),
+                ]
+            )
+        )
+        await call.done_writing()
+        answers = [answer for message in [m async for m in call] for answer in message.answers]
+        refused = {
+            answer.call_id: from_status_proto(status_pb2.Status.FromString(answer.status)).reason
+            for answer in answers
+        }
+        assert refused == {0: Reason.INVALID_FIELD, 5: Reason.MISSING_FIELD}
+    finally:
+        await channel.close()
+    assert await durable_state(stack, etcd) == before

@@ -32,6 +32,10 @@ from tests.scrape import parse
 # Rows that batching may merge (see the module docstring), besides every
 # `watch_responses`.
 BATCHED = (
+    # An owner's commits ride CommitSteps: commits ready together share a
+    # message, and so do their answers.
+    "send owner -> anchor CommitSteps",
+    "stream anchor -> owner CommitSteps",
     "stream hooks -> owner StreamInbox",
     "stream anchor -> ingress ReadEvents",
     "stream anchor -> owner ReadEvents",

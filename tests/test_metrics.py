@@ -36,6 +36,7 @@ _RPC = {
     "baton_rpc_server_stream_messages_sent_total": ("counter", {"method"}),
     "baton_rpc_client_streams_opened_total": ("counter", {"target", "method"}),
     "baton_rpc_client_stream_messages_received_total": ("counter", {"target", "method"}),
+    "baton_rpc_client_stream_messages_sent_total": ("counter", {"target", "method"}),
     "baton_build_info": ("gauge", {"version", "deployment"}),
 }
 _STORE = {
@@ -314,15 +315,12 @@ async def test_a_conversation_with_a_takeover_an_upgrade_and_a_refused_send(
         assert total(owners, "baton_draining") == 0
         assert b1.total("baton_build_info", deployment="dep-b") == 1
         assert a2.total("baton_build_info", deployment="dep-a") == 1
-        assert (
-            b1.total(
-                "baton_rpc_client_handled_total",
-                target="anchor",
-                method="/baton.anchor.v1.AnchorService/CommitStep",
-                code="OK",
-            )
-            >= 1
-        )
+        # Commits ride the multiplexed CommitSteps stream: its messages,
+        # not unary calls (each commit's outcome is baton_commits_total's).
+        commits = "/baton.anchor.v1.AnchorService/CommitSteps"
+        assert b1.total("baton_rpc_client_stream_messages_sent_total", method=commits) >= 1
+        assert b1.total("baton_rpc_client_stream_messages_received_total", method=commits) >= 1
+        assert b1.total("baton_rpc_client_handled_total", method=commits[:-1]) == 0
 
         # hooks: three commands accepted, one duplicate, one transfer; the
         # live instances as etcd has them now.
@@ -339,6 +337,9 @@ async def test_a_conversation_with_a_takeover_an_upgrade_and_a_refused_send(
 
         # anchor: the steps' commits and their events.
         assert anchor.total("baton_commit_bytes_count") >= 3
+        # ... and anchor counts each commit they carried as a CommitStep call.
+        served = "/baton.anchor.v1.AnchorService/CommitStep"
+        assert anchor.total("baton_rpc_server_handled_total", method=served, code="OK") >= 3
         assert anchor.total("baton_events_committed_total") > 0
         assert "baton_stream_followers" in anchor.names()
 

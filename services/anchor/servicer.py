@@ -10,12 +10,12 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal, LoadedSnapshot
-from baton_runtime.common import identity
+from baton_runtime.common import identity, multiplex
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.interceptor import Context
 from baton_runtime.common.scope import DeploymentScope
-from baton_runtime.common.tracing import check_trace_id
+from baton_runtime.common.tracing import check_trace_id, check_traceparent
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -30,6 +30,25 @@ def _chunks(items: Sequence[bytes], limit: int) -> Iterator[Sequence[bytes]]:
         size += len(raw)
     if start < len(items):
         yield items[start:]
+
+
+COMMIT_STEP = f"/{pb.DESCRIPTOR.services_by_name['AnchorService'].full_name}/CommitStep"
+
+
+def _checked_calls(batch: pb.CommitStepsRequest) -> Sequence[pb.CommitStepCall]:
+    for call in batch.calls:
+        if call.traceparent:
+            check_traceparent(call.traceparent, "calls.traceparent")
+    return batch.calls
+
+
+def _answers(ready: list[multiplex.Answer]) -> pb.CommitStepsResponse:
+    return pb.CommitStepsResponse(
+        answers=[
+            pb.CommitStepAnswer(call_id=call_id, response=response, status=status)
+            for call_id, response, status in ready
+        ]
+    )
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
@@ -67,6 +86,24 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
+
+    async def CommitSteps(
+        self, request_iterator: AsyncIterator[pb.CommitStepsRequest], context: Context
+    ) -> AsyncIterator[pb.CommitStepsResponse]:
+        """CommitStep's commits multiplexed (services/common/multiplex.py):
+        each one checked and committed exactly as CommitStep does it."""
+
+        async def commit(request: pb.CommitStepRequest) -> pb.CommitStepResponse:
+            return await self.CommitStep(request, context)
+
+        async for answers in multiplex.serve_calls(
+            request_iterator,
+            _checked_calls,
+            commit,
+            _answers,
+            method=COMMIT_STEP,
+        ):
+            yield answers
 
     async def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: Context

@@ -67,6 +67,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _HOOKS + "DescribeDeployment": _roles(OPERATOR),
     # anchor: the journal
     _ANCHOR + "CommitStep": _roles(OWNER),
+    # (the same commits, multiplexed over one stream per owner and replica)
+    _ANCHOR + "CommitSteps": _roles(OWNER),
     _ANCHOR + "GetSnapshot": _roles(INGRESS, OWNER, OPERATOR),
     _ANCHOR + "ReadEvents": _roles(INGRESS, OWNER, OPERATOR),
     # (any deployment's owner: a handoff target loads the old owner's checkpoint)
@@ -95,6 +97,11 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     "/grpc.health.v1.Health/List": ANY,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
 }
+
+# The bidirectional streams of the table: calls multiplexed between peers
+# (services/common/multiplex.py). Every other client-streaming method is
+# refused, entry or not.
+MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps"})
 
 
 def allowed_roles(method: str) -> frozenset[Role] | None:

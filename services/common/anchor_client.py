@@ -12,6 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
+from baton_runtime.common.multiplex import Answer, StreamedCalls, Unsupported
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 
@@ -41,18 +42,84 @@ def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSession
     return response
 
 
+_CommitLane = StreamedCalls[anchor_pb.CommitStepRequest, anchor_pb.CommitStepResponse]
+
+
+def _lane_count(target: str) -> int:
+    """One commit stream per address `target` lists (a `dns:///` name: two),
+    at most four."""
+    if target.startswith("dns:"):
+        return 2
+    return max(1, min(4, len([a for a in target.split(",") if a.strip()])))
+
+
+def _commit_batch(
+    calls: list[tuple[int, anchor_pb.CommitStepRequest, str]],
+) -> anchor_pb.CommitStepsRequest:
+    return anchor_pb.CommitStepsRequest(
+        calls=[
+            anchor_pb.CommitStepCall(call_id=call_id, request=request, traceparent=traceparent)
+            for call_id, request, traceparent in calls
+        ]
+    )
+
+
+def _commit_answers(response: anchor_pb.CommitStepsResponse) -> list[Answer]:
+    return [
+        (answer.call_id, answer.response if not answer.status else None, answer.status)
+        for answer in response.answers
+    ]
+
+
 class AnchorClient(ServiceClient):
     service = ANCHOR_SERVICE
     kind = "anchor"
     idempotent = ANCHOR_IDEMPOTENT
 
     def __init__(
-        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+        self,
+        target: str,
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        *,
+        security: Security,
+        multiplexed: bool = True,
     ) -> None:
         super().__init__(target, timeout, security=security)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
+        # Commits ride one CommitSteps stream per replica the target names
+        # (round-robin puts each new stream on the next one), each commit
+        # on the next lane; `multiplexed=False` (or an anchor that does not
+        # serve CommitSteps) commits with one unary CommitStep each.
+        self._lanes = (
+            [self._commit_lane() for _ in range(_lane_count(target))] if multiplexed else []
+        )
+        self._next_lane = 0
+
+    def _commit_lane(
+        self,
+    ) -> StreamedCalls[anchor_pb.CommitStepRequest, anchor_pb.CommitStepResponse]:
+        return StreamedCalls(
+            self.stub.CommitSteps,
+            _commit_batch,
+            _commit_answers,
+            target=self.kind,
+            method=f"/{ANCHOR_SERVICE}/CommitSteps",
+        )
+
+    async def close(self) -> None:
+        for lane in self._lanes:
+            await lane.close()
+        await super().close()
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
+        if self._lanes:
+            lane = self._lanes[self._next_lane % len(self._lanes)]
+            self._next_lane += 1
+            try:
+                response = await lane.call(request, self.timeout)
+                return Committed(response.revision, response.replayed)
+            except Unsupported:
+                self._lanes = []  # an anchor of an older build: unary from now on
         response = await self._unary(
             "CommitStep", self.stub.CommitStep(request, timeout=self.timeout)
         )

@@ -58,6 +58,12 @@ def _clip(text: str, limit: int) -> str:
 def to_status(err: e.BatonError) -> grpc.Status:
     """A rich status: code, message, one ErrorInfo with the reason and, for a
     retryable refusal that says when, a RetryInfo."""
+    return rpc_status.to_status(status_proto(err))
+
+
+def status_proto(err: e.BatonError) -> status_pb2.Status:
+    """`to_status`'s google.rpc.Status, as a message (a multiplexed stream
+    carries one per refused call: services/common/multiplex.py)."""
     metadata = {
         _clip(k, 64): _clip(str(v), MAX_METADATA_VALUE)
         for k, v in list(err.metadata.items())[:MAX_METADATA_ENTRIES]
@@ -73,12 +79,11 @@ def to_status(err: e.BatonError) -> grpc.Status:
         retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
         details.append(retry)
     code = status_code(err)
-    proto = status_pb2.Status(
+    return status_pb2.Status(
         code=getattr(code_pb2, code.name),
         message=_clip(err.message, MAX_STATUS_MESSAGE),
         details=details,
     )
-    return rpc_status.to_status(proto)
 
 
 def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
@@ -90,12 +95,27 @@ def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
         grpc.StatusCode.DEADLINE_EXCEEDED: e.Reason.TIMEOUT,
         grpc.StatusCode.CANCELLED: e.Reason.UPSTREAM_UNAVAILABLE,
     }.get(code, e.Reason.INTERNAL)
-    metadata: dict[str, str] = {}
-    retry_after: float | None = None
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]  # an AioRpcError is a Call
     except (ValueError, AttributeError):
         status = None
+    return _domain_error(code, details or "", reason, status)
+
+
+def from_status_proto(status: status_pb2.Status) -> e.BatonError:
+    """The domain error a google.rpc.Status carries (`status_proto`'s inverse)."""
+    try:
+        code = grpc.StatusCode[code_pb2.Code.Name(status.code)]
+    except (KeyError, ValueError):
+        code = grpc.StatusCode.UNKNOWN
+    return _domain_error(code, status.message, e.Reason.INTERNAL, status)
+
+
+def _domain_error(
+    code: grpc.StatusCode, details: str, reason: str, status: status_pb2.Status | None
+) -> e.BatonError:
+    metadata: dict[str, str] = {}
+    retry_after: float | None = None
     if status is not None:
         for detail in status.details:
             if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):

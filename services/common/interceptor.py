@@ -153,8 +153,15 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             )
         if allowed == access.ANY:
             return handler
-        # Client-streaming methods are not part of Baton's API; never serve
-        # one that has no open entry.
+        if handler.stream_stream is not None and method in access.MULTIPLEXED:
+            # A multiplexed stream between peers (services/common/multiplex.py).
+            return _replaced(
+                handler,
+                request_deserializer=None,
+                stream_stream=call.bidi(handler.stream_stream, decode),
+            )
+        # Other client-streaming methods are not part of Baton's API; never
+        # serve one.
         if handler.stream_unary is not None:
             return _replaced(handler, stream_unary=call.denied)
         return _replaced(handler, stream_stream=call.denied)
@@ -234,6 +241,28 @@ class _Call:
                 served.admit()
                 meter = rpc_metrics.RPC
                 async for item in behavior(decode(raw), context):
+                    if meter.enabled:
+                        meter.sent(self.method)
+                    yield item
+
+        return wrapped
+
+    def bidi(self, behavior: Any, decode: Callable[[bytes], Any]) -> Any:
+        """A multiplexed stream: admitted once, at its opening; each message
+        decoded (an undecodable one ends it with INVALID_ARGUMENT); the calls
+        it carries are metered, traced and mapped one by one by
+        `multiplex.serve_calls`."""
+
+        async def wrapped(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+            async with _Served(self, context, stream=True) as served:
+                served.admit()
+                meter = rpc_metrics.RPC
+
+                async def decoded() -> AsyncIterator[Any]:
+                    async for raw in requests:
+                        yield decode(raw)
+
+                async for item in behavior(decoded(), context):
                     if meter.enabled:
                         meter.sent(self.method)
                     yield item

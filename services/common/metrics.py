@@ -79,6 +79,13 @@ RPC_CLIENT_STREAM_RECEIVED = Counter(
     ["target", "method"],
     registry=None,
 )
+RPC_CLIENT_STREAM_SENT = Counter(
+    "baton_rpc_client_stream_messages_sent_total",
+    "Messages this process sent on bidirectional streams to another Baton service "
+    "(multiplexed calls, several per message when batched), by target service and method",
+    ["target", "method"],
+    registry=None,
+)
 BUILD_INFO = "baton_build_info"
 
 # -- hooks and anchor: etcd (services/common/etcd_*.py, store_health.py) -------
@@ -313,6 +320,7 @@ _RPC = (
     RPC_SERVER_STREAM_SENT,
     RPC_CLIENT_STREAMS_OPENED,
     RPC_CLIENT_STREAM_RECEIVED,
+    RPC_CLIENT_STREAM_SENT,
 )
 _STORE = (
     ETCD_TXN_SECONDS,

@@ -8,6 +8,7 @@ from typing import Any
 from baton_runtime.common.metrics import (
     RPC_CLIENT_HANDLED,
     RPC_CLIENT_STREAM_RECEIVED,
+    RPC_CLIENT_STREAM_SENT,
     RPC_CLIENT_STREAMS_OPENED,
     RPC_SERVER_HANDLED,
     RPC_SERVER_SECONDS,
@@ -29,6 +30,7 @@ class RpcMeter:
         self._sent: dict[str, Any] = {}
         self._received: dict[tuple[str, str], Any] = {}
         self._opened: dict[tuple[str, str], Any] = {}
+        self._sent_on_stream: dict[tuple[str, str], Any] = {}
 
     def served(self, method: str, code: str, seconds: float) -> None:
         key = (method, code)
@@ -69,6 +71,14 @@ class RpcMeter:
         counter = self._received.get(key)
         if counter is None:
             counter = self._received[key] = RPC_CLIENT_STREAM_RECEIVED.labels(target, method)
+        counter.inc()
+
+    def sent_on_stream(self, target: str, method: str) -> None:
+        """One message sent to `target` on a bidirectional stream."""
+        key = (target, method)
+        counter = self._sent_on_stream.get(key)
+        if counter is None:
+            counter = self._sent_on_stream[key] = RPC_CLIENT_STREAM_SENT.labels(target, method)
         counter.inc()
 
 

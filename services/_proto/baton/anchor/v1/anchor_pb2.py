@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton_runtime._proto.baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xe1\x02\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07history\x18\x06 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12 \n\x13\x63onsumed_inbox_from\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revisionB\x16\n\x14_consumed_inbox_from\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"r\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x14\n\x0c\x65\x61rliest_seq\x18\x03 \x01(\x04\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"=\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event\"p\n\x12LoadSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"\x8c\x01\n\x13LoadSessionResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12.\n\x07history\x18\x03 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\"g\n\x14RetireHistoryRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x13\n\x0b\x62\x65low_index\x18\x02 \x01(\x04\x12\x12\n\nfrom_index\x18\x03 \x01(\x04\"?\n\x15RetireHistoryResponse\x12\x15\n\rretired_below\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x04\x32\xd5\x03\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x12Z\n\x0bLoadSession\x12#.baton.anchor.v1.LoadSessionRequest\x1a$.baton.anchor.v1.LoadSessionResponse0\x01\x12^\n\rRetireHistory\x12%.baton.anchor.v1.RetireHistoryRequest\x1a&.baton.anchor.v1.RetireHistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xe1\x02\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07history\x18\x06 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12 \n\x13\x63onsumed_inbox_from\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revisionB\x16\n\x14_consumed_inbox_from\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"D\n\x12\x43ommitStepsRequest\x12.\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1f.baton.anchor.v1.CommitStepCall\"k\n\x0e\x43ommitStepCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".baton.anchor.v1.CommitStepRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"I\n\x13\x43ommitStepsResponse\x12\x32\n\x07\x61nswers\x18\x01 \x03(\x0b\x32!.baton.anchor.v1.CommitStepAnswer\"j\n\x10\x43ommitStepAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32#.baton.anchor.v1.CommitStepResponse\x12\x0e\n\x06status\x18\x03 \x01(\x0c\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"r\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x14\n\x0c\x65\x61rliest_seq\x18\x03 \x01(\x04\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"=\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event\"p\n\x12LoadSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"\x8c\x01\n\x13LoadSessionResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12.\n\x07history\x18\x03 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\"g\n\x14RetireHistoryRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x13\n\x0b\x62\x65low_index\x18\x02 \x01(\x04\x12\x12\n\nfrom_index\x18\x03 \x01(\x04\"?\n\x15RetireHistoryResponse\x12\x15\n\rretired_below\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x04\x32\xb3\x04\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12\\\n\x0b\x43ommitSteps\x12#.baton.anchor.v1.CommitStepsRequest\x1a$.baton.anchor.v1.CommitStepsResponse(\x01\x30\x01\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x12Z\n\x0bLoadSession\x12#.baton.anchor.v1.LoadSessionRequest\x1a$.baton.anchor.v1.LoadSessionResponse0\x01\x12^\n\rRetireHistory\x12%.baton.anchor.v1.RetireHistoryRequest\x1a&.baton.anchor.v1.RetireHistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,22 +36,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITSTEPREQUEST']._serialized_end=435
   _globals['_COMMITSTEPRESPONSE']._serialized_start=437
   _globals['_COMMITSTEPRESPONSE']._serialized_end=493
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=495
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=535
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=537
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=651
-  _globals['_READEVENTSREQUEST']._serialized_start=653
-  _globals['_READEVENTSREQUEST']._serialized_end=727
-  _globals['_READEVENTSRESPONSE']._serialized_start=729
-  _globals['_READEVENTSRESPONSE']._serialized_end=790
-  _globals['_LOADSESSIONREQUEST']._serialized_start=792
-  _globals['_LOADSESSIONREQUEST']._serialized_end=904
-  _globals['_LOADSESSIONRESPONSE']._serialized_start=907
-  _globals['_LOADSESSIONRESPONSE']._serialized_end=1047
-  _globals['_RETIREHISTORYREQUEST']._serialized_start=1049
-  _globals['_RETIREHISTORYREQUEST']._serialized_end=1152
-  _globals['_RETIREHISTORYRESPONSE']._serialized_start=1154
-  _globals['_RETIREHISTORYRESPONSE']._serialized_end=1217
-  _globals['_ANCHORSERVICE']._serialized_start=1220
-  _globals['_ANCHORSERVICE']._serialized_end=1689
+  _globals['_COMMITSTEPSREQUEST']._serialized_start=495
+  _globals['_COMMITSTEPSREQUEST']._serialized_end=563
+  _globals['_COMMITSTEPCALL']._serialized_start=565
+  _globals['_COMMITSTEPCALL']._serialized_end=672
+  _globals['_COMMITSTEPSRESPONSE']._serialized_start=674
+  _globals['_COMMITSTEPSRESPONSE']._serialized_end=747
+  _globals['_COMMITSTEPANSWER']._serialized_start=749
+  _globals['_COMMITSTEPANSWER']._serialized_end=855
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=857
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=897
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=899
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=1013
+  _globals['_READEVENTSREQUEST']._serialized_start=1015
+  _globals['_READEVENTSREQUEST']._serialized_end=1089
+  _globals['_READEVENTSRESPONSE']._serialized_start=1091
+  _globals['_READEVENTSRESPONSE']._serialized_end=1152
+  _globals['_LOADSESSIONREQUEST']._serialized_start=1154
+  _globals['_LOADSESSIONREQUEST']._serialized_end=1266
+  _globals['_LOADSESSIONRESPONSE']._serialized_start=1269
+  _globals['_LOADSESSIONRESPONSE']._serialized_end=1409
+  _globals['_RETIREHISTORYREQUEST']._serialized_start=1411
+  _globals['_RETIREHISTORYREQUEST']._serialized_end=1514
+  _globals['_RETIREHISTORYRESPONSE']._serialized_start=1516
+  _globals['_RETIREHISTORYRESPONSE']._serialized_end=1579
+  _globals['_ANCHORSERVICE']._serialized_start=1582
+  _globals['_ANCHORSERVICE']._serialized_end=2145
 # @@protoc_insertion_point(module_scope)

@@ -121,6 +121,124 @@ class CommitStepResponse(_message.Message):
 Global___CommitStepResponse: _TypeAlias = CommitStepResponse  # noqa: Y015
 
 @_typing.final
+class CommitStepsRequest(_message.Message):
+    """CommitStepsRequest is a batch of commits on a CommitSteps stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitStepCall]:
+        """1 to 256 commits, each with a call id not in flight on this stream."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___CommitStepCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepsRequest: _TypeAlias = CommitStepsRequest  # noqa: Y015
+
+@_typing.final
+class CommitStepCall(_message.Message):
+    """CommitStepCall is one commit of a batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The caller's id for the commit, unique among its commits in flight on
+    the stream (1 or more); its answer carries it back.
+    """
+    traceparent: _builtins.str
+    """The caller's W3C trace context for the commit ("" = none): anchor's
+    span of it is a child of this (a unary call carries it as metadata).
+    """
+    @_builtins.property
+    def request(self) -> Global___CommitStepRequest:
+        """The commit, as CommitStep takes it."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request: Global___CommitStepRequest | None = ...,
+        traceparent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepCall: _TypeAlias = CommitStepCall  # noqa: Y015
+
+@_typing.final
+class CommitStepsResponse(_message.Message):
+    """CommitStepsResponse is a batch of answers on a CommitSteps stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommitStepAnswer]:
+        """One answer per commit that finished, in no particular order."""
+
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___CommitStepAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepsResponse: _TypeAlias = CommitStepsResponse  # noqa: Y015
+
+@_typing.final
+class CommitStepAnswer(_message.Message):
+    """CommitStepAnswer answers one commit of a CommitSteps stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call id of the commit."""
+    status: _builtins.bytes
+    """When it was refused: a serialized google.rpc.Status, as CommitStep's
+    status would be (code, message, ErrorInfo reason and metadata).
+    """
+    @_builtins.property
+    def response(self) -> Global___CommitStepResponse:
+        """The commit's answer, when it was committed (or replayed)."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        response: Global___CommitStepResponse | None = ...,
+        status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "response", b"response", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepAnswer: _TypeAlias = CommitStepAnswer  # noqa: Y015
+
+@_typing.final
 class GetSnapshotRequest(_message.Message):
     """GetSnapshotRequest names a session."""
 

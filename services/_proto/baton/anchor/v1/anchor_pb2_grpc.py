@@ -41,6 +41,11 @@ class AnchorServiceStub:
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepResponse.FromString,
                 _registered_method=True)
+        self.CommitSteps = channel.stream_stream(
+                '/baton.anchor.v1.AnchorService/CommitSteps',
+                request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsRequest.SerializeToString,
+                response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsResponse.FromString,
+                _registered_method=True)
         self.GetSnapshot = channel.unary_unary(
                 '/baton.anchor.v1.AnchorService/GetSnapshot',
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.GetSnapshotRequest.SerializeToString,
@@ -71,6 +76,19 @@ class AnchorServiceServicer:
     def CommitStep(self, request, context):
         """Commit a step: events and the snapshot in one fenced etcd transaction.
         A stale fence gets FAILED_PRECONDITION/FENCED and writes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSteps(self, request_iterator, context):
+        """Commits multiplexed over one long-lived stream per owner and anchor
+        replica: each message carries one or more commits (of any sessions) with
+        call ids, each committed as CommitStep commits it (its own fenced
+        transaction, never one spanning two sessions), each answered by id,
+        several answers to a message when they are ready together. The stream
+        ends when the client half-closes and every commit in flight is answered;
+        a message that breaks the bounds ends it with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,6 +137,11 @@ def add_AnchorServiceServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepRequest.FromString,
                     response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepResponse.SerializeToString,
+            ),
+            'CommitSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.CommitSteps,
+                    request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsRequest.FromString,
+                    response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsResponse.SerializeToString,
             ),
             'GetSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSnapshot,
@@ -170,6 +193,33 @@ class AnchorService:
             '/baton.anchor.v1.AnchorService/CommitStep',
             baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepRequest.SerializeToString,
             baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.anchor.v1.AnchorService/CommitSteps',
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsRequest.SerializeToString,
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.CommitStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

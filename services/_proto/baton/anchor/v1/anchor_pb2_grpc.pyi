@@ -39,6 +39,15 @@ class AnchorServiceStub:
     """Commit a step: events and the snapshot in one fenced etcd transaction.
     A stale fence gets FAILED_PRECONDITION/FENCED and writes nothing.
     """
+    CommitSteps: _grpc.StreamStreamMultiCallable[_anchor_pb2.CommitStepsRequest, _anchor_pb2.CommitStepsResponse]
+    """Commits multiplexed over one long-lived stream per owner and anchor
+    replica: each message carries one or more commits (of any sessions) with
+    call ids, each committed as CommitStep commits it (its own fenced
+    transaction, never one spanning two sessions), each answered by id,
+    several answers to a message when they are ready together. The stream
+    ends when the client half-closes and every commit in flight is answered;
+    a message that breaks the bounds ends it with INVALID_ARGUMENT.
+    """
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_anchor_pb2.GetSnapshotRequest, _anchor_pb2.GetSnapshotResponse]
     """Read a session's last committed snapshot."""
     ReadEvents: _grpc.UnaryStreamMultiCallable[_anchor_pb2.ReadEventsRequest, _anchor_pb2.ReadEventsResponse]
@@ -69,6 +78,15 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     CommitStep: _aio.UnaryUnaryMultiCallable[_anchor_pb2.CommitStepRequest, _anchor_pb2.CommitStepResponse]  # type: ignore[assignment]
     """Commit a step: events and the snapshot in one fenced etcd transaction.
     A stale fence gets FAILED_PRECONDITION/FENCED and writes nothing.
+    """
+    CommitSteps: _aio.StreamStreamMultiCallable[_anchor_pb2.CommitStepsRequest, _anchor_pb2.CommitStepsResponse]  # type: ignore[assignment]
+    """Commits multiplexed over one long-lived stream per owner and anchor
+    replica: each message carries one or more commits (of any sessions) with
+    call ids, each committed as CommitStep commits it (its own fenced
+    transaction, never one spanning two sessions), each answered by id,
+    several answers to a message when they are ready together. The stream
+    ends when the client half-closes and every commit in flight is answered;
+    a message that breaks the bounds ends it with INVALID_ARGUMENT.
     """
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_anchor_pb2.GetSnapshotRequest, _anchor_pb2.GetSnapshotResponse]  # type: ignore[assignment]
     """Read a session's last committed snapshot."""
@@ -103,6 +121,21 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_anchor_pb2.CommitStepResponse, _abc.Awaitable[_anchor_pb2.CommitStepResponse]]:
         """Commit a step: events and the snapshot in one fenced etcd transaction.
         A stale fence gets FAILED_PRECONDITION/FENCED and writes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitSteps(
+        self,
+        request_iterator: _MaybeAsyncIterator[_anchor_pb2.CommitStepsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_anchor_pb2.CommitStepsResponse], _abc.AsyncIterator[_anchor_pb2.CommitStepsResponse]]:
+        """Commits multiplexed over one long-lived stream per owner and anchor
+        replica: each message carries one or more commits (of any sessions) with
+        call ids, each committed as CommitStep commits it (its own fenced
+        transaction, never one spanning two sessions), each answered by id,
+        several answers to a message when they are ready together. The stream
+        ends when the client half-closes and every commit in flight is answered;
+        a message that breaks the bounds ends it with INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,255 @@
+"""Calls multiplexed over one bidirectional stream (services/common/multiplex.py),
+on real gRPC over loopback: a test server whose calls answer with what the
+test says, the client half as the owner's AnchorClient uses it. Covered:
+answers matched by id under concurrency and batched, refusals carried as the
+unary method's domain error, a server stopped mid-batch (the calls in flight
+fail as outcome-unknown, the next call opens a new stream), a call past its
+deadline retiring its stream, a slow server holding the client back within
+its in-flight bound, and an older server without the method."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
+from baton_runtime.common import errors, multiplex
+from baton_runtime.common.errors import Reason
+
+METHOD = "/test.Mux/Calls"
+
+
+def _batch(calls: list[tuple[int, pb.CommitStepRequest, str]]) -> pb.CommitStepsRequest:
+    return pb.CommitStepsRequest(
+        calls=[pb.CommitStepCall(call_id=i, request=r, traceparent=t) for i, r, t in calls]
+    )
+
+
+def _answers(ready: list[multiplex.Answer]) -> pb.CommitStepsResponse:
+    return pb.CommitStepsResponse(
+        answers=[pb.CommitStepAnswer(call_id=i, response=r, status=s) for i, r, s in ready]
+    )
+
+
+def _answers_of(response: pb.CommitStepsResponse) -> list[multiplex.Answer]:
+    return [(a.call_id, a.response if not a.status else None, a.status) for a in response.answers]
+
+
+class MuxServer:
+    """A real gRPC server serving METHOD with `serve_calls` and `handle`."""
+
+    def __init__(
+        self, handle: Callable[[pb.CommitStepRequest], Awaitable[pb.CommitStepResponse]]
+    ) -> None:
+        self.handle = handle
+        self.max_in_flight = multiplex.MAX_IN_FLIGHT
+        self.batches_seen: list[int] = []
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self, port: int = 0) -> MuxServer:
+        async def calls(
+            requests: AsyncIterator[pb.CommitStepsRequest], context: Any
+        ) -> AsyncIterator[pb.CommitStepsResponse]:
+            async def seen() -> AsyncIterator[pb.CommitStepsRequest]:
+                async for batch in requests:
+                    self.batches_seen.append(len(batch.calls))
+                    yield batch
+
+            async for answer in multiplex.serve_calls(
+                seen(),
+                lambda batch: batch.calls,
+                self.handle,
+                _answers,
+                method=METHOD,
+                max_in_flight=self.max_in_flight,
+            ):
+                yield answer
+
+        handler = grpc.method_handlers_generic_handler(
+            "test.Mux",
+            {
+                "Calls": grpc.stream_stream_rpc_method_handler(
+                    calls,
+                    request_deserializer=pb.CommitStepsRequest.FromString,
+                    response_serializer=pb.CommitStepsResponse.SerializeToString,
+                )
+            },
+        )
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.stop(None)
+
+
+def client(channel: grpc.aio.Channel, path: str = METHOD) -> multiplex.StreamedCalls[Any, Any]:
+    open_stream = channel.stream_stream(
+        path,
+        request_serializer=pb.CommitStepsRequest.SerializeToString,
+        response_deserializer=pb.CommitStepsResponse.FromString,
+    )
+    return multiplex.StreamedCalls(open_stream, _batch, _answers_of, target="test", method=path)
+
+
+def request(n: int) -> pb.CommitStepRequest:
+    return pb.CommitStepRequest(expected_snapshot_revision=n)
+
+
+async def echo(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+    await asyncio.sleep(0.01)
+    return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+
+async def test_concurrent_calls_get_their_own_answers_batched_on_one_stream() -> None:
+    server = await MuxServer(echo).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        answers = await asyncio.gather(*(calls.call(request(n), 10) for n in range(1, 301)))
+        assert [a.revision for a in answers] == list(range(1, 301))
+        # All on one stream, several calls per message (they were ready together).
+        assert sum(server.batches_seen) == 300
+        assert len(server.batches_seen) < 300
+        assert max(server.batches_seen) <= multiplex.MAX_BATCH_CALLS
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_refusal_is_the_domain_error_the_unary_method_would_raise() -> None:
+    async def refuse(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        if req.expected_snapshot_revision == 2:
+            raise errors.Fenced("a newer run holds it", epoch="7")
+        if req.expected_snapshot_revision == 3:
+            raise RuntimeError("a bug")
+        return pb.CommitStepResponse(revision=1)
+
+    server = await MuxServer(refuse).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        ok, fenced, internal = await asyncio.gather(
+            calls.call(request(1), 10),
+            calls.call(request(2), 10),
+            calls.call(request(3), 10),
+            return_exceptions=True,
+        )
+        assert ok.revision == 1
+        assert isinstance(fenced, errors.Fenced) and fenced.reason == Reason.FENCED
+        assert fenced.metadata == {"epoch": "7"}
+        assert isinstance(internal, errors.Internal) and internal.reason == Reason.INTERNAL
+        # The stream outlived the refusals.
+        assert (await calls.call(request(4), 10)).revision == 1
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_server_stopped_mid_batch_fails_calls_in_flight_then_a_new_stream() -> None:
+    started = asyncio.Event()
+
+    async def hang(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        started.set()
+        await asyncio.sleep(30)
+        return pb.CommitStepResponse()
+
+    first = await MuxServer(hang).start()
+    port = first.port
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    calls = client(channel)
+    try:
+        in_flight = [asyncio.ensure_future(calls.call(request(n), 20)) for n in range(1, 6)]
+        await asyncio.wait_for(started.wait(), 5)
+        await first.stop()
+        # No server for a while: every attempt finds the stream broken.
+        for call in in_flight:
+            with pytest.raises(errors.Unavailable):
+                await asyncio.wait_for(call, 15)
+        second = await MuxServer(echo).start(port)
+        try:
+            assert (await calls.call(request(9), 10)).revision == 9
+            assert second.batches_seen == [1]
+        finally:
+            await second.stop()
+    finally:
+        await calls.close()
+        await channel.close()
+
+
+async def test_a_call_past_its_deadline_retires_its_stream() -> None:
+    answered = 0
+
+    async def first_one_hangs(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        nonlocal answered
+        if req.expected_snapshot_revision == 1:
+            await asyncio.sleep(30)
+        answered += 1
+        return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+    server = await MuxServer(first_one_hangs).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        with pytest.raises(errors.DeadlineExceeded):
+            await calls.call(request(1), 0.3)
+        assert (await calls.call(request(2), 10)).revision == 2
+        # Two streams: the second call did not ride the one the first held.
+        assert server.batches_seen == [1, 1]
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_slow_server_holds_the_client_back_within_its_bound() -> None:
+    running = 0
+    most = 0
+
+    async def slow(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+    server = MuxServer(slow)
+    server.max_in_flight = 3
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        answers = await asyncio.gather(*(calls.call(request(n), 20) for n in range(1, 61)))
+        assert sorted(a.revision for a in answers) == list(range(1, 61))
+        assert most == 3
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_server_without_the_method_is_reported_unsupported() -> None:
+    server = await MuxServer(echo).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel, "/test.Mux/Missing")
+    try:
+        with pytest.raises(multiplex.Unsupported):
+            await calls.call(request(1), 10)
+        assert not calls.supported
+        with pytest.raises(multiplex.Unsupported):
+            await calls.call(request(2), 10)
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
