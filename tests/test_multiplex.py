@@ -5,12 +5,15 @@ answers matched by id under concurrency and batched, refusals carried as the
 unary method's domain error, a server stopped mid-batch (the calls in flight
 fail as outcome-unknown, the next call opens a new stream), a call past its
 deadline retiring its stream, a slow server holding the client back within
-its in-flight bound, and an older server without the method."""
+its in-flight bound, and an older server without the method; then an
+owner's commits on a real stack, streamed and (switched off) unary."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +22,8 @@ import pytest
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
 from baton_runtime.common import errors, multiplex
 from baton_runtime.common.errors import Reason
+from tests.procs import ProcessStack, answered, check_history
+from tests.scrape import scrape
 
 METHOD = "/test.Mux/Calls"
 
@@ -253,3 +258,42 @@ async def test_a_server_without_the_method_is_reported_unsupported() -> None:
         await calls.close()
         await channel.close()
         await server.stop()
+
+
+# -- the owner's commits on a real stack ---------------------------------------------
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_an_owner_commits_on_its_stream_or_with_unary_calls_when_switched_off(
+    etcd_endpoint: str, tmp_path: Path, streamed: bool
+) -> None:
+    """By default an owner's commits ride CommitSteps (stream messages, no
+    unary CommitStep); `--commit-stream 0` (BATON_OWNER_COMMIT_STREAM) commits
+    with unary calls. Either way the conversation is answered in order and
+    anchor counts every commit as a CommitStep call."""
+    env = {} if streamed else {"BATON_OWNER_COMMIT_STREAM": "0"}
+    stack = ProcessStack(etcd_endpoint, tmp_path, serve_metrics=True, owner_env=env)
+    stack.start(owners=1)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        sid = await c.create()
+        receipts = [(await c.send(sid, f"hello {n}")).receipt.seq for n in range(3)]
+        events = await c.wait_events(sid, functools.partial(answered, count=3), "answered")
+        check_history(events, receipts)
+        owner = await scrape(stack.metrics_url("o1"))
+        anchor = await scrape(stack.metrics_url("anchor"))
+    finally:
+        await c.close()
+        stack.stop()
+    commits = "/baton.anchor.v1.AnchorService/CommitStep"
+    sent = owner.total("baton_rpc_client_stream_messages_sent_total", method=commits + "s")
+    unary = owner.total("baton_rpc_client_handled_total", method=commits, code="OK")
+    served = anchor.total("baton_rpc_server_handled_total", method=commits, code="OK")
+    committed = owner.total("baton_commits_total", outcome="ok")
+    assert committed >= 4  # the session's start and a step per answer
+    assert served == committed
+    if streamed:
+        assert 1 <= sent <= committed and unary == 0
+    else:
+        assert sent == 0 and unary == committed

@@ -18,6 +18,7 @@ from baton_runtime.common.config import (
     as_float,
     as_int,
     as_listen,
+    as_switch,
     read_settings,
     security_from_values,
 )
@@ -81,6 +82,13 @@ SETTINGS = (
         "seconds between checks that every session indexed here has a run",
         str(DEFAULT_RECONCILE_INTERVAL),
     ),
+    Setting(
+        "--commit-stream",
+        "BATON_OWNER_COMMIT_STREAM",
+        "commit over one multiplexed CommitSteps stream per anchor replica (1), "
+        "or with one unary CommitStep call each (0)",
+        "1",
+    ),
     *COMMON_SETTINGS,
 )
 
@@ -120,6 +128,9 @@ class OwnerConfig:
     # Seconds between reconciliations: sessions indexed here that no run
     # holds are taken over again (services/owner/fleet.py).
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
+    # Commits ride a multiplexed CommitSteps stream (services/common/multiplex.py);
+    # False: one unary CommitStep call each.
+    commit_stream: bool = True
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -155,6 +166,7 @@ class OwnerConfig:
             snapshot_formats=formats,
             restart_budget=as_int(values, "restart_budget"),
             reconcile_interval=as_float(values, "reconcile_interval", minimum=0.1),
+            commit_stream=as_switch(values, "commit_stream"),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),

@@ -45,7 +45,7 @@ def advertised_address(listen: str, port: int) -> str:
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
     hooks = HooksClient(config.hooks, security=config.tls)
-    anchor = AnchorClient(config.anchor, security=config.tls)
+    anchor = AnchorClient(config.anchor, security=config.tls, multiplexed=config.commit_stream)
     settings = HostSettings(
         config.deployment_id,
         config.instance_id,
