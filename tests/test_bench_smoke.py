@@ -246,3 +246,24 @@ def test_scaling_refuses_levels_over_a_limit() -> None:
     assert "BATON_MAX_FOLLOW_STREAMS" in limits.refusal(1001)
     assert StackLimits(0, 10**5, 2000, 1024, 20).refusal(1500) == ""  # 0: no follow limit
     assert "file descriptors" in StackLimits(1000, 10**5, 2000, 300, 100).refusal(1)
+
+
+def test_commit_stream_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.commit_stream --smoke`: both stacks (commits streamed,
+    commits unary) start, run turns, and the ratios and the commits per
+    message are reported. No timing is asserted."""
+    out = tmp_path / "commits.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.commit_stream", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "commits per CommitSteps message" in proc.stdout
+    figures = json.loads(out.read_text())
+    for mode in ("streamed", "unary"):
+        assert figures["modes"][mode]["turn"]["n"] == 5
+        assert figures["modes"][mode]["turns_per_s"] > 0
+    assert figures["commits_per_message"] >= 1
