@@ -244,6 +244,34 @@ async def test_a_slow_server_holds_the_client_back_within_its_bound() -> None:
         await server.stop()
 
 
+async def test_a_client_that_goes_away_cancels_its_calls_on_the_server() -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def hang(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return pb.CommitStepResponse()
+
+    server = await MuxServer(hang).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        pending = asyncio.ensure_future(calls.call(request(1), 20))
+        await asyncio.wait_for(started.wait(), 5)
+        await calls.close()
+        with pytest.raises(errors.Unavailable):
+            await pending
+        await asyncio.wait_for(cancelled.wait(), 5)
+    finally:
+        await channel.close()
+        await server.stop()
+
+
 async def test_a_server_without_the_method_is_reported_unsupported() -> None:
     server = await MuxServer(echo).start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import structlog
@@ -96,14 +97,12 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         async def commit(request: pb.CommitStepRequest) -> pb.CommitStepResponse:
             return await self.CommitStep(request, context)
 
-        async for answers in multiplex.serve_calls(
-            request_iterator,
-            _checked_calls,
-            commit,
-            _answers,
-            method=COMMIT_STEP,
-        ):
-            yield answers
+        served = multiplex.serve_calls(
+            request_iterator, _checked_calls, commit, _answers, method=COMMIT_STEP
+        )
+        async with contextlib.aclosing(served) as answers:
+            async for batch in answers:
+                yield batch
 
     async def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: Context

@@ -5,6 +5,7 @@ RPC metrics per call."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
@@ -262,10 +263,13 @@ class _Call:
                     async for raw in requests:
                         yield decode(raw)
 
-                async for item in behavior(decoded(), context):
-                    if meter.enabled:
-                        meter.sent(self.method)
-                    yield item
+                # Closed with the call (a client that goes away), so the
+                # servicer's calls in flight are cancelled then, not at GC.
+                async with contextlib.aclosing(behavior(decoded(), context)) as answers:
+                    async for item in answers:
+                        if meter.enabled:
+                            meter.sent(self.method)
+                        yield item
 
         return wrapped
 

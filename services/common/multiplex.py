@@ -26,7 +26,7 @@ import asyncio
 import contextvars
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -72,7 +72,7 @@ async def serve_calls(
     method: str,
     max_calls: int = MAX_BATCH_CALLS,
     max_in_flight: int = MAX_IN_FLIGHT,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """Serve one stream: each call of each batch (`calls_of(batch)`: items
     with `call_id`, `request` and `traceparent`) run by `handle` as `method`
     would run it; the answers ready together go back as one message
@@ -80,6 +80,8 @@ async def serve_calls(
     a batch that breaks the bounds ends it with INVALID_ARGUMENT."""
     served = _ServedCalls(handle, method, max_in_flight)
     reader = asyncio.ensure_future(served.read(batches, calls_of, max_calls))
+    # (the caller closes this generator when the client goes away: its
+    # finally cancels the calls in flight)
     try:
         while True:
             ready = await served.next_answers(reader)
@@ -170,10 +172,8 @@ class _ServedCalls:
             if reader.done() and not self._running:
                 return None
             self._wake.clear()
-            if reader.done():
-                await asyncio.wait(list(self._running.values()))
-            else:
-                await self._wake.wait()
+            # Set by each answer and by the reader's end.
+            await self._wake.wait()
         ready, self._ready = self._ready, []
         return ready
 
@@ -235,6 +235,7 @@ class StreamedCalls(Generic[_Req, _Resp]):
         self._max_bytes = max_bytes
         self._ids = itertools.count(1)
         self._stream: _Stream | None = None
+        self._closed = False
         self.supported = True
 
     async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109 - a per-call deadline
@@ -245,7 +246,7 @@ class StreamedCalls(Generic[_Req, _Resp]):
             try:
                 return await self._call_once(request, max(0.0, deadline - time.monotonic()))
             except StreamBroken:
-                if attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
+                if self._closed or attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(min(0.1 * 2**attempt, max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
@@ -264,23 +265,33 @@ class StreamedCalls(Generic[_Req, _Resp]):
         except TimeoutError:
             # A peer that stopped answering must not hold the calls after
             # this one: the next call opens a new stream.
+            stream.pending.pop(call_id, None)
+            answer.cancel()
             self._retire(stream, StreamBroken(f"{self._method}: no answer in {timeout:.1f}s"))
             raise errors.DeadlineExceeded(
                 errors.Reason.TIMEOUT, f"{self._method}: no answer in {timeout:.1f}s"
             ) from None
         finally:
             stream.pending.pop(call_id, None)
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # retrieved, also when the caller was cancelled first
 
     def _current(self) -> _Stream:
         if not self.supported:
             raise Unsupported(self._method)
+        if self._closed:
+            raise StreamBroken(f"{self._method}: the client closed")
         stream = self._stream
         if stream is None or stream.broken is not None:
             # The stream and its tasks serve every caller: they start in a
             # context of their own, not the first caller's (its log bindings
             # and span would stick to them).
             fresh = contextvars.Context()
-            stream = self._stream = _Stream(fresh.run(self._open))
+            try:
+                opened = fresh.run(self._open)
+            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
+                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
+            stream = self._stream = _Stream(opened)
             if rpc_metrics.RPC.enabled:
                 rpc_metrics.RPC.opened(self._target, self._method)
             loop = asyncio.get_running_loop()
@@ -301,7 +312,7 @@ class StreamedCalls(Generic[_Req, _Resp]):
                     await stream.call.write(self._make_batch(batch))
                     if meter.enabled:
                         meter.sent_on_stream(self._target, self._method)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, grpc.aio.InternalError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failed write ends the stream
             self._retire(stream, StreamBroken(f"{self._method}: the stream broke ({exc!r})"))
 
     def _take(self, outbox: list[tuple[int, _Req, str]]) -> list[tuple[int, _Req, str]]:
@@ -361,6 +372,7 @@ class StreamedCalls(Generic[_Req, _Resp]):
                 task.cancel()
 
     async def close(self) -> None:
+        self._closed = True
         stream = self._stream
         if stream is not None:
             self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
