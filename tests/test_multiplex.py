@@ -272,6 +272,38 @@ async def test_a_client_that_goes_away_cancels_its_calls_on_the_server() -> None
         await server.stop()
 
 
+async def test_lanes_spread_calls_over_replicas_and_pass_over_a_stopped_one() -> None:
+    """One lane per replica, each on its own channel: calls alternate between
+    them; with one replica stopped, every call is answered by the other (the
+    broken lane is passed over), and none fails."""
+    seen: list[str] = []
+
+    def answering(name: str) -> Callable[[pb.CommitStepRequest], Awaitable[Any]]:
+        async def handle(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+            seen.append(name)
+            return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+        return handle
+
+    servers = [await MuxServer(answering(name)).start() for name in ("r0", "r1")]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    lanes = multiplex.Lanes([client(channel) for channel in channels])
+    try:
+        for n in range(1, 11):
+            assert (await lanes.call(request(n), 10)).revision == n
+        assert seen.count("r0") == seen.count("r1") == 5
+        await servers[0].stop()
+        seen.clear()
+        for n in range(1, 11):
+            assert (await lanes.call(request(n), 10)).revision == n
+        assert seen == ["r1"] * 10
+    finally:
+        await lanes.close()
+        for channel in channels:
+            await channel.close()
+        await servers[1].stop()
+
+
 async def test_a_server_without_the_method_is_reported_unsupported() -> None:
     server = await MuxServer(echo).start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

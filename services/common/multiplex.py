@@ -225,8 +225,10 @@ class StreamedCalls(Generic[_Req, _Resp]):
         method: str,
         max_calls: int = MAX_BATCH_CALLS,
         max_bytes: int = MAX_BATCH_BYTES,
+        attempts: int = ATTEMPTS,
     ) -> None:
         self._open = open_stream
+        self._attempts = attempts
         self._make_batch = make_batch
         self._answers_of = answers_of
         self._target = target
@@ -242,11 +244,11 @@ class StreamedCalls(Generic[_Req, _Resp]):
         """The answer to `request` (a refusal raises the domain error the
         unary method would); a broken stream is retried on a new one."""
         deadline = time.monotonic() + timeout
-        for attempt in range(ATTEMPTS):
+        for attempt in range(self._attempts):
             try:
                 return await self._call_once(request, max(0.0, deadline - time.monotonic()))
             except StreamBroken:
-                if self._closed or attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
+                if self._closed or attempt == self._attempts - 1 or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(min(0.1 * 2**attempt, max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
@@ -377,6 +379,60 @@ class StreamedCalls(Generic[_Req, _Resp]):
         if stream is not None:
             self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
             await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+class Lanes(Generic[_Req, _Resp]):
+    """Calls spread over several `StreamedCalls` (one per replica: each lane's
+    stream is opened on its own channel to one address), the next lane for
+    each call. A lane whose stream broke is passed over for `LANE_PAUSE`
+    seconds and the call tries the next one, up to ATTEMPTS tries in all
+    within its deadline; a lane whose server does not serve the method is
+    dropped (`Unsupported` once none is left)."""
+
+    LANE_PAUSE = 1.0
+
+    def __init__(self, lanes: list[StreamedCalls[_Req, _Resp]]) -> None:
+        self._lanes = lanes
+        self._down_until = [0.0] * len(lanes)
+        self._next = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._lanes)
+
+    def _pick(self) -> int:
+        now = time.monotonic()
+        count = len(self._lanes)
+        for step in range(count):
+            index = (self._next + step) % count
+            if self._down_until[index] <= now:
+                break
+        else:
+            index = self._next % count  # every lane paused: try the next anyway
+        self._next = index + 1
+        return index
+
+    async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109
+        deadline = time.monotonic() + timeout
+        for attempt in range(ATTEMPTS):
+            if not self._lanes:
+                raise Unsupported("no lane serves the method")
+            index = self._pick()
+            lane = self._lanes[index]
+            try:
+                return await lane.call(request, max(0.0, deadline - time.monotonic()))
+            except Unsupported:
+                del self._lanes[index], self._down_until[index]
+                continue
+            except (StreamBroken, errors.DeadlineExceeded):
+                self._down_until[index] = time.monotonic() + self.LANE_PAUSE
+                if attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.05 * 2**attempt, max(0.0, deadline - time.monotonic())))
+        raise StreamBroken("every attempt found its stream broken")
+
+    async def close(self) -> None:
+        for lane in self._lanes:
+            await lane.close()
 
 
 def _status(raw: bytes) -> status_pb2.Status:
