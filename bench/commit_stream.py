@@ -25,13 +25,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import apply_smoke, log_dir, write_json
-from bench.tls_overhead import measure_round, to_json
+from bench.common import log_dir, write_json
+from bench.tls_overhead import measure_round, parse_round_args, to_json
 from bench.turn_latency import BenchStack, Dist, load_average, versions
 from tests.scrape import scrape
 
 MODES = ("streamed", "unary")
-SMOKE = {"rounds": 1, "turns": 5, "warmup_turns": 2, "sessions": 2, "concurrent_turns": 4}
 _COMMITS = "/baton.anchor.v1.AnchorService/CommitSteps"
 SERVICES = ("hooks", "anchor", "owner", "ingress")
 
@@ -125,24 +124,9 @@ def report(results: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.commit_stream",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    return parse_round_args(
+        argv, prog="python -m bench.commit_stream", description=__doc__, rounds=4
     )
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per mode")
-    parser.add_argument("--turns", type=int, default=300, help="sequential turns per round")
-    parser.add_argument("--warmup-turns", type=int, default=30)
-    parser.add_argument("--sessions", type=int, default=32)
-    parser.add_argument("--concurrent-turns", type=int, default=1500)
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    parser.add_argument("--log-dir", help="keep service and etcd logs (and certificates) here")
-    parser.add_argument("--smoke", action="store_true", help="tiny counts: checks the bench runs")
-    args = parser.parse_args(argv)
-    apply_smoke(parser, args, SMOKE)
-    if args.rounds < 1 or args.turns < 1 or args.concurrent_turns < args.sessions:
-        parser.error("need --rounds >= 1, --turns >= 1, --concurrent-turns >= --sessions")
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -183,13 +183,15 @@ def to_json(results: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_round_args(
+    argv: Sequence[str] | None, *, prog: str, description: str | None, rounds: int
+) -> argparse.Namespace:
+    """The arguments of a same-run comparison of two stacks in alternating
+    rounds (this bench and bench.commit_stream)."""
     parser = argparse.ArgumentParser(
-        prog="python -m bench.tls_overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds per mode")
     parser.add_argument("--turns", type=int, default=300, help="sequential turns per round")
     parser.add_argument("--warmup-turns", type=int, default=30)
     parser.add_argument("--sessions", type=int, default=32)
@@ -202,6 +204,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1 or args.turns < 1 or args.concurrent_turns < args.sessions:
         parser.error("need --rounds >= 1, --turns >= 1, --concurrent-turns >= --sessions")
     return args
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return parse_round_args(
+        argv, prog="python -m bench.tls_overhead", description=__doc__, rounds=3
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

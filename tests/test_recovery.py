@@ -347,56 +347,30 @@ async def test_an_owner_restarted_under_its_own_id_takes_each_session_over_once(
         await c.close()
 
 
-async def test_a_session_its_host_lost_is_taken_over_by_the_reconciler(
-    make_stack: MakeStack,
+@pytest.mark.parametrize(
+    ("failpoint", "how", "epochs_on"),
+    [
+        # the host drops the session as it parks: no run holds it anywhere,
+        # and the reconciler takes it over from itself (epoch + 1)
+        ("host.hold_parked", "taken_over", 1),
+        # the session's first bell never reaches it: held parked with input
+        # waiting, and the reconciler wakes it (same fence, no takeover)
+        ("host.ring", "woken", 0),
+    ],
+)
+async def test_a_session_a_watch_lost_is_set_going_by_the_reconciler(
+    make_stack: MakeStack, failpoint: str, how: str, epochs_on: int
 ) -> None:
-    """A session indexed under a live instance that holds it in no state
-    (here: a failpoint drops it as it parks) gets no run from any watch: the
-    instance's reconciliation finds it (two sightings, one interval apart),
-    takes it over from itself and answers what arrived meanwhile."""
-    stack = make_stack(
-        owners=1,
-        park_after=0.3,
-        owner_env={
-            "BATON_FAILPOINTS": "host.hold_parked=once:error",
-            "BATON_OWNER_RECONCILE_INTERVAL": "0.5",
-        },
-    )
-    c = stack.clients()
-    try:
-        await c.wait_registered("o1")
-        sid = await c.create()
-        receipts = [(await c.send(sid, "hello")).receipt.seq]
-
-        async def parked() -> bool:
-            return (await c.hooks.get_owner(sid)).parked
-
-        await eventually(parked, "parked (and dropped by the host)")
-        epoch = (await c.hooks.get_owner(sid)).fence.epoch
-        receipts.append((await c.send(sid, "anyone there?")).receipt.seq)
-        events = await c.wait_events(
-            sid, functools.partial(answered, count=2), "answered after reconciliation"
-        )
-        check_history(events, receipts)
-        assert (await c.hooks.get_owner(sid)).fence.epoch == epoch + 1
-        assert len(runs_in_order(events)) == 2
-    finally:
-        await c.close()
-
-
-async def test_a_parked_session_whose_bell_was_lost_is_woken_by_the_reconciler(
-    make_stack: MakeStack,
-) -> None:
-    """A session held parked whose bell rang and never reached it (here: a
-    failpoint drops the first bell) is listed with input waiting: the
-    instance's reconciliation sees that twice with the same fence and wakes
-    it, with no takeover (same epoch), and the wake is counted."""
+    """What no watch will wake (a session its host lost, or one whose bell
+    it lost) is found by the instance's reconciliation (two sightings, one
+    interval apart, the same fence), set going and answered; the repair is
+    counted (baton_reconciled_sessions_total{how})."""
     stack = make_stack(
         owners=1,
         park_after=0.3,
         serve_metrics=True,
         owner_env={
-            "BATON_FAILPOINTS": "host.ring=once:error",
+            "BATON_FAILPOINTS": f"{failpoint}=once:error",
             "BATON_OWNER_RECONCILE_INTERVAL": "0.5",
         },
     )
@@ -416,11 +390,12 @@ async def test_a_parked_session_whose_bell_was_lost_is_woken_by_the_reconciler(
             sid, functools.partial(answered, count=2), "answered after reconciliation"
         )
         check_history(events, receipts)
-        assert (await c.hooks.get_owner(sid)).fence.epoch == epoch
-        assert "failpoint: bell dropped" in (stack.workdir / "o1.log").read_text()
+        assert (await c.hooks.get_owner(sid)).fence.epoch == epoch + epochs_on
+        assert len(runs_in_order(events)) == 1 + epochs_on
+        assert "failpoint hit" in (stack.workdir / "o1.log").read_text()
         scraped = await scrape(stack.metrics_url("o1"))
-        assert scraped.total("baton_reconciled_sessions_total", how="woken") == 1
-        assert scraped.total("baton_takeovers_total") == 0
+        assert scraped.total("baton_reconciled_sessions_total", how=how) == 1
+        assert scraped.total("baton_takeovers_total") == epochs_on
     finally:
         await c.close()
 
