@@ -18,7 +18,6 @@ many commits a CommitSteps message carried on average under load.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import log_dir, write_json
-from bench.tls_overhead import measure_round, parse_round_args, to_json
+from bench.tls_overhead import measure_round, parse_round_args, run_stacks, to_json
 from bench.turn_latency import BenchStack, Dist, load_average, versions
 from tests.scrape import scrape
 
@@ -79,9 +78,12 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
         "ratios": {
             "turn_p50_streamed_over_unary": streamed["turn"].pct(50) / unary["turn"].pct(50),
             "throughput_streamed_over_unary": streamed["turns_per_s"] / unary["turns_per_s"],
+            # (CPU time is counted in clock ticks: None when a count is 0, as
+            # --smoke's few turns may give)
             **{
-                f"cpu_{name}_streamed_over_unary": streamed["cpu_ms"][name]
-                / max(unary["cpu_ms"][name], 1e-9)
+                f"cpu_{name}_streamed_over_unary": streamed["cpu_ms"][name] / unary["cpu_ms"][name]
+                if unary["cpu_ms"][name]
+                else None
                 for name in ("owner", "anchor", "4 services")
             },
         },
@@ -119,7 +121,10 @@ def report(results: dict[str, Any]) -> str:
         cpu = modes[mode]["cpu_ms"]
         lines.append(f"    {mode:<33} " + " ".join(f"{cpu[n]:>10.2f}" for n in names))
     lines += ["", f"  commits per CommitSteps message: {results['commits_per_message']:.2f}"]
-    lines += [f"  {name:<40} {value:.3f}x" for name, value in results["ratios"].items()]
+    lines += [
+        f"  {name:<40} " + ("n/a" if value is None else f"{value:.3f}x")
+        for name, value in results["ratios"].items()
+    ]
     return "\n".join(lines)
 
 
@@ -142,15 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for mode in MODES
         }
-        try:
-            for mode, stack in stacks.items():
-                os.makedirs(stack.log_dir, exist_ok=True)
-                _progress(f"starting the {mode} stack (logs in {stack.log_dir})")
-                stack.start()
-            results = asyncio.run(run(args, stacks))
-        finally:
-            for stack in stacks.values():
-                stack.stop()
+        results = run_stacks(stacks, run, args)
     print(report(results), flush=True)
     write_json(args.json, to_json(results))
     return 0

@@ -31,7 +31,7 @@ import asyncio
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
@@ -219,18 +219,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode: BenchStack(os.path.join(logs, mode), second_deployment=False, tls=mode == "tls")
             for mode in MODES
         }
-        try:
-            for mode, stack in stacks.items():
-                os.makedirs(stack.log_dir, exist_ok=True)
-                _progress(f"starting the {mode} stack (logs in {stack.log_dir})")
-                stack.start()
-            results = asyncio.run(run(args, stacks))
-        finally:
-            for stack in stacks.values():
-                stack.stop()
+        results = run_stacks(stacks, run, args)
     print(report(results), flush=True)
     write_json(args.json, to_json(results))
     return 0
+
+
+def run_stacks(
+    stacks: dict[str, BenchStack],
+    run: Callable[[argparse.Namespace, dict[str, BenchStack]], Awaitable[dict[str, Any]]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Start every stack, `run` the comparison on them, stop them all."""
+    try:
+        for mode, stack in stacks.items():
+            os.makedirs(stack.log_dir, exist_ok=True)
+            _progress(f"starting the {mode} stack (logs in {stack.log_dir})")
+            stack.start()
+        return asyncio.run(run(args, stacks))
+    finally:
+        for stack in stacks.values():
+            stack.stop()
 
 
 if __name__ == "__main__":
