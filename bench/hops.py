@@ -98,10 +98,13 @@ BACKGROUND = (
     # whichever window runs then, each one read in hooks (subtracted, see
     # `orphan_checks`).
     "rpc ingress -> hooks ListInstances",
-    # A multiplexed stream (an owner's CommitSteps to anchor) opens once per
+    # A multiplexed stream (an owner's CommitSteps to anchor, a ResumeHooks
+    # of an ingress or an owner to hooks) opens once per
     # process and lane, at its first commit, and stays open: whichever path
     # commits first on a process sees it (opening sends headers only).
     "open owner -> anchor CommitSteps",
+    "open owner -> hooks ResumeHooks",
+    "open ingress -> hooks ResumeHooks",
     "served hooks ListInstances",
 )
 _SERVED_LIST = BACKGROUND[-1]
@@ -658,9 +661,10 @@ How a row reads:
   Method [CODE]`: streams that ended (no message; e.g. an inbox stream
   cancelled when its session parks).
 - `send A -> B Method`: messages A sent to B on a multiplexed stream (an
-  owner's commits on CommitSteps: one or more commits each, answered by
-  `stream B -> A Method` messages, one or more answers each). The stream
-  opens once per process and stays open, so its opening is left out.
+  owner's commits on CommitSteps, an ingress' or an owner's appends on
+  ResumeHooks: one or more calls each, answered by `stream B -> A Method`
+  messages, one or more answers each). The stream opens once per process
+  and stays open, so its opening is left out.
 - `edge ...`: the public API (the test client and ingress): not between Baton
   processes, listed for scale.
 - `etcd S op`: requests service S made to etcd: `txn_write` (a transaction

@@ -408,6 +408,14 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         ),
         "ClaimHooks": h.ClaimHooksRequest(fence=fence, tokens=["slack:stolen"]),
         "ResumeHook": h.ResumeHookRequest(token=ids.inbox_token(sid), command=command),
+        "ResumeHooks": h.ResumeHooksRequest(
+            calls=[
+                h.ResumeHookCall(
+                    call_id=1,
+                    request=h.ResumeHookRequest(token=ids.inbox_token(sid), command=command),
+                )
+            ]
+        ),
         "LookupHook": h.LookupHookRequest(token=ids.inbox_token(sid)),
         "DisposeHooks": h.DisposeHooksRequest(fence=fence),
         "StreamInbox": h.StreamInboxRequest(fence=fence, from_seq=0),

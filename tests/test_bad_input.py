@@ -824,31 +824,46 @@ async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: St
         assert from_rpc_error(info.value).reason == Reason.MALFORMED_REQUEST
 
 
-async def test_commit_stream_bounds_are_refused_and_write_nothing(
-    stack: Stack, etcd: aetcd.Client
+@pytest.mark.parametrize("streamed", ["CommitSteps", "ResumeHooks"])
+async def test_multiplexed_stream_bounds_are_refused_and_write_nothing(
+    stack: Stack, etcd: aetcd.Client, streamed: str
 ) -> None:
-    """CommitSteps (the owner's multiplexed commits): a message with no call,
-    more than 256 or a bad traceparent, and an undecodable message end the
-    stream with INVALID_ARGUMENT and a reason; a call id of 0 or one in
-    flight is refused for that call alone; nothing is written."""
+    """CommitSteps and ResumeHooks (an owner's commits, an ingress' appends,
+    multiplexed): a message with no call, more than 256 or a bad
+    traceparent, and an undecodable message end the stream with
+    INVALID_ARGUMENT and a reason; a call id of 0 or one in flight is refused
+    for that call alone, and a call the unary method would refuse is refused
+    as it would be; nothing is written."""
     from google.rpc import status_pb2
 
     from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
+    from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
     from baton_runtime.common.channels import open_channel
     from baton_runtime.common.grpc_errors import from_status_proto
 
-    method = "/baton.anchor.v1.AnchorService/CommitSteps"
+    if streamed == "CommitSteps":
+        method = "/baton.anchor.v1.AnchorService/CommitSteps"
+        address, security = stack.addr(stack.anchor), stack.owner_security()
+        batch, call_cls, answers_cls = a.CommitStepsRequest, a.CommitStepCall, a.CommitStepsResponse
+        refused_request: Any = a.CommitStepRequest()  # no fence: MISSING_FIELD
+    else:
+        from baton_runtime.common.identity import Role
+
+        method = "/baton.hooks.v1.HookRegistryService/ResumeHooks"
+        address = stack.addr(stack.hooks)
+        security = stack.security(Role.INGRESS, stack.deployment_id)
+        batch, call_cls, answers_cls = h.ResumeHooksRequest, h.ResumeHookCall, h.ResumeHooksResponse
+        refused_request = h.ResumeHookRequest(token="tok")  # no command: MISSING_FIELD
     before = await durable_state(stack, etcd)
-    channel = open_channel(stack.addr(stack.anchor), stack.owner_security())
-    fenceless = a.CommitStepRequest()  # refused by CommitStep's own checks
+    channel = open_channel(address, security)
     try:
         ending = {
-            "no call": a.CommitStepsRequest().SerializeToString(),
-            "too many": a.CommitStepsRequest(
-                calls=[a.CommitStepCall(call_id=i + 1, request=fenceless) for i in range(257)]
+            "no call": batch().SerializeToString(),
+            "too many": batch(
+                calls=[call_cls(call_id=i + 1, request=refused_request) for i in range(257)]
             ).SerializeToString(),
-            "traceparent": a.CommitStepsRequest(
-                calls=[a.CommitStepCall(call_id=1, request=fenceless, traceparent="00-xyz")]
+            "traceparent": batch(
+                calls=[call_cls(call_id=1, request=refused_request, traceparent="00-xyz")]
             ).SerializeToString(),
             "undecodable": b"\xff\xff\xff\xff\x0f",
         }
@@ -871,14 +886,14 @@ async def test_commit_stream_bounds_are_refused_and_write_nothing(
         # Per call: a zero id, and the commit's own refusal (no fence).
         call = channel.stream_stream(
             method,
-            request_serializer=a.CommitStepsRequest.SerializeToString,
-            response_deserializer=a.CommitStepsResponse.FromString,
+            request_serializer=batch.SerializeToString,
+            response_deserializer=answers_cls.FromString,
         )()
         await call.write(
-            a.CommitStepsRequest(
+            batch(
                 calls=[
-                    a.CommitStepCall(call_id=0, request=fenceless),
-                    a.CommitStepCall(call_id=5, request=fenceless),
+                    call_cls(call_id=0, request=refused_request),
+                    call_cls(call_id=5, request=refused_request),
                 ]
             )
         )

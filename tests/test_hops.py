@@ -32,10 +32,14 @@ from tests.scrape import parse
 # Rows that batching may merge (see the module docstring), besides every
 # `watch_responses`.
 BATCHED = (
-    # An owner's commits ride CommitSteps: commits ready together share a
-    # message, and so do their answers.
+    # An owner's commits ride CommitSteps, appends ride ResumeHooks: calls
+    # ready together share a message, and so do their answers.
     "send owner -> anchor CommitSteps",
     "stream anchor -> owner CommitSteps",
+    "send ingress -> hooks ResumeHooks",
+    "stream hooks -> ingress ResumeHooks",
+    "send owner -> hooks ResumeHooks",
+    "stream hooks -> owner ResumeHooks",
     "stream hooks -> owner StreamInbox",
     "stream anchor -> ingress ReadEvents",
     "stream anchor -> owner ReadEvents",

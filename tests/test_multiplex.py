@@ -324,15 +324,19 @@ async def test_a_server_without_the_method_is_reported_unsupported() -> None:
 
 
 @pytest.mark.parametrize("streamed", [True, False])
-async def test_an_owner_commits_on_its_stream_or_with_unary_calls_when_switched_off(
-    etcd_endpoint: str, tmp_path: Path, streamed: bool
+async def test_commits_and_appends_ride_streams_or_unary_calls_when_switched_off(
+    etcd_endpoint: str, tmp_path: Path, streamed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """By default an owner's commits ride CommitSteps (stream messages, no
-    unary CommitStep); `--commit-stream 0` (BATON_OWNER_COMMIT_STREAM) commits
-    with unary calls. Either way the conversation is answered in order and
-    anchor counts every commit as a CommitStep call."""
-    env = {} if streamed else {"BATON_OWNER_COMMIT_STREAM": "0"}
-    stack = ProcessStack(etcd_endpoint, tmp_path, serve_metrics=True, owner_env=env)
+    """By default an owner's commits ride CommitSteps and an ingress' appends
+    ResumeHooks (stream messages, no unary calls); `--commit-stream 0` and
+    `--resume-stream 0` (BATON_OWNER_COMMIT_STREAM, BATON_INGRESS_RESUME_STREAM)
+    switch them to unary calls. Either way the conversation is answered in
+    order, and anchor and hooks count every call as the unary method."""
+    if not streamed:
+        # (every process the stack starts inherits them)
+        monkeypatch.setenv("BATON_OWNER_COMMIT_STREAM", "0")
+        monkeypatch.setenv("BATON_INGRESS_RESUME_STREAM", "0")
+    stack = ProcessStack(etcd_endpoint, tmp_path, serve_metrics=True)
     stack.start(owners=1)
     c = stack.clients()
     try:
@@ -341,19 +345,25 @@ async def test_an_owner_commits_on_its_stream_or_with_unary_calls_when_switched_
         receipts = [(await c.send(sid, f"hello {n}")).receipt.seq for n in range(3)]
         events = await c.wait_events(sid, functools.partial(answered, count=3), "answered")
         check_history(events, receipts)
-        owner = await scrape(stack.metrics_url("o1"))
-        anchor = await scrape(stack.metrics_url("anchor"))
+        scraped = {
+            name: await scrape(stack.metrics_url(name))
+            for name in ("o1", "ingress", "anchor", "hooks")
+        }
     finally:
         await c.close()
         stack.stop()
-    commits = "/baton.anchor.v1.AnchorService/CommitStep"
-    sent = owner.total("baton_rpc_client_stream_messages_sent_total", method=commits + "s")
-    unary = owner.total("baton_rpc_client_handled_total", method=commits, code="OK")
-    served = anchor.total("baton_rpc_server_handled_total", method=commits, code="OK")
-    committed = owner.total("baton_commits_total", outcome="ok")
-    assert committed >= 4  # the session's start and a step per answer
-    assert served == committed
-    if streamed:
-        assert 1 <= sent <= committed and unary == 0
-    else:
-        assert sent == 0 and unary == committed
+    for caller, server, method, calls in (
+        ("o1", "anchor", "/baton.anchor.v1.AnchorService/CommitStep", 4),
+        ("ingress", "hooks", "/baton.hooks.v1.HookRegistryService/ResumeHook", 3),
+    ):
+        sent = scraped[caller].total(
+            "baton_rpc_client_stream_messages_sent_total", method=method + "s"
+        )
+        unary = scraped[caller].total("baton_rpc_client_handled_total", method=method, code="OK")
+        served = scraped[server].total("baton_rpc_server_handled_total", method=method, code="OK")
+        # (the session's start and a step per answer; the three sends)
+        assert served >= calls, (method, served)
+        if streamed:
+            assert 1 <= sent <= served and unary == 0, (method, sent, unary)
+        else:
+            assert sent == 0 and unary == served, (method, sent, unary)

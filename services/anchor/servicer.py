@@ -16,7 +16,7 @@ from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.interceptor import Context
 from baton_runtime.common.scope import DeploymentScope
-from baton_runtime.common.tracing import check_trace_id, check_traceparent
+from baton_runtime.common.tracing import check_trace_id
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -36,20 +36,7 @@ def _chunks(items: Sequence[bytes], limit: int) -> Iterator[Sequence[bytes]]:
 COMMIT_STEP = f"/{pb.DESCRIPTOR.services_by_name['AnchorService'].full_name}/CommitStep"
 
 
-def _checked_calls(batch: pb.CommitStepsRequest) -> Sequence[pb.CommitStepCall]:
-    for call in batch.calls:
-        if call.traceparent:
-            check_traceparent(call.traceparent, "calls.traceparent")
-    return batch.calls
-
-
-def _answers(ready: list[multiplex.Answer]) -> pb.CommitStepsResponse:
-    return pb.CommitStepsResponse(
-        answers=[
-            pb.CommitStepAnswer(call_id=call_id, response=response, status=status)
-            for call_id, response, status in ready
-        ]
-    )
+_COMMIT_ANSWERS = multiplex.answers_message(pb.CommitStepsResponse, pb.CommitStepAnswer)
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
@@ -98,7 +85,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             return await self.CommitStep(request, context)
 
         served = multiplex.serve_calls(
-            request_iterator, _checked_calls, commit, _answers, method=COMMIT_STEP
+            request_iterator, multiplex.checked_calls, commit, _COMMIT_ANSWERS, method=COMMIT_STEP
         )
         async with contextlib.aclosing(served) as answers:
             async for batch in answers:

@@ -42,6 +42,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _HOOKS + "CreateSession": _roles(OWNER),
     _HOOKS + "ClaimHooks": _roles(OWNER),
     _HOOKS + "ResumeHook": _roles(INGRESS, OWNER),
+    # (the same appends, multiplexed over one stream per caller and replica)
+    _HOOKS + "ResumeHooks": _roles(INGRESS, OWNER),
     _HOOKS + "LookupHook": _roles(INGRESS, OWNER),
     _HOOKS + "DisposeHooks": _roles(OWNER),
     _HOOKS + "StreamInbox": _roles(OWNER),
@@ -101,7 +103,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
 # The bidirectional streams of the table: calls multiplexed between peers
 # (services/common/multiplex.py). Every other client-streaming method is
 # refused, entry or not.
-MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps"})
+MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps", _HOOKS + "ResumeHooks"})
 
 
 def allowed_roles(method: str) -> frozenset[Role] | None:

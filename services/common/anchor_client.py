@@ -5,17 +5,14 @@ session loads, history retirement and event reads."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
-
-import grpc
 
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.multiplex import Answer, Lanes, StreamedCalls, Unsupported
+from baton_runtime.common.multiplex import Lanes, Unsupported
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 
@@ -45,30 +42,6 @@ def _load_part(response: anchor_pb.LoadSessionResponse) -> anchor_pb.LoadSession
     return response
 
 
-_CommitLane = StreamedCalls[anchor_pb.CommitStepRequest, anchor_pb.CommitStepResponse]
-
-
-MAX_LANES = 4
-
-
-def _commit_batch(
-    calls: list[tuple[int, anchor_pb.CommitStepRequest, str]],
-) -> anchor_pb.CommitStepsRequest:
-    return anchor_pb.CommitStepsRequest(
-        calls=[
-            anchor_pb.CommitStepCall(call_id=call_id, request=request, traceparent=traceparent)
-            for call_id, request, traceparent in calls
-        ]
-    )
-
-
-def _commit_answers(response: anchor_pb.CommitStepsResponse) -> list[Answer]:
-    return [
-        (answer.call_id, answer.response if not answer.status else None, answer.status)
-        for answer in response.answers
-    ]
-
-
 class AnchorClient(ServiceClient):
     service = ANCHOR_SERVICE
     kind = "anchor"
@@ -84,49 +57,24 @@ class AnchorClient(ServiceClient):
     ) -> None:
         super().__init__(target, timeout, security=security)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
-        # Commits ride one CommitSteps stream per replica the target lists
-        # (each on its own channel to that address; a `dns:///` name: two
-        # streams on the balanced channel), each commit on the next lane;
-        # `multiplexed=False` (or anchors that do not serve CommitSteps)
-        # commits with one unary CommitStep each.
-        self._own_channels: list[grpc.aio.Channel] = []
-        self._lanes: Lanes[anchor_pb.CommitStepRequest, anchor_pb.CommitStepResponse] = Lanes(
-            self._commit_lanes(target) if multiplexed else []
+        # Commits ride one CommitSteps stream per replica (`_multiplexed`),
+        # each commit on the next lane; `multiplexed=False` (or anchors that
+        # do not serve CommitSteps) commits with one unary CommitStep each.
+        self._commits: Lanes[anchor_pb.CommitStepRequest, anchor_pb.CommitStepResponse] = (
+            self._multiplexed(
+                "CommitSteps",
+                anchor_pb.CommitStepsRequest,
+                anchor_pb.CommitStepCall,
+                anchor_pb.CommitStepsResponse,
+            )
+            if multiplexed
+            else Lanes([])
         )
-
-    def _commit_lanes(self, target: str) -> list[_CommitLane]:
-        addresses = [a.strip() for a in target.split(",") if a.strip()]
-        if target.startswith("dns:") or len(addresses) < 2:
-            return [
-                self._commit_lane(self.stub) for _ in range(2 if target.startswith("dns:") else 1)
-            ]
-        lanes = []
-        for address in addresses[:MAX_LANES]:
-            channel = open_channel(address, self.security, self.service, self.idempotent)
-            self._own_channels.append(channel)
-            lanes.append(self._commit_lane(anchor_pb2_grpc.AnchorServiceStub(channel)))
-        return lanes
-
-    def _commit_lane(self, stub: Any) -> _CommitLane:
-        return StreamedCalls(
-            stub.CommitSteps,
-            _commit_batch,
-            _commit_answers,
-            target=self.kind,
-            method=f"/{ANCHOR_SERVICE}/CommitSteps",
-            attempts=1,  # `Lanes` retries, on the next lane
-        )
-
-    async def close(self) -> None:
-        await self._lanes.close()
-        for channel in self._own_channels:
-            await channel.close()
-        await super().close()
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
-        if self._lanes:
+        if self._commits:
             try:
-                response = await self._lanes.call(request, self.timeout)
+                response = await self._commits.call(request, self.timeout)
                 return Committed(response.revision, response.replayed)
             except Unsupported:
                 pass  # anchors of an older build: unary from now on

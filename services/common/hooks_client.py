@@ -26,6 +26,7 @@ from baton_runtime.common.client_answers import (
     TakenOver,
 )
 from baton_runtime.common.keys import Bell
+from baton_runtime.common.multiplex import Lanes, Unsupported
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 
@@ -92,10 +93,28 @@ class HooksClient(ServiceClient):
     idempotent = HOOKS_IDEMPOTENT
 
     def __init__(
-        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+        self,
+        target: str,
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        *,
+        security: Security,
+        multiplexed: bool = True,
     ) -> None:
         super().__init__(target, timeout, security=security)
         self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
+        # Appends ride one ResumeHooks stream per replica (`_multiplexed`);
+        # `multiplexed=False` (or hooks that do not serve ResumeHooks)
+        # appends with one unary ResumeHook each.
+        self._resumes: Lanes[hooks_pb.ResumeHookRequest, hooks_pb.ResumeHookResponse] = (
+            self._multiplexed(
+                "ResumeHooks",
+                hooks_pb.ResumeHooksRequest,
+                hooks_pb.ResumeHookCall,
+                hooks_pb.ResumeHooksResponse,
+            )
+            if multiplexed
+            else Lanes([])
+        )
 
     async def create_session(
         self,
@@ -139,6 +158,11 @@ class HooksClient(ServiceClient):
             command = stamped
         command = traced(command)
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
+        if self._resumes:
+            try:
+                return (await self._resumes.call(request, self.timeout)).receipt
+            except Unsupported:
+                pass  # hooks of an older build: unary from now on
         response = await self._unary(
             "ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)
         )

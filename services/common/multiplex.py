@@ -94,6 +94,26 @@ async def serve_calls(
         await served.cancel()
 
 
+def checked_calls(batch: Any) -> Sequence[Any]:
+    """A batch's calls (`calls`, each with `call_id`, `request` and
+    `traceparent`), their trace contexts checked."""
+    for call in batch.calls:
+        if call.traceparent:
+            tracing.check_traceparent(call.traceparent, "calls.traceparent")
+    calls: Sequence[Any] = batch.calls
+    return calls
+
+
+def answers_message(cls: type[Any], answer: type[Any]) -> Callable[[list[Answer]], Any]:
+    """The maker of a `cls` message (`answers`: `answer`s with `call_id`,
+    `response` and `status`) from ready answers."""
+
+    def make(ready: list[Answer]) -> Any:
+        return cls(answers=[answer(call_id=i, response=r, status=s) for i, r, s in ready])
+
+    return make
+
+
 class _ServedCalls:
     """One stream's calls in flight and the answers not sent yet."""
 

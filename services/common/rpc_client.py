@@ -28,7 +28,11 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import rpc_metrics, tracing
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from baton_runtime.common.grpc_errors import from_rpc_error
+from baton_runtime.common.multiplex import Answer, Lanes, StreamedCalls
 from baton_runtime.common.tls import Security
+
+# Lanes of a multiplexed method: one per address, at most this many.
+MAX_LANES = 4
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -67,9 +71,64 @@ class ServiceClient:
         self.security = security
         self.channel = open_channel(target, security, self.service, self.idempotent)
         self.timeout = timeout
+        self._lanes: list[Lanes[Any, Any]] = []
+        self._lane_channels: list[grpc.aio.Channel] = []
 
     async def close(self) -> None:
+        for lanes in self._lanes:
+            await lanes.close()
+        for channel in self._lane_channels:
+            await channel.close()
         await self.channel.close()
+
+    def _multiplexed(
+        self, method: str, batch: type[Any], call: type[Any], answers: type[Any]
+    ) -> Lanes[Any, Any]:
+        """Calls of `method`, a stream of batched calls (`batch` messages of
+        `call`s, answered by `answers` messages: services/common/multiplex.py),
+        over one lane per replica the target lists, each lane's stream on its
+        own channel to one address (a `dns:///` name: two lanes on the
+        balanced channel; one address: one lane)."""
+        path = f"/{self.service}/{method}"
+        addresses = [a.strip() for a in self.target.split(",") if a.strip()]
+        if self.target.startswith("dns:"):
+            channels = [self.channel, self.channel]
+        elif len(addresses) < 2:
+            channels = [self.channel]
+        else:
+            channels = [
+                open_channel(address, self.security, self.service, self.idempotent)
+                for address in addresses[:MAX_LANES]
+            ]
+            self._lane_channels += channels
+
+        def make_batch(calls: list[tuple[int, Any, str]]) -> Any:
+            return batch(calls=[call(call_id=i, request=r, traceparent=t) for i, r, t in calls])
+
+        def answers_of(message: Any) -> list[Answer]:
+            return [
+                (a.call_id, a.response if not a.status else None, a.status) for a in message.answers
+            ]
+
+        lanes: Lanes[Any, Any] = Lanes(
+            [
+                StreamedCalls(
+                    channel.stream_stream(
+                        path,
+                        request_serializer=batch.SerializeToString,
+                        response_deserializer=answers.FromString,
+                    ),
+                    make_batch,
+                    answers_of,
+                    target=self.kind,
+                    method=path,
+                    attempts=1,  # `Lanes` retries, on the next lane
+                )
+                for channel in channels
+            ]
+        )
+        self._lanes.append(lanes)
+        return lanes
 
     def _done(self, method: str, code: str) -> None:
         if rpc_metrics.RPC.enabled:

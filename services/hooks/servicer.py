@@ -4,6 +4,7 @@ checked by services/hooks/consent.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import structlog
@@ -11,7 +12,7 @@ import structlog
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import identity, ids, metrics
+from baton_runtime.common import identity, ids, metrics, multiplex
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.identity import Role
@@ -30,6 +31,9 @@ from baton_runtime.hooks.replies import (
     owner_identity,
 )
 from baton_runtime.hooks.transfer import Transfers, plan_transfer
+
+RESUME_HOOK = f"/{pb.DESCRIPTOR.services_by_name['HookRegistryService'].full_name}/ResumeHook"
+_RESUME_ANSWERS = multiplex.answers_message(pb.ResumeHooksResponse, pb.ResumeHookAnswer)
 
 
 def _require_fence(fence: s.Fence, present: bool) -> None:
@@ -224,6 +228,22 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         receipt = await self._registry.resume(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
+
+    async def ResumeHooks(
+        self, request_iterator: AsyncIterator[pb.ResumeHooksRequest], context: Context
+    ) -> AsyncIterator[pb.ResumeHooksResponse]:
+        """ResumeHook's appends multiplexed (services/common/multiplex.py):
+        each one checked and appended exactly as ResumeHook does it."""
+
+        async def resume(request: pb.ResumeHookRequest) -> pb.ResumeHookResponse:
+            return await self.ResumeHook(request, context)
+
+        served = multiplex.serve_calls(
+            request_iterator, multiplex.checked_calls, resume, _RESUME_ANSWERS, method=RESUME_HOOK
+        )
+        async with contextlib.aclosing(served) as answers:
+            async for batch in answers:
+                yield batch
 
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: Context

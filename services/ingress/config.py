@@ -16,6 +16,7 @@ from baton_runtime.common.config import (
     as_float,
     as_int,
     as_listen,
+    as_switch,
     read_settings,
     security_from_values,
 )
@@ -66,6 +67,13 @@ _SETTINGS = (
         "CreateSession calls per minute per channel (0 = no limit)",
         str(ChannelLimits.sessions_per_minute),
     ),
+    Setting(
+        "--resume-stream",
+        "BATON_INGRESS_RESUME_STREAM",
+        "append sends over one multiplexed ResumeHooks stream per hooks replica (1), "
+        "or with one unary ResumeHook call each (0)",
+        "1",
+    ),
 )
 
 
@@ -85,6 +93,9 @@ class IngressConfig:
     log_level: str = "info"
     grace: float = 5.0
     limits: ChannelLimits = ChannelLimits()
+    # Appends ride a multiplexed ResumeHooks stream (services/common/multiplex.py);
+    # False: one unary ResumeHook call each.
+    resume_stream: bool = True
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -114,6 +125,7 @@ class IngressConfig:
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
             limits=_channel_limits(values),
+            resume_stream=as_switch(values, "resume_stream"),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),

@@ -1273,6 +1273,122 @@ class ResumeHookResponse(_message.Message):
 Global___ResumeHookResponse: _TypeAlias = ResumeHookResponse  # noqa: Y015
 
 @_typing.final
+class ResumeHooksRequest(_message.Message):
+    """ResumeHooksRequest is a batch of appends on a ResumeHooks stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResumeHookCall]:
+        """1 to 256 appends, each with a call id not in flight on this stream."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___ResumeHookCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeHooksRequest: _TypeAlias = ResumeHooksRequest  # noqa: Y015
+
+@_typing.final
+class ResumeHookCall(_message.Message):
+    """ResumeHookCall is one append of a batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The caller's id for the append, unique among its appends in flight on
+    the stream (1 or more); its answer carries it back.
+    """
+    traceparent: _builtins.str
+    """The caller's W3C trace context for the append ("" = none)."""
+    @_builtins.property
+    def request(self) -> Global___ResumeHookRequest:
+        """The append, as ResumeHook takes it."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request: Global___ResumeHookRequest | None = ...,
+        traceparent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeHookCall: _TypeAlias = ResumeHookCall  # noqa: Y015
+
+@_typing.final
+class ResumeHooksResponse(_message.Message):
+    """ResumeHooksResponse is a batch of answers on a ResumeHooks stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResumeHookAnswer]:
+        """One answer per append that finished, in no particular order."""
+
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___ResumeHookAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeHooksResponse: _TypeAlias = ResumeHooksResponse  # noqa: Y015
+
+@_typing.final
+class ResumeHookAnswer(_message.Message):
+    """ResumeHookAnswer answers one append of a ResumeHooks stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call id of the append."""
+    status: _builtins.bytes
+    """When it was refused: a serialized google.rpc.Status, as ResumeHook's
+    status would be (code, message, ErrorInfo reason and metadata).
+    """
+    @_builtins.property
+    def response(self) -> Global___ResumeHookResponse:
+        """The append's answer (its receipt), when it was accepted or a duplicate."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        response: Global___ResumeHookResponse | None = ...,
+        status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "response", b"response", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeHookAnswer: _TypeAlias = ResumeHookAnswer  # noqa: Y015
+
+@_typing.final
 class LookupHookRequest(_message.Message):
     """LookupHookRequest resolves a token."""
 

@@ -51,6 +51,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookResponse.FromString,
                 _registered_method=True)
+        self.ResumeHooks = channel.stream_stream(
+                '/baton.hooks.v1.HookRegistryService/ResumeHooks',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksResponse.FromString,
+                _registered_method=True)
         self.LookupHook = channel.unary_unary(
                 '/baton.hooks.v1.HookRegistryService/LookupHook',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.LookupHookRequest.SerializeToString,
@@ -175,6 +180,19 @@ class HookRegistryServiceServicer:
 
     def ResumeHook(self, request, context):
         """Append a command to the inbox of the session a token resolves to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeHooks(self, request_iterator, context):
+        """Appends multiplexed over one long-lived stream per caller and hooks
+        replica (as AnchorService.CommitSteps multiplexes commits): each message
+        carries one or more appends with call ids, each appended as ResumeHook
+        appends it (and group-committed with the others of its session), each
+        answered by id. Ends when the client half-closes and every append in
+        flight is answered; a message that breaks the bounds ends it with
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,6 +378,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookResponse.SerializeToString,
             ),
+            'ResumeHooks': grpc.stream_stream_rpc_method_handler(
+                    servicer.ResumeHooks,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksResponse.SerializeToString,
+            ),
             'LookupHook': grpc.unary_unary_rpc_method_handler(
                     servicer.LookupHook,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.LookupHookRequest.FromString,
@@ -544,6 +567,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/ResumeHook',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHookResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeHooks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.hooks.v1.HookRegistryService/ResumeHooks',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.ResumeHooksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,15 @@ class HookRegistryServiceStub:
     """Claim a batch of tokens for a session (fenced, all or nothing)."""
     ResumeHook: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.ResumeHookRequest, _hooks_pb2.ResumeHookResponse]
     """Append a command to the inbox of the session a token resolves to."""
+    ResumeHooks: _grpc.StreamStreamMultiCallable[_hooks_pb2.ResumeHooksRequest, _hooks_pb2.ResumeHooksResponse]
+    """Appends multiplexed over one long-lived stream per caller and hooks
+    replica (as AnchorService.CommitSteps multiplexes commits): each message
+    carries one or more appends with call ids, each appended as ResumeHook
+    appends it (and group-committed with the others of its session), each
+    answered by id. Ends when the client half-closes and every append in
+    flight is answered; a message that breaks the bounds ends it with
+    INVALID_ARGUMENT.
+    """
     LookupHook: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.LookupHookRequest, _hooks_pb2.LookupHookResponse]
     """Resolve a token to its session."""
     DisposeHooks: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DisposeHooksRequest, _hooks_pb2.DisposeHooksResponse]
@@ -133,6 +142,15 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     """Claim a batch of tokens for a session (fenced, all or nothing)."""
     ResumeHook: _aio.UnaryUnaryMultiCallable[_hooks_pb2.ResumeHookRequest, _hooks_pb2.ResumeHookResponse]  # type: ignore[assignment]
     """Append a command to the inbox of the session a token resolves to."""
+    ResumeHooks: _aio.StreamStreamMultiCallable[_hooks_pb2.ResumeHooksRequest, _hooks_pb2.ResumeHooksResponse]  # type: ignore[assignment]
+    """Appends multiplexed over one long-lived stream per caller and hooks
+    replica (as AnchorService.CommitSteps multiplexes commits): each message
+    carries one or more appends with call ids, each appended as ResumeHook
+    appends it (and group-committed with the others of its session), each
+    answered by id. Ends when the client half-closes and every append in
+    flight is answered; a message that breaks the bounds ends it with
+    INVALID_ARGUMENT.
+    """
     LookupHook: _aio.UnaryUnaryMultiCallable[_hooks_pb2.LookupHookRequest, _hooks_pb2.LookupHookResponse]  # type: ignore[assignment]
     """Resolve a token to its session."""
     DisposeHooks: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DisposeHooksRequest, _hooks_pb2.DisposeHooksResponse]  # type: ignore[assignment]
@@ -238,6 +256,21 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_hooks_pb2.ResumeHookResponse, _abc.Awaitable[_hooks_pb2.ResumeHookResponse]]:
         """Append a command to the inbox of the session a token resolves to."""
+
+    @_abc_1.abstractmethod
+    def ResumeHooks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_hooks_pb2.ResumeHooksRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_hooks_pb2.ResumeHooksResponse], _abc.AsyncIterator[_hooks_pb2.ResumeHooksResponse]]:
+        """Appends multiplexed over one long-lived stream per caller and hooks
+        replica (as AnchorService.CommitSteps multiplexes commits): each message
+        carries one or more appends with call ids, each appended as ResumeHook
+        appends it (and group-committed with the others of its session), each
+        answered by id. Ends when the client half-closes and every append in
+        flight is answered; a message that breaks the bounds ends it with
+        INVALID_ARGUMENT.
+        """
 
     @_abc_1.abstractmethod
     def LookupHook(
