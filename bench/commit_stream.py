@@ -1,14 +1,15 @@
-"""What multiplexing the owner's commits buys: one-step turns with commits on
-one CommitSteps stream (the default) against one unary CommitStep call each
-(`--commit-stream 0`), in the same run.
+"""What multiplexing buys: one-step turns with the owner's commits on one
+CommitSteps stream and the ingress' appends on one ResumeHooks stream (the
+default) against one unary CommitStep and ResumeHook call each
+(`--commit-stream 0`, `--resume-stream 0`), in the same run.
 
     python -m bench.commit_stream [--rounds 4] [--turns 300] [--sessions 32]
                                   [--concurrent-turns 1500] [--json PATH] [--smoke]
 
 Two complete stacks side by side (bench.turn_latency's BenchStack, TLS on
 every hop, one deployment each), identical but for the owner's
-BATON_OWNER_COMMIT_STREAM. Each round measures on one and then the other
-(the order alternates), as bench.tls_overhead does: sequential one-step
+BATON_OWNER_COMMIT_STREAM and the ingress' BATON_INGRESS_RESUME_STREAM.
+Each round measures on one and then the other (the order alternates), as bench.tls_overhead does: sequential one-step
 turns on one session, then N sessions running turns back to back, with
 every process's CPU per turn under that load. It reports the medians over
 rounds and the ratios streamed / unary, and, from the owners' metrics, how
@@ -84,7 +85,7 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
                 f"cpu_{name}_streamed_over_unary": streamed["cpu_ms"][name] / unary["cpu_ms"][name]
                 if unary["cpu_ms"][name]
                 else None
-                for name in ("owner", "anchor", "4 services")
+                for name in ("hooks", "anchor", "owner", "ingress", "4 services")
             },
         },
     }
@@ -93,8 +94,8 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
 def report(results: dict[str, Any]) -> str:
     modes, a = results["modes"], results["args"]
     lines = [
-        f"Owner commits streamed (CommitSteps) vs unary (CommitStep), same run: {a['rounds']} "
-        f"rounds, {a['turns']} sequential turns and {a['concurrent_turns']} turns over "
+        "Commits and appends streamed (CommitSteps, ResumeHooks) vs unary, same run: "
+        f"{a['rounds']} rounds, {a['turns']} sequential turns and {a['concurrent_turns']} turns over "
         f"{a['sessions']} sessions per mode per round (load average {results['load']})",
         "",
         f"  {'mode':<10} {'turn p50 ms':>12} {'p90 ms':>9} {'turns/s':>9}   "
@@ -142,7 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.path.join(logs, mode),
                 second_deployment=False,
                 tls=True,
-                env={"BATON_OWNER_COMMIT_STREAM": "1" if mode == "streamed" else "0"},
+                env={
+                    "BATON_OWNER_COMMIT_STREAM": "1" if mode == "streamed" else "0",
+                    "BATON_INGRESS_RESUME_STREAM": "1" if mode == "streamed" else "0",
+                },
                 metrics=True,
             )
             for mode in MODES
