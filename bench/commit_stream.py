@@ -9,8 +9,9 @@ default) against one unary CommitStep and ResumeHook call each
 Two complete stacks side by side (bench.turn_latency's BenchStack, TLS on
 every hop, one deployment each), identical but for the owner's
 BATON_OWNER_COMMIT_STREAM and the ingress' BATON_INGRESS_RESUME_STREAM.
-Each round measures on one and then the other (the order alternates), as bench.tls_overhead does: sequential one-step
-turns on one session, then N sessions running turns back to back, with
+Each round measures on one and then the other (the order alternates), as
+bench.tls_overhead does: sequential one-step turns on one session, then N
+sessions running turns back to back, with
 every process's CPU per turn under that load. It reports the medians over
 rounds and the ratios streamed / unary, and, from the owners' metrics, how
 many commits a CommitSteps message carried on average under load.
@@ -95,8 +96,9 @@ def report(results: dict[str, Any]) -> str:
     modes, a = results["modes"], results["args"]
     lines = [
         "Commits and appends streamed (CommitSteps, ResumeHooks) vs unary, same run: "
-        f"{a['rounds']} rounds, {a['turns']} sequential turns and {a['concurrent_turns']} turns over "
-        f"{a['sessions']} sessions per mode per round (load average {results['load']})",
+        f"{a['rounds']} rounds, {a['turns']} sequential turns and "
+        f"{a['concurrent_turns']} turns over {a['sessions']} sessions per mode per round "
+        f"(load average {results['load']})",
         "",
         f"  {'mode':<10} {'turn p50 ms':>12} {'p90 ms':>9} {'turns/s':>9}   "
         "per round: p50 ms / turns/s / CPU ms per turn, 4 services",
