@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import structlog
@@ -75,21 +74,14 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
-    async def CommitSteps(
+    def CommitSteps(
         self, request_iterator: AsyncIterator[pb.CommitStepsRequest], context: Context
     ) -> AsyncIterator[pb.CommitStepsResponse]:
         """CommitStep's commits multiplexed (services/common/multiplex.py):
         each one checked and committed exactly as CommitStep does it."""
-
-        async def commit(request: pb.CommitStepRequest) -> pb.CommitStepResponse:
-            return await self.CommitStep(request, context)
-
-        served = multiplex.serve_calls(
-            request_iterator, multiplex.checked_calls, commit, _COMMIT_ANSWERS, method=COMMIT_STEP
+        return multiplex.serve_unary(
+            request_iterator, self.CommitStep, context, _COMMIT_ANSWERS, method=COMMIT_STEP
         )
-        async with contextlib.aclosing(served) as answers:
-            async for batch in answers:
-                yield batch
 
     async def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: Context

@@ -23,6 +23,7 @@ Only for idempotent methods: the client retries a call whose stream broke.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import time
@@ -92,6 +93,28 @@ async def serve_calls(
     finally:
         reader.cancel()
         await served.cancel()
+
+
+async def serve_unary(
+    batches: AsyncIterator[Any],
+    unary: Callable[[Any, Any], Awaitable[Any]],
+    context: Any,
+    answers: Callable[[list[Answer]], Any],
+    *,
+    method: str,
+) -> AsyncGenerator[Any, None]:
+    """A servicer's multiplexed method: each call of each batch run by the
+    servicer's own `unary` method (`method`) with the stream's context (the
+    caller admitted at the stream's opening), answered by `answers` messages;
+    the calls in flight are cancelled when the stream ends."""
+
+    async def handle(request: Any) -> Any:
+        return await unary(request, context)
+
+    served = serve_calls(batches, checked_calls, handle, answers, method=method)
+    async with contextlib.aclosing(served) as ready:
+        async for message in ready:
+            yield message
 
 
 def checked_calls(batch: Any) -> Sequence[Any]:

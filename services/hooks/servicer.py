@@ -4,7 +4,6 @@ checked by services/hooks/consent.py)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 import structlog
@@ -229,21 +228,14 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
 
-    async def ResumeHooks(
+    def ResumeHooks(
         self, request_iterator: AsyncIterator[pb.ResumeHooksRequest], context: Context
     ) -> AsyncIterator[pb.ResumeHooksResponse]:
         """ResumeHook's appends multiplexed (services/common/multiplex.py):
         each one checked and appended exactly as ResumeHook does it."""
-
-        async def resume(request: pb.ResumeHookRequest) -> pb.ResumeHookResponse:
-            return await self.ResumeHook(request, context)
-
-        served = multiplex.serve_calls(
-            request_iterator, multiplex.checked_calls, resume, _RESUME_ANSWERS, method=RESUME_HOOK
+        return multiplex.serve_unary(
+            request_iterator, self.ResumeHook, context, _RESUME_ANSWERS, method=RESUME_HOOK
         )
-        async with contextlib.aclosing(served) as answers:
-            async for batch in answers:
-                yield batch
 
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: Context
