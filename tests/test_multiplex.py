@@ -304,6 +304,41 @@ async def test_lanes_spread_calls_over_replicas_and_pass_over_a_stopped_one() ->
         await servers[1].stop()
 
 
+async def test_lanes_retry_an_unavailable_answer_on_the_next_replica() -> None:
+    """A replica that answers UNAVAILABLE (its etcd unreachable) is passed
+    over as gRPC's retry policy passes over it for a unary call: every call
+    succeeds on the other; a refusal that is an answer is never retried."""
+    tried: list[str] = []
+
+    async def unavailable(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        tried.append("bad")
+        raise errors.Unavailable(Reason.STORE_UNAVAILABLE, "etcd unavailable")
+
+    async def good(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        tried.append("good")
+        if req.expected_snapshot_revision == 99:
+            raise errors.Fenced("a newer run holds it")
+        return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+    servers = [await MuxServer(unavailable).start(), await MuxServer(good).start()]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    lanes = multiplex.Lanes([client(channel) for channel in channels])
+    try:
+        for n in range(1, 7):
+            assert (await lanes.call(request(n), 10)).revision == n
+        assert "bad" in tried and tried.count("good") == 6
+        tried.clear()
+        with pytest.raises(errors.Fenced):
+            await lanes.call(request(99), 10)
+        assert tried.count("good") == 1
+    finally:
+        await lanes.close()
+        for channel in channels:
+            await channel.close()
+        for server in servers:
+            await server.stop()
+
+
 async def test_a_server_without_the_method_is_reported_unsupported() -> None:
     server = await MuxServer(echo).start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -427,9 +427,9 @@ class StreamedCalls(Generic[_Req, _Resp]):
 class Lanes(Generic[_Req, _Resp]):
     """Calls spread over several `StreamedCalls` (one per replica: each lane's
     stream is opened on its own channel to one address), the next lane for
-    each call. A lane whose stream broke is passed over for `LANE_PAUSE`
-    seconds and the call tries the next one, up to ATTEMPTS tries in all
-    within its deadline; a lane whose server does not serve the method is
+    each call. A lane whose stream broke, or that answered UNAVAILABLE, is
+    passed over for `LANE_PAUSE` seconds and the call tries the next one, up
+    to ATTEMPTS tries in all within its deadline; a lane whose server does not serve the method is
     dropped (`Unsupported` once none is left)."""
 
     LANE_PAUSE = 1.0
@@ -466,7 +466,11 @@ class Lanes(Generic[_Req, _Resp]):
             except Unsupported:
                 del self._lanes[index], self._down_until[index]
                 continue
-            except (StreamBroken, errors.DeadlineExceeded):
+            except (errors.Unavailable, errors.DeadlineExceeded):
+                # A broken stream, or an answer of UNAVAILABLE (the replica
+                # could not finish the call, e.g. its etcd is unreachable):
+                # as gRPC's retry policy retries an idempotent unary call,
+                # the next lane tries it.
                 self._down_until[index] = time.monotonic() + self.LANE_PAUSE
                 if attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
                     raise
