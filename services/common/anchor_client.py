@@ -12,7 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.multiplex import Lanes, Unsupported
+from baton_runtime.common.multiplex import Lanes
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 
@@ -72,14 +72,10 @@ class AnchorClient(ServiceClient):
         )
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
-        if self._commits:
-            try:
-                response = await self._commits.call(request, self.timeout)
-                return Committed(response.revision, response.replayed)
-            except Unsupported:
-                pass  # anchors of an older build: unary from now on
-        response = await self._unary(
-            "CommitStep", self.stub.CommitStep(request, timeout=self.timeout)
+        response = await self._multiplexed_or_unary(
+            self._commits,
+            request,
+            lambda: self._unary("CommitStep", self.stub.CommitStep(request, timeout=self.timeout)),
         )
         return Committed(response.revision, response.replayed)
 

@@ -26,7 +26,7 @@ from baton_runtime.common.client_answers import (
     TakenOver,
 )
 from baton_runtime.common.keys import Bell
-from baton_runtime.common.multiplex import Lanes, Unsupported
+from baton_runtime.common.multiplex import Lanes
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 
@@ -158,13 +158,10 @@ class HooksClient(ServiceClient):
             command = stamped
         command = traced(command)
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
-        if self._resumes:
-            try:
-                return (await self._resumes.call(request, self.timeout)).receipt
-            except Unsupported:
-                pass  # hooks of an older build: unary from now on
-        response = await self._unary(
-            "ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)
+        response = await self._multiplexed_or_unary(
+            self._resumes,
+            request,
+            lambda: self._unary("ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)),
         )
         return response.receipt
 

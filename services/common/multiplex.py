@@ -13,11 +13,13 @@ each by id, a refusal as the google.rpc.Status the unary method would have
 ended with. `StreamedCalls` is the client half: callers await one answer
 each, with a deadline; a stream that breaks fails every call in flight on it
 (outcome unknown, as for a unary call that lost its answer), and the next
-call opens a new one. A call past its deadline retires its stream too (a
+call opens a new one; `Lanes` spreads calls over one such stream per
+replica and retries there. A call past its deadline retires its stream too (a
 peer that stopped answering holds no later call), and the next call opens a
 new stream, which round-robin puts on the next replica.
 
-Only for idempotent methods: the client retries a call whose stream broke.
+Only for idempotent methods: `Lanes` retries a call whose stream broke (or
+that was answered UNAVAILABLE) on the next replica's stream.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ MAX_IN_FLIGHT = 256
 # A batch's requests stop growing past this many bytes (one bigger request
 # goes alone): well under every server's 4 MiB receive limit.
 MAX_BATCH_BYTES = 1024 * 1024
-# A stream broken under a call: that many tries in all (the next one opens a
-# new stream), as gRPC's retry policy gives an idempotent unary call.
+# A call whose stream broke (or that was answered UNAVAILABLE): that many
+# tries in all over the lanes, as gRPC's retry policy gives an idempotent
+# unary call (channels.py: 4 attempts).
 ATTEMPTS = 4
 
 _Req = TypeVar("_Req")
@@ -268,10 +271,8 @@ class StreamedCalls(Generic[_Req, _Resp]):
         method: str,
         max_calls: int = MAX_BATCH_CALLS,
         max_bytes: int = MAX_BATCH_BYTES,
-        attempts: int = ATTEMPTS,
     ) -> None:
         self._open = open_stream
-        self._attempts = attempts
         self._make_batch = make_batch
         self._answers_of = answers_of
         self._target = target
@@ -285,18 +286,9 @@ class StreamedCalls(Generic[_Req, _Resp]):
 
     async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109 - a per-call deadline
         """The answer to `request` (a refusal raises the domain error the
-        unary method would); a broken stream is retried on a new one."""
-        deadline = time.monotonic() + timeout
-        for attempt in range(self._attempts):
-            try:
-                return await self._call_once(request, max(0.0, deadline - time.monotonic()))
-            except StreamBroken:
-                if self._closed or attempt == self._attempts - 1 or time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(min(0.1 * 2**attempt, max(0.0, deadline - time.monotonic())))
-        raise AssertionError("unreachable")
-
-    async def _call_once(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109
+        unary method would). A stream that broke under it raises
+        StreamBroken (the outcome is unknown: `Lanes` retries); past
+        `timeout`, DeadlineExceeded, and the stream is retired."""
         stream = self._current()
         call_id = next(self._ids)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -310,7 +302,6 @@ class StreamedCalls(Generic[_Req, _Resp]):
         except TimeoutError:
             # A peer that stopped answering must not hold the calls after
             # this one: the next call opens a new stream.
-            stream.pending.pop(call_id, None)
             answer.cancel()
             self._retire(stream, StreamBroken(f"{self._method}: no answer in {timeout:.1f}s"))
             raise errors.DeadlineExceeded(
@@ -362,6 +353,8 @@ class StreamedCalls(Generic[_Req, _Resp]):
 
     def _take(self, outbox: list[tuple[int, _Req, str]]) -> list[tuple[int, _Req, str]]:
         """The next batch: up to max_calls requests and max_bytes (at least one)."""
+        if len(outbox) == 1:
+            return [outbox.pop()]  # the common case: no sizes to add up
         size = 0
         count = 0
         for _, request, _ in outbox:
@@ -387,7 +380,9 @@ class StreamedCalls(Generic[_Req, _Resp]):
                     if answer is None or answer.done():
                         continue  # past its deadline
                     if status:
-                        answer.set_exception(from_status_proto(_status(status)))
+                        answer.set_exception(
+                            from_status_proto(status_pb2.Status.FromString(status))
+                        )
                     else:
                         answer.set_result(response)
             failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
@@ -429,7 +424,8 @@ class Lanes(Generic[_Req, _Resp]):
     stream is opened on its own channel to one address), the next lane for
     each call. A lane whose stream broke, or that answered UNAVAILABLE, is
     passed over for `LANE_PAUSE` seconds and the call tries the next one, up
-    to ATTEMPTS tries in all within its deadline; a lane whose server does not serve the method is
+    to ATTEMPTS tries in all within its deadline (the one retry loop of
+    multiplexed calls); a lane whose server does not serve the method is
     dropped (`Unsupported` once none is left)."""
 
     LANE_PAUSE = 1.0
@@ -480,9 +476,3 @@ class Lanes(Generic[_Req, _Resp]):
     async def close(self) -> None:
         for lane in self._lanes:
             await lane.close()
-
-
-def _status(raw: bytes) -> status_pb2.Status:
-    status = status_pb2.Status()
-    status.ParseFromString(raw)
-    return status

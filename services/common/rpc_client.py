@@ -28,7 +28,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import rpc_metrics, tracing
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.multiplex import Answer, Lanes, StreamedCalls
+from baton_runtime.common.multiplex import Answer, Lanes, StreamedCalls, Unsupported
 from baton_runtime.common.tls import Security
 
 # Lanes of a multiplexed method: one per address, at most this many.
@@ -122,7 +122,6 @@ class ServiceClient:
                     answers_of,
                     target=self.kind,
                     method=path,
-                    attempts=1,  # `Lanes` retries, on the next lane
                 )
                 for channel in channels
             ]
@@ -133,6 +132,20 @@ class ServiceClient:
     def _done(self, method: str, code: str) -> None:
         if rpc_metrics.RPC.enabled:
             rpc_metrics.RPC.called(self.kind, f"/{self.service}/{method}", code)
+
+    async def _multiplexed_or_unary(
+        self, lanes: Lanes[Any, _T], request: Any, unary: Callable[[], Awaitable[_T]]
+    ) -> _T:
+        """`request` on its multiplexed `lanes`; by `unary` (a call of the
+        unary method, through `_unary`) when there are none, or when the
+        servers turn out not to serve the streamed method (an older build:
+        unary from then on)."""
+        if lanes:
+            try:
+                return await lanes.call(request, self.timeout)
+            except Unsupported:
+                pass
+        return await unary()
 
     async def _unary(self, method: str, call: Awaitable[_T]) -> _T:
         """The answer of `call` (the stub's `method`); a failure raises the

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
@@ -342,21 +342,11 @@ class FleetMembership:
         """The sessions of this instance's listing the host held in no state
         at this reconciliation and the last, with the same fence (and that
         the sweep is not claiming at its own pace)."""
-        unheld = {
-            o.fence.session_id: o.fence.SerializeToString()
-            for o in owned
-            if not self.host.holds(o.fence.session_id)
-        }
+        unheld = _fences(o for o in owned if not self.host.holds(o.fence.session_id))
         sweeping = self.parked.sweeping(self.instance_id)
-        orphans = [
-            o
-            for o in owned
-            if self._unheld.get(o.fence.session_id) == o.fence.SerializeToString()
-            and o.fence.session_id in unheld
-            and o.fence.session_id not in sweeping
-        ]
+        twice = _seen_twice(self._unheld, unheld)
         self._unheld = unheld
-        return orphans
+        return [o for o in owned if o.fence.session_id in twice - sweeping.keys()]
 
     def _unwoken_parked(self, owned: list[OwnedSession]) -> list[str]:
         """The sessions of this instance's listing that the host holds parked
@@ -364,14 +354,14 @@ class FleetMembership:
         reconciliation and the last, with the same fence: the bell never
         reached the parked session (a wake deletes the bell, so two sightings
         one interval apart are no race with a wake in flight)."""
-        unwoken = {
-            o.fence.session_id: o.fence.SerializeToString()
+        unwoken = _fences(
+            o
             for o in owned
             if o.parked and o.input_waiting and o.fence.session_id in self.host.parked
-        }
-        stuck = [sid for sid, fence in unwoken.items() if self._unwoken.get(sid) == fence]
+        )
+        twice = _seen_twice(self._unwoken, unwoken)
         self._unwoken = unwoken
-        return stuck
+        return sorted(twice)
 
     # -- bells ----------------------------------------------------------------------
 
@@ -386,3 +376,13 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("bell watch interrupted", reason=exc.reason)
             await backoff.wait()
+
+
+def _fences(owned: Iterable[OwnedSession]) -> dict[str, bytes]:
+    """Session id -> its fence as listed (compared between reconciliations)."""
+    return {o.fence.session_id: o.fence.SerializeToString() for o in owned}
+
+
+def _seen_twice(last: dict[str, bytes], now: dict[str, bytes]) -> set[str]:
+    """The sessions in both sightings, with the same fence."""
+    return {sid for sid, fence in now.items() if last.get(sid) == fence}
