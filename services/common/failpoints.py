@@ -44,15 +44,24 @@ def configure(spec: str) -> None:
         _active[name.strip()] = action.strip()
 
 
-async def hit(name: str) -> None:
-    """Run the action configured for `name`, if any (a dict lookup when none)."""
+def _fire(name: str) -> str | None:
+    """The action configured for `name` (a `once:` one consumed), logged as
+    hit; None when there is none (a dict lookup)."""
     action = _active.get(name)
     if action is None:
-        return
+        return None
     if action.startswith("once:"):
         action = action.removeprefix("once:")
         del _active[name]
     log.warning("failpoint hit", failpoint=name, action=action)
+    return action
+
+
+async def hit(name: str) -> None:
+    """Run the action configured for `name`, if any (a dict lookup when none)."""
+    action = _fire(name)
+    if action is None:
+        return
     if action == "kill":
         sys.stdout.flush()
         sys.stderr.flush()
@@ -68,15 +77,11 @@ async def hit(name: str) -> None:
 def armed(name: str) -> bool:
     """For a synchronous place: whether `name` is configured with `error`
     (or `once:error`, consumed here); the caller then skips its step."""
-    action = _active.get(name)
+    action = _fire(name)
     if action is None:
         return False
-    if action.startswith("once:"):
-        action = action.removeprefix("once:")
-        del _active[name]
     if action != "error":
         raise ValueError(f"failpoint {name!r}: only error is allowed here, not {action!r}")
-    log.warning("failpoint hit", failpoint=name, action=action)
     return True
 
 
