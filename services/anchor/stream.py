@@ -110,7 +110,9 @@ class EventStream:
         watch = follow
         while True:
             watching = (
-                watch_then_read(self._store.client, self._keys.stream_prefix(session_id))
+                watch_then_read(
+                    self._store.client, self._keys.stream_prefix(session_id), puts_only=True
+                )
                 if watch
                 else contextlib.nullcontext()
             )
@@ -150,7 +152,8 @@ class EventStream:
         self, session_id: str, follower: Follower, revision: int, cursor: _Cursor
     ) -> AsyncGenerator[list[s.Event], None]:
         """Live: each commit reaches the reader as one batch (the watch sees
-        its events, then the commit marker it writes last)."""
+        its events, then the commit marker it writes last; the horizon's
+        deletions are left out by etcd)."""
         marker = self._keys.commit_marker(session_id)
         batch: list[s.Event] = []
         async for change in follower.events(revision + 1):
@@ -162,7 +165,7 @@ class EventStream:
                         return
                     batch = []
                 continue
-            if not change.kv.value or seq_of(key) < cursor.next_seq:
+            if seq_of(key) < cursor.next_seq:
                 continue
             event = s.Event.FromString(change.kv.value)
             batch.append(event)

@@ -12,6 +12,7 @@ from typing import Any
 
 import aetcd
 import structlog
+from aetcd import rtypes
 
 from baton_runtime.common import metrics, retry
 from baton_runtime.common.errors import (
@@ -25,15 +26,16 @@ from baton_runtime.common.tasks import mark_retrieved
 log = structlog.get_logger("baton.etcd")
 
 
-async def open_watch(client: EtcdClient, prefix: bytes) -> Any:
+async def open_watch(client: EtcdClient, prefix: bytes, *, puts_only: bool = False) -> Any:
     """A watch of `prefix` from the current revision on. Open it *before*
     reading the range a follower starts from, and hand it to `follow_range`:
     etcd serves a watch created at a past revision from its "unsynced" group,
     caught up by a loop every 100 ms, so a watch opened after the read (at
     read revision + 1, with writes in between) can stall new events for up to
-    that long. This one is in sync from the start; the read covers the rest."""
+    that long. This one is in sync from the start; the read covers the rest. With
+    `puts_only`, etcd leaves deletions out (see `follow_range`)."""
     try:
-        return await create_watch(client, prefix)
+        return await create_watch(client, prefix, **_filters(puts_only))
     except aetcd.ClientError as exc:
         raise store_unavailable(exc) from exc
 
@@ -92,24 +94,30 @@ class Follower:
     """A watch opened before the read a follower starts from; see
     `watch_then_read`."""
 
-    def __init__(self, client: EtcdClient, prefix: bytes, watch: Any) -> None:
+    def __init__(self, client: EtcdClient, prefix: bytes, watch: Any, *, puts_only: bool) -> None:
         self._client = client
         self._prefix = prefix
+        self._puts_only = puts_only
         self.watch: Any = watch
 
     def events(self, start_revision: int) -> AsyncIterator[Any]:
         """Events from `start_revision` (the read's revision + 1) on; the
         watch belongs to the returned generator from now."""
         watch, self.watch = self.watch, None
-        return follow_range(self._client, self._prefix, start_revision, first_watch=watch)
+        return follow_range(
+            self._client, self._prefix, start_revision, first_watch=watch, puts_only=self._puts_only
+        )
 
 
 @contextlib.asynccontextmanager
-async def watch_then_read(client: EtcdClient, prefix: bytes) -> AsyncIterator[Follower]:
+async def watch_then_read(
+    client: EtcdClient, prefix: bytes, *, puts_only: bool = False
+) -> AsyncIterator[Follower]:
     """Open a watch of `prefix` now (see `open_watch`); the body reads its
     range, then follows with `follower.events(read revision + 1)`. A watch the
     body never followed is cancelled on the way out."""
-    follower = Follower(client, prefix, await open_watch(client, prefix))
+    watch = await open_watch(client, prefix, puts_only=puts_only)
+    follower = Follower(client, prefix, watch, puts_only=puts_only)
     try:
         yield follower
     finally:
@@ -123,6 +131,7 @@ async def follow_range(
     start_revision: int,
     *,
     first_watch: Any = None,
+    puts_only: bool = False,
 ) -> AsyncIterator[Any]:
     """Watch `prefix` from `start_revision`, resuming after etcd failures.
 
@@ -133,6 +142,11 @@ async def follow_range(
     events the read already covered are skipped. It belongs to this generator
     from then on. A compacted resume point raises Unavailable so the caller
     re-reads from its own cursor.
+
+    With `puts_only`, etcd filters deletions out before sending (a response
+    whose events are all deletions is not sent at all): for followers to
+    whom a deleted key means nothing, such as an inbox whose consumed
+    entries each commit deletes.
     """
     next_revision = start_revision
     backoff = retry.ETCD_WATCH.backoff()
@@ -143,7 +157,9 @@ async def follow_range(
         covered = start_revision if watch is not None else 0
         try:
             if watch is None:
-                watch = await create_watch(client, prefix, start_revision=next_revision)
+                watch = await create_watch(
+                    client, prefix, start_revision=next_revision, **_filters(puts_only)
+                )
             async for event in watch:
                 if event.kv.mod_revision < covered:
                     continue
@@ -169,3 +185,7 @@ async def cancel_watch(watch: Any) -> None:
         await watch.cancel()
     except aetcd.ClientError:
         pass
+
+
+def _filters(puts_only: bool) -> dict[str, Any]:
+    return {"kind": rtypes.EventKind.PUT} if puts_only else {}

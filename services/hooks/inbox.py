@@ -293,7 +293,11 @@ class Inbox:
         k = self._keys
         sid = fence.session_id
         owner = Fence.of(fence)
-        async with watch_then_read(self._store.client, k.control_prefix(sid)) as follower:
+        # Deletions are left out of the watch (each commit deletes the entries
+        # it consumed; the fence goes only with a finalized session's keys,
+        # after its retention, when no run follows it any more).
+        watching = watch_then_read(self._store.client, k.control_prefix(sid), puts_only=True)
+        async with watching as follower:
             # The backlog in pages (a long one after an outage must not become
             # one message): small commands in pages of up to 256, large ones
             # in pages of 16 (16 x MAX_COMMAND_BYTES = 4 MiB).
@@ -328,9 +332,7 @@ class Inbox:
             async for event in follower.events(first_revision + 1):
                 key = event.kv.key
                 if key == fence_key:
-                    owner.check(event.kv.value)  # a deleted fence (b"") is lost too
-                    continue
-                if not event.kv.value:
+                    owner.check(event.kv.value)
                     continue
                 seq = seq_of(key)
                 if seq >= next_seq:
