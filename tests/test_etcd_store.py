@@ -25,7 +25,7 @@ from baton_runtime.common.errors import Unavailable
 from baton_runtime.common.etcd_client import make_client
 from baton_runtime.common.etcd_ops import op_get, op_put
 from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import cancel_watch, open_watch
+from baton_runtime.common.etcd_watch import cancel_watch, open_watch, watch_then_read
 from baton_runtime.common.etcd_watch_stream import EtcdWatcher
 from baton_runtime.common.keys import prefix_end
 from tests import certs
@@ -110,6 +110,39 @@ async def test_a_watch_whose_creation_is_abandoned_misroutes_no_other_watch(
             key = await asyncio.wait_for(first_event(watch), 5)
             assert key == prefix + b"key", f"watch of {prefix!r} got {key!r}"
             await cancel_watch(watch)
+    finally:
+        await client.close()
+
+
+async def test_a_puts_only_follower_never_sees_a_deletion_also_after_a_resume(
+    etcd_endpoint: str,
+) -> None:
+    """The inbox and event streams follow with `puts_only` (etcd's NODELETE
+    filter): puts arrive in order, deletions never, and a watch resumed after
+    its stream ended keeps the filter."""
+    client = make_client(etcd_endpoint, 5, certs.etcd_security())
+    await client.connect()
+    prefix = f"{certs.TEST_PREFIX}puts-only/{uuid.uuid4().hex}/".encode()
+    seen: list[tuple[bytes, bytes]] = []
+    try:
+        async with watch_then_read(client, prefix, puts_only=True) as follower:
+            revision = (await client.put(prefix + b"a", b"1")).header.revision
+            events = follower.events(revision)
+
+            async def next_put() -> None:
+                event = await asyncio.wait_for(anext(events), 5)
+                seen.append((bytes(event.kv.key), bytes(event.kv.value)))
+
+            await next_put()
+            await client.delete(prefix + b"a")
+            await client.put(prefix + b"b", b"2")
+            await next_put()
+            await client.reset_watches("the test ends the watch stream")
+            await client.delete(prefix + b"b")
+            await client.put(prefix + b"c", b"3")
+            await next_put()
+            await events.aclose()
+        assert seen == [(prefix + b"a", b"1"), (prefix + b"b", b"2"), (prefix + b"c", b"3")]
     finally:
         await client.close()
 
