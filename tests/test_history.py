@@ -7,6 +7,7 @@ deleted after its retention. Real etcd, real gRPC, in-process services."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import aetcd
@@ -15,9 +16,14 @@ import pytest
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import ids, limits
+from baton_runtime.anchor.journal import Journal
+from baton_runtime.common import ids, limits, metrics
+from baton_runtime.common.errors import FailedPrecondition, Reason
+from baton_runtime.common.etcd_client import make_client
+from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.grpc_errors import error_reason
 from baton_runtime.common.keys import Keys
+from tests import certs
 from tests.procs import eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import (
@@ -264,3 +270,66 @@ async def test_long_streams_are_read_in_pages_from_any_cursor(stack: Stack) -> N
     followed = await follow_until(stack, sid, waits(21), start_seq=0)
     assert [e.seq for e in followed] == list(range(len(followed)))
     assert of(followed, ANSWERED)[-1].text == "echo: hello"
+
+
+def _read_count() -> float:
+    return sum(
+        sample.value
+        for metric in metrics.ETCD_TXN_SECONDS.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_count") and sample.labels.get("op") == "txn_read"
+    )
+
+
+@pytest.mark.parametrize(
+    ("entries", "context_start", "missing", "reads"),
+    [
+        (3, 0, None, 1),  # the context fits in the snapshot's read
+        (64, 0, None, 1),  # exactly one page
+        (200, 150, None, 1),  # older entries not yet retired: the newest page holds it
+        (65, 0, None, 2),  # one entry more than a page: the first is read after
+        (300, 20, None, 4),  # most of it paged (pages of 64, 128, 24), the newest carried
+        (100, 0, 90, 4),  # a gap in the newest page: refused, never a context with a hole
+        (100, 0, 10, 2),  # a gap below the newest page: refused as well
+    ],
+)
+async def test_a_load_reads_its_exact_context_carrying_the_newest_page_in_the_snapshot_read(
+    etcd_endpoint: str, entries: int, context_start: int, missing: int | None, reads: int
+) -> None:
+    """LoadSession's snapshot read carries the newest page of history
+    entries (EtcdHistory.read_newest): a context that fits costs no second
+    read, a longer one is paged up to what the page holds, and the entries
+    are exactly [context start, next index) in order, or HISTORY_INCOMPLETE."""
+    client = make_client(etcd_endpoint, 5, certs.etcd_security())
+    await client.connect()
+    keys = Keys(f"{certs.TEST_PREFIX}load/{uuid.uuid4().hex}/")
+    journal = Journal(Store(client, 5), keys)
+    sid = ids.new_session_id()
+    try:
+        snap = s.SessionSnapshot(session_id=sid)
+        snap.history_log.next_index = entries
+        snap.history_log.context_start = context_start
+        await client.put(keys.snapshot(sid), snap.SerializeToString())
+        for index in range(entries):
+            if index != missing:
+                entry = s.ChatMessage(role=s.ROLE_USER, content=f"entry {index}")
+                await client.put(keys.history_entry(sid, index), entry.SerializeToString())
+        before = _read_count()
+        loaded: list[s.ChatMessage] = []
+
+        async def load() -> None:
+            async for part in journal.load(sid):
+                if isinstance(part, list):
+                    loaded.extend(s.ChatMessage.FromString(raw) for raw in part)
+
+        if missing is None:
+            await load()
+            want = [f"entry {index}" for index in range(context_start, entries)]
+            assert [entry.content for entry in loaded] == want
+        else:
+            with pytest.raises(FailedPrecondition) as refused:
+                await load()
+            assert refused.value.reason == Reason.HISTORY_INCOMPLETE
+        assert _read_count() - before == reads
+    finally:
+        await client.close()

@@ -2,7 +2,7 @@
 
 History entries are appended at consecutive indexes and never rewritten; the
 snapshot keeps only the head (`HistoryLog`: next index, context start, context
-size, retired mark). Three operations:
+size, retired mark). Three operations, and a shortcut for the second:
 
 - `stage(session, first_index, entries)`: what the commit transaction must
   write for new entries. In etcd they are one key each, written by the
@@ -14,6 +14,10 @@ size, retired mark). Three operations:
   error.
 - `retire(session, from_index, below, guard)`: delete entries below an index
   in bounded transactions, each guarded by the owner's fence.
+- `read_newest(txn, session)`: a read the snapshot's own transaction carries
+  (in etcd, the newest page of entries); `read(..., carried=its result)`
+  takes what it holds of the context from there, so a load whose context fits
+  in one page is one round trip. A store that carries nothing adds no read.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from baton_runtime.common import limits
 from baton_runtime.common.errors import FailedPrecondition, InvalidArgument, Reason
 from baton_runtime.common.etcd_ops import op_put
 from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, seq_of
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.txn import Txn, TxnResult
+
+_NEWEST = "history.newest"
 
 
 class HistoryStore(Protocol):
@@ -37,8 +43,15 @@ class HistoryStore(Protocol):
     ) -> list[rpc.RequestOp]: ...
 
     def read(
-        self, session_id: str, start: int, end: int, revision: int
+        self,
+        session_id: str,
+        start: int,
+        end: int,
+        revision: int,
+        carried: TxnResult | None = None,
     ) -> AsyncIterator[list[bytes]]: ...
+
+    def read_newest(self, txn: Txn, session_id: str) -> Txn: ...
 
     async def retire(
         self, session_id: str, from_index: int, below: int, guard: rpc.Compare
@@ -72,7 +85,36 @@ class EtcdHistory:
             op_put(key(session_id, first_index + offset), raw) for offset, raw in enumerate(entries)
         ]
 
+    def read_newest(self, txn: Txn, session_id: str) -> Txn:
+        """Add to `txn` a read of the session's newest READ_PAGE_ENTRIES
+        entries (at most 16 MiB, see limits)."""
+        prefix = self._keys.history_prefix(session_id)
+        return txn.read(
+            _NEWEST,
+            prefix,
+            prefix_end(prefix),
+            limit=limits.READ_PAGE_ENTRIES,
+            newest_first=True,
+        )
+
     async def read(
+        self,
+        session_id: str,
+        start: int,
+        end: int,
+        revision: int,
+        carried: TxnResult | None = None,
+    ) -> AsyncIterator[list[bytes]]:
+        """Entries [start, end) as of `revision`: what `carried` (the result
+        of a transaction `read_newest` added to, read at `revision`) holds
+        of their tail, the rest first, read in pages."""
+        tail = _tail(carried, start, end) if carried is not None else []
+        async for batch in self._read_pages(session_id, start, end - len(tail), revision):
+            yield batch
+        if tail:
+            yield tail
+
+    async def _read_pages(
         self, session_id: str, start: int, end: int, revision: int
     ) -> AsyncIterator[list[bytes]]:
         key = self._keys.history_entry
@@ -145,3 +187,16 @@ class EtcdHistory:
             deleted += result.deleted("entries")
             low = high
         return deleted
+
+
+def _tail(carried: TxnResult, start: int, end: int) -> list[bytes]:
+    """The entries of [start, end) the newest-first read in `carried` holds
+    without a gap down from end - 1, oldest first."""
+    tail: list[bytes] = []
+    for kv in carried.kvs(_NEWEST):
+        index = end - 1 - len(tail)
+        if index < start or seq_of(kv.key) != index:
+            break
+        tail.append(kv.value)
+    tail.reverse()
+    return tail

@@ -208,7 +208,7 @@ class Journal:
     async def snapshot(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         """The last committed snapshot and its key's mod revision (what the
         next commit must compare)."""
-        loaded, _ = await self._read_snapshot(session_id)
+        loaded = await self._read_snapshot(session_id)
         return loaded.snapshot, loaded.revision
 
     async def snapshot_and_horizon(self, session_id: str) -> tuple[s.SessionSnapshot, int, int]:
@@ -226,10 +226,10 @@ class Journal:
         loaded = self._decode_snapshot(session_id, result.kv("snapshot"))
         return loaded.snapshot, loaded.revision, horizon_of(result.value("horizon"))
 
-    async def _read_snapshot(self, session_id: str) -> tuple[LoadedSnapshot, int]:
+    async def _read_snapshot(self, session_id: str) -> LoadedSnapshot:
         ids.validate_session_id(session_id)
         result = await Txn().read("snapshot", self._keys.snapshot(session_id)).run(self._store)
-        return self._decode_snapshot(session_id, result.kv("snapshot")), result.revision
+        return self._decode_snapshot(session_id, result.kv("snapshot"))
 
     @staticmethod
     def _decode_snapshot(session_id: str, kv: Any) -> LoadedSnapshot:
@@ -252,8 +252,13 @@ class Journal:
     ) -> AsyncIterator[LoadedSnapshot | list[bytes]]:
         """The snapshot (first), then the serialized history entries of its
         context in bounded batches, read at the snapshot read's revision, so
-        the entries are exactly the ones that snapshot names."""
-        loaded, read_revision = await self._read_snapshot(session_id)
+        the entries are exactly the ones that snapshot names. The snapshot's
+        read carries the newest page of entries (`read_newest`): a context
+        that fits in it costs no second read."""
+        ids.validate_session_id(session_id)
+        snapshot_read = Txn().read("snapshot", self._keys.snapshot(session_id))
+        result = await self._history.read_newest(snapshot_read, session_id).run(self._store)
+        loaded = self._decode_snapshot(session_id, result.kv("snapshot"))
         if expected_revision is not None and loaded.revision != expected_revision:
             raise Aborted(
                 Reason.STALE_CHECKPOINT,
@@ -264,7 +269,7 @@ class Journal:
         log = loaded.snapshot.history_log
         if log.next_index > log.context_start:
             async for batch in self._history.read(
-                session_id, log.context_start, log.next_index, read_revision
+                session_id, log.context_start, log.next_index, result.revision, carried=result
             ):
                 yield batch
 

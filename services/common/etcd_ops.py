@@ -48,12 +48,17 @@ def op_get(
     keys_only: bool = False,
     limit: int = 0,
     revision: int = 0,
+    newest_first: bool = False,
 ) -> rpc.RequestOp:
-    return rpc.RequestOp(
-        request_range=rpc.RangeRequest(
-            key=key, range_end=range_end, keys_only=keys_only, limit=limit, revision=revision
-        )
+    """A range read; `newest_first` sorts it by key, descending (with
+    `limit`: the last keys of the range)."""
+    request = rpc.RangeRequest(
+        key=key, range_end=range_end, keys_only=keys_only, limit=limit, revision=revision
     )
+    if newest_first:
+        request.sort_order = rpc.RangeRequest.SortOrder.DESCEND
+        request.sort_target = rpc.RangeRequest.SortTarget.KEY
+    return rpc.RequestOp(request_range=request)
 
 
 def op_delete(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:

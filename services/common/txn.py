@@ -142,10 +142,20 @@ class Txn:
         keys_only: bool = False,
         limit: int = 0,
         revision: int = 0,
+        newest_first: bool = False,
     ) -> Txn:
         ops = self.success if on == "success" else self.failure
         self._names[on][name] = len(ops)
-        ops.append(op_get(key, range_end, keys_only=keys_only, limit=limit, revision=revision))
+        ops.append(
+            op_get(
+                key,
+                range_end,
+                keys_only=keys_only,
+                limit=limit,
+                revision=revision,
+                newest_first=newest_first,
+            )
+        )
         return self
 
     def read_each(self, name: str, keys: Sequence[bytes], *, on: Branch = "success") -> Txn:
