@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli import sessions
-from baton_runtime.common import metrics
+from baton_runtime.common import build_info
 from tests.stack import SLACK_KEY, WEB_KEY, Stack
 from tests.test_cli_sessions import (
     CLI_TIMEOUT,
@@ -182,8 +182,8 @@ async def test_errors_print_the_reason_with_their_exit_codes(stack: Stack, tmp_p
 async def test_version_is_the_package_version() -> None:
     run = await baton("--version", env={"BATON_API_KEY": SLACK_KEY})
     assert run.code == 0, run.err
-    assert run.out.strip() == f"baton {metrics.version()}"
-    assert metrics.version() != "unknown"
+    assert run.out.strip() == f"baton {build_info.version()}"
+    assert build_info.version() != "unknown"
 
 
 async def test_a_broken_follow_says_where_to_continue(stack: Stack, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
-from baton_runtime.common import errors, multiplex
+from baton_runtime.common import errors, multiplex, multiplex_client
 from baton_runtime.common.errors import Reason
 from tests.procs import ProcessStack, answered, check_history
 from tests.scrape import scrape
@@ -96,13 +96,17 @@ class MuxServer:
         await self.server.stop(None)
 
 
-def client(channel: grpc.aio.Channel, path: str = METHOD) -> multiplex.StreamedCalls[Any, Any]:
+def client(
+    channel: grpc.aio.Channel, path: str = METHOD
+) -> multiplex_client.StreamedCalls[Any, Any]:
     open_stream = channel.stream_stream(
         path,
         request_serializer=pb.CommitStepsRequest.SerializeToString,
         response_deserializer=pb.CommitStepsResponse.FromString,
     )
-    return multiplex.StreamedCalls(open_stream, _batch, _answers_of, target="test", method=path)
+    return multiplex_client.StreamedCalls(
+        open_stream, _batch, _answers_of, target="test", method=path
+    )
 
 
 def request(n: int) -> pb.CommitStepRequest:
@@ -287,7 +291,7 @@ async def test_lanes_spread_calls_over_replicas_and_pass_over_a_stopped_one() ->
 
     servers = [await MuxServer(answering(name)).start() for name in ("r0", "r1")]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
-    lanes = multiplex.Lanes([client(channel) for channel in channels])
+    lanes = multiplex_client.Lanes([client(channel) for channel in channels])
     try:
         for n in range(1, 11):
             assert (await lanes.call(request(n), 10)).revision == n
@@ -322,7 +326,7 @@ async def test_lanes_retry_an_unavailable_answer_on_the_next_replica() -> None:
 
     servers = [await MuxServer(unavailable).start(), await MuxServer(good).start()]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
-    lanes = multiplex.Lanes([client(channel) for channel in channels])
+    lanes = multiplex_client.Lanes([client(channel) for channel in channels])
     try:
         for n in range(1, 7):
             assert (await lanes.call(request(n), 10)).revision == n
@@ -344,10 +348,10 @@ async def test_a_server_without_the_method_is_reported_unsupported() -> None:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     calls = client(channel, "/test.Mux/Missing")
     try:
-        with pytest.raises(multiplex.Unsupported):
+        with pytest.raises(multiplex_client.Unsupported):
             await calls.call(request(1), 10)
         assert not calls.supported
-        with pytest.raises(multiplex.Unsupported):
+        with pytest.raises(multiplex_client.Unsupported):
             await calls.call(request(2), 10)
     finally:
         await calls.close()

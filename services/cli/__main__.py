@@ -47,13 +47,13 @@ from baton_runtime.cli.demo_command import add_demo_command, run_demo_command
 from baton_runtime.cli.etcd_commands import add_etcd_commands, run_etcd_binary, run_etcd_check
 from baton_runtime.cli.key_commands import add_hash_key_command, run_hash_key
 from baton_runtime.cli.up_command import add_up_command, run_up
-from baton_runtime.common import metrics
+from baton_runtime.common import build_info
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Every `baton` command, in the order `baton --help` lists them."""
     parser = argparse.ArgumentParser(prog="baton", description="Run Baton locally and talk to it.")
-    parser.add_argument("--version", action="version", version=f"baton {metrics.version()}")
+    parser.add_argument("--version", action="version", version=f"baton {build_info.version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_up_command(commands)
     add_demo_command(commands)

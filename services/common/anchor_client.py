@@ -12,7 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.multiplex import Lanes
+from baton_runtime.common.multiplex_client import Lanes
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 

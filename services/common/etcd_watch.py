@@ -141,12 +141,7 @@ async def follow_range(
     before the read that ended at `start_revision` - 1) is used first; its
     events the read already covered are skipped. It belongs to this generator
     from then on. A compacted resume point raises Unavailable so the caller
-    re-reads from its own cursor.
-
-    With `puts_only`, etcd filters deletions out before sending (a response
-    whose events are all deletions is not sent at all): for followers to
-    whom a deleted key means nothing, such as an inbox whose consumed
-    entries each commit deletes.
+    re-reads from its own cursor. `puts_only`: no deletions (`_filters`).
     """
     next_revision = start_revision
     backoff = retry.ETCD_WATCH.backoff()
@@ -188,4 +183,8 @@ async def cancel_watch(watch: Any) -> None:
 
 
 def _filters(puts_only: bool) -> dict[str, Any]:
+    """etcd's NODELETE filter for `puts_only`: etcd leaves deletions out, and
+    sends no response whose events were all deletions. For followers to whom
+    a deleted key means nothing, such as an inbox whose consumed entries each
+    commit deletes."""
     return {"kind": rtypes.EventKind.PUT} if puts_only else {}

@@ -26,7 +26,7 @@ from baton_runtime.common.client_answers import (
     TakenOver,
 )
 from baton_runtime.common.keys import Bell
-from baton_runtime.common.multiplex import Lanes
+from baton_runtime.common.multiplex_client import Lanes
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 

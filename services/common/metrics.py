@@ -12,13 +12,11 @@ process; `SERVICE_METRICS` says which ones each service exposes, so a hooks
 scrape shows no owner metrics. Gauges that are a view of state held
 elsewhere (the owner's sessions, the live instances in etcd) are computed at
 scrape time by a collector or a refresh hook, never kept up to date by hand.
-`rpc_metrics` records the RPC metrics; `metrics_endpoint` serves them all.
+`rpc_metrics` records the RPC metrics; `metrics_endpoint` serves them all;
+`build_info` is the one gauge of the build itself.
 """
 
 from __future__ import annotations
-
-import importlib.metadata
-from collections.abc import Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,8 +25,9 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from baton_runtime.common.build_info import BuildInfo
 
 # No `_created` series next to every counter and histogram: they double the
 # series count and say only when the process started.
@@ -86,7 +85,6 @@ RPC_CLIENT_STREAM_SENT = Counter(
     ["target", "method"],
     registry=None,
 )
-BUILD_INFO = "baton_build_info"
 
 # -- hooks and anchor: etcd (services/common/etcd_*.py, store_health.py) -------
 
@@ -369,33 +367,6 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     ),
     "ingress": (*_RPC, SENDS, LIMIT_REFUSALS),
 }
-
-
-DISTRIBUTION = "baton-runtime"  # the servers' distribution (pyproject.toml)
-
-
-def version() -> str:
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-class BuildInfo(Collector):
-    """`baton_build_info{version,deployment} 1`: which build (and, for owner
-    and ingress, which deployment id) a scraped process runs."""
-
-    def __init__(self, deployment_id: str) -> None:
-        self._labels = [version(), deployment_id]
-
-    def collect(self) -> Iterable[Metric]:
-        family = GaugeMetricFamily(
-            BUILD_INFO,
-            "The running build's version and deployment id (empty for hooks and anchor)",
-            labels=["version", "deployment"],
-        )
-        family.add_metric(self._labels, 1)
-        yield family
 
 
 def registry_for(service: str, deployment_id: str = "") -> CollectorRegistry:

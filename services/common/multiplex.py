@@ -10,13 +10,8 @@ calls.
 method would (concurrently, at most `max_in_flight` on a stream: then it
 stops reading, and gRPC's flow control holds the client back), and answers
 each by id, a refusal as the google.rpc.Status the unary method would have
-ended with. `StreamedCalls` is the client half: callers await one answer
-each, with a deadline; a stream that breaks fails every call in flight on it
-(outcome unknown, as for a unary call that lost its answer), and the next
-call opens a new one; `Lanes` spreads calls over one such stream per
-replica and retries there. A call past its deadline retires its stream too (a
-peer that stopped answering holds no later call), and the next call opens a
-new stream, which round-robin puts on the next replica.
+ended with. The client half (`StreamedCalls`, `Lanes`) is
+services/common/multiplex_client.py.
 
 Only for idempotent methods: `Lanes` retries a call whose stream broke (or
 that was answered UNAVAILABLE) on the next replica's stream.
@@ -26,21 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
-import grpc
 import structlog
-from google.rpc import status_pb2
 
 from baton_runtime.common import errors, rpc_metrics, tracing
 from baton_runtime.common.grpc_errors import (
-    from_rpc_error,
-    from_status_proto,
     status_code,
     status_proto,
 )
@@ -52,14 +40,6 @@ MAX_IN_FLIGHT = 256
 # A batch's requests stop growing past this many bytes (one bigger request
 # goes alone): well under every server's 4 MiB receive limit.
 MAX_BATCH_BYTES = 1024 * 1024
-# A call whose stream broke (or that was answered UNAVAILABLE): that many
-# tries in all over the lanes, as gRPC's retry policy gives an idempotent
-# unary call (channels.py: 4 attempts).
-ATTEMPTS = 4
-
-_Req = TypeVar("_Req")
-_Resp = TypeVar("_Resp")
-
 # (call id, the answer or None, the serialized google.rpc.Status or b"")
 Answer = tuple[int, Any, bytes]
 
@@ -228,251 +208,3 @@ class _ServedCalls:
             task.cancel()
         if self._running:
             await asyncio.wait(list(self._running.values()))
-
-
-# -- the client half ------------------------------------------------------------------
-
-
-class StreamBroken(errors.Unavailable):
-    """The stream under a call broke before its answer: the outcome is unknown."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(errors.Reason.UPSTREAM_UNAVAILABLE, message)
-
-
-class Unsupported(Exception):
-    """The server does not serve the streamed method (an older build)."""
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One open stream: its call, the calls in flight on it, what waits to
-    be written, and its writer and reader."""
-
-    call: Any
-    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
-    outbox: list[tuple[int, Any, str]] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    broken: BaseException | None = None
-
-
-class StreamedCalls(Generic[_Req, _Resp]):
-    """The client half: `call(request)` sends one request on the current
-    stream (opening one when there is none) and awaits its answer."""
-
-    def __init__(
-        self,
-        open_stream: Callable[[], Any],
-        make_batch: Callable[[list[tuple[int, _Req, str]]], Any],
-        answers_of: Callable[[Any], Iterable[Answer]],
-        *,
-        target: str,
-        method: str,
-        max_calls: int = MAX_BATCH_CALLS,
-        max_bytes: int = MAX_BATCH_BYTES,
-    ) -> None:
-        self._open = open_stream
-        self._make_batch = make_batch
-        self._answers_of = answers_of
-        self._target = target
-        self._method = method
-        self._max_calls = max_calls
-        self._max_bytes = max_bytes
-        self._ids = itertools.count(1)
-        self._stream: _Stream | None = None
-        self._closed = False
-        self.supported = True
-
-    async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109 - a per-call deadline
-        """The answer to `request` (a refusal raises the domain error the
-        unary method would). A stream that broke under it raises
-        StreamBroken (the outcome is unknown: `Lanes` retries); past
-        `timeout`, DeadlineExceeded, and the stream is retired."""
-        stream = self._current()
-        call_id = next(self._ids)
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        stream.pending[call_id] = answer
-        stream.outbox.append((call_id, request, tracing.current_traceparent()))
-        stream.wake.set()
-        try:
-            async with asyncio.timeout(timeout):
-                response: _Resp = await asyncio.shield(answer)
-                return response
-        except TimeoutError:
-            # A peer that stopped answering must not hold the calls after
-            # this one: the next call opens a new stream.
-            answer.cancel()
-            self._retire(stream, StreamBroken(f"{self._method}: no answer in {timeout:.1f}s"))
-            raise errors.DeadlineExceeded(
-                errors.Reason.TIMEOUT, f"{self._method}: no answer in {timeout:.1f}s"
-            ) from None
-        finally:
-            stream.pending.pop(call_id, None)
-            if answer.done() and not answer.cancelled():
-                answer.exception()  # retrieved, also when the caller was cancelled first
-
-    def _current(self) -> _Stream:
-        if not self.supported:
-            raise Unsupported(self._method)
-        if self._closed:
-            raise StreamBroken(f"{self._method}: the client closed")
-        stream = self._stream
-        if stream is None or stream.broken is not None:
-            # The stream and its tasks serve every caller: they start in a
-            # context of their own, not the first caller's (its log bindings
-            # and span would stick to them).
-            fresh = contextvars.Context()
-            try:
-                opened = fresh.run(self._open)
-            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
-                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
-            stream = self._stream = _Stream(opened)
-            if rpc_metrics.RPC.enabled:
-                rpc_metrics.RPC.opened(self._target, self._method)
-            loop = asyncio.get_running_loop()
-            stream.tasks = [
-                loop.create_task(self._write(stream), context=fresh.copy()),
-                loop.create_task(self._read(stream), context=fresh.copy()),
-            ]
-        return stream
-
-    async def _write(self, stream: _Stream) -> None:
-        meter = rpc_metrics.RPC
-        try:
-            while True:
-                await stream.wake.wait()
-                stream.wake.clear()
-                while stream.outbox:
-                    batch = self._take(stream.outbox)
-                    await stream.call.write(self._make_batch(batch))
-                    if meter.enabled:
-                        meter.sent_on_stream(self._target, self._method)
-        except Exception as exc:  # noqa: BLE001 - any failed write ends the stream
-            self._retire(stream, StreamBroken(f"{self._method}: the stream broke ({exc!r})"))
-
-    def _take(self, outbox: list[tuple[int, _Req, str]]) -> list[tuple[int, _Req, str]]:
-        """The next batch: up to max_calls requests and max_bytes (at least one)."""
-        if len(outbox) == 1:
-            return [outbox.pop()]  # the common case: no sizes to add up
-        size = 0
-        count = 0
-        for _, request, _ in outbox:
-            size += request.ByteSize()  # type: ignore[attr-defined]
-            if count and (count >= self._max_calls or size > self._max_bytes):
-                break
-            count += 1
-        batch = outbox[:count]
-        del outbox[:count]
-        return batch
-
-    async def _read(self, stream: _Stream) -> None:
-        meter = rpc_metrics.RPC
-        try:
-            while True:
-                message = await stream.call.read()
-                if message is grpc.aio.EOF:
-                    break
-                if meter.enabled:
-                    meter.received(self._target, self._method)
-                for call_id, response, status in self._answers_of(message):
-                    answer = stream.pending.get(call_id)
-                    if answer is None or answer.done():
-                        continue  # past its deadline
-                    if status:
-                        answer.set_exception(
-                            from_status_proto(status_pb2.Status.FromString(status))
-                        )
-                    else:
-                        answer.set_result(response)
-            failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.supported = False
-                failure = Unsupported(self._method)
-            elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                failure = StreamBroken(f"{self._method}: the stream broke ({exc.code().name})")
-            else:
-                failure = from_rpc_error(exc)
-        self._retire(stream, failure)
-
-    def _retire(self, stream: _Stream, failure: BaseException) -> None:
-        """End `stream`: every call in flight on it fails with `failure`."""
-        if stream.broken is not None:
-            return
-        stream.broken = failure
-        if self._stream is stream:
-            self._stream = None
-        for answer in stream.pending.values():
-            if not answer.done():
-                answer.set_exception(failure)
-        stream.call.cancel()
-        for task in stream.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
-
-    async def close(self) -> None:
-        self._closed = True
-        stream = self._stream
-        if stream is not None:
-            self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
-            await asyncio.gather(*stream.tasks, return_exceptions=True)
-
-
-class Lanes(Generic[_Req, _Resp]):
-    """Calls spread over several `StreamedCalls` (one per replica: each lane's
-    stream is opened on its own channel to one address), the next lane for
-    each call. A lane whose stream broke, or that answered UNAVAILABLE, is
-    passed over for `LANE_PAUSE` seconds and the call tries the next one, up
-    to ATTEMPTS tries in all within its deadline (the one retry loop of
-    multiplexed calls); a lane whose server does not serve the method is
-    dropped (`Unsupported` once none is left)."""
-
-    LANE_PAUSE = 1.0
-
-    def __init__(self, lanes: list[StreamedCalls[_Req, _Resp]]) -> None:
-        self._lanes = lanes
-        self._down_until = [0.0] * len(lanes)
-        self._next = 0
-
-    def __bool__(self) -> bool:
-        return bool(self._lanes)
-
-    def _pick(self) -> int:
-        now = time.monotonic()
-        count = len(self._lanes)
-        for step in range(count):
-            index = (self._next + step) % count
-            if self._down_until[index] <= now:
-                break
-        else:
-            index = self._next % count  # every lane paused: try the next anyway
-        self._next = index + 1
-        return index
-
-    async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109
-        deadline = time.monotonic() + timeout
-        for attempt in range(ATTEMPTS):
-            if not self._lanes:
-                raise Unsupported("no lane serves the method")
-            index = self._pick()
-            lane = self._lanes[index]
-            try:
-                return await lane.call(request, max(0.0, deadline - time.monotonic()))
-            except Unsupported:
-                del self._lanes[index], self._down_until[index]
-                continue
-            except (errors.Unavailable, errors.DeadlineExceeded):
-                # A broken stream, or an answer of UNAVAILABLE (the replica
-                # could not finish the call, e.g. its etcd is unreachable):
-                # as gRPC's retry policy retries an idempotent unary call,
-                # the next lane tries it.
-                self._down_until[index] = time.monotonic() + self.LANE_PAUSE
-                if attempt == ATTEMPTS - 1 or time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(min(0.05 * 2**attempt, max(0.0, deadline - time.monotonic())))
-        raise StreamBroken("every attempt found its stream broken")
-
-    async def close(self) -> None:
-        for lane in self._lanes:
-            await lane.close()

@@ -28,7 +28,8 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import rpc_metrics, tracing
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.multiplex import Answer, Lanes, StreamedCalls, Unsupported
+from baton_runtime.common.multiplex import Answer
+from baton_runtime.common.multiplex_client import Lanes, StreamedCalls, Unsupported
 from baton_runtime.common.tls import Security
 
 # Lanes of a multiplexed method: one per address, at most this many.
