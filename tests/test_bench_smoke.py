@@ -267,3 +267,27 @@ def test_commit_stream_bench_smoke(tmp_path: Path) -> None:
         assert figures["modes"][mode]["turn"]["n"] == 5
         assert figures["modes"][mode]["turns_per_s"] > 0
     assert figures["commits_per_message"] >= 1
+
+
+def test_message_costs_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.message_costs --smoke`: every kind of message is
+    measured (a server process, a TLS etcd), and the one-step turn's
+    messages are added up from docs/hops.json. No timing is asserted."""
+    out = tmp_path / "costs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.message_costs", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Health.Check hops" in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["calls"] == 50
+    for kind in ("health_check", "unary", "stream_pair"):
+        assert set(figures["grpc"][kind]) == {"server_ms", "client_ms"}
+    assert set(figures["etcd"]) == {"txn_write", "watch_response"}
+    turn = figures["one_step_turn"]
+    assert abs(turn["total_ms"] - sum(turn["parts_ms"].values())) < 0.001
+    assert len(turn["parts_ms"]) == 4  # the edge, streams, etcd txns, watch responses

@@ -134,7 +134,7 @@ def build_server(
     interceptor = CallInterceptor(
         service, deployment_id, verify_callers=security.is_tls, capacity=capacity
     )
-    server = grpc.aio.server(interceptors=[interceptor], options=_options(max_message_bytes))
+    server = grpc.aio.server(interceptors=[interceptor], options=server_options(max_message_bytes))
     health_servicer, names = _register(server, bindings)
     port, watcher = _bind(server, listen, security, client_certificates)
     health_server, health_port = _health_listener(health_servicer, health_listen)
@@ -159,7 +159,7 @@ def _refuse_public_plaintext(service: str, listen: str, security: Security) -> N
         )
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """The API server's channel options: message sizes, keepalive, ports."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
