@@ -18,7 +18,8 @@ services use, and a TLS etcd with auth:
   open in this process (the difference is one watch response received).
 
 CPU comes from /proc for the server and etcd and from the process clock for
-this process, per call. The report then adds up what a one-step turn's
+this process, per call; the kinds run interleaved, in rounds, so that a
+drift of the machine's speed weighs on each alike. The report then adds up what a one-step turn's
 messages cost on that scale, from docs/hops.json's counts, next to one
 `Health.Check`: the part of a turn's CPU that the messages alone explain.
 Only ratios carry over between machines.
@@ -96,19 +97,31 @@ async def serve(cert: str, key: str, ca: str) -> None:
 # -- the client (this process) ------------------------------------------------
 
 
-async def _measured(
-    server_pid: int, calls: int, once: Callable[[], Awaitable[Any]]
-) -> dict[str, float]:
-    """CPU ms per call of `once` in the server and in this process."""
-    for _ in range(max(calls // 10, 5)):
-        await once()
-    server0, client0 = cpu_seconds(server_pid), time.process_time()
-    for _ in range(calls):
-        await once()
-    server1, client1 = cpu_seconds(server_pid), time.process_time()
+BLOCKS = 10
+
+
+async def _interleaved(
+    server_pid: int, calls: int, kinds: dict[str, Callable[[], Awaitable[Any]]]
+) -> dict[str, dict[str, float]]:
+    """CPU ms per call of each kind in the server and in this process: the
+    kinds run in BLOCKS rounds of calls / BLOCKS each, round-robin, so a
+    drift of the machine's speed weighs on every kind alike."""
+    for once in kinds.values():
+        for _ in range(max(calls // 10, 5)):
+            await once()
+    spent = {name: [0.0, 0.0] for name in kinds}
+    per_block = max(calls // BLOCKS, 1)
+    for _ in range(BLOCKS):
+        for name, once in kinds.items():
+            server0, client0 = cpu_seconds(server_pid), time.process_time()
+            for _ in range(per_block):
+                await once()
+            spent[name][0] += cpu_seconds(server_pid) - server0
+            spent[name][1] += time.process_time() - client0
+    n = per_block * BLOCKS
     return {
-        "server_ms": round((server1 - server0) * 1000 / calls, 4),
-        "client_ms": round((client1 - client0) * 1000 / calls, 4),
+        name: {"server_ms": round(s * 1000 / n, 4), "client_ms": round(c * 1000 / n, 4)}
+        for name, (s, c) in spent.items()
     }
 
 
@@ -124,13 +137,15 @@ async def measure_grpc(server_pid: int, port: int, calls: int) -> dict[str, Any]
             await stream.write(REQUEST)
             await stream.read()
 
-        figures = {
-            "health_check": await _measured(
-                server_pid, calls, lambda: check(health_pb2.HealthCheckRequest(), timeout=5)
-            ),
-            "unary": await _measured(server_pid, calls, lambda: unary(REQUEST, timeout=5)),
-            "stream_pair": await _measured(server_pid, calls, pair),
-        }
+        figures = await _interleaved(
+            server_pid,
+            calls,
+            {
+                "health_check": lambda: check(health_pb2.HealthCheckRequest(), timeout=5),
+                "unary": lambda: unary(REQUEST, timeout=5),
+                "stream_pair": pair,
+            },
+        )
         await stream.done_writing()
         return figures
     finally:
@@ -138,37 +153,46 @@ async def measure_grpc(server_pid: int, port: int, calls: int) -> dict[str, Any]
 
 
 async def measure_etcd(etcd: EtcdProcess, calls: int) -> dict[str, Any]:
+    """Write txns to an unwatched prefix, and to a watched one (each waiting
+    for its event: one watch response each), interleaved; the difference is
+    the watch response."""
     store = Store(make_client(etcd.endpoint, 5.0, certs.etcd_security()), 5.0)
     await store.connect()
-    prefix = f"{certs.TEST_PREFIX}costs/{uuid.uuid4().hex}/".encode()
+    root = f"{certs.TEST_PREFIX}costs/{uuid.uuid4().hex}/"
+    quiet, watched = f"{root}quiet/".encode(), f"{root}watched/".encode()
     counter = iter(range(10**9))
+    seen: asyncio.Queue[None] = asyncio.Queue()
+
+    async def write(prefix: bytes) -> None:
+        await store.txn([], [op_put(prefix + str(next(counter)).encode(), ENTRY)], [])
+
+    async def watched_write() -> None:
+        await write(watched)
+        await seen.get()
+
     try:
-
-        async def write() -> None:
-            await store.txn([], [op_put(prefix + str(next(counter)).encode(), ENTRY)], [])
-
-        alone = await _measured(_etcd_pid(etcd), calls, write)
-        async with watch_then_read(store.client, prefix) as follower:
+        async with watch_then_read(store.client, watched) as follower:
             events = follower.events(0)
-            seen: asyncio.Queue[None] = asyncio.Queue()
 
             async def drain() -> None:
                 async for _ in events:
                     seen.put_nowait(None)
 
             draining = asyncio.create_task(drain())
-
-            async def watched_write() -> None:
-                await write()
-                await seen.get()
-
-            watched = await _measured(_etcd_pid(etcd), calls, watched_write)
-            draining.cancel()
+            try:
+                got = await _interleaved(
+                    _etcd_pid(etcd),
+                    calls,
+                    {"alone": lambda: write(quiet), "watched": watched_write},
+                )
+            finally:
+                draining.cancel()
+        alone, with_watch = got["alone"], got["watched"]
         return {
             "txn_write": {"client_ms": alone["client_ms"], "etcd_ms": alone["server_ms"]},
             "watch_response": {
-                "client_ms": round(watched["client_ms"] - alone["client_ms"], 4),
-                "etcd_ms": round(watched["server_ms"] - alone["server_ms"], 4),
+                "client_ms": round(with_watch["client_ms"] - alone["client_ms"], 4),
+                "etcd_ms": round(with_watch["server_ms"] - alone["server_ms"], 4),
             },
         }
     finally:
