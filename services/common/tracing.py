@@ -98,7 +98,7 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-        from baton_runtime.common.metrics import version
+        from baton_runtime.common.build_info import version
 
         attributes: dict[str, str] = {"service.version": version()}
         if not env.get("OTEL_SERVICE_NAME"):
@@ -124,7 +124,7 @@ class Tracing:
 
     def start(self, provider: TracerProvider) -> None:
         """Trace into `provider` (what `configure` does; tests hand their own)."""
-        from baton_runtime.common.metrics import version
+        from baton_runtime.common.build_info import version
 
         self._provider = provider
         self._tracer = provider.get_tracer("baton", version())
