@@ -1,5 +1,6 @@
 """Scraping a Baton process's Prometheus endpoint in tests: the samples of
-one scrape, and sums over them by name and labels."""
+one scrape, and sums over them by name and labels (also of this process's own
+collectors: `in_process`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,17 @@ def parse(text: str) -> Scrape:
         for sample in family.samples:
             samples.append(Sample(sample.name, dict(sample.labels), float(sample.value)))
     return Scrape(samples, types)
+
+
+def in_process(collector: Collector, name: str, **labels: str) -> float:
+    """`Scrape.total` of one of this process's own collectors (services
+    run in the test process)."""
+    samples = [
+        Sample(sample.name, dict(sample.labels), float(sample.value))
+        for family in collector.collect()
+        for sample in family.samples
+    ]
+    return Scrape(samples, {}).total(name, **labels)
 
 
 async def scrape(url: str, timeout: float = 10.0) -> Scrape:

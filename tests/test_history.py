@@ -25,6 +25,7 @@ from baton_runtime.common.grpc_errors import error_reason
 from baton_runtime.common.keys import Keys
 from tests import certs
 from tests.procs import eventually
+from tests.scrape import in_process
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import (
     ANSWERED,
@@ -272,13 +273,7 @@ async def test_long_streams_are_read_in_pages_from_any_cursor(stack: Stack) -> N
     assert of(followed, ANSWERED)[-1].text == "echo: hello"
 
 
-def _read_count() -> float:
-    return sum(
-        sample.value
-        for metric in metrics.ETCD_TXN_SECONDS.collect()
-        for sample in metric.samples
-        if sample.name.endswith("_count") and sample.labels.get("op") == "txn_read"
-    )
+READS = "baton_etcd_txn_seconds_count"
 
 
 @pytest.mark.parametrize(
@@ -314,7 +309,7 @@ async def test_a_load_reads_its_exact_context_carrying_the_newest_page_in_the_sn
             if index != missing:
                 entry = s.ChatMessage(role=s.ROLE_USER, content=f"entry {index}")
                 await client.put(keys.history_entry(sid, index), entry.SerializeToString())
-        before = _read_count()
+        before = in_process(metrics.ETCD_TXN_SECONDS, READS, op="txn_read")
         loaded: list[s.ChatMessage] = []
 
         async def load() -> None:
@@ -330,6 +325,6 @@ async def test_a_load_reads_its_exact_context_carrying_the_newest_page_in_the_sn
             with pytest.raises(FailedPrecondition) as refused:
                 await load()
             assert refused.value.reason == Reason.HISTORY_INCOMPLETE
-        assert _read_count() - before == reads
+        assert in_process(metrics.ETCD_TXN_SECONDS, READS, op="txn_read") - before == reads
     finally:
         await client.close()

@@ -40,6 +40,7 @@ from baton_runtime.owner.held import RunIdentity, make_event
 from baton_runtime.owner.snapshots import initial_snapshot
 from tests.certs import etcd_client
 from tests.procs import ProcessStack, check_history, eventually
+from tests.scrape import in_process
 from tests.stack import SLACK, Stack, start_stack, stop_stack
 from tests.test_turns import RESET, control, follow_until, read_to_close, waits
 
@@ -133,12 +134,7 @@ def below_horizon_of(exc: grpc.aio.AioRpcError) -> int:
 
 
 def trimmed_total() -> float:
-    return sum(
-        sample.value
-        for family in metrics.STREAM_EVENTS_TRIMMED.collect()
-        for sample in family.samples
-        if sample.name == "baton_stream_events_trimmed_total"
-    )
+    return in_process(metrics.STREAM_EVENTS_TRIMMED, "baton_stream_events_trimmed_total")
 
 
 # -- the rule (pure) --------------------------------------------------------------

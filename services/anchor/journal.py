@@ -208,7 +208,7 @@ class Journal:
     async def snapshot(self, session_id: str) -> tuple[s.SessionSnapshot, int]:
         """The last committed snapshot and its key's mod revision (what the
         next commit must compare)."""
-        loaded = await self._read_snapshot(session_id)
+        loaded, _ = await self._read_snapshot(session_id)
         return loaded.snapshot, loaded.revision
 
     async def snapshot_and_horizon(self, session_id: str) -> tuple[s.SessionSnapshot, int, int]:
@@ -226,10 +226,17 @@ class Journal:
         loaded = self._decode_snapshot(session_id, result.kv("snapshot"))
         return loaded.snapshot, loaded.revision, horizon_of(result.value("horizon"))
 
-    async def _read_snapshot(self, session_id: str) -> LoadedSnapshot:
+    async def _read_snapshot(
+        self, session_id: str, *, with_newest_history: bool = False
+    ) -> tuple[LoadedSnapshot, TxnResult]:
+        """The snapshot, and the read's result (its revision; with
+        `with_newest_history`, the newest page of history entries too)."""
         ids.validate_session_id(session_id)
-        result = await Txn().read("snapshot", self._keys.snapshot(session_id)).run(self._store)
-        return self._decode_snapshot(session_id, result.kv("snapshot"))
+        txn = Txn().read("snapshot", self._keys.snapshot(session_id))
+        if with_newest_history:
+            txn = self._history.read_newest(txn, session_id)
+        result = await txn.run(self._store)
+        return self._decode_snapshot(session_id, result.kv("snapshot")), result
 
     @staticmethod
     def _decode_snapshot(session_id: str, kv: Any) -> LoadedSnapshot:
@@ -255,10 +262,7 @@ class Journal:
         the entries are exactly the ones that snapshot names. The snapshot's
         read carries the newest page of entries (`read_newest`): a context
         that fits in it costs no second read."""
-        ids.validate_session_id(session_id)
-        snapshot_read = Txn().read("snapshot", self._keys.snapshot(session_id))
-        result = await self._history.read_newest(snapshot_read, session_id).run(self._store)
-        loaded = self._decode_snapshot(session_id, result.kv("snapshot"))
+        loaded, result = await self._read_snapshot(session_id, with_newest_history=True)
         if expected_revision is not None and loaded.revision != expected_revision:
             raise Aborted(
                 Reason.STALE_CHECKPOINT,

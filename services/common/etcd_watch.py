@@ -33,7 +33,7 @@ async def open_watch(client: EtcdClient, prefix: bytes, *, puts_only: bool = Fal
     caught up by a loop every 100 ms, so a watch opened after the read (at
     read revision + 1, with writes in between) can stall new events for up to
     that long. This one is in sync from the start; the read covers the rest. With
-    `puts_only`, etcd leaves deletions out (see `follow_range`)."""
+    `puts_only`, etcd leaves deletions out (see `_filters`)."""
     try:
         return await create_watch(client, prefix, **_filters(puts_only))
     except aetcd.ClientError as exc:
