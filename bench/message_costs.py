@@ -15,7 +15,10 @@ services use, and a TLS etcd with auth:
   messages);
 - etcd through Baton's own `Store`: a write transaction of about 1 KiB (the
   client's CPU and etcd's), and the same writes with a watch of their prefix
-  open in this process (the difference is one watch response received).
+  open in this process (the difference is one watch response received),
+  counting how often the watch's event reached this process before the
+  txn's own answer (a writer's local followers would gain nothing from
+  being handed the write directly: docs/design.md §15).
 
 CPU comes from /proc for the server and etcd and from the process clock for
 this process, per call; the kinds run interleaved, in rounds, so that a
@@ -166,8 +169,14 @@ async def measure_etcd(etcd: EtcdProcess, calls: int) -> dict[str, Any]:
     async def write(prefix: bytes) -> None:
         await store.txn([], [op_put(prefix + str(next(counter)).encode(), ENTRY)], [])
 
+    order = {"writes": 0, "watch_first": 0}
+
     async def watched_write() -> None:
         await write(watched)
+        # Did the watch response get here before the txn's own answer? (Both
+        # come over the one connection; a queued event was read first.)
+        order["writes"] += 1
+        order["watch_first"] += not seen.empty()
         await seen.get()
 
     try:
@@ -194,6 +203,7 @@ async def measure_etcd(etcd: EtcdProcess, calls: int) -> dict[str, Any]:
                 "client_ms": round(with_watch["client_ms"] - alone["client_ms"], 4),
                 "etcd_ms": round(with_watch["server_ms"] - alone["server_ms"], 4),
             },
+            "watch_before_answer": order,
         }
     finally:
         await store.close()
@@ -263,6 +273,11 @@ def report(figures: dict[str, Any]) -> str:
         row = e[name]
         server, client = row["etcd_ms"], row["client_ms"]
         lines.append(f"  {label:<40} {server:>9.3f} {client:>8.3f}   {client / unit:>5.2f}")
+    order = e["watch_before_answer"]
+    lines.append(
+        f"  the watch's event came before its own txn's answer in "
+        f"{order['watch_first']} of {order['writes']} watched writes"
+    )
     lines.append("")
     lines.append("a one-step turn's messages (docs/hops.json), in the four services:")
     for name, ms in t["parts_ms"].items():

@@ -287,7 +287,9 @@ def test_message_costs_bench_smoke(tmp_path: Path) -> None:
     assert figures["calls"] == 50
     for kind in ("health_check", "unary", "stream_pair"):
         assert set(figures["grpc"][kind]) == {"server_ms", "client_ms"}
-    assert set(figures["etcd"]) == {"txn_write", "watch_response"}
+    assert set(figures["etcd"]) == {"txn_write", "watch_response", "watch_before_answer"}
+    order = figures["etcd"]["watch_before_answer"]
+    assert order["writes"] > 0 and 0 <= order["watch_first"] <= order["writes"]
     turn = figures["one_step_turn"]
     assert abs(turn["total_ms"] - sum(turn["parts_ms"].values())) < 0.001
     assert len(turn["parts_ms"]) == 4  # the edge, streams, etcd txns, watch responses
