@@ -5,7 +5,6 @@ teardown that cannot deadlock and with each stream isolated from the next
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,6 +39,16 @@ class EtcdWatcher(aetcd_watcher.Watcher):  # type: ignore[misc]  # aetcd is unty
     _callbacks: dict[int, Any]
     _request_queue: asyncio.Queue[Any]
     _request_handler: asyncio.Task[None] | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Unbounded (aetcd's holds 10): a cancel is queued under the lock,
+        # also by the response reader itself. A full queue would stop that
+        # reader; etcd, whose answers then pile up, stops reading requests,
+        # and the queue never drains. At 10,000 watches opened and cancelled
+        # that stalled every watch of hooks (docs/recovery.md). What it holds
+        # is one small request per watch created or cancelled, sent on.
+        self._request_queue = asyncio.Queue()
 
     async def _handle_request(self, metadata: Any) -> None:
         me = asyncio.current_task()
@@ -119,10 +128,9 @@ class EtcdWatcher(aetcd_watcher.Watcher):  # type: ignore[misc]  # aetcd is unty
             callbacks = self._callbacks
             queue = self._request_queue
             self._callbacks = {}
-            self._request_queue = asyncio.Queue(maxsize=10)
+            self._request_queue = asyncio.Queue()  # (unbounded: see __init__)
             self._request_handler = None
-        with contextlib.suppress(asyncio.QueueFull):
-            queue.put_nowait(None)  # ends the stream's requests
+        queue.put_nowait(None)  # ends the stream's requests
         if current is not None and current is not asyncio.current_task():
             current.cancel()  # never awaited: a cancelled grpc call may not end at once
         for callback in callbacks.values():
