@@ -280,3 +280,44 @@ async def test_a_stream_reset_outlives_a_stream_that_swallows_its_cancellation()
     callback = await asyncio.wait_for(watcher.add_callback(b"/b/", ignore, range_end=b"/b0"), 5)
     assert callback.watch_id == 0 and stub.streams == 2
     await asyncio.wait_for(watcher.shutdown(), 5)
+
+
+class _DeafWatchStub:
+    """A Watch stub like an etcd that stopped reading this client's requests
+    (its own answers to us piling up): it answers the first creation, then
+    sends `answers` creations nobody waits for (each makes the watcher queue
+    a cancel, from its response reader, under its lock) and never reads a
+    request again."""
+
+    def __init__(self, answers: int) -> None:
+        self.answers = answers
+        self.all_read = asyncio.Event()
+
+    def Watch(self, requests: Any, metadata: Any = None) -> Any:  # noqa: N802 - the stub's name
+        return self._answering(requests)
+
+    async def _answering(self, requests: Any) -> Any:
+        await anext(requests)  # the creation
+        yield rpc.WatchResponse(created=True, watch_id=0)
+        await asyncio.sleep(0.1)  # the creation has its watch: what follows is nobody's
+        for watch_id in range(1, self.answers + 1):
+            yield rpc.WatchResponse(created=True, watch_id=watch_id)
+        self.all_read.set()
+        await asyncio.sleep(3600)
+
+
+async def test_a_watch_stream_reads_every_answer_while_its_requests_are_not_read() -> None:
+    """The response reader queues a cancel for each creation nobody waits
+    for. On aetcd's queue of 10 requests, the 11th put waited for a queue that
+    only a reading etcd drains, and etcd stops reading when our reader does:
+    every watch of the process stopped (seen at 10,000 sessions, docs/
+    recovery.md). The queue is unbounded: the reader reads all 40."""
+    stub = _DeafWatchStub(answers=40)
+    watcher = EtcdWatcher(stub, timeout=None)
+
+    async def ignore(_: object) -> None:
+        pass
+
+    await asyncio.wait_for(watcher.add_callback(b"/a/", ignore, range_end=b"/a0"), 5)
+    await asyncio.wait_for(stub.all_read.wait(), 5)
+    await asyncio.wait_for(watcher.shutdown(), 5)
