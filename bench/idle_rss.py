@@ -2,7 +2,7 @@
 
     python -m bench.idle_rss [--sessions 10000] [--baseline 10] [--park-after 0.5]
                              [--concurrency 64] [--send] [--takeover [--active 4]]
-                             [--json PATH]
+                             [--json PATH] [--keep-logs] [--log-level LEVEL]
 
 Starts a real etcd, hooks, anchor and one owner as separate processes (log
 level warning). Creates `--baseline` sessions through OwnerService.StartSession,
@@ -75,6 +75,7 @@ class IdleStack:
 
     log_dir: str
     park_after: float
+    log_level: str = "warning"
     etcd: EtcdProcess | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
@@ -97,7 +98,7 @@ class IdleStack:
         enable_auth(self.etcd.endpoint, tls.root, ("hooks", "anchor"), "/b/")
         self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ("hooks", "anchor", "owner")}
         self.env = env = {
-            "BATON_LOG_LEVEL": "warning",
+            "BATON_LOG_LEVEL": self.log_level,
             "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
             "BATON_ETCD_PREFIX": f"/b/idle/{uuid.uuid4().hex[:12]}/",
             "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
@@ -310,13 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the figures as JSON here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the service logs")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="the services' log level (info: every session started, parked, taken over)",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.baseline < args.sessions:
         parser.error("need 0 < --baseline < --sessions")
     if not 0 < 2 * args.active < args.sessions:
         parser.error("need 0 < 2 * --active < --sessions")
     log_dir = tempfile.mkdtemp(prefix="baton-idle-rss-")
-    stack = IdleStack(log_dir, args.park_after)
+    stack = IdleStack(log_dir, args.park_after, args.log_level)
     try:
         stack.start()
         result = asyncio.run(measure(args, stack))
