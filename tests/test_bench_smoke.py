@@ -53,7 +53,8 @@ def test_metrics_compare_bench_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["turns_each"] == 4 and figures["blocks"] == 2
     assert figures["off"]["turn"]["n"] == figures["on"]["turn"]["n"] == 4
-    assert figures["p50_ratio"] > 0 and figures["cpu_ratio"] > 0
+    # (4 turns a side can fall within one /proc tick of CPU: the ratio may be 0)
+    assert figures["p50_ratio"] > 0 and figures["cpu_ratio"] >= 0
 
 
 def test_tracing_compare_bench_smoke(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ shutdown within a bounded grace period, and reload on SIGHUP."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
     log.info(
         "serving",
         port=server.port,
+        grpc_experiments=os.environ.get("GRPC_EXPERIMENTS", ""),
         services=list(server.service_names),
         **({"health_port": server.health_port} if server.health_server else {}),
         **({"metrics_port": server.metrics_port} if server.metrics else {}),
