@@ -36,8 +36,9 @@ def test_only_a_service_main_is_a_service_process(argv: list[str], service: bool
 
 def _serving_line(log: Path) -> dict[str, object]:
     for line in log.read_text().splitlines():
-        if line.startswith("{") and json.loads(line).get("event") == "serving":
-            return dict(json.loads(line))
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("event") == "serving":
+            return dict(record)
     raise AssertionError(f"no serving line in {log}")
 
 
