@@ -1323,11 +1323,23 @@ async def compare_sides(
     return out
 
 
-def _ratios(out: dict[str, Any], label: str, base: str = "off") -> tuple[float, float]:
-    """(p50, services CPU per turn) of `label` over `base`."""
+# Fewer /proc clock ticks than this on the base side make a CPU ratio noise
+# (a 4-turn smoke run often measures 0 or 1 tick).
+MIN_CPU_TICKS = 5
+
+
+def _ratios(out: dict[str, Any], label: str, base: str = "off") -> tuple[float, float | None]:
+    """(p50, services CPU per turn) of `label` over `base`; the CPU ratio is
+    None when `base` measured too few clock ticks to divide by."""
     p50 = out[label]["turn"].pct(50) / out[base]["turn"].pct(50)
-    cpu = out[label]["services_cpu_ms_per_turn"] / out[base]["services_cpu_ms_per_turn"]
-    return p50, cpu
+    base_cpu = out[base]["services_cpu_ms_per_turn"]
+    if base_cpu * out["turns_each"] / 1000 * _CLK_TCK < MIN_CPU_TICKS:
+        return p50, None
+    return p50, out[label]["services_cpu_ms_per_turn"] / base_cpu
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "n/a (too few /proc clock ticks)" if ratio is None else f"{ratio:.3f}x"
 
 
 async def compare_metrics(
@@ -1352,7 +1364,7 @@ def report_metrics_compare(result: dict[str, Any]) -> str:
         )
     lines.append(
         f"  ratio on/off: p50 {result['p50_ratio']:.3f}x, services CPU per turn "
-        f"{result['cpu_ratio']:.3f}x (aim: within 1.05x)"
+        f"{_ratio_text(result['cpu_ratio'])} (aim: within 1.05x)"
     )
     return "\n".join(lines)
 
@@ -1491,7 +1503,7 @@ def report_tracing_compare(result: dict[str, Any]) -> str:
     for label in ("metrics", "tracing"):
         lines.append(
             f"  ratio {names[label]} / all off: p50 {result[f'{label}_p50_ratio']:.3f}x, "
-            f"services CPU per turn {result[f'{label}_cpu_ratio']:.3f}x"
+            f"services CPU per turn {_ratio_text(result[f'{label}_cpu_ratio'])}"
         )
     return "\n".join(lines)
 

@@ -53,8 +53,10 @@ def test_metrics_compare_bench_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["turns_each"] == 4 and figures["blocks"] == 2
     assert figures["off"]["turn"]["n"] == figures["on"]["turn"]["n"] == 4
-    # (4 turns a side can fall within one /proc tick of CPU: the ratio may be 0)
-    assert figures["p50_ratio"] > 0 and figures["cpu_ratio"] >= 0
+    # (4 turns a side can fall within one /proc tick of CPU: then no CPU ratio)
+    assert figures["p50_ratio"] > 0
+    assert figures["cpu_ratio"] is None or figures["cpu_ratio"] >= 0
+    assert figures["off"]["services_cpu_ms_per_turn"] >= 0
 
 
 def test_tracing_compare_bench_smoke(tmp_path: Path) -> None:
@@ -75,7 +77,8 @@ def test_tracing_compare_bench_smoke(tmp_path: Path) -> None:
     assert figures["turns_each"] == 4 and figures["blocks"] == 2
     assert [figures[side]["turn"]["n"] for side in ("off", "metrics", "tracing")] == [4, 4, 4]
     assert figures["spans_exported"] > 0
-    assert figures["tracing_p50_ratio"] > 0 and figures["tracing_cpu_ratio"] > 0
+    assert figures["tracing_p50_ratio"] > 0
+    assert figures["tracing_cpu_ratio"] is None or figures["tracing_cpu_ratio"] > 0
 
 
 def test_long_session_bench_smoke(tmp_path: Path) -> None:
