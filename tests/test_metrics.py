@@ -70,6 +70,9 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
     },
     "owner": {
         **_RPC,
+        "baton_rpc_client_calls_in_flight": ("gauge", {"target"}),
+        "baton_rpc_client_calls_waiting": ("gauge", {"target"}),
+        "baton_rpc_client_slot_wait_seconds": ("histogram", {"target"}),
         "baton_turns_total": ("counter", {"outcome"}),
         "baton_turn_duration_seconds": ("histogram", set()),
         "baton_steps_total": ("counter", set()),

@@ -54,8 +54,9 @@ class AnchorClient(ServiceClient):
         *,
         security: Security,
         multiplexed: bool = True,
+        max_in_flight: int = 0,
     ) -> None:
-        super().__init__(target, timeout, security=security)
+        super().__init__(target, timeout, security=security, max_in_flight=max_in_flight)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
         # Commits ride one CommitSteps stream per replica (`_multiplexed`),
         # each commit on the next lane; `multiplexed=False` (or anchors that
@@ -75,7 +76,9 @@ class AnchorClient(ServiceClient):
         response = await self._multiplexed_or_unary(
             self._commits,
             request,
-            lambda: self._unary("CommitStep", self.stub.CommitStep(request, timeout=self.timeout)),
+            lambda: self._unary(
+                "CommitStep", lambda: self.stub.CommitStep(request, timeout=self.timeout)
+            ),
         )
         return Committed(response.revision, response.replayed)
 
@@ -86,7 +89,7 @@ class AnchorClient(ServiceClient):
         """The snapshot and its key's mod revision (the next commit's expected one)."""
         request = anchor_pb.GetSnapshotRequest(session_id=session_id)
         response = await self._unary(
-            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+            "GetSnapshot", lambda: self.stub.GetSnapshot(request, timeout=self.timeout)
         )
         return response.snapshot, response.revision
 
@@ -95,7 +98,7 @@ class AnchorClient(ServiceClient):
         kept), read together."""
         request = anchor_pb.GetSnapshotRequest(session_id=session_id)
         response = await self._unary(
-            "GetSnapshot", self.stub.GetSnapshot(request, timeout=self.timeout)
+            "GetSnapshot", lambda: self.stub.GetSnapshot(request, timeout=self.timeout)
         )
         return response.snapshot, response.earliest_seq
 
@@ -109,13 +112,14 @@ class AnchorClient(ServiceClient):
         request = anchor_pb.LoadSessionRequest(
             session_id=session_id, expected_snapshot_revision=expected_revision
         )
-        call = self.stub.LoadSession(request, timeout=self.timeout * 3)
         loaded: LoadedSession | None = None
-        async for part in self._stream("LoadSession", call, _load_part):
-            if loaded is None:
-                loaded = LoadedSession(part.snapshot, part.revision, [])
-            else:
-                loaded.context.extend(part.history)
+        async with self._slot("LoadSession"):
+            call = self.stub.LoadSession(request, timeout=self.timeout * 3)
+            async for part in self._stream("LoadSession", call, _load_part):
+                if loaded is None:
+                    loaded = LoadedSession(part.snapshot, part.revision, [])
+                else:
+                    loaded.context.extend(part.history)
         if loaded is None:
             raise Unavailable(Reason.UPSTREAM_UNAVAILABLE, "LoadSession ended without a snapshot")
         return loaded
@@ -126,7 +130,7 @@ class AnchorClient(ServiceClient):
             fence=fence, below_index=below_index, from_index=from_index
         )
         response = await self._unary(
-            "RetireHistory", self.stub.RetireHistory(request, timeout=self.timeout * 3)
+            "RetireHistory", lambda: self.stub.RetireHistory(request, timeout=self.timeout * 3)
         )
         return response.deleted
 

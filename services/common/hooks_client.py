@@ -91,6 +91,10 @@ class HooksClient(ServiceClient):
     service = HOOKS_SERVICE
     kind = "hooks"
     idempotent = HOOKS_IDEMPOTENT
+    # An owner's membership: its lease must never wait behind its sessions' calls.
+    unlimited = frozenset(
+        {"RegisterInstance", "KeepAliveInstance", "SetInstanceDrain", "DeregisterInstance"}
+    )
 
     def __init__(
         self,
@@ -99,8 +103,9 @@ class HooksClient(ServiceClient):
         *,
         security: Security,
         multiplexed: bool = True,
+        max_in_flight: int = 0,
     ) -> None:
-        super().__init__(target, timeout, security=security)
+        super().__init__(target, timeout, security=security, max_in_flight=max_in_flight)
         self.stub = hooks_pb2_grpc.HookRegistryServiceStub(self.channel)
         # Appends ride one ResumeHooks stream per replica (`_multiplexed`);
         # `multiplexed=False` (or hooks that do not serve ResumeHooks)
@@ -136,7 +141,7 @@ class HooksClient(ServiceClient):
             first_command=first_command,
         )
         response = await self._unary(
-            "CreateSession", self.stub.CreateSession(request, timeout=self.timeout)
+            "CreateSession", lambda: self.stub.CreateSession(request, timeout=self.timeout)
         )
         return CreatedSession(
             response.fence,
@@ -161,14 +166,16 @@ class HooksClient(ServiceClient):
         response = await self._multiplexed_or_unary(
             self._resumes,
             request,
-            lambda: self._unary("ResumeHook", self.stub.ResumeHook(request, timeout=self.timeout)),
+            lambda: self._unary(
+                "ResumeHook", lambda: self.stub.ResumeHook(request, timeout=self.timeout)
+            ),
         )
         return response.receipt
 
     async def lookup(self, token: str, channel: str = "") -> HookTarget:
         request = hooks_pb.LookupHookRequest(token=token, channel=channel)
         response = await self._unary(
-            "LookupHook", self.stub.LookupHook(request, timeout=self.timeout)
+            "LookupHook", lambda: self.stub.LookupHook(request, timeout=self.timeout)
         )
         parent = response.parent if response.HasField("parent") else None
         return HookTarget(response.session_id, response.channel, parent)
@@ -176,14 +183,14 @@ class HooksClient(ServiceClient):
     async def claim(self, fence: s.Fence, tokens: list[str]) -> list[str]:
         request = hooks_pb.ClaimHooksRequest(fence=fence, tokens=tokens)
         response = await self._unary(
-            "ClaimHooks", self.stub.ClaimHooks(request, timeout=self.timeout)
+            "ClaimHooks", lambda: self.stub.ClaimHooks(request, timeout=self.timeout)
         )
         return list(response.hooks)
 
     async def dispose(self, fence: s.Fence, tokens: list[str] | None = None) -> list[str]:
         request = hooks_pb.DisposeHooksRequest(fence=fence, tokens=tokens or [])
         response = await self._unary(
-            "DisposeHooks", self.stub.DisposeHooks(request, timeout=self.timeout)
+            "DisposeHooks", lambda: self.stub.DisposeHooks(request, timeout=self.timeout)
         )
         return list(response.hooks)
 
@@ -202,7 +209,7 @@ class HooksClient(ServiceClient):
             address=address,
         )
         response = await self._unary(
-            "RegisterInstance", self.stub.RegisterInstance(request, timeout=self.timeout)
+            "RegisterInstance", lambda: self.stub.RegisterInstance(request, timeout=self.timeout)
         )
         return InstanceLease(response.lease_id, response.ttl_seconds)
 
@@ -210,7 +217,7 @@ class HooksClient(ServiceClient):
         """The lease's remaining TTL in seconds; 0 when it expired."""
         request = hooks_pb.KeepAliveInstanceRequest(lease_id=lease_id)
         response = await self._unary(
-            "KeepAliveInstance", self.stub.KeepAliveInstance(request, timeout=self.timeout)
+            "KeepAliveInstance", lambda: self.stub.KeepAliveInstance(request, timeout=self.timeout)
         )
         return response.ttl_seconds
 
@@ -226,19 +233,20 @@ class HooksClient(ServiceClient):
             to_deployment_id=to_deployment_id,
         )
         await self._unary(
-            "SetInstanceDrain", self.stub.SetInstanceDrain(request, timeout=self.timeout)
+            "SetInstanceDrain", lambda: self.stub.SetInstanceDrain(request, timeout=self.timeout)
         )
 
     async def deregister_instance(self, lease_id: int) -> None:
         request = hooks_pb.DeregisterInstanceRequest(lease_id=lease_id)
         await self._unary(
-            "DeregisterInstance", self.stub.DeregisterInstance(request, timeout=self.timeout)
+            "DeregisterInstance",
+            lambda: self.stub.DeregisterInstance(request, timeout=self.timeout),
         )
 
     async def list_instances(self, deployment_id: str) -> list[OwnerInstance]:
         request = hooks_pb.ListInstancesRequest(deployment_id=deployment_id)
         response = await self._unary(
-            "ListInstances", self.stub.ListInstances(request, timeout=self.timeout)
+            "ListInstances", lambda: self.stub.ListInstances(request, timeout=self.timeout)
         )
         return [_instance(info) for info in response.instances]
 
@@ -253,7 +261,8 @@ class HooksClient(ServiceClient):
             deployment_id=deployment_id, instance_id=instance_id
         )
         response = await self._unary(
-            "ListInstanceSessions", self.stub.ListInstanceSessions(request, timeout=self.timeout)
+            "ListInstanceSessions",
+            lambda: self.stub.ListInstanceSessions(request, timeout=self.timeout),
         )
         return [
             OwnedSession(o.fence, o.owner, o.parked, o.input_waiting) for o in response.sessions
@@ -266,7 +275,7 @@ class HooksClient(ServiceClient):
             expected=expected, expected_instance_id=expected_instance_id, successor=successor
         )
         response = await self._unary(
-            "TakeOverSession", self.stub.TakeOverSession(request, timeout=self.timeout)
+            "TakeOverSession", lambda: self.stub.TakeOverSession(request, timeout=self.timeout)
         )
         return TakenOver(response.fence, response.parked, response.inbox_head)
 
@@ -277,7 +286,7 @@ class HooksClient(ServiceClient):
             fence=fence, parked=parked, inbox_next_seq=inbox_next_seq
         )
         response = await self._unary(
-            "SetParked", self.stub.SetParked(request, timeout=self.timeout)
+            "SetParked", lambda: self.stub.SetParked(request, timeout=self.timeout)
         )
         return response.inbox_head
 
@@ -290,13 +299,16 @@ class HooksClient(ServiceClient):
         self, request: hooks_pb.TransferRequest, deadline_s: float | None = None
     ) -> Moved:
         """`deadline_s` overrides the client's call deadline for this call."""
-        call = self.stub.Transfer(request, timeout=deadline_s or self.timeout)
-        response = await self._unary("Transfer", call)
+        response = await self._unary(
+            "Transfer", lambda: self.stub.Transfer(request, timeout=deadline_s or self.timeout)
+        )
         return Moved(response.fence, response.replayed)
 
     async def get_owner(self, session_id: str) -> SessionOwner:
         request = hooks_pb.GetOwnerRequest(session_id=session_id)
-        response = await self._unary("GetOwner", self.stub.GetOwner(request, timeout=self.timeout))
+        response = await self._unary(
+            "GetOwner", lambda: self.stub.GetOwner(request, timeout=self.timeout)
+        )
         return SessionOwner(response.fence, response.owner, response.parked, response.inbox_head)
 
     async def describe_session(
@@ -308,7 +320,7 @@ class HooksClient(ServiceClient):
             session_id=session_id, channel=channel, consumed_seq=consumed_seq
         )
         r = await self._unary(
-            "DescribeSession", self.stub.DescribeSession(request, timeout=self.timeout)
+            "DescribeSession", lambda: self.stub.DescribeSession(request, timeout=self.timeout)
         )
         has_oldest = r.HasField("oldest_unconsumed_seq")
         return SessionDescription(
@@ -331,7 +343,8 @@ class HooksClient(ServiceClient):
             channel=channel, after_session_id=after_session_id, limit=limit
         )
         r = await self._unary(
-            "ListChannelSessions", self.stub.ListChannelSessions(request, timeout=self.timeout)
+            "ListChannelSessions",
+            lambda: self.stub.ListChannelSessions(request, timeout=self.timeout),
         )
         return ChannelSessions(
             tuple((entry.session_id, entry.create_time) for entry in r.sessions), r.more
@@ -346,7 +359,8 @@ class HooksClient(ServiceClient):
             after_channel=after_channel, after_session_id=after_session_id, limit=limit
         )
         r = await self._unary(
-            "ListChannelSessions", self.stub.ListChannelSessions(request, timeout=self.timeout)
+            "ListChannelSessions",
+            lambda: self.stub.ListChannelSessions(request, timeout=self.timeout),
         )
         return tuple((entry.channel, entry.session_id) for entry in r.sessions), r.more
 
@@ -355,7 +369,7 @@ class HooksClient(ServiceClient):
         alone (hooks' handoff index; `fence.session_id` names the session)."""
         request = hooks_pb.GetTransferRequest(session_id=session_id, handoff_id=handoff_id)
         response = await self._unary(
-            "GetTransfer", self.stub.GetTransfer(request, timeout=self.timeout)
+            "GetTransfer", lambda: self.stub.GetTransfer(request, timeout=self.timeout)
         )
         return RecordedTransfer(
             response.fence, response.successor, response.trigger_seq, response.reason
@@ -365,7 +379,9 @@ class HooksClient(ServiceClient):
         """Operator: every deployment the registry knows, its status and fleet."""
         response = await self._unary(
             "ListDeployments",
-            self.stub.ListDeployments(hooks_pb.ListDeploymentsRequest(), timeout=self.timeout),
+            lambda: self.stub.ListDeployments(
+                hooks_pb.ListDeploymentsRequest(), timeout=self.timeout
+            ),
         )
         return list(response.deployments)
 
@@ -373,6 +389,7 @@ class HooksClient(ServiceClient):
         """Operator: one deployment's instances, leases and session counts."""
         request = hooks_pb.DescribeDeploymentRequest(deployment_id=deployment_id)
         response = await self._unary(
-            "DescribeDeployment", self.stub.DescribeDeployment(request, timeout=self.timeout)
+            "DescribeDeployment",
+            lambda: self.stub.DescribeDeployment(request, timeout=self.timeout),
         )
         return response.deployment

@@ -85,6 +85,27 @@ RPC_CLIENT_STREAM_SENT = Counter(
     ["target", "method"],
     registry=None,
 )
+RPC_CLIENT_IN_FLIGHT = Gauge(
+    "baton_rpc_client_calls_in_flight",
+    "Calls this process has in flight to a Baton service whose client bounds them "
+    "(call_slots.py), by target service",
+    ["target"],
+    registry=None,
+)
+RPC_CLIENT_WAITING = Gauge(
+    "baton_rpc_client_calls_waiting",
+    "Calls waiting in this process, unsent, for a slot of their client's in-flight "
+    "bound, by target service",
+    ["target"],
+    registry=None,
+)
+RPC_CLIENT_SLOT_WAIT_SECONDS = Histogram(
+    "baton_rpc_client_slot_wait_seconds",
+    "How long a call that had to wait for a slot of its client's in-flight bound waited",
+    ["target"],
+    buckets=_SECONDS,
+    registry=None,
+)
 
 # -- hooks and anchor: etcd (services/common/etcd_*.py, store_health.py) -------
 
@@ -320,6 +341,7 @@ _RPC = (
     RPC_CLIENT_STREAM_RECEIVED,
     RPC_CLIENT_STREAM_SENT,
 )
+_CALL_SLOTS = (RPC_CLIENT_IN_FLIGHT, RPC_CLIENT_WAITING, RPC_CLIENT_SLOT_WAIT_SECONDS)
 _STORE = (
     ETCD_TXN_SECONDS,
     ETCD_ERRORS,
@@ -350,6 +372,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
     ),
     "owner": (
         *_RPC,
+        *_CALL_SLOTS,
         TURNS,
         TURN_SECONDS,
         STEPS,

@@ -49,7 +49,7 @@ class OwnerClient(ServiceClient):
 
     async def start_session(self, request: owner_pb.StartSessionRequest) -> StartedSession:
         response = await self._unary(
-            "StartSession", self.stub.StartSession(request, timeout=self.timeout)
+            "StartSession", lambda: self.stub.StartSession(request, timeout=self.timeout)
         )
         return StartedSession(
             response.session_id,
@@ -61,14 +61,14 @@ class OwnerClient(ServiceClient):
 
     async def accept_handoff(self, request: owner_pb.AcceptHandoffRequest) -> HandoffAccepted:
         response = await self._unary(
-            "AcceptHandoff", self.stub.AcceptHandoff(request, timeout=self.timeout)
+            "AcceptHandoff", lambda: self.stub.AcceptHandoff(request, timeout=self.timeout)
         )
         return HandoffAccepted(response.successor, response.fence, response.replayed)
 
     async def drain_sessions(self, to_deployment_id: str) -> DrainReport:
         request = owner_pb.DrainSessionsRequest(to_deployment_id=to_deployment_id)
         response = await self._unary(
-            "DrainSessions", self.stub.DrainSessions(request, timeout=self.timeout)
+            "DrainSessions", lambda: self.stub.DrainSessions(request, timeout=self.timeout)
         )
         return DrainReport(
             response.deployment_id,
@@ -82,7 +82,7 @@ class OwnerClient(ServiceClient):
     async def adopt_session(self, session_id: str) -> Moved:
         request = owner_pb.AdoptSessionRequest(session_id=session_id)
         response = await self._unary(
-            "AdoptSession", self.stub.AdoptSession(request, timeout=self.timeout)
+            "AdoptSession", lambda: self.stub.AdoptSession(request, timeout=self.timeout)
         )
         return Moved(response.fence, response.replayed)
 
@@ -91,6 +91,6 @@ class OwnerClient(ServiceClient):
         its fence); resumed is False when it is held here but not stalled."""
         request = owner_pb.ResumeSessionRequest(session_id=session_id)
         response = await self._unary(
-            "ResumeSession", self.stub.ResumeSession(request, timeout=self.timeout)
+            "ResumeSession", lambda: self.stub.ResumeSession(request, timeout=self.timeout)
         )
         return response.resumed, response.fence

@@ -19,13 +19,16 @@ value per message the server sends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import grpc
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import rpc_metrics, tracing
+from baton_runtime.common.call_slots import CallSlots
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
 from baton_runtime.common.grpc_errors import from_rpc_error
 from baton_runtime.common.multiplex import Answer
@@ -64,14 +67,24 @@ class ServiceClient:
     # service, never an address (owner peers are many).
     kind = ""
     idempotent: frozenset[str] = frozenset()
+    # Methods a `max_in_flight` bound never holds back (call_slots.py).
+    unlimited: frozenset[str] = frozenset()
 
     def __init__(
-        self, target: str, timeout: float = DEFAULT_CALL_TIMEOUT, *, security: Security
+        self,
+        target: str,
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        *,
+        security: Security,
+        max_in_flight: int = 0,
     ) -> None:
+        """`max_in_flight`: at most that many calls in flight at once (the
+        rest wait here, unsent: `CallSlots`); 0, no bound."""
         self.target = target
         self.security = security
         self.channel = open_channel(target, security, self.service, self.idempotent)
         self.timeout = timeout
+        self.slots = CallSlots(max_in_flight, self.kind) if max_in_flight else None
         self._lanes: list[Lanes[Any, Any]] = []
         self._lane_channels: list[grpc.aio.Channel] = []
 
@@ -143,14 +156,27 @@ class ServiceClient:
         unary from then on)."""
         if lanes:
             try:
-                return await lanes.call(request, self.timeout)
+                async with self._slot(""):
+                    return await lanes.call(request, self.timeout)
             except Unsupported:
                 pass
         return await unary()
 
-    async def _unary(self, method: str, call: Awaitable[_T]) -> _T:
-        """The answer of `call` (the stub's `method`); a failure raises the
-        domain error it carried. Counted when metrics are served."""
+    def _slot(self, method: str) -> AbstractAsyncContextManager[None]:
+        """A slot of the in-flight bound for a call of `method` (none needed
+        without a bound, or for an `unlimited` method)."""
+        if self.slots is None or method in self.unlimited:
+            return contextlib.nullcontext()
+        return self.slots.held()
+
+    async def _unary(self, method: str, start: Callable[[], Awaitable[_T]]) -> _T:
+        """The answer of the call `start` makes (of the stub's `method`: it
+        is made once a slot is free, so its deadline starts then); a failure
+        raises the domain error it carried. Counted when metrics are served."""
+        async with self._slot(method):
+            return await self._answer(method, start())
+
+    async def _answer(self, method: str, call: Awaitable[_T]) -> _T:
         try:
             response = await call
         except grpc.aio.AioRpcError as exc:

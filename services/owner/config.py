@@ -30,6 +30,10 @@ DEFAULT_AGENT = "baton_runtime.owner.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
 DEFAULT_PARK_AFTER = 10.0
 DEFAULT_RECONCILE_INTERVAL = 15.0
+# Enough for every session of a busy instance to commit at once in a batch;
+# few enough that a burst queues here, not in hooks or anchor (where every
+# queued call would wait out its deadline: docs/recovery.md, owner overload).
+DEFAULT_MAX_CALLS_IN_FLIGHT = 128
 
 
 # The owner's flags and environment (with the settings every service shares).
@@ -89,6 +93,13 @@ SETTINGS = (
         "or with one unary CommitStep call each (0)",
         "1",
     ),
+    Setting(
+        "--max-calls-in-flight",
+        "BATON_OWNER_MAX_CALLS_IN_FLIGHT",
+        "calls in flight at once to hooks, and apart to anchor; more wait here, unsent "
+        "(the lease keep-alive never waits; 0 = no bound)",
+        str(DEFAULT_MAX_CALLS_IN_FLIGHT),
+    ),
     *COMMON_SETTINGS,
 )
 
@@ -131,6 +142,9 @@ class OwnerConfig:
     # Commits ride a multiplexed CommitSteps stream (services/common/multiplex.py);
     # False: one unary CommitStep call each.
     commit_stream: bool = True
+    # Calls in flight at once to hooks, and apart to anchor (the rest wait
+    # in this process, unsent: services/common/call_slots.py); 0: no bound.
+    max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -167,6 +181,7 @@ class OwnerConfig:
             restart_budget=as_int(values, "restart_budget"),
             reconcile_interval=as_float(values, "reconcile_interval", minimum=0.1),
             commit_stream=as_switch(values, "commit_stream"),
+            max_calls_in_flight=as_int(values, "max_calls_in_flight", minimum=0),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),

@@ -44,8 +44,11 @@ def advertised_address(listen: str, port: int) -> str:
 
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
-    hooks = HooksClient(config.hooks, security=config.tls)
-    anchor = AnchorClient(config.anchor, security=config.tls, multiplexed=config.commit_stream)
+    bound = config.max_calls_in_flight
+    hooks = HooksClient(config.hooks, security=config.tls, max_in_flight=bound)
+    anchor = AnchorClient(
+        config.anchor, security=config.tls, multiplexed=config.commit_stream, max_in_flight=bound
+    )
     settings = HostSettings(
         config.deployment_id,
         config.instance_id,
