@@ -85,23 +85,19 @@ RPC_CLIENT_STREAM_SENT = Counter(
     ["target", "method"],
     registry=None,
 )
+_SLOTS = "of the client's in-flight bound (call_slots.py), by target service"
 RPC_CLIENT_IN_FLIGHT = Gauge(
-    "baton_rpc_client_calls_in_flight",
-    "Calls this process has in flight to a Baton service whose client bounds them "
-    "(call_slots.py), by target service",
-    ["target"],
-    registry=None,
+    "baton_rpc_client_calls_in_flight", f"Calls in flight {_SLOTS}", ["target"], registry=None
 )
 RPC_CLIENT_WAITING = Gauge(
     "baton_rpc_client_calls_waiting",
-    "Calls waiting in this process, unsent, for a slot of their client's in-flight "
-    "bound, by target service",
+    f"Calls waiting, unsent, for a slot {_SLOTS}",
     ["target"],
     registry=None,
 )
 RPC_CLIENT_SLOT_WAIT_SECONDS = Histogram(
     "baton_rpc_client_slot_wait_seconds",
-    "How long a call that had to wait for a slot of its client's in-flight bound waited",
+    f"How long a call that had to wait for a slot waited, {_SLOTS}",
     ["target"],
     buckets=_SECONDS,
     registry=None,

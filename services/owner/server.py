@@ -42,13 +42,19 @@ def advertised_address(listen: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def create_server(config: OwnerConfig) -> GrpcServer:
-    agent = load_agent(config.agent, config.deployment_id)
+def _peer_clients(config: OwnerConfig) -> tuple[HooksClient, AnchorClient]:
+    """Hooks and anchor, each with the bound on calls in flight to it."""
     bound = config.max_calls_in_flight
     hooks = HooksClient(config.hooks, security=config.tls, max_in_flight=bound)
     anchor = AnchorClient(
         config.anchor, security=config.tls, multiplexed=config.commit_stream, max_in_flight=bound
     )
+    return hooks, anchor
+
+
+async def create_server(config: OwnerConfig) -> GrpcServer:
+    agent = load_agent(config.agent, config.deployment_id)
+    hooks, anchor = _peer_clients(config)
     settings = HostSettings(
         config.deployment_id,
         config.instance_id,
