@@ -1,5 +1,5 @@
 """A bound on the calls one client has in flight to a peer service
-(admission control at the caller, docs/recovery.md "Owner overload").
+(admission control at the caller; docs/recovery.md, owner overload).
 
 An owner handed thousands of sessions at once (a burst of new sessions, a
 takeover, a wave of wakes) would otherwise send every session's next call at
