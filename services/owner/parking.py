@@ -61,6 +61,7 @@ class Parking:
         self.bells: dict[str, int] = {}  # bells rung while the session was busy here
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.stopped = False
+        self.parks = 0  # sessions parked here so far (services/common/heap.py trims after)
 
     def stop(self) -> None:
         """Forget every parked session (the instance stops)."""
@@ -87,6 +88,7 @@ class Parking:
             return
         self.unhold(session_id)
         self.parked[session_id] = parked
+        self.parks += 1
         if parked.deadline:
             delay = max(0.0, parked.deadline - self._clock())
             self._timers[session_id] = asyncio.get_running_loop().call_later(

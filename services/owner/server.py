@@ -10,6 +10,7 @@ import structlog
 from baton_runtime._proto.baton.owner.v1 import owner_pb2, owner_pb2_grpc
 from baton_runtime.common.anchor_client import AnchorClient
 from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.heap import HeapTrimmer
 from baton_runtime.common.hooks_client import HooksClient
 from baton_runtime.owner.agent import load_agent
 from baton_runtime.owner.config import OwnerConfig
@@ -89,6 +90,8 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         reconcile_every=config.reconcile_interval,
     )
     fleet.start()
+    trimmer = HeapTrimmer(lambda: host.parking.parks)
+    trimmer.start()
     if server.metrics is not None:
         server.metrics.add(HeldSessions(host))
         server.metrics.add(UnclaimedSessions(fleet.parked))
@@ -98,4 +101,5 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
     server.on_stop.append(anchor.close)
     server.on_stop.append(host.close)
     server.on_stop.append(fleet.close)
+    server.on_stop.append(trimmer.close)
     return server
