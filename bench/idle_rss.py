@@ -1,15 +1,17 @@
 """Memory of idle sessions: RSS of one owner holding 10 vs 10,000 parked sessions.
 
     python -m bench.idle_rss [--sessions 10000] [--baseline 10] [--park-after 0.5]
-                             [--concurrency 64] [--send] [--takeover [--active 4]]
+                             [--settle 12] [--concurrency 64] [--send] [--takeover [--active 4]]
                              [--json PATH] [--keep-logs] [--log-level LEVEL]
 
 Starts a real etcd, hooks, anchor and one owner as separate processes (log
 level warning). Creates `--baseline` sessions through OwnerService.StartSession,
 waits until every one is parked (the owner drops an idle session's snapshot and
 inbox stream and keeps only its fence and inbox position), and reads the
-owner's VmRSS from /proc. Then creates sessions up to `--sessions` in total
-(bounded concurrency), waits until all are parked, and reads VmRSS again.
+owner's VmRSS from /proc then and `--settle` seconds later (the later one
+counts: the owner gives freed heap back to the OS at most every 10 s after a
+park). Then creates sessions up to `--sessions` in total (bounded
+concurrency), waits until all are parked, and reads VmRSS again.
 With --send, every session first answers one message (so it parks with a
 history). Prints both figures, the difference per session and the target:
 10,000 parked idle sessions add less than 20 MB.
@@ -236,6 +238,20 @@ async def time_takeover(
     }
 
 
+async def settled_rss(pid: int, parked: int, settle: float) -> int:
+    """The owner's RSS once `parked` sessions are parked, and again `settle`
+    seconds later (the owner gives freed heap back to the OS at most every
+    10 s after a park: services/common/heap.py); the later one counts."""
+    at_park = rss_bytes(pid)
+    await asyncio.sleep(settle)
+    settled = rss_bytes(pid)
+    print(
+        f"{parked:>6} parked sessions: owner RSS {at_park / 2**20:8.1f} MiB, "
+        f"{settled / 2**20:8.1f} MiB {settle:g}s later"
+    )
+    return settled
+
+
 async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float]:
     # As the deployment's ingress (starts sessions) and owner (lists, sends).
     owner = OwnerClient(
@@ -250,8 +266,7 @@ async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float
     try:
         created = await create_sessions(owner, hooks, args.baseline, args.concurrency, args.send)
         await wait_parked(hooks, args.baseline, 60)
-        rss_small = rss_bytes(stack.owner_pid)
-        print(f"{args.baseline:>6} parked sessions: owner RSS {rss_small / 2**20:8.1f} MiB")
+        rss_small = await settled_rss(stack.owner_pid, args.baseline, args.settle)
 
         more = args.sessions - args.baseline
         start = time.monotonic()
@@ -259,8 +274,7 @@ async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float
         create_s = time.monotonic() - start
         print(f"created {more} more sessions in {create_s:.1f}s ({more / create_s:.0f}/s)")
         park_s = await wait_parked(hooks, args.sessions, max(120, args.sessions / 20))
-        rss_big = rss_bytes(stack.owner_pid)
-        print(f"{args.sessions:>6} parked sessions: owner RSS {rss_big / 2**20:8.1f} MiB")
+        rss_big = await settled_rss(stack.owner_pid, args.sessions, args.settle)
         takeover: dict[str, float] = {}
         if args.takeover:
             takeover = await time_takeover(args, stack, hooks, anchor, created)
@@ -298,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=10_000, help="sessions in total")
     parser.add_argument("--baseline", type=int, default=10, help="sessions at the first reading")
     parser.add_argument("--park-after", type=float, default=0.5, help="owner idle park delay, s")
+    parser.add_argument(
+        "--settle", type=float, default=12.0, help="seconds between parking and the RSS reading"
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent StartSession calls")
     parser.add_argument("--send", action="store_true", help="answer one message per session")
     parser.add_argument(
