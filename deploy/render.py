@@ -664,6 +664,20 @@ DASHBOARD_ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] =
                     )
                 ],
             ),
+            (
+                "Owner calls in flight and waiting for a slot, by pod and target",
+                "short",
+                [
+                    (
+                        "sum by (pod, target) (baton_rpc_client_calls_in_flight)",
+                        "{{pod}} -> {{target}} in flight",
+                    ),
+                    (
+                        "sum by (pod, target) (baton_rpc_client_calls_waiting)",
+                        "{{pod}} -> {{target}} waiting",
+                    ),
+                ],
+            ),
         ],
     ),
 ]
