@@ -4,7 +4,8 @@ test says, the client half as the owner's AnchorClient uses it. Covered:
 answers matched by id under concurrency and batched, refusals carried as the
 unary method's domain error, a server stopped mid-batch (the calls in flight
 fail as outcome-unknown, the next call opens a new stream), a call past its
-deadline retiring its stream, a slow server holding the client back within
+deadline retiring its stream (not when the stream answers the calls beside
+it), a slow server holding the client back within
 its in-flight bound, and an older server without the method; then an
 owner's commits on a real stack, streamed and (switched off) unary."""
 
@@ -53,6 +54,7 @@ class MuxServer:
         self.handle = handle
         self.max_in_flight = multiplex.MAX_IN_FLIGHT
         self.batches_seen: list[int] = []
+        self.streams = 0
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -60,6 +62,8 @@ class MuxServer:
         async def calls(
             requests: AsyncIterator[pb.CommitStepsRequest], context: Any
         ) -> AsyncIterator[pb.CommitStepsResponse]:
+            self.streams += 1
+
             async def seen() -> AsyncIterator[pb.CommitStepsRequest]:
                 async for batch in requests:
                     self.batches_seen.append(len(batch.calls))
@@ -215,6 +219,38 @@ async def test_a_call_past_its_deadline_retires_its_stream() -> None:
         assert (await calls.call(request(2), 10)).revision == 2
         # Two streams: the second call did not ride the one the first held.
         assert server.batches_seen == [1, 1]
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_slow_call_on_a_stream_that_answers_others_fails_alone() -> None:
+    """One call past its deadline while the stream answers the calls beside
+    it: that call fails, they succeed, and every call rode one stream."""
+
+    async def first_one_is_slow(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
+        await asyncio.sleep(2 if req.expected_snapshot_revision == 1 else 0.01)
+        return pb.CommitStepResponse(revision=req.expected_snapshot_revision)
+
+    server = await MuxServer(first_one_is_slow).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+
+    async def others() -> list[int]:
+        revisions = []
+        for n in range(2, 12):
+            revisions.append((await calls.call(request(n), 10)).revision)
+            await asyncio.sleep(0.05)
+        return revisions
+
+    try:
+        slow = asyncio.create_task(calls.call(request(1), 0.3))
+        assert await others() == list(range(2, 12))
+        with pytest.raises(errors.DeadlineExceeded):
+            await slow
+        assert (await calls.call(request(12), 10)).revision == 12
+        assert server.streams == 1
     finally:
         await calls.close()
         await channel.close()

@@ -4,10 +4,12 @@ stream (the server half and the protocol are services/common/multiplex.py).
 `StreamedCalls`: callers await one answer each, with a deadline; a stream
 that breaks fails every call in flight on it (outcome unknown, as for a
 unary call that lost its answer), and the next call opens a new one. A call
-past its deadline retires its stream too (a peer that stopped answering
-holds no later call). `Lanes` spreads calls over one such stream per replica
-and retries a call whose stream broke (or that was answered UNAVAILABLE) on
-the next replica's stream: only for idempotent methods.
+past its deadline retires its stream too when nothing was answered on it
+since the call was sent (a peer that stopped answering holds no later
+call); one slow call on a stream that answers the others fails alone.
+`Lanes` spreads calls over one such stream per replica and retries a call
+whose stream broke (or that was answered UNAVAILABLE) on the next
+replica's stream: only for idempotent methods.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Stream:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     broken: BaseException | None = None
+    answered_at: float = 0.0  # monotonic: when the last answer arrived
 
 
 class StreamedCalls(Generic[_Req, _Resp]):
@@ -94,22 +97,27 @@ class StreamedCalls(Generic[_Req, _Resp]):
         """The answer to `request` (a refusal raises the domain error the
         unary method would). A stream that broke under it raises
         StreamBroken (the outcome is unknown: `Lanes` retries); past
-        `timeout`, DeadlineExceeded, and the stream is retired."""
+        `timeout`, DeadlineExceeded, and the stream is retired unless it
+        answered another call meanwhile."""
         stream = self._current()
         call_id = next(self._ids)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         stream.pending[call_id] = answer
         stream.outbox.append((call_id, request, tracing.current_traceparent()))
         stream.wake.set()
+        sent_at = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 response: _Resp = await asyncio.shield(answer)
                 return response
         except TimeoutError:
-            # A peer that stopped answering must not hold the calls after
-            # this one: the next call opens a new stream.
             answer.cancel()
-            self._retire(stream, StreamBroken(f"{self._method}: no answer in {timeout:.1f}s"))
+            if stream.answered_at < sent_at:
+                # A peer that stopped answering must not hold the calls after
+                # this one: the next call opens a new stream. (One that
+                # answered others meanwhile is alive: only this call was slow,
+                # and the calls beside it keep their stream.)
+                self._retire(stream, StreamBroken(f"{self._method}: no answer in {timeout:.1f}s"))
             raise errors.DeadlineExceeded(
                 errors.Reason.TIMEOUT, f"{self._method}: no answer in {timeout:.1f}s"
             ) from None
@@ -181,6 +189,7 @@ class StreamedCalls(Generic[_Req, _Resp]):
                     break
                 if meter.enabled:
                     meter.received(self._target, self._method)
+                stream.answered_at = time.monotonic()
                 for call_id, response, status in self._answers_of(message):
                     answer = stream.pending.get(call_id)
                     if answer is None or answer.done():
