@@ -405,7 +405,9 @@ async def test_a_session_a_watch_lost_is_set_going_by_the_reconciler(
 
 async def send_until_accepted(c: StackClients, sid: str, text: str, delivery_id: str) -> int:
     """Retry a send with the same delivery id until it is accepted (the same
-    id makes a retry of an accepted-but-unanswered send a duplicate)."""
+    id makes a retry of an accepted-but-unanswered send a duplicate), as a
+    gateway would: also when refused over the channel's send rate
+    (RESOURCE_EXHAUSTED: nothing was accepted; retried after a pause)."""
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -415,6 +417,7 @@ async def send_until_accepted(c: StackClients, sid: str, text: str, delivery_id:
             if time.monotonic() > deadline or exc.code() not in (
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
             ):
                 raise
         await asyncio.sleep(0.1)
