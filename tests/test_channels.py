@@ -23,7 +23,8 @@ from baton_runtime.common.channels import grpc_target, service_config
 from baton_runtime.common.config import ConfigError, EtcdConfig
 from baton_runtime.common.errors import NotFound, Unavailable
 from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.hooks_client import HOOKS_IDEMPOTENT, HooksClient
+from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.config import IngressConfig

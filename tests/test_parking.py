@@ -18,6 +18,7 @@ import aetcd
 import grpc
 import pytest
 
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
@@ -112,6 +113,70 @@ async def test_a_bell_rings_exactly_while_parked(
         await a.set_parked(stale, True, 4)
 
 
+async def _page(
+    hooks: HooksClient, instance_id: str, token: str, size: int
+) -> hooks_pb.ListInstanceSessionsResponse:
+    request = hooks_pb.ListInstanceSessionsRequest(
+        deployment_id="dep-p", instance_id=instance_id, page_token=token, page_size=size
+    )
+    return await hooks.stub.ListInstanceSessions(request, timeout=5)
+
+
+async def test_an_instance_listing_pages_through_its_sessions_exactly_once(
+    stack: Stack, two_hooks: tuple[HooksClient, HooksClient]
+) -> None:
+    """25 sessions of one instance (2 of them parked with a bell rung) and 3
+    of another, listed 10 index entries a page: every session once, in
+    session id order, bells on the right page; a deployment-wide listing
+    pages across both instances; the client's listing reads every page;
+    bad pages are refused before anything is read."""
+    a, b = two_hooks
+    mine = [await new_session(a, "paged-1") for _ in range(25)]
+    others = [await new_session(a, "paged-2") for _ in range(3)]
+    for fence in mine[20:22]:
+        await a.set_parked(fence, True, 0)
+        await b.resume(ids.inbox_token(fence.session_id), command("while parked"))
+    pages, token = [], ""
+    while True:
+        page = await _page(a, "paged-1", token, 10)
+        pages.append(page)
+        if not page.next_page_token:
+            break
+        assert page.next_page_token > token
+        token = page.next_page_token
+    assert [len(p.sessions) for p in pages] == [10, 10, 5]
+    listed = [o.fence.session_id for p in pages for o in p.sessions]
+    assert listed == sorted(f.session_id for f in mine)
+    waiting = {o.fence.session_id for p in pages for o in p.sessions if o.input_waiting}
+    assert waiting == {f.session_id for f in mine[20:22]}
+    assert {o.fence.session_id for o in await a.list_instance_sessions("dep-p", "paged-1")} == set(
+        listed
+    )
+    every, token = [], ""
+    while True:
+        page = await _page(a, "", token, 4)
+        every += [o.fence.session_id for o in page.sessions]
+        if not page.next_page_token:
+            break
+        token = page.next_page_token
+    ours = {f.session_id for f in mine + others}
+    assert [sid for sid in every if sid in ours] == sorted(
+        ours, key=lambda sid: ("paged-1" if sid in set(listed) else "paged-2", sid)
+    )
+    unpaged = await _page(a, "paged-1", "", 0)
+    assert len(unpaged.sessions) == 25 and unpaged.next_page_token == ""
+    for token, size in (
+        ("", 1001),
+        ("no-slash", 10),
+        ("paged-2/" + mine[0].session_id, 10),  # another instance's token
+        ("paged-1/not a session", 10),
+        ("paged-1/" + "x" * 300, 10),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _page(a, "paged-1", token, size)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (token, size)
+
+
 async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     stack: Stack, two_hooks: tuple[HooksClient, HooksClient], etcd: aetcd.Client
 ) -> None:
@@ -127,7 +192,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     listed = await a.list_instance_sessions("dep-p", "dead-1")
     assert {o.fence.session_id for o in listed} == {quiet.session_id, rung.session_id}
     assert all(o.parked for o in listed)
-    # The listing's own txn reads the bells: a successor claims `rung` first.
+    # The listing reads the bells: a successor claims `rung` first.
     assert {o.fence.session_id for o in listed if o.input_waiting} == {rung.session_id}
     # Listing every instance of the deployment does not read bells.
     every = await a.list_instance_sessions("dep-p", "")

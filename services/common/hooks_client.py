@@ -25,48 +25,13 @@ from baton_runtime.common.client_answers import (
     SessionOwner,
     TakenOver,
 )
+from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT, HOOKS_UNLIMITED
 from baton_runtime.common.keys import Bell
 from baton_runtime.common.multiplex_client import Lanes
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
-
-
-HOOKS_IDEMPOTENT = frozenset(
-    {
-        # Reads.
-        "LookupHook",
-        "StreamInbox",
-        "ListInstances",
-        "ListInstanceSessions",
-        "WatchBells",
-        "WatchInstances",
-        "GetTransfer",
-        "GetOwner",
-        "DescribeSession",
-        "ListChannelSessions",
-        "ListDeployments",
-        "DescribeDeployment",
-        # A repeat returns the first result: the same session and fence
-        # (CreateSession), the same claim set (ClaimHooks, DisposeHooks), the
-        # first receipt for a delivery id (ResumeHook; `HooksClient.resume`
-        # gives every command one), the replayed takeover or transfer
-        # (TakeOverSession, Transfer), the state already set (SetParked).
-        "CreateSession",
-        "ClaimHooks",
-        "DisposeHooks",
-        "ResumeHook",
-        "TakeOverSession",
-        "SetParked",
-        "Transfer",
-        # A lease refreshed or revoked twice is refreshed or revoked; a drain
-        # target set twice is set.
-        "KeepAliveInstance",
-        "DeregisterInstance",
-        "SetInstanceDrain",
-    }
-)
 
 
 def _inbox_page(response: hooks_pb.StreamInboxResponse) -> list[s.InboxEntry]:
@@ -87,14 +52,15 @@ def _bells(response: hooks_pb.WatchBellsResponse) -> list[Bell]:
     return [Bell(bell.session_id, bell.inbox_head) for bell in response.bells]
 
 
+# Index entries per ListInstanceSessions page (the servers' most).
+LIST_PAGE_SIZE = 1000
+
+
 class HooksClient(ServiceClient):
     service = HOOKS_SERVICE
     kind = "hooks"
     idempotent = HOOKS_IDEMPOTENT
-    # An owner's membership: its lease must never wait behind its sessions' calls.
-    unlimited = frozenset(
-        {"RegisterInstance", "KeepAliveInstance", "SetInstanceDrain", "DeregisterInstance"}
-    )
+    unlimited = HOOKS_UNLIMITED
 
     def __init__(
         self,
@@ -257,16 +223,27 @@ class HooksClient(ServiceClient):
     async def list_instance_sessions(
         self, deployment_id: str, instance_id: str
     ) -> list[OwnedSession]:
-        request = hooks_pb.ListInstanceSessionsRequest(
-            deployment_id=deployment_id, instance_id=instance_id
-        )
-        response = await self._unary(
-            "ListInstanceSessions",
-            lambda: self.stub.ListInstanceSessions(request, timeout=self.timeout),
-        )
-        return [
-            OwnedSession(o.fence, o.owner, o.parked, o.input_waiting) for o in response.sessions
-        ]
+        """Every session of the instance (with no instance: of the
+        deployment), read LIST_PAGE_SIZE index entries a page."""
+        owned: list[OwnedSession] = []
+        token = ""
+        while True:
+            r = hooks_pb.ListInstanceSessionsRequest(
+                deployment_id=deployment_id,
+                instance_id=instance_id,
+                page_token=token,
+                page_size=LIST_PAGE_SIZE,
+            )
+            response = await self._unary(
+                "ListInstanceSessions",
+                lambda r=r: self.stub.ListInstanceSessions(r, timeout=self.timeout),  # type: ignore[misc]
+            )
+            owned += [
+                OwnedSession(o.fence, o.owner, o.parked, o.input_waiting) for o in response.sessions
+            ]
+            if response.next_page_token <= token:  # the last page ("" ends it)
+                return owned
+            token = response.next_page_token
 
     async def take_over_session(
         self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity

@@ -9,10 +9,8 @@ owner instance's bell while it is set.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
@@ -26,13 +24,10 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.etcd_ops import cmp_value
 from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
+from baton_runtime.common.keys import Keys, OwnerRecord
 from baton_runtime.common.txn import Fence, Txn, TxnResult
 from baton_runtime.hooks.inbox import MAX_APPEND_ATTEMPTS
 from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_record
-
-_LIST_CHUNK = 64
-_LIST_READS = 4  # chunk reads of one listing in flight at once
 
 
 @dataclass(frozen=True)
@@ -252,88 +247,3 @@ class Ownership:
         txn.read_on_failure("owner", k.owner(sid))
         txn.read_on_failure("head", k.inbox_head(sid))
         return txn
-
-    async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
-        """The sessions an instance owns (its ownership index), with their
-        current owner records (read in chunks, one read txn each); every
-        instance's, live or gone, when `instance_id` is empty.
-
-        For one instance, its bells are read in the listing's own txn: a
-        parked session whose bell rang (input waiting) is `input_waiting`, so
-        a successor tells the sessions to claim first (running, or parked with
-        input) from the quiet parked ones from the owner records' `parked`
-        flags and the bells, each written in the txn of the state it
-        describes (the park, the append)."""
-        ids.validate_deployment_id(deployment_id)
-        if instance_id:
-            ids.validate_id(instance_id, "instance_id")
-        entries, rung = await self._read_index(deployment_id, instance_id)
-        chunks = [entries[i : i + _LIST_CHUNK] for i in range(0, len(entries), _LIST_CHUNK)]
-        slots = asyncio.Semaphore(_LIST_READS)
-        # A few chunks at a time: a successor's listing of a dead instance's
-        # 10,000 sessions is on the path to answering its active ones.
-        records = await asyncio.gather(*(self._owner_records(chunk, slots) for chunk in chunks))
-        return [
-            owned
-            for chunk, raws in zip(chunks, records, strict=True)
-            for entry, raw in zip(chunk, raws, strict=True)
-            if (owned := _owned_session(entry, raw, rung)) is not None
-        ]
-
-    async def _read_index(
-        self, deployment_id: str, instance_id: str
-    ) -> tuple[list[_IndexEntry], set[str]]:
-        """One read txn: the ownership index entries (session, the instance
-        it is indexed under, fence) and, for one instance, its rung bells."""
-        k = self._keys
-        prefix = k.owned_prefix(deployment_id, instance_id)
-        bells = k.bell_prefix(instance_id)
-        listing = Txn().read("owned", prefix, prefix_end(prefix))
-        if instance_id:
-            listing.read("bells", bells, prefix_end(bells), keys_only=True)
-        listed = await listing.run(self._store)
-        rung: set[str] = set()
-        if instance_id:
-            rung = {kv.key[len(bells) :].decode() for kv in listed.kvs("bells")}
-        entries = []
-        for kv in listed.kvs("owned"):
-            rest = kv.key[len(prefix) :].decode()
-            holder, _, sid = rest.rpartition("/") if not instance_id else (instance_id, "", rest)
-            entries.append(_IndexEntry(sid, holder, kv.value))
-        return entries, rung
-
-    async def _owner_records(
-        self, chunk: list[_IndexEntry], slots: asyncio.Semaphore
-    ) -> list[bytes | None]:
-        async with slots:
-            read = (
-                await Txn()
-                .read_each("owners", [self._keys.owner(e.session_id) for e in chunk])
-                .run(self._store)
-            )
-        return list(read.values("owners"))
-
-
-class _IndexEntry(NamedTuple):
-    """One ownership index entry: the session, the instance it is indexed
-    under, and the fence the index names."""
-
-    session_id: str
-    holder: str
-    fence: bytes
-
-
-def _owned_session(entry: _IndexEntry, raw: bytes | None, rung: set[str]) -> OwnedSession | None:
-    """The listing's view of one index entry, or None when its owner record
-    is gone or moved on (another fence or instance) since the listing."""
-    if raw is None:
-        return None
-    record = OwnerRecord.decode(raw)
-    if record.fence != entry.fence or record.instance_id != entry.holder:
-        return None
-    epoch, run = parse_fence(entry.fence)
-    return OwnedSession(
-        fence=Fence(entry.session_id, run, epoch).proto(),
-        owner=record,
-        input_waiting=record.parked and entry.session_id in rung,
-    )

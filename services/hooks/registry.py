@@ -34,7 +34,8 @@ from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.inbox import Inbox
-from baton_runtime.hooks.ownership import OwnedSession, Ownership, TakeOver
+from baton_runtime.hooks.owned_listing import OwnedListing, OwnedPage
+from baton_runtime.hooks.ownership import Ownership, TakeOver
 from baton_runtime.hooks.sessions import SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
 from baton_runtime.hooks.transfer import OwnerMoved
@@ -51,6 +52,7 @@ class HookRegistry:
         self.claims = Claims(store, keys, self.tokens, self.sessions, leases)
         self.inbox = Inbox(store, keys, self.tokens, self.sessions, leases)
         self.ownership = Ownership(store, keys, self.sessions)
+        self.listing = OwnedListing(store, keys)
         self.directory = SessionDirectory(store, keys)
 
     async def create_session(
@@ -110,8 +112,10 @@ class HookRegistry:
     async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int) -> int:
         return await self.ownership.set_parked(fence, parked, inbox_next_seq)
 
-    async def list_owned(self, deployment_id: str, instance_id: str) -> list[OwnedSession]:
-        return await self.ownership.list_owned(deployment_id, instance_id)
+    async def list_owned(
+        self, deployment_id: str, instance_id: str, page_token: str = "", page_size: int = 0
+    ) -> OwnedPage:
+        return await self.listing.page(deployment_id, instance_id, page_token, page_size)
 
     async def describe(self, session_id: str, channel: str, consumed_seq: int) -> SessionRecord:
         return await self.directory.describe(session_id, channel, consumed_seq)

@@ -329,7 +329,9 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
-        owned = await self._registry.list_owned(request.deployment_id, request.instance_id)
+        page = await self._registry.list_owned(
+            request.deployment_id, request.instance_id, request.page_token, request.page_size
+        )
         return pb.ListInstanceSessionsResponse(
             sessions=[
                 pb.OwnedSession(
@@ -338,8 +340,9 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
                     parked=o.owner.parked,
                     input_waiting=o.input_waiting,
                 )
-                for o in owned
-            ]
+                for o in page.sessions
+            ],
+            next_page_token=page.next_page_token,
         )
 
     async def TakeOverSession(

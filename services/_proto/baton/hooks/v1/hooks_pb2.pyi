@@ -731,21 +731,34 @@ class ListInstanceSessionsRequest(_message.Message):
 
     DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The exact deployment id."""
     instance_id: _builtins.str
     """The instance id; empty lists the sessions of every instance of the
     deployment, live or gone (what a drain reports as left on a fleet).
     """
+    page_token: _builtins.str
+    """Start after this token: a previous page's `next_page_token` (at most 256
+    characters, `{instance id}/{session id}`); empty starts at the first.
+    """
+    page_size: _builtins.int
+    """At most this many index entries (0 to 1000); 0 lists every session in
+    one answer, as before paging (over about 28,000 sessions that answer
+    outgrows the 4 MiB answer limit: page instead).
+    """
     def __init__(
         self,
         *,
         deployment_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
+        page_token: _builtins.str = ...,
+        page_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instance_id", b"instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instance_id", b"instance_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -799,18 +812,25 @@ class ListInstanceSessionsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Where the next page starts; empty when this page is the last. A page
+    may hold fewer sessions than its size (entries that moved away are
+    skipped), even none, and still name a next one.
+    """
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___OwnedSession]:
-        """Sessions owned by the instance."""
+        """Sessions owned by the instance (of this page)."""
 
     def __init__(
         self,
         *,
         sessions: _abc.Iterable[Global___OwnedSession] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "sessions", b"sessions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
