@@ -25,7 +25,13 @@ from baton_runtime.common import ids
 from baton_runtime.common.anchor_client import AnchorClient
 from baton_runtime.common.client_answers import TakenOver
 from baton_runtime.common.config import ConfigError
-from baton_runtime.common.errors import Aborted, FailedPrecondition, Fenced, PermissionDenied
+from baton_runtime.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    Fenced,
+    Internal,
+    PermissionDenied,
+)
 from baton_runtime.common.grpc_server import GrpcServer
 from baton_runtime.common.hooks_client import HooksClient
 from baton_runtime.common.keys import Keys
@@ -459,3 +465,27 @@ async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
         await host.close()
         await host.hooks.close()
         await host.anchor.close()
+
+
+class _BackwardsPages:
+    """A stub whose second page token goes back (hooks never does this)."""
+
+    def __init__(self) -> None:
+        self.tokens = iter(["paged-1/ses_b", "paged-1/ses_a"])
+
+    async def ListInstanceSessions(  # noqa: N802 - the stub's method name
+        self, request: hooks_pb.ListInstanceSessionsRequest, timeout: float
+    ) -> hooks_pb.ListInstanceSessionsResponse:
+        return hooks_pb.ListInstanceSessionsResponse(next_page_token=next(self.tokens))
+
+
+async def test_the_client_refuses_a_listing_whose_page_token_goes_back() -> None:
+    """A token that does not advance would loop or silently drop sessions:
+    the client says so instead."""
+    client = HooksClient("127.0.0.1:1", timeout=1, security=Security.plaintext())
+    client.stub = _BackwardsPages()  # type: ignore[assignment]
+    try:
+        with pytest.raises(Internal, match="page token went back"):
+            await client.list_instance_sessions("dep-p", "paged-1")
+    finally:
+        await client.close()

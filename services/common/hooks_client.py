@@ -25,6 +25,7 @@ from baton_runtime.common.client_answers import (
     SessionOwner,
     TakenOver,
 )
+from baton_runtime.common.errors import Internal, Reason
 from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT, HOOKS_UNLIMITED
 from baton_runtime.common.keys import Bell
 from baton_runtime.common.multiplex_client import Lanes
@@ -241,8 +242,10 @@ class HooksClient(ServiceClient):
             owned += [
                 OwnedSession(o.fence, o.owner, o.parked, o.input_waiting) for o in response.sessions
             ]
-            if response.next_page_token <= token:  # the last page ("" ends it)
+            if not response.next_page_token:
                 return owned
+            if response.next_page_token <= token:  # never: tokens only grow
+                raise Internal(Reason.INTERNAL, "ListInstanceSessions: a page token went back")
             token = response.next_page_token
 
     async def take_over_session(
