@@ -254,6 +254,12 @@ def turn_estimate(costs: dict[str, Any], counts: dict[str, int]) -> dict[str, An
     }
 
 
+def _in_units(ms: float, unit: float) -> str:
+    """`ms` in Health.Checks; n/a when the unit measured 0 (a smoke run's
+    few calls can fall within one /proc clock tick)."""
+    return f"{ms / unit:>5.2f}" if unit else "  n/a"
+
+
 def report(figures: dict[str, Any]) -> str:
     g, e, t = figures["grpc"], figures["etcd"], figures["one_step_turn"]
     unit = g["health_check"]["server_ms"]
@@ -265,14 +271,14 @@ def report(figures: dict[str, Any]) -> str:
     ):
         row = g[name]
         server, client = row["server_ms"], row["client_ms"]
-        lines.append(f"  {label:<40} {server:>9.3f} {client:>8.3f}   {server / unit:>5.2f}")
+        lines.append(f"  {label:<40} {server:>9.3f} {client:>8.3f}   {_in_units(server, unit)}")
     for name, label in (
         ("txn_write", "etcd write txn, 1 KiB"),
         ("watch_response", "etcd watch response received"),
     ):
         row = e[name]
         server, client = row["etcd_ms"], row["client_ms"]
-        lines.append(f"  {label:<40} {server:>9.3f} {client:>8.3f}   {client / unit:>5.2f}")
+        lines.append(f"  {label:<40} {server:>9.3f} {client:>8.3f}   {_in_units(client, unit)}")
     order = e["watch_before_answer"]
     lines.append(
         f"  the watch's event came before its own txn's answer in "

@@ -297,3 +297,12 @@ def test_message_costs_bench_smoke(tmp_path: Path) -> None:
     turn = figures["one_step_turn"]
     assert abs(turn["total_ms"] - sum(turn["parts_ms"].values())) < 0.001
     assert len(turn["parts_ms"]) == 4  # the edge, streams, etcd txns, watch responses
+
+
+def test_message_costs_reports_no_ratio_over_a_unit_of_zero() -> None:
+    """A smoke run's 50 Health.Checks can fall within one /proc clock tick:
+    the report says n/a instead of dividing by 0 (CI failed on it once)."""
+    from bench.message_costs import _in_units
+
+    assert _in_units(0.5, 0.0).strip() == "n/a"
+    assert _in_units(0.5, 0.25).strip() == "2.00"
