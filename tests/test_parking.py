@@ -34,7 +34,7 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.grpc_server import GrpcServer
 from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.keys import Keys
+from baton_runtime.common.keys import Keys, fence_value
 from baton_runtime.common.owner_client import OwnerClient
 from baton_runtime.common.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
@@ -181,6 +181,60 @@ async def test_an_instance_listing_pages_through_its_sessions_exactly_once(
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await _page(a, "paged-1", token, size)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (token, size)
+
+
+async def test_an_index_only_listing_reads_the_index_and_bells_not_the_owners(
+    stack: Stack, two_hooks: tuple[HooksClient, HooksClient], etcd: aetcd.Client
+) -> None:
+    """The reconciliation's cheap listing (index_only): the same sessions in
+    the same order and pages as the full listing, each fence as indexed and
+    the bell as rung, `parked` unread; an index entry whose owner record
+    moved on is listed as the index names it (the full listing drops it)."""
+    a, b = two_hooks
+    keys = Keys(stack.etcd.prefix)
+    mine = [await new_session(a, "idx-1") for _ in range(7)]
+    for fence in mine[2:4]:
+        await a.set_parked(fence, True, 0)
+    await b.resume(ids.inbox_token(mine[3].session_id), command("while parked"))
+    stale = mine[5]  # an index entry outliving its session's move (epoch 9 here)
+    await etcd.put(keys.owned("dep-p", "idx-1", stale.session_id), fence_value(9, "moved-run"))
+
+    def request(token: str, index_only: bool) -> hooks_pb.ListInstanceSessionsRequest:
+        return hooks_pb.ListInstanceSessionsRequest(
+            deployment_id="dep-p",
+            instance_id="idx-1",
+            page_token=token,
+            page_size=3,
+            index_only=index_only,
+        )
+
+    async def pages(index_only: bool) -> list[list[hooks_pb.OwnedSession]]:
+        listed, token = [], ""
+        while True:
+            page = await a.stub.ListInstanceSessions(request(token, index_only), timeout=5)
+            listed.append(list(page.sessions))
+            if not page.next_page_token:
+                return listed
+            token = page.next_page_token
+
+    full, cheap = await pages(False), await pages(True)
+    assert [len(p) for p in cheap] == [3, 3, 1]
+    order = sorted(f.session_id for f in mine)
+    assert [o.fence.session_id for p in cheap for o in p] == order
+    assert [o.fence.session_id for p in full for o in p] == [
+        sid for sid in order if sid != stale.session_id
+    ]
+    by_sid = {o.fence.session_id: o for p in cheap for o in p}
+    for fence in mine:
+        listed = by_sid[fence.session_id]
+        assert listed.owner.instance_id == "idx-1" and listed.owner.deployment_id == "dep-p"
+        assert not listed.parked
+        assert listed.input_waiting == (fence == mine[3])
+        if fence != stale:
+            assert listed.fence == fence
+    assert by_sid[stale.session_id].fence.epoch == 9
+    client = await a.list_instance_sessions("dep-p", "idx-1", index_only=True)
+    assert [o.fence for o in client] == [by_sid[sid].fence for sid in order]
 
 
 async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(

@@ -10,6 +10,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
+from baton_runtime.common.bounds import MAX_LISTING_PAGE
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import (
     ChannelSessions,
@@ -51,10 +52,6 @@ def _instance_change(response: hooks_pb.WatchInstancesResponse) -> InstanceChang
 
 def _bells(response: hooks_pb.WatchBellsResponse) -> list[Bell]:
     return [Bell(bell.session_id, bell.inbox_head) for bell in response.bells]
-
-
-# Index entries per ListInstanceSessions page (the servers' most).
-LIST_PAGE_SIZE = 1000
 
 
 class HooksClient(ServiceClient):
@@ -222,10 +219,12 @@ class HooksClient(ServiceClient):
         return self._stream("WatchInstances", self.stub.WatchInstances(request), _instance_change)
 
     async def list_instance_sessions(
-        self, deployment_id: str, instance_id: str
+        self, deployment_id: str, instance_id: str, *, index_only: bool = False
     ) -> list[OwnedSession]:
         """Every session of the instance (with no instance: of the
-        deployment), read LIST_PAGE_SIZE index entries a page."""
+        deployment), read MAX_LISTING_PAGE index entries a page; `index_only`:
+        as the index names them, with no owner record read (`parked` unread,
+        `input_waiting` whether the bell rang)."""
         owned: list[OwnedSession] = []
         token = ""
         while True:
@@ -233,7 +232,8 @@ class HooksClient(ServiceClient):
                 deployment_id=deployment_id,
                 instance_id=instance_id,
                 page_token=token,
-                page_size=LIST_PAGE_SIZE,
+                page_size=MAX_LISTING_PAGE,
+                index_only=index_only,
             )
             response = await self._unary(
                 "ListInstanceSessions",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 import grpc
@@ -162,7 +161,7 @@ class ServiceClient:
                 pass
         return await unary()
 
-    def _slot(self, method: str) -> AbstractAsyncContextManager[None]:
+    def _slot(self, method: str) -> contextlib.AbstractAsyncContextManager[None]:
         """A slot of the in-flight bound for a call of `method` (none needed
         without a bound, or for an `unlimited` method)."""
         if self.slots is None or method in self.unlimited:

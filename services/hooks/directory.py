@@ -16,14 +16,11 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.bounds import check_range, check_seq
+from baton_runtime.common.bounds import MAX_LISTING_PAGE, check_range, check_seq
 from baton_runtime.common.errors import InvalidArgument, NotFound, Reason
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
 from baton_runtime.common.txn import Txn
-
-MAX_LIST_LIMIT = 1000
-"""Channel-index entries one ListChannelSessions call returns at most."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ class SessionDirectory:
         ids.validate_channel(channel)
         if after_session_id:
             ids.validate_session_id(after_session_id)
-        check_range(limit, "limit", MAX_LIST_LIMIT, 1)
+        check_range(limit, "limit", MAX_LISTING_PAGE, 1)
         k = self._keys
         prefix = k.channel_prefix(channel)
         start = k.channel_entry(channel, after_session_id) + b"\0" if after_session_id else prefix
@@ -146,7 +143,7 @@ class SessionDirectory:
         if after_channel:
             ids.validate_channel(after_channel)
             ids.validate_session_id(after_session_id)
-        check_range(limit, "limit", MAX_LIST_LIMIT, 1)
+        check_range(limit, "limit", MAX_LISTING_PAGE, 1)
         k = self._keys
         prefix = k.channels_prefix()
         start = (

@@ -15,6 +15,11 @@ takeover or reconciliation of that instance could then never list it.
 The token is the last index entry read, `{instance id}/{session id}`, so a
 page of entries that all moved away is empty and still names the next.
 `page_size` 0 is the unpaged listing of older clients.
+
+An `index_only` page reads no owner record: the index entries and, for one
+instance, one keys-only range of the bells over the page's sessions, two
+reads a page. It is what the owner's periodic reconciliation checks (its
+own sessions' fences, and bells that rang), at a small part of the cost.
 """
 
 from __future__ import annotations
@@ -24,14 +29,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from baton_runtime.common import ids
-from baton_runtime.common.bounds import check_range
+from baton_runtime.common.bounds import MAX_LISTING_PAGE, check_range
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
 from baton_runtime.common.txn import Fence, Txn
 from baton_runtime.hooks.ownership import OwnedSession
 
-MAX_PAGE_SIZE = 1000
 MAX_PAGE_TOKEN = 256  # an instance id (at most 128) / a session id
 _CHUNK = 64
 _READS = 4  # chunk reads of one page in flight at once
@@ -55,7 +59,7 @@ class _IndexEntry(NamedTuple):
 def check_page(instance_id: str, page_token: str, page_size: int) -> None:
     """A page request's bounds (InvalidArgument): the size, and a token that
     names an instance (this one, when one is named) and a session."""
-    check_range(page_size, "page_size", MAX_PAGE_SIZE)
+    check_range(page_size, "page_size", MAX_LISTING_PAGE)
     if not page_token:
         return
     holder, _, session_id = page_token.rpartition("/")
@@ -75,11 +79,18 @@ class OwnedListing:
         self._keys = keys
 
     async def page(
-        self, deployment_id: str, instance_id: str, page_token: str = "", page_size: int = 0
+        self,
+        deployment_id: str,
+        instance_id: str,
+        page_token: str = "",
+        page_size: int = 0,
+        *,
+        index_only: bool = False,
     ) -> OwnedPage:
         """Up to `page_size` (0: every one) of the sessions an instance owns,
-        after `page_token`, with their current owner records; every
-        instance's, live or gone, when `instance_id` is empty."""
+        after `page_token`, with their current owner records (`index_only`:
+        as the index names them); every instance's, live or gone, when
+        `instance_id` is empty."""
         ids.validate_deployment_id(deployment_id)
         if instance_id:
             ids.validate_id(instance_id, "instance_id")
@@ -87,6 +98,11 @@ class OwnedListing:
         entries, next_token = await self._read_index(
             deployment_id, instance_id, page_token, page_size
         )
+        if index_only:
+            rung = await self._read_bells(entries, instance_id)
+            return OwnedPage(
+                [_indexed(deployment_id, e, e.session_id in rung) for e in entries], next_token
+            )
         chunks = [entries[i : i + _CHUNK] for i in range(0, len(entries), _CHUNK)]
         slots = asyncio.Semaphore(_READS)
         read = await asyncio.gather(
@@ -124,18 +140,37 @@ class OwnedListing:
         self, chunk: list[_IndexEntry], instance_id: str, slots: asyncio.Semaphore
     ) -> tuple[list[bytes | None], list[bool]]:
         """The chunk's owner records and, for one instance, whether each
-        session's bell rang: one read txn."""
+        session's bell rang: one read txn, with the bells as one keys-only
+        range over the chunk's sessions (the index lists them in key order)."""
         k = self._keys
         txn = Txn().read_each("owners", [k.owner(e.session_id) for e in chunk])
         if instance_id:
-            txn.read_each("bells", [k.bell(instance_id, e.session_id) for e in chunk])
+            first, last = (k.bell(instance_id, e.session_id) for e in (chunk[0], chunk[-1]))
+            txn.read("bells", first, last + b"\x00", keys_only=True)
         async with slots:
             read = await txn.run(self._store)
         raws = list(read.values("owners"))
-        rung = (
-            [v is not None for v in read.values("bells")] if instance_id else [False] * len(chunk)
-        )
-        return raws, rung
+        if not instance_id:
+            return raws, [False] * len(chunk)
+        rung = {kv.key for kv in read.kvs("bells")}
+        return raws, [k.bell(instance_id, e.session_id) in rung for e in chunk]
+
+    async def _read_bells(self, entries: list[_IndexEntry], instance_id: str) -> set[str]:
+        """The sessions among `entries` whose bell rang: one keys-only range
+        read over their span (none without an instance, or entries)."""
+        if not instance_id or not entries:
+            return set()
+        prefix = self._keys.bell_prefix(instance_id)
+        first, last = (prefix + e.session_id.encode() for e in (entries[0], entries[-1]))
+        read = await Txn().read("bells", first, last + b"\x00", keys_only=True).run(self._store)
+        return {kv.key[len(prefix) :].decode() for kv in read.kvs("bells")}
+
+
+def _indexed(deployment_id: str, entry: _IndexEntry, rung: bool) -> OwnedSession:
+    """An index entry as it names its session's owner (maybe stale)."""
+    epoch, run = parse_fence(entry.fence)
+    record = OwnerRecord(run, deployment_id, entry.holder, epoch)
+    return OwnedSession(Fence(entry.session_id, run, epoch).proto(), record, input_waiting=rung)
 
 
 def _owned_session(entry: _IndexEntry, raw: bytes | None, rung: bool) -> OwnedSession | None:

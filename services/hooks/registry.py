@@ -113,9 +113,17 @@ class HookRegistry:
         return await self.ownership.set_parked(fence, parked, inbox_next_seq)
 
     async def list_owned(
-        self, deployment_id: str, instance_id: str, page_token: str = "", page_size: int = 0
+        self,
+        deployment_id: str,
+        instance_id: str,
+        page_token: str = "",
+        page_size: int = 0,
+        *,
+        index_only: bool = False,
     ) -> OwnedPage:
-        return await self.listing.page(deployment_id, instance_id, page_token, page_size)
+        return await self.listing.page(
+            deployment_id, instance_id, page_token, page_size, index_only=index_only
+        )
 
     async def describe(self, session_id: str, channel: str, consumed_seq: int) -> SessionRecord:
         return await self.directory.describe(session_id, channel, consumed_seq)

@@ -10,6 +10,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.keys import InstanceRecord, OwnerRecord
 from baton_runtime.hooks.directory import SessionRecord, timestamp_ms
 from baton_runtime.hooks.fleets import Fleet, FleetStatus
+from baton_runtime.hooks.owned_listing import OwnedPage
 
 
 def owner_identity(record: OwnerRecord) -> s.OwnerIdentity:
@@ -17,6 +18,21 @@ def owner_identity(record: OwnerRecord) -> s.OwnerIdentity:
         owner_run_id=record.owner_run_id,
         deployment_id=record.deployment_id,
         instance_id=record.instance_id,
+    )
+
+
+def owned_page_reply(page: OwnedPage) -> pb.ListInstanceSessionsResponse:
+    return pb.ListInstanceSessionsResponse(
+        sessions=[
+            pb.OwnedSession(
+                fence=o.fence,
+                owner=owner_identity(o.owner),
+                parked=o.owner.parked,
+                input_waiting=o.input_waiting,
+            )
+            for o in page.sessions
+        ],
+        next_page_token=page.next_page_token,
     )
 
 

@@ -26,6 +26,7 @@ from baton_runtime.hooks.replies import (
     deployment_info,
     describe_reply,
     instance_info,
+    owned_page_reply,
     owner_fence,
     owner_identity,
 )
@@ -330,20 +331,13 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
         page = await self._registry.list_owned(
-            request.deployment_id, request.instance_id, request.page_token, request.page_size
+            request.deployment_id,
+            request.instance_id,
+            request.page_token,
+            request.page_size,
+            index_only=request.index_only,
         )
-        return pb.ListInstanceSessionsResponse(
-            sessions=[
-                pb.OwnedSession(
-                    fence=o.fence,
-                    owner=owner_identity(o.owner),
-                    parked=o.owner.parked,
-                    input_waiting=o.input_waiting,
-                )
-                for o in page.sessions
-            ],
-            next_page_token=page.next_page_token,
-        )
+        return owned_page_reply(page)
 
     async def TakeOverSession(
         self, request: pb.TakeOverSessionRequest, context: Context

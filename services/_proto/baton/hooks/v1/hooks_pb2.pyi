@@ -733,6 +733,7 @@ class ListInstanceSessionsRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    INDEX_ONLY_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The exact deployment id."""
     instance_id: _builtins.str
@@ -748,6 +749,14 @@ class ListInstanceSessionsRequest(_message.Message):
     one answer, as before paging (over about 28,000 sessions that answer
     outgrows the 4 MiB answer limit: page instead).
     """
+    index_only: _builtins.bool
+    """Only what the ownership index and the bells say, with no owner record
+    read (the periodic reconciliation's cheap check): each entry's fence and
+    instance as indexed, which may be stale (a session that moved on or was
+    finalized keeps its entry until a takeover attempt drops it); `parked`
+    is not read (false) and `input_waiting` is whether the session's bell
+    rang (only when the listing names an instance).
+    """
     def __init__(
         self,
         *,
@@ -755,10 +764,11 @@ class ListInstanceSessionsRequest(_message.Message):
         instance_id: _builtins.str = ...,
         page_token: _builtins.str = ...,
         page_size: _builtins.int = ...,
+        index_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "instance_id", b"instance_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "index_only", b"index_only", "instance_id", b"instance_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
