@@ -2,7 +2,8 @@
 
     python -m bench.idle_rss [--sessions 10000] [--baseline 10] [--park-after 0.5]
                              [--settle 12] [--concurrency 64] [--send] [--takeover [--active 4]]
-                             [--json PATH] [--keep-logs] [--log-level LEVEL]
+                             [--idle-cpu SECONDS] [--json PATH] [--keep-logs]
+                             [--log-level LEVEL]
 
 Starts a real etcd, hooks, anchor and one owner as separate processes (log
 level warning). Creates `--baseline` sessions through OwnerService.StartSession,
@@ -26,6 +27,11 @@ ones lazily), and until the second holds every session (parked: a quiet
 parked session is taken over without loading its snapshot; the sweep claims
 them at a bounded rate, so this grows with --sessions), with the second
 owner's RSS.
+
+With --idle-cpu SECONDS, the CPU that hooks, etcd and the owner use over that
+long once every session is parked and nothing is sent (the owner's periodic
+reconciliation, lease keep-alives, etcd's own timers), in ms per second, after
+the RSS reading: what a fleet of quiet parked sessions costs the services.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from baton_runtime.common.owner_client import OwnerClient
 from baton_runtime.common.pki import LocalPki
 from baton_runtime.common.tls import Security
 from bench.common import write_json
+from bench.turn_latency import cpu_seconds
 
 DEPLOYMENT_ID = "bench-idle"
 INSTANCE_ID = "bench-idle-i1"
@@ -252,6 +259,24 @@ async def settled_rss(pid: int, parked: int, settle: float) -> int:
     return settled
 
 
+async def idle_cpu(stack: IdleStack, seconds: float, parked: int) -> dict[str, float]:
+    """ms of CPU per second that hooks, etcd and the owner use over
+    `seconds` with `parked` sessions parked and nothing sent."""
+    assert stack.etcd is not None and stack.etcd.proc is not None
+    pids = {name: stack.services[name].pid for name in ("hooks", "owner")}
+    pids["etcd"] = stack.etcd.proc.pid
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    await asyncio.sleep(seconds)
+    per_s = {
+        name: (cpu_seconds(pid) - before[name]) * 1000 / seconds for name, pid in pids.items()
+    }
+    print(
+        f"idle CPU with {parked} parked sessions over {seconds:g}s, ms per second: "
+        + ", ".join(f"{name} {ms:.1f}" for name, ms in per_s.items())
+    )
+    return {f"idle_cpu_ms_per_s_{name}": ms for name, ms in per_s.items()}
+
+
 async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float]:
     # As the deployment's ingress (starts sessions) and owner (lists, sends).
     owner = OwnerClient(
@@ -275,6 +300,7 @@ async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float
         print(f"created {more} more sessions in {create_s:.1f}s ({more / create_s:.0f}/s)")
         park_s = await wait_parked(hooks, args.sessions, max(120, args.sessions / 20))
         rss_big = await settled_rss(stack.owner_pid, args.sessions, args.settle)
+        idle = await idle_cpu(stack, args.idle_cpu, args.sessions) if args.idle_cpu else {}
         takeover: dict[str, float] = {}
         if args.takeover:
             takeover = await time_takeover(args, stack, hooks, anchor, created)
@@ -303,6 +329,7 @@ async def measure(args: argparse.Namespace, stack: IdleStack) -> dict[str, float
         "park_wait_seconds": park_s,
         "target_bytes": TARGET_BYTES,
         "meets_target": added < TARGET_BYTES,
+        **idle,
         **takeover,
     }
 
@@ -325,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4,
         help="with --takeover: busy sessions at the kill, and as many sent a message after it",
+    )
+    parser.add_argument(
+        "--idle-cpu",
+        type=float,
+        default=0.0,
+        help="then measure the services' CPU over this many seconds of parked idleness",
     )
     parser.add_argument("--json", help="also write the figures as JSON here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the service logs")

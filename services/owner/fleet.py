@@ -37,18 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
 
-from baton_runtime.common import metrics, retry
-from baton_runtime.common.client_answers import OwnedSession
+from baton_runtime.common import retry
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.hooks_client import HooksClient
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.config import DEFAULT_RECONCILE_INTERVAL
 from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.reconcile import Reconciler
 from baton_runtime.owner.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
@@ -87,12 +87,6 @@ class FleetMembership:
         self._adopting: dict[str, bool] = {}  # instance -> run another round after this one
         # Dead instances whose sessions were not all taken over (every round spent).
         self._unfinished: set[str] = set()
-        # Sessions indexed under this instance that it did not hold at the
-        # last reconciliation: session id -> fence value seen then.
-        self._unheld: dict[str, bytes] = {}
-        # Sessions this instance holds parked that the last listing showed
-        # with input waiting (a bell rang): session id -> fence value then.
-        self._unwoken: dict[str, bytes] = {}
         # Quiet parked sessions listed and not claimed yet: claimed by the
         # sweep, or at once on a bell.
         self.parked = ParkedSweep(
@@ -102,6 +96,7 @@ class FleetMembership:
             raise ValueError("reconcile_every must be positive")
         self.reconcile_every = reconcile_every
         self._log = log.bind(deployment_id=self.deployment_id, instance_id=self.instance_id)
+        self.reconciler = Reconciler(host, hooks, self.parked, self._log)
 
     def start(self) -> None:
         """Join in the background: register (retrying until hooks answers),
@@ -291,15 +286,9 @@ class FleetMembership:
     # -- reconciliation -------------------------------------------------------------
 
     async def _reconcile(self) -> None:
-        """The safety net under the watches: every `reconcile_every` seconds,
-        take over again what no live run holds. A session indexed under this
-        instance that the host holds in no state (running, loading, parked,
-        stalled) at two reconciliations in a row, with the same fence, has no
-        run anywhere (the index names its owner): this instance takes it
-        over from itself (epoch + 1) and runs it. Two sightings, because a
-        session being created or transferred here is indexed a moment before
-        the host holds it. Dead instances whose takeover rounds ran out are
-        tried again."""
+        """The safety net under the watches (reconcile.py): every
+        `reconcile_every` seconds, one round of this instance's reconciler,
+        and dead instances whose takeover rounds ran out are tried again."""
         while not self.lease_lost.is_set():
             await asyncio.sleep(self.reconcile_every)
             if self.lease_lost.is_set():
@@ -307,61 +296,9 @@ class FleetMembership:
             for instance_id in sorted(self._unfinished):
                 self._schedule_adoption(instance_id)
             try:
-                owned = await self.hooks.list_instance_sessions(
-                    self.deployment_id, self.instance_id
-                )
+                await self.reconciler.round()
             except BatonError as exc:
                 self._log.warning("reconciliation listing failed", reason=exc.reason)
-                continue
-            for sid in self._unwoken_parked(owned):
-                if self.host.wake_parked(sid):
-                    metrics.RECONCILED.labels("woken").inc()
-                    self._log.warning(
-                        "a parked session had input waiting and no bell reached it: woken",
-                        session_id=sid,
-                    )
-            orphans = self._orphans(owned)
-            if orphans:
-                won, _ = await claim_all(self.host, orphans)
-                # The others were finalized (their index entry is dropped
-                # by the takeover attempt) or taken by someone else.
-                if won:
-                    metrics.RECONCILED.labels("taken_over").inc(won)
-                    self._log.warning(
-                        "sessions indexed here had no run: taken over again",
-                        sessions=won,
-                        session_ids=[o.fence.session_id for o in orphans[:10]],
-                    )
-                if won < len(orphans):
-                    self._log.info(
-                        "index entries of finalized or moved sessions dropped",
-                        sessions=len(orphans) - won,
-                    )
-
-    def _orphans(self, owned: list[OwnedSession]) -> list[OwnedSession]:
-        """The sessions of this instance's listing the host held in no state
-        at this reconciliation and the last, with the same fence (and that
-        the sweep is not claiming at its own pace)."""
-        unheld = _fences(o for o in owned if not self.host.holds(o.fence.session_id))
-        sweeping = self.parked.sweeping(self.instance_id)
-        twice = _seen_twice(self._unheld, unheld)
-        self._unheld = unheld
-        return [o for o in owned if o.fence.session_id in twice - sweeping.keys()]
-
-    def _unwoken_parked(self, owned: list[OwnedSession]) -> list[str]:
-        """The sessions of this instance's listing that the host holds parked
-        while the listing shows their bell rung (input waiting), at this
-        reconciliation and the last, with the same fence: the bell never
-        reached the parked session (a wake deletes the bell, so two sightings
-        one interval apart are no race with a wake in flight)."""
-        unwoken = _fences(
-            o
-            for o in owned
-            if o.parked and o.input_waiting and o.fence.session_id in self.host.parked
-        )
-        twice = _seen_twice(self._unwoken, unwoken)
-        self._unwoken = unwoken
-        return sorted(twice)
 
     # -- bells ----------------------------------------------------------------------
 
@@ -376,13 +313,3 @@ class FleetMembership:
             except BatonError as exc:
                 self._log.warning("bell watch interrupted", reason=exc.reason)
             await backoff.wait()
-
-
-def _fences(owned: Iterable[OwnedSession]) -> dict[str, bytes]:
-    """Session id -> its fence as listed (compared between reconciliations)."""
-    return {o.fence.session_id: o.fence.SerializeToString() for o in owned}
-
-
-def _seen_twice(last: dict[str, bytes], now: dict[str, bytes]) -> set[str]:
-    """The sessions in both sightings, with the same fence."""
-    return {sid for sid, fence in now.items() if last.get(sid) == fence}
