@@ -259,6 +259,58 @@ async def test_the_server_caps_concurrent_calls_with_retry_info(
         await server.stop(0.1)
 
 
+async def test_an_unmetered_method_is_served_past_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A method the capacity does not meter (hooks: an owner's lease
+    keep-alive) is served however many calls are in flight, and takes no
+    slot from the metered ones; hooks names its membership methods so."""
+    from baton_runtime.common.config import Capacity
+    from baton_runtime.hooks.server import MEMBERSHIP_METHODS, SERVICE_NAME
+    from tests import certs
+
+    service = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"]
+    assert MEMBERSHIP_METHODS == {
+        f"/{SERVICE_NAME}/{service.methods_by_name[name].name}"
+        for name in (
+            "RegisterInstance",
+            "KeepAliveInstance",
+            "SetInstanceDrain",
+            "DeregisterInstance",
+        )
+    }
+    monkeypatch.setitem(access.RPC_ROLES, f"/{PROBE}/Hold", frozenset({Role.OPERATOR}))
+    release = asyncio.Event()
+    inside = 0
+    all_in = asyncio.Event()
+
+    async def hold(request: Any, context: Any) -> Any:
+        nonlocal inside
+        inside += 1
+        if inside == 3:
+            all_in.set()
+        await release.wait()
+        return health_pb2.HealthCheckResponse()
+
+    server = build_server(
+        "127.0.0.1:0",
+        [probe_binding(hold)],
+        service="probe",
+        security=certs.security(Role.HOOKS),
+        capacity=Capacity(max_unary=1, unmetered=frozenset({f"/{PROBE}/Hold"})),
+    )
+    await server.start()
+    channel = open_channel(f"127.0.0.1:{server.port}", certs.operator())
+    try:
+        held = [asyncio.ensure_future(call_probe(channel)) for _ in range(3)]
+        await asyncio.wait_for(all_in.wait(), 10)  # three in at a cap of one
+        release.set()
+        await asyncio.gather(*held)
+    finally:
+        await channel.close()
+        await server.stop(0.1)
+
+
 async def test_the_server_caps_concurrent_streams_apart_from_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

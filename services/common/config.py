@@ -137,6 +137,11 @@ class Capacity:
     and RetryInfo (nothing is accepted). Unary calls and server streams are
     counted apart: a hooks server holds one inbox stream per live session.
 
+    Methods in `unmetered` (full paths) are never refused for capacity:
+    hooks serves an owner's lease keep-alive however busy it is, so an
+    overload of hooks (a gateway burst through every ingress) never costs
+    an owner its lease.
+
     (Not grpc.aio's `maximum_concurrent_rpcs`: its limiter lets every call
     through after the first refusals, grpc/grpc#41531, and its refusal has
     no reason or retry info.)"""
@@ -144,6 +149,7 @@ class Capacity:
     max_unary: int = 2000
     max_streams: int = 100_000
     retry_after: float = 0.1
+    unmetered: frozenset[str] = frozenset()
 
     @classmethod
     def from_values(cls, values: Mapping[str, str]) -> Capacity:

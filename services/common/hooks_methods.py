@@ -39,7 +39,7 @@ HOOKS_IDEMPOTENT = frozenset(
 )
 
 # An owner's membership: its lease must never wait behind its sessions' calls
-# (call_slots.py).
+# (call_slots.py), nor be refused by a busy hooks (config.Capacity.unmetered).
 HOOKS_UNLIMITED = frozenset(
     {"RegisterInstance", "KeepAliveInstance", "SetInstanceDrain", "DeregisterInstance"}
 )

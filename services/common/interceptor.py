@@ -178,7 +178,7 @@ def _replaced(handler: Handler, **fields: Any) -> Handler:
 class _Call:
     """What the interceptor knows about one call before it runs."""
 
-    __slots__ = ("method", "bound", "allowed", "verify", "gate")
+    __slots__ = ("method", "bound", "allowed", "verify", "gate", "metered")
 
     def __init__(
         self,
@@ -193,6 +193,7 @@ class _Call:
         self.allowed = allowed
         self.verify = verify
         self.gate = gate
+        self.metered = method not in gate.capacity.unmetered
 
     def admit(self, context: Context) -> None:
         """Identify the caller and check the table (raises when refused)."""
@@ -300,10 +301,12 @@ class _Served:
         return self
 
     def admit(self) -> None:
-        """The role table, then the gate (raises when refused)."""
+        """The role table, then the gate (raises when refused; a method the
+        gate does not meter is never refused for capacity)."""
         self.call.admit(self.context)
-        self.call.gate.enter(self.stream)
-        self.admitted = True
+        if self.call.metered:
+            self.call.gate.enter(self.stream)
+            self.admitted = True
 
     async def __aexit__(
         self, _type: type[BaseException] | None, exc: BaseException | None, _tb: object

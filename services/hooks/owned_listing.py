@@ -145,8 +145,7 @@ class OwnedListing:
         k = self._keys
         txn = Txn().read_each("owners", [k.owner(e.session_id) for e in chunk])
         if instance_id:
-            first, last = (k.bell(instance_id, e.session_id) for e in (chunk[0], chunk[-1]))
-            txn.read("bells", first, last + b"\x00", keys_only=True)
+            txn.read("bells", *_bell_span(k, instance_id, chunk), keys_only=True)
         async with slots:
             read = await txn.run(self._store)
         raws = list(read.values("owners"))
@@ -160,10 +159,17 @@ class OwnedListing:
         read over their span (none without an instance, or entries)."""
         if not instance_id or not entries:
             return set()
+        span = _bell_span(self._keys, instance_id, entries)
+        read = await Txn().read("bells", *span, keys_only=True).run(self._store)
         prefix = self._keys.bell_prefix(instance_id)
-        first, last = (prefix + e.session_id.encode() for e in (entries[0], entries[-1]))
-        read = await Txn().read("bells", first, last + b"\x00", keys_only=True).run(self._store)
         return {kv.key[len(prefix) :].decode() for kv in read.kvs("bells")}
+
+
+def _bell_span(keys: Keys, instance_id: str, entries: list[_IndexEntry]) -> tuple[bytes, bytes]:
+    """The key range of the instance's bells from the first entry's session
+    to the last's (entries come in session id order)."""
+    first, last = entries[0].session_id, entries[-1].session_id
+    return keys.bell(instance_id, first), keys.bell(instance_id, last) + b"\x00"
 
 
 def _indexed(deployment_id: str, entry: _IndexEntry, rung: bool) -> OwnedSession:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
 from baton_runtime.common.etcd_members import connect_checked
 from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.hooks_methods import HOOKS_UNLIMITED
 from baton_runtime.common.keys import Keys
 from baton_runtime.common.permits import PermitVerifier
 from baton_runtime.common.scope import DeploymentScope
@@ -19,6 +22,8 @@ from baton_runtime.hooks.servicer import HookRegistryServicer
 from baton_runtime.hooks.transfer import Transfers
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
+# An owner's membership is served past the server's capacity (config.Capacity).
+MEMBERSHIP_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in HOOKS_UNLIMITED)
 
 
 async def create_server(config: HooksConfig) -> GrpcServer:
@@ -48,7 +53,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         ],
         service="hooks",
         security=config.tls,
-        capacity=config.capacity,
+        capacity=dataclasses.replace(config.capacity, unmetered=MEMBERSHIP_METHODS),
         health_listen=config.health_listen,
         metrics_listen=config.metrics_listen,
     )
