@@ -306,3 +306,36 @@ def test_message_costs_reports_no_ratio_over_a_unit_of_zero() -> None:
 
     assert _in_units(0.5, 0.0).strip() == "n/a"
     assert _in_units(0.5, 0.25).strip() == "2.00"
+
+
+def test_idle_rss_bench_smoke(tmp_path: Path) -> None:
+    """bench.idle_rss on a few sessions: they park, the owner's RSS is read
+    at both counts, and --idle-cpu reads the three processes' idle CPU."""
+    out = tmp_path / "idle.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.idle_rss",
+            "--sessions",
+            "30",
+            "--baseline",
+            "10",
+            "--settle",
+            "0.5",
+            "--idle-cpu",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "idle CPU with 30 parked sessions over 1s" in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["sessions"] == 30 and figures["rss_bytes"] > 0
+    for name in ("hooks", "owner", "etcd"):
+        assert figures[f"idle_cpu_ms_per_s_{name}"] >= 0

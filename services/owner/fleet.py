@@ -22,11 +22,12 @@
   it has exactly one owner.
 - Bells: one stream for all of this instance's parked sessions; each bell is
   handed to the host, which wakes a parked session whose inbox moved.
-- Reconciliation: every few seconds, a session indexed under this instance
-  that the host holds in no state is taken over again, and dead instances
-  whose takeover ran out of rounds are tried again: whatever a lost watch
-  event or a bug in the host drops, a session with input is run again
-  within a bounded time (issue 16).
+- Reconciliation (reconcile.py): every few seconds, a session indexed under
+  this instance that the host holds in no state is taken over again, a
+  parked one whose bell was lost is woken, and dead instances whose
+  takeover ran out of rounds are tried again: whatever a lost watch event
+  or a bug in the host drops, a session with input is run again within a
+  bounded time (issue 16).
 - Drains: the target of an operator's drain is announced in the registry
   entry on the next keep-alive (SetInstanceDrain), for `baton deployments list`.
 - Graceful shutdown stops every run, then revokes the lease, so the other
