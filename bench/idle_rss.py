@@ -267,9 +267,7 @@ async def idle_cpu(stack: IdleStack, seconds: float, parked: int) -> dict[str, f
     pids["etcd"] = stack.etcd.proc.pid
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     await asyncio.sleep(seconds)
-    per_s = {
-        name: (cpu_seconds(pid) - before[name]) * 1000 / seconds for name, pid in pids.items()
-    }
+    per_s = {name: (cpu_seconds(pid) - before[name]) * 1000 / seconds for name, pid in pids.items()}
     print(
         f"idle CPU with {parked} parked sessions over {seconds:g}s, ms per second: "
         + ", ".join(f"{name} {ms:.1f}" for name, ms in per_s.items())
