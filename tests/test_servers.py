@@ -4,6 +4,7 @@ stopped server stops reporting SERVING."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -22,7 +23,8 @@ from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime.anchor.server import create_server as create_anchor
 from baton_runtime.cli.processes import sync_channel
 from baton_runtime.common.channels import open_channel
-from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.grpc_server import GrpcServer, build_server
+from baton_runtime.common.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import Stack, anchor_config, hooks_config, public_channel
@@ -209,3 +211,40 @@ async def test_stopped_server_is_no_longer_serving(
         await channel.close()
         if not stopped:
             await server.stop(grace=0.1)
+
+
+async def test_a_stop_step_that_never_ends_is_logged_and_left_behind(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A stop always ends: a callback that ignores cancellation (here, one
+    that never returns) costs its step's bound, is named in an error line,
+    and the steps after it still run; a callback's error is raised as before."""
+    server = build_server("127.0.0.1:0", [], service="bounded", security=Security.plaintext())
+    await server.start()
+    ran: list[str] = []
+    release = asyncio.Event()
+
+    async def stuck() -> None:
+        while not release.is_set():  # deaf to cancellation until released
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    async def last() -> None:
+        ran.append("last")
+
+    server.on_stop += [last, stuck]  # run in reverse: stuck, then last
+    async with asyncio.timeout(10):
+        await server.stop(grace=0, step_seconds=0.3)
+    assert ran == ["last"]
+    out = capsys.readouterr().out
+    assert "a stop step overran" in out and "stuck" in out, out
+    release.set()  # (so the test's own loop can close)
+
+    async def failing() -> None:
+        raise RuntimeError("closing failed")
+
+    again = build_server("127.0.0.1:0", [], service="bounded", security=Security.plaintext())
+    await again.start()
+    again.on_stop.append(failing)
+    with pytest.raises(RuntimeError, match="closing failed"):
+        await again.stop(grace=0, step_seconds=0.3)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -29,6 +30,30 @@ from baton_runtime.common.tls import (
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
+# How long one step of a stop may take beyond its grace (closing a store, a
+# room's tasks): one that overruns is logged and left behind.
+STOP_STEP_SECONDS = 10.0
+
+log = structlog.get_logger("baton.server")
+
+
+def _name(callback: Callable[[], Awaitable[None]]) -> str:
+    """A stop callback's name for the log: `Store.close`, `Registry.close`."""
+    return getattr(callback, "__qualname__", "") or repr(callback)
+
+
+async def _bounded(step: str, run: Callable[[], Awaitable[object]], seconds: float) -> None:
+    """Run one stop step for at most `seconds`. An error is raised as before;
+    a step that overruns is logged (an error: something in it ignores
+    cancellation or waits on a peer without a deadline) and cancelled
+    without waiting for it, so the stop goes on."""
+    task = asyncio.ensure_future(run())
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        log.error("a stop step overran; going on without it", step=step, seconds=seconds)
+        return
+    task.result()
 
 
 @dataclass(frozen=True)
@@ -96,20 +121,27 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, drain in-flight calls for `grace` s, then close."""
-        for task in self._tasks:
+    async def stop(self, grace: float = 5.0, *, step_seconds: float = STOP_STEP_SECONDS) -> None:
+        """Report NOT_SERVING, drain in-flight calls for `grace` s, then close.
+        Every step is bounded (the server's by `grace` + `step_seconds`, the
+        others by `step_seconds`): one that overruns is logged by name and
+        left behind, so a stop always ends."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
-        if self.metrics is not None:
-            await self.metrics.stop()
-        for callback in reversed(self.on_stop):
-            await callback()
+        steps: list[tuple[str, Callable[[], Awaitable[object]], float]] = [
+            ("background tasks", lambda: asyncio.gather(*tasks, return_exceptions=True), 0.0),
+            ("health", self.health.enter_graceful_shutdown, 0.0),
+            ("server", lambda: self.server.stop(grace), grace),
+        ]
+        health_server, endpoint = self.health_server, self.metrics
+        if health_server is not None:
+            steps.append(("health listener", lambda: health_server.stop(0), 0.0))
+        if endpoint is not None:
+            steps.append(("metrics endpoint", endpoint.stop, 0.0))
+        steps += [(_name(callback), callback, 0.0) for callback in reversed(self.on_stop)]
+        for step, run, extra in steps:
+            await _bounded(step, run, extra + step_seconds)
 
 
 def build_server(
