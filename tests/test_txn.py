@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.errors import Fenced, NotFound, Reason
+from baton_runtime.common.errors import Fenced, NotFound, PermissionDenied, Reason
 from baton_runtime.common.etcd_client import make_client
 from baton_runtime.common.etcd_ops import cmp_absent, cmp_none, cmp_value
 from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end
+from baton_runtime.common.scope import check_record, owner_record_start, scope_compares
 from baton_runtime.common.txn import Fence, Txn
 from tests import certs
 
@@ -119,3 +120,45 @@ async def test_the_fence_compare_and_its_one_check(store: Store) -> None:
     assert snapshot.value("snapshot") == b"s", "the stale run's write did not land"
     assert cmp_value(keys.fence(sid), newer.value).value == newer.value
     assert isinstance(mine.proto(), s.Fence)
+
+
+@pytest.mark.parametrize(
+    ("deployment", "epoch", "holds"),
+    [
+        ("dep-a", 7, True),
+        ("dep-b", 7, False),  # another deployment
+        ("dep", 7, False),  # a prefix of the record's deployment
+        ("dep-a.1", 7, False),  # the record's deployment is a prefix of it
+        ("dep-a", 1, False),  # a prefix of the record's epoch
+        ("dep-a", 70, False),
+        ("dep-a", 8, False),
+    ],
+)
+async def test_the_scope_compares_hold_exactly_for_the_records_deployment_at_its_epoch(
+    store: Store, deployment: str, epoch: int, holds: bool
+) -> None:
+    """Anchor checks an owner's deployment inside its commit's txn
+    (services/common/scope.py): two value compares on the owner record's
+    canonical bytes, true exactly when the record names that deployment at
+    that epoch; a missing record fails them; a refusal reads the record and
+    says PERMISSION_DENIED only for another deployment."""
+    keys = Keys(root().decode())
+    sid = "ses_scope"
+    record = OwnerRecord("run_x", "dep-a", "dep-a-i1", 7, parked=True)
+    assert record.encode().startswith(owner_record_start("dep-a", 7))
+    await Txn().put(keys.owner(sid), record.encode()).run(store)
+
+    async def compared(session_id: str) -> bool:
+        result = (
+            await Txn().require(*scope_compares(keys, session_id, epoch, deployment)).run(store)
+        )
+        return result.succeeded
+
+    assert await compared(sid) is holds
+    assert await compared("ses_missing") is False
+    if holds:
+        check_record(deployment, sid, epoch, record.encode())
+    elif epoch == 7:
+        with pytest.raises(PermissionDenied) as denied:
+            check_record(deployment, sid, epoch, record.encode())
+        assert denied.value.reason == Reason.DEPLOYMENT_NOT_ALLOWED

@@ -40,6 +40,7 @@ from baton_runtime.common.errors import (
 from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import Keys
+from baton_runtime.common.scope import check_record, scope_compares
 from baton_runtime.common.txn import Fence, Txn, TxnResult
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
@@ -89,6 +90,7 @@ class Journal:
         expected_snapshot_revision: int | None = None,
         history: Sequence[s.ChatMessage] = (),
         consumed_from: int | None = None,
+        scope: str | None = None,
     ) -> tuple[int, bool]:
         """One fenced txn: events + history entries + snapshot (+ the closed
         marker and the retention index entry), deleting the inbox entries
@@ -99,10 +101,10 @@ class Journal:
         also compares the snapshot's mod revision, so no delayed or reordered
         commit can roll the snapshot back. A retry of an applied commit (the
         stored snapshot and first event are byte-identical) writes nothing and
-        reports replayed."""
+        reports replayed. `scope`: the caller's deployment, checked in the txn."""
         commit = encode_commit(fence, events, snapshot, close, history)
         check_consumed_from(consumed_from, snapshot)
-        txn = self._commit_txn(commit, expected_snapshot_revision)
+        txn = self._commit_txn(commit, expected_snapshot_revision, scope)
         # A page the commit opens is stamped with anchor's clock: it dates the
         # events before it for the stream's retention horizon.
         pages = opened_pages(commit.first_seq, len(events))
@@ -120,7 +122,7 @@ class Journal:
         self._finish_txn(txn, commit)
         result = await txn.run(self._store)
         if not result.succeeded:
-            return self._refused(commit, result, expected_snapshot_revision), True
+            return self._refused(commit, result, expected_snapshot_revision, scope), True
         metrics.EVENTS_COMMITTED.inc(len(events))
         metrics.COMMIT_BYTES.observe(commit.size)
         if deletes:
@@ -129,13 +131,19 @@ class Journal:
             self._horizon.committed(fence.session_id, snapshot.next_event_seq)
         return result.revision, False
 
-    def _commit_txn(self, commit: Commit, expected_snapshot_revision: int | None) -> Txn:
-        """The commit's compares (fence, stream open, the snapshot's revision
-        when expected, the stream continuing gaplessly at its first seq),
-        snapshot and events."""
+    def _commit_txn(
+        self, commit: Commit, expected_snapshot_revision: int | None, scope: str | None
+    ) -> Txn:
+        """The commit's compares (fence, the caller's scope when given,
+        stream open, the snapshot's revision when expected, the stream
+        continuing gaplessly at its first seq), snapshot and events."""
         k = self._keys
-        sid = commit.fence.session_id
-        txn = Txn().require(commit.fence.compare(k), cmp_absent(k.closed(sid)))
+        fence = commit.fence
+        sid = fence.session_id
+        txn = Txn().require(fence.compare(k), cmp_absent(k.closed(sid)))
+        if scope is not None:
+            txn.require(*scope_compares(k, sid, fence.epoch, scope))
+            txn.read_on_failure("owner", k.owner(sid))
         if expected_snapshot_revision is not None:
             txn.require(
                 cmp_absent(k.snapshot(sid))
@@ -171,9 +179,18 @@ class Journal:
             txn.read_on_failure("horizon", k.horizon(sid))
 
     @staticmethod
-    def _refused(commit: Commit, result: TxnResult, expected_snapshot_revision: int | None) -> int:
-        """A refused commit: FENCED, or `refused_commit` on what it read."""
-        commit.fence.check(result.value("fence"))
+    def _refused(
+        commit: Commit,
+        result: TxnResult,
+        expected_snapshot_revision: int | None,
+        scope: str | None,
+    ) -> int:
+        """A refused commit: FENCED, out of the caller's scope, or
+        `refused_commit` on what it read."""
+        fence = commit.fence
+        fence.check(result.value("fence"))
+        if scope is not None:
+            check_record(scope, fence.session_id, fence.epoch, result.value("owner"))
         stored = result.kv("snapshot")
         seen = RefusedRead(
             snapshot=stored.value if stored is not None else None,

@@ -60,7 +60,8 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         if request.HasField("consumed_inbox_from"):
             check_seq(request.consumed_inbox_from, "consumed_inbox_from")
         check_trace_id(request.snapshot.last_trace_id, "snapshot.last_trace_id")
-        await self._scope.check(identity.current(), request.fence)
+        # The scope is checked inside the commit's own txn (no read first).
+        scope = self._scope.in_txn(identity.current(), request.fence)
         revision, replayed = await self._journal.commit(
             request.fence,
             request.events,
@@ -71,6 +72,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             else None,
             request.history,
             request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
+            scope=scope,
         )
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 

@@ -122,11 +122,7 @@ class Caller:
             return
         validate_deployment_id(deployment_id)
         if deployment_id != self.deployment_id:
-            raise PermissionDenied(
-                Reason.DEPLOYMENT_NOT_ALLOWED,
-                f"the caller's certificate names deployment {self.deployment_id}; "
-                f"{what} belongs to another deployment",
-            )
+            raise deployment_not_allowed(self.deployment_id, what)
 
     @property
     def internal(self) -> bool:
@@ -175,3 +171,13 @@ def current() -> Caller:
         return _CURRENT.get()
     except LookupError:
         raise PermissionDenied(Reason.ROLE_NOT_ALLOWED, "no caller identity is bound") from None
+
+
+def deployment_not_allowed(certificate_deployment: str, what: str) -> PermissionDenied:
+    """The refusal of a caller whose certificate names `certificate_deployment`
+    acting on `what`, which belongs to another deployment."""
+    return PermissionDenied(
+        Reason.DEPLOYMENT_NOT_ALLOWED,
+        f"the caller's certificate names deployment {certificate_deployment}; "
+        f"{what} belongs to another deployment",
+    )

@@ -11,16 +11,27 @@ A fence that is not the current one is let through unchecked: the domain
 operation compares the fence in its own transaction and refuses it (FENCED),
 and a fence that does not exist yet cannot become current without a create,
 takeover or transfer, which are themselves scoped to the caller's deployment.
+
+A write that compares its fence in its own transaction (anchor's commit)
+checks the scope there too, with no read at all (`in_txn`,
+`scope_compares`): the owner record is canonical JSON whose bytes begin
+with its deployment and epoch, so two value compares (greater than that
+beginning, less than its successor) hold exactly when the record at the
+fence's epoch names the caller's deployment. A refused write reads the
+record back and says which (`check_record`).
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+
+from aetcd import rpc
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.identity import Caller, Role
+from baton_runtime.common.identity import Caller, Role, deployment_not_allowed
 from baton_runtime.common.keys import Keys, OwnerRecord
 from baton_runtime.common.txn import Txn
 
@@ -34,6 +45,16 @@ class DeploymentScope:
         self._store = store
         self._keys = keys
         self._deployments: OrderedDict[tuple[str, int, str], str] = OrderedDict()
+
+    def in_txn(self, caller: Caller, fence: s.Fence) -> str | None:
+        """For a write whose own transaction compares `fence`: the deployment
+        that transaction must also find on the owner record
+        (`scope_compares`), or None when the caller is not scoped (plaintext
+        mode, or a role the access table already limits)."""
+        if not caller.verified or caller.role is not Role.OWNER:
+            return None
+        ids.validate_session_id(fence.session_id)
+        return caller.deployment_id
 
     async def check(self, caller: Caller, fence: s.Fence) -> None:
         if not caller.verified or caller.role is not Role.OWNER:
@@ -63,3 +84,37 @@ class DeploymentScope:
         if len(self._deployments) > _CACHE_SIZE:
             self._deployments.popitem(last=False)
         return record.deployment_id
+
+
+def owner_record_start(deployment_id: str, epoch: int) -> bytes:
+    """How the bytes of an owner record of `deployment_id` at `epoch` begin
+    (`OwnerRecord.encode`: canonical JSON, keys sorted, so `deployment_id`
+    then `epoch` come first)."""
+    return b'{"deployment_id":%s,"epoch":%d,' % (json.dumps(deployment_id).encode(), epoch)
+
+
+def scope_compares(
+    keys: Keys, session_id: str, epoch: int, deployment_id: str
+) -> list[rpc.Compare]:
+    """Compares that hold exactly when the session's owner record begins
+    with `owner_record_start(deployment_id, epoch)`: greater than that
+    beginning (a record is always longer than it) and less than the same
+    bytes with the last one raised (every longer string with that beginning
+    sorts below). A missing record fails both."""
+    start = owner_record_start(deployment_id, epoch)
+    after = start[:-1] + bytes([start[-1] + 1])
+    key = keys.owner(session_id)
+    value = rpc.Compare.VALUE
+    return [
+        rpc.Compare(key=key, result=rpc.Compare.GREATER, target=value, value=start),
+        rpc.Compare(key=key, result=rpc.Compare.LESS, target=value, value=after),
+    ]
+
+
+def check_record(caller_deployment: str, session_id: str, epoch: int, record: bytes | None) -> None:
+    """After a write refused with `scope_compares` (and the fence found
+    current): raise PermissionDenied when the owner record names another
+    deployment, as `Caller.require_deployment` would have."""
+    if record is not None and record.startswith(owner_record_start(caller_deployment, epoch)):
+        return
+    raise deployment_not_allowed(caller_deployment, f"session {session_id}")
