@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from aetcd import rpc
 
@@ -56,6 +57,13 @@ class DeploymentScope:
         ids.validate_session_id(fence.session_id)
         return caller.deployment_id
 
+    def in_read(self, caller: Caller, fence: s.Fence) -> ScopedRead | None:
+        """For a read that reads the owner record itself (an inbox stream's
+        first read): what checks it there and remembers the answer, or None
+        when the caller is not scoped."""
+        deployment = self.in_txn(caller, fence)
+        return None if deployment is None else ScopedRead(self, deployment)
+
     async def check(self, caller: Caller, fence: s.Fence) -> None:
         if not caller.verified or caller.role is not Role.OWNER:
             return  # plaintext mode, or a role the access table already limits
@@ -80,10 +88,30 @@ class DeploymentScope:
         record = OwnerRecord.decode(raw)
         if record.epoch != fence.epoch or record.owner_run_id != fence.owner_run_id:
             return None
-        self._deployments[key] = record.deployment_id
+        self.learn(key, record.deployment_id)
+        return record.deployment_id
+
+    def learn(self, key: tuple[str, int, str], deployment_id: str) -> None:
+        """Remember the deployment of fence `key` (session, epoch, owner run),
+        read from its owner record."""
+        self._deployments[key] = deployment_id
         if len(self._deployments) > _CACHE_SIZE:
             self._deployments.popitem(last=False)
-        return record.deployment_id
+
+
+@dataclass(frozen=True)
+class ScopedRead:
+    """A caller's deployment, to be checked against an owner record a read
+    found (with the fence current), and the scope that remembers it."""
+
+    scope: DeploymentScope
+    deployment_id: str
+
+    def confirm(self, session_id: str, epoch: int, owner_run_id: str, record: bytes | None) -> None:
+        """Raise PermissionDenied unless `record` names the caller's
+        deployment at `epoch` (`check_record`); remember it when it does."""
+        check_record(self.deployment_id, session_id, epoch, record)
+        self.scope.learn((session_id, epoch, owner_run_id), self.deployment_id)
 
 
 def owner_record_start(deployment_id: str, epoch: int) -> bytes:

@@ -34,6 +34,7 @@ from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.etcd_watch import watch_then_read
 from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end, seq_of
+from baton_runtime.common.scope import ScopedRead
 from baton_runtime.common.tasks import Background
 from baton_runtime.common.tracing import check_traceparent
 from baton_runtime.common.txn import Fence, Txn, TxnResult
@@ -288,8 +289,12 @@ class Inbox:
 
     # -- the stream ---------------------------------------------------------------
 
-    async def stream(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
-        """The inbox from `from_seq`, then live, until the fence moves."""
+    async def stream(
+        self, fence: s.Fence, from_seq: int, scope: ScopedRead | None = None
+    ) -> AsyncIterator[list[s.InboxEntry]]:
+        """The inbox from `from_seq`, then live, until the fence moves. With
+        `scope` the first read also reads the owner record and refuses a
+        session of another deployment (services/common/scope.py)."""
         k = self._keys
         sid = fence.session_id
         owner = Fence.of(fence)
@@ -305,18 +310,8 @@ class Inbox:
             limit = _INBOX_PAGE_MIN
             first_revision = 0
             while True:
-                result = await (
-                    Txn()
-                    .read("fence", k.fence(sid))
-                    .read(
-                        "page",
-                        k.inbox_entry(sid, next_seq),
-                        prefix_end(k.inbox_prefix(sid)),
-                        limit=limit,
-                    )
-                    .run(self._store)
-                )
-                owner.check(result.value("fence"))
+                scoped = None if first_revision else scope
+                result = await self._backlog_page(owner, scoped, next_seq, limit)
                 first_revision = first_revision or result.revision
                 page = result.kvs("page")
                 entries = [s.InboxEntry.FromString(kv.value) for kv in page]
@@ -338,6 +333,24 @@ class Inbox:
                 if seq >= next_seq:
                     next_seq = seq + 1
                     yield [s.InboxEntry.FromString(event.kv.value)]
+
+    async def _backlog_page(
+        self, fence: Fence, scope: ScopedRead | None, next_seq: int, limit: int
+    ) -> TxnResult:
+        """One page of the inbox from `next_seq`, read with the fence (checked)
+        and, with `scope`, the owner record (checked against that deployment)."""
+        k = self._keys
+        sid = fence.session_id
+        read = Txn().read("fence", k.fence(sid))
+        if scope is not None:
+            read.read("owner", k.owner(sid))
+        page_end = prefix_end(k.inbox_prefix(sid))
+        read.read("page", k.inbox_entry(sid, next_seq), page_end, limit=limit)
+        result = await read.run(self._store)
+        fence.check(result.value("fence"))
+        if scope is not None:
+            scope.confirm(sid, fence.epoch, fence.owner_run_id, result.value("owner"))
+        return result
 
 
 _ACCEPTED = metrics.INBOX_APPENDS.labels("accepted")

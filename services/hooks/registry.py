@@ -30,6 +30,7 @@ from baton_runtime.common import ids
 from baton_runtime.common.errors import NotFound
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import Keys, TokenRecord
+from baton_runtime.common.scope import ScopedRead
 from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from baton_runtime.hooks.expiry import ExpiryLeases
@@ -101,8 +102,10 @@ class HookRegistry:
     async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         return await self.inbox.resume(token, command, channel)
 
-    def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
-        return self.inbox.stream(fence, from_seq)
+    def stream_inbox(
+        self, fence: s.Fence, from_seq: int, scope: ScopedRead | None = None
+    ) -> AsyncIterator[list[s.InboxEntry]]:
+        return self.inbox.stream(fence, from_seq, scope)
 
     async def take_over(
         self, expected: s.Fence, expected_instance_id: str, successor: s.OwnerIdentity

@@ -260,12 +260,14 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def StreamInbox(
         self, request: pb.StreamInboxRequest, context: Context
     ) -> AsyncIterator[pb.StreamInboxResponse]:
-        await self._fenced(request.fence, request.HasField("fence"))
+        _require_fence(request.fence, request.HasField("fence"))
+        # The scope is checked by the stream's first read (no read of its own).
+        scope = self._scope.in_read(identity.current(), request.fence)
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
         check_seq(request.from_seq, "from_seq")
-        async for entries in self._registry.stream_inbox(request.fence, request.from_seq):
+        async for entries in self._registry.stream_inbox(request.fence, request.from_seq, scope):
             yield pb.StreamInboxResponse(entries=entries)
 
     # -- owner instances, takeover, parking --------------------------------------
