@@ -123,6 +123,9 @@ class Claims:
             return _created_before(fence, tokens, first, result)
         head = 0 if first is None else 1
         self._sessions.remember(session_id, CachedSession(head, owner_now.encode(), owner_now))
+        # (the first append to it, or a child's first report, reads no index entry)
+        for token in tokens:
+            self._tokens.remember(token, record)
         return fence.proto(), tokens, first
 
     def _create_txn(

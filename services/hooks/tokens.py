@@ -95,14 +95,18 @@ class TokenIndex:
         result = await Txn().read("token", self._keys.token(token)).run(self._store)
         value = result.value("token")
         if value is not None:
-            self._entries[token] = value
-            self._entries.move_to_end(token)
-            if len(self._entries) > self._size:
-                evicted, _ = self._entries.popitem(last=False)
-                self._records.pop(evicted, None)
+            self.remember(token, value)
         else:
             self.forget(token)
         return value
+
+    def remember(self, token: str, entry: bytes) -> None:
+        """`entry` is the token's index entry as just read or written."""
+        self._entries[token] = entry
+        self._entries.move_to_end(token)
+        if len(self._entries) > self._size:
+            evicted, _ = self._entries.popitem(last=False)
+            self._records.pop(evicted, None)
 
     def forget(self, token: str) -> None:
         """The entry changed (disposed, or found moved by a compare)."""
