@@ -11,12 +11,19 @@ from collections.abc import AsyncIterator
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
 from baton_runtime.common.errors import Fenced, NotFound, PermissionDenied, Reason
 from baton_runtime.common.etcd_client import make_client
 from baton_runtime.common.etcd_ops import cmp_absent, cmp_none, cmp_value
 from baton_runtime.common.etcd_store import Store
+from baton_runtime.common.identity import Caller, Role
 from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end
-from baton_runtime.common.scope import check_record, owner_record_start, scope_compares
+from baton_runtime.common.scope import (
+    DeploymentScope,
+    check_record,
+    owner_record_start,
+    scope_compares,
+)
 from baton_runtime.common.txn import Fence, Txn
 from tests import certs
 
@@ -162,3 +169,26 @@ async def test_the_scope_compares_hold_exactly_for_the_records_deployment_at_its
         with pytest.raises(PermissionDenied) as denied:
             check_record(deployment, sid, epoch, record.encode())
         assert denied.value.reason == Reason.DEPLOYMENT_NOT_ALLOWED
+
+
+async def test_only_a_fences_first_write_carries_the_scope_compares(store: Store) -> None:
+    """`DeploymentScope.in_txn`: an unknown fence asks the write to compare
+    the caller's deployment; once a write confirmed it, the next write of
+    that fence compares nothing, and another deployment's owner is refused
+    from the cache; plaintext and non-owner callers are never scoped."""
+    scope = DeploymentScope(store, Keys(root().decode()))
+    sid = ids.new_session_id()
+    fence = s.Fence(session_id=sid, owner_run_id="run_x", epoch=3)
+    owner_a = Caller(role=Role.OWNER, deployment_id="dep-a")
+    owner_b = Caller(role=Role.OWNER, deployment_id="dep-b")
+    assert scope.in_txn(owner_a, fence) == "dep-a"
+    assert scope.in_txn(owner_b, fence) == "dep-b"  # unknown: its own write will fail
+    scope.confirmed(fence, "dep-a")
+    assert scope.in_txn(owner_a, fence) is None
+    with pytest.raises(PermissionDenied) as denied:
+        scope.in_txn(owner_b, fence)
+    assert denied.value.reason == Reason.DEPLOYMENT_NOT_ALLOWED
+    later = s.Fence(session_id=sid, owner_run_id="run_y", epoch=4)
+    assert scope.in_txn(owner_a, later) == "dep-a"  # a new fence is checked again
+    assert scope.in_txn(Caller.UNVERIFIED, fence) is None
+    assert scope.in_txn(Caller(role=Role.OPERATOR), later) is None

@@ -74,6 +74,8 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
             scope=scope,
         )
+        if scope is not None:
+            self._scope.confirmed(request.fence, scope)
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
     def CommitSteps(

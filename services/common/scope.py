@@ -18,7 +18,10 @@ checks the scope there too, with no read at all (`in_txn`,
 with its deployment and epoch, so two value compares (greater than that
 beginning, less than its successor) hold exactly when the record at the
 fence's epoch names the caller's deployment. A refused write reads the
-record back and says which (`check_record`).
+record back and says which (`check_record`); a write that passed caches the
+answer, so only the first write of a fence compares. A read that reads the
+owner record itself (an inbox stream's first read) checks it there
+(`ScopedRead`).
 """
 
 from __future__ import annotations
@@ -50,17 +53,30 @@ class DeploymentScope:
     def in_txn(self, caller: Caller, fence: s.Fence) -> str | None:
         """For a write whose own transaction compares `fence`: the deployment
         that transaction must also find on the owner record
-        (`scope_compares`), or None when the caller is not scoped (plaintext
-        mode, or a role the access table already limits)."""
+        (`scope_compares`; `confirmed` once it did), or None when nothing is
+        left to check: the caller is not scoped (plaintext mode, or a role
+        the access table already limits), or the fence is known to be of the
+        caller's deployment (one known to be of another is refused here)."""
         if not caller.verified or caller.role is not Role.OWNER:
             return None
         ids.validate_session_id(fence.session_id)
-        return caller.deployment_id
+        key = (fence.session_id, fence.epoch, fence.owner_run_id)
+        known = self._deployments.get(key)
+        if known is None:
+            return caller.deployment_id
+        self._deployments.move_to_end(key)
+        caller.require_deployment(known, f"session {fence.session_id}")
+        return None
+
+    def confirmed(self, fence: s.Fence, deployment_id: str) -> None:
+        """A write with `scope_compares` found the owner record at `fence`
+        naming `deployment_id`: the next write need not compare it."""
+        self.learn((fence.session_id, fence.epoch, fence.owner_run_id), deployment_id)
 
     def in_read(self, caller: Caller, fence: s.Fence) -> ScopedRead | None:
         """For a read that reads the owner record itself (an inbox stream's
         first read): what checks it there and remembers the answer, or None
-        when the caller is not scoped."""
+        when nothing is left to check (as `in_txn`)."""
         deployment = self.in_txn(caller, fence)
         return None if deployment is None else ScopedRead(self, deployment)
 
