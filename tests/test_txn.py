@@ -183,7 +183,9 @@ async def test_only_a_fences_first_write_carries_the_scope_compares(store: Store
     owner_b = Caller(role=Role.OWNER, deployment_id="dep-b")
     assert scope.in_txn(owner_a, fence) == "dep-a"
     assert scope.in_txn(owner_b, fence) == "dep-b"  # unknown: its own write will fail
-    scope.confirmed(fence, "dep-a")
+    check = scope.pending(owner_a, fence)
+    assert check is not None
+    check.passed(fence.session_id, fence.epoch, fence.owner_run_id)  # a commit passed the compares
     assert scope.in_txn(owner_a, fence) is None
     with pytest.raises(PermissionDenied) as denied:
         scope.in_txn(owner_b, fence)

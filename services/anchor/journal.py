@@ -40,7 +40,7 @@ from baton_runtime.common.errors import (
 from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import Keys
-from baton_runtime.common.scope import check_record, scope_compares
+from baton_runtime.common.scope import ScopeCheck
 from baton_runtime.common.txn import Fence, Txn, TxnResult
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
@@ -90,7 +90,7 @@ class Journal:
         expected_snapshot_revision: int | None = None,
         history: Sequence[s.ChatMessage] = (),
         consumed_from: int | None = None,
-        scope: str | None = None,
+        scope: ScopeCheck | None = None,
     ) -> tuple[int, bool]:
         """One fenced txn: events + history entries + snapshot (+ the closed
         marker and the retention index entry), deleting the inbox entries
@@ -105,14 +105,7 @@ class Journal:
         commit = encode_commit(fence, events, snapshot, close, history)
         check_consumed_from(consumed_from, snapshot)
         txn = self._commit_txn(commit, expected_snapshot_revision, scope)
-        # A page the commit opens is stamped with anchor's clock: it dates the
-        # events before it for the stream's retention horizon.
-        pages = opened_pages(commit.first_seq, len(events))
-        for page in pages:
-            txn.put(
-                self._keys.stream_page(fence.session_id, page),
-                str(int(self._clock() * 1000)).encode(),
-            )
+        pages = self._stamp_pages(txn, commit)
         if commit.history:
             first_index = snapshot.history_log.next_index - len(commit.history)
             txn.success += await self._history.stage(fence.session_id, first_index, commit.history)
@@ -129,10 +122,21 @@ class Journal:
             metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
         if pages and self._horizon is not None and not close:
             self._horizon.committed(fence.session_id, snapshot.next_event_seq)
+        if scope is not None:
+            scope.passed(fence.session_id, fence.epoch, fence.owner_run_id)
         return result.revision, False
 
+    def _stamp_pages(self, txn: Txn, commit: Commit) -> list[int]:
+        """A page the commit opens is stamped with anchor's clock: it dates the
+        events before it for the stream's retention horizon."""
+        pages = opened_pages(commit.first_seq, len(commit.events))
+        now_ms = str(int(self._clock() * 1000)).encode()
+        for page in pages:
+            txn.put(self._keys.stream_page(commit.fence.session_id, page), now_ms)
+        return pages
+
     def _commit_txn(
-        self, commit: Commit, expected_snapshot_revision: int | None, scope: str | None
+        self, commit: Commit, expected_snapshot_revision: int | None, scope: ScopeCheck | None
     ) -> Txn:
         """The commit's compares (fence, the caller's scope when given,
         stream open, the snapshot's revision when expected, the stream
@@ -142,7 +146,7 @@ class Journal:
         sid = fence.session_id
         txn = Txn().require(fence.compare(k), cmp_absent(k.closed(sid)))
         if scope is not None:
-            txn.require(*scope_compares(k, sid, fence.epoch, scope))
+            txn.require(*scope.compares(k, sid, fence.epoch))
             txn.read_on_failure("owner", k.owner(sid))
         if expected_snapshot_revision is not None:
             txn.require(
@@ -183,14 +187,14 @@ class Journal:
         commit: Commit,
         result: TxnResult,
         expected_snapshot_revision: int | None,
-        scope: str | None,
+        scope: ScopeCheck | None,
     ) -> int:
         """A refused commit: FENCED, out of the caller's scope, or
         `refused_commit` on what it read."""
         fence = commit.fence
         fence.check(result.value("fence"))
         if scope is not None:
-            check_record(scope, fence.session_id, fence.epoch, result.value("owner"))
+            scope.confirm(fence.session_id, fence.epoch, fence.owner_run_id, result.value("owner"))
         stored = result.kv("snapshot")
         seen = RefusedRead(
             snapshot=stored.value if stored is not None else None,

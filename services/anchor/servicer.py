@@ -61,7 +61,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             check_seq(request.consumed_inbox_from, "consumed_inbox_from")
         check_trace_id(request.snapshot.last_trace_id, "snapshot.last_trace_id")
         # The scope is checked inside the commit's own txn (no read first).
-        scope = self._scope.in_txn(identity.current(), request.fence)
+        scope = self._scope.pending(identity.current(), request.fence)
         revision, replayed = await self._journal.commit(
             request.fence,
             request.events,
@@ -74,8 +74,6 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
             scope=scope,
         )
-        if scope is not None:
-            self._scope.confirmed(request.fence, scope)
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
     def CommitSteps(

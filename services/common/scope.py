@@ -20,8 +20,8 @@ beginning, less than its successor) hold exactly when the record at the
 fence's epoch names the caller's deployment. A refused write reads the
 record back and says which (`check_record`); a write that passed caches the
 answer, so only the first write of a fence compares. A read that reads the
-owner record itself (an inbox stream's first read) checks it there
-(`ScopedRead`).
+owner record itself (an inbox stream's first read) checks it there. Both
+hold a `ScopeCheck` (`pending`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ class DeploymentScope:
         self._deployments: OrderedDict[tuple[str, int, str], str] = OrderedDict()
 
     def in_txn(self, caller: Caller, fence: s.Fence) -> str | None:
-        """For a write whose own transaction compares `fence`: the deployment
-        that transaction must also find on the owner record
-        (`scope_compares`; `confirmed` once it did), or None when nothing is
-        left to check: the caller is not scoped (plaintext mode, or a role
-        the access table already limits), or the fence is known to be of the
-        caller's deployment (one known to be of another is refused here)."""
+        """For a write or read of `fence` that checks the owner record itself:
+        the deployment it must find there (`scope_compares`, `check_record`),
+        or None when nothing is left to check: the caller is not scoped
+        (plaintext mode, or a role the access table already limits), or the
+        fence is known to be of the caller's deployment (one known to be of
+        another is refused here)."""
         if not caller.verified or caller.role is not Role.OWNER:
             return None
         ids.validate_session_id(fence.session_id)
@@ -68,17 +68,13 @@ class DeploymentScope:
         caller.require_deployment(known, f"session {fence.session_id}")
         return None
 
-    def confirmed(self, fence: s.Fence, deployment_id: str) -> None:
-        """A write with `scope_compares` found the owner record at `fence`
-        naming `deployment_id`: the next write need not compare it."""
-        self.learn((fence.session_id, fence.epoch, fence.owner_run_id), deployment_id)
-
-    def in_read(self, caller: Caller, fence: s.Fence) -> ScopedRead | None:
-        """For a read that reads the owner record itself (an inbox stream's
-        first read): what checks it there and remembers the answer, or None
-        when nothing is left to check (as `in_txn`)."""
+    def pending(self, caller: Caller, fence: s.Fence) -> ScopeCheck | None:
+        """For a write or read that checks the owner record itself (a
+        commit's txn, an inbox stream's first read): what checks it there and
+        remembers the answer, or None when nothing is left to check (as
+        `in_txn`)."""
         deployment = self.in_txn(caller, fence)
-        return None if deployment is None else ScopedRead(self, deployment)
+        return None if deployment is None else ScopeCheck(self, deployment)
 
     async def check(self, caller: Caller, fence: s.Fence) -> None:
         if not caller.verified or caller.role is not Role.OWNER:
@@ -116,17 +112,26 @@ class DeploymentScope:
 
 
 @dataclass(frozen=True)
-class ScopedRead:
-    """A caller's deployment, to be checked against an owner record a read
-    found (with the fence current), and the scope that remembers it."""
+class ScopeCheck:
+    """A caller's deployment, checked by the write or read of one fence
+    itself, and the scope that remembers the answer."""
 
     scope: DeploymentScope
     deployment_id: str
 
+    def compares(self, keys: Keys, session_id: str, epoch: int) -> list[rpc.Compare]:
+        """For a write's txn: `scope_compares` of the caller's deployment."""
+        return scope_compares(keys, session_id, epoch, self.deployment_id)
+
     def confirm(self, session_id: str, epoch: int, owner_run_id: str, record: bytes | None) -> None:
-        """Raise PermissionDenied unless `record` names the caller's
-        deployment at `epoch` (`check_record`); remember it when it does."""
+        """The owner record a read (or a refused write) found with the fence
+        current: raise PermissionDenied unless it names the caller's
+        deployment (`check_record`); remember it when it does."""
         check_record(self.deployment_id, session_id, epoch, record)
+        self.passed(session_id, epoch, owner_run_id)
+
+    def passed(self, session_id: str, epoch: int, owner_run_id: str) -> None:
+        """A write with `compares` succeeded: the fence is of the caller's deployment."""
         self.scope.learn((session_id, epoch, owner_run_id), self.deployment_id)
 
 

@@ -34,7 +34,7 @@ from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.etcd_watch import watch_then_read
 from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end, seq_of
-from baton_runtime.common.scope import ScopedRead
+from baton_runtime.common.scope import ScopeCheck
 from baton_runtime.common.tasks import Background
 from baton_runtime.common.tracing import check_traceparent
 from baton_runtime.common.txn import Fence, Txn, TxnResult
@@ -290,7 +290,7 @@ class Inbox:
     # -- the stream ---------------------------------------------------------------
 
     async def stream(
-        self, fence: s.Fence, from_seq: int, scope: ScopedRead | None = None
+        self, fence: s.Fence, from_seq: int, scope: ScopeCheck | None = None
     ) -> AsyncIterator[list[s.InboxEntry]]:
         """The inbox from `from_seq`, then live, until the fence moves. With
         `scope` the first read also reads the owner record and refuses a
@@ -335,7 +335,7 @@ class Inbox:
                     yield [s.InboxEntry.FromString(event.kv.value)]
 
     async def _backlog_page(
-        self, fence: Fence, scope: ScopedRead | None, next_seq: int, limit: int
+        self, fence: Fence, scope: ScopeCheck | None, next_seq: int, limit: int
     ) -> TxnResult:
         """One page of the inbox from `next_seq`, read with the fence (checked)
         and, with `scope`, the owner record (checked against that deployment)."""

@@ -30,7 +30,7 @@ from baton_runtime.common import ids
 from baton_runtime.common.errors import NotFound
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.keys import Keys, TokenRecord
-from baton_runtime.common.scope import ScopedRead
+from baton_runtime.common.scope import ScopeCheck
 from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from baton_runtime.hooks.expiry import ExpiryLeases
@@ -103,7 +103,7 @@ class HookRegistry:
         return await self.inbox.resume(token, command, channel)
 
     def stream_inbox(
-        self, fence: s.Fence, from_seq: int, scope: ScopedRead | None = None
+        self, fence: s.Fence, from_seq: int, scope: ScopeCheck | None = None
     ) -> AsyncIterator[list[s.InboxEntry]]:
         return self.inbox.stream(fence, from_seq, scope)
 

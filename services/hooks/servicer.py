@@ -262,7 +262,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     ) -> AsyncIterator[pb.StreamInboxResponse]:
         _require_fence(request.fence, request.HasField("fence"))
         # The scope is checked by the stream's first read (no read of its own).
-        scope = self._scope.in_read(identity.current(), request.fence)
+        scope = self._scope.pending(identity.current(), request.fence)
         structlog.contextvars.bind_contextvars(
             session_id=request.fence.session_id, run_id=request.fence.owner_run_id
         )
