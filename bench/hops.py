@@ -99,12 +99,13 @@ BACKGROUND = (
     # `orphan_checks`).
     "rpc ingress -> hooks ListInstances",
     # A multiplexed stream (an owner's CommitSteps to anchor, a ResumeHooks
-    # of an ingress or an owner to hooks) opens once per
-    # process and lane, at its first commit, and stays open: whichever path
-    # commits first on a process sees it (opening sends headers only).
+    # of an ingress or an owner to hooks, an owner's FollowInboxes) opens
+    # once per process and lane, at its first use, and stays open: whichever
+    # path uses it first on a process sees it (opening sends headers only).
     "open owner -> anchor CommitSteps",
     "open owner -> hooks ResumeHooks",
     "open ingress -> hooks ResumeHooks",
+    "open owner -> hooks FollowInboxes",
     "served hooks ListInstances",
 )
 _SERVED_LIST = BACKGROUND[-1]
@@ -663,8 +664,11 @@ How a row reads:
 - `send A -> B Method`: messages A sent to B on a multiplexed stream (an
   owner's commits on CommitSteps, an ingress' or an owner's appends on
   ResumeHooks: one or more calls each, answered by `stream B -> A Method`
-  messages, one or more answers each). The stream opens once per process
-  and stays open, so its opening is left out.
+  messages, one or more answers each; an owner's inbox follows and their
+  stops on FollowInboxes, answered by `stream hooks -> owner FollowInboxes`
+  messages, each with the pages and ends of one or more follows). The
+  stream opens once per process and stays open, so its opening is left
+  out.
 - `edge ...`: the public API (the test client and ingress): not between Baton
   processes, listed for scale.
 - `etcd S op`: requests service S made to etcd: `txn_write` (a transaction

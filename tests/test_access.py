@@ -471,6 +471,11 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         "LookupHook": h.LookupHookRequest(token=ids.inbox_token(sid)),
         "DisposeHooks": h.DisposeHooksRequest(fence=fence),
         "StreamInbox": h.StreamInboxRequest(fence=fence, from_seq=0),
+        "FollowInboxes": h.FollowInboxesRequest(
+            follows=[
+                h.InboxFollow(follow_id=1, request=h.StreamInboxRequest(fence=fence, from_seq=0))
+            ]
+        ),
         "RegisterInstance": h.RegisterInstanceRequest(
             deployment_id=deployment_id, instance_id="thief-1", ttl_seconds=5, address="x:1"
         ),
@@ -731,6 +736,22 @@ async def test_an_owner_acts_only_for_its_own_deployment(
     (refused,) = answer.answers
     error = from_status_proto(status_pb2.Status.FromString(refused.status))
     assert (refused.call_id, error.reason) == (1, Reason.DEPLOYMENT_NOT_ALLOWED)
+    # The multiplexed inbox streams: the follow ends as StreamInbox would.
+    method, address, response, _ = rpcs["FollowInboxes"]
+    channel = open_channel(address, evil)
+    try:
+        call = channel.unary_stream(
+            method,
+            request_serializer=hooks_pb2.FollowInboxesRequest.SerializeToString,
+            response_deserializer=response.FromString,
+        )(requests["FollowInboxes"], timeout=5)
+        (answer,) = [a async for a in call]  # half-closed, its one follow ended: the end
+    finally:
+        await channel.close()
+    (ended,) = answer.items
+    error = from_status_proto(status_pb2.Status.FromString(ended.end))
+    assert (ended.follow_id, list(ended.entries)) == (1, [])
+    assert error.reason == Reason.DEPLOYMENT_NOT_ALLOWED
     # An ingress may start sessions, and ask for adoptions, only on its own
     # deployment's owner.
     channel = open_channel(stack.addr(stack.owner), stack.security(Role.INGRESS, "dep-evil"))

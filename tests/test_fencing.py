@@ -4,6 +4,7 @@ gapless, retries are recognised, and hook operations are fenced too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,12 @@ OWN_DEPLOYMENT = "dep-t"
 
 @pytest.fixture
 async def env(stack: Stack) -> AsyncIterator[Env]:
+    async with open_env(stack) as opened:
+        yield opened
+
+
+@contextlib.asynccontextmanager
+async def open_env(stack: Stack) -> AsyncIterator[Env]:
     client = await certs.etcd_client(stack.etcd.endpoint)
     hooks = stack.hooks_client(certs.owner(OWN_DEPLOYMENT))
     anchor = stack.anchor_client(certs.owner(OWN_DEPLOYMENT))

@@ -81,6 +81,7 @@ READ_ONLY = {
     "WatchInstances",
     "WatchBells",
     "StreamInbox",
+    "FollowInboxes",
     "StreamEvents",
     "KeepAliveInstance",
     "DescribeSession",

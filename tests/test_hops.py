@@ -42,6 +42,10 @@ BATCHED = (
     "send owner -> hooks ResumeHooks",
     "stream hooks -> owner ResumeHooks",
     "stream hooks -> owner StreamInbox",
+    # An owner's inbox follows ride FollowInboxes: follows and stops made
+    # together share a message, and so do pages and ends ready together.
+    "send owner -> hooks FollowInboxes",
+    "stream hooks -> owner FollowInboxes",
     "stream anchor -> ingress ReadEvents",
     "stream anchor -> owner ReadEvents",
     "edge ingress -> client StreamEvents",

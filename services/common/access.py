@@ -47,6 +47,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _HOOKS + "LookupHook": _roles(INGRESS, OWNER),
     _HOOKS + "DisposeHooks": _roles(OWNER),
     _HOOKS + "StreamInbox": _roles(OWNER),
+    _HOOKS + "FollowInboxes": _roles(OWNER),
     _HOOKS + "RegisterInstance": _roles(OWNER),
     _HOOKS + "KeepAliveInstance": _roles(OWNER),
     _HOOKS + "DeregisterInstance": _roles(OWNER),
@@ -101,9 +102,9 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
 }
 
 # The bidirectional streams of the table: calls multiplexed between peers
-# (services/common/multiplex.py). Every other client-streaming method is
-# refused, entry or not.
-MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps", _HOOKS + "ResumeHooks"})
+# (services/common/multiplex.py), and follows (services/common/feeds.py).
+# Every other client-streaming method is refused, entry or not.
+MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps", _HOOKS + "ResumeHooks", _HOOKS + "FollowInboxes"})
 
 
 def allowed_roles(method: str) -> frozenset[Role] | None:

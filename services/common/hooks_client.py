@@ -29,14 +29,16 @@ from baton_runtime.common.client_answers import (
 from baton_runtime.common.errors import Internal, Reason
 from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT, HOOKS_UNLIMITED
 from baton_runtime.common.keys import Bell
-from baton_runtime.common.multiplex_client import Lanes
+from baton_runtime.common.multiplex_client import Lanes, Unsupported
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 
 
-def _inbox_page(response: hooks_pb.StreamInboxResponse) -> list[s.InboxEntry]:
+def _inbox_page(
+    response: hooks_pb.StreamInboxResponse | hooks_pb.InboxFeedItem,
+) -> list[s.InboxEntry]:
     return list(response.entries)
 
 
@@ -84,6 +86,14 @@ class HooksClient(ServiceClient):
             if multiplexed
             else Lanes([])
         )
+        # Inbox streams ride one FollowInboxes stream (`stream_inbox`).
+        self._inboxes = self._followed(
+            "FollowInboxes",
+            hooks_pb.FollowInboxesRequest,
+            hooks_pb.InboxFollow,
+            hooks_pb.FollowInboxesResponse,
+        )
+        self._inboxes.supported = multiplexed
 
     async def create_session(
         self,
@@ -158,10 +168,24 @@ class HooksClient(ServiceClient):
         )
         return list(response.hooks)
 
-    def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
-        """The inbox from `from_seq` on, one page of entries at a time."""
-        call = self.stub.StreamInbox(hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq))
-        return self._stream("StreamInbox", call, _inbox_page)
+    async def stream_inbox(
+        self, fence: s.Fence, from_seq: int
+    ) -> AsyncIterator[list[s.InboxEntry]]:
+        """The inbox from `from_seq` on, one page of entries at a time: a
+        follow on this process' FollowInboxes stream, or a StreamInbox call
+        of its own when hooks does not serve FollowInboxes (or when built
+        with `multiplexed=False`)."""
+        request = hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq)
+        if self._inboxes.supported:
+            try:
+                async for item in self._inboxes.follow(request):
+                    yield _inbox_page(item)
+                return
+            except Unsupported:
+                pass  # (before any page: UNIMPLEMENTED ends the stream at once)
+        call = self.stub.StreamInbox(request)
+        async for entries in self._stream("StreamInbox", call, _inbox_page):
+            yield entries
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str

@@ -29,6 +29,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import rpc_metrics, tracing
 from baton_runtime.common.call_slots import CallSlots
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT, open_channel
+from baton_runtime.common.feed_client import FeedItem, FollowedStreams
 from baton_runtime.common.grpc_errors import from_rpc_error
 from baton_runtime.common.multiplex import Answer
 from baton_runtime.common.multiplex_client import Lanes, StreamedCalls, Unsupported
@@ -86,8 +87,11 @@ class ServiceClient:
         self.slots = CallSlots(max_in_flight, self.kind) if max_in_flight else None
         self._lanes: list[Lanes[Any, Any]] = []
         self._lane_channels: list[grpc.aio.Channel] = []
+        self._feeds: list[FollowedStreams[Any, Any]] = []
 
     async def close(self) -> None:
+        for feed in self._feeds:
+            await feed.close()
         for lanes in self._lanes:
             await lanes.close()
         for channel in self._lane_channels:
@@ -141,6 +145,37 @@ class ServiceClient:
         )
         self._lanes.append(lanes)
         return lanes
+
+    def _followed(
+        self, method: str, request: type[Any], follow: type[Any], response: type[Any]
+    ) -> FollowedStreams[Any, Any]:
+        """Follows of a server-streaming method multiplexed over `method`, a
+        stream of `request` messages (`follow`s to open, ids to stop),
+        answered by `response` messages of items (services/common/feeds.py),
+        on the service's channel (one stream: to one replica at a time)."""
+        path = f"/{self.service}/{method}"
+
+        def make_request(opens: list[tuple[int, Any]], stops: list[int]) -> Any:
+            return request(
+                follows=[follow(follow_id=i, request=r) for i, r in opens], stop_ids=stops
+            )
+
+        def items_of(message: Any) -> list[FeedItem]:
+            return [(i.follow_id, i, i.end) for i in message.items]
+
+        feed: FollowedStreams[Any, Any] = FollowedStreams(
+            self.channel.stream_stream(
+                path,
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            ),
+            make_request,
+            items_of,
+            target=self.kind,
+            method=path,
+        )
+        self._feeds.append(feed)
+        return feed
 
     def _done(self, method: str, code: str) -> None:
         if rpc_metrics.RPC.enabled:

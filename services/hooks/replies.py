@@ -5,6 +5,8 @@ an owner)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.keys import InstanceRecord, OwnerRecord
@@ -33,6 +35,19 @@ def owned_page_reply(page: OwnedPage) -> pb.ListInstanceSessionsResponse:
             for o in page.sessions
         ],
         next_page_token=page.next_page_token,
+    )
+
+
+def channel_sessions_reply(
+    sessions: Iterable[tuple[str, str, int]], more: bool
+) -> pb.ListChannelSessionsResponse:
+    """A listing page of (channel, session id, creation ms)."""
+    return pb.ListChannelSessionsResponse(
+        sessions=[
+            pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms), channel=channel)
+            for channel, sid, ms in sessions
+        ],
+        more=more,
     )
 
 

@@ -11,18 +11,18 @@ import structlog
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import identity, ids, metrics, multiplex
+from baton_runtime.common import feeds, identity, ids, metrics, multiplex
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.identity import Role
 from baton_runtime.common.interceptor import Context
 from baton_runtime.common.scope import DeploymentScope
 from baton_runtime.hooks.consent import Consent
-from baton_runtime.hooks.directory import timestamp_ms
 from baton_runtime.hooks.fleets import FleetViews
 from baton_runtime.hooks.instances import InstanceRegistry
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.replies import (
+    channel_sessions_reply,
     deployment_info,
     describe_reply,
     instance_info,
@@ -34,12 +34,26 @@ from baton_runtime.hooks.transfer import Transfers, plan_transfer
 
 RESUME_HOOK = f"/{pb.DESCRIPTOR.services_by_name['HookRegistryService'].full_name}/ResumeHook"
 _RESUME_ANSWERS = multiplex.answers_message(pb.ResumeHooksResponse, pb.ResumeHookAnswer)
+STREAM_INBOX = RESUME_HOOK.replace("/ResumeHook", "/StreamInbox")
+
+
+def _inbox_items(ready: list[feeds.Item]) -> pb.FollowInboxesResponse:
+    return pb.FollowInboxesResponse(
+        items=[
+            pb.InboxFeedItem(follow_id=i, entries=p.entries if p else (), end=e)
+            for i, p, e in ready
+        ]
+    )
 
 
 def _require_fence(fence: s.Fence, present: bool) -> None:
     if not present:
         raise InvalidArgument(Reason.MISSING_FIELD, "fence is required")
     check_seq(fence.epoch, "fence.epoch")
+
+
+def _bind_fence(fence: s.Fence) -> None:
+    structlog.contextvars.bind_contextvars(session_id=fence.session_id, run_id=fence.owner_run_id)
 
 
 def _tenant_channel(channel: str) -> str:
@@ -74,8 +88,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self._consent = consent
 
     async def _fenced(self, fence: s.Fence, present: bool) -> None:
+        """The fence is given and of the caller's deployment; logged with it."""
         _require_fence(fence, present)
         await self._scope.check(identity.current(), fence)
+        _bind_fence(fence)
 
     async def Transfer(self, request: pb.TransferRequest, context: Context) -> pb.TransferResponse:
         """Counted in baton_transfers_total: moved, replayed (a repeat of a
@@ -160,13 +176,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             every = await self._registry.list_all_channels(
                 request.after_channel, request.after_session_id, request.limit
             )
-            return pb.ListChannelSessionsResponse(
-                sessions=[
-                    pb.ChannelSession(session_id=sid, create_time=timestamp_ms(ms), channel=channel)
-                    for channel, sid, ms in every.sessions
-                ],
-                more=every.more,
-            )
+            return channel_sessions_reply(every.sessions, every.more)
         if request.after_channel:
             raise InvalidArgument(
                 Reason.INVALID_FIELD, "after_channel goes with an empty channel only"
@@ -174,15 +184,8 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         page = await self._registry.list_channel(
             request.channel, request.after_session_id, request.limit
         )
-        return pb.ListChannelSessionsResponse(
-            sessions=[
-                pb.ChannelSession(
-                    session_id=sid, create_time=timestamp_ms(ms), channel=request.channel
-                )
-                for sid, ms in page.sessions
-            ],
-            more=page.more,
-        )
+        sessions = [(request.channel, sid, ms) for sid, ms in page.sessions]
+        return channel_sessions_reply(sessions, page.more)
 
     async def CreateSession(
         self, request: pb.CreateSessionRequest, context: Context
@@ -210,9 +213,6 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.ClaimHooksRequest, context: Context
     ) -> pb.ClaimHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
-        structlog.contextvars.bind_contextvars(
-            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
-        )
         hooks = await self._registry.claim(request.fence, list(request.tokens))
         return pb.ClaimHooksResponse(hooks=hooks)
 
@@ -251,9 +251,6 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.DisposeHooksRequest, context: Context
     ) -> pb.DisposeHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
-        structlog.contextvars.bind_contextvars(
-            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
-        )
         hooks = await self._registry.dispose(request.fence, list(request.tokens))
         return pb.DisposeHooksResponse(hooks=hooks)
 
@@ -263,12 +260,22 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         _require_fence(request.fence, request.HasField("fence"))
         # The scope is checked by the stream's first read (no read of its own).
         scope = self._scope.pending(identity.current(), request.fence)
-        structlog.contextvars.bind_contextvars(
-            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
-        )
+        _bind_fence(request.fence)
         check_seq(request.from_seq, "from_seq")
         async for entries in self._registry.stream_inbox(request.fence, request.from_seq, scope):
             yield pb.StreamInboxResponse(entries=entries)
+
+    def FollowInboxes(
+        self, request_iterator: AsyncIterator[pb.FollowInboxesRequest], context: Context
+    ) -> AsyncIterator[pb.FollowInboxesResponse]:
+        """StreamInbox's streams multiplexed (services/common/feeds.py): each
+        follow checked and served exactly as StreamInbox serves it."""
+        return feeds.serve_follows(
+            request_iterator,
+            lambda request: self.StreamInbox(request, context),
+            _inbox_items,
+            method=STREAM_INBOX,
+        )
 
     # -- owner instances, takeover, parking --------------------------------------
 
@@ -362,9 +369,6 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.SetParkedRequest, context: Context
     ) -> pb.SetParkedResponse:
         await self._fenced(request.fence, request.HasField("fence"))
-        structlog.contextvars.bind_contextvars(
-            session_id=request.fence.session_id, run_id=request.fence.owner_run_id
-        )
         check_seq(request.inbox_next_seq, "inbox_next_seq")
         head = await self._registry.set_parked(
             request.fence, request.parked, request.inbox_next_seq

@@ -1583,6 +1583,129 @@ class StreamInboxResponse(_message.Message):
 Global___StreamInboxResponse: _TypeAlias = StreamInboxResponse  # noqa: Y015
 
 @_typing.final
+class FollowInboxesRequest(_message.Message):
+    """FollowInboxesRequest opens and stops inbox streams on a FollowInboxes
+    stream: 1 to 256 follows and stops in all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOWS_FIELD_NUMBER: _builtins.int
+    STOP_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def follows(self) -> _containers.RepeatedCompositeFieldContainer[Global___InboxFollow]:
+        """Streams to open."""
+
+    @_builtins.property
+    def stop_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The follow ids of streams to stop; an id that is not open (it may have
+        just ended) is ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        follows: _abc.Iterable[Global___InboxFollow] | None = ...,
+        stop_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follows", b"follows", "stop_ids", b"stop_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowInboxesRequest: _TypeAlias = FollowInboxesRequest  # noqa: Y015
+
+@_typing.final
+class InboxFollow(_message.Message):
+    """InboxFollow opens one inbox stream on a FollowInboxes stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The caller's id for the stream, 1 or more, not open on this stream; its
+    pages and its end carry it back.
+    """
+    @_builtins.property
+    def request(self) -> Global___StreamInboxRequest:
+        """The stream, as StreamInbox opens it."""
+
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        request: Global___StreamInboxRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InboxFollow: _TypeAlias = InboxFollow  # noqa: Y015
+
+@_typing.final
+class FollowInboxesResponse(_message.Message):
+    """FollowInboxesResponse carries the pages and ends ready together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___InboxFeedItem]:
+        """In order per follow; follows interleave."""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___InboxFeedItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowInboxesResponse: _TypeAlias = FollowInboxesResponse  # noqa: Y015
+
+@_typing.final
+class InboxFeedItem(_message.Message):
+    """InboxFeedItem is one page of a follow, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The follow it belongs to."""
+    end: _builtins.bytes
+    """Set on a follow's last item: a serialized google.rpc.Status, as
+    StreamInbox's status would be (code, message, ErrorInfo reason and
+    metadata); e.g. FAILED_PRECONDITION/FENCED when the fence moved.
+    """
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.InboxEntry]:
+        """Entries, gapless and in order (StreamInboxResponse.entries)."""
+
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        entries: _abc.Iterable[_session_pb2.InboxEntry] | None = ...,
+        end: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "entries", b"entries", "follow_id", b"follow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InboxFeedItem: _TypeAlias = InboxFeedItem  # noqa: Y015
+
+@_typing.final
 class TransferRequest(_message.Message):
     """TransferRequest hands a session to a successor."""
 

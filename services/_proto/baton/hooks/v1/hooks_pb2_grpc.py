@@ -71,6 +71,11 @@ class HookRegistryServiceStub:
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.SerializeToString,
                 response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.FromString,
                 _registered_method=True)
+        self.FollowInboxes = channel.stream_stream(
+                '/baton.hooks.v1.HookRegistryService/FollowInboxes',
+                request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesRequest.SerializeToString,
+                response_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesResponse.FromString,
+                _registered_method=True)
         self.RegisterInstance = channel.unary_unary(
                 '/baton.hooks.v1.HookRegistryService/RegisterInstance',
                 request_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.RegisterInstanceRequest.SerializeToString,
@@ -215,6 +220,22 @@ class HookRegistryServiceServicer:
     def StreamInbox(self, request, context):
         """Stream a session's inbox to its owner from a seq, live. Ends with
         FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FollowInboxes(self, request_iterator, context):
+        """StreamInbox's streams multiplexed: one owner instance's inbox streams, of
+        any of its sessions, over one long-lived stream to one replica. Each
+        request message opens streams (follows, each with an id of the caller's
+        and a StreamInboxRequest, checked and served as StreamInbox serves it)
+        and stops others (by id); each response message carries the pages ready
+        together, of any follows, each with its follow id, and a follow's end
+        (the status its StreamInbox would have ended with) as its last item. A
+        follow has at most one page in hooks' hands until it is sent. Ends when
+        the client half-closes and every follow has ended; a message that breaks
+        the bounds ends it with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -397,6 +418,11 @@ def add_HookRegistryServiceServicer_to_server(servicer, server):
                     servicer.StreamInbox,
                     request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.FromString,
                     response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.SerializeToString,
+            ),
+            'FollowInboxes': grpc.stream_stream_rpc_method_handler(
+                    servicer.FollowInboxes,
+                    request_deserializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesRequest.FromString,
+                    response_serializer=baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesResponse.SerializeToString,
             ),
             'RegisterInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterInstance,
@@ -675,6 +701,33 @@ class HookRegistryService:
             '/baton.hooks.v1.HookRegistryService/StreamInbox',
             baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxRequest.SerializeToString,
             baton_dot_hooks_dot_v1_dot_hooks__pb2.StreamInboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowInboxes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.hooks.v1.HookRegistryService/FollowInboxes',
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesRequest.SerializeToString,
+            baton_dot_hooks_dot_v1_dot_hooks__pb2.FollowInboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,

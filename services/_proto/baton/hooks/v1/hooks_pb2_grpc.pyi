@@ -60,6 +60,18 @@ class HookRegistryServiceStub:
     """Stream a session's inbox to its owner from a seq, live. Ends with
     FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
     """
+    FollowInboxes: _grpc.StreamStreamMultiCallable[_hooks_pb2.FollowInboxesRequest, _hooks_pb2.FollowInboxesResponse]
+    """StreamInbox's streams multiplexed: one owner instance's inbox streams, of
+    any of its sessions, over one long-lived stream to one replica. Each
+    request message opens streams (follows, each with an id of the caller's
+    and a StreamInboxRequest, checked and served as StreamInbox serves it)
+    and stops others (by id); each response message carries the pages ready
+    together, of any follows, each with its follow id, and a follow's end
+    (the status its StreamInbox would have ended with) as its last item. A
+    follow has at most one page in hooks' hands until it is sent. Ends when
+    the client half-closes and every follow has ended; a message that breaks
+    the bounds ends it with INVALID_ARGUMENT.
+    """
     RegisterInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.RegisterInstanceRequest, _hooks_pb2.RegisterInstanceResponse]
     """Register an owner instance of a deployment under an etcd lease."""
     KeepAliveInstance: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.KeepAliveInstanceRequest, _hooks_pb2.KeepAliveInstanceResponse]
@@ -158,6 +170,18 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     StreamInbox: _aio.UnaryStreamMultiCallable[_hooks_pb2.StreamInboxRequest, _hooks_pb2.StreamInboxResponse]  # type: ignore[assignment]
     """Stream a session's inbox to its owner from a seq, live. Ends with
     FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
+    """
+    FollowInboxes: _aio.StreamStreamMultiCallable[_hooks_pb2.FollowInboxesRequest, _hooks_pb2.FollowInboxesResponse]  # type: ignore[assignment]
+    """StreamInbox's streams multiplexed: one owner instance's inbox streams, of
+    any of its sessions, over one long-lived stream to one replica. Each
+    request message opens streams (follows, each with an id of the caller's
+    and a StreamInboxRequest, checked and served as StreamInbox serves it)
+    and stops others (by id); each response message carries the pages ready
+    together, of any follows, each with its follow id, and a follow's end
+    (the status its StreamInbox would have ended with) as its last item. A
+    follow has at most one page in hooks' hands until it is sent. Ends when
+    the client half-closes and every follow has ended; a message that breaks
+    the bounds ends it with INVALID_ARGUMENT.
     """
     RegisterInstance: _aio.UnaryUnaryMultiCallable[_hooks_pb2.RegisterInstanceRequest, _hooks_pb2.RegisterInstanceResponse]  # type: ignore[assignment]
     """Register an owner instance of a deployment under an etcd lease."""
@@ -296,6 +320,24 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_hooks_pb2.StreamInboxResponse], _abc.AsyncIterator[_hooks_pb2.StreamInboxResponse]]:
         """Stream a session's inbox to its owner from a seq, live. Ends with
         FAILED_PRECONDITION/FENCED when the caller is no longer the owner.
+        """
+
+    @_abc_1.abstractmethod
+    def FollowInboxes(
+        self,
+        request_iterator: _MaybeAsyncIterator[_hooks_pb2.FollowInboxesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_hooks_pb2.FollowInboxesResponse], _abc.AsyncIterator[_hooks_pb2.FollowInboxesResponse]]:
+        """StreamInbox's streams multiplexed: one owner instance's inbox streams, of
+        any of its sessions, over one long-lived stream to one replica. Each
+        request message opens streams (follows, each with an id of the caller's
+        and a StreamInboxRequest, checked and served as StreamInbox serves it)
+        and stops others (by id); each response message carries the pages ready
+        together, of any follows, each with its follow id, and a follow's end
+        (the status its StreamInbox would have ended with) as its last item. A
+        follow has at most one page in hooks' hands until it is sent. Ends when
+        the client half-closes and every follow has ended; a message that breaks
+        the bounds ends it with INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,197 @@
+"""The client half of server streams multiplexed over one long-lived
+bidirectional stream (the server half and the protocol are
+services/common/feeds.py).
+
+`FollowedStreams.follow(request)` is an async iterator of one follow's
+pages, as the server-streaming method's call would be: it ends when the
+follow ends with OK, raises the domain error it ended with otherwise, and
+raises StreamBroken (UNAVAILABLE: retry) when the stream under it broke.
+Closing the iterator (or cancelling its reader) stops the follow. The
+stream opens with the first follow and is opened again by the next follow
+after it broke; `Unsupported` says the server does not serve the method (an
+older build: the caller falls back to the server-streaming method).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import grpc
+from google.rpc import status_pb2
+
+from baton_runtime.common import rpc_metrics
+from baton_runtime.common.feeds import MAX_REQUEST_ITEMS
+from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
+from baton_runtime.common.multiplex_client import StreamBroken, Unsupported
+
+_Req = TypeVar("_Req")
+_Page = TypeVar("_Page")
+# (follow id, the page or None, the serialized google.rpc.Status ending it or b"")
+FeedItem = tuple[int, Any, bytes]
+
+
+class _Ended:
+    """A follow's queue marker: it ended with OK."""
+
+
+_END = _Ended()
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One open stream: its call, its follows' queues, what waits to be
+    written (opens and stops), and its writer and reader."""
+
+    call: Any
+    follows: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
+    opens: list[tuple[int, Any]] = field(default_factory=list)
+    stops: list[int] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    broken: BaseException | None = None
+
+
+class FollowedStreams(Generic[_Req, _Page]):
+    """The client half: follows of many sessions over one stream."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[], Any],
+        make_request: Callable[[list[tuple[int, _Req]], list[int]], Any],
+        items_of: Callable[[Any], Iterable[FeedItem]],
+        *,
+        target: str,
+        method: str,
+    ) -> None:
+        self._open = open_stream
+        self._make_request = make_request
+        self._items_of = items_of
+        self._target = target
+        self._method = method
+        self._ids = itertools.count(1)
+        self._stream: _Stream | None = None
+        self._closed = False
+        self.supported = True
+
+    def follows_open(self) -> int:
+        """Follows open on the current stream."""
+        return len(self._stream.follows) if self._stream is not None else 0
+
+    async def follow(self, request: _Req) -> AsyncIterator[_Page]:
+        """The pages of one follow of `request`, until it ends."""
+        stream = self._current()
+        follow_id = next(self._ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        stream.follows[follow_id] = queue
+        stream.opens.append((follow_id, request))
+        stream.wake.set()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if stream.follows.pop(follow_id, None) is not None and stream.broken is None:
+                stream.stops.append(follow_id)  # the reader left first: stop it
+                stream.wake.set()
+
+    def _current(self) -> _Stream:
+        if not self.supported:
+            raise Unsupported(self._method)
+        if self._closed:
+            raise StreamBroken(f"{self._method}: the client closed")
+        stream = self._stream
+        if stream is None or stream.broken is not None:
+            # The stream and its tasks serve every follower: they start in a
+            # context of their own, not the first follower's.
+            fresh = contextvars.Context()
+            try:
+                opened = fresh.run(self._open)
+            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
+                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
+            stream = self._stream = _Stream(opened)
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.opened(self._target, self._method)
+            loop = asyncio.get_running_loop()
+            stream.tasks = [
+                loop.create_task(self._write(stream), context=fresh.copy()),
+                loop.create_task(self._read(stream), context=fresh.copy()),
+            ]
+        return stream
+
+    async def _write(self, stream: _Stream) -> None:
+        meter = rpc_metrics.RPC
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                while stream.opens or stream.stops:
+                    stops = stream.stops[:MAX_REQUEST_ITEMS]
+                    del stream.stops[: len(stops)]
+                    opens = stream.opens[: MAX_REQUEST_ITEMS - len(stops)]
+                    del stream.opens[: len(opens)]
+                    await stream.call.write(self._make_request(opens, stops))
+                    if meter.enabled:
+                        meter.sent_on_stream(self._target, self._method)
+        except Exception as exc:  # noqa: BLE001 - any failed write ends the stream
+            self._retire(stream, StreamBroken(f"{self._method}: the stream broke ({exc!r})"))
+
+    async def _read(self, stream: _Stream) -> None:
+        meter = rpc_metrics.RPC
+        try:
+            while True:
+                message = await stream.call.read()
+                if message is grpc.aio.EOF:
+                    break
+                if meter.enabled:
+                    meter.received(self._target, self._method)
+                for follow_id, page, end in self._items_of(message):
+                    queue = stream.follows.get(follow_id)
+                    if queue is None:
+                        continue  # stopped by its reader
+                    if end:
+                        del stream.follows[follow_id]
+                        status = status_pb2.Status.FromString(end)
+                        queue.put_nowait(_END if status.code == 0 else from_status_proto(status))
+                    else:
+                        queue.put_nowait(page)
+            failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.supported = False
+                failure = Unsupported(self._method)
+            elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                failure = StreamBroken(f"{self._method}: the stream broke ({exc.code().name})")
+            else:
+                failure = from_rpc_error(exc)
+        self._retire(stream, failure)
+
+    def _retire(self, stream: _Stream, failure: BaseException) -> None:
+        """End `stream`: every follow open on it fails with `failure`."""
+        if stream.broken is not None:
+            return
+        stream.broken = failure
+        if self._stream is stream:
+            self._stream = None
+        for queue in stream.follows.values():
+            queue.put_nowait(failure)
+        stream.follows.clear()
+        stream.call.cancel()
+        for task in stream.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def close(self) -> None:
+        self._closed = True
+        stream = self._stream
+        if stream is not None:
+            self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
+            await asyncio.gather(*stream.tasks, return_exceptions=True)

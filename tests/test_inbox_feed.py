@@ -1,0 +1,206 @@
+"""FollowInboxes (issue 21): an owner instance's inbox streams multiplexed over
+one stream to hooks (services/common/feeds.py, feed_client.py). Each follow is
+served as StreamInbox serves it, ends as it would end, and alone; a stop ends
+one follow and no other; a message that breaks the bounds is refused."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import Fenced, Reason
+from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
+from tests.stack import Stack
+from tests.test_fencing import Env, open_env, own_session, take_over, wait_until
+
+METHOD = "/baton.hooks.v1.HookRegistryService/FollowInboxes"
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+async def env(stack: Stack) -> AsyncIterator[Env]:
+    async with open_env(stack) as opened:
+        yield opened
+
+
+def clear(delivery_id: str) -> s.Command:
+    return s.Command(delivery=s.DeliveryMetadata(delivery_id=delivery_id), clear=s.ClearCommand())
+
+
+async def test_follows_of_many_sessions_share_one_stream_and_end_alone(env: Env) -> None:
+    """Three sessions followed through one HooksClient: one stream carries
+    them all; the fence of one moves and its follow alone ends FENCED, the
+    others keep receiving, gapless and in order."""
+    fences = [(await own_session(env))[0] for _ in range(3)]
+    seen: dict[str, list[int]] = {f.session_id: [] for f in fences}
+    arrived = asyncio.Event()
+
+    async def follow(fence: s.Fence) -> None:
+        async for page in env.hooks.stream_inbox(fence, 0):
+            seen[fence.session_id].extend(e.seq for e in page)
+            arrived.set()
+
+    loop = asyncio.get_running_loop()
+    readers = {f.session_id: loop.create_task(follow(f)) for f in fences}
+    try:
+        for n in range(2):
+            for fence in fences:
+                await env.hooks.resume(ids.inbox_token(fence.session_id), clear(f"a-{n}"))
+        await wait_for(lambda: all(len(v) == 2 for v in seen.values()), "the first entries")
+        assert env.hooks._inboxes.follows_open() == 3  # one stream, three follows
+        moved = fences[0].session_id
+        await take_over(env, moved)
+        with pytest.raises(Fenced):
+            await asyncio.wait_for(readers[moved], 10)
+        for fence in fences[1:]:
+            await env.hooks.resume(ids.inbox_token(fence.session_id), clear("b"))
+        await wait_for(lambda: all(len(seen[f.session_id]) == 3 for f in fences[1:]), "more")
+        assert seen == {moved: [0, 1], **{f.session_id: [0, 1, 2] for f in fences[1:]}}
+        assert env.hooks._inboxes.follows_open() == 2
+    finally:
+        for reader in readers.values():
+            reader.cancel()
+        await asyncio.gather(*readers.values(), return_exceptions=True)
+    await wait_for(lambda: env.hooks._inboxes.follows_open() == 0, "the stops")
+
+
+async def test_a_stopped_follow_gets_nothing_more_and_the_stream_serves_on(env: Env) -> None:
+    """On a raw stream: follow 1 gets its backlog; once stopped, an append to
+    its session reaches nobody, while follow 2, opened after, gets its own
+    (so anything for follow 1 would have come first)."""
+    first, _ = await own_session(env)
+    second, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(first.session_id), clear("one"))
+    call = raw_stream(env)
+    try:
+        await call.write(open_follows((1, first)))
+        (item,) = (await call.read()).items
+        assert (item.follow_id, [e.seq for e in item.entries], item.end) == (1, [0], b"")
+        await call.write(h.FollowInboxesRequest(stop_ids=[1, 99]))  # 99: not open, ignored
+        await env.hooks.resume(ids.inbox_token(first.session_id), clear("two"))
+        await asyncio.sleep(0.3)
+        await call.write(open_follows((2, second)))
+        await env.hooks.resume(ids.inbox_token(second.session_id), clear("three"))
+        pages = await read_items(call, until=lambda got: bool(got))
+        assert [(i.follow_id, [e.seq for e in i.entries]) for i in pages] == [(2, [0])]
+    finally:
+        call.cancel()
+
+
+async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> None:
+    """A message with nothing, or with more than 256 follows and stops, and an
+    undecodable one end the stream with INVALID_ARGUMENT and a reason; a
+    follow id of 0 or one open, a follow without a fence and one from a
+    negative seq's worth of nonsense end that follow alone, as StreamInbox
+    would have ended; the stream serves the good follow beside them."""
+    fence, _ = await own_session(env)
+    request = h.StreamInboxRequest(fence=fence, from_seq=0)
+    ending = {
+        "nothing": h.FollowInboxesRequest().SerializeToString(),
+        "too many": h.FollowInboxesRequest(
+            follows=[h.InboxFollow(follow_id=i + 1, request=request) for i in range(200)],
+            stop_ids=list(range(1000, 1057)),
+        ).SerializeToString(),
+        "undecodable": b"\xff\xff\xff\xff\x0f",
+    }
+    reasons = {}
+    for what, body in ending.items():
+        call: Any = env.hooks.channel.stream_stream(METHOD)()
+        await call.write(body)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == Code.INVALID_ARGUMENT, (what, info.value.details())
+        reasons[what] = from_rpc_error(info.value).reason
+    assert reasons == {
+        "nothing": Reason.INVALID_FIELD,
+        "too many": Reason.INVALID_FIELD,
+        "undecodable": Reason.MALFORMED_REQUEST,
+    }
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("x"))
+    call = raw_stream(env)
+    try:
+        await call.write(
+            h.FollowInboxesRequest(
+                follows=[
+                    h.InboxFollow(follow_id=0, request=request),
+                    h.InboxFollow(follow_id=7, request=request),
+                    h.InboxFollow(follow_id=7, request=request),
+                    h.InboxFollow(follow_id=8, request=h.StreamInboxRequest(from_seq=0)),
+                ]
+            )
+        )
+        items = await read_items(call, until=lambda got: len(got) >= 4)
+    finally:
+        call.cancel()
+    ends = {
+        (i.follow_id, from_status_proto(status_pb2.Status.FromString(i.end)).reason)
+        for i in items
+        if i.end
+    }
+    assert ends == {
+        (0, Reason.INVALID_FIELD),
+        (7, Reason.INVALID_FIELD),
+        (8, Reason.MISSING_FIELD),
+    }
+    (page,) = [i for i in items if not i.end]
+    assert (page.follow_id, [e.seq for e in page.entries]) == (7, [0])
+
+
+async def test_a_client_without_the_feed_streams_each_inbox_on_its_own(env: Env) -> None:
+    """`multiplexed=False` (and hooks without FollowInboxes): StreamInbox."""
+    from tests import certs
+    from tests.test_fencing import OWN_DEPLOYMENT
+
+    fence, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("solo"))
+    hooks = env.stack.hooks_client(certs.owner(OWN_DEPLOYMENT), multiplexed=False)
+    try:
+        async for page in hooks.stream_inbox(fence, 0):
+            assert [e.seq for e in page] == [0]
+            break
+        assert hooks._inboxes.follows_open() == 0
+    finally:
+        await hooks.close()
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def raw_stream(env: Env) -> Any:
+    return env.hooks.channel.stream_stream(
+        METHOD,
+        request_serializer=h.FollowInboxesRequest.SerializeToString,
+        response_deserializer=h.FollowInboxesResponse.FromString,
+    )()
+
+
+def open_follows(*follows: tuple[int, s.Fence]) -> h.FollowInboxesRequest:
+    return h.FollowInboxesRequest(
+        follows=[
+            h.InboxFollow(follow_id=i, request=h.StreamInboxRequest(fence=f, from_seq=0))
+            for i, f in follows
+        ]
+    )
+
+
+async def read_items(call: Any, until: Any, timeout: float = 10.0) -> list[h.InboxFeedItem]:
+    got: list[h.InboxFeedItem] = []
+    async with asyncio.timeout(timeout):
+        while not until(got):
+            message = await call.read()
+            assert message is not grpc.aio.EOF
+            got.extend(message.items)
+    return got
+
+
+async def wait_for(predicate: Any, what: str) -> None:
+    await wait_until(predicate, what=what)
