@@ -5,6 +5,12 @@ default) against one unary CommitStep and ResumeHook call each
 
     python -m bench.commit_stream [--rounds 4] [--turns 300] [--sessions 32]
                                   [--concurrent-turns 1500] [--json PATH] [--smoke]
+                                  [--switch {streams,inbox-feed}]
+
+`--switch inbox-feed` compares the owner's inbox streams instead: every
+session's on one FollowInboxes stream ("streamed", the default) against one
+StreamInbox call per session (`--inbox-feed 0`, "unary"), commits and
+appends streamed in both.
 
 Two complete stacks side by side (bench.turn_latency's BenchStack, TLS on
 every hop, one deployment each), identical but for the owner's
@@ -94,8 +100,13 @@ async def run(args: argparse.Namespace, stacks: dict[str, BenchStack]) -> dict[s
 
 def report(results: dict[str, Any]) -> str:
     modes, a = results["modes"], results["args"]
+    what = (
+        "Commits and appends streamed (CommitSteps, ResumeHooks) vs unary"
+        if a["switch"] == "streams"
+        else "Inbox streams on one FollowInboxes stream (streamed) vs one StreamInbox each (unary)"
+    )
     lines = [
-        "Commits and appends streamed (CommitSteps, ResumeHooks) vs unary, same run: "
+        f"{what}, same run: "
         f"{a['rounds']} rounds, {a['turns']} sequential turns and "
         f"{a['concurrent_turns']} turns over {a['sessions']} sessions per mode per round "
         f"(load average {results['load']})",
@@ -131,10 +142,27 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# What each --switch turns off in the "unary" stack.
+SWITCHES = {
+    "streams": ("BATON_OWNER_COMMIT_STREAM", "BATON_INGRESS_RESUME_STREAM"),
+    "inbox-feed": ("BATON_OWNER_INBOX_FEED",),
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return parse_round_args(
+    argv = list(sys.argv[1:] if argv is None else argv)
+    switch = "streams"
+    if "--switch" in argv:
+        at = argv.index("--switch")
+        switch = argv[at + 1] if at + 1 < len(argv) else ""
+        del argv[at : at + 2]
+    if switch not in SWITCHES:
+        raise SystemExit(f"--switch: one of {', '.join(SWITCHES)}")
+    args = parse_round_args(
         argv, prog="python -m bench.commit_stream", description=__doc__, rounds=4
     )
+    args.switch = switch
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,10 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.path.join(logs, mode),
                 second_deployment=False,
                 tls=True,
-                env={
-                    "BATON_OWNER_COMMIT_STREAM": "1" if mode == "streamed" else "0",
-                    "BATON_INGRESS_RESUME_STREAM": "1" if mode == "streamed" else "0",
-                },
+                env={name: "1" if mode == "streamed" else "0" for name in SWITCHES[args.switch]},
                 metrics=True,
             )
             for mode in MODES

@@ -90,6 +90,8 @@ class IdleStack:
     addrs: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     pki: LocalPki | None = None
+    # More environment for every service (e.g. BATON_OWNER_INBOX_FEED).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def security(self, role: Role, deployment_id: str = "") -> Security:
         assert self.pki is not None
@@ -116,6 +118,7 @@ class IdleStack:
             "BATON_ANCHOR_ADDR": self.addrs["anchor"],
             "BATON_OWNER_PARK_AFTER": str(self.park_after),
             "BATON_OWNER_LEASE_TTL": str(LEASE_TTL),
+            **self.extra_env,
         }
         for name in ("hooks", "anchor", "owner"):
             self.services[name] = ServiceProcess(

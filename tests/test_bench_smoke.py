@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -252,13 +254,24 @@ def test_scaling_refuses_levels_over_a_limit() -> None:
     assert "file descriptors" in StackLimits(1000, 10**5, 2000, 300, 100).refusal(1)
 
 
-def test_commit_stream_bench_smoke(tmp_path: Path) -> None:
-    """`python -m bench.commit_stream --smoke`: both stacks (commits streamed,
-    commits unary) start, run turns, and the ratios and the commits per
-    message are reported. No timing is asserted."""
+@pytest.mark.parametrize("switch", ["streams", "inbox-feed"])
+def test_commit_stream_bench_smoke(tmp_path: Path, switch: str) -> None:
+    """`python -m bench.commit_stream --smoke [--switch inbox-feed]`: both
+    stacks (commits streamed, commits unary; or inbox streams on the feed,
+    one each) start, run turns, and the ratios and the commits per message
+    are reported. No timing is asserted."""
     out = tmp_path / "commits.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.commit_stream", "--smoke", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.commit_stream",
+            "--smoke",
+            "--switch",
+            switch,
+            "--json",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -339,3 +352,24 @@ def test_idle_rss_bench_smoke(tmp_path: Path) -> None:
     assert figures["sessions"] == 30 and figures["rss_bytes"] > 0
     for name in ("hooks", "owner", "etcd"):
         assert figures[f"idle_cpu_ms_per_s_{name}"] >= 0
+
+
+def test_live_rss_bench_smoke(tmp_path: Path) -> None:
+    """`python -m bench.live_rss --smoke`: both stacks (inbox streams on the
+    feed, one StreamInbox each) start sessions that stay live, and the memory
+    and CPU per live session are reported. No figure is asserted."""
+    out = tmp_path / "live.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.live_rss", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "live (unparked) sessions on one owner" in proc.stdout
+    figures = json.loads(out.read_text())
+    assert set(figures["modes"]) == {"feed", "per-session"}
+    for mode in figures["modes"].values():
+        assert set(mode["rss_bytes_per_session"]) == {"hooks", "owner"}
+        assert mode["create_seconds"] > 0

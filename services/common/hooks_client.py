@@ -36,9 +36,10 @@ from baton_runtime.common.tls import Security
 HOOKS_SERVICE = hooks_pb.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 
 
-def _inbox_page(
-    response: hooks_pb.StreamInboxResponse | hooks_pb.InboxFeedItem,
-) -> list[s.InboxEntry]:
+_InboxPage = hooks_pb.StreamInboxResponse | hooks_pb.InboxFeedItem
+
+
+def _inbox_page(response: _InboxPage) -> list[s.InboxEntry]:
     return list(response.entries)
 
 
@@ -69,6 +70,7 @@ class HooksClient(ServiceClient):
         *,
         security: Security,
         multiplexed: bool = True,
+        inbox_feed: bool | None = None,
         max_in_flight: int = 0,
     ) -> None:
         super().__init__(target, timeout, security=security, max_in_flight=max_in_flight)
@@ -86,14 +88,15 @@ class HooksClient(ServiceClient):
             if multiplexed
             else Lanes([])
         )
-        # Inbox streams ride one FollowInboxes stream (`stream_inbox`).
+        # Inbox streams ride one FollowInboxes stream (`inbox_feed`, by default
+        # as `multiplexed`).
         self._inboxes = self._followed(
             "FollowInboxes",
             hooks_pb.FollowInboxesRequest,
             hooks_pb.InboxFollow,
             hooks_pb.FollowInboxesResponse,
         )
-        self._inboxes.supported = multiplexed
+        self._inboxes.supported = multiplexed if inbox_feed is None else inbox_feed
 
     async def create_session(
         self,
@@ -171,10 +174,8 @@ class HooksClient(ServiceClient):
     async def stream_inbox(
         self, fence: s.Fence, from_seq: int
     ) -> AsyncIterator[list[s.InboxEntry]]:
-        """The inbox from `from_seq` on, one page of entries at a time: a
-        follow on this process' FollowInboxes stream, or a StreamInbox call
-        of its own when hooks does not serve FollowInboxes (or when built
-        with `multiplexed=False`)."""
+        """The inbox from `from_seq` on, a page at a time: a follow on this
+        process' FollowInboxes stream, or a StreamInbox call of its own."""
         request = hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq)
         if self._inboxes.supported:
             try:

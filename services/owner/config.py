@@ -94,6 +94,13 @@ SETTINGS = (
         "1",
     ),
     Setting(
+        "--inbox-feed",
+        "BATON_OWNER_INBOX_FEED",
+        "read every session's inbox over one multiplexed FollowInboxes stream (1), "
+        "or with one StreamInbox call per session (0)",
+        "1",
+    ),
+    Setting(
         "--max-calls-in-flight",
         "BATON_OWNER_MAX_CALLS_IN_FLIGHT",
         "calls in flight at once to hooks, and apart to anchor; more wait here, unsent "
@@ -142,6 +149,7 @@ class OwnerConfig:
     # Commits ride a multiplexed CommitSteps stream (services/common/multiplex.py);
     # False: one unary CommitStep call each.
     commit_stream: bool = True
+    inbox_feed: bool = True
     # Calls in flight at once to hooks, and apart to anchor (the rest wait
     # in this process, unsent: services/common/call_slots.py); 0: no bound.
     max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
@@ -181,6 +189,7 @@ class OwnerConfig:
             restart_budget=as_int(values, "restart_budget"),
             reconcile_interval=as_float(values, "reconcile_interval", minimum=0.1),
             commit_stream=as_switch(values, "commit_stream"),
+            inbox_feed=as_switch(values, "inbox_feed"),
             max_calls_in_flight=as_int(values, "max_calls_in_flight", minimum=0),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],

@@ -46,7 +46,9 @@ def advertised_address(listen: str, port: int) -> str:
 def _peer_clients(config: OwnerConfig) -> tuple[HooksClient, AnchorClient]:
     """Hooks and anchor, each with the bound on calls in flight to it."""
     bound = config.max_calls_in_flight
-    hooks = HooksClient(config.hooks, security=config.tls, max_in_flight=bound)
+    hooks = HooksClient(
+        config.hooks, security=config.tls, max_in_flight=bound, inbox_feed=config.inbox_feed
+    )
     anchor = AnchorClient(
         config.anchor, security=config.tls, multiplexed=config.commit_stream, max_in_flight=bound
     )
