@@ -99,13 +99,16 @@ BACKGROUND = (
     # `orphan_checks`).
     "rpc ingress -> hooks ListInstances",
     # A multiplexed stream (an owner's CommitSteps to anchor, a ResumeHooks
-    # of an ingress or an owner to hooks, an owner's FollowInboxes) opens
+    # of an ingress or an owner to hooks, an owner's FollowInboxes, a
+    # FollowEvents of an ingress or an owner to anchor) opens
     # once per process and lane, at its first use, and stays open: whichever
     # path uses it first on a process sees it (opening sends headers only).
     "open owner -> anchor CommitSteps",
     "open owner -> hooks ResumeHooks",
     "open ingress -> hooks ResumeHooks",
     "open owner -> hooks FollowInboxes",
+    "open ingress -> anchor FollowEvents",
+    "open owner -> anchor FollowEvents",
     "served hooks ListInstances",
 )
 _SERVED_LIST = BACKGROUND[-1]
@@ -664,9 +667,11 @@ How a row reads:
 - `send A -> B Method`: messages A sent to B on a multiplexed stream (an
   owner's commits on CommitSteps, an ingress' or an owner's appends on
   ResumeHooks: one or more calls each, answered by `stream B -> A Method`
-  messages, one or more answers each; an owner's inbox follows and their
-  stops on FollowInboxes, answered by `stream hooks -> owner FollowInboxes`
-  messages, each with the pages and ends of one or more follows). The
+  messages, one or more answers each; an owner's inbox follows, their
+  stops and grants on FollowInboxes, and an ingress' event reads on
+  FollowEvents, answered by `stream hooks -> owner FollowInboxes` and
+  `stream anchor -> ingress FollowEvents` messages, each with the pages and
+  ends of one or more follows). The
   stream opens once per process and stays open, so its opening is left
   out.
 - `edge ...`: the public API (the test client and ingress): not between Baton

@@ -536,6 +536,9 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         "LoadSession": a.LoadSessionRequest(session_id=sid),
         "RetireHistory": a.RetireHistoryRequest(fence=fence, below_index=10**6),
         "ReadEvents": a.ReadEventsRequest(session_id=sid),
+        "FollowEvents": a.FollowEventsRequest(
+            follows=[a.EventFollow(follow_id=1, request=a.ReadEventsRequest(session_id=sid))]
+        ),
         "StartSession": o.StartSessionRequest(
             session_id=ids.new_session_id(), deployment_id=deployment_id, channel="slack"
         ),

@@ -74,6 +74,7 @@ READ_ONLY = {
     "GetSnapshot",
     "LoadSession",
     "ReadEvents",
+    "FollowEvents",
     "LookupHook",
     "ListInstances",
     "ListInstanceSessions",

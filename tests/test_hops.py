@@ -46,6 +46,11 @@ BATCHED = (
     # together share a message, and so do pages and ends ready together.
     "send owner -> hooks FollowInboxes",
     "stream hooks -> owner FollowInboxes",
+    # Event reads ride FollowEvents, the same way.
+    "send ingress -> anchor FollowEvents",
+    "stream anchor -> ingress FollowEvents",
+    "send owner -> anchor FollowEvents",
+    "stream anchor -> owner FollowEvents",
     "stream anchor -> ingress ReadEvents",
     "stream anchor -> owner ReadEvents",
     "edge ingress -> client StreamEvents",

@@ -204,3 +204,30 @@ async def read_items(call: Any, until: Any, timeout: float = 10.0) -> list[h.Inb
 
 async def wait_for(predicate: Any, what: str) -> None:
     await wait_until(predicate, what=what)
+
+
+async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> None:
+    """Flow control: a follow opened with a window of 2 gets two pages of
+    four live appends, then nothing until it grants more; a grant of 2 lets
+    the other two through. Nothing is lost or reordered."""
+    fence, _ = await own_session(env)
+    call = raw_stream(env)
+    try:
+        request = h.StreamInboxRequest(fence=fence, from_seq=0)
+        await call.write(
+            h.FollowInboxesRequest(follows=[h.InboxFollow(follow_id=3, request=request, window=2)])
+        )
+        for n in range(4):  # one at a time: one watch event, one page each
+            await env.hooks.resume(ids.inbox_token(fence.session_id), clear(f"w-{n}"))
+        first = await read_items(call, until=lambda got: len(got) >= 2)
+        # (a read is not cancelled: that would end the call)
+        waiting = asyncio.ensure_future(call.read())
+        done, _ = await asyncio.wait({waiting}, timeout=0.5)
+        assert not done, "a page past the window"
+        await call.write(h.FollowInboxesRequest(grants=[h.InboxFeedGrant(follow_id=3, pages=2)]))
+        rest = list((await asyncio.wait_for(waiting, 10)).items)
+        rest += await read_items(call, until=lambda got: len(rest) + len(got) >= 2)
+    finally:
+        call.cancel()
+    seqs = [e.seq for i in first + rest for e in i.entries]
+    assert (len(first), seqs) == (2, [0, 1, 2, 3])

@@ -10,7 +10,7 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal, LoadedSnapshot
-from baton_runtime.common import identity, multiplex
+from baton_runtime.common import feeds, identity, multiplex
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.interceptor import Context
@@ -36,6 +36,15 @@ COMMIT_STEP = f"/{pb.DESCRIPTOR.services_by_name['AnchorService'].full_name}/Com
 
 
 _COMMIT_ANSWERS = multiplex.answers_message(pb.CommitStepsResponse, pb.CommitStepAnswer)
+READ_EVENTS = COMMIT_STEP.replace("/CommitStep", "/ReadEvents")
+
+
+def _event_items(ready: list[feeds.Item]) -> pb.FollowEventsResponse:
+    return pb.FollowEventsResponse(
+        items=[
+            pb.EventFeedItem(follow_id=i, events=p.events if p else (), end=e) for i, p, e in ready
+        ]
+    )
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
@@ -101,6 +110,18 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.session_id, request.start_seq, request.follow
         ):
             yield pb.ReadEventsResponse(events=events)
+
+    def FollowEvents(
+        self, request_iterator: AsyncIterator[pb.FollowEventsRequest], context: Context
+    ) -> AsyncIterator[pb.FollowEventsResponse]:
+        """ReadEvents' streams multiplexed (services/common/feeds.py): each
+        follow served exactly as ReadEvents serves it."""
+        return feeds.serve_follows(
+            request_iterator,
+            lambda request: self.ReadEvents(request, context),
+            _event_items,
+            method=READ_EVENTS,
+        )
 
     async def LoadSession(
         self, request: pb.LoadSessionRequest, context: Context

@@ -74,6 +74,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     _ANCHOR + "CommitSteps": _roles(OWNER),
     _ANCHOR + "GetSnapshot": _roles(INGRESS, OWNER, OPERATOR),
     _ANCHOR + "ReadEvents": _roles(INGRESS, OWNER, OPERATOR),
+    _ANCHOR + "FollowEvents": _roles(INGRESS, OWNER, OPERATOR),
     # (any deployment's owner: a handoff target loads the old owner's checkpoint)
     _ANCHOR + "LoadSession": _roles(OWNER, OPERATOR),
     _ANCHOR + "RetireHistory": _roles(OWNER),
@@ -104,7 +105,14 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
 # The bidirectional streams of the table: calls multiplexed between peers
 # (services/common/multiplex.py), and follows (services/common/feeds.py).
 # Every other client-streaming method is refused, entry or not.
-MULTIPLEXED = frozenset({_ANCHOR + "CommitSteps", _HOOKS + "ResumeHooks", _HOOKS + "FollowInboxes"})
+MULTIPLEXED = frozenset(
+    {
+        _ANCHOR + "CommitSteps",
+        _ANCHOR + "FollowEvents",
+        _HOOKS + "ResumeHooks",
+        _HOOKS + "FollowInboxes",
+    }
+)
 
 
 def allowed_roles(method: str) -> frozenset[Role] | None:

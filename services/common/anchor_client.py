@@ -12,7 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.multiplex_client import Lanes
+from baton_runtime.common.multiplex_client import Lanes, Unsupported
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 
@@ -34,7 +34,7 @@ ANCHOR_IDEMPOTENT = frozenset(
 )
 
 
-def _events_page(response: anchor_pb.ReadEventsResponse) -> list[s.Event]:
+def _events_page(response: anchor_pb.ReadEventsResponse | anchor_pb.EventFeedItem) -> list[s.Event]:
     return list(response.events)
 
 
@@ -54,10 +54,20 @@ class AnchorClient(ServiceClient):
         *,
         security: Security,
         multiplexed: bool = True,
+        event_feed: bool = True,
         max_in_flight: int = 0,
     ) -> None:
         super().__init__(target, timeout, security=security, max_in_flight=max_in_flight)
         self.stub = anchor_pb2_grpc.AnchorServiceStub(self.channel)
+        # Event reads ride one FollowEvents stream (`event_feed`).
+        self._reads = self._followed(
+            "FollowEvents",
+            anchor_pb.FollowEventsRequest,
+            anchor_pb.EventFollow,
+            anchor_pb.EventFeedGrant,
+            anchor_pb.FollowEventsResponse,
+        )
+        self._reads.supported = event_feed
         # Commits ride one CommitSteps stream per replica (`_multiplexed`),
         # each commit on the next lane; `multiplexed=False` (or anchors that
         # do not serve CommitSteps) commits with one unary CommitStep each.
@@ -134,12 +144,22 @@ class AnchorClient(ServiceClient):
         )
         return response.deleted
 
-    def read_events(
+    async def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False
     ) -> AsyncIterator[list[s.Event]]:
         """The session's events from `start_seq`, a page at a time; with
-        `follow`, new ones as they are committed."""
+        `follow`, new ones as they are committed. A follow on this process'
+        FollowEvents stream (`event_feed`), or a ReadEvents call of its own
+        (without it, or when anchor does not serve FollowEvents)."""
         request = anchor_pb.ReadEventsRequest(
             session_id=session_id, start_seq=start_seq, follow=follow
         )
-        return self._stream("ReadEvents", self.stub.ReadEvents(request), _events_page)
+        if self._reads.supported:
+            try:
+                async for item in self._reads.follow(request):
+                    yield _events_page(item)
+                return
+            except Unsupported:
+                pass  # (before any page: UNIMPLEMENTED ends the stream at once)
+        async for page in self._stream("ReadEvents", self.stub.ReadEvents(request), _events_page):
+            yield page

@@ -6,7 +6,9 @@ services/common/feeds.py).
 pages, as the server-streaming method's call would be: it ends when the
 follow ends with OK, raises the domain error it ended with otherwise, and
 raises StreamBroken (UNAVAILABLE: retry) when the stream under it broke.
-Closing the iterator (or cancelling its reader) stops the follow. The
+Closing the iterator (or cancelling its reader) stops the follow. It
+buffers at most the follow's window of pages: the server sends no more
+until the reader has taken half of them, and then is granted as many. The
 stream opens with the first follow and is opened again by the next follow
 after it broke; `Unsupported` says the server does not serve the method (an
 older build: the caller falls back to the server-streaming method).
@@ -25,12 +27,13 @@ import grpc
 from google.rpc import status_pb2
 
 from baton_runtime.common import rpc_metrics
-from baton_runtime.common.feeds import MAX_REQUEST_ITEMS
+from baton_runtime.common.feeds import DEFAULT_WINDOW, MAX_REQUEST_ITEMS
 from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
 from baton_runtime.common.multiplex_client import StreamBroken, Unsupported
 
 _Req = TypeVar("_Req")
 _Page = TypeVar("_Page")
+_T = TypeVar("_T")
 # (follow id, the page or None, the serialized google.rpc.Status ending it or b"")
 FeedItem = tuple[int, Any, bytes]
 
@@ -49,11 +52,19 @@ class _Stream:
 
     call: Any
     follows: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
-    opens: list[tuple[int, Any]] = field(default_factory=list)
+    opens: list[tuple[int, Any, int]] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
+    grants: list[tuple[int, int]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     broken: BaseException | None = None
+
+
+def _take(items: list[_T], count: int) -> list[_T]:
+    """The first `count` of `items`, taken off it."""
+    taken = items[:count]
+    del items[:count]
+    return taken
 
 
 class FollowedStreams(Generic[_Req, _Page]):
@@ -62,7 +73,9 @@ class FollowedStreams(Generic[_Req, _Page]):
     def __init__(
         self,
         open_stream: Callable[[], Any],
-        make_request: Callable[[list[tuple[int, _Req]], list[int]], Any],
+        make_request: Callable[
+            [list[tuple[int, _Req, int]], list[int], list[tuple[int, int]]], Any
+        ],
         items_of: Callable[[Any], Iterable[FeedItem]],
         *,
         target: str,
@@ -82,14 +95,16 @@ class FollowedStreams(Generic[_Req, _Page]):
         """Follows open on the current stream."""
         return len(self._stream.follows) if self._stream is not None else 0
 
-    async def follow(self, request: _Req) -> AsyncIterator[_Page]:
-        """The pages of one follow of `request`, until it ends."""
+    async def follow(self, request: _Req, window: int = DEFAULT_WINDOW) -> AsyncIterator[_Page]:
+        """The pages of one follow of `request`, until it ends; at most
+        `window` of them buffered here."""
         stream = self._current()
         follow_id = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stream.follows[follow_id] = queue
-        stream.opens.append((follow_id, request))
+        stream.opens.append((follow_id, request, window))
         stream.wake.set()
+        taken = 0
         try:
             while True:
                 item = await queue.get()
@@ -97,6 +112,11 @@ class FollowedStreams(Generic[_Req, _Page]):
                     return
                 if isinstance(item, BaseException):
                     raise item
+                taken += 1
+                if taken >= (window + 1) // 2 and stream.broken is None:
+                    stream.grants.append((follow_id, taken))
+                    stream.wake.set()
+                    taken = 0
                 yield item
         finally:
             if stream.follows.pop(follow_id, None) is not None and stream.broken is None:
@@ -133,12 +153,12 @@ class FollowedStreams(Generic[_Req, _Page]):
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
-                while stream.opens or stream.stops:
-                    stops = stream.stops[:MAX_REQUEST_ITEMS]
-                    del stream.stops[: len(stops)]
-                    opens = stream.opens[: MAX_REQUEST_ITEMS - len(stops)]
-                    del stream.opens[: len(opens)]
-                    await stream.call.write(self._make_request(opens, stops))
+                while stream.opens or stream.stops or stream.grants:
+                    room = MAX_REQUEST_ITEMS
+                    stops = _take(stream.stops, room)
+                    grants = _take(stream.grants, room - len(stops))
+                    opens = _take(stream.opens, room - len(stops) - len(grants))
+                    await stream.call.write(self._make_request(opens, stops, grants))
                     if meter.enabled:
                         meter.sent_on_stream(self._target, self._method)
         except Exception as exc:  # noqa: BLE001 - any failed write ends the stream

@@ -10,10 +10,12 @@ and a handler task.
 server-streaming method would serve it (in a task of its own, in the
 stream's context: the caller admitted at the stream's opening), and ends
 with the status that method would have ended with, as the follow's last
-item. A follow has at most one page in this process's hands until it is
-written: its source is not read further before, so a reader that stops
-reading holds every follow back through gRPC's flow control, as it would
-hold its own streams. The client half is services/common/feed_client.py.
+item. Flow control is per follow: a follow has at most one page in this
+process's hands until it is written (its source is not read further
+before), and at most its window of pages written and not granted back by
+the client (which grants as its reader takes them): a reader that stops
+reading holds back its own follow, and no other, and neither side buffers
+more than a window for it. The client half is services/common/feed_client.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ log = structlog.get_logger("baton.feeds")
 MAX_REQUEST_ITEMS = 256
 # Follows open at once on one stream (an owner instance's live sessions).
 MAX_FOLLOWS = 100_000
+# A follow's window (pages written and not granted back), and the one a
+# follow that names none gets.
+MAX_WINDOW = 1024
+DEFAULT_WINDOW = 16
 # A message's pages stop growing past this many bytes (one bigger page goes
 # alone): under every server's 4 MiB receive limit.
 MAX_MESSAGE_BYTES = 1024 * 1024
@@ -61,11 +67,13 @@ async def serve_follows(
     method: str,
     max_follows: int = MAX_FOLLOWS,
 ) -> AsyncGenerator[Any, None]:
-    """Serve one stream: each request's `follows` (with `follow_id` and
-    `request`) opened by `open_follow(request)` (the pages of one follow),
-    its `stop_ids` stopped; the items ready together go back as one message
-    (`message`). Ends when the client half-closes and every follow has
-    ended; a request that breaks the bounds ends it with INVALID_ARGUMENT."""
+    """Serve one stream: each request's `follows` (with `follow_id`,
+    `request` and `window`) opened by `open_follow(request)` (the pages of
+    one follow), its `stop_ids` stopped, its `grants` (`follow_id`, `pages`)
+    added to their follows' windows; the items ready together go back as
+    one message (`message`). Ends when the client half-closes and every
+    follow has ended; a request that breaks the bounds ends it with
+    INVALID_ARGUMENT."""
     feed = _Feed(open_follow, method, max_follows)
     reader = asyncio.ensure_future(feed.read(requests))
     try:
@@ -81,15 +89,45 @@ async def serve_follows(
         await feed.cancel()
 
 
+def _check_request(request: Any) -> None:
+    """A request carries 1 to MAX_REQUEST_ITEMS follows, stops and grants in
+    all, each grant of 1 to MAX_WINDOW pages."""
+    count = len(request.follows) + len(request.stop_ids) + len(request.grants)
+    if not 1 <= count <= MAX_REQUEST_ITEMS:
+        raise errors.InvalidArgument(
+            errors.Reason.INVALID_FIELD,
+            f"follows, stop_ids, grants: a message carries 1 to {MAX_REQUEST_ITEMS} in all,"
+            f" not {count}",
+        )
+    for grant in request.grants:
+        if not 1 <= grant.pages <= MAX_WINDOW:
+            raise errors.InvalidArgument(
+                errors.Reason.INVALID_FIELD, f"grants.pages: 1 to {MAX_WINDOW}"
+            )
+
+
 class _Follow:
-    """One follow being served: its task, and whether its page is unsent."""
+    """One follow being served: its task, whether its page is unwritten, and
+    the pages it may still send (its window, less what was not granted back)."""
 
-    __slots__ = ("task", "written")
+    __slots__ = ("task", "written", "credit", "granted")
 
-    def __init__(self) -> None:
+    def __init__(self, window: int) -> None:
         self.task: asyncio.Task[None] | None = None
         self.written = asyncio.Event()
         self.written.set()
+        self.credit = window
+        self.granted = asyncio.Event()
+
+    async def window_open(self) -> None:
+        """Wait until the window has room for a page."""
+        while self.credit <= 0:
+            self.granted.clear()
+            await self.granted.wait()
+
+    def grant(self, pages: int) -> None:
+        self.credit += pages
+        self.granted.set()
 
 
 class _Feed:
@@ -108,26 +146,28 @@ class _Feed:
     async def read(self, requests: AsyncIterator[Any]) -> None:
         try:
             async for request in requests:
-                count = len(request.follows) + len(request.stop_ids)
-                if not 1 <= count <= MAX_REQUEST_ITEMS:
-                    raise errors.InvalidArgument(
-                        errors.Reason.INVALID_FIELD,
-                        f"follows, stop_ids: a message carries 1 to {MAX_REQUEST_ITEMS} in all,"
-                        f" not {count}",
-                    )
+                _check_request(request)
                 for follow_id in request.stop_ids:
                     self._stop(follow_id)
+                for grant in request.grants:
+                    follow = self._follows.get(grant.follow_id)
+                    if follow is not None:
+                        follow.grant(grant.pages)
                 for follow in request.follows:
-                    self._start(follow.follow_id, follow.request)
+                    self._start(follow.follow_id, follow.request, follow.window)
         finally:
             self._wake.set()
 
-    def _start(self, follow_id: int, request: Any) -> None:
+    def _start(self, follow_id: int, request: Any, window: int) -> None:
         refusal: errors.BatonError | None = None
         if follow_id <= 0 or follow_id in self._follows:
             refusal = errors.InvalidArgument(
                 errors.Reason.INVALID_FIELD,
                 "follow_id: must be 1 or more and not open on this stream",
+            )
+        elif window > MAX_WINDOW:
+            refusal = errors.InvalidArgument(
+                errors.Reason.INVALID_FIELD, f"window: 1 to {MAX_WINDOW} (0: {DEFAULT_WINDOW})"
             )
         elif len(self._follows) >= self._limit:
             refusal = errors.ResourceExhausted(
@@ -137,7 +177,7 @@ class _Feed:
         if refusal is not None:
             self._put((follow_id, None, _end_of(refusal)))
             return
-        follow = self._follows[follow_id] = _Follow()
+        follow = self._follows[follow_id] = _Follow(window or DEFAULT_WINDOW)
         follow.task = asyncio.ensure_future(self._run(follow_id, follow, request))
 
     def _stop(self, follow_id: int) -> None:
@@ -151,7 +191,9 @@ class _Feed:
         end: bytes
         try:
             async for page in self._open(request):
+                await follow.window_open()
                 follow.written.clear()
+                follow.credit -= 1
                 self._put((follow_id, page, b""))
                 await follow.written.wait()
             end = _end_of(None)

@@ -88,12 +88,12 @@ class HooksClient(ServiceClient):
             if multiplexed
             else Lanes([])
         )
-        # Inbox streams ride one FollowInboxes stream (`inbox_feed`, by default
-        # as `multiplexed`).
+        # Inbox streams ride one FollowInboxes stream (`inbox_feed`: as `multiplexed`).
         self._inboxes = self._followed(
             "FollowInboxes",
             hooks_pb.FollowInboxesRequest,
             hooks_pb.InboxFollow,
+            hooks_pb.InboxFeedGrant,
             hooks_pb.FollowInboxesResponse,
         )
         self._inboxes.supported = multiplexed if inbox_feed is None else inbox_feed

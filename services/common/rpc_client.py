@@ -147,17 +147,27 @@ class ServiceClient:
         return lanes
 
     def _followed(
-        self, method: str, request: type[Any], follow: type[Any], response: type[Any]
+        self,
+        method: str,
+        request: type[Any],
+        follow: type[Any],
+        grant: type[Any],
+        response: type[Any],
     ) -> FollowedStreams[Any, Any]:
         """Follows of a server-streaming method multiplexed over `method`, a
-        stream of `request` messages (`follow`s to open, ids to stop),
-        answered by `response` messages of items (services/common/feeds.py),
-        on the service's channel (one stream: to one replica at a time)."""
+        stream of `request` messages (`follow`s to open, ids to stop,
+        `grant`s of pages), answered by `response` messages of items
+        (services/common/feeds.py), on the service's channel (one stream: to
+        one replica at a time)."""
         path = f"/{self.service}/{method}"
 
-        def make_request(opens: list[tuple[int, Any]], stops: list[int]) -> Any:
+        def make_request(
+            opens: list[tuple[int, Any, int]], stops: list[int], grants: list[tuple[int, int]]
+        ) -> Any:
             return request(
-                follows=[follow(follow_id=i, request=r) for i, r in opens], stop_ids=stops
+                follows=[follow(follow_id=i, request=r, window=w) for i, r, w in opens],
+                stop_ids=stops,
+                grants=[grant(follow_id=i, pages=n) for i, n in grants],
             )
 
         def items_of(message: Any) -> list[FeedItem]:

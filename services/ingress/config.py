@@ -74,6 +74,13 @@ _SETTINGS = (
         "or with one unary ResumeHook call each (0)",
         "1",
     ),
+    Setting(
+        "--event-feed",
+        "BATON_INGRESS_EVENT_FEED",
+        "read every followed session's events over one multiplexed FollowEvents stream (1), "
+        "or with one ReadEvents call per reader (0)",
+        "1",
+    ),
 )
 
 
@@ -96,6 +103,9 @@ class IngressConfig:
     # Appends ride a multiplexed ResumeHooks stream (services/common/multiplex.py);
     # False: one unary ResumeHook call each.
     resume_stream: bool = True
+    # Event reads ride one FollowEvents stream (services/common/feeds.py);
+    # False: one ReadEvents call each.
+    event_feed: bool = True
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.
     health_listen: str = ""
@@ -126,6 +136,7 @@ class IngressConfig:
             grace=as_float(values, "grace"),
             limits=_channel_limits(values),
             resume_stream=as_switch(values, "resume_stream"),
+            event_feed=as_switch(values, "event_feed"),
             capacity=Capacity.from_values(values),
             health_listen=values["health_listen"],
             metrics_listen=as_listen(values, "metrics_listen"),

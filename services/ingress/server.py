@@ -18,7 +18,7 @@ SERVICE_NAME = ingress_pb2.DESCRIPTOR.services_by_name["IngressService"].full_na
 
 async def create_server(config: IngressConfig) -> GrpcServer:
     hooks = HooksClient(config.hooks, security=config.tls, multiplexed=config.resume_stream)
-    anchor = AnchorClient(config.anchor, security=config.tls)
+    anchor = AnchorClient(config.anchor, security=config.tls, event_feed=config.event_feed)
     owner = OwnerClient(config.owner, security=config.tls)
     orphans = OrphanWatch(config.deployment_id, hooks, owner)
     edge = Edge(

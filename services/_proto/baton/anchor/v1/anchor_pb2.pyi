@@ -354,6 +354,168 @@ class ReadEventsResponse(_message.Message):
 Global___ReadEventsResponse: _TypeAlias = ReadEventsResponse  # noqa: Y015
 
 @_typing.final
+class FollowEventsRequest(_message.Message):
+    """FollowEventsRequest opens, stops and paces event reads on a FollowEvents
+    stream: 1 to 256 follows, stops and grants in all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOWS_FIELD_NUMBER: _builtins.int
+    STOP_IDS_FIELD_NUMBER: _builtins.int
+    GRANTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def follows(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventFollow]:
+        """Reads to open."""
+
+    @_builtins.property
+    def stop_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The follow ids of reads to stop; an id that is not open (it may have
+        just ended) is ignored.
+        """
+
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventFeedGrant]:
+        """More pages the caller will take, per follow (flow control); a grant
+        for a follow that is not open is ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        follows: _abc.Iterable[Global___EventFollow] | None = ...,
+        stop_ids: _abc.Iterable[_builtins.int] | None = ...,
+        grants: _abc.Iterable[Global___EventFeedGrant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follows", b"follows", "grants", b"grants", "stop_ids", b"stop_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowEventsRequest: _TypeAlias = FollowEventsRequest  # noqa: Y015
+
+@_typing.final
+class EventFollow(_message.Message):
+    """EventFollow opens one event read on a FollowEvents stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The caller's id for the read, 1 or more, not open on this stream; its
+    pages and its end carry it back.
+    """
+    window: _builtins.int
+    """Pages anchor may send before the caller grants more: 1 to 1024 (0: 16)."""
+    @_builtins.property
+    def request(self) -> Global___ReadEventsRequest:
+        """The read, as ReadEvents opens it."""
+
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        request: Global___ReadEventsRequest | None = ...,
+        window: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventFollow: _TypeAlias = EventFollow  # noqa: Y015
+
+@_typing.final
+class EventFeedGrant(_message.Message):
+    """EventFeedGrant lets anchor send a follow more pages."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The follow."""
+    pages: _builtins.int
+    """Pages, 1 to 1024."""
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        pages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "pages", b"pages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventFeedGrant: _TypeAlias = EventFeedGrant  # noqa: Y015
+
+@_typing.final
+class FollowEventsResponse(_message.Message):
+    """FollowEventsResponse carries the pages and ends ready together."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventFeedItem]:
+        """In order per follow; follows interleave."""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___EventFeedItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowEventsResponse: _TypeAlias = FollowEventsResponse  # noqa: Y015
+
+@_typing.final
+class EventFeedItem(_message.Message):
+    """EventFeedItem is one page of a follow, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The follow it belongs to."""
+    end: _builtins.bytes
+    """Set on a follow's last item: a serialized google.rpc.Status, as
+    ReadEvents' status would be (code 0 for a read that ended).
+    """
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.Event]:
+        """The events of one commit or of a replayed range, in seq order
+        (ReadEventsResponse.events).
+        """
+
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        events: _abc.Iterable[_session_pb2.Event] | None = ...,
+        end: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "events", b"events", "follow_id", b"follow_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventFeedItem: _TypeAlias = EventFeedItem  # noqa: Y015
+
+@_typing.final
 class LoadSessionRequest(_message.Message):
     """LoadSessionRequest names the session to load."""
 

@@ -56,6 +56,11 @@ class AnchorServiceStub:
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.SerializeToString,
                 response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.FromString,
                 _registered_method=True)
+        self.FollowEvents = channel.stream_stream(
+                '/baton.anchor.v1.AnchorService/FollowEvents',
+                request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsResponse.FromString,
+                _registered_method=True)
         self.LoadSession = channel.unary_stream(
                 '/baton.anchor.v1.AnchorService/LoadSession',
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.LoadSessionRequest.SerializeToString,
@@ -112,6 +117,24 @@ class AnchorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FollowEvents(self, request_iterator, context):
+        """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
+        of any sessions, over one long-lived stream to one replica, as
+        HookRegistryService.FollowInboxes multiplexes inbox streams. Each
+        request message opens reads (follows, each with an id of the caller's,
+        a ReadEventsRequest served as ReadEvents serves it, and a window),
+        stops others and grants follows more pages; each response message
+        carries the pages ready together, of any follows, and a follow's end
+        (the status its ReadEvents would have ended with; OK for a read that
+        ended) as its last item. A follow has at most one page in anchor's
+        hands until it is sent, and at most its window of pages sent and not
+        granted back. Ends when the client half-closes and every follow has
+        ended; a message that breaks the bounds ends it with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadSession(self, request, context):
         """Load a session to run it: the last committed snapshot (first message),
         then the model history the snapshot's context names, in bounded batches,
@@ -152,6 +175,11 @@ def add_AnchorServiceServicer_to_server(servicer, server):
                     servicer.ReadEvents,
                     request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.FromString,
                     response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.SerializeToString,
+            ),
+            'FollowEvents': grpc.stream_stream_rpc_method_handler(
+                    servicer.FollowEvents,
+                    request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsRequest.FromString,
+                    response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsResponse.SerializeToString,
             ),
             'LoadSession': grpc.unary_stream_rpc_method_handler(
                     servicer.LoadSession,
@@ -274,6 +302,33 @@ class AnchorService:
             '/baton.anchor.v1.AnchorService/ReadEvents',
             baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsRequest.SerializeToString,
             baton_dot_anchor_dot_v1_dot_anchor__pb2.ReadEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowEvents(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.anchor.v1.AnchorService/FollowEvents',
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsRequest.SerializeToString,
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.FollowEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,20 @@ class AnchorServiceStub:
     while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
     the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
     """
+    FollowEvents: _grpc.StreamStreamMultiCallable[_anchor_pb2.FollowEventsRequest, _anchor_pb2.FollowEventsResponse]
+    """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
+    of any sessions, over one long-lived stream to one replica, as
+    HookRegistryService.FollowInboxes multiplexes inbox streams. Each
+    request message opens reads (follows, each with an id of the caller's,
+    a ReadEventsRequest served as ReadEvents serves it, and a window),
+    stops others and grants follows more pages; each response message
+    carries the pages ready together, of any follows, and a follow's end
+    (the status its ReadEvents would have ended with; OK for a read that
+    ended) as its last item. A follow has at most one page in anchor's
+    hands until it is sent, and at most its window of pages sent and not
+    granted back. Ends when the client half-closes and every follow has
+    ended; a message that breaks the bounds ends it with INVALID_ARGUMENT.
+    """
     LoadSession: _grpc.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]
     """Load a session to run it: the last committed snapshot (first message),
     then the model history the snapshot's context names, in bounded batches,
@@ -96,6 +110,20 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     below a live session's retention horizon (or one the horizon passes
     while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
     the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+    """
+    FollowEvents: _aio.StreamStreamMultiCallable[_anchor_pb2.FollowEventsRequest, _anchor_pb2.FollowEventsResponse]  # type: ignore[assignment]
+    """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
+    of any sessions, over one long-lived stream to one replica, as
+    HookRegistryService.FollowInboxes multiplexes inbox streams. Each
+    request message opens reads (follows, each with an id of the caller's,
+    a ReadEventsRequest served as ReadEvents serves it, and a window),
+    stops others and grants follows more pages; each response message
+    carries the pages ready together, of any follows, and a follow's end
+    (the status its ReadEvents would have ended with; OK for a read that
+    ended) as its last item. A follow has at most one page in anchor's
+    hands until it is sent, and at most its window of pages sent and not
+    granted back. Ends when the client half-closes and every follow has
+    ended; a message that breaks the bounds ends it with INVALID_ARGUMENT.
     """
     LoadSession: _aio.UnaryStreamMultiCallable[_anchor_pb2.LoadSessionRequest, _anchor_pb2.LoadSessionResponse]  # type: ignore[assignment]
     """Load a session to run it: the last committed snapshot (first message),
@@ -157,6 +185,26 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         below a live session's retention horizon (or one the horizon passes
         while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
         the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+        """
+
+    @_abc_1.abstractmethod
+    def FollowEvents(
+        self,
+        request_iterator: _MaybeAsyncIterator[_anchor_pb2.FollowEventsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_anchor_pb2.FollowEventsResponse], _abc.AsyncIterator[_anchor_pb2.FollowEventsResponse]]:
+        """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
+        of any sessions, over one long-lived stream to one replica, as
+        HookRegistryService.FollowInboxes multiplexes inbox streams. Each
+        request message opens reads (follows, each with an id of the caller's,
+        a ReadEventsRequest served as ReadEvents serves it, and a window),
+        stops others and grants follows more pages; each response message
+        carries the pages ready together, of any follows, and a follow's end
+        (the status its ReadEvents would have ended with; OK for a read that
+        ended) as its last item. A follow has at most one page in anchor's
+        hands until it is sent, and at most its window of pages sent and not
+        granted back. Ends when the client half-closes and every follow has
+        ended; a message that breaks the bounds ends it with INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod

@@ -1584,14 +1584,15 @@ Global___StreamInboxResponse: _TypeAlias = StreamInboxResponse  # noqa: Y015
 
 @_typing.final
 class FollowInboxesRequest(_message.Message):
-    """FollowInboxesRequest opens and stops inbox streams on a FollowInboxes
-    stream: 1 to 256 follows and stops in all.
+    """FollowInboxesRequest opens, stops and paces inbox streams on a
+    FollowInboxes stream: 1 to 256 follows, stops and grants in all.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     FOLLOWS_FIELD_NUMBER: _builtins.int
     STOP_IDS_FIELD_NUMBER: _builtins.int
+    GRANTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def follows(self) -> _containers.RepeatedCompositeFieldContainer[Global___InboxFollow]:
         """Streams to open."""
@@ -1602,19 +1603,52 @@ class FollowInboxesRequest(_message.Message):
         just ended) is ignored.
         """
 
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___InboxFeedGrant]:
+        """More pages the caller will take, per follow (flow control); a grant
+        for a follow that is not open is ignored.
+        """
+
     def __init__(
         self,
         *,
         follows: _abc.Iterable[Global___InboxFollow] | None = ...,
         stop_ids: _abc.Iterable[_builtins.int] | None = ...,
+        grants: _abc.Iterable[Global___InboxFeedGrant] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["follows", b"follows", "stop_ids", b"stop_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follows", b"follows", "grants", b"grants", "stop_ids", b"stop_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FollowInboxesRequest: _TypeAlias = FollowInboxesRequest  # noqa: Y015
+
+@_typing.final
+class InboxFeedGrant(_message.Message):
+    """InboxFeedGrant lets hooks send a follow more pages."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOLLOW_ID_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    follow_id: _builtins.int
+    """The follow."""
+    pages: _builtins.int
+    """Pages, 1 to 1024."""
+    def __init__(
+        self,
+        *,
+        follow_id: _builtins.int = ...,
+        pages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "pages", b"pages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InboxFeedGrant: _TypeAlias = InboxFeedGrant  # noqa: Y015
 
 @_typing.final
 class InboxFollow(_message.Message):
@@ -1624,10 +1658,13 @@ class InboxFollow(_message.Message):
 
     FOLLOW_ID_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
     follow_id: _builtins.int
     """The caller's id for the stream, 1 or more, not open on this stream; its
     pages and its end carry it back.
     """
+    window: _builtins.int
+    """Pages hooks may send before the caller grants more: 1 to 1024 (0: 16)."""
     @_builtins.property
     def request(self) -> Global___StreamInboxRequest:
         """The stream, as StreamInbox opens it."""
@@ -1637,10 +1674,11 @@ class InboxFollow(_message.Message):
         *,
         follow_id: _builtins.int = ...,
         request: Global___StreamInboxRequest | None = ...,
+        window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

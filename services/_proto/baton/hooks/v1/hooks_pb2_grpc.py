@@ -233,7 +233,8 @@ class HookRegistryServiceServicer:
         and stops others (by id); each response message carries the pages ready
         together, of any follows, each with its follow id, and a follow's end
         (the status its StreamInbox would have ended with) as its last item. A
-        follow has at most one page in hooks' hands until it is sent. Ends when
+        follow has at most one page in hooks' hands until it is sent, and at
+        most its window of pages sent and not granted back. Ends when
         the client half-closes and every follow has ended; a message that breaks
         the bounds ends it with INVALID_ARGUMENT.
         """

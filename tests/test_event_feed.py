@@ -1,0 +1,114 @@
+"""FollowEvents (issue 21): event reads multiplexed over one stream to anchor
+(services/common/feeds.py). Each follow is read as ReadEvents reads it and
+ends as it would end: a read that is not live with OK after its last page,
+a missing session with NOT_FOUND; bounds and windows are checked."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids
+from baton_runtime.common.errors import Reason
+from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
+from tests.stack import Stack
+from tests.test_fencing import Env, open_env, wait_until
+
+METHOD = "/baton.anchor.v1.AnchorService/FollowEvents"
+
+
+@pytest.fixture
+async def env(stack: Stack) -> AsyncIterator[Env]:
+    async with open_env(stack) as opened:
+        yield opened
+
+
+async def test_event_reads_share_one_stream_and_follow_live(env: Env) -> None:
+    """Two sessions followed live through one AnchorClient, and a read that
+    is not live: one stream carries them all; each read gets exactly what
+    ReadEvents gives (the public stream through ingress), a live one also
+    the next turn's events; the read that is not live ends by itself."""
+    stack = env.stack
+    sessions = [await stack.create() for _ in range(2)]
+    for sid in sessions:
+        await stack.send(sid, "hello")
+        await stack.events(sid, until=1)
+    whole = [e async for page in env.anchor.read_events(sessions[0]) for e in page]
+    public = await stack.events(sessions[0], follow=False)
+    assert [e.seq for e in whole] == [e.seq for e in public] and whole
+    seen: dict[str, list[s.Event]] = {sid: [] for sid in sessions}
+
+    async def follow(sid: str) -> None:
+        async for page in env.anchor.read_events(sid, 0, True):
+            seen[sid].extend(page)
+
+    loop = asyncio.get_running_loop()
+    readers = [loop.create_task(follow(sid)) for sid in sessions]
+    try:
+        await wait_until(lambda: all(seen.values()), what="the replayed events")
+        assert env.anchor._reads.follows_open() == 2
+        await stack.send(sessions[1], "again")
+        waits = s.EVENT_KIND_SESSION_WAITING
+        await wait_until(
+            lambda: sum(e.kind == waits for e in seen[sessions[1]]) == 2, what="the live turn"
+        )
+        assert [e.seq for e in seen[sessions[1]]] == list(range(len(seen[sessions[1]])))
+        assert sum(e.kind == waits for e in seen[sessions[0]]) == 1
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+    await wait_until(lambda: env.anchor._reads.follows_open() == 0, what="the stops")
+
+
+async def test_follows_end_as_read_events_would_and_bounds_are_refused(env: Env) -> None:
+    """On a raw stream: a read that is not live ends with OK after its page;
+    a missing session's read ends NOT_FOUND; a window over 1,024 ends its
+    follow INVALID_ARGUMENT; a grant of 0 pages ends the stream."""
+    sid = await env.stack.create()
+    await env.stack.send(sid, "hello")
+    await env.stack.events(sid, until=1)
+    call: Any = env.anchor.channel.stream_stream(
+        METHOD,
+        request_serializer=a.FollowEventsRequest.SerializeToString,
+        response_deserializer=a.FollowEventsResponse.FromString,
+    )()
+    try:
+        await call.write(
+            a.FollowEventsRequest(
+                follows=[
+                    a.EventFollow(follow_id=1, request=a.ReadEventsRequest(session_id=sid)),
+                    a.EventFollow(
+                        follow_id=2,
+                        request=a.ReadEventsRequest(session_id=ids.new_session_id(), follow=True),
+                    ),
+                    a.EventFollow(
+                        follow_id=3, request=a.ReadEventsRequest(session_id=sid), window=1025
+                    ),
+                ]
+            )
+        )
+        items: list[a.EventFeedItem] = []
+        async with asyncio.timeout(10):
+            while sum(1 for i in items if i.end) < 3:
+                items.extend((await call.read()).items)
+        await call.write(a.FollowEventsRequest(grants=[a.EventFeedGrant(follow_id=1, pages=0)]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+    finally:
+        call.cancel()
+    ends = {i.follow_id: status_pb2.Status.FromString(i.end) for i in items if i.end}
+    assert ends[1].code == 0
+    assert from_status_proto(ends[2]).reason == Reason.SESSION_NOT_FOUND
+    assert from_status_proto(ends[3]).reason == Reason.INVALID_FIELD
+    pages = [i for i in items if not i.end]
+    assert {i.follow_id for i in pages} == {1} and pages[0].events[0].seq == 0
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert from_rpc_error(info.value).reason == Reason.INVALID_FIELD
