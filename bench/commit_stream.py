@@ -5,12 +5,13 @@ default) against one unary CommitStep and ResumeHook call each
 
     python -m bench.commit_stream [--rounds 4] [--turns 300] [--sessions 32]
                                   [--concurrent-turns 1500] [--json PATH] [--smoke]
-                                  [--switch {streams,inbox-feed}]
+                                  [--switch {streams,inbox-feed,feeds}]
 
 `--switch inbox-feed` compares the owner's inbox streams instead: every
 session's on one FollowInboxes stream ("streamed", the default) against one
 StreamInbox call per session (`--inbox-feed 0`, "unary"), commits and
-appends streamed in both.
+appends streamed in both; `--switch feeds` also the ingress' event reads
+(one FollowEvents stream against one ReadEvents call each, `--event-feed 0`).
 
 Two complete stacks side by side (bench.turn_latency's BenchStack, TLS on
 every hop, one deployment each), identical but for the owner's
@@ -103,7 +104,8 @@ def report(results: dict[str, Any]) -> str:
     what = (
         "Commits and appends streamed (CommitSteps, ResumeHooks) vs unary"
         if a["switch"] == "streams"
-        else "Inbox streams on one FollowInboxes stream (streamed) vs one StreamInbox each (unary)"
+        else "Inbox streams (and with --switch feeds event reads) on one stream (streamed) "
+        "vs one call each (unary)"
     )
     lines = [
         f"{what}, same run: "
@@ -146,6 +148,7 @@ def report(results: dict[str, Any]) -> str:
 SWITCHES = {
     "streams": ("BATON_OWNER_COMMIT_STREAM", "BATON_INGRESS_RESUME_STREAM"),
     "inbox-feed": ("BATON_OWNER_INBOX_FEED",),
+    "feeds": ("BATON_OWNER_INBOX_FEED", "BATON_INGRESS_EVENT_FEED"),
 }
 
 

@@ -41,9 +41,7 @@ READ_EVENTS = COMMIT_STEP.replace("/CommitStep", "/ReadEvents")
 
 def _event_items(ready: list[feeds.Item]) -> pb.FollowEventsResponse:
     return pb.FollowEventsResponse(
-        items=[
-            pb.EventFeedItem(follow_id=i, events=p.events if p else (), end=e) for i, p, e in ready
-        ]
+        items=[pb.EventFeedItem(follow_id=i, events=p or (), end=e) for i, p, e in ready]
     )
 
 
@@ -104,12 +102,16 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     async def ReadEvents(
         self, request: pb.ReadEventsRequest, context: Context
     ) -> AsyncIterator[pb.ReadEventsResponse]:
+        async for events in self._event_pages(request):
+            yield pb.ReadEventsResponse(events=events)
+
+    async def _event_pages(self, request: pb.ReadEventsRequest) -> AsyncIterator[list[s.Event]]:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         check_seq(request.start_seq, "start_seq")
         async for events in self._journal.events.read(
             request.session_id, request.start_seq, request.follow
         ):
-            yield pb.ReadEventsResponse(events=events)
+            yield events
 
     def FollowEvents(
         self, request_iterator: AsyncIterator[pb.FollowEventsRequest], context: Context
@@ -117,10 +119,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
         """ReadEvents' streams multiplexed (services/common/feeds.py): each
         follow served exactly as ReadEvents serves it."""
         return feeds.serve_follows(
-            request_iterator,
-            lambda request: self.ReadEvents(request, context),
-            _event_items,
-            method=READ_EVENTS,
+            request_iterator, self._event_pages, _event_items, method=READ_EVENTS
         )
 
     async def LoadSession(

@@ -10,12 +10,11 @@ and a handler task.
 server-streaming method would serve it (in a task of its own, in the
 stream's context: the caller admitted at the stream's opening), and ends
 with the status that method would have ended with, as the follow's last
-item. Flow control is per follow: a follow has at most one page in this
-process's hands until it is written (its source is not read further
-before), and at most its window of pages written and not granted back by
-the client (which grants as its reader takes them): a reader that stops
-reading holds back its own follow, and no other, and neither side buffers
-more than a window for it. The client half is services/common/feed_client.py.
+item. Flow control is per follow: a follow has at most its window of pages
+sent (or ready to be) and not granted back by the client, which grants as
+its reader takes them, so a reader that stops reading holds back its own
+follow, and no other, and the two sides together hold at most a window of
+pages for it. The client half is services/common/feed_client.py.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ log = structlog.get_logger("baton.feeds")
 MAX_REQUEST_ITEMS = 256
 # Follows open at once on one stream (an owner instance's live sessions).
 MAX_FOLLOWS = 100_000
-# A follow's window (pages written and not granted back), and the one a
-# follow that names none gets.
+# A follow's window (pages sent or ready and not granted back), and the one
+# a follow that names none gets.
 MAX_WINDOW = 1024
 DEFAULT_WINDOW = 16
 # A message's pages stop growing past this many bytes (one bigger page goes
@@ -69,11 +68,11 @@ async def serve_follows(
 ) -> AsyncGenerator[Any, None]:
     """Serve one stream: each request's `follows` (with `follow_id`,
     `request` and `window`) opened by `open_follow(request)` (the pages of
-    one follow), its `stop_ids` stopped, its `grants` (`follow_id`, `pages`)
-    added to their follows' windows; the items ready together go back as
-    one message (`message`). Ends when the client half-closes and every
-    follow has ended; a request that breaks the bounds ends it with
-    INVALID_ARGUMENT."""
+    one follow, each a list of messages), its `stop_ids` stopped, its
+    `grants` (`follow_id`, `pages`) added to their follows' windows; the
+    items ready together go back as one message (`message`). Ends when the
+    client half-closes and every follow has ended; a request that breaks the
+    bounds ends it with INVALID_ARGUMENT."""
     feed = _Feed(open_follow, method, max_follows)
     reader = asyncio.ensure_future(feed.read(requests))
     try:
@@ -82,7 +81,6 @@ async def serve_follows(
             if ready is None:
                 break
             yield message(ready)
-            feed.sent(ready)
         reader.result()  # a refused request ends the stream with its status
     finally:
         reader.cancel()
@@ -107,15 +105,13 @@ def _check_request(request: Any) -> None:
 
 
 class _Follow:
-    """One follow being served: its task, whether its page is unwritten, and
-    the pages it may still send (its window, less what was not granted back)."""
+    """One follow being served: its task, and the pages it may still send
+    (its window, less what was not granted back)."""
 
-    __slots__ = ("task", "written", "credit", "granted")
+    __slots__ = ("task", "credit", "granted")
 
     def __init__(self, window: int) -> None:
         self.task: asyncio.Task[None] | None = None
-        self.written = asyncio.Event()
-        self.written.set()
         self.credit = window
         self.granted = asyncio.Event()
 
@@ -192,10 +188,8 @@ class _Feed:
         try:
             async for page in self._open(request):
                 await follow.window_open()
-                follow.written.clear()
                 follow.credit -= 1
                 self._put((follow_id, page, b""))
-                await follow.written.wait()
             end = _end_of(None)
         except asyncio.CancelledError:
             code = "CANCELLED"  # stopped by the client, or the stream ended
@@ -232,21 +226,13 @@ class _Feed:
             return ready
         size, count = 0, 0
         for _, page, _ in self._ready:
-            size += page.ByteSize() if page is not None else 0
+            size += sum(part.ByteSize() for part in page) if page is not None else 0
             if count and size > MAX_MESSAGE_BYTES:
                 break
             count += 1
         ready = self._ready[:count]
         del self._ready[:count]
         return ready
-
-    def sent(self, items: list[Item]) -> None:
-        """`items` were written: their follows may read their next page."""
-        for follow_id, page, _ in items:
-            if page is not None:
-                follow = self._follows.get(follow_id)
-                if follow is not None:
-                    follow.written.set()
 
     async def cancel(self) -> None:
         tasks = [f.task for f in self._follows.values() if f.task is not None]

@@ -39,10 +39,7 @@ STREAM_INBOX = RESUME_HOOK.replace("/ResumeHook", "/StreamInbox")
 
 def _inbox_items(ready: list[feeds.Item]) -> pb.FollowInboxesResponse:
     return pb.FollowInboxesResponse(
-        items=[
-            pb.InboxFeedItem(follow_id=i, entries=p.entries if p else (), end=e)
-            for i, p, e in ready
-        ]
+        items=[pb.InboxFeedItem(follow_id=i, entries=p or (), end=e) for i, p, e in ready]
     )
 
 
@@ -257,24 +254,26 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def StreamInbox(
         self, request: pb.StreamInboxRequest, context: Context
     ) -> AsyncIterator[pb.StreamInboxResponse]:
+        async for entries in self._inbox_pages(request):
+            yield pb.StreamInboxResponse(entries=entries)
+
+    async def _inbox_pages(
+        self, request: pb.StreamInboxRequest
+    ) -> AsyncIterator[list[s.InboxEntry]]:
         _require_fence(request.fence, request.HasField("fence"))
         # The scope is checked by the stream's first read (no read of its own).
         scope = self._scope.pending(identity.current(), request.fence)
         _bind_fence(request.fence)
         check_seq(request.from_seq, "from_seq")
         async for entries in self._registry.stream_inbox(request.fence, request.from_seq, scope):
-            yield pb.StreamInboxResponse(entries=entries)
+            yield entries
 
     def FollowInboxes(
         self, request_iterator: AsyncIterator[pb.FollowInboxesRequest], context: Context
     ) -> AsyncIterator[pb.FollowInboxesResponse]:
-        """StreamInbox's streams multiplexed (services/common/feeds.py): each
-        follow checked and served exactly as StreamInbox serves it."""
+        """StreamInbox multiplexed (services/common/feeds.py): each follow as it serves one."""
         return feeds.serve_follows(
-            request_iterator,
-            lambda request: self.StreamInbox(request, context),
-            _inbox_items,
-            method=STREAM_INBOX,
+            request_iterator, self._inbox_pages, _inbox_items, method=STREAM_INBOX
         )
 
     # -- owner instances, takeover, parking --------------------------------------
