@@ -12,7 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.client_answers import Committed, LoadedSession
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.multiplex_client import Lanes, Unsupported
+from baton_runtime.common.multiplex_client import Lanes
 from baton_runtime.common.rpc_client import ServiceClient
 from baton_runtime.common.tls import Security
 
@@ -144,22 +144,15 @@ class AnchorClient(ServiceClient):
         )
         return response.deleted
 
-    async def read_events(
+    def read_events(
         self, session_id: str, start_seq: int = 0, follow: bool = False
     ) -> AsyncIterator[list[s.Event]]:
         """The session's events from `start_seq`, a page at a time; with
         `follow`, new ones as they are committed. A follow on this process'
-        FollowEvents stream (`event_feed`), or a ReadEvents call of its own
-        (without it, or when anchor does not serve FollowEvents)."""
+        FollowEvents stream (`event_feed`), or a ReadEvents call of its own."""
         request = anchor_pb.ReadEventsRequest(
             session_id=session_id, start_seq=start_seq, follow=follow
         )
-        if self._reads.supported:
-            try:
-                async for item in self._reads.follow(request):
-                    yield _events_page(item)
-                return
-            except Unsupported:
-                pass  # (before any page: UNIMPLEMENTED ends the stream at once)
-        async for page in self._stream("ReadEvents", self.stub.ReadEvents(request), _events_page):
-            yield page
+        return self._followed_or_streamed(
+            self._reads, request, "ReadEvents", lambda: self.stub.ReadEvents(request), _events_page
+        )

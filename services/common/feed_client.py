@@ -17,7 +17,6 @@ older build: the caller falls back to the server-streaming method).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ from google.rpc import status_pb2
 
 from baton_runtime.common import rpc_metrics
 from baton_runtime.common.feeds import DEFAULT_WINDOW, MAX_REQUEST_ITEMS
-from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
-from baton_runtime.common.multiplex_client import StreamBroken, Unsupported
+from baton_runtime.common.grpc_errors import from_status_proto
+from baton_runtime.common.multiplex_client import SharedStream, SharedStreamClient, StreamBroken
 
 _Req = TypeVar("_Req")
 _Page = TypeVar("_Page")
@@ -46,18 +45,14 @@ _END = _Ended()
 
 
 @dataclass(eq=False)
-class _Stream:
-    """One open stream: its call, its follows' queues, what waits to be
-    written (opens and stops), and its writer and reader."""
+class _Stream(SharedStream):
+    """One open stream of follows: their queues, and what waits to be
+    written (opens, stops and grants)."""
 
-    call: Any
     follows: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
     opens: list[tuple[int, Any, int]] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
     grants: list[tuple[int, int]] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    broken: BaseException | None = None
 
 
 def _take(items: list[_T], count: int) -> list[_T]:
@@ -67,7 +62,7 @@ def _take(items: list[_T], count: int) -> list[_T]:
     return taken
 
 
-class FollowedStreams(Generic[_Req, _Page]):
+class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
     """The client half: follows of many sessions over one stream."""
 
     def __init__(
@@ -81,15 +76,10 @@ class FollowedStreams(Generic[_Req, _Page]):
         target: str,
         method: str,
     ) -> None:
-        self._open = open_stream
+        super().__init__(open_stream, target=target, method=method)
         self._make_request = make_request
         self._items_of = items_of
-        self._target = target
-        self._method = method
         self._ids = itertools.count(1)
-        self._stream: _Stream | None = None
-        self._closed = False
-        self.supported = True
 
     def follows_open(self) -> int:
         """Follows open on the current stream."""
@@ -123,29 +113,8 @@ class FollowedStreams(Generic[_Req, _Page]):
                 stream.stops.append(follow_id)  # the reader left first: stop it
                 stream.wake.set()
 
-    def _current(self) -> _Stream:
-        if not self.supported:
-            raise Unsupported(self._method)
-        if self._closed:
-            raise StreamBroken(f"{self._method}: the client closed")
-        stream = self._stream
-        if stream is None or stream.broken is not None:
-            # The stream and its tasks serve every follower: they start in a
-            # context of their own, not the first follower's.
-            fresh = contextvars.Context()
-            try:
-                opened = fresh.run(self._open)
-            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
-                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
-            stream = self._stream = _Stream(opened)
-            if rpc_metrics.RPC.enabled:
-                rpc_metrics.RPC.opened(self._target, self._method)
-            loop = asyncio.get_running_loop()
-            stream.tasks = [
-                loop.create_task(self._write(stream), context=fresh.copy()),
-                loop.create_task(self._read(stream), context=fresh.copy()),
-            ]
-        return stream
+    def _new(self, call: Any) -> _Stream:
+        return _Stream(call)
 
     async def _write(self, stream: _Stream) -> None:
         meter = rpc_metrics.RPC
@@ -183,35 +152,12 @@ class FollowedStreams(Generic[_Req, _Page]):
                         queue.put_nowait(_END if status.code == 0 else from_status_proto(status))
                     else:
                         queue.put_nowait(page)
-            failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.supported = False
-                failure = Unsupported(self._method)
-            elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                failure = StreamBroken(f"{self._method}: the stream broke ({exc.code().name})")
-            else:
-                failure = from_rpc_error(exc)
-        self._retire(stream, failure)
-
-    def _retire(self, stream: _Stream, failure: BaseException) -> None:
-        """End `stream`: every follow open on it fails with `failure`."""
-        if stream.broken is not None:
+            self._ended(stream, exc)
             return
-        stream.broken = failure
-        if self._stream is stream:
-            self._stream = None
+        self._ended(stream, None)
+
+    def _fail_all(self, stream: _Stream, failure: BaseException) -> None:
         for queue in stream.follows.values():
             queue.put_nowait(failure)
         stream.follows.clear()
-        stream.call.cancel()
-        for task in stream.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
-
-    async def close(self) -> None:
-        self._closed = True
-        stream = self._stream
-        if stream is not None:
-            self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
-            await asyncio.gather(*stream.tasks, return_exceptions=True)

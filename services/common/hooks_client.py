@@ -29,7 +29,7 @@ from baton_runtime.common.client_answers import (
 from baton_runtime.common.errors import Internal, Reason
 from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT, HOOKS_UNLIMITED
 from baton_runtime.common.keys import Bell
-from baton_runtime.common.multiplex_client import Lanes, Unsupported
+from baton_runtime.common.multiplex_client import Lanes
 from baton_runtime.common.rpc_client import ServiceClient, traced
 from baton_runtime.common.tls import Security
 
@@ -171,22 +171,12 @@ class HooksClient(ServiceClient):
         )
         return list(response.hooks)
 
-    async def stream_inbox(
-        self, fence: s.Fence, from_seq: int
-    ) -> AsyncIterator[list[s.InboxEntry]]:
+    def stream_inbox(self, fence: s.Fence, from_seq: int) -> AsyncIterator[list[s.InboxEntry]]:
         """The inbox from `from_seq` on, a page at a time: a follow on this
         process' FollowInboxes stream, or a StreamInbox call of its own."""
         request = hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq)
-        if self._inboxes.supported:
-            try:
-                async for item in self._inboxes.follow(request):
-                    yield _inbox_page(item)
-                return
-            except Unsupported:
-                pass  # (before any page: UNIMPLEMENTED ends the stream at once)
-        call = self.stub.StreamInbox(request)
-        async for entries in self._stream("StreamInbox", call, _inbox_page):
-            yield entries
+        call = lambda: self.stub.StreamInbox(request)  # noqa: E731 - when there is no feed
+        return self._followed_or_streamed(self._inboxes, request, "StreamInbox", call, _inbox_page)
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str

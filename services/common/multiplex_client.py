@@ -52,21 +52,124 @@ class Unsupported(Exception):
     """The server does not serve the streamed method (an older build)."""
 
 
+def stream_failure(exc: grpc.aio.AioRpcError, method: str) -> BaseException:
+    """What the calls on a stream that ended with `exc` fail with: Unsupported
+    (the server does not serve `method`), StreamBroken (UNAVAILABLE,
+    CANCELLED: the outcome is unknown), or the domain error it carried."""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return Unsupported(method)
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return StreamBroken(f"{method}: the stream broke ({exc.code().name})")
+    return from_rpc_error(exc)
+
+
 @dataclass(eq=False)
-class _Stream:
-    """One open stream: its call, the calls in flight on it, what waits to
-    be written, and its writer and reader."""
+class SharedStream:
+    """One open stream that many callers share: its call, the event that
+    wakes its writer, its writer and reader tasks, and why it broke."""
 
     call: Any
-    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
-    outbox: list[tuple[int, Any, str]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     broken: BaseException | None = None
+
+
+_S = TypeVar("_S", bound=SharedStream)
+
+
+class SharedStreamClient(Generic[_S]):
+    """The client of one long-lived stream shared by many callers (calls
+    multiplexed here, follows in feed_client.py): opened at first use and
+    again after it broke, each time in a context of its own (not the first
+    caller's: its log bindings and span would stick to the stream's tasks),
+    with a writer and a reader task; retired with the failure every caller
+    on it gets. `supported` is False once the server turned out not to
+    serve the method."""
+
+    def __init__(self, open_stream: Callable[[], Any], *, target: str, method: str) -> None:
+        self._open = open_stream
+        self._target = target
+        self._method = method
+        self._stream: _S | None = None
+        self._closed = False
+        self.supported = True
+
+    def _new(self, call: Any) -> _S:
+        raise NotImplementedError
+
+    async def _write(self, stream: _S) -> None:
+        raise NotImplementedError
+
+    async def _read(self, stream: _S) -> None:
+        raise NotImplementedError
+
+    def _fail_all(self, stream: _S, failure: BaseException) -> None:
+        """Every caller on `stream` fails with `failure`."""
+        raise NotImplementedError
+
+    def _current(self) -> _S:
+        if not self.supported:
+            raise Unsupported(self._method)
+        if self._closed:
+            raise StreamBroken(f"{self._method}: the client closed")
+        stream = self._stream
+        if stream is None or stream.broken is not None:
+            fresh = contextvars.Context()
+            try:
+                opened = fresh.run(self._open)
+            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
+                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
+            stream = self._stream = self._new(opened)
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.opened(self._target, self._method)
+            loop = asyncio.get_running_loop()
+            stream.tasks = [
+                loop.create_task(self._write(stream), context=fresh.copy()),
+                loop.create_task(self._read(stream), context=fresh.copy()),
+            ]
+        return stream
+
+    def _ended(self, stream: _S, exc: grpc.aio.AioRpcError | None) -> None:
+        """The reader saw `stream` end (by the server when `exc` is None)."""
+        if exc is None:
+            failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
+        else:
+            failure = stream_failure(exc, self._method)
+            self.supported = not isinstance(failure, Unsupported)
+        self._retire(stream, failure)
+
+    def _retire(self, stream: _S, failure: BaseException) -> None:
+        """End `stream`: every caller on it fails with `failure`."""
+        if stream.broken is not None:
+            return
+        stream.broken = failure
+        if self._stream is stream:
+            self._stream = None
+        self._fail_all(stream, failure)
+        stream.call.cancel()
+        for task in stream.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def close(self) -> None:
+        self._closed = True
+        stream = self._stream
+        if stream is not None:
+            self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
+            await asyncio.gather(*stream.tasks, return_exceptions=True)
+
+
+@dataclass(eq=False)
+class _Stream(SharedStream):
+    """One open stream of calls: the calls in flight on it, what waits to
+    be written, and when the last answer came."""
+
+    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    outbox: list[tuple[int, Any, str]] = field(default_factory=list)
     answered_at: float = 0.0  # monotonic: when the last answer arrived
 
 
-class StreamedCalls(Generic[_Req, _Resp]):
+class StreamedCalls(SharedStreamClient[_Stream], Generic[_Req, _Resp]):
     """The client half: `call(request)` sends one request on the current
     stream (opening one when there is none) and awaits its answer."""
 
@@ -81,17 +184,12 @@ class StreamedCalls(Generic[_Req, _Resp]):
         max_calls: int = MAX_BATCH_CALLS,
         max_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
-        self._open = open_stream
+        super().__init__(open_stream, target=target, method=method)
         self._make_batch = make_batch
         self._answers_of = answers_of
-        self._target = target
-        self._method = method
         self._max_calls = max_calls
         self._max_bytes = max_bytes
         self._ids = itertools.count(1)
-        self._stream: _Stream | None = None
-        self._closed = False
-        self.supported = True
 
     async def call(self, request: _Req, timeout: float) -> _Resp:  # noqa: ASYNC109 - a per-call deadline
         """The answer to `request` (a refusal raises the domain error the
@@ -126,30 +224,8 @@ class StreamedCalls(Generic[_Req, _Resp]):
             if answer.done() and not answer.cancelled():
                 answer.exception()  # retrieved, also when the caller was cancelled first
 
-    def _current(self) -> _Stream:
-        if not self.supported:
-            raise Unsupported(self._method)
-        if self._closed:
-            raise StreamBroken(f"{self._method}: the client closed")
-        stream = self._stream
-        if stream is None or stream.broken is not None:
-            # The stream and its tasks serve every caller: they start in a
-            # context of their own, not the first caller's (its log bindings
-            # and span would stick to them).
-            fresh = contextvars.Context()
-            try:
-                opened = fresh.run(self._open)
-            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closing
-                raise StreamBroken(f"{self._method}: cannot open a stream ({exc!r})") from exc
-            stream = self._stream = _Stream(opened)
-            if rpc_metrics.RPC.enabled:
-                rpc_metrics.RPC.opened(self._target, self._method)
-            loop = asyncio.get_running_loop()
-            stream.tasks = [
-                loop.create_task(self._write(stream), context=fresh.copy()),
-                loop.create_task(self._read(stream), context=fresh.copy()),
-            ]
-        return stream
+    def _new(self, call: Any) -> _Stream:
+        return _Stream(call)
 
     async def _write(self, stream: _Stream) -> None:
         meter = rpc_metrics.RPC
@@ -200,38 +276,15 @@ class StreamedCalls(Generic[_Req, _Resp]):
                         )
                     else:
                         answer.set_result(response)
-            failure: BaseException = StreamBroken(f"{self._method}: the server ended the stream")
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.supported = False
-                failure = Unsupported(self._method)
-            elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                failure = StreamBroken(f"{self._method}: the stream broke ({exc.code().name})")
-            else:
-                failure = from_rpc_error(exc)
-        self._retire(stream, failure)
-
-    def _retire(self, stream: _Stream, failure: BaseException) -> None:
-        """End `stream`: every call in flight on it fails with `failure`."""
-        if stream.broken is not None:
+            self._ended(stream, exc)
             return
-        stream.broken = failure
-        if self._stream is stream:
-            self._stream = None
+        self._ended(stream, None)
+
+    def _fail_all(self, stream: _Stream, failure: BaseException) -> None:
         for answer in stream.pending.values():
             if not answer.done():
                 answer.set_exception(failure)
-        stream.call.cancel()
-        for task in stream.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
-
-    async def close(self) -> None:
-        self._closed = True
-        stream = self._stream
-        if stream is not None:
-            self._retire(stream, StreamBroken(f"{self._method}: the client closed"))
-            await asyncio.gather(*stream.tasks, return_exceptions=True)
 
 
 class Lanes(Generic[_Req, _Resp]):

@@ -187,6 +187,28 @@ class ServiceClient:
         self._feeds.append(feed)
         return feed
 
+    async def _followed_or_streamed(
+        self,
+        feed: FollowedStreams[Any, Any],
+        request: Any,
+        method: str,
+        start: Callable[[], grpc.aio.UnaryStreamCall[Any, Any]],
+        convert: Callable[[Any], _T],
+    ) -> AsyncIterator[_T]:
+        """The pages of `request` (each as `convert` makes it) as a follow on
+        `feed`; by `start` (a call of the single-stream `method`) when the
+        feed is off, or when the server turns out not to serve it (an older
+        build: calls from then on)."""
+        if feed.supported:
+            try:
+                async for item in feed.follow(request):
+                    yield convert(item)
+                return
+            except Unsupported:
+                pass  # (before any page: UNIMPLEMENTED ends the stream at once)
+        async for page in self._stream(method, start(), convert):
+            yield page
+
     def _done(self, method: str, code: str) -> None:
         if rpc_metrics.RPC.enabled:
             rpc_metrics.RPC.called(self.kind, f"/{self.service}/{method}", code)
