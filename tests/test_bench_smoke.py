@@ -371,5 +371,5 @@ def test_live_rss_bench_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert set(figures["modes"]) == {"feed", "per-session"}
     for mode in figures["modes"].values():
-        assert set(mode["rss_bytes_per_session"]) == {"hooks", "owner"}
+        assert set(mode["rss_bytes_per_session"]) == {"hooks", "owner", "anchor"}
         assert mode["create_seconds"] > 0

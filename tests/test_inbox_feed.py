@@ -96,11 +96,11 @@ async def test_a_stopped_follow_gets_nothing_more_and_the_stream_serves_on(env: 
 
 
 async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> None:
-    """A message with nothing, or with more than 256 follows and stops, and an
-    undecodable one end the stream with INVALID_ARGUMENT and a reason; a
-    follow id of 0 or one open, a follow without a fence and one from a
-    negative seq's worth of nonsense end that follow alone, as StreamInbox
-    would have ended; the stream serves the good follow beside them."""
+    """A message with nothing, with more than 256 follows and stops, or with
+    a malformed traceparent, and an undecodable one end the stream with
+    INVALID_ARGUMENT and a reason; a follow id of 0 or one open, and a follow
+    without a fence, end that follow alone, as StreamInbox would have ended;
+    the stream serves the good follow beside them."""
     fence, _ = await own_session(env)
     request = h.StreamInboxRequest(fence=fence, from_seq=0)
     ending = {
@@ -108,6 +108,9 @@ async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> 
         "too many": h.FollowInboxesRequest(
             follows=[h.InboxFollow(follow_id=i + 1, request=request) for i in range(200)],
             stop_ids=list(range(1000, 1057)),
+        ).SerializeToString(),
+        "traceparent": h.FollowInboxesRequest(
+            follows=[h.InboxFollow(follow_id=1, request=request, traceparent="00-xyz")]
         ).SerializeToString(),
         "undecodable": b"\xff\xff\xff\xff\x0f",
     }
@@ -123,6 +126,7 @@ async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> 
     assert reasons == {
         "nothing": Reason.INVALID_FIELD,
         "too many": Reason.INVALID_FIELD,
+        "traceparent": Reason.MALFORMED_TRACEPARENT,
         "undecodable": Reason.MALFORMED_REQUEST,
     }
     await env.hooks.resume(ids.inbox_token(fence.session_id), clear("x"))

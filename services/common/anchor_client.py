@@ -62,6 +62,7 @@ class AnchorClient(ServiceClient):
         # Event reads ride one FollowEvents stream (`event_feed`).
         self._reads = self._followed(
             "FollowEvents",
+            "ReadEvents",
             anchor_pb.FollowEventsRequest,
             anchor_pb.EventFollow,
             anchor_pb.EventFeedGrant,

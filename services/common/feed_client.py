@@ -25,9 +25,10 @@ from typing import Any, Generic, TypeVar
 import grpc
 from google.rpc import status_pb2
 
-from baton_runtime.common import rpc_metrics
+from baton_runtime.common import rpc_metrics, tracing
+from baton_runtime.common.errors import BatonError
 from baton_runtime.common.feeds import DEFAULT_WINDOW, MAX_REQUEST_ITEMS
-from baton_runtime.common.grpc_errors import from_status_proto
+from baton_runtime.common.grpc_errors import from_status_proto, status_code
 from baton_runtime.common.multiplex_client import SharedStream, SharedStreamClient, StreamBroken
 
 _Req = TypeVar("_Req")
@@ -50,7 +51,7 @@ class _Stream(SharedStream):
     written (opens, stops and grants)."""
 
     follows: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
-    opens: list[tuple[int, Any, int]] = field(default_factory=list)
+    opens: list[tuple[int, Any, int, str]] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)
     grants: list[tuple[int, int]] = field(default_factory=list)
 
@@ -69,14 +70,18 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
         self,
         open_stream: Callable[[], Any],
         make_request: Callable[
-            [list[tuple[int, _Req, int]], list[int], list[tuple[int, int]]], Any
+            [list[tuple[int, _Req, int, str]], list[int], list[tuple[int, int]]], Any
         ],
         items_of: Callable[[Any], Iterable[FeedItem]],
         *,
         target: str,
         method: str,
+        follow_method: str,
     ) -> None:
+        """`follow_method`: the server-streaming method a follow stands for
+        (its client span's name)."""
         super().__init__(open_stream, target=target, method=method)
+        self._follow_method = follow_method
         self._make_request = make_request
         self._items_of = items_of
         self._ids = itertools.count(1)
@@ -92,15 +97,21 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
         follow_id = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stream.follows[follow_id] = queue
-        stream.opens.append((follow_id, request, window))
+        span, traceparent = None, ""
+        if tracing.TRACING.enabled:
+            span, traceparent = tracing.start_client_span(self._follow_method)
+        stream.opens.append((follow_id, request, window, traceparent))
         stream.wake.set()
         taken = 0
+        code = grpc.StatusCode.CANCELLED  # unless it ends: the reader stopped
         try:
             while True:
                 item = await queue.get()
                 if item is _END:
+                    code = grpc.StatusCode.OK
                     return
                 if isinstance(item, BaseException):
+                    code = status_code(item) if isinstance(item, BatonError) else code
                     raise item
                 taken += 1
                 if taken >= (window + 1) // 2 and stream.broken is None:
@@ -112,6 +123,8 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
             if stream.follows.pop(follow_id, None) is not None and stream.broken is None:
                 stream.stops.append(follow_id)  # the reader left first: stop it
                 stream.wake.set()
+            if span is not None:
+                tracing.end_client_span(span, code)
 
     def _new(self, call: Any) -> _Stream:
         return _Stream(call)

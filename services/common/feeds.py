@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 from google.rpc import status_pb2
 
-from baton_runtime.common import errors, rpc_metrics
+from baton_runtime.common import errors, rpc_metrics, tracing
 from baton_runtime.common.grpc_errors import status_code, status_proto
 
 log = structlog.get_logger("baton.feeds")
@@ -67,7 +67,7 @@ async def serve_follows(
     max_follows: int = MAX_FOLLOWS,
 ) -> AsyncGenerator[Any, None]:
     """Serve one stream: each request's `follows` (with `follow_id`,
-    `request` and `window`) opened by `open_follow(request)` (the pages of
+    `request`, `window` and `traceparent`) opened by `open_follow(request)` (the pages of
     one follow, each a list of messages), its `stop_ids` stopped, its
     `grants` (`follow_id`, `pages`) added to their follows' windows; the
     items ready together go back as one message (`message`). Ends when the
@@ -97,6 +97,9 @@ def _check_request(request: Any) -> None:
             f"follows, stop_ids, grants: a message carries 1 to {MAX_REQUEST_ITEMS} in all,"
             f" not {count}",
         )
+    for follow in request.follows:
+        if follow.traceparent:
+            tracing.check_traceparent(follow.traceparent, "follows.traceparent")
     for grant in request.grants:
         if not 1 <= grant.pages <= MAX_WINDOW:
             raise errors.InvalidArgument(
@@ -150,11 +153,12 @@ class _Feed:
                     if follow is not None:
                         follow.grant(grant.pages)
                 for follow in request.follows:
-                    self._start(follow.follow_id, follow.request, follow.window)
+                    self._start(follow)
         finally:
             self._wake.set()
 
-    def _start(self, follow_id: int, request: Any, window: int) -> None:
+    def _start(self, opened: Any) -> None:
+        follow_id, window = opened.follow_id, opened.window
         refusal: errors.BatonError | None = None
         if follow_id <= 0 or follow_id in self._follows:
             refusal = errors.InvalidArgument(
@@ -174,16 +178,23 @@ class _Feed:
             self._put((follow_id, None, _end_of(refusal)))
             return
         follow = self._follows[follow_id] = _Follow(window or DEFAULT_WINDOW)
-        follow.task = asyncio.ensure_future(self._run(follow_id, follow, request))
+        follow.task = asyncio.ensure_future(
+            self._run(follow_id, follow, opened.request, opened.traceparent)
+        )
 
     def _stop(self, follow_id: int) -> None:
         follow = self._follows.pop(follow_id, None)
         if follow is not None and follow.task is not None:
             follow.task.cancel()
 
-    async def _run(self, follow_id: int, follow: _Follow, request: Any) -> None:
+    async def _run(self, follow_id: int, follow: _Follow, request: Any, traceparent: str) -> None:
         start = time.perf_counter()
-        code = "OK"
+        span = (
+            tracing.start_server_span(self._method, [("traceparent", traceparent)])
+            if tracing.TRACING.enabled and traceparent
+            else None
+        )
+        code, reason = "OK", ""
         end: bytes
         try:
             async for page in self._open(request):
@@ -195,15 +206,17 @@ class _Feed:
             code = "CANCELLED"  # stopped by the client, or the stream ended
             raise
         except errors.BatonError as exc:
-            code = status_code(exc).name
+            code, reason = status_code(exc).name, exc.reason
             end = _end_of(exc)
         except Exception:  # noqa: BLE001 - the boundary: anything unmapped is INTERNAL
             log.exception("unhandled error", rpc=self._method)
-            code = "INTERNAL"
+            code, reason = "INTERNAL", errors.Reason.INTERNAL
             end = _end_of(errors.Internal(errors.Reason.INTERNAL, "internal error"))
         finally:
             if rpc_metrics.RPC.enabled:
                 rpc_metrics.RPC.served(self._method, code, time.perf_counter() - start)
+            if span is not None:
+                tracing.end_server_span(span, code, reason)
         if self._follows.get(follow_id) is follow:
             del self._follows[follow_id]
             self._put((follow_id, None, end))

@@ -91,6 +91,7 @@ class HooksClient(ServiceClient):
         # Inbox streams ride one FollowInboxes stream (`inbox_feed`: as `multiplexed`).
         self._inboxes = self._followed(
             "FollowInboxes",
+            "StreamInbox",
             hooks_pb.FollowInboxesRequest,
             hooks_pb.InboxFollow,
             hooks_pb.InboxFeedGrant,

@@ -149,12 +149,13 @@ class ServiceClient:
     def _followed(
         self,
         method: str,
+        single: str,
         request: type[Any],
         follow: type[Any],
         grant: type[Any],
         response: type[Any],
     ) -> FollowedStreams[Any, Any]:
-        """Follows of a server-streaming method multiplexed over `method`, a
+        """Follows of the server-streaming method `single` multiplexed over `method`, a
         stream of `request` messages (`follow`s to open, ids to stop,
         `grant`s of pages), answered by `response` messages of items
         (services/common/feeds.py), on the service's channel (one stream: to
@@ -162,10 +163,13 @@ class ServiceClient:
         path = f"/{self.service}/{method}"
 
         def make_request(
-            opens: list[tuple[int, Any, int]], stops: list[int], grants: list[tuple[int, int]]
+            opens: list[tuple[int, Any, int, str]], stops: list[int], grants: list[tuple[int, int]]
         ) -> Any:
             return request(
-                follows=[follow(follow_id=i, request=r, window=w) for i, r, w in opens],
+                follows=[
+                    follow(follow_id=i, request=r, window=w, traceparent=tp)
+                    for i, r, w, tp in opens
+                ],
                 stop_ids=stops,
                 grants=[grant(follow_id=i, pages=n) for i, n in grants],
             )
@@ -183,6 +187,7 @@ class ServiceClient:
             items_of,
             target=self.kind,
             method=path,
+            follow_method=f"/{self.service}/{single}",
         )
         self._feeds.append(feed)
         return feed

@@ -315,6 +315,26 @@ def _start_client_span(
     )
 
 
+def start_client_span(method: str) -> tuple[Span, str]:
+    """The CLIENT span of a call that rides a shared stream (a follow:
+    services/common/feed_client.py), and its W3C traceparent to send along."""
+    from opentelemetry import trace
+
+    current = TRACING.tracer.start_span(
+        method.lstrip("/"), kind=trace.SpanKind.CLIENT, attributes=_rpc_attributes(method)
+    )
+    context = current.get_span_context()
+    traceparent = (
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    )
+    return current, traceparent
+
+
+def end_client_span(current: Span, code: grpc.StatusCode) -> None:
+    """End a CLIENT span with the call's status code."""
+    _end_client_span(current, code)
+
+
 def _end_client_span(current: Span, code: grpc.StatusCode) -> None:
     from opentelemetry.trace import Status, StatusCode
 

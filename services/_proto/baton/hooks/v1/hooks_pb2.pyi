@@ -1659,12 +1659,16 @@ class InboxFollow(_message.Message):
     FOLLOW_ID_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     WINDOW_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     follow_id: _builtins.int
     """The caller's id for the stream, 1 or more, not open on this stream; its
     pages and its end carry it back.
     """
     window: _builtins.int
-    """Pages hooks may send before the caller grants more: 1 to 1024 (0: 16)."""
+    """Pages hooks may send before the caller grants more: 1 to 1024 (0: 16).
+    The caller's W3C trace context for the stream ("" = none).
+    """
+    traceparent: _builtins.str
     @_builtins.property
     def request(self) -> Global___StreamInboxRequest:
         """The stream, as StreamInbox opens it."""
@@ -1675,10 +1679,11 @@ class InboxFollow(_message.Message):
         follow_id: _builtins.int = ...,
         request: Global___StreamInboxRequest | None = ...,
         window: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow_id", b"follow_id", "request", b"request", "traceparent", b"traceparent", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
