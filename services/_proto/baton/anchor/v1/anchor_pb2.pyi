@@ -410,10 +410,9 @@ class EventFollow(_message.Message):
     pages and its end carry it back.
     """
     window: _builtins.int
-    """Pages anchor may send before the caller grants more: 1 to 1024 (0: 16).
-    The caller's W3C trace context for the stream ("" = none).
-    """
+    """Pages anchor may send before the caller grants more: 1 to 1024 (0: 16)."""
     traceparent: _builtins.str
+    """The caller's W3C trace context for the stream ("" = none)."""
     @_builtins.property
     def request(self) -> Global___ReadEventsRequest:
         """The read, as ReadEvents opens it."""

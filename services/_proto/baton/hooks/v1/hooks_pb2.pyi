@@ -1665,10 +1665,9 @@ class InboxFollow(_message.Message):
     pages and its end carry it back.
     """
     window: _builtins.int
-    """Pages hooks may send before the caller grants more: 1 to 1024 (0: 16).
-    The caller's W3C trace context for the stream ("" = none).
-    """
+    """Pages hooks may send before the caller grants more: 1 to 1024 (0: 16)."""
     traceparent: _builtins.str
+    """The caller's W3C trace context for the stream ("" = none)."""
     @_builtins.property
     def request(self) -> Global___StreamInboxRequest:
         """The stream, as StreamInbox opens it."""
