@@ -190,8 +190,10 @@ def current_traceparent() -> str:
     from opentelemetry import trace
 
     context = trace.get_current_span().get_span_context()
-    if not context.is_valid:
-        return ""
+    return _traceparent_of(context) if context.is_valid else ""
+
+
+def _traceparent_of(context: Any) -> str:
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
@@ -323,19 +325,11 @@ def start_client_span(method: str) -> tuple[Span, str]:
     current = TRACING.tracer.start_span(
         method.lstrip("/"), kind=trace.SpanKind.CLIENT, attributes=_rpc_attributes(method)
     )
-    context = current.get_span_context()
-    traceparent = (
-        f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
-    )
-    return current, traceparent
+    return current, _traceparent_of(current.get_span_context())
 
 
 def end_client_span(current: Span, code: grpc.StatusCode) -> None:
     """End a CLIENT span with the call's status code."""
-    _end_client_span(current, code)
-
-
-def _end_client_span(current: Span, code: grpc.StatusCode) -> None:
     from opentelemetry.trace import Status, StatusCode
 
     current.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -358,7 +352,7 @@ class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
             code = await call.code()
             return call
         finally:
-            _end_client_span(current, code)
+            end_client_span(current, code)
 
 
 class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
@@ -372,7 +366,7 @@ class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
         try:
             call = await continuation(details, request)
         except BaseException:
-            _end_client_span(current, grpc.StatusCode.CANCELLED)
+            end_client_span(current, grpc.StatusCode.CANCELLED)
             raise
         # The call itself goes back to the caller (not a wrapping generator),
         # so that the span ends however the stream ends: done, failed, or
@@ -383,11 +377,11 @@ class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
 
 def _end_stream_span(current: Span, call: Any) -> None:
     if call.cancelled():
-        _end_client_span(current, grpc.StatusCode.CANCELLED)
+        end_client_span(current, grpc.StatusCode.CANCELLED)
         return
     # The status is there (the call is done) but read through a coroutine.
     code = _done_code(call)
-    _end_client_span(current, code)
+    end_client_span(current, code)
 
 
 def _done_code(call: Any) -> grpc.StatusCode:
