@@ -155,5 +155,5 @@ class AnchorClient(ServiceClient):
             session_id=session_id, start_seq=start_seq, follow=follow
         )
         return self._followed_or_streamed(
-            self._reads, request, "ReadEvents", lambda: self.stub.ReadEvents(request), _events_page
+            self._reads, request, "ReadEvents", self.stub.ReadEvents, _events_page
         )

@@ -176,8 +176,9 @@ class HooksClient(ServiceClient):
         """The inbox from `from_seq` on, a page at a time: a follow on this
         process' FollowInboxes stream, or a StreamInbox call of its own."""
         request = hooks_pb.StreamInboxRequest(fence=fence, from_seq=from_seq)
-        call = lambda: self.stub.StreamInbox(request)  # noqa: E731 - when there is no feed
-        return self._followed_or_streamed(self._inboxes, request, "StreamInbox", call, _inbox_page)
+        return self._followed_or_streamed(
+            self._inboxes, request, "StreamInbox", self.stub.StreamInbox, _inbox_page
+        )
 
     async def register_instance(
         self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str

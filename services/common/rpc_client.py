@@ -197,13 +197,13 @@ class ServiceClient:
         feed: FollowedStreams[Any, Any],
         request: Any,
         method: str,
-        start: Callable[[], grpc.aio.UnaryStreamCall[Any, Any]],
+        single: Callable[[Any], grpc.aio.UnaryStreamCall[Any, Any]],
         convert: Callable[[Any], _T],
     ) -> AsyncIterator[_T]:
         """The pages of `request` (each as `convert` makes it) as a follow on
-        `feed`; by `start` (a call of the single-stream `method`) when the
+        `feed`; by `single` (the stub's single-stream `method`) when the
         feed is off, or when the server turns out not to serve it (an older
-        build: calls from then on)."""
+        build: single calls from then on)."""
         if feed.supported:
             try:
                 async for item in feed.follow(request):
@@ -211,7 +211,7 @@ class ServiceClient:
                 return
             except Unsupported:
                 pass  # (before any page: UNIMPLEMENTED ends the stream at once)
-        async for page in self._stream(method, start(), convert):
+        async for page in self._stream(method, single(request), convert):
             yield page
 
     def _done(self, method: str, code: str) -> None:
