@@ -349,7 +349,7 @@ class HopRun:
         self.stack.stop()
 
     async def wait_registered(self) -> None:
-        from baton_runtime.common.hooks_client import HooksClient
+        from baton_runtime.common.clients.hooks import HooksClient
 
         hooks = HooksClient(self.stack.addr("hooks"), timeout=5, security=self.stack.probe)
         try:

@@ -48,16 +48,16 @@ from dataclasses import dataclass, field
 
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_auth import enable_auth
-from baton_runtime.cli.etcd_process import EtcdProcess, EtcdTls
-from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.cli.system.etcd_auth import enable_auth
+from baton_runtime.cli.system.etcd_process import EtcdProcess, EtcdTls
+from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.owner_client import OwnerClient
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security
 from bench.common import write_json
 from bench.turn_latency import cpu_seconds
 
@@ -251,7 +251,7 @@ async def time_takeover(
 async def settled_rss(pid: int, parked: int, settle: float) -> int:
     """The owner's RSS once `parked` sessions are parked, and again `settle`
     seconds later (the owner gives freed heap back to the OS at most every
-    10 s after a park: services/common/heap.py); the later one counts."""
+    10 s after a park: services/owner/hosting/heap.py); the later one counts."""
     at_park = rss_bytes(pid)
     await asyncio.sleep(settle)
     settled = rss_bytes(pid)

@@ -32,12 +32,12 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from baton_runtime.cli.etcd_process import EtcdProcess
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import cmp_value, op_delete, op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.tls import Security
+from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.ops import cmp_value, op_delete, op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.security.tls import Security
 from bench.common import apply_smoke, write_json
 
 WAYS = ("none", "in_txn", "in_txn_from_start", "after")

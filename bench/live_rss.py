@@ -32,11 +32,11 @@ import tempfile
 import time
 from typing import Any
 
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import BatonError
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.security.identity import Role
 from bench.common import write_json
 from bench.idle_rss import DEPLOYMENT_ID, INSTANCE_ID, IdleStack, create_sessions, rss_bytes
 from bench.turn_latency import cpu_seconds

@@ -43,14 +43,14 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.txn import Txn
-from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.rules.held import RunIdentity, make_event
 from bench.common import log_dir, write_json
 from bench.turn_latency import (
     DEPLOYMENT_ID,

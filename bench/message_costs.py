@@ -43,15 +43,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from baton_runtime.cli.etcd_process import EtcdProcess
-from baton_runtime.common import tls
-from baton_runtime.common.channels import open_channel
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import watch_then_read
-from baton_runtime.common.grpc_server import server_options
-from baton_runtime.common.identity import Role
+from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.ops import op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.watch import watch_then_read
+from baton_runtime.common.rpc.server import server_options
+from baton_runtime.common.security import tls
+from baton_runtime.common.security.identity import Role
 from bench.common import apply_smoke, write_json
 from bench.hops import JSON_PATH as HOPS_JSON
 from bench.turn_latency import cpu_seconds

@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
-from baton_runtime.common.hooks_client import HooksClient
+from baton_runtime.common.clients.hooks import HooksClient
 from bench.turn_latency import cpu_seconds
 from tests import certs
 from tests.procs import SLACK, ProcessStack

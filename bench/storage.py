@@ -59,10 +59,10 @@ import grpc
 from aetcd import rpc
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, prefix_end
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys, prefix_end
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.hooks.expiry import lease_ttl
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import BenchStack, Dist, Follower, create_session, load_average, one_turn

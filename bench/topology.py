@@ -47,13 +47,13 @@ from typing import Any
 import grpc
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
-from baton_runtime.cli.etcd_auth import enable_auth
-from baton_runtime.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
-from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security, tls_options
+from baton_runtime.cli.system.etcd_auth import enable_auth
+from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security, tls_options
 from bench.common import apply_smoke, log_dir, write_json
 from bench.turn_latency import (
     API_KEY,

@@ -62,12 +62,14 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_auth import enable_auth
-from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
-from baton_runtime.cli.etcd_process import EtcdProcess, EtcdTls
-from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import (
+from baton_runtime.cli.system.etcd_auth import enable_auth
+from baton_runtime.cli.system.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.cli.system.etcd_process import EtcdProcess, EtcdTls
+from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys, TokenRecord, fence_value
+from baton_runtime.common.etcd.ops import (
     cmp_absent,
     cmp_present,
     cmp_value,
@@ -75,13 +77,11 @@ from baton_runtime.common.etcd_ops import (
     op_put,
     single_value,
 )
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import create_watch
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys, TokenRecord, fence_value
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.watch import create_watch
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security
 from bench.common import apply_smoke, log_dir, write_json
 
 # Targets from the project brief.

@@ -21,12 +21,12 @@ as the operator). Output is YAML on stdout, for
 `kubectl apply -f -`. `check` renders every overlay (with a sample id and
 throwaway secrets) and validates the result offline against the Kubernetes
 JSON schemas (kubernetes-validate, strict), after judging the pinned etcd
-image by the known-bad table (services/common/etcd_releases.py) and checking
+image by the known-bad table (services/common/etcd/releases.py) and checking
 that its corruption-check flags are on; it also checks the monitoring
 files (deploy/monitoring: the alert rules, and the Grafana dashboard that
 `dashboard` renders, which must match the committed dashboard.json): their
 structure, that every baton_* series they name is one Baton exposes
-(services/common/metrics.py), and, with `promtool` on PATH (Debian's
+(services/common/observability/metrics.py), and, with `promtool` on PATH (Debian's
 prometheus package; .ci/run installs it), every expression's syntax and the
 rules' unit tests (alerts_test.yaml). docs/deploy.md walks through an
 install and an upgrade.
@@ -378,11 +378,11 @@ _ETCD_IMAGE = re.compile(r"^\s*image:\s*\S*/etcd:(v?[0-9][^\s]*)\s*$", re.M)
 
 def check_etcd_release(manifest: Path = ETCD_MANIFEST) -> str:
     """The etcd release the manifests pin, judged by the known-bad table
-    (services/common/etcd_releases.py), with the corruption-check flags
+    (services/common/etcd/releases.py), with the corruption-check flags
     that table gives for it; returns the release. Raises RenderError."""
     sys.path.insert(0, str(DEPLOY.parent))
     try:
-        from baton_runtime.common.etcd_releases import corruption_check_flags, judge, parse_version
+        from baton_runtime.common.etcd.releases import corruption_check_flags, judge, parse_version
     finally:
         sys.path.pop(0)
     text = manifest.read_text()
@@ -755,9 +755,9 @@ _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
 def _known_series() -> set[str]:
-    """Every metric name Baton exposes (services/common/metrics.py)."""
+    """Every metric name Baton exposes (services/common/observability/metrics.py)."""
     sys.path.insert(0, str(DEPLOY.parent))
-    from baton_runtime.common import metrics
+    from baton_runtime.common.observability import metrics
 
     names = {metrics.SESSIONS, metrics.INBOX_OLDEST_UNCONSUMED, metrics.DRAINING}
     for service in metrics.SERVICE_METRICS:

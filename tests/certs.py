@@ -15,12 +15,12 @@ import tempfile
 
 import aetcd
 
-from baton_runtime.cli.etcd_auth import enable_auth
-from baton_runtime.cli.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.identity import Role
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security, TlsFiles
+from baton_runtime.cli.system.etcd_auth import enable_auth
+from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security, TlsFiles
 
 # Every test keeps its etcd keys under this prefix (a unique root each); the
 # etcd role of the services' certificates may touch nothing else.

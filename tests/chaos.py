@@ -51,14 +51,14 @@ import grpc
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_check import members_consistent
-from baton_runtime.cli.etcd_process import EtcdCluster
-from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.cli.system.etcd_check import members_consistent
+from baton_runtime.cli.system.etcd_process import EtcdCluster
+from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.tls import Security
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.procs import API_KEY, SLACK, check_history, eventually

@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import aetcd
 import pytest
 
-from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.cli.system.etcd_process import EtcdProcess
 from tests.certs import etcd_client, etcd_tls, start_etcd
 from tests.procs import ProcessStack
 from tests.stack import Stack, start_stack, stop_stack

@@ -18,14 +18,14 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.config import AnchorConfig
 from baton_runtime.anchor.server import create_server as create_anchor
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.config import EtcdConfig
-from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.owner_client import OwnerClient
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security, load_material
+from baton_runtime.common.rpc.server import GrpcServer
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security, load_material
 from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.api_keys import ApiKeys

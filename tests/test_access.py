@@ -28,16 +28,17 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import access, ids
-from baton_runtime.common.channels import open_channel
+from baton_runtime.common import ids
+from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import BatonError, PermissionDenied, Reason
-from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
-from baton_runtime.common.grpc_server import ServiceBinding, build_server
-from baton_runtime.common.identity import CERTIFICATE_ROLES, Caller, Role
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import Security, load_material, server_name
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.rpc.server import ServiceBinding, build_server
+from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
+from baton_runtime.common.security import access
+from baton_runtime.common.security.identity import CERTIFICATE_ROLES, Caller, Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import Security, load_material, server_name
 from tests.stack import Stack, start_stack, stop_stack
 
 Code = grpc.StatusCode
@@ -70,7 +71,7 @@ def every_method() -> list[str]:
 
 
 def test_every_rpc_of_every_service_has_an_entry() -> None:
-    """A new RPC must be given its roles in services/common/access.py (until
+    """A new RPC must be given its roles in services/common/security/access.py (until
     then the interceptor refuses it): this fails for any RPC without one."""
     missing = [m for m in every_method() if access.allowed_roles(m) is None]
     assert missing == [], f"RPCs without an entry in access.RPC_ROLES: {missing}"
@@ -882,9 +883,9 @@ async def test_etcd_refuses_plaintext_strangers_and_keys_outside_the_prefix(
     """The services reach etcd over TLS as users whose role covers the test
     prefix only; etcd refuses plaintext, and certificates of non-users."""
     from baton_runtime.common.errors import BatonError
-    from baton_runtime.common.etcd_client import make_client
-    from baton_runtime.common.etcd_ops import op_get, op_put
-    from baton_runtime.common.etcd_store import Store
+    from baton_runtime.common.etcd.client import make_client
+    from baton_runtime.common.etcd.ops import op_get, op_put
+    from baton_runtime.common.etcd.store import Store
     from tests import certs
 
     plain = Store(make_client(stack.etcd.endpoint, 2), 2)
@@ -1027,7 +1028,7 @@ async def test_the_demo_verifies_the_ingress_against_a_given_server_name(stack: 
     dialled is not a name the ingress certificate carries."""
     import io
 
-    from baton_runtime.cli import demo
+    from baton_runtime.cli.commands import demo
     from tests.stack import SLACK_KEY
 
     address = stack.addr(stack.ingress)

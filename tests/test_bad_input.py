@@ -19,8 +19,8 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import BatonError, InvalidArgument, Reason
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.etcd.keys import Keys, prefix_end
+from baton_runtime.common.rpc.status_map import from_rpc_error
 from baton_runtime.ingress.config import IngressConfig
 from baton_runtime.owner.config import OwnerConfig
 from tests.stack import SLACK, SLACK_KEY, WEB, Stack
@@ -793,8 +793,8 @@ async def test_an_undecodable_body_is_invalid_argument_on_every_server(stack: St
     """gRPC decodes before the handler runs; the servers decode themselves, so
     bytes that are not the method's message get INVALID_ARGUMENT with a
     reason (it used to be UNKNOWN), on public and internal servers alike."""
-    from baton_runtime.common.channels import open_channel
-    from baton_runtime.common.identity import Role
+    from baton_runtime.common.clients.channels import open_channel
+    from baton_runtime.common.security.identity import Role
     from tests.stack import public_channel
 
     garbage = b"\xff\xff\xff\xff\x0f"  # a field 0 / truncated varint: never a message
@@ -838,8 +838,8 @@ async def test_multiplexed_stream_bounds_are_refused_and_write_nothing(
 
     from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
     from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
-    from baton_runtime.common.channels import open_channel
-    from baton_runtime.common.grpc_errors import from_status_proto
+    from baton_runtime.common.clients.channels import open_channel
+    from baton_runtime.common.rpc.status_map import from_status_proto
 
     if streamed == "CommitSteps":
         method = "/baton.anchor.v1.AnchorService/CommitSteps"
@@ -847,7 +847,7 @@ async def test_multiplexed_stream_bounds_are_refused_and_write_nothing(
         batch, call_cls, answers_cls = a.CommitStepsRequest, a.CommitStepCall, a.CommitStepsResponse
         refused_request: Any = a.CommitStepRequest()  # no fence: MISSING_FIELD
     else:
-        from baton_runtime.common.identity import Role
+        from baton_runtime.common.security.identity import Role
 
         method = "/baton.hooks.v1.HookRegistryService/ResumeHooks"
         address = stack.addr(stack.hooks)

@@ -1,4 +1,4 @@
-"""The owner's bound on calls in flight (services/common/call_slots.py):
+"""The owner's bound on calls in flight (services/common/clients/call_slots.py):
 the slots themselves, and, over real processes, an owner whose bound is one
 call serving a burst of sessions: every message answered once, in order,
 the bound engaged, nothing deadlocked (a code path that held a slot while it
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.call_slots import CallSlots
+from baton_runtime.common.clients.call_slots import CallSlots
 from tests.procs import ProcessStack, eventually
 from tests.scrape import scrape
 

@@ -1,5 +1,5 @@
 """Clients over several replicas: address settings, round-robin, replicas
-shutting down, and retries of idempotent calls only (baton_runtime.common.channels).
+shutting down, and retries of idempotent calls only (baton_runtime.common.clients.channels).
 
 Real hooks servers on loopback over the test etcd; one of them may be given
 an etcd that is not there, so that it answers UNAVAILABLE to everything.
@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.processes import free_port
+from baton_runtime.cli.system.processes import free_port
 from baton_runtime.common import ids
-from baton_runtime.common.channels import grpc_target, service_config
+from baton_runtime.common.clients.channels import grpc_target, service_config
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.hooks_methods import HOOKS_IDEMPOTENT
 from baton_runtime.common.config import ConfigError, EtcdConfig
 from baton_runtime.common.errors import NotFound, Unavailable
-from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.hooks_methods import HOOKS_IDEMPOTENT
+from baton_runtime.common.rpc.server import GrpcServer
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.config import IngressConfig

@@ -1,6 +1,6 @@
-"""The pure rules of child sessions (services/owner/handles.py,
-services/owner/child_rules.py, child_reports.py and their use in
-services/owner/turns.py):
+"""The pure rules of child sessions (services/owner/rules/handles.py,
+services/owner/rules/child_rules.py, child_reports.py and their use in
+services/owner/rules/turns.py):
 handle states, what a child's report means for its parent, eligibility for a
 handoff, budget roll-up, what a child reports to its parent. No etcd, no
 gRPC, no event loop."""
@@ -13,15 +13,21 @@ import json
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import Reason
-from baton_runtime.owner.admission import Admission
-from baton_runtime.owner.agent import AgentCatalog, ModelReply, RequestedCall, StepsModel
-from baton_runtime.owner.child_rules import ChildWork
-from baton_runtime.owner.fixture import build_agent
-from baton_runtime.owner.handles import Handles, Refusal, ReportMeaning, child_budget, child_control
-from baton_runtime.owner.held import RunIdentity
-from baton_runtime.owner.snapshots import initial_snapshot
-from baton_runtime.owner.step_rules import Outcome, StepProgress
-from baton_runtime.owner.turns import SessionState
+from baton_runtime.owner.agents.api import AgentCatalog, ModelReply, RequestedCall, StepsModel
+from baton_runtime.owner.agents.fixture import build_agent
+from baton_runtime.owner.rules.admission import Admission
+from baton_runtime.owner.rules.child_rules import ChildWork
+from baton_runtime.owner.rules.handles import (
+    Handles,
+    Refusal,
+    ReportMeaning,
+    child_budget,
+    child_control,
+)
+from baton_runtime.owner.rules.held import RunIdentity
+from baton_runtime.owner.rules.step_rules import Outcome, StepProgress
+from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

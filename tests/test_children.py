@@ -17,8 +17,8 @@ import pytest
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import BatonError, Reason
-from baton_runtime.common.grpc_errors import error_reason
-from baton_runtime.owner.host import OwnerHost
+from baton_runtime.common.rpc.status_map import error_reason
+from baton_runtime.owner.hosting.host import OwnerHost
 from tests.stack import WEB, Stack, start_stack, stop_stack
 from tests.test_turns import (
     CANCEL,

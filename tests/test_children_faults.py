@@ -25,8 +25,8 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import deployments
-from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.cli.commands import deployments
+from baton_runtime.common.clients.owner import OwnerClient
 from tests.procs import SLACK, ProcessStack, StackClients, eventually, received_seqs
 from tests.stack import public_channel
 

@@ -16,10 +16,10 @@ from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import BatonError
-from baton_runtime.common.identity import Role
-from baton_runtime.owner.commit import commit_step
-from baton_runtime.owner.held import RunIdentity, make_event
-from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.rules.held import RunIdentity, make_event
+from baton_runtime.owner.run.commit import commit_step
+from baton_runtime.owner.run.snapshots import initial_snapshot
 from tests import certs
 from tests.stack import Stack, add_deployment, stop_deployment
 from tests.test_children import (

@@ -15,8 +15,8 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import sessions
-from baton_runtime.common import build_info
+from baton_runtime.cli.commands import sessions
+from baton_runtime.common.observability import build_info
 from tests.stack import SLACK_KEY, WEB_KEY, Stack
 from tests.test_cli_sessions import (
     CLI_TIMEOUT,

@@ -16,9 +16,9 @@ import pytest
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import sessions
-from baton_runtime.common.identity import Role
-from baton_runtime.owner.fixture import LoadRefusal
+from baton_runtime.cli.commands import sessions
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.agents.fixture import LoadRefusal
 from tests.procs import eventually
 from tests.stack import (
     SLACK_KEY,
@@ -61,11 +61,11 @@ async def status_becomes(stack: Stack, session_id: str, status: int) -> pb.Sessi
 @pytest.fixture
 async def fixable(etcd_endpoint: str) -> AsyncIterator[Stack]:
     """A stack whose agent refuses to load sessions until the test fixes it
-    (baton_runtime.owner.fixture.LoadRefusal), with a restart budget of 1."""
+    (baton_runtime.owner.agents.fixture.LoadRefusal), with a restart budget of 1."""
     LoadRefusal.refusing = True
     stack = await start_stack(
         etcd_endpoint,
-        agent="baton_runtime.owner.fixture:build_refuse_load_until_fixed_agent",
+        agent="baton_runtime.owner.agents.fixture:build_refuse_load_until_fixed_agent",
         restart_budget=1,
     )
     try:
@@ -258,7 +258,7 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
 async def test_operator_settings_from_the_profile(stack: Stack, tmp_path: Path) -> None:
     """`baton up`'s profile names hooks, anchor and the operator certificate:
     with it, operator commands need no flags."""
-    from baton_runtime.cli import profile
+    from baton_runtime.cli.commands import profile
 
     files = stack.pki.files(Role.OPERATOR)
     path = tmp_path / "profile.json"
@@ -349,8 +349,8 @@ async def test_sessions_across_channels_for_an_operator_only(stack: Stack, tmp_p
 
     from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
     from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
-    from baton_runtime.common.channels import open_channel
-    from baton_runtime.common.grpc_errors import from_rpc_error
+    from baton_runtime.common.clients.channels import open_channel
+    from baton_runtime.common.rpc.status_map import from_rpc_error
     from tests.test_introspection import get
 
     env = env_of(tmp_path)

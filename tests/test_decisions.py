@@ -1,5 +1,5 @@
-"""What a run does next (services/owner/decisions.py and
-services/owner/departure_rules.py): pure, no etcd, no gRPC, no event loop.
+"""What a run does next (services/owner/rules/decisions.py and
+services/owner/rules/departure_rules.py): pure, no etcd, no gRPC, no event loop.
 Each test gives the shell's decisions a state and a command and checks the
 effect it gets back and what the state became."""
 
@@ -9,9 +9,10 @@ import collections
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.errors import Reason
-from baton_runtime.owner import decisions, departure_rules
-from baton_runtime.owner.agent import ModelReply, RequestedCall
-from baton_runtime.owner.decisions import (
+from baton_runtime.owner.agents.api import ModelReply, RequestedCall
+from baton_runtime.owner.agents.fixture import build_agent
+from baton_runtime.owner.rules import decisions, departure_rules
+from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
     Commit,
@@ -21,11 +22,10 @@ from baton_runtime.owner.decisions import (
     RunTurn,
     Summarize,
 )
-from baton_runtime.owner.fixture import build_agent
-from baton_runtime.owner.held import RunIdentity
-from baton_runtime.owner.snapshots import initial_snapshot
-from baton_runtime.owner.step_rules import StepProgress
-from baton_runtime.owner.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity
+from baton_runtime.owner.rules.step_rules import StepProgress
+from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
@@ -429,7 +429,7 @@ def test_every_effect_has_its_one_apply_in_the_shell() -> None:
     import re
     import typing
 
-    from baton_runtime.owner.session import SessionRun
+    from baton_runtime.owner.run.session import SessionRun
 
     def snake(name: str) -> str:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()

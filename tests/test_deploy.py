@@ -43,10 +43,10 @@ import yaml
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.processes import free_port, wait_serving
-from baton_runtime.common.etcd_releases import corruption_check_flags, judge, parse_version
-from baton_runtime.common.identity import Role
-from baton_runtime.common.tls import Security
+from baton_runtime.cli.system.processes import free_port, wait_serving
+from baton_runtime.common.etcd.releases import corruption_check_flags, judge, parse_version
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.procs import eventually
@@ -461,7 +461,7 @@ async def test_gen_secrets_certificates_carry_the_identities_and_names_baton_che
     name for pod-IP dials, the public entry)."""
     from cryptography import x509
 
-    from baton_runtime.common.identity import Caller, Role
+    from baton_runtime.common.security.identity import Caller, Role
 
     secrets = tmp_path / "secrets"
     gen_secrets(secrets, "baton", "build-1")
@@ -494,8 +494,8 @@ async def handshakes(tls: Path, svc: str) -> None:
     through BATON_TLS_IP_SERVER_NAME, the public entry's name)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from baton_runtime.common.channels import open_channel
-    from baton_runtime.common.grpc_server import build_server
+    from baton_runtime.common.clients.channels import open_channel
+    from baton_runtime.common.rpc.server import build_server
 
     def security(stem: str, server_name: str = "") -> Security:
         files = (str(tls / f"{stem}.crt"), str(tls / f"{stem}.key"), str(tls / "ca.crt"))

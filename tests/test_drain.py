@@ -25,7 +25,7 @@ from pathlib import Path
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import deployments
+from baton_runtime.cli.commands import deployments
 from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventually
 from tests.stack import public_channel
 

@@ -1,4 +1,4 @@
-"""Which etcd Baton starts (services/cli/etcd_binary.py `find_etcd`): a
+"""Which etcd Baton starts (services/cli/system/etcd_binary.py `find_etcd`): a
 known-bad release is refused before anything runs, saying why and what to
 install, unless the risk is accepted; a good one is chosen even when a bad
 one stands before it on PATH; and every etcd started runs with etcd's
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from baton_runtime.cli import launcher
-from baton_runtime.cli.etcd_binary import EtcdRefused, find_etcd
-from baton_runtime.cli.etcd_process import EtcdProcess
-from baton_runtime.cli.launch_settings import LaunchSettings
-from baton_runtime.common.etcd_releases import EtcdVersion
+from baton_runtime.cli.system import launcher
+from baton_runtime.cli.system.etcd_binary import EtcdRefused, find_etcd
+from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.cli.system.launch_settings import LaunchSettings
+from baton_runtime.common.etcd.releases import EtcdVersion
 
 
 def wheel_etcd() -> str:

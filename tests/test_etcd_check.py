@@ -1,4 +1,4 @@
-"""Baton's etcd consistency probe (services/cli/etcd_check.py) on a real
+"""Baton's etcd consistency probe (services/cli/system/etcd_check.py) on a real
 three-member cluster: the members' hashes at one common revision agree,
 under writes and once the cluster is idle and compacted at its very
 revision; a raised alarm makes the report (and `baton etcd check`'s exit
@@ -15,17 +15,17 @@ import pytest
 from aetcd import rpc
 
 from baton_runtime.cli.__main__ import main
-from baton_runtime.cli.etcd_check import (
+from baton_runtime.cli.system.etcd_check import (
     ConsistencyReport,
     MemberHash,
     check_members,
     members_consistent,
 )
-from baton_runtime.cli.etcd_process import EtcdCluster
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.tls import Security
+from baton_runtime.cli.system.etcd_process import EtcdCluster
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.ops import op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.security.tls import Security
 from tests import certs
 
 

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from baton_runtime.cli.etcd_process import EtcdCluster
+from baton_runtime.cli.system.etcd_process import EtcdCluster
 from baton_runtime.common.errors import Unavailable
-from baton_runtime.common.etcd_client import etcd_target, make_client
-from baton_runtime.common.etcd_ops import cmp_absent, op_get, op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import follow_range
-from baton_runtime.common.keys import prefix_end
+from baton_runtime.common.etcd.client import etcd_target, make_client
+from baton_runtime.common.etcd.keys import prefix_end
+from baton_runtime.common.etcd.ops import cmp_absent, op_get, op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.watch import follow_range
 from tests import certs
 from tests.procs import eventually
 

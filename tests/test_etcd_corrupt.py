@@ -20,12 +20,12 @@ from aetcd import rpc
 from grpc_health.v1 import health_pb2
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.cli.system.etcd_process import EtcdProcess
 from baton_runtime.common.errors import Reason, Unavailable
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.ops import op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.rpc.status_map import error_reason
 from baton_runtime.ingress.limits import ChannelLimits
 from tests import certs
 from tests.certs import etcd_root_client, start_etcd

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import pytest
 
 from baton_runtime.anchor.server import create_server as create_anchor
-from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.cli.system.etcd_process import EtcdProcess
 from baton_runtime.common.config import EtcdConfig
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_members import UnsafeEtcd, member_statuses
-from baton_runtime.common.identity import Role
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.members import UnsafeEtcd, member_statuses
+from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import anchor_config, etcd_config, hooks_config

@@ -1,4 +1,4 @@
-"""The table of known-bad etcd releases (services/common/etcd_releases.py):
+"""The table of known-bad etcd releases (services/common/etcd/releases.py):
 versions are read as etcd prints them, known-bad ones are refused with the
 reason, the fix and what to install, good ones pass, and the corruption
 checks are spelled as each release line takes them."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton_runtime.common.etcd_releases import (
+from baton_runtime.common.etcd.releases import (
     EtcdVersion,
     corruption_check_flags,
     judge,

@@ -23,9 +23,9 @@ from aetcd import rpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_process import EtcdProcess
-from baton_runtime.common.channels import open_channel
-from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.rpc.status_map import error_reason
 from baton_runtime.ingress.limits import ChannelLimits
 from tests import certs
 from tests.certs import etcd_root_client, start_etcd

@@ -20,14 +20,14 @@ import aetcd
 import pytest
 from aetcd import rpc
 
-from baton_runtime.cli.etcd_process import EtcdProcess
+from baton_runtime.cli.system.etcd_process import EtcdProcess
 from baton_runtime.common.errors import Unavailable
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import op_get, op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import cancel_watch, open_watch, watch_then_read
-from baton_runtime.common.etcd_watch_stream import EtcdWatcher
-from baton_runtime.common.keys import prefix_end
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import prefix_end
+from baton_runtime.common.etcd.ops import op_get, op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.watch import cancel_watch, open_watch, watch_then_read
+from baton_runtime.common.etcd.watch_stream import EtcdWatcher
 from tests import certs
 from tests.test_etcd_binary import wheel_etcd
 

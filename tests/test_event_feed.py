@@ -1,5 +1,5 @@
 """FollowEvents (issue 21): event reads multiplexed over one stream to anchor
-(services/common/feeds.py). Each follow is read as ReadEvents reads it and
+(services/common/streams/feeds.py). Each follow is read as ReadEvents reads it and
 ends as it would end: a read that is not live with OK after its last page,
 a missing session with NOT_FOUND; bounds and windows are checked."""
 
@@ -17,7 +17,7 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Reason
-from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
+from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, wait_until
 

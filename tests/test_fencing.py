@@ -21,15 +21,15 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import BatonError, Fenced, Reason
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.keys import Keys, fence_value, parse_fence, prefix_end
-from baton_runtime.common.owner_client import OwnerClient
-from baton_runtime.owner.agent import Agent, ModelReply, RequestedCall, Tool, ToolContext
+from baton_runtime.common.etcd.keys import Keys, fence_value, parse_fence, prefix_end
+from baton_runtime.common.rpc.status_map import from_rpc_error
+from baton_runtime.owner.agents.api import Agent, ModelReply, RequestedCall, Tool, ToolContext
 from baton_runtime.owner.config import OwnerConfig
-from baton_runtime.owner.host import OwnerHost
+from baton_runtime.owner.hosting.host import OwnerHost
 from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.stack import Stack

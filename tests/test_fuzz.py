@@ -41,10 +41,11 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
-from baton_runtime.common import access, ids
-from baton_runtime.common.channels import open_channel
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common import ids
+from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.security import access
+from baton_runtime.common.security.identity import Role
 from tests.stack import SLACK, SLACK_KEY, Stack, public_channel, start_stack, stop_stack
 
 EXAMPLES = 250

@@ -24,7 +24,7 @@ CLASSIC = "-event_engine_client,-event_engine_listener"
         (["python", "-m", "baton_runtime.ingress"], True),
         (["python", "-m", "baton_runtime.anchor"], True),
         (["python", "-m", "baton_runtime.cli", "up"], False),
-        (["python", "-m", "baton_runtime.cli.orphan_guard", "1", "--"], False),
+        (["python", "-m", "baton_runtime.cli.system.orphan_guard", "1", "--"], False),
         (["python", "-m", "pytest"], False),
         (["python", "-m"], False),
         (["baton", "up"], False),

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from baton_runtime.cli.launch_settings import DEFAULT_PORT_BASE, DEMO_API_KEY
-from baton_runtime.cli.local_system import CERTIFICATE_FILES
-from baton_runtime.common.identity import Role
+from baton_runtime.cli.system.launch_settings import DEFAULT_PORT_BASE, DEMO_API_KEY
+from baton_runtime.cli.system.local_system import CERTIFICATE_FILES
+from baton_runtime.common.security.identity import Role
 from tests import certs
 from tests.procs import eventually
 from tests.stack import SLACK_KEY, Stack, add_deployment, stop_deployment

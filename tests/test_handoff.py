@@ -20,16 +20,16 @@ import pytest
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import failpoints, ids
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Reason, Unavailable
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
-from baton_runtime.common.permits import PermitSigner, grant_for
-from baton_runtime.owner import handoff
-from baton_runtime.owner.commit import commit_step
-from baton_runtime.owner.held import RunIdentity, make_event
-from baton_runtime.owner.host import OwnerHost
-from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.rpc.status_map import from_rpc_error
+from baton_runtime.common.security.permits import PermitSigner, grant_for
+from baton_runtime.owner.handoff import attempt as handoff
+from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.rules.held import RunIdentity, make_event
+from baton_runtime.owner.run.commit import commit_step
+from baton_runtime.owner.run.snapshots import initial_snapshot
 from tests import certs
 from tests.procs import eventually
 from tests.stack import Stack, add_deployment, stop_deployment
@@ -523,7 +523,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
         ({"handoff_id": ""}, "INVALID_FIELD"),
         ({"fence": s.Fence(session_id="ses_x", owner_run_id="r", epoch=1)}, "INVALID_SESSION_ID"),
         # Hooks moves the session only with X's own signed consent to exactly
-        # this handoff (services/common/permits.py).
+        # this handoff (services/common/security/permits.py).
         ({"permit": None}, "TRANSFER_NOT_PERMITTED"),
         ({"permit": permit(b_signs)}, "TRANSFER_NOT_PERMITTED"),
         ({"permit": permit(handoff_id="h-other")}, "TRANSFER_NOT_PERMITTED"),

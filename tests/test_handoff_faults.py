@@ -24,7 +24,7 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.keys import Keys
+from baton_runtime.common.etcd.keys import Keys
 from tests import certs
 from tests.procs import (
     SLACK,

@@ -17,12 +17,13 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal
-from baton_runtime.common import ids, limits, metrics
+from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import FailedPrecondition, Reason
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.grpc_errors import error_reason
-from baton_runtime.common.keys import Keys
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.rpc.status_map import error_reason
 from tests import certs
 from tests.procs import eventually
 from tests.scrape import in_process
@@ -43,7 +44,7 @@ from tests.test_turns import (
 )
 
 K = s.EventKind
-SMALL_CONTEXT = "baton_runtime.owner.fixture:build_small_context_agent"
+SMALL_CONTEXT = "baton_runtime.owner.agents.fixture:build_small_context_agent"
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import Reason
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.server import create_server as create_hooks
-from baton_runtime.owner.fixture import build_agent
+from baton_runtime.owner.agents.fixture import build_agent
 from tests.stack import SLACK, Stack, hooks_config
 
 K = s.EventKind

@@ -19,13 +19,14 @@ import grpc
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import ids, metrics
+from baton_runtime.common import ids
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import NotFound, Reason
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys, prefix_end
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.server import create_server as create_hooks
@@ -158,7 +159,7 @@ async def a_long_session_stays_bounded(
             "retention_sweep_seconds": 0.2,
         },
         hooks_options={"dedupe_window_seconds": window},
-        agent="baton_runtime.owner.fixture:build_small_context_agent",
+        agent="baton_runtime.owner.agents.fixture:build_small_context_agent",
         # Storage is measured here, not the channel's send budget: 3,000
         # short turns back to back outrun 200 sends a second.
         limits=ChannelLimits(sends_per_second=0),

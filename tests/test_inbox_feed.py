@@ -1,5 +1,5 @@
 """FollowInboxes (issue 21): an owner instance's inbox streams multiplexed over
-one stream to hooks (services/common/feeds.py, feed_client.py). Each follow is
+one stream to hooks (services/common/streams/feeds.py, feed_client.py). Each follow is
 served as StreamInbox serves it, ends as it would end, and alone; a stop ends
 one follow and no other; a message that breaks the bounds is refused."""
 
@@ -17,7 +17,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Fenced, Reason
-from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
+from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, own_session, take_over, wait_until
 

@@ -17,8 +17,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.keys import Keys
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.rpc.status_map import from_rpc_error
 from baton_runtime.ingress import listing
 from tests.procs import eventually
 from tests.stack import (
@@ -214,7 +214,7 @@ async def test_a_parked_session_reports_parked_and_wakes(parking: Stack) -> None
 async def crashing(etcd_endpoint: str) -> AsyncIterator[Stack]:
     stack = await start_stack(
         etcd_endpoint,
-        agent="baton_runtime.owner.fixture:build_crash_on_load_agent",
+        agent="baton_runtime.owner.agents.fixture:build_crash_on_load_agent",
         restart_budget=1,
     )
     try:

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from baton_runtime.cli.__main__ import main as baton_main
-from baton_runtime.cli.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
-from baton_runtime.cli.launcher import DEMO_DONE_LINE, READY_LINE
-from baton_runtime.cli.local_system import CERTS_DIR, LocalSystem
-from baton_runtime.cli.port_plan import DeploymentPorts, Ports
+from baton_runtime.cli.system.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
+from baton_runtime.cli.system.launcher import DEMO_DONE_LINE, READY_LINE
+from baton_runtime.cli.system.local_system import CERTS_DIR, LocalSystem
+from baton_runtime.cli.system.port_plan import DeploymentPorts, Ports
 from tests.scrape import Scrape, scrape
 
 ROOT = Path(__file__).resolve().parent.parent

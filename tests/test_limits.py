@@ -17,8 +17,8 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import BatonError, Reason, ResourceExhausted
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.keys import Keys, prefix_end
+from baton_runtime.common.etcd.keys import Keys, prefix_end
+from baton_runtime.common.rpc.status_map import from_rpc_error
 from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits, TokenBucket
 from tests.procs import check_history
 from tests.stack import SLACK, WEB, Stack, start_stack, stop_stack

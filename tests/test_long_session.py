@@ -25,13 +25,13 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.keys import Keys
+from baton_runtime.common.etcd.keys import Keys
 from tests.certs import etcd_client
 from tests.procs import SLACK, ProcessStack, check_history
 from tests.stack import public_channel
 
 K = s.EventKind
-CRASHING = "baton_runtime.owner.fixture:build_crash_on_load_agent"
+CRASHING = "baton_runtime.owner.agents.fixture:build_crash_on_load_agent"
 
 
 @pytest.fixture
@@ -73,7 +73,9 @@ async def test_a_crashing_run_spends_its_budget_stalls_and_loses_nothing(
         # The operator replaces the broken build's instance: another instance
         # (working code) takes the session over and processes every command.
         stack.kill("o1")
-        stack.start_owner("o2", env={"BATON_AGENT": "baton_runtime.owner.fixture:build_agent"})
+        stack.start_owner(
+            "o2", env={"BATON_AGENT": "baton_runtime.owner.agents.fixture:build_agent"}
+        )
         events = await c.wait_events(
             sid,
             lambda ev: (

@@ -14,11 +14,11 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.owner.held import RunIdentity, make_event
-from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.rules.held import RunIdentity, make_event
+from baton_runtime.owner.run.snapshots import initial_snapshot
 from tests.procs import SLACK, ProcessStack
 from tests.stack import public_channel
 

@@ -17,12 +17,12 @@ from prometheus_client.registry import Collector
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import metrics
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.config import ConfigError, as_listen
-from baton_runtime.common.grpc_server import build_server
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.tls import Security
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.rpc.server import build_server
+from baton_runtime.common.security.tls import Security
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.scrape import Scrape, scrape, total
 from tests.stack import public_channel

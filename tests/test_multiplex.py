@@ -1,4 +1,4 @@
-"""Calls multiplexed over one bidirectional stream (services/common/multiplex.py),
+"""Calls multiplexed over one bidirectional stream (services/common/streams/multiplex.py),
 on real gRPC over loopback: a test server whose calls answer with what the
 test says, the client half as the owner's AnchorClient uses it. Covered:
 answers matched by id under concurrency and batched, refusals carried as the
@@ -21,8 +21,9 @@ import grpc
 import pytest
 
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
-from baton_runtime.common import errors, multiplex, multiplex_client
+from baton_runtime.common import errors
 from baton_runtime.common.errors import Reason
+from baton_runtime.common.streams import multiplex, multiplex_client
 from tests.procs import ProcessStack, answered, check_history
 from tests.scrape import scrape
 

@@ -1,6 +1,6 @@
 """An interrupted run leaves no process behind: a test run that is sent
 SIGTERM, or that hits its timeout (pytest-timeout ends the process at once),
-takes its etcd and services with it (services/cli/processes.py starts every
+takes its etcd and services with it (services/cli/system/processes.py starts every
 child with PR_SET_PDEATHSIG), although each child runs in a session of its
 own."""
 
@@ -26,9 +26,9 @@ CHILD_TEST = textwrap.dedent(
 
     import pytest
 
-    from baton_runtime.cli.etcd_process import EtcdProcess
-    from baton_runtime.cli.processes import ServiceProcess, free_port, wait_serving
-    from baton_runtime.common.tls import Security
+    from baton_runtime.cli.system.etcd_process import EtcdProcess
+    from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+    from baton_runtime.common.security.tls import Security
 
     @pytest.fixture
     def processes() -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.owner import fixture_tools
-from baton_runtime.owner.agent import (
+from baton_runtime.owner.agents import fixture_tools
+from baton_runtime.owner.agents.api import (
     ModelRejected,
     ModelReply,
     RequestedCall,
@@ -22,8 +22,8 @@ from baton_runtime.owner.agent import (
     dumps_arguments,
     load_agent,
 )
-from baton_runtime.owner.openai_model import OpenAIChatModel, build_agent
-from baton_runtime.owner.openai_wire import ModelError, ModelTimeout
+from baton_runtime.owner.agents.openai_model import OpenAIChatModel, build_agent
+from baton_runtime.owner.agents.openai_wire import ModelError, ModelTimeout
 
 # -- a tiny scripted chat-completions server ---------------------------------
 
@@ -476,7 +476,7 @@ async def test_build_agent_via_spec(server: ChatServer, monkeypatch: pytest.Monk
     monkeypatch.setenv("BATON_OPENAI_PRICE_INPUT_MICROS_PER_1K", "1000")
     server.script = [Reply(body=completion("hi", prompt_tokens=7, completion_tokens=2))]
 
-    agent = load_agent("baton_runtime.owner.openai_model:build_agent", "dep-1")
+    agent = load_agent("baton_runtime.owner.agents.openai_model:build_agent", "dep-1")
 
     assert agent.deployment_id == "dep-1"
     assert agent.tools == fixture_tools.TOOLS
@@ -508,7 +508,7 @@ async def test_a_failed_model_call_publishes_a_safe_summary(
     monkeypatch.setenv("BATON_OPENAI_BASE_URL", server.base_url)
     monkeypatch.setenv("BATON_OPENAI_MODEL", "m")
     stack = await start_stack(
-        etcd_endpoint, "dep-oai", agent="baton_runtime.owner.openai_model:build_agent"
+        etcd_endpoint, "dep-oai", agent="baton_runtime.owner.agents.openai_model:build_agent"
     )
     try:
         session_id = await stack.create()

@@ -27,13 +27,13 @@ from google.protobuf import json_format
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import sessions
+from baton_runtime.cli.commands import sessions
 from baton_runtime.common import ids
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import InvalidArgument, NotFound
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.fleets import FleetStatus, fleet_status
 from tests.procs import eventually
 from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack

@@ -91,7 +91,7 @@ def test_the_wheel_holds_baton_runtime_alone(built: tuple[Path, Path, Path]) -> 
     for expected in (
         "baton_runtime/py.typed",
         "baton_runtime/cli/__main__.py",
-        "baton_runtime/owner/fixture.py",
+        "baton_runtime/owner/agents/fixture.py",
         "baton_runtime/_proto/baton/ingress/v1/ingress_pb2.py",
         "baton_runtime/_proto/baton/ingress/v1/ingress_pb2.pyi",
         "baton_runtime/_proto/baton/session/v1/session_pb2_grpc.py",

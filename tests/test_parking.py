@@ -22,8 +22,10 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.client_answers import TakenOver
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.answers import TakenOver
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import (
     Aborted,
@@ -32,11 +34,9 @@ from baton_runtime.common.errors import (
     Internal,
     PermissionDenied,
 )
-from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.keys import Keys, fence_value
-from baton_runtime.common.owner_client import OwnerClient
-from baton_runtime.common.tls import Security
+from baton_runtime.common.etcd.keys import Keys, fence_value
+from baton_runtime.common.rpc.server import GrpcServer
+from baton_runtime.common.security.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.owner.config import OwnerConfig
 from baton_runtime.owner.server import create_server as create_owner
@@ -437,10 +437,10 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     """Bells are compared with the parked position: stale and duplicate bells
     are ignored, and a bell that rang while the run was parking is honoured
     when the session lands in `parked`."""
-    from baton_runtime.owner.fixture import build_agent
-    from baton_runtime.owner.host import OwnerHost
-    from baton_runtime.owner.hosting import HostSettings
-    from baton_runtime.owner.parking import ParkedSession
+    from baton_runtime.owner.agents.fixture import build_agent
+    from baton_runtime.owner.hosting.host import OwnerHost
+    from baton_runtime.owner.hosting.parking import ParkedSession
+    from baton_runtime.owner.hosting.sessions import HostSettings
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),
@@ -484,11 +484,11 @@ async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
     """baton_sessions{state}, the oldest unprocessed command's age and
     baton_draining come from the host's one view of its sessions
     (metering.HeldView), read at each scrape."""
-    from baton_runtime.owner.fixture import build_agent
-    from baton_runtime.owner.host import OwnerHost
-    from baton_runtime.owner.hosting import HostSettings
-    from baton_runtime.owner.metering import HeldSessions
-    from baton_runtime.owner.parking import ParkedSession
+    from baton_runtime.owner.agents.fixture import build_agent
+    from baton_runtime.owner.hosting.host import OwnerHost
+    from baton_runtime.owner.hosting.metering import HeldSessions
+    from baton_runtime.owner.hosting.parking import ParkedSession
+    from baton_runtime.owner.hosting.sessions import HostSettings
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),

@@ -32,13 +32,13 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal
 from baton_runtime.anchor.server import create_server as create_anchor
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import NotFound
-from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.tls import Security
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.rpc.server import GrpcServer
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.config import IngressConfig

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.etcd_process import EtcdCluster
+from baton_runtime.cli.system.etcd_process import EtcdCluster
 from tests import certs
 from tests.procs import (
     ReplicatedClients,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli import deployments
+from baton_runtime.cli.commands import deployments
 from tests.procs import ProcessStack, check_history, eventually
 from tests.test_drain import Ingress, of, settled
 

@@ -17,10 +17,10 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.errors import Reason
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.identity import Role
-from baton_runtime.common.pki import LocalPki
-from baton_runtime.common.tls import load_material
+from baton_runtime.common.rpc.status_map import from_rpc_error
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
+from baton_runtime.common.security.tls import load_material
 from baton_runtime.ingress.api_keys import ApiKeys
 from tests.procs import ProcessStack, answered, check_history, eventually
 from tests.stack import SLACK, Stack, start_stack, stop_stack
@@ -127,7 +127,7 @@ async def test_a_ca_rotation_while_sessions_run_loses_nothing(
 def test_a_half_written_rotation_keeps_the_previous_certificate(tmp_path: Path) -> None:
     """A watcher that sees a certificate without its key (or a key of
     another certificate) keeps what it has until the pair matches."""
-    from baton_runtime.common.tls import CertificateWatcher
+    from baton_runtime.common.security.tls import CertificateWatcher
 
     pki = LocalPki(tmp_path / "pki")
     files = pki.files(Role.HOOKS)

@@ -16,9 +16,9 @@ from baton_client import AsyncClient, Client, Settings
 from baton_client._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_client.types import Event
 
-from baton_runtime.common.grpc_server import GrpcServer
-from baton_runtime.common.identity import Role
-from baton_runtime.common.pki import LocalPki
+from baton_runtime.common.rpc.server import GrpcServer
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
 from tests.stack import SLACK_KEY, WEB_KEY, Stack, start_stack, stop_stack
 from tests.test_handoff import Env, env  # noqa: F401  (the fixture)
 

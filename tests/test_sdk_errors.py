@@ -22,7 +22,7 @@ from baton_client._proto.baton.session.v1 import session_pb2 as s
 from baton_client.retry import RetryPolicy
 
 from baton_runtime.common import errors as server_errors
-from baton_runtime.common.grpc_errors import to_status
+from baton_runtime.common.rpc.status_map import to_status
 
 SERVICE = pb.DESCRIPTOR.services_by_name["IngressService"]
 METHOD = SERVICE.methods_by_name

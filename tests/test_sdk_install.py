@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_runtime.common.identity import Role
+from baton_runtime.common.security.identity import Role
 from tests.stack import SLACK_KEY, Stack
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import baton_client
 from baton_client import AsyncClient, RetryPolicy, Settings
 from baton_client.types import Event
 
-from baton_runtime.cli.processes import wait_serving
+from baton_runtime.cli.system.processes import wait_serving
 from tests import certs
 from tests.procs import API_KEY, ProcessStack, answered, check_history
 

@@ -21,10 +21,10 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime.anchor.server import create_server as create_anchor
-from baton_runtime.cli.processes import sync_channel
-from baton_runtime.common.channels import open_channel
-from baton_runtime.common.grpc_server import GrpcServer, build_server
-from baton_runtime.common.tls import Security
+from baton_runtime.cli.system.processes import sync_channel
+from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.rpc.server import GrpcServer, build_server
+from baton_runtime.common.security.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from tests import certs
 from tests.stack import Stack, anchor_config, hooks_config, public_channel

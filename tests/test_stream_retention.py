@@ -28,16 +28,17 @@ from baton_runtime.anchor.config import AnchorConfig
 from baton_runtime.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
 from baton_runtime.anchor.journal import Journal
 from baton_runtime.cli.__main__ import build_parser
-from baton_runtime.cli.launch_settings import LaunchSettings
-from baton_runtime.cli.local_system import LocalSystem
-from baton_runtime.cli.port_plan import Ports
-from baton_runtime.common import ids, metrics
+from baton_runtime.cli.system.launch_settings import LaunchSettings
+from baton_runtime.cli.system.local_system import LocalSystem
+from baton_runtime.cli.system.port_plan import Ports
+from baton_runtime.common import ids
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import OutOfRange, Reason
-from baton_runtime.common.identity import Role
-from baton_runtime.common.keys import Keys, OwnerRecord
-from baton_runtime.owner.held import RunIdentity, make_event
-from baton_runtime.owner.snapshots import initial_snapshot
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.rules.held import RunIdentity, make_event
+from baton_runtime.owner.run.snapshots import initial_snapshot
 from tests.certs import etcd_client
 from tests.procs import ProcessStack, check_history, eventually
 from tests.scrape import in_process

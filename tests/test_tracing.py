@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (docs/metrics.md "Traces"; services/common/tracing.py).
+"""OpenTelemetry traces (docs/metrics.md "Traces"; services/common/observability/tracing.py).
 
 Over real processes, every one exporting OTLP/gRPC to a small collector in
 this test process (opentelemetry-proto's TraceService on loopback): one
@@ -34,11 +34,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import ids, tracing
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common import ids
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import InvalidArgument, Reason
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.identity import Role
+from baton_runtime.common.observability import tracing
+from baton_runtime.common.security.identity import Role
 from tests.procs import SLACK, ProcessStack, eventually
 from tests.stack import Stack, public_channel, start_stack, stop_stack
 
@@ -420,7 +421,8 @@ def test_off_by_default_imports_no_sdk_and_installs_no_interceptor() -> None:
     configured from an environment without OTEL_TRACES_EXPORTER."""
     code = """
 import sys
-from baton_runtime.common import ids, tracing
+from baton_runtime.common import ids
+from baton_runtime.common.observability import tracing
 import baton_runtime.owner.server
 import baton_runtime.hooks.server
 import baton_runtime.anchor.server

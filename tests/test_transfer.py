@@ -15,11 +15,11 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.channels import open_channel
+from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.errors import Fenced
-from baton_runtime.common.grpc_errors import from_rpc_error
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence
-from baton_runtime.common.permits import PermitSigner, grant_for
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
+from baton_runtime.common.rpc.status_map import from_rpc_error
+from baton_runtime.common.security.permits import PermitSigner, grant_for
 from tests import certs
 from tests.stack import Stack
 

@@ -1,4 +1,4 @@
-"""The pure turn rules (services/owner/turns.py, services/owner/context.py):
+"""The pure turn rules (services/owner/rules/turns.py, services/owner/rules/context.py):
 no etcd, no gRPC, no event loop. What a command means, what a step does to
 the snapshot and the context, when a budget is spent, what a refused commit
 leaves behind."""
@@ -9,13 +9,13 @@ import collections
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import limits
-from baton_runtime.owner.admission import Admission
-from baton_runtime.owner.agent import ModelReply, RequestedCall
-from baton_runtime.owner.fixture import build_agent
-from baton_runtime.owner.held import RunIdentity
-from baton_runtime.owner.snapshots import initial_snapshot
-from baton_runtime.owner.step_rules import Outcome, StepProgress
-from baton_runtime.owner.turns import SessionState, safe_error
+from baton_runtime.owner.agents.api import ModelReply, RequestedCall
+from baton_runtime.owner.agents.fixture import build_agent
+from baton_runtime.owner.rules.admission import Admission
+from baton_runtime.owner.rules.held import RunIdentity
+from baton_runtime.owner.rules.step_rules import Outcome, StepProgress
+from baton_runtime.owner.rules.turns import SessionState, safe_error
+from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26

@@ -1,5 +1,5 @@
 """Turn rules end to end through ingress (docs/design.md §3-§4, §9; the module
-docstring of services/owner/session.py): steering, queueing, merging, cancel,
+docstring of services/owner/run/session.py): steering, queueing, merging, cancel,
 human input, sign-in, limits, clear/compact/reset, the session timeout and
 runtime aliases. Every outcome is read off the public event stream."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.common.rpc.status_map import error_reason
 from tests.stack import SLACK, TERMINAL, Stack
 
 K = s.EventKind

@@ -1,4 +1,4 @@
-"""The storage protocol itself (services/common/txn.py), on the suite's real
+"""The storage protocol itself (services/common/etcd/txn.py), on the suite's real
 etcd over TLS as the hooks user: named reads on either branch, `read_each`,
 named delete counts, the range compare an adoption relies on, and the one
 fence check every owner write goes through."""
@@ -13,18 +13,18 @@ import pytest
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Fenced, NotFound, PermissionDenied, Reason
-from baton_runtime.common.etcd_client import make_client
-from baton_runtime.common.etcd_ops import cmp_absent, cmp_none, cmp_value
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.identity import Caller, Role
-from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end
-from baton_runtime.common.scope import (
+from baton_runtime.common.etcd.client import make_client
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, prefix_end
+from baton_runtime.common.etcd.ops import cmp_absent, cmp_none, cmp_value
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn
+from baton_runtime.common.security.identity import Caller, Role
+from baton_runtime.common.security.scope import (
     DeploymentScope,
     check_record,
     owner_record_start,
     scope_compares,
 )
-from baton_runtime.common.txn import Fence, Txn
 from tests import certs
 
 
@@ -145,7 +145,7 @@ async def test_the_scope_compares_hold_exactly_for_the_records_deployment_at_its
     store: Store, deployment: str, epoch: int, holds: bool
 ) -> None:
     """Anchor checks an owner's deployment inside its commit's txn
-    (services/common/scope.py): two value compares on the owner record's
+    (services/common/security/scope.py): two value compares on the owner record's
     canonical bytes, true exactly when the record names that deployment at
     that epoch; a missing record fails them; a refusal reads the record and
     says PERMISSION_DENIED only for another deployment."""

@@ -16,7 +16,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.history import check_entry
 from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
-from baton_runtime.common.txn import Fence
+from baton_runtime.common.etcd.txn import Fence
 
 TERMINAL_KINDS = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
 

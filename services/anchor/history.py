@@ -29,10 +29,10 @@ from aetcd import rpc
 
 from baton_runtime.common import limits
 from baton_runtime.common.errors import FailedPrecondition, InvalidArgument, Reason
-from baton_runtime.common.etcd_ops import op_put
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, prefix_end, seq_of
-from baton_runtime.common.txn import Txn, TxnResult
+from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.etcd.ops import op_put
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn, TxnResult
 
 _NEWEST = "history.newest"
 

@@ -38,12 +38,13 @@ from typing import Protocol
 
 import structlog
 
-from baton_runtime.common import limits, metrics
+from baton_runtime.common import limits
 from baton_runtime.common.errors import BatonError, OutOfRange, Reason
-from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, prefix_end, seq_of
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.etcd.ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
+from baton_runtime.common.observability import metrics
 
 log = structlog.get_logger("baton.anchor.horizon")
 

@@ -29,7 +29,7 @@ from baton_runtime.anchor.commits import (
 from baton_runtime.anchor.history import EtcdHistory, GuardFailed, HistoryStore
 from baton_runtime.anchor.horizon import StreamHorizon, horizon_of, opened_pages
 from baton_runtime.anchor.stream import EventStream
-from baton_runtime.common import ids, metrics
+from baton_runtime.common import ids
 from baton_runtime.common.errors import (
     Aborted,
     FailedPrecondition,
@@ -37,11 +37,12 @@ from baton_runtime.common.errors import (
     NotFound,
     Reason,
 )
-from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_present
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.scope import ScopeCheck
-from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.ops import cmp_absent, cmp_mod, cmp_present
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.security.scope import ScopeCheck
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 

@@ -23,9 +23,15 @@ from google.protobuf.message import DecodeError
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import BatonError
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord, TokenRecord, parse_retention, prefix_end
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import (
+    Keys,
+    OwnerRecord,
+    TokenRecord,
+    parse_retention,
+    prefix_end,
+)
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 
 log = structlog.get_logger("baton.anchor.retention")
 

@@ -10,12 +10,13 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal, LoadedSnapshot
-from baton_runtime.common import feeds, identity, multiplex
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
-from baton_runtime.common.interceptor import Context
-from baton_runtime.common.scope import DeploymentScope
-from baton_runtime.common.tracing import check_trace_id
+from baton_runtime.common.observability.tracing import check_trace_id
+from baton_runtime.common.rpc.interceptor import Context
+from baton_runtime.common.security import identity
+from baton_runtime.common.security.scope import DeploymentScope
+from baton_runtime.common.streams import feeds, multiplex
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024
 
@@ -86,7 +87,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     def CommitSteps(
         self, request_iterator: AsyncIterator[pb.CommitStepsRequest], context: Context
     ) -> AsyncIterator[pb.CommitStepsResponse]:
-        """CommitStep's commits multiplexed (services/common/multiplex.py):
+        """CommitStep's commits multiplexed (services/common/streams/multiplex.py):
         each one checked and committed exactly as CommitStep does it."""
         return multiplex.serve_unary(
             request_iterator, self.CommitStep, context, _COMMIT_ANSWERS, method=COMMIT_STEP
@@ -116,7 +117,7 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     def FollowEvents(
         self, request_iterator: AsyncIterator[pb.FollowEventsRequest], context: Context
     ) -> AsyncIterator[pb.FollowEventsResponse]:
-        """ReadEvents' streams multiplexed (services/common/feeds.py): each
+        """ReadEvents' streams multiplexed (services/common/streams/feeds.py): each
         follow served exactly as ReadEvents serves it."""
         return feeds.serve_follows(
             request_iterator, self._event_pages, _event_items, method=READ_EVENTS

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import TERMINAL_KINDS
 from baton_runtime.anchor.horizon import below_horizon, horizon_of
-from baton_runtime.common import ids, limits, metrics
+from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import NotFound, Reason
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import Follower, watch_then_read
-from baton_runtime.common.keys import Keys, prefix_end, seq_of
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
+from baton_runtime.common.etcd.watch import Follower, watch_then_read
+from baton_runtime.common.observability import metrics
 
 _BATCH_BYTES = 512 * 1024
 

@@ -26,7 +26,7 @@ baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait
 baton handoffs get HANDOFF_ID [--session ID]
       [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]
 Every one of these takes -o text|json|jsonl; defaults come from `baton up`'s
-profile (services/cli/profile.py); exit codes in services/cli/operate.py.
+profile (services/cli/commands/profile.py); exit codes in services/cli/commands/operate.py.
 
 API keys never come from argv: the ingress reads a key file, `baton demo`
 the environment (default: the loopback demo key).
@@ -42,12 +42,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from baton_runtime.cli import operate, operate_parser
-from baton_runtime.cli.demo_command import add_demo_command, run_demo_command
-from baton_runtime.cli.etcd_commands import add_etcd_commands, run_etcd_binary, run_etcd_check
-from baton_runtime.cli.key_commands import add_hash_key_command, run_hash_key
-from baton_runtime.cli.up_command import add_up_command, run_up
-from baton_runtime.common import build_info
+from baton_runtime.cli.commands import operate, operate_parser
+from baton_runtime.cli.commands.demo_command import add_demo_command, run_demo_command
+from baton_runtime.cli.commands.etcd_commands import (
+    add_etcd_commands,
+    run_etcd_binary,
+    run_etcd_check,
+)
+from baton_runtime.cli.commands.key_commands import add_hash_key_command, run_hash_key
+from baton_runtime.cli.commands.up_command import add_up_command, run_up
+from baton_runtime.common.observability import build_info
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from baton_runtime.common.channels import grpc_target
-from baton_runtime.common.tls import DEFAULT_CHECK_SECONDS, Security
+from baton_runtime.common.clients.channels import grpc_target
+from baton_runtime.common.security.tls import DEFAULT_CHECK_SECONDS, Security
 
 
 class ConfigError(ValueError):
@@ -276,7 +276,7 @@ class EtcdConfig:
     # TLS to etcd with a client certificate (its CN is the etcd user), or
     # plaintext.
     security: Security
-    # Run on members whose release is known-bad (services/common/etcd_releases.py).
+    # Run on members whose release is known-bad (services/common/etcd/releases.py).
     accept_risk: bool = False
 
     @classmethod
@@ -284,7 +284,7 @@ class EtcdConfig:
         """etcd's TLS defaults to the service's own identity; plaintext only
         with --etcd-plaintext, or with --plaintext and no --etcd-ca."""
         # Not at the top: etcd_client.py imports aetcd, which ingress and owner never need.
-        from baton_runtime.common.etcd_client import etcd_target
+        from baton_runtime.common.etcd.client import etcd_target
 
         try:
             etcd_target(values["etcd"])

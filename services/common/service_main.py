@@ -13,9 +13,9 @@ from typing import Protocol, TypeVar
 
 import structlog
 
-from baton_runtime.common import tracing
 from baton_runtime.common.config import ConfigError
-from baton_runtime.common.grpc_server import GrpcServer
+from baton_runtime.common.observability import tracing
+from baton_runtime.common.rpc.server import GrpcServer
 
 log = structlog.get_logger("baton.server")
 
@@ -67,8 +67,8 @@ def run_main(
     load: Callable[[], _C], create: Callable[[_C], Awaitable[GrpcServer]], *, service: str
 ) -> None:
     """The `python -m baton_runtime.<name>` entry: config, tracing (if the OTEL_*
-    environment asks, baton_runtime.common.tracing), logging, serve, exit."""
-    from baton_runtime.common.logs import configure_logging
+    environment asks, baton_runtime.common.observability.tracing), logging, serve, exit."""
+    from baton_runtime.common.observability.logs import configure_logging
 
     try:
         config = load()

@@ -17,9 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import AlreadyExists, Reason, Unavailable
-from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import (
+from baton_runtime.common.etcd.keys import (
     ChannelEntry,
     Keys,
     TokenRecord,
@@ -27,7 +25,9 @@ from baton_runtime.common.keys import (
     fence_value,
     parse_fence,
 )
-from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.common.etcd.ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.inbox import MAX_APPEND_ATTEMPTS, check_command
 from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_record

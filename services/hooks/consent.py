@@ -10,10 +10,10 @@ from __future__ import annotations
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import PermissionDenied, Reason
-from baton_runtime.common.identity import Caller
 from baton_runtime.common.ids import brief
-from baton_runtime.common.permits import PermitVerifier, grant_for
-from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.common.security.identity import Caller
+from baton_runtime.common.security.permits import PermitVerifier, grant_for
+from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.transfer import TransferPlan
 
@@ -33,7 +33,7 @@ class Consent:
         names (checked against the owner record while the fence is current;
         a fence that is not current is refused by the transfer itself). A
         trigger or a drain needs that deployment's signed consent
-        (services/common/permits.py); an adoption's own compare is that the
+        (services/common/security/permits.py); an adoption's own compare is that the
         deployment has no live instance."""
         current = await self._scope.deployment_of(plan.expected)
         owner_deployment = plan.expected_owner.deployment_id

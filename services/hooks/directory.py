@@ -18,9 +18,9 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.bounds import MAX_LISTING_PAGE, check_range, check_seq
 from baton_runtime.common.errors import InvalidArgument, NotFound, Reason
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import ChannelEntry, Keys, OwnerRecord, TokenRecord, prefix_end
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 
 
 @dataclass(frozen=True)

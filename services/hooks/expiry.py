@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from baton_runtime.common import metrics
 from baton_runtime.common.errors import Aborted, Reason, Unavailable
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.txn import Txn, TxnResult
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn, TxnResult
+from baton_runtime.common.observability import metrics
 
 DEFAULT_WINDOW_SECONDS = 24 * 3600.0
 BUCKETS_PER_WINDOW = 16

@@ -22,9 +22,9 @@ import enum
 from dataclasses import dataclass
 
 from baton_runtime.common import ids
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import InstanceRecord, Keys, prefix_end
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import InstanceRecord, Keys, prefix_end
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 
 MAX_DEPLOYMENTS = 1000
 """Deployments one ListDeployments answers at most."""

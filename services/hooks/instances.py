@@ -12,13 +12,14 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from baton_runtime.common import ids, metrics
+from baton_runtime.common import ids
 from baton_runtime.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
-from baton_runtime.common.etcd_ops import cmp_mod
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.etcd_watch import follow_range
-from baton_runtime.common.keys import Bell, InstanceRecord, Keys, prefix_end
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import Bell, InstanceRecord, Keys, prefix_end
+from baton_runtime.common.etcd.ops import cmp_mod
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
+from baton_runtime.common.etcd.watch import follow_range
+from baton_runtime.common.observability import metrics
 
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 300

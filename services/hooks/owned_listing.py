@@ -31,9 +31,9 @@ from typing import NamedTuple
 from baton_runtime.common import ids
 from baton_runtime.common.bounds import MAX_LISTING_PAGE, check_range
 from baton_runtime.common.errors import InvalidArgument, Reason
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord, parse_fence, prefix_end
-from baton_runtime.common.txn import Fence, Txn
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence, prefix_end
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn
 from baton_runtime.hooks.ownership import OwnedSession
 
 MAX_PAGE_TOKEN = 256  # an instance id (at most 128) / a session id

@@ -22,10 +22,10 @@ from baton_runtime.common.errors import (
     Reason,
     Unavailable,
 )
-from baton_runtime.common.etcd_ops import cmp_value
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord
-from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord
+from baton_runtime.common.etcd.ops import cmp_value
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.hooks.inbox import MAX_APPEND_ATTEMPTS
 from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_record
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2, hooks_pb2_grpc
-from baton_runtime.common.etcd_members import connect_checked
-from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from baton_runtime.common.hooks_methods import HOOKS_UNLIMITED
-from baton_runtime.common.keys import Keys
-from baton_runtime.common.permits import PermitVerifier
-from baton_runtime.common.scope import DeploymentScope
-from baton_runtime.common.store_health import StoreHealth
+from baton_runtime.common.clients.hooks_methods import HOOKS_UNLIMITED
+from baton_runtime.common.etcd.health import StoreHealth
+from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.members import connect_checked
+from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.common.security.permits import PermitVerifier
+from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.expiry import ExpiryLeases

@@ -11,12 +11,15 @@ import structlog
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import feeds, identity, ids, metrics, multiplex
+from baton_runtime.common import ids
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
-from baton_runtime.common.identity import Role
-from baton_runtime.common.interceptor import Context
-from baton_runtime.common.scope import DeploymentScope
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.rpc.interceptor import Context
+from baton_runtime.common.security import identity
+from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.scope import DeploymentScope
+from baton_runtime.common.streams import feeds, multiplex
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.fleets import FleetViews
 from baton_runtime.hooks.instances import InstanceRegistry
@@ -63,7 +66,7 @@ def _tenant_channel(channel: str) -> str:
 
 
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
-    """Role checks are the interceptor's (baton_runtime.common.access); here,
+    """Role checks are the interceptor's (baton_runtime.common.security.access); here,
     owners are held to their own deployment: they create, register, list,
     take over and transfer (as successor) only within it, and fenced calls
     must name a session of it (`DeploymentScope`)."""
@@ -229,7 +232,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     def ResumeHooks(
         self, request_iterator: AsyncIterator[pb.ResumeHooksRequest], context: Context
     ) -> AsyncIterator[pb.ResumeHooksResponse]:
-        """ResumeHook's appends multiplexed (services/common/multiplex.py):
+        """ResumeHook's appends multiplexed (services/common/streams/multiplex.py):
         each one checked and appended exactly as ResumeHook does it."""
         return multiplex.serve_unary(
             request_iterator, self.ResumeHook, context, _RESUME_ANSWERS, method=RESUME_HOOK
@@ -271,7 +274,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     def FollowInboxes(
         self, request_iterator: AsyncIterator[pb.FollowInboxesRequest], context: Context
     ) -> AsyncIterator[pb.FollowInboxesResponse]:
-        """StreamInbox multiplexed (services/common/feeds.py): each follow as it serves one."""
+        """StreamInbox multiplexed (common/streams/feeds.py): each follow as it serves one."""
         return feeds.serve_follows(
             request_iterator, self._inbox_pages, _inbox_items, method=STREAM_INBOX
         )

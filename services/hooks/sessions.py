@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.errors import NotFound, Reason
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 
 _SESSION_CACHE_SIZE = 100_000
 

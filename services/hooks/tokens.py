@@ -19,9 +19,9 @@ from baton_runtime.common.errors import (
     PermissionDenied,
     Reason,
 )
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, TokenRecord
-from baton_runtime.common.txn import Txn
+from baton_runtime.common.etcd.keys import Keys, TokenRecord
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Txn
 
 _TOKEN_CACHE_SIZE = 100_000
 

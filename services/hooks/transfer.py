@@ -37,10 +37,10 @@ from baton_runtime.common.errors import (
     NotFound,
     Reason,
 )
-from baton_runtime.common.etcd_ops import cmp_absent, cmp_mod, cmp_none, cmp_value
-from baton_runtime.common.etcd_store import Store
-from baton_runtime.common.keys import Keys, OwnerRecord, canonical_json, prefix_end
-from baton_runtime.common.txn import Fence, Txn, TxnResult
+from baton_runtime.common.etcd.keys import Keys, OwnerRecord, canonical_json, prefix_end
+from baton_runtime.common.etcd.ops import cmp_absent, cmp_mod, cmp_none, cmp_value
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.hooks.expiry import ExpiryLeases
 
 

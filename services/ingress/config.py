@@ -22,7 +22,7 @@ from baton_runtime.common.config import (
 )
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.ids import validate_deployment_id
-from baton_runtime.common.tls import Security
+from baton_runtime.common.security.tls import Security
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.limits import ChannelLimits
 
@@ -100,10 +100,10 @@ class IngressConfig:
     log_level: str = "info"
     grace: float = 5.0
     limits: ChannelLimits = ChannelLimits()
-    # Appends ride a multiplexed ResumeHooks stream (services/common/multiplex.py);
+    # Appends ride a multiplexed ResumeHooks stream (services/common/streams/multiplex.py);
     # False: one unary ResumeHook call each.
     resume_stream: bool = True
-    # Event reads ride one FollowEvents stream (services/common/feeds.py);
+    # Event reads ride one FollowEvents stream (services/common/streams/feeds.py);
     # False: one ReadEvents call each.
     event_feed: bool = True
     capacity: Capacity = Capacity()

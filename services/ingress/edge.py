@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import ids, metrics
-from baton_runtime.common.anchor_client import AnchorClient
+from baton_runtime.common import ids
 from baton_runtime.common.bounds import check_seq, check_session_settings
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import (
     InvalidArgument,
     NotFound,
@@ -17,8 +19,7 @@ from baton_runtime.common.errors import (
     Reason,
     Unauthenticated,
 )
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.observability import metrics
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits
 from baton_runtime.ingress.orphans import OrphanWatch

@@ -27,10 +27,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.client_answers import SessionDescription
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.answers import SessionDescription
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import NotFound, OutOfRange
-from baton_runtime.common.hooks_client import HooksClient
 from baton_runtime.common.status import SessionFacts, Status, StatusView, session_status
 from baton_runtime.ingress import listing
 from baton_runtime.ingress.edge import session_not_found

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from baton_runtime.common import metrics
 from baton_runtime.common.errors import Reason, ResourceExhausted
+from baton_runtime.common.observability import metrics
 
 
 @dataclass(frozen=True)

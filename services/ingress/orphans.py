@@ -18,9 +18,9 @@ import time
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import BatonError, Reason
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.owner_client import OwnerClient
 from baton_runtime.common.tasks import Background
 
 log = structlog.get_logger("baton.ingress.orphans")

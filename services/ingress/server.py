@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2, ingress_pb2_grpc
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.common.owner_client import OwnerClient
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.owner import OwnerClient
+from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
 from baton_runtime.ingress.config import IngressConfig
 from baton_runtime.ingress.edge import Edge
 from baton_runtime.ingress.introspection import SessionViews

@@ -9,7 +9,7 @@ import structlog
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime.common.bounds import check_seq
-from baton_runtime.common.interceptor import Context
+from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.ingress.edge import Edge
 from baton_runtime.ingress.introspection import SessionViews
 

@@ -24,9 +24,9 @@ from baton_runtime.common.config import (
 )
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.ids import validate_deployment_id
-from baton_runtime.common.tls import Security
+from baton_runtime.common.security.tls import Security
 
-DEFAULT_AGENT = "baton_runtime.owner.fixture:build_agent"
+DEFAULT_AGENT = "baton_runtime.owner.agents.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
 DEFAULT_PARK_AFTER = 10.0
 DEFAULT_RECONCILE_INTERVAL = 15.0
@@ -144,14 +144,14 @@ class OwnerConfig:
     # the session stalls (session.stalled on its stream).
     restart_budget: int = 5
     # Seconds between reconciliations: sessions indexed here that no run
-    # holds are taken over again (services/owner/fleet.py).
+    # holds are taken over again (services/owner/hosting/fleet.py).
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
-    # Commits ride a multiplexed CommitSteps stream (services/common/multiplex.py);
+    # Commits ride a multiplexed CommitSteps stream (services/common/streams/multiplex.py);
     # False: one unary CommitStep call each.
     commit_stream: bool = True
     inbox_feed: bool = True
     # Calls in flight at once to hooks, and apart to anchor (the rest wait
-    # in this process, unsent: services/common/call_slots.py); 0: no bound.
+    # in this process, unsent: services/common/clients/call_slots.py); 0: no bound.
     max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
     capacity: Capacity = Capacity()
     # A plaintext listener serving only health (probes without TLS); empty: none.

@@ -8,18 +8,18 @@ import sys
 import structlog
 
 from baton_runtime._proto.baton.owner.v1 import owner_pb2, owner_pb2_grpc
-from baton_runtime.common.anchor_client import AnchorClient
-from baton_runtime.common.grpc_server import GrpcServer, ServiceBinding, build_server
-from baton_runtime.common.heap import HeapTrimmer
-from baton_runtime.common.hooks_client import HooksClient
-from baton_runtime.owner.agent import load_agent
+from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
+from baton_runtime.owner.agents.api import load_agent
 from baton_runtime.owner.config import OwnerConfig
-from baton_runtime.owner.fleet import FleetMembership
-from baton_runtime.owner.host import OwnerHost
-from baton_runtime.owner.hosting import HostSettings
-from baton_runtime.owner.metering import HeldSessions
+from baton_runtime.owner.hosting.fleet import FleetMembership
+from baton_runtime.owner.hosting.heap import HeapTrimmer
+from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.hosting.metering import HeldSessions
+from baton_runtime.owner.hosting.sessions import HostSettings
+from baton_runtime.owner.hosting.sweep import UnclaimedSessions
 from baton_runtime.owner.servicer import OwnerServicer
-from baton_runtime.owner.sweep import UnclaimedSessions
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name
 EXIT_LEASE_LOST = 3

@@ -10,15 +10,15 @@ import structlog
 
 from baton_runtime._proto.baton.owner.v1 import owner_pb2 as pb
 from baton_runtime._proto.baton.owner.v1 import owner_pb2_grpc
-from baton_runtime.common import identity
 from baton_runtime.common.bounds import check_session_settings
-from baton_runtime.common.client_answers import StartedSession
+from baton_runtime.common.clients.answers import StartedSession
 from baton_runtime.common.errors import PermissionDenied, Reason
-from baton_runtime.common.identity import Role
-from baton_runtime.common.interceptor import Context
-from baton_runtime.owner.acceptance import HandoffOffer
-from baton_runtime.owner.children import ChildStart
-from baton_runtime.owner.host import OwnerHost
+from baton_runtime.common.rpc.interceptor import Context
+from baton_runtime.common.security import identity
+from baton_runtime.common.security.identity import Role
+from baton_runtime.owner.handoff.acceptance import HandoffOffer
+from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.run.children import ChildStart
 
 
 class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):

@@ -1,0 +1,210 @@
+"""`baton sessions events|send|cancel|reset`: a session's stream and the
+commands a channel may send it, through the public API (IngressService
+StreamEvents / SendMessage / SendControl) as the channel whose API key is in
+BATON_API_KEY. Connection settings and exit codes are those of
+`baton_runtime.cli.commands.sessions`.
+
+Output (`-o`): `text` (one line per event, as the demo prints them; a
+receipt line), `json` (the proto3 JSON mapping with the proto's field
+names: an array of `baton.session.v1.Event`, or the SendMessageResponse /
+SendControlResponse), `jsonl` (one event or receipt per line). While
+following, text and jsonl lines are printed (and flushed) as each event
+arrives; `json` needs the whole array, so it is refused with --follow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.cli.commands.event_text import format_event
+from baton_runtime.cli.commands.sessions import CALL_TIMEOUT, EXIT_OK, Connection, UsageError
+from baton_runtime.common.rpc.status_map import from_rpc_error
+
+REPLAY_TIMEOUT = 10 * CALL_TIMEOUT
+"""Seconds a replay (no --follow) may take: a long stream is many pages."""
+CONTROLS = {"cancel": pb.CONTROL_KIND_CANCEL, "reset": pb.CONTROL_KIND_RESET}
+TERMINAL = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION_FAILED})
+
+
+_R = TypeVar("_R", pb.StreamEventsRequest, pb.SendMessageRequest, pb.SendControlRequest)
+
+
+def _aimed(request: _R, session: str) -> _R:
+    """`request` addressed to a session id, or to an alias of the channel."""
+    if session.startswith("ses_"):
+        request.session_id = session
+    else:
+        request.alias = session
+    return request
+
+
+def message_json(message: Message) -> dict[str, object]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _flushed(line: str) -> None:
+    """A line out at once, also into a pipe (`... --follow | grep`)."""
+    print(line, flush=True)
+
+
+async def events(
+    connection: Connection,
+    session: str,
+    output: str,
+    *,
+    follow: bool = False,
+    start_seq: int = 0,
+    write: Callable[[str], None] = _flushed,
+) -> int:
+    """`baton sessions events ID [--follow] [--from SEQ]`: the stream from
+    `start_seq`; with `follow`, live until the session's terminal event (or
+    Ctrl-C). If the stream breaks (an ingress restarting), the error says
+    which --from continues it without a gap or a repeat."""
+    if follow and output == "json":
+        raise UsageError("-o json prints one array at the end; use -o jsonl or text with --follow")
+    printed = _Printed(output, write, start_seq)
+    channel = connection.open()
+    try:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        # No deadline while following: the stream lasts as long as the
+        # session (Ctrl-C ends it); a replay is bounded.
+        call = stub.StreamEvents(
+            _aimed(pb.StreamEventsRequest(start_seq=start_seq, follow=follow), session),
+            metadata=connection.metadata,
+            timeout=None if follow else REPLAY_TIMEOUT,
+        )
+        try:
+            async for response in call:
+                printed.add(response.events)
+                if follow and any(e.kind in TERMINAL for e in response.events):
+                    break  # the stream closes here; do not wait for the server's end
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc)
+            if printed.next_seq > start_seq:
+                error.message += f" (continue with --from {printed.next_seq})"
+            raise error from exc
+        finally:
+            call.cancel()
+    finally:
+        await channel.close()
+    printed.close()
+    return EXIT_OK
+
+
+class _Printed:
+    """Events printed in the `-o` format as they arrive (`json`: kept for
+    the one array `close` prints), and the seq after the last one."""
+
+    def __init__(self, output: str, write: Callable[[str], None], next_seq: int) -> None:
+        self.output = output
+        self.write = write
+        self.next_seq = next_seq
+        self._kept: list[s.Event] = []
+
+    def add(self, events: Iterable[s.Event]) -> None:
+        for event in events:
+            self.next_seq = event.seq + 1
+            if self.output == "json":
+                self._kept.append(event)
+            elif self.output == "jsonl":
+                self.write(json.dumps(message_json(event), sort_keys=True))
+            else:
+                self.write(format_event(event))
+
+    def close(self) -> None:
+        if self.output == "json":
+            self.write(json.dumps([message_json(e) for e in self._kept], indent=2, sort_keys=True))
+
+
+def _receipt_line(verb: str, receipt: s.Receipt, delivery_id: str) -> str:
+    return (
+        f"{verb}: session {receipt.session_id}, inbox seq {receipt.seq}, "
+        f"delivery {delivery_id}" + (" (a repeat: the first receipt)" if receipt.duplicate else "")
+    )
+
+
+def _print(response: Message, output: str, line: str, write: Callable[[str], None]) -> None:
+    if output == "json":
+        write(json.dumps(message_json(response), indent=2, sort_keys=True))
+    elif output == "jsonl":
+        write(json.dumps(message_json(response), sort_keys=True))
+    else:
+        write(line)
+
+
+async def send(
+    connection: Connection,
+    session: str,
+    text: str,
+    output: str,
+    *,
+    delivery_id: str = "",
+    queue: bool = False,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions send ID TEXT`: accepted means durably in the inbox.
+    A repeat with the same --delivery-id returns the first receipt."""
+    channel = connection.open()
+    try:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        request = _aimed(
+            pb.SendMessageRequest(
+                text=text,
+                delivery_id=delivery_id,
+                turn_policy=s.TURN_POLICY_QUEUE if queue else s.TURN_POLICY_UNSPECIFIED,
+            ),
+            session,
+        )
+        try:
+            response = await stub.SendMessage(
+                request, metadata=connection.metadata, timeout=CALL_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+    finally:
+        await channel.close()
+    line = _receipt_line("accepted", response.receipt, response.delivery_id)
+    _print(response, output, line, write)
+    return EXIT_OK
+
+
+async def control(
+    connection: Connection,
+    session: str,
+    action: str,
+    output: str,
+    *,
+    reason: str = "",
+    delivery_id: str = "",
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions cancel|reset ID`: a control command, accepted into the
+    inbox (cancel reaches the running turn at once; reset finalizes the
+    session once admitted)."""
+    channel = connection.open()
+    try:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        request = _aimed(
+            pb.SendControlRequest(kind=CONTROLS[action], reason=reason, delivery_id=delivery_id),
+            session,
+        )
+        try:
+            response = await stub.SendControl(
+                request, metadata=connection.metadata, timeout=CALL_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+    finally:
+        await channel.close()
+    line = _receipt_line(f"{action} accepted", response.receipt, response.delivery_id)
+    _print(response, output, line, write)
+    return EXIT_OK

@@ -1,0 +1,3 @@
+"""What a process tells about itself: metrics (defined once) and their endpoint, RPC meters,
+traces, logs and build info.
+"""

@@ -1,0 +1,3 @@
+"""gRPC servers: one assembly (server), one interceptor (identity, roles, admission), and the one
+table between domain errors and gRPC statuses (status_map).
+"""

@@ -1,0 +1,49 @@
+"""Compaction (docs/design.md §4): the model's summary replaces the context.
+
+One room with one model call: `summarize` asks the agent's model to
+summarize what it sees and applies the answer (or the failure) to the
+session through the turn rules (turns.py); the shell commits the events.
+Whether compaction is due is a rule (decisions.compaction_due)."""
+
+from __future__ import annotations
+
+import structlog
+
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.owner.rules.turns import SessionState, safe_error
+
+
+async def summarize(
+    state: SessionState,
+    events: list[s.Event],
+    entry: s.InboxEntry | None,
+    log: structlog.BoundLogger,
+) -> None:
+    """Replace the context with the model's summary of it, appending the
+    stream's events to `events`; `entry` is the compact command, or None
+    when the owner compacts on its own. A failed model call fails the
+    compaction, not the run: the context stays as it was."""
+    agent = state.agent
+    before = state.context.size()
+    try:
+        reply = await agent.model.complete(
+            agent.compaction_instructions, state.context.messages, ()
+        )
+    except Exception as exc:  # noqa: BLE001 - authored code
+        log.warning("compaction failed", error=repr(exc), automatic=entry is None)
+        state.compaction_failed(events, entry, safe_error(exc))
+    else:
+        state.compacted(events, entry, reply, before)
+
+
+def log_over_budget(state: SessionState, log: structlog.BoundLogger) -> None:
+    """Say why the owner compacts on its own: what the model sees outgrew
+    the agent's context budget."""
+    entries, size = state.context.size()
+    log.info(
+        "context over budget; compacting",
+        entries=entries,
+        bytes=size,
+        budget_bytes=state.agent.context_budget_bytes,
+        budget_entries=state.agent.context_budget_entries,
+    )

@@ -1,0 +1,118 @@
+"""A run's departures (docs/design.md §6, issue 12), the I/O: handing the
+session off to the deployment that accepted a trigger, an operator's drain,
+parking it. When each is due is decided in departure_rules.py; the attempt
+itself is `HandoffAttempts`' (handoff.py), which answers with an `Attempt`:
+moved, stayed (nothing of it is left), or uncertain (the run decides it with
+a fenced commit, `RunCommits.decide_uncertain_handoff`). An attempt that
+fails retryably fails the run, which starts again from its last commit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.errors import Aborted, BatonError, Fenced
+from baton_runtime.owner.handoff.attempt import Attempt, HandoffAttempts
+from baton_runtime.owner.handoff.checkpoint import Checkpoint
+from baton_runtime.owner.rules import departure_rules
+from baton_runtime.owner.rules.turns import SessionState
+
+DRAIN_RETRY_SECONDS = 2.0
+
+
+class Departures:
+    """Handoff, drain and park attempts of one run."""
+
+    def __init__(
+        self,
+        state: SessionState,
+        hooks: HooksClient,
+        log: structlog.BoundLogger,
+        *,
+        attempts: HandoffAttempts | None,
+        drain_to: str,
+    ) -> None:
+        self._state = state
+        self._hooks = hooks
+        self._log = log
+        self._attempts = attempts  # None: this run never moves its session
+        self.drain_to = drain_to  # an operator's drain target ("" = none)
+        self._drain_after = 0.0  # monotonic time of the next drain attempt
+
+    # -- drain ---------------------------------------------------------------------------
+
+    def request_drain(self, target: str) -> None:
+        """The session moves to `target` the next time it is idle."""
+        self.drain_to = target
+        self._drain_after = 0.0
+
+    def drain_wait(self, pending: int) -> float | None:
+        """Seconds until a drain attempt is due; None while none can be."""
+        return departure_rules.drain_wait(
+            self._state,
+            draining=bool(self.drain_to) and self._attempts is not None,
+            pending=pending,
+            due_at=self._drain_after,
+            now=time.monotonic(),
+        )
+
+    def drain_due(self, pending: int) -> bool:
+        return self.drain_wait(pending) == 0.0
+
+    async def try_drain(self, checkpoint: Checkpoint) -> Attempt:
+        assert self._attempts is not None
+        self._drain_after = time.monotonic() + DRAIN_RETRY_SECONDS
+        try:
+            return await self._attempts.drain(checkpoint, self.drain_to)
+        except Fenced:
+            raise
+        except BatonError as exc:
+            self._log.warning("drain attempt failed", reason=exc.reason, error=exc.message)
+            if exc.retryable:
+                raise  # outcome unknown: run again from the snapshot
+            return Attempt.STAYED
+
+    # -- handoff -------------------------------------------------------------------------
+
+    def is_trigger(self, entry: s.InboxEntry, *, revision_known: bool) -> bool:
+        if self._attempts is None:
+            return False
+        return departure_rules.is_trigger(self._state, entry, revision_known=revision_known)
+
+    async def try_hand_off(self, checkpoint: Checkpoint, entry: s.InboxEntry) -> Attempt:
+        """The trigger is the only unprocessed command: try to move the
+        session. STAYED (skipped or failed) leaves nothing behind; the
+        delivery is then processed here and the signal forgotten."""
+        assert self._attempts is not None
+        try:
+            return await self._attempts.hand_off(checkpoint, entry)
+        except Fenced:
+            raise
+        except BatonError as exc:
+            self._log.warning(
+                "handoff failed",
+                reason=exc.reason,
+                error=exc.message,
+                inbox_seq=entry.seq,
+                to_deployment_id=entry.command.delivery.accepted_deployment_id,
+            )
+            if exc.retryable:
+                raise  # outcome unknown: run again from the snapshot
+            return Attempt.STAYED
+
+    # -- parking -------------------------------------------------------------------------
+
+    async def park(self, fence: s.Fence) -> bool:
+        """Park the idle session at its consumed inbox position; False when
+        something arrived first (the stream will deliver it)."""
+        inbox_next_seq = self._state.snapshot.inbox_next_seq
+        try:
+            await self._hooks.set_parked(fence, True, inbox_next_seq)
+        except Aborted:
+            return False
+        self._log.debug("parked", inbox_next_seq=inbox_next_seq)
+        return True

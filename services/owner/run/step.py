@@ -1,0 +1,212 @@
+"""One step of a turn, the I/O (docs/design.md §4): the model call, the tools it
+asks for, and the work it gives child sessions. A step is abortable: a
+pushed cancel, reset or own timeout (`abort`) cancels it at once, keeping
+what it produced so far (`StepProgress`); giving a child its work is not
+cut half-way (a child that got its work is recorded, so none is orphaned).
+
+What the step's results mean is the turn rules' business (`SessionState`,
+turns.py); which tool calls to run for answered waits, the decisions'
+(decisions.py). This room only calls out and reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import structlog
+
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.errors import BatonError, Reason
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.tasks import Background
+from baton_runtime.owner.agents.api import AgentCatalog, ModelRejected, Tool, ToolContext
+from baton_runtime.owner.rules import handles as h
+from baton_runtime.owner.rules.child_rules import ChildWork
+from baton_runtime.owner.rules.handles import Refusal
+from baton_runtime.owner.rules.held import RunIdentity
+from baton_runtime.owner.rules.step_rules import StepProgress, usage_of
+from baton_runtime.owner.rules.turns import SessionState, safe_error
+from baton_runtime.owner.run import spans  # tracing
+from baton_runtime.owner.run.children import Children
+
+
+class StepRunner:
+    """Runs the steps of one run's turns, one at a time."""
+
+    def __init__(
+        self,
+        identity: RunIdentity,
+        state: SessionState,
+        hooks: HooksClient,
+        children: Children | None,
+        catalog: AgentCatalog,
+        background: Background,
+        log: structlog.BoundLogger,
+    ) -> None:
+        self._identity = identity
+        self._state = state
+        self._hooks = hooks
+        self._children = children
+        self._catalog = catalog  # where a subagent's name is looked up
+        self._background = background
+        self._log = log
+        self._task: asyncio.Task[None] | None = None
+        self._abort_requested = False
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def abort(self) -> None:
+        """Cancel the running step (a pushed command)."""
+        if self._task is not None and not self._task.done():
+            self._abort_requested = True
+            self._task.cancel()
+
+    async def run(self) -> StepProgress:
+        """One model call plus the tools it asks for, abortable by `abort`."""
+        progress = StepProgress()
+        metrics.STEPS.inc()
+        self._abort_requested = False
+        self._task = self._background.spawn(self._execute(progress))
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if not self._abort_requested:
+                raise
+            progress.aborted = True
+        finally:
+            self._task = None
+            self._abort_requested = False
+        return progress
+
+    async def _execute(self, progress: StepProgress) -> None:
+        state = self._state
+        agent = state.agent
+        try:
+            with metrics.MODEL_CALL_SECONDS.time(), spans.model_call():  # tracing
+                reply = await agent.model.complete(
+                    agent.instructions, state.context.messages, agent.all_tools
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
+            self._log.warning("model call failed", error=repr(exc), turn_id=state.turn_id)
+            progress.error = safe_error(exc)
+            if isinstance(exc, ModelRejected):
+                progress.reason = Reason.MODEL_REJECTED
+            return
+        progress.reply = reply
+        progress.calls = state.tool_calls(reply)
+        for index, call in enumerate(progress.calls):
+            if state.starts_child(call):
+                await self._start_child_work(progress, index, call, usage_of(reply))
+            elif state.runs_now(call):
+                progress.results[index] = await self.call_tool(call)
+
+    # -- child work ------------------------------------------------------------------
+
+    async def _start_child_work(
+        self, progress: StepProgress, index: int, call: s.ToolCall, step: s.Usage
+    ) -> None:
+        """Give a child its work. Not abortable half-way: a child that got
+        its work is recorded (then a cancel cancels it), so none is orphaned."""
+        reserved = frozenset(w.child_session_id for w in progress.children.values())
+        task = self._background.spawn(self._give_work(call, reserved, step))
+        try:
+            outcome = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            outcome = await task
+            _record_child_work(progress, index, call, outcome)
+            raise
+        _record_child_work(progress, index, call, outcome)
+
+    async def _give_work(
+        self, call: s.ToolCall, reserved: frozenset[str], step: s.Usage
+    ) -> ChildWork | Refusal:
+        """Start a child (or pick a parked or available one) and put the work
+        in its inbox; or say why not (the call's error result)."""
+        children = self._children
+        if children is None:
+            return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
+        plan = self._state.plan_child_work(call, reserved, step, self._catalog.subagent_names)
+        if isinstance(plan, Refusal):
+            return plan
+        child = plan.work.child_session_id
+        delivered = False
+        try:
+            if plan.link is not None:
+                channel = self._state.snapshot.channel
+                delivered = await children.start(child, channel, plan.link, plan.command)
+            if not delivered:
+                await children.send(child, plan.command)
+        except BatonError as exc:
+            if exc.retryable:
+                raise  # the run starts again from its last commit; the child is derived
+            if exc.reason in (Reason.SESSION_FINALIZED, Reason.SESSION_NOT_FOUND):
+                return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
+            # Never succeeds as asked (e.g. the work is over the command limit):
+            # the model sees why.
+            return Refusal(exc.reason, exc.message)
+        self._log.info(
+            "child given work",
+            child_session_id=child,
+            work=plan.command.send.parent_work,
+            kind=h.kind_name(plan.work.kind),
+        )
+        return plan.work
+
+    # -- tools -------------------------------------------------------------------------
+
+    async def call_tool(self, call: s.ToolCall) -> s.ToolResult:
+        """Run an authored tool; its failure is the model's to see."""
+        tool: Tool | None = self._state.agent.tool_index.get(call.name)
+        result = s.ToolResult(tool_call_id=call.id, name=call.name)
+        if tool is None:
+            metrics.TOOL_CALL_SECONDS.labels("unknown").observe(0.0)
+            result.output, result.is_error = f"unknown tool {call.name!r}", True
+            return result
+        start = time.perf_counter()
+        try:
+            arguments = json.loads(call.arguments_json)
+            with spans.tool_call(call):  # tracing
+                result.output = await tool.run(arguments, self._tool_context())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
+            # Public too (tool_call.result): the type and a bounded prefix.
+            result.output, result.is_error = safe_error(exc), True
+        outcome = "error" if result.is_error else "ok"
+        metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
+        return result
+
+    def _tool_context(self) -> ToolContext:
+        fence = self._identity.fence
+        return ToolContext(
+            session_id=fence.session_id,
+            deployment_id=self._identity.deployment_id,
+            owner_run_id=fence.owner_run_id,
+            channel=self._state.snapshot.channel,
+            add_alias=self._add_alias,
+        )
+
+    async def _add_alias(self, token: str) -> None:
+        """Claimed durably (fenced) before the step that adds it commits."""
+        hooks = await self._hooks.claim(self._identity.fence, [token])
+        snapshot = self._state.snapshot
+        del snapshot.hooks[:]
+        snapshot.hooks.extend(hooks)
+
+
+def _record_child_work(
+    progress: StepProgress, index: int, call: s.ToolCall, outcome: ChildWork | Refusal
+) -> None:
+    if isinstance(outcome, ChildWork):
+        progress.children[index] = outcome
+    else:
+        progress.results[index] = s.ToolResult(
+            tool_call_id=call.id, name=call.name, output=outcome.output(), is_error=True
+        )
