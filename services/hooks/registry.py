@@ -29,8 +29,8 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import NotFound
 from baton_runtime.common.etcd.keys import Keys, TokenRecord
+from baton_runtime.common.etcd.scope import ScopeCheck
 from baton_runtime.common.etcd.store import Store
-from baton_runtime.common.security.scope import ScopeCheck
 from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from baton_runtime.hooks.expiry import ExpiryLeases

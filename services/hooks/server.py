@@ -9,9 +9,9 @@ from baton_runtime.common.clients.hooks_methods import HOOKS_UNLIMITED
 from baton_runtime.common.etcd.health import StoreHealth
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.etcd.members import connect_checked
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
 from baton_runtime.common.security.permits import PermitVerifier
-from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.expiry import ExpiryLeases

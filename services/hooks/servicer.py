@@ -14,11 +14,11 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
 from baton_runtime.common.security.identity import Role
-from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.common.streams import feeds, multiplex
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.fleets import FleetViews
