@@ -95,6 +95,32 @@ async def test_a_stopped_follow_gets_nothing_more_and_the_stream_serves_on(env: 
         call.cancel()
 
 
+async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> None:
+    """Issue 32: one message opens follows 1 and 2 of a session with a
+    backlog and stops 2. A stop applies after its follow's open: follow 2
+    ends at once and nothing is sent for it, follow 1 gets its page; once 1
+    is stopped and the client half-closes, the stream ends with OK, as it
+    does only when no follow is left open. (Stops applied before opens left
+    follow 2 open for nobody, holding its watch, for the life of the stream.)"""
+    fence, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    call = raw_stream(env)
+    try:
+        opening = open_follows((1, fence), (2, fence))
+        opening.stop_ids.append(2)
+        await call.write(opening)
+        items = await read_items(call, until=lambda got: bool(got))
+        await call.write(h.FollowInboxesRequest(stop_ids=[1]))
+        await call.done_writing()
+        rest, ended = await items_until_end(call)
+    finally:
+        call.cancel()
+    assert [(i.follow_id, [e.seq for e in i.entries], i.end) for i in items + rest] == [
+        (1, [0], b"")
+    ]
+    assert ended, "a follow left open after its stop"
+
+
 async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> None:
     """A message with nothing, with more than 256 follows and stops, or with
     a malformed traceparent, and an undecodable one end the stream with
@@ -208,6 +234,20 @@ async def read_items(call: Any, until: Any, timeout: float = 10.0) -> list[h.Inb
 
 async def wait_for(predicate: Any, what: str) -> None:
     await wait_until(predicate, what=what)
+
+
+async def items_until_end(call: Any, timeout: float = 5.0) -> tuple[list[Any], bool]:
+    """The items a raw stream sends until it ends, and whether the server
+    ended it with OK within `timeout` (a stream with a follow open does not
+    end when the client half-closes)."""
+    got: list[Any] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while (message := await call.read()) is not grpc.aio.EOF:
+                got.extend(message.items)
+    except TimeoutError:
+        return got, False
+    return got, await call.code() == Code.OK
 
 
 async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> None:
