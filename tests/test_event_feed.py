@@ -20,7 +20,7 @@ from baton_runtime.common.errors import Reason
 from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, wait_until
-from tests.test_inbox_feed import items_until_end
+from tests.test_inbox_feed import close_one_before_its_open_is_written, items_until_end
 
 METHOD = "/baton.anchor.v1.AnchorService/FollowEvents"
 
@@ -145,6 +145,25 @@ async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> N
     assert {(i.follow_id, i.end) for i in items + rest} == {(1, b"")}
     assert items[0].events[0].seq == 0
     assert ended, "a follow left open after its stop"
+
+
+async def test_a_read_closed_before_its_open_is_written_is_never_sent(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, the client half: a read closed while its open still waits
+    for the writer is dropped from the queue. No message names it, neither
+    an open nor a stop (written together, or the stop first, they left it
+    open on anchor for nobody); the read before it is served and stopped as
+    usual, and the stream, half-closed, ends: nothing is left open."""
+    sid = await env.stack.create()
+    await env.stack.send(sid, "hello")
+    await env.stack.events(sid, until=1)
+    page, written, ended = await close_one_before_its_open_is_written(
+        env.anchor._reads, monkeypatch, lambda: env.anchor.read_events(sid, 0, True)
+    )
+    assert page[0].seq == 0
+    assert written == [([1], []), ([], [1])]
+    assert ended, "a follow left open on anchor"
 
 
 def raw_stream(env: Env) -> Any:

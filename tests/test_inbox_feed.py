@@ -6,7 +6,7 @@ one follow and no other; a message that breaks the bounds is refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -17,6 +17,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Fenced, Reason
+from baton_runtime.common.feed_client import FollowedStreams
 from baton_runtime.common.grpc_errors import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, own_session, take_over, wait_until
@@ -119,6 +120,24 @@ async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> N
         (1, [0], b"")
     ]
     assert ended, "a follow left open after its stop"
+
+
+async def test_a_follow_closed_before_its_open_is_written_is_never_sent(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, the client half: a follow closed while its open still waits
+    for the writer is dropped from the queue. No message names it, neither
+    an open nor a stop (written together, or the stop first, they left it
+    open on hooks for nobody); the follow before it is served and stopped as
+    usual, and the stream, half-closed, ends: nothing is left open."""
+    fence, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    page, written, ended = await close_one_before_its_open_is_written(
+        env.hooks._inboxes, monkeypatch, lambda: env.hooks.stream_inbox(fence, 0)
+    )
+    assert [e.seq for e in page] == [0]
+    assert written == [([1], []), ([], [1])]
+    assert ended, "a follow left open on hooks"
 
 
 async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> None:
@@ -248,6 +267,85 @@ async def items_until_end(call: Any, timeout: float = 5.0) -> tuple[list[Any], b
     except TimeoutError:
         return got, False
     return got, await call.code() == Code.OK
+
+
+class HeldWrites:
+    """A feed's real stream, watched at the wire: the messages written, in
+    order (`sent` of them on their way), the first held until `release` is
+    set (as HTTP/2 flow control may hold a write), and `ended` once the
+    server ended the stream."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.written: list[Any] = []
+        self.sent = 0
+        self.release = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def write(self, message: Any) -> None:
+        self.written.append(message)
+        await self.release.wait()
+        await self.call.write(message)
+        self.sent += 1
+
+    async def read(self) -> Any:
+        message = await self.call.read()
+        if message is grpc.aio.EOF:
+            self.ended.set()
+        return message
+
+    def cancel(self) -> bool:
+        cancelled: bool = self.call.cancel()
+        return cancelled
+
+
+async def close_one_before_its_open_is_written(
+    feed: FollowedStreams[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    follow: Callable[[], AsyncIterator[Any]],
+) -> tuple[Any, list[tuple[list[int], list[int]]], bool]:
+    """On `feed`, whose stream is not open yet: follow 1 opened, its open
+    held in the writer; follow 2 opened, and closed by its reader before
+    its open is written; then follow 1's first page, follow 1 closed, and
+    the stream half-closed. Returns that page, the follow ids opened and
+    stopped by each message written, and whether the server then ended the
+    stream (it does once no follow is open there)."""
+    opened = feed._open
+    calls: list[HeldWrites] = []
+
+    def open_held() -> HeldWrites:
+        calls.append(HeldWrites(opened()))
+        return calls[-1]
+
+    monkeypatch.setattr(feed, "_open", open_held)
+    first, second = follow().__aiter__(), follow().__aiter__()
+    reading = asyncio.ensure_future(anext(first))
+    leaving: asyncio.Future[Any] | None = None
+    try:
+        await wait_for(lambda: len(calls) == 1 and len(calls[0].written) == 1, "open 1, held")
+        leaving = asyncio.ensure_future(anext(second))
+        await wait_for(lambda: feed.follows_open() == 2, "open 2, queued")
+        leaving.cancel()  # follow 2's reader leaves while its open is queued
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert feed.follows_open() == 1
+        (call,) = calls
+        call.release.set()
+        page = await asyncio.wait_for(reading, 10)
+        reading = asyncio.ensure_future(anext(first))  # waits: no more pages
+    finally:
+        reading.cancel()  # follow 1's reader leaves: it is stopped
+        await asyncio.gather(reading, *([leaving] if leaving else []), return_exceptions=True)
+    await wait_for(
+        lambda: call.sent == len(call.written) and 1 in call.written[-1].stop_ids,
+        "the stop of follow 1, sent",
+    )
+    await call.call.done_writing()
+    try:
+        await asyncio.wait_for(call.ended.wait(), 5)
+    except TimeoutError:
+        pass
+    written = [([f.follow_id for f in m.follows], list(m.stop_ids)) for m in call.written]
+    return page, written, call.ended.is_set()
 
 
 async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> None:
