@@ -57,7 +57,7 @@ from baton_runtime.owner.parking import ParkedSession, Parking
 from baton_runtime.owner.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
 from baton_runtime.owner.runs import RunExit, RunServices, RunStart
 from baton_runtime.owner.session import SessionRun
-from baton_runtime.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot
+from baton_runtime.owner.snapshots import SNAPSHOT_FORMAT, initial_snapshot, lifetime_deadline
 
 log = structlog.get_logger("baton.owner")
 
@@ -273,10 +273,11 @@ class HostedSessions:
         except Unavailable:
             self._log.warning("failpoint: parked session dropped", session_id=run.session_id)
             return
-        timeout = run.snapshot.timeout
-        deadline = timeout.deadline.ToSeconds() if timeout.duration_seconds else 0
         parked = ParkedSession(
-            run.run_id, run.identity.fence.epoch, run.snapshot.inbox_next_seq, deadline
+            run.run_id,
+            run.identity.fence.epoch,
+            run.snapshot.inbox_next_seq,
+            lifetime_deadline(run.snapshot),
         )
         self._hold(run.session_id, parked)
 
