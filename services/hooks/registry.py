@@ -112,8 +112,10 @@ class HookRegistry:
     ) -> TakeOver:
         return await self.ownership.take_over(expected, expected_instance_id, successor)
 
-    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int) -> int:
-        return await self.ownership.set_parked(fence, parked, inbox_next_seq)
+    async def set_parked(
+        self, fence: s.Fence, parked: bool, inbox_next_seq: int, timeout_deadline: int = 0
+    ) -> int:
+        return await self.ownership.set_parked(fence, parked, inbox_next_seq, timeout_deadline)
 
     async def list_owned(
         self,
