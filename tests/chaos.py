@@ -83,6 +83,11 @@ FAULT_KINDS = (
 )
 
 
+def waits_again(events: list[s.Event]) -> bool:
+    """Whether a session's last turn settled and nothing started since."""
+    return bool(events) and events[-1].kind == K.EVENT_KIND_SESSION_WAITING
+
+
 @dataclass
 class ChaosStack:
     """Every Baton process of the topology, by name: hooks1, hooks2,
@@ -578,7 +583,7 @@ class Chaos:
                     heads[sid] = (len(events), now)
                 elif now - heads[sid][1] > self.stall_after:
                     stalled.add(sid)
-                if not missing and events and events[-1].kind == K.EVENT_KIND_SESSION_WAITING:
+                if not missing and waits_again(events):
                     pending.discard(sid)
             if pending:
                 await asyncio.sleep(1.0)
