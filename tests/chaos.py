@@ -83,9 +83,22 @@ FAULT_KINDS = (
 )
 
 
+# What an idle session may commit after session.waiting: a move without a
+# trigger (an adoption, a drain) says session.handed_off with the
+# successor's first commit and nothing more (docs/handoff.md), and automatic
+# compaction is its own commit after the turn settles (docs/design.md §16).
+IDLE_COMMITS = (K.EVENT_KIND_SESSION_HANDED_OFF, K.EVENT_KIND_CONTEXT_COMPACTED)
+
+
 def waits_again(events: list[s.Event]) -> bool:
-    """Whether a session's last turn settled and nothing started since."""
-    return bool(events) and events[-1].kind == K.EVENT_KIND_SESSION_WAITING
+    """Whether a session's last turn settled and nothing started since: its
+    stream's last session.waiting is followed by idle commits only."""
+    for event in reversed(events):
+        if event.kind == K.EVENT_KIND_SESSION_WAITING:
+            return True
+        if event.kind not in IDLE_COMMITS:
+            return False
+    return False
 
 
 @dataclass
@@ -567,7 +580,7 @@ class Chaos:
         waits again; on a stall, say which sessions hold what, and fail."""
         deadline = time.monotonic() + self.settle_timeout
         pending = set(self.sent)
-        last: dict[str, list[int]] = {}
+        last: dict[str, tuple[list[int], list[s.Event]]] = {}  # missing, stream's end
         heads: dict[str, tuple[int, float]] = {}  # stream length, when it last grew
         stalled: set[str] = set()
         while pending and time.monotonic() < deadline and not stalled:
@@ -577,7 +590,7 @@ class Chaos:
                 except BatonError:
                     continue
                 missing = self._missing(sid, events)
-                last[sid] = missing
+                last[sid] = (missing, events[-3:])
                 now = time.monotonic()
                 if heads.get(sid, (-1, 0.0))[0] != len(events):
                     heads[sid] = (len(events), now)
@@ -595,15 +608,16 @@ class Chaos:
                     where = repr(owner)[:300]
                 except BatonError as exc:
                     where = f"(owner unknown: {exc.reason})"
-                missing = last.get(sid, [])
+                missing, end = last.get(sid, ([], []))
+                ends = ", ".join(f"#{e.seq} {K.Name(e.kind)}" for e in end)
                 lines.append(
                     f"{sid}: {len(missing)} of {len(self.sent[sid])} accepted never received "
-                    f"(first {missing[:3]}); owner {where}"
+                    f"(first {missing[:3]}); the stream ends [{ends}]; owner {where}"
                 )
             raise AssertionError(
-                f"seed {self.seed}: {len(pending)} sessions left accepted commands unprocessed "
-                f"({len(stalled)} with no new event for {self.stall_after:.0f}s):\n"
-                + "\n".join(lines)
+                f"seed {self.seed}: {len(pending)} sessions not settled (every accepted command "
+                f"received and session.waiting again; {len(stalled)} with no new event for "
+                f"{self.stall_after:.0f}s):\n" + "\n".join(lines)
             )
 
     def _reconciler_repairs(self) -> Counter[str]:
