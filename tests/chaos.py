@@ -24,8 +24,8 @@ delivery id received twice, followers saw the stored stream exactly; and
 the etcd members' hashes agree at a common revision.
 
 `python -m tests.chaos --seconds 720` runs it by hand (the slow test runs a
-long version, the default suite a short one); the seed is printed so a
-failure can be replayed with `--seed`.
+long version, the default suite a short one); the seed is printed with the
+command that replays the run (`--seed` and the run's options).
 """
 
 from __future__ import annotations
@@ -685,15 +685,31 @@ class Chaos:
 
 
 async def run_chaos(
-    workdir: Path, *, seed: int | None = None, seconds: float = 60.0, **options: object
+    workdir: Path,
+    *,
+    seed: int | None = None,
+    seconds: float = 60.0,
+    sessions: int = 32,
+    senders_per_session: int = 3,
+    fault_every: tuple[float, float] = (3.0, 8.0),
+    **options: object,
 ) -> ChaosReport:
     seed = seed if seed is not None else random.SystemRandom().randrange(1 << 30)
-    print(f"[chaos] seed {seed} (replay: python -m tests.chaos --seed {seed})", flush=True)
+    replay = replay_command(seed, seconds, sessions, senders_per_session, fault_every)
+    print(f"[chaos] seed {seed} (replay: {replay})", flush=True)
     cluster = certs.start_etcd_cluster(3, log_dir=str(workdir))
     stack = ChaosStack(cluster, workdir)
     try:
         await asyncio.to_thread(stack.start)
-        chaos = Chaos(stack, seed=seed, seconds=seconds, **options)  # type: ignore[arg-type]
+        chaos = Chaos(
+            stack,
+            seed=seed,
+            seconds=seconds,
+            sessions=sessions,
+            senders_per_session=senders_per_session,
+            fault_every=fault_every,
+            **options,  # type: ignore[arg-type]
+        )
         report = await chaos.run()
         print(report.summary(), flush=True)
         return report
@@ -702,14 +718,35 @@ async def run_chaos(
         cluster.stop()
 
 
-def main() -> None:
+def replay_command(
+    seed: int, seconds: float, sessions: int, senders: int, fault_every: tuple[float, float]
+) -> str:
+    """The command that runs the same chaos again: the seed draws the
+    faults, the senders' texts and their pauses, so every option that
+    shapes the run must be the same too (the short test's seed replayed
+    with the long run's options is another run)."""
+    low, high = fault_every
+    return (
+        f"python -m tests.chaos --seed {seed} --seconds {seconds:g} --sessions {sessions} "
+        f"--senders {senders} --fault-every {low:g} {high:g}"
+    )
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--seconds", type=float, default=720.0)
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--senders", type=int, default=3)
+    parser.add_argument(
+        "--fault-every", type=float, nargs=2, default=[3.0, 8.0], metavar=("LOW", "HIGH")
+    )
     parser.add_argument("--workdir", default="")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="baton-chaos-"))
     print(f"[chaos] logs in {workdir}", flush=True)
     asyncio.run(
@@ -719,6 +756,7 @@ def main() -> None:
             seconds=args.seconds,
             sessions=args.sessions,
             senders_per_session=args.senders,
+            fault_every=(args.fault_every[0], args.fault_every[1]),
         )
     )
     sys.exit(0)

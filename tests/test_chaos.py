@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from tests.chaos import run_chaos, waits_again
+from tests.chaos import arguments, replay_command, run_chaos, waits_again
 
 
 @pytest.mark.timeout(600)
@@ -74,3 +74,12 @@ def test_a_session_that_never_waited_does_not_wait_again() -> None:
     kinds = [K.EVENT_KIND_SESSION_STARTED, K.EVENT_KIND_SESSION_HANDED_OFF]
     assert not waits_again([s.Event(seq=seq, kind=kind) for seq, kind in enumerate(kinds)])
     assert not waits_again([])
+
+
+def test_the_printed_replay_command_runs_the_same_chaos() -> None:
+    """The short test's seed replayed with the CLI's defaults (the long
+    run's options) is another run: the command names every option."""
+    command = replay_command(388078060, 40, 12, 2, (2.0, 4.0))
+    args = arguments().parse_args(command.split()[3:])
+    assert (args.seed, args.seconds, args.sessions, args.senders) == (388078060, 40, 12, 2)
+    assert args.fault_every == [2.0, 4.0]
