@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import ids
-from baton_runtime.common.errors import NotFound
 from baton_runtime.common.etcd.keys import Keys, TokenRecord
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.security.scope import ScopeCheck
@@ -77,27 +75,6 @@ class HookRegistry:
 
     async def lookup(self, token: str, channel: str) -> TokenRecord:
         return await self.tokens.lookup(token, channel)
-
-    async def lookup_cached(self, token: str) -> TokenRecord:
-        """`lookup` for every tenant, from this process's cache when it has
-        the entry (an inbox token names its session for good)."""
-        record, _ = await self.tokens.resolve(token, "", cached=True)
-        return record
-
-    async def parent_of(self, session_id: str) -> s.ParentLink | None:
-        """A child session's parent link as created; None for other sessions
-        (and for no session)."""
-        try:
-            record = await self.lookup_cached(ids.inbox_token(session_id))
-        except NotFound:
-            return None
-        return s.ParentLink.FromString(record.parent) if record.parent else None
-
-    async def deployment_of(self, session_id: str, *, fresh: bool = False) -> str:
-        """The deployment the session runs on, as cached or (`fresh`) read now."""
-        sessions = self.sessions
-        state = await (sessions.refresh(session_id) if fresh else sessions.state(session_id))
-        return state.owner.deployment_id
 
     async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         return await self.inbox.resume(token, command, channel)

@@ -40,7 +40,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
         instances,
         transfers,
         scope,
-        Consent(registry, scope, PermitVerifier(config.tls)),
+        Consent(registry.tokens, registry.sessions, scope, PermitVerifier(config.tls)),
         FleetViews(store, keys),
     )
     server = build_server(
