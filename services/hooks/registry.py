@@ -37,7 +37,6 @@ from baton_runtime.hooks.owned_listing import OwnedListing, OwnedPage
 from baton_runtime.hooks.ownership import Ownership, TakeOver
 from baton_runtime.hooks.sessions import SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
-from baton_runtime.hooks.transfer import OwnerMoved
 
 
 class HookRegistry:
@@ -115,11 +114,6 @@ class HookRegistry:
         self, after_channel: str, after_session_id: str, limit: int
     ) -> IndexPage:
         return await self.directory.list_all_channels(after_channel, after_session_id, limit)
-
-    def owner_moved(self, moved: OwnerMoved) -> None:
-        """A transfer wrote a new owner record (transfer.py's answer, acted on
-        by the servicer; see `SessionCache.owner_moved`)."""
-        self.sessions.owner_moved(moved.session_id, moved.inbox_head, moved.owner_record)
 
     async def close(self) -> None:
         await self.inbox.close()

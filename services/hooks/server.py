@@ -32,16 +32,12 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     keys = Keys(config.etcd.prefix)
     leases = ExpiryLeases(store, config.dedupe_window_seconds)
     registry = HookRegistry(store, keys, leases)
-    transfers = Transfers(store, keys, leases)
     instances = InstanceRegistry(store, keys)
     scope = DeploymentScope(store, keys)
+    consent = Consent(registry.tokens, registry.sessions, scope, PermitVerifier(config.tls))
+    transfers = Transfers(store, keys, leases, registry.sessions, consent)
     servicer = HookRegistryServicer(
-        registry,
-        instances,
-        transfers,
-        scope,
-        Consent(registry.tokens, registry.sessions, scope, PermitVerifier(config.tls)),
-        FleetViews(store, keys),
+        registry, instances, transfers, scope, consent, FleetViews(store, keys)
     )
     server = build_server(
         config.listen,
