@@ -29,7 +29,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.etcd.keys import Keys, TokenRecord
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.security.scope import ScopeCheck
-from baton_runtime.hooks.claims import Claims
+from baton_runtime.hooks.claims import Claims, NewSession
 from baton_runtime.hooks.directory import ChannelPage, IndexPage, SessionDirectory, SessionRecord
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.inbox import Inbox
@@ -54,17 +54,9 @@ class HookRegistry:
         self.directory = SessionDirectory(store, keys)
 
     async def create_session(
-        self,
-        session_id: str,
-        owner: s.OwnerIdentity,
-        channel: str,
-        aliases: list[str],
-        parent: s.ParentLink | None = None,
-        first_command: s.Command | None = None,
+        self, new: NewSession
     ) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
-        return await self.claims.create_session(
-            session_id, owner, channel, aliases, parent, first_command
-        )
+        return await self.claims.create_session(new)
 
     async def claim(self, fence: s.Fence, tokens: list[str], channel: str = "") -> list[str]:
         return await self.claims.claim(fence, tokens, channel)

@@ -19,6 +19,7 @@ from baton_runtime.common.security import identity
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.common.streams import feeds, multiplex
+from baton_runtime.hooks.claims import NewSession
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.fleets import FleetViews
 from baton_runtime.hooks.instances import InstanceRegistry
@@ -177,14 +178,15 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         if not request.HasField("owner"):
             raise InvalidArgument(Reason.MISSING_FIELD, "owner is required")
         identity.current().require_deployment(request.owner.deployment_id, "the owner")
-        fence, hooks, first = await self._registry.create_session(
+        new = NewSession(
             request.session_id,
             request.owner,
             request.channel,
-            list(request.aliases),
+            tuple(request.aliases),
             request.parent if request.HasField("parent") else None,
             request.first_command if request.HasField("first_command") else None,
         )
+        fence, hooks, first = await self._registry.create_session(new)
         return pb.CreateSessionResponse(
             fence=fence,
             inbox_token=ids.inbox_token(request.session_id),
