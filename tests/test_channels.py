@@ -25,7 +25,7 @@ from baton_runtime.common.clients.hooks_methods import HOOKS_IDEMPOTENT
 from baton_runtime.common.config import ConfigError, EtcdConfig
 from baton_runtime.common.errors import NotFound, Unavailable
 from baton_runtime.common.rpc.server import GrpcServer
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.config import IngressConfig
 from tests.stack import SLACK_KEY, Stack, hooks_config
@@ -69,10 +69,10 @@ def test_only_idempotent_methods_are_retried() -> None:
 
 
 def count_calls(server: GrpcServer, room: str, method: str, counts: Counter[int]) -> None:
-    """Count calls of `method` of the registry's `room` on `server` under its port."""
-    registry = server.app
-    assert isinstance(registry, HookRegistry)
-    domain = getattr(registry, room)
+    """Count calls of `method` of the hooks `room` on `server` under its port."""
+    rooms = server.app
+    assert isinstance(rooms, HookRooms)
+    domain = getattr(rooms, room)
     original: Callable[..., Awaitable[Any]] = getattr(domain, method)
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
