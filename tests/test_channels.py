@@ -19,10 +19,10 @@ import pytest
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.system.processes import free_port
 from baton_runtime.common import ids
-from baton_runtime.common.clients.channels import grpc_target, service_config
+from baton_runtime.common.clients.channels import service_config
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.clients.hooks_methods import HOOKS_IDEMPOTENT
-from baton_runtime.common.config import ConfigError, EtcdConfig
+from baton_runtime.common.config import ConfigError, EtcdConfig, grpc_target
 from baton_runtime.common.errors import NotFound, Unavailable
 from baton_runtime.common.rpc.server import GrpcServer
 from baton_runtime.hooks.rooms import HookRooms

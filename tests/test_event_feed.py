@@ -20,6 +20,7 @@ from baton_runtime.common.errors import Reason
 from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, wait_until
+from tests.test_inbox_feed import close_one_before_its_open_is_written, items_until_end
 
 METHOD = "/baton.anchor.v1.AnchorService/FollowEvents"
 
@@ -75,11 +76,7 @@ async def test_follows_end_as_read_events_would_and_bounds_are_refused(env: Env)
     sid = await env.stack.create()
     await env.stack.send(sid, "hello")
     await env.stack.events(sid, until=1)
-    call: Any = env.anchor.channel.stream_stream(
-        METHOD,
-        request_serializer=a.FollowEventsRequest.SerializeToString,
-        response_deserializer=a.FollowEventsResponse.FromString,
-    )()
+    call = raw_stream(env)
     try:
         await call.write(
             a.FollowEventsRequest(
@@ -112,3 +109,67 @@ async def test_follows_end_as_read_events_would_and_bounds_are_refused(env: Env)
     assert {i.follow_id for i in pages} == {1} and pages[0].events[0].seq == 0
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert from_rpc_error(info.value).reason == Reason.INVALID_FIELD
+
+
+async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> None:
+    """Issue 32: one message opens live reads 1 and 2 of a session and stops
+    2. A stop applies after its follow's open: read 2 ends at once and
+    nothing is sent for it, read 1 gets the events; once 1 is stopped and
+    the client half-closes, the stream ends with OK, as it does only when no
+    follow is left open. (Stops applied before opens left read 2 open for
+    nobody, holding its watch, for the life of the stream.)"""
+    sid = await env.stack.create()
+    await env.stack.send(sid, "hello")
+    await env.stack.events(sid, until=1)
+    call = raw_stream(env)
+    live = a.ReadEventsRequest(session_id=sid, follow=True)
+    try:
+        await call.write(
+            a.FollowEventsRequest(
+                follows=[
+                    a.EventFollow(follow_id=1, request=live),
+                    a.EventFollow(follow_id=2, request=live),
+                ],
+                stop_ids=[2],
+            )
+        )
+        items: list[a.EventFeedItem] = []
+        async with asyncio.timeout(10):
+            while not items:
+                items.extend((await call.read()).items)
+        await call.write(a.FollowEventsRequest(stop_ids=[1]))
+        await call.done_writing()
+        rest, ended = await items_until_end(call)
+    finally:
+        call.cancel()
+    assert {(i.follow_id, i.end) for i in items + rest} == {(1, b"")}
+    assert items[0].events[0].seq == 0
+    assert ended, "a follow left open after its stop"
+
+
+async def test_a_read_closed_before_its_open_is_written_is_never_sent(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, the client half: a read closed while its open still waits
+    for the writer is dropped from the queue. No message names it, neither
+    an open nor a stop (written together, or the stop first, they left it
+    open on anchor for nobody); the read before it is served and stopped as
+    usual, and the stream, half-closed, ends: nothing is left open."""
+    sid = await env.stack.create()
+    await env.stack.send(sid, "hello")
+    await env.stack.events(sid, until=1)
+    page, written, ended = await close_one_before_its_open_is_written(
+        env.anchor._reads, monkeypatch, lambda: env.anchor.read_events(sid, 0, True)
+    )
+    assert page[0].seq == 0
+    assert written == [([1], []), ([], [1])]
+    assert ended, "a follow left open on anchor"
+
+
+def raw_stream(env: Env) -> Any:
+    call: Any = env.anchor.channel.stream_stream(
+        METHOD,
+        request_serializer=a.FollowEventsRequest.SerializeToString,
+        response_deserializer=a.FollowEventsResponse.FromString,
+    )()
+    return call

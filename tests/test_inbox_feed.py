@@ -6,7 +6,7 @@ one follow and no other; a message that breaks the bounds is refused."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -18,6 +18,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Fenced, Reason
 from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
+from baton_runtime.common.streams.feed_client import FollowedStreams
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, own_session, take_over, wait_until
 
@@ -93,6 +94,50 @@ async def test_a_stopped_follow_gets_nothing_more_and_the_stream_serves_on(env: 
         assert [(i.follow_id, [e.seq for e in i.entries]) for i in pages] == [(2, [0])]
     finally:
         call.cancel()
+
+
+async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> None:
+    """Issue 32: one message opens follows 1 and 2 of a session with a
+    backlog and stops 2. A stop applies after its follow's open: follow 2
+    ends at once and nothing is sent for it, follow 1 gets its page; once 1
+    is stopped and the client half-closes, the stream ends with OK, as it
+    does only when no follow is left open. (Stops applied before opens left
+    follow 2 open for nobody, holding its watch, for the life of the stream.)"""
+    fence, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    call = raw_stream(env)
+    try:
+        opening = open_follows((1, fence), (2, fence))
+        opening.stop_ids.append(2)
+        await call.write(opening)
+        items = await read_items(call, until=lambda got: bool(got))
+        await call.write(h.FollowInboxesRequest(stop_ids=[1]))
+        await call.done_writing()
+        rest, ended = await items_until_end(call)
+    finally:
+        call.cancel()
+    assert [(i.follow_id, [e.seq for e in i.entries], i.end) for i in items + rest] == [
+        (1, [0], b"")
+    ]
+    assert ended, "a follow left open after its stop"
+
+
+async def test_a_follow_closed_before_its_open_is_written_is_never_sent(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, the client half: a follow closed while its open still waits
+    for the writer is dropped from the queue. No message names it, neither
+    an open nor a stop (written together, or the stop first, they left it
+    open on hooks for nobody); the follow before it is served and stopped as
+    usual, and the stream, half-closed, ends: nothing is left open."""
+    fence, _ = await own_session(env)
+    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    page, written, ended = await close_one_before_its_open_is_written(
+        env.hooks._inboxes, monkeypatch, lambda: env.hooks.stream_inbox(fence, 0)
+    )
+    assert [e.seq for e in page] == [0]
+    assert written == [([1], []), ([], [1])]
+    assert ended, "a follow left open on hooks"
 
 
 async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> None:
@@ -208,6 +253,99 @@ async def read_items(call: Any, until: Any, timeout: float = 10.0) -> list[h.Inb
 
 async def wait_for(predicate: Any, what: str) -> None:
     await wait_until(predicate, what=what)
+
+
+async def items_until_end(call: Any, timeout: float = 5.0) -> tuple[list[Any], bool]:
+    """The items a raw stream sends until it ends, and whether the server
+    ended it with OK within `timeout` (a stream with a follow open does not
+    end when the client half-closes)."""
+    got: list[Any] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while (message := await call.read()) is not grpc.aio.EOF:
+                got.extend(message.items)
+    except TimeoutError:
+        return got, False
+    return got, await call.code() == Code.OK
+
+
+class HeldWrites:
+    """A feed's real stream, watched at the wire: the messages written, in
+    order (`sent` of them on their way), the first held until `release` is
+    set (as HTTP/2 flow control may hold a write), and `ended` once the
+    server ended the stream."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.written: list[Any] = []
+        self.sent = 0
+        self.release = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def write(self, message: Any) -> None:
+        self.written.append(message)
+        await self.release.wait()
+        await self.call.write(message)
+        self.sent += 1
+
+    async def read(self) -> Any:
+        message = await self.call.read()
+        if message is grpc.aio.EOF:
+            self.ended.set()
+        return message
+
+    def cancel(self) -> bool:
+        cancelled: bool = self.call.cancel()
+        return cancelled
+
+
+async def close_one_before_its_open_is_written(
+    feed: FollowedStreams[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    follow: Callable[[], AsyncIterator[Any]],
+) -> tuple[Any, list[tuple[list[int], list[int]]], bool]:
+    """On `feed`, whose stream is not open yet: follow 1 opened, its open
+    held in the writer; follow 2 opened, and closed by its reader before
+    its open is written; then follow 1's first page, follow 1 closed, and
+    the stream half-closed. Returns that page, the follow ids opened and
+    stopped by each message written, and whether the server then ended the
+    stream (it does once no follow is open there)."""
+    opened = feed._open
+    calls: list[HeldWrites] = []
+
+    def open_held() -> HeldWrites:
+        calls.append(HeldWrites(opened()))
+        return calls[-1]
+
+    monkeypatch.setattr(feed, "_open", open_held)
+    first, second = follow().__aiter__(), follow().__aiter__()
+    reading = asyncio.ensure_future(anext(first))
+    leaving: asyncio.Future[Any] | None = None
+    try:
+        await wait_for(lambda: len(calls) == 1 and len(calls[0].written) == 1, "open 1, held")
+        leaving = asyncio.ensure_future(anext(second))
+        await wait_for(lambda: feed.follows_open() == 2, "open 2, queued")
+        leaving.cancel()  # follow 2's reader leaves while its open is queued
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert feed.follows_open() == 1
+        (call,) = calls
+        call.release.set()
+        page = await asyncio.wait_for(reading, 10)
+        reading = asyncio.ensure_future(anext(first))  # waits: no more pages
+    finally:
+        reading.cancel()  # follow 1's reader leaves: it is stopped
+        await asyncio.gather(reading, *([leaving] if leaving else []), return_exceptions=True)
+    await wait_for(
+        lambda: call.sent == len(call.written) and 1 in call.written[-1].stop_ids,
+        "the stop of follow 1, sent",
+    )
+    await call.call.done_writing()
+    try:
+        await asyncio.wait_for(call.ended.wait(), 5)
+    except TimeoutError:
+        pass
+    written = [([f.follow_id for f in m.follows], list(m.stop_ids)) for m in call.written]
+    return page, written, call.ended.is_set()
 
 
 async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> None:

@@ -486,9 +486,9 @@ async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
     (metering.HeldView), read at each scrape."""
     from baton_runtime.owner.agents.fixture import build_agent
     from baton_runtime.owner.hosting.host import OwnerHost
-    from baton_runtime.owner.hosting.metering import HeldSessions
     from baton_runtime.owner.hosting.parking import ParkedSession
     from baton_runtime.owner.hosting.sessions import HostSettings
+    from baton_runtime.owner.run.metering import HeldSessions
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),

@@ -1,4 +1,4 @@
-"""Domain errors. Plain values with no gRPC import; `grpc_errors` maps them.
+"""Domain errors. Plain values with no gRPC import; `status_map` maps them.
 
 Every error has a kind (the canonical status it maps to) and an UPPER_SNAKE
 reason that clients can branch on (sent as google.rpc.ErrorInfo).

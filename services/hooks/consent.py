@@ -10,10 +10,10 @@ from __future__ import annotations
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import PermissionDenied, Reason
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.ids import brief
 from baton_runtime.common.security.identity import Caller
 from baton_runtime.common.security.permits import PermitVerifier, grant_for
-from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.hooks.sessions import SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
 from baton_runtime.hooks.transfer import TransferPlan

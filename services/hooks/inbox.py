@@ -32,12 +32,12 @@ from baton_runtime.common import ids
 from baton_runtime.common.errors import FailedPrecondition, InvalidArgument, Reason, Unavailable
 from baton_runtime.common.etcd.keys import Keys, OwnerRecord, prefix_end, seq_of
 from baton_runtime.common.etcd.ops import cmp_absent, cmp_value
+from baton_runtime.common.etcd.scope import ScopeCheck
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.common.etcd.watch import watch_then_read
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.observability.tracing import check_traceparent
-from baton_runtime.common.security.scope import ScopeCheck
 from baton_runtime.common.tasks import Background
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.sessions import CachedSession, SessionCache
@@ -295,7 +295,7 @@ class Inbox:
     ) -> AsyncIterator[list[s.InboxEntry]]:
         """The inbox from `from_seq`, then live, until the fence moves. With
         `scope` the first read also reads the owner record and refuses a
-        session of another deployment (services/common/security/scope.py)."""
+        session of another deployment (services/common/etcd/scope.py)."""
         k = self._keys
         sid = fence.session_id
         owner = Fence.of(fence)

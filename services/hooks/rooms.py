@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.security.permits import PermitVerifier
-from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.directory import SessionDirectory

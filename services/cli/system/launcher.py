@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from baton_runtime.cli.commands import profile
+from baton_runtime.cli.system import profile
 from baton_runtime.cli.system.launch_settings import (
     DEMO_API_KEY,
     DEMO_CHANNEL,
@@ -146,7 +146,7 @@ def _announce(system: LocalSystem) -> None:
 
 def _write_profile(system: LocalSystem) -> None:
     """Where `baton sessions ...` finds this system with no flags
-    (services/cli/commands/profile.py)."""
+    (services/cli/system/profile.py)."""
     path = profile.default_path()
     operator = system.pki.files(Role.OPERATOR) if system.pki is not None else None
     try:

@@ -1,6 +1,6 @@
 """The typed client of hooks (`HookRegistryService`): its idempotent
-methods (retried by gRPC, see `rpc_client`) and one call per RPC, each
-answering with the values of `client_answers`."""
+methods (retried by gRPC, see `clients.base`) and one call per RPC, each
+answering with the values of `clients.answers`."""
 
 from __future__ import annotations
 

@@ -14,7 +14,10 @@ item. Flow control is per follow: a follow has at most its window of pages
 sent (or ready to be) and not granted back by the client, which grants as
 its reader takes them, so a reader that stops reading holds back its own
 follow, and no other, and the two sides together hold at most a window of
-pages for it. The client half is services/common/streams/feed_client.py.
+pages for it. A follow's open and stop apply in the order the client meant,
+however they are batched: the client writes a stop only after its follow's
+open, and the server applies a stop in the same message as its open after
+that open. The client half is services/common/streams/feed_client.py.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ async def serve_follows(
     `grants` (`follow_id`, `pages`) added to their follows' windows; the
     items ready together go back as one message (`message`). Ends when the
     client half-closes and every follow has ended; a request that breaks the
-    bounds ends it with INVALID_ARGUMENT."""
+    bounds ends it with INVALID_ARGUMENT. A stop applies after its follow's
+    open: one in the same request as the open ends the follow."""
     feed = _Feed(open_follow, method, max_follows)
     reader = asyncio.ensure_future(feed.read(requests))
     try:
@@ -147,14 +151,20 @@ class _Feed:
         try:
             async for request in requests:
                 _check_request(request)
-                for follow_id in request.stop_ids:
-                    self._stop(follow_id)
+                # Each stop applies after its follow's open. The stops of
+                # follows open before this message go first (they make room
+                # under the limit for its opens); a stop of a follow this
+                # message opens ends it once opened, never before (it would
+                # be ignored, and the follow left open for nobody).
+                after_opens = [i for i in request.stop_ids if not self._stop(i)]
+                for follow in request.follows:
+                    self._start(follow)
                 for grant in request.grants:
                     follow = self._follows.get(grant.follow_id)
                     if follow is not None:
                         follow.grant(grant.pages)
-                for follow in request.follows:
-                    self._start(follow)
+                for follow_id in after_opens:
+                    self._stop(follow_id)
         finally:
             self._wake.set()
 
@@ -183,10 +193,14 @@ class _Feed:
             self._run(follow_id, follow, opened.request, opened.traceparent)
         )
 
-    def _stop(self, follow_id: int) -> None:
+    def _stop(self, follow_id: int) -> bool:
+        """Stop the follow `follow_id`; False when it is not open."""
         follow = self._follows.pop(follow_id, None)
-        if follow is not None and follow.task is not None:
+        if follow is None:
+            return False
+        if follow.task is not None:
             follow.task.cancel()
+        return True
 
     async def _run(self, follow_id: int, follow: _Follow, request: Any, traceparent: str) -> None:
         start = time.perf_counter()
