@@ -31,6 +31,7 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.rpc.status_map import error_reason
 from baton_runtime.owner.server import EXIT_LEASE_LOST
 from tests.certs import etcd_client, start_etcd
 from tests.procs import (
@@ -343,6 +344,56 @@ async def test_an_owner_restarted_under_its_own_id_takes_each_session_over_once(
             taken = (await c.hooks.get_owner(sid)).fence.epoch - epochs[sid]
             assert taken == 1, f"{sid} was taken over {taken} times by the restarted instance"
             assert await c.owner_of(sid) == "o1"
+    finally:
+        await c.close()
+
+
+async def test_a_parked_sessions_timeout_survives_its_owners_restart(
+    make_stack: MakeStack,
+) -> None:
+    """A parked session's lifetime deadline survives every takeover that
+    keeps it parked (here: kill -9 of its only instance, restarted under the
+    same id, as every rolling restart does): `late` times out while its
+    owner is dead, `later` after the restart; both time out, and a message
+    sent to `late` past its deadline, while no instance holds it, is refused
+    as for a finalized session, not accepted to start a turn that the
+    timeout then cancels (issue 32)."""
+    stack = make_stack(owners=1, park_after=0.3)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        late, later = await c.create(timeout_seconds=8), await c.create(timeout_seconds=14)
+        for sid in (late, later):
+            assert (await c.send(sid, "hello")).receipt.seq == 0
+
+        async def parked(sid: str) -> bool:
+            return (await c.hooks.get_owner(sid)).parked
+
+        for sid in (late, later):
+            await eventually(functools.partial(parked, sid), "parked")
+        stack.kill("o1")
+        got = await c.ingress.GetSession(
+            ingress_pb.GetSessionRequest(session_id=late), metadata=SLACK, timeout=10
+        )
+        deadline = got.session.timeout_deadline.seconds
+        assert deadline
+        # A deadline is a time of day: nothing to wait on but the clock.
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.send(late, "past the deadline")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_reason(refused.value) == "SESSION_FINALIZED"
+
+        stack.start_owner("o1")
+
+        def completed(events: list[s.Event]) -> bool:
+            return bool(events) and events[-1].kind == K.EVENT_KIND_SESSION_COMPLETED
+
+        for sid in (late, later):
+            events = await c.wait_events(sid, completed, "the session timed out")
+            check_history(events, [0])
+            assert events[-1].error.reason == "TIMEOUT"
+            assert answers(events) == ["echo: hello"]
     finally:
         await c.close()
 

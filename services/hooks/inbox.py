@@ -15,6 +15,12 @@ Parking: the append txn also compares the owner record against the cached copy
 parked it puts the owner instance's bell in the same txn. So a bell is rung
 exactly for the arrivals after a successful park, with no race against
 (un)parking, and an unparked session still costs one round trip per batch.
+
+The lifetime deadline: the owner record keeps it from the session's park on
+(services/hooks/ownership.py), and once it passed every append but the
+owner's own timeout is refused as for a finalized session: a parked session
+is finalized only once its owner wakes it at the deadline, and nothing sent
+in between may start a turn.
 """
 
 from __future__ import annotations
@@ -188,9 +194,10 @@ class Inbox:
         """Append `batch` in one txn, retried (after learning why from its
         failure branch) until every command has its receipt."""
         for _ in range(MAX_APPEND_ATTEMPTS):
+            state = await self._sessions.state(session_id)
+            state, batch = await self._refuse_late(session_id, state, batch)
             if not batch:
                 return
-            state = await self._sessions.state(session_id)
             attempt = _Attempt.of(state.head, batch)
             result = await self._leases.run(
                 functools.partial(self._append_txn, session_id, state, attempt),
@@ -202,6 +209,33 @@ class Inbox:
                 return
             batch = self._after_refusal(session_id, batch, attempt, result)
         raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
+
+    async def _refuse_late(
+        self, session_id: str, state: CachedSession, batch: list[_Append]
+    ) -> tuple[CachedSession, list[_Append]]:
+        """Past the session's lifetime deadline (as its owner record keeps it
+        from the park on) it is as good as finalized: every command but the
+        timeout that finalizes it is refused as for a finalized session. The
+        cached record says so without a read; it is read again before
+        refusing, as a handoff to another deployment writes a record without
+        the old deadline (one read, only for a session past its deadline)."""
+        now = time.time()
+        if not state.owner.past_deadline(now):
+            return state, batch
+        timeouts = [item for item in batch if item.command.WhichOneof("kind") == "timeout"]
+        if len(timeouts) == len(batch):
+            return state, batch
+        state = await self._sessions.refresh(session_id)
+        if not state.owner.past_deadline(now):
+            return state, batch
+        refusal = FailedPrecondition(
+            Reason.SESSION_FINALIZED,
+            f"session {session_id} is finalized: its lifetime timeout passed",
+        )
+        for item in batch:
+            if item.command.WhichOneof("kind") != "timeout" and not item.future.done():
+                item.future.set_exception(refusal)
+        return state, timeouts
 
     def _append_txn(
         self, session_id: str, state: CachedSession, attempt: _Attempt, lease: int

@@ -14,7 +14,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.bounds import check_seq
+from baton_runtime.common.bounds import MAX_TIMESTAMP_SECONDS, check_range, check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
@@ -335,17 +335,23 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         taken = await self._rooms.ownership.take_over(
             request.expected, request.expected_instance_id, request.successor
         )
-        return pb.TakeOverSessionResponse(
+        response = pb.TakeOverSessionResponse(
             fence=taken.fence, parked=taken.parked, inbox_head=taken.inbox_head
         )
+        if taken.timeout_deadline:
+            response.timeout_deadline.FromSeconds(taken.timeout_deadline)
+        return response
 
     async def SetParked(
         self, request: pb.SetParkedRequest, context: Context
     ) -> pb.SetParkedResponse:
         await self._fenced(request.fence, request.HasField("fence"))
         check_seq(request.inbox_next_seq, "inbox_next_seq")
+        deadline = check_range(
+            request.timeout_deadline.seconds, "timeout_deadline", MAX_TIMESTAMP_SECONDS
+        )
         head = await self._rooms.ownership.set_parked(
-            request.fence, request.parked, request.inbox_next_seq
+            request.fence, request.parked, request.inbox_next_seq, deadline
         )
         return pb.SetParkedResponse(inbox_head=head)
 

@@ -20,14 +20,13 @@ Which failures are deterministic (the one table: docs/failures.md):
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids, retry
 from baton_runtime.common.clients.anchor import AnchorClient
-from baton_runtime.common.clients.answers import OwnedSession
+from baton_runtime.common.clients.answers import OwnedSession, TakenOver
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, FailedPrecondition, Fenced, Reason
 from baton_runtime.common.observability import metrics
@@ -38,16 +37,6 @@ from baton_runtime.owner.rules.turns import safe_error
 from baton_runtime.owner.run.commit import commit_step
 
 DEFAULT_RESTART_BUDGET = 5
-
-
-@dataclass(frozen=True)
-class TakenOver:
-    """A session this instance took over: its new fence, and whether it was
-    parked (then it is held parked at `inbox_head`, not run)."""
-
-    fence: s.Fence
-    parked: bool
-    inbox_head: int
 
 
 def transient(failure: BaseException | None) -> bool:
@@ -236,6 +225,6 @@ class Restarts:
                 epoch=taken.fence.epoch,
                 parked=taken.parked,
             )
-            return TakenOver(taken.fence, taken.parked, taken.inbox_head)
+            return taken
         finally:
             self.adopting.discard(sid)
