@@ -40,6 +40,13 @@ READ_PAGE_MAX_ENTRIES = 160
 READ_PAGE_BYTES = 4 * 1024 * 1024
 """History pages grow while their entries are small, up to about this."""
 
+MAX_PAGE_BYTES = 1024 * 1024
+"""An inbox or event page sent in one gRPC message (services/common/pages.py):
+entries are added while the page stays within this; one larger entry goes
+alone (none is: MAX_EVENT_BYTES, hooks' MAX_COMMAND_BYTES). A feed's message
+batches pages up to the same bytes (services/common/feeds.py), so a message
+stays far below gRPC's 4 MiB limit, whatever the entries."""
+
 STREAM_PAGE_EVENTS = 64
 """Stream seqs per page of the retention horizon's age rule: the commit that
 writes a page's first seq stamps the page (`s/{sid}/pg/{page}`), which dates
