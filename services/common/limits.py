@@ -9,6 +9,15 @@ snapshot, so these bound it whatever the session's age.
 
 from __future__ import annotations
 
+MAX_COMMAND_BYTES = 256 * 1024
+"""One inbox command, serialized (hooks refuses a larger one: every inbox
+entry is bounded by it, whoever appends)."""
+
+MAX_MESSAGE_TEXT_BYTES = MAX_COMMAND_BYTES - 32 * 1024
+"""The largest ingress' --max-message-bytes may be: a message's text and
+input responses within it leave its command room for the labels (8 KiB),
+the responses' ids and the delivery metadata, so hooks accepts it."""
+
 MAX_HISTORY_ENTRY_BYTES = 256 * 1024
 """One model-history entry (a message, a tool result), serialized."""
 
@@ -43,7 +52,7 @@ READ_PAGE_BYTES = 4 * 1024 * 1024
 MAX_PAGE_BYTES = 1024 * 1024
 """An inbox or event page sent in one gRPC message (services/common/pages.py):
 entries are added while the page stays within this; one larger entry goes
-alone (none is: MAX_EVENT_BYTES, hooks' MAX_COMMAND_BYTES). A feed's message
+alone (none is: MAX_EVENT_BYTES, MAX_COMMAND_BYTES). A feed's message
 batches pages up to the same bytes (services/common/feeds.py), so a message
 stays far below gRPC's 4 MiB limit, whatever the entries."""
 

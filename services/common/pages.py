@@ -7,7 +7,7 @@ message over its limit (4 MiB) and fails the whole call with it: on a feed,
 every follow of every session riding it. So a page holds entries while
 their bytes stay within `limits.MAX_PAGE_BYTES`; an entry over it goes
 alone (none is: entries are bounded far below, `limits.MAX_EVENT_BYTES`
-and hooks' `MAX_COMMAND_BYTES`).
+and `limits.MAX_COMMAND_BYTES`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from baton_runtime.common.etcd_ops import cmp_absent, cmp_value
 from baton_runtime.common.etcd_store import Store
 from baton_runtime.common.etcd_watch import watch_then_read
 from baton_runtime.common.keys import Keys, OwnerRecord, prefix_end, seq_of
+from baton_runtime.common.limits import MAX_COMMAND_BYTES
 from baton_runtime.common.pages import byte_pages
 from baton_runtime.common.scope import ScopeCheck
 from baton_runtime.common.tasks import Background
@@ -43,7 +44,6 @@ from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.sessions import CachedSession, SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
 
-MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40
 MAX_BATCH_BYTES = 1024 * 1024
 MAX_APPEND_ATTEMPTS = 50
