@@ -28,7 +28,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.commands.deployments import DrainError, drain
+from baton_runtime.cli.commands.deployments import EXIT_DRAINED, DrainError, drain
 from baton_runtime.cli.commands.operator import deployment_sessions
 from baton_runtime.cli.commands.sessions import Connection, UsageError
 from baton_runtime.common import ids
@@ -62,6 +62,8 @@ MAX_SCANNED = 4 * max(PAGE_SIZES)
 a link to the next (a sparse filter does not keep the page waiting)."""
 CONTROL_TIMEOUT = 30.0
 DRAIN_WAIT = 120.0
+ANNOUNCE_WAIT = 15.0
+"""Seconds a finished drain waits for the registry to say DRAINED."""
 CONTROLS = {"cancel": pb.CONTROL_KIND_CANCEL, "reset": pb.CONTROL_KIND_RESET}
 
 
@@ -343,6 +345,17 @@ class Operator:
             await channel.close()
         return f"{action} accepted into the inbox at seq {response.receipt.seq}"
 
+    async def _registry_says_drained(self, deployment_id: str) -> None:
+        """Wait (bounded) until the registry reports the drained deployment
+        DRAINED: its owners announce their drain target on their next
+        keep-alive, so a page shown at once could still say active."""
+        deadline = time.monotonic() + ANNOUNCE_WAIT
+        while time.monotonic() < deadline:
+            info = await self.hooks.describe_deployment(deployment_id)
+            if info.status == hooks_pb.DEPLOYMENT_STATUS_DRAINED:
+                return
+            await asyncio.sleep(0.5)
+
     def start_drain(self, old: str, new: str) -> DrainRun:
         """Drain `old` to `new` in the background (`baton deployments
         drain`); a drain of `old` already running is answered as it is."""
@@ -368,6 +381,8 @@ class Operator:
                     wait_s=DRAIN_WAIT,
                     write=run.say,
                 )
+                if run.code == EXIT_DRAINED:
+                    await self._registry_says_drained(old)
             except DrainError as exc:
                 run.say(f"refused: {exc}")
                 run.code = 2
