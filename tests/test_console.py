@@ -142,7 +142,7 @@ def up() -> Iterator[Up]:
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_runtime.cli", "up", "--port-base", "0", "--etcd-port", "0"]
-        + ["--deployment-id", "dep-1,dep-2"],
+        + ["--deployment-id", "dep-1,dep-2", "--run-dir", str(work / "run")],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -283,6 +283,12 @@ def status_of(up: Up, deployment_id: str, session_id: str) -> pb.Session:
         return client.get_session(session_id)
 
 
+def owner_log(up: Up, deployment_id: str = "dep-1") -> str:
+    log = Path(up.run_dir) / "logs" / f"owner-{deployment_id}.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return "\n".join(line for line in lines if "drain" in line or "error" in line)[-6000:]
+
+
 def answered(browser: Browser, text: str) -> bool:
     """The page shows the answer to `text`."""
     return any(e[1] == "message.completed" and text in e[3] for e in browser.timeline())
@@ -397,11 +403,18 @@ def test_draining_from_the_console_moves_idle_sessions(up: Up, browser: Browser)
     assert "dep-1 to dep-2" in browser.css("#question")[0].text
     browser.css("#confirm")[0].click()
     browser.check_page()
+    wait_until(lambda: "drained:" in browser.css("main")[0].text, timeout=90, what="the drain")
+
+    def shows_drained() -> bool:
+        """(The owners announce a drain on their next keep-alive: reload.)"""
+        browser.driver.refresh()
+        return browser.css("#dep-status")[0].text == "drained"
+
     wait_until(
-        lambda: browser.css("#dep-status") and browser.css("#dep-status")[0].text == "drained",
-        timeout=90,
+        shows_drained,
+        timeout=60,
         what="the deployment page showing dep-1 drained",
-        seen=lambda: browser.driver.find_element(By.TAG_NAME, "main").text,
+        seen=lambda: browser.driver.find_element(By.TAG_NAME, "main").text + owner_log(up),
     )
     browser.check_page()
     browser.shot("deployment")
@@ -454,7 +467,8 @@ def test_a_forged_cross_site_post_is_refused(up: Up, browser: Browser) -> None:
 def test_callers_without_authority_are_refused(up: Up) -> None:
     """Not on loopback without the token (then with it); a loopback caller
     naming another host (DNS rebinding); and a console whose identity is
-    not an operator's: its action is refused by the services."""
+    not an operator's (an owner's certificate): the services refuse its
+    reads and its actions."""
     config = ConsoleConfig(
         hooks=up.hooks,
         anchor=up.anchor,
@@ -474,14 +488,11 @@ def test_callers_without_authority_are_refused(up: Up) -> None:
         rebound = http.get("/", headers={"Host": "attacker.example:8080"})
         assert rebound.status_code == 401
         assert http.get("/", headers={"Host": "127.0.0.1:8080"}).status_code == 200
-    not_operator = ConsoleConfig(
-        hooks=up.hooks, anchor=up.anchor, security=up.certs("ingress-dep-2")
-    )
+    not_operator = ConsoleConfig(hooks=up.hooks, anchor=up.anchor, security=up.certs("owner-dep-2"))
     with TestClient(create_app(not_operator), client=("127.0.0.1", 40000)) as http:
         headers = {"Host": "127.0.0.1:8080", "Origin": "http://127.0.0.1:8080"}
-        # (its confirmation page reads what an ingress may read)
         page = http.get(f"/sessions/{SHARED.stalled}/resume", headers=headers)
-        assert page.status_code == 200, page.text
+        assert page.status_code == 403 and "ROLE_NOT_ALLOWED" in page.text, page.text
         token = http.cookies["baton_console_csrf"]
         answer = http.post(
             f"/sessions/{SHARED.stalled}/resume", data={"csrf": token}, headers=headers
