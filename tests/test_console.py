@@ -374,7 +374,8 @@ def test_a_stalled_session_is_shown_and_resumed(up: Up, browser: Browser) -> Non
     assert browser.css("#status")[0].text == "stalled"
     assert "1 unconsumed" in browser.css("#inbox")[0].text
     mark.unlink()  # the cause fixed
-    browser.open(f"/sessions/{sid}/resume")
+    browser.driver.find_element(By.LINK_TEXT, "Resume the stalled session").click()
+    browser.check_page()
     assert sid in browser.css("#question")[0].text
     browser.shot("confirm")
     browser.css("#confirm")[0].click()

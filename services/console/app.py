@@ -39,6 +39,8 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.commands.operator import reason_name
 from baton_runtime.common.errors import BatonError, ErrorKind, OutOfRange
@@ -76,6 +78,22 @@ SESSION_ACTIONS = {
 }
 
 Handler = Callable[[Request], Awaitable[Response]]
+_TURN_OPEN = {
+    ingress_pb.SESSION_STATUS_RUNNING,
+    ingress_pb.SESSION_STATUS_WAITING_FOR_INPUT,
+    ingress_pb.SESSION_STATUS_WAITING_FOR_AUTHORIZATION,
+}
+
+
+def offered_actions(status: ingress_pb.SessionStatus.ValueType) -> list[str]:
+    """The actions a session's page offers in this status (each is still
+    accepted in any: the services answer what it does then)."""
+    if status == ingress_pb.SESSION_STATUS_FINALIZED:
+        return []
+    offered = ["cancel"] if status in _TURN_OPEN else []
+    if status == ingress_pb.SESSION_STATUS_STALLED:
+        offered.append("resume")
+    return [*offered, "reset"]
 
 
 def sse(event: str, data: str, event_id: str = "") -> str:
@@ -242,7 +260,7 @@ class Console:
             start=start,
             head=start + len(events),
             notice=self._notice_of(request),
-            actions=SESSION_ACTIONS,
+            actions={a: SESSION_ACTIONS[a] for a in offered_actions(view.status)},
         )
 
     async def session_header(self, request: Request) -> Response:
@@ -356,7 +374,8 @@ class Console:
         others = [
             d.deployment_id
             for d in await self.ops.deployments()
-            if d.deployment_id != info.deployment_id and d.instances
+            if d.deployment_id != info.deployment_id
+            and d.status == hooks_pb.DEPLOYMENT_STATUS_ACTIVE
         ]
         return self.page(
             request,
