@@ -324,8 +324,10 @@ class Console:
                     if item is None:
                         yield sse("end", "the session's stream is closed")
                         return
+                    if isinstance(item, BatonError) and item.retryable:
+                        return  # the browser reconnects from its last event
                     if isinstance(item, BaseException):
-                        yield sse("problem", f"{getattr(item, 'reason', '')}: {item}")
+                        yield sse("problem", str(item))
                         return
                     if not item:
                         continue
