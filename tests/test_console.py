@@ -15,6 +15,7 @@ load is refused stalls.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -49,6 +50,7 @@ from baton_runtime.common.security.tls import Security  # noqa: E402
 from baton_runtime.console.app import create_app  # noqa: E402
 from baton_runtime.console.config import ConsoleConfig  # noqa: E402
 from baton_runtime.owner.agents.fixture import EVERY_SESSION, REFUSE_DIR_ENV  # noqa: E402
+from tests.scrape import scrape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -68,6 +70,7 @@ BROWSER_FLAGS = (
     "--window-size=1280,1000",
 )
 _T = TypeVar("_T")
+METRICS = re.compile(r"^  (\S+(?: of \S+)?) +(http://127\.0\.0\.1:\d+/metrics)$")
 STARTED = re.compile(r"^baton up: started (\S+)(?: of \S+)? \(pid (\d+)\) on (\S+)$")
 
 pytestmark = pytest.mark.skipif(
@@ -90,6 +93,7 @@ class Up:
     hooks: str = ""
     anchor: str = ""
     pids: list[int] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)  # label -> metrics URL
 
     @property
     def ca(self) -> str:
@@ -121,6 +125,8 @@ def _read(up: Up, ready: threading.Event) -> None:
             up.pids.append(int(match[2]))
             if match[1] in ("hooks", "anchor"):
                 setattr(up, match[1], match[3])
+        elif match := METRICS.match(line):
+            up.metrics[match[1]] = match[2]
         elif line.startswith("Baton is up: deployments "):
             up.ingresses = dict(re.findall(r"(\S+) \(public API at (\S+)\)", line))
         elif line == "baton up: ready":
@@ -356,6 +362,37 @@ def test_a_session_page_follows_live_across_an_upgrade(up: Up, browser: Browser)
     assert "dep-2" in browser.driver.page_source and browser.driver.title.startswith("Handoff")
     browser.shot("handoff")
     assert not browser.errors()
+
+
+READS = {
+    "anchor": ("GetSnapshot", "ReadEvents", "LoadSession"),
+    "hooks": ("DescribeSession", "ListChannelSessions", "GetOwner", "DescribeDeployment"),
+}
+IDLE_WINDOW = 3.0
+
+
+async def served_reads(up: Up) -> dict[str, float]:
+    """The reads hooks and anchor have answered so far, by method."""
+    counts: dict[str, float] = {}
+    for service, methods in READS.items():
+        scraped = await scrape(up.metrics[service])
+        for method in methods:
+            full = f"/baton.{service}.v1.{'HookRegistry' if service == 'hooks' else 'Anchor'}"
+            counts[method] = scraped.total(
+                "baton_rpc_server_handled_total", method=f"{full}Service/{method}"
+            )
+    return counts
+
+
+async def test_an_idle_open_session_page_costs_no_reads(up: Up, browser: Browser) -> None:
+    """A session's page open on an idle session: in a window of a few
+    seconds the console makes none of the reads a page is made of (the page
+    waits on its follow; nothing polls)."""
+    browser.open(f"/sessions/{SHARED.followed}")  # (its reads are done when it has loaded)
+    before = await served_reads(up)
+    await asyncio.sleep(IDLE_WINDOW)
+    assert await served_reads(up) == before
+    assert browser.css("#live")[0].text.startswith("Following live")
 
 
 def test_a_stalled_session_is_shown_and_resumed(up: Up, browser: Browser) -> None:
