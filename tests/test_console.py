@@ -57,6 +57,9 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 STARTUP = 90.0
 WAIT = 30.0
+# A live session's stream keeps its last RETAINED events (anchor deletes the
+# rest): one test's session passes it, the others stay below.
+RETAINED = 60
 AGENT = "baton_runtime.owner.agents.fixture:build_refuse_load_while_marked_agent"
 BROWSER_FLAGS = (
     "--headless",
@@ -148,7 +151,8 @@ def up() -> Iterator[Up]:
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton_runtime.cli", "up", "--port-base", "0", "--etcd-port", "0"]
-        + ["--deployment-id", "dep-1,dep-2", "--run-dir", str(work / "run")],
+        + ["--deployment-id", "dep-1,dep-2", "--run-dir", str(work / "run")]
+        + ["--stream-retention-events", str(RETAINED), "--stream-retention", "0"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -393,6 +397,38 @@ async def test_an_idle_open_session_page_costs_no_reads(up: Up, browser: Browser
     await asyncio.sleep(IDLE_WINDOW)
     assert await served_reads(up) == before
     assert browser.css("#live")[0].text.startswith("Following live")
+
+
+def test_older_pages_load_down_to_the_retention_horizon(up: Up, browser: Browser) -> None:
+    turns = 12  # 7 events each: the stream passes RETAINED
+    with up.client("dep-2") as client:
+        sid = client.create_session().session_id
+        for n in range(turns):  # one turn each (a message sent into a turn joins it)
+            client.send(sid, f"turn {n}")
+            wait_until(lambda n=n: client.get_session(sid).turn_count == n + 1, what="a turn")
+    view = wait_until(
+        lambda: (
+            (v := status_of(up, "dep-2", sid)).status == pb.SESSION_STATUS_IDLE
+            and v.earliest_seq > 0
+            and v
+        ),
+        what="the old events deleted",
+        seen=lambda: str(status_of(up, "dep-2", sid)),
+    )
+    browser.open(f"/sessions/{sid}")
+    shown = [e[0] for e in browser.timeline()]
+    assert shown == list(range(view.stream_head - 50, view.stream_head)), shown
+    assert not browser.css("li.horizon")
+    browser.css("#older")[0].click()
+    wait_until(lambda: browser.css("li.horizon"), what="the horizon shown")
+    earliest = int(browser.css("li.horizon")[0].get_attribute("data-horizon"))
+    assert earliest >= view.earliest_seq
+    assert f"#{earliest}" in browser.css("li.horizon")[0].text
+    shown = [e[0] for e in browser.timeline()]
+    assert shown == list(range(earliest, view.stream_head)), shown  # gapless
+    assert not browser.css("#older")  # nothing older to load
+    browser.shot("session-horizon")
+    assert not browser.errors()
 
 
 def test_a_stalled_session_is_shown_and_resumed(up: Up, browser: Browser) -> None:
