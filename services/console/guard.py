@@ -91,14 +91,14 @@ class Guard:
     @staticmethod
     def csrf_token(request: Request) -> str:
         """The browser's CSRF token (a new one when it has none yet)."""
-        token = request.cookies.get(CSRF_COOKIE, "")
+        token = request.cookies.get(CSRF_COOKIE, "") or getattr(request.state, "new_csrf", "")
         if not token:
-            token = request.state.__dict__.setdefault("new_csrf", secrets.token_urlsafe(32))
-        return token
+            token = request.state.new_csrf = secrets.token_urlsafe(32)
+        return str(token)
 
     @staticmethod
     def set_csrf_cookie(request: Request, response: Response) -> None:
-        new = request.state.__dict__.get("new_csrf")
+        new = getattr(request.state, "new_csrf", "")
         if new:
             response.set_cookie(CSRF_COOKIE, new, httponly=True, samesite="strict", path="/")
 
