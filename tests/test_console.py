@@ -536,7 +536,26 @@ def test_a_forged_cross_site_post_is_refused(up: Up, browser: Browser) -> None:
         )
         assert other.status_code == 403, other.text
     assert status_of(up, "dep-2", sid).status != pb.SESSION_STATUS_FINALIZED
-    browser.log.clear()  # the refusal's 403 is the browser's only complaint
+    refusals = browser.errors()  # the refusal's 403 is the browser's only complaint
+    assert all("403" in entry["message"] for entry in refusals), refusals
+    browser.log.clear()
+
+
+def test_a_reset_from_the_console_finalizes_the_session(up: Up, browser: Browser) -> None:
+    """Through the session's deployment's ingress, with the console's key."""
+    sid = SHARED.idle
+    browser.open(f"/sessions/{sid}")
+    browser.driver.find_element(By.LINK_TEXT, "Reset (finalize) the session").click()
+    browser.check_page()
+    browser.css("#confirm")[0].click()
+    browser.check_page()
+    assert "reset accepted" in browser.css(".notice")[0].text
+    wait_until(
+        lambda: status_of(up, "dep-2", sid).status == pb.SESSION_STATUS_FINALIZED,
+        what="the session finalized",
+    )
+    wait_until(lambda: "closed" in browser.css("#live")[0].text, what="the follow ended")
+    assert not browser.errors()
 
 
 def test_callers_without_authority_are_refused(up: Up) -> None:
