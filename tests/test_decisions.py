@@ -11,7 +11,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.errors import Reason
 from baton_runtime.owner.agents.api import ModelReply, RequestedCall
 from baton_runtime.owner.agents.fixture import build_agent
-from baton_runtime.owner.rules import decisions, departure_rules
+from baton_runtime.owner.rules import admission, decisions, departure_rules, steps, turns, waits
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -22,9 +22,8 @@ from baton_runtime.owner.rules.decisions import (
     RunTurn,
     Summarize,
 )
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.step_rules import StepProgress
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.steps import StepProgress
 from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
@@ -34,7 +33,7 @@ IDENTITY = RunIdentity(s.Fence(session_id=SID, owner_run_id="run_1", epoch=1), "
 
 def state(token_budget: int = 0) -> SessionState:
     snapshot = initial_snapshot(SID, "slack", "dep-a", [], token_budget=token_budget)
-    return SessionState(IDENTITY, snapshot, build_agent("dep-a"))
+    return SessionState.hold(IDENTITY, snapshot, build_agent("dep-a"))
 
 
 def entry(seq: int, caller: str = "u1", **command: object) -> s.InboxEntry:
@@ -56,15 +55,15 @@ def none() -> collections.deque[s.InboxEntry]:
 
 def paused_on(st: SessionState, *calls: RequestedCall) -> list[s.Event]:
     """A turn whose first step asked for `calls` (approvals, sign-ins, questions)."""
-    events = st.start_turn(send(0, "go"), none())
+    events = turns.start_turn(st, send(0, "go"), none())
     reply = ModelReply(tool_calls=list(calls))
-    st.apply_step(StepProgress(reply=reply, calls=st.tool_calls(reply)), events)
+    steps.apply_step(st, StepProgress(reply=reply, calls=steps.tool_calls(st, reply)), events)
     return events
 
 
 def asked(st: SessionState, question: str) -> None:
-    st.start_turn(send(0, "go"), none())
-    st.apply_step(StepProgress(reply=ModelReply(question=question)), [])
+    turns.start_turn(st, send(0, "go"), none())
+    steps.apply_step(st, StepProgress(reply=ModelReply(question=question)), [])
 
 
 def answer(seq: int, *responses: s.InputResponse, text: str = "") -> s.InboxEntry:
@@ -135,7 +134,7 @@ def test_a_message_while_the_turn_waits_abandons_the_waits_and_goes_on() -> None
     effect = decisions.decide(st, send(1, "never mind"), none())
     assert isinstance(effect, RunTurn)
     assert kinds(effect.events) == ["TOOL_CALL_RESULT", "MESSAGE_RECEIVED"]
-    assert not st.still_waiting() and st.turn_open
+    assert not waits.still_waiting(st) and st.turn_open
 
 
 def test_a_report_from_an_unknown_child_is_rejected() -> None:
@@ -242,17 +241,17 @@ def test_a_question_answer_reaches_the_context() -> None:
 
 def test_the_session_limit_is_extended_or_kept() -> None:
     st = state(token_budget=10)
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     st.snapshot.usage.input_tokens = 10
-    st.ask_to_extend_budget([])
+    waits.ask_to_extend_budget(st, [])
     yes = decisions.decide(
         st, answer(1, s.InputResponse(request_id="input_1", approved=True)), none()
     )
     assert isinstance(yes, AnswerInputs)
     assert isinstance(decisions.apply_input_answers(st, yes, []), RunTurn)
-    assert not st.budget_spent()
+    assert not turns.budget_spent(st)
     st.snapshot.usage.input_tokens = 100
-    st.ask_to_extend_budget([])
+    waits.ask_to_extend_budget(st, [])
     no = decisions.decide(st, answer(2, s.InputResponse(request_id="input_2")), none())
     assert isinstance(no, AnswerInputs)
     kept = decisions.apply_input_answers(st, no, [])
@@ -324,7 +323,7 @@ def finish(st: SessionState, pending: decisions.Pending) -> list[str]:
 def starts_its_turn(st: SessionState, pending: decisions.Pending, seq: int) -> None:
     """Once the turn has ended, the queued message `seq` is taken next and
     starts a turn of its own."""
-    taken = st.take(pending)
+    taken = admission.take(st, pending)
     assert taken is not None and taken.seq == seq
     effect = decisions.decide(st, taken, pending)
     assert isinstance(effect, RunTurn)
@@ -337,7 +336,7 @@ def test_a_queued_message_waits_for_the_answer_then_starts_its_own_turn() -> Non
     paused_on(st, RequestedCall("transfer", {"amount": "5"}))
     approve = answer(2, s.InputResponse(request_id="input_1", approved=True))
     pending = collections.deque([queued(1), approve])
-    taken = st.take(pending)
+    taken = admission.take(st, pending)
     assert taken is approve, "the queued message was taken while the turn waits"
     plan = decisions.decide(st, taken, pending)
     assert isinstance(plan, AnswerInputs) and [c.name for c in plan.to_run] == ["transfer"]
@@ -355,7 +354,7 @@ def test_a_queued_message_waits_for_a_cancel_of_the_waiting_turn() -> None:
     st = state()
     paused_on(st, RequestedCall("transfer", {"amount": "5"}))
     pending = collections.deque([queued(1), entry(2, cancel=s.CancelCommand())])
-    taken = st.take(pending)
+    taken = admission.take(st, pending)
     assert taken is not None and taken.seq == 2
     effect = decisions.decide(st, taken, pending)
     assert isinstance(effect, Commit)
@@ -369,9 +368,9 @@ def test_a_queued_message_waits_for_the_sign_in() -> None:
     paused_on(st, RequestedCall("calendar", {}))
     first = callback(2, "attempt_1")
     pending = collections.deque([queued(1), first, callback(3, "attempt_2")])
-    assert st.take(pending) is first
+    assert admission.take(st, pending) is first
     assert decisions.decide(st, first, pending) == Commit([])
-    taken = st.take(pending)
+    taken = admission.take(st, pending)
     assert taken is not None and taken.seq == 3
     plan = decisions.decide(st, taken, pending)
     assert isinstance(plan, AnswerAuthorization) and plan.to_run is not None
@@ -389,13 +388,13 @@ def test_a_steer_while_the_sign_in_waits_abandons_it_and_goes_on() -> None:
     st = state()
     paused_on(st, RequestedCall("calendar", {}))
     pending = collections.deque([send(1, "never mind")])
-    taken = st.take(pending)
+    taken = admission.take(st, pending)
     assert taken is not None and taken.seq == 1
     effect = decisions.decide(st, taken, pending)
     assert isinstance(effect, RunTurn)
     assert kinds(effect.events) == ["TOOL_CALL_RESULT", "MESSAGE_RECEIVED"]
     assert effect.events[0].tool_result.output.startswith("sign-in abandoned")
-    assert not st.still_waiting() and position(st) == (2, [])
+    assert not waits.still_waiting(st) and position(st) == (2, [])
 
 
 # -- the turn loop -------------------------------------------------------------------
@@ -403,37 +402,37 @@ def test_a_steer_while_the_sign_in_waits_abandons_it_and_goes_on() -> None:
 
 def test_before_a_step_a_pending_cancel_or_reset_ends_the_turn() -> None:
     st = state()
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     events: list[s.Event] = []
     pending = collections.deque([send(1, "more"), entry(2, cancel=s.CancelCommand())])
     ends = decisions.before_step(st, pending, events)
     assert isinstance(ends, Commit)
     assert kinds(ends.events) == ["MESSAGE_RECEIVED", "TURN_CANCELLED", "SESSION_WAITING"]
-    st.start_turn(send(3, "go"), none())
+    turns.start_turn(st, send(3, "go"), none())
     reset = decisions.before_step(st, collections.deque([entry(4, reset=s.ResetCommand())]), [])
     assert isinstance(reset, Finalize) and reset.error is None and reset.entry.seq == 4
 
 
 def test_before_a_step_the_step_limit_and_the_budget_end_or_pause_the_turn() -> None:
     st = state(token_budget=10)
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     assert decisions.before_step(st, none(), []) is None
     st.snapshot.usage.input_tokens = 10
     spent = decisions.before_step(st, none(), [])
     assert isinstance(spent, Commit) and "INPUT_REQUESTED" in kinds(spent.events)
     st = state()
-    st.start_turn(send(0, "go"), none())
-    st.snapshot.open_turn.steps = st.max_steps()
+    turns.start_turn(st, send(0, "go"), none())
+    st.snapshot.open_turn.steps = turns.max_steps(st)
     limit = decisions.before_step(st, none(), [])
     assert isinstance(limit, Commit) and limit.events[0].error.reason == Reason.MAX_STEPS
 
 
 def test_after_a_step_the_turn_goes_on_or_ends() -> None:
     st = state()
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     assert decisions.after_step(st, StepProgress(aborted=True), none(), []) is NextStep.NOW
     reply = ModelReply(tool_calls=[RequestedCall("echo", {"text": "x"})])
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply))
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
     progress.results[0] = s.ToolResult(tool_call_id="call_1", name="echo", output="x")
     assert decisions.after_step(st, progress, none(), []) is NextStep.AFTER_COMMIT
     final = StepProgress(reply=ModelReply(text="done"))
@@ -442,10 +441,10 @@ def test_after_a_step_the_turn_goes_on_or_ends() -> None:
     ended = decisions.after_step(st, StepProgress(reply=ModelReply(text="done")), none(), [])
     assert isinstance(ended, Commit)
     assert kinds(ended.events)[-2:] == ["TURN_COMPLETED", "SESSION_WAITING"]
-    st.start_turn(send(2, "go"), none())
+    turns.start_turn(st, send(2, "go"), none())
     failed = decisions.after_step(st, StepProgress(error="boom"), none(), [])
     assert isinstance(failed, Commit) and failed.events[0].error.message == "boom"
-    st.start_turn(send(3, "go"), none())
+    turns.start_turn(st, send(3, "go"), none())
     question = decisions.after_step(st, StepProgress(reply=ModelReply(question="?")), none(), [])
     assert isinstance(question, Commit) and kinds(question.events)[-1] == "SESSION_WAITING"
 
@@ -453,9 +452,9 @@ def test_after_a_step_the_turn_goes_on_or_ends() -> None:
 def test_recovery_continues_an_open_turn_that_waits_for_nothing() -> None:
     st = state()
     assert not decisions.recovery(st)
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     assert decisions.recovery(st)
-    st.apply_step(StepProgress(reply=ModelReply(question="?")), [])
+    steps.apply_step(st, StepProgress(reply=ModelReply(question="?")), [])
     assert not decisions.recovery(st)
 
 
@@ -465,7 +464,7 @@ def test_compaction_is_due_between_turns_over_the_budget() -> None:
     for _ in range(st.agent.context_budget_entries + 1):
         st.context.remember(s.ChatMessage(role=s.ROLE_USER, content="x"))
     assert decisions.compaction_due(st)
-    st.start_turn(send(0, "go"), none())
+    turns.start_turn(st, send(0, "go"), none())
     assert not decisions.compaction_due(st)
 
 
@@ -489,7 +488,7 @@ def test_only_a_message_accepted_by_another_deployment_triggers_a_handoff() -> N
     cancel = entry(0, cancel=s.CancelCommand())
     cancel.command.delivery.accepted_deployment_id = "dep-b"
     assert not departure_rules.is_trigger(st, cancel, revision_known=True)
-    st.start_turn(send(1), none())
+    turns.start_turn(st, send(1), none())
     assert not departure_rules.is_trigger(st, accepted_by(2, "dep-b"), revision_known=True)
 
 
@@ -500,7 +499,7 @@ def test_a_drain_attempt_is_due_only_while_the_session_is_idle() -> None:
     assert due(st, draining=True, pending=0, due_at=0.0, now=5.0) == 0.0
     assert due(st, draining=True, pending=0, due_at=7.0, now=5.0) == 2.0
     assert due(st, draining=True, pending=1, due_at=0.0, now=5.0) is None
-    st.start_turn(send(0), none())
+    turns.start_turn(st, send(0), none())
     assert due(st, draining=True, pending=0, due_at=0.0, now=5.0) is None
 
 
@@ -517,7 +516,7 @@ def test_a_session_says_why_it_cannot_move_yet() -> None:
     assert departure_rules.busy_with(st) == ""
     st.snapshot.handles.add(child_session_id="child-1", state=s.HANDLE_STATE_RUNNING)
     assert "child session" in departure_rules.busy_with(st)
-    st.start_turn(send(0), none())
+    turns.start_turn(st, send(0), none())
     assert "turn is open" in departure_rules.busy_with(st)
 
 

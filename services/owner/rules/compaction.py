@@ -10,7 +10,9 @@ from __future__ import annotations
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.owner.rules.turns import SessionState, safe_error
+from baton_runtime.owner.rules import turns
+from baton_runtime.owner.rules.held import SessionState
+from baton_runtime.owner.rules.steps import safe_error
 
 
 async def summarize(
@@ -31,9 +33,9 @@ async def summarize(
         )
     except Exception as exc:  # noqa: BLE001 - authored code
         log.warning("compaction failed", error=repr(exc), automatic=entry is None)
-        state.compaction_failed(events, entry, safe_error(exc))
+        turns.compaction_failed(state, events, entry, safe_error(exc))
     else:
-        state.compacted(events, entry, reply, before)
+        turns.compacted(state, events, entry, reply, before)
 
 
 def log_over_budget(state: SessionState, log: structlog.BoundLogger) -> None:

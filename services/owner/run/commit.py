@@ -26,8 +26,8 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.observability import metrics, tracing
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules import turns
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer
 from baton_runtime.owner.run.metering import TurnMeter
 from baton_runtime.owner.run.upkeep import Upkeep
@@ -222,7 +222,7 @@ class RunCommits:
         appended anew."""
         state = self._state
         outbox = {report.task_delivery_id for report in state.snapshot.parent.outbox}
-        return bool(state.committed_reports - outbox)
+        return bool(state.last_commit.reports - outbox)
 
     async def guarded(self, work: Awaitable[None]) -> None:
         """Run `work`; a commit it makes that can never succeed (too large,
@@ -235,7 +235,7 @@ class RunCommits:
             )
             self.carry = refused.carry
             error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
-            events = self._state.refused(refused.events, refused.close, error)
+            events = turns.refused(self._state, refused.events, refused.close, error)
             await self.commit(events, close=refused.close)
 
     def checkpoint(self) -> Checkpoint:

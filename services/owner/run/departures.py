@@ -19,7 +19,7 @@ from baton_runtime.common.errors import Aborted, BatonError, Fenced
 from baton_runtime.owner.handoff.attempt import Attempt, HandoffAttempts
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
 from baton_runtime.owner.rules import departure_rules
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import SessionState
 from baton_runtime.owner.run.snapshots import lifetime_deadline
 
 DRAIN_RETRY_SECONDS = 2.0

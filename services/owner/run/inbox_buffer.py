@@ -21,7 +21,8 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import retry
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Fenced
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules import admission
+from baton_runtime.owner.rules.held import SessionState
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.spans import RunSpans  # tracing
 from baton_runtime.owner.run.step import StepRunner
@@ -74,7 +75,7 @@ class InboxBuffer:
         (epoch seconds), or None. Entries set aside while the turn waits for
         the user or a child (a queued message, `next_to_take`) wait for that,
         not for the run: they do not count."""
-        index = self._state.next_to_take(self.pending)
+        index = admission.next_to_take(self._state, self.pending)
         if index is None or not self.pending[index].HasField("accepted_at"):
             return None
         accepted = self.pending[index].accepted_at
@@ -85,12 +86,12 @@ class InboxBuffer:
         self._arrived.set()
 
     async def take(self, idle_s: float | None) -> s.InboxEntry | None:
-        """The next inbox entry the rules take (`SessionState.take`: the
+        """The next inbox entry the rules take (`admission.take`: the
         first, unless the turn waits and a queued message waits for it to
         end); None after `idle_s` with nothing to take (park), or when a
         drain attempt is due. Raises InboxClosed."""
         with self.idle_while(not self._state.turn_open):
-            while (entry := self._state.take(self.pending)) is None:
+            while (entry := admission.take(self._state, self.pending)) is None:
                 if self._closed is not None:
                     raise self._closed
                 if self._drain_due():
@@ -156,7 +157,7 @@ class InboxBuffer:
 
     def _arrive(self, entry: s.InboxEntry) -> None:
         self._next_seq = entry.seq + 1
-        if self._state.consumed(entry.seq):
+        if self._state.inbox.consumed(entry.seq):
             return  # consumed ahead of the position, by a predecessor
         self._spans.arrived(entry)  # tracing
         if (
@@ -171,5 +172,6 @@ class InboxBuffer:
     def _push(self, entry: s.InboxEntry) -> None:
         """Cancel, reset and an own timeout abort the running step at once,
         when every command before them can be admitted into the turn."""
-        if self._step.running and self._state.aborts_step(entry, list(self.pending)[:-1]):
+        ahead = list(self.pending)[:-1]
+        if self._step.running and admission.aborts_step(self._state, entry, ahead):
             self._step.abort()

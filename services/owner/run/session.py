@@ -33,7 +33,7 @@ from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.rules import compaction, decisions, departure_rules
+from baton_runtime.owner.rules import compaction, decisions, departure_rules, turns
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -45,8 +45,7 @@ from baton_runtime.owner.rules.decisions import (
     RunTurn,
     Summarize,
 )
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.run.commit import RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed
@@ -87,7 +86,7 @@ class SessionRun:
         fence = identity.fence
         hooks, anchor, children = services.hooks, services.anchor, services.children
         self.identity = identity
-        self.state = SessionState(identity, start.snapshot, agent, start.context)
+        self.state = SessionState.hold(identity, start.snapshot, agent, start.context)
         self.agent = agent
         self._park_after = services.park_after
         self._clock = services.clock
@@ -353,7 +352,7 @@ class SessionRun:
     async def _apply_finalize(self, effect: Finalize) -> None:
         """Terminal: close the stream once, then release every token."""
         error = effect.error
-        self.state.finalize(effect.events, effect.entry, error)
+        turns.finalize(self.state, effect.events, effect.entry, error)
         await self._commits.commit(effect.events, close=True)
         await self._upkeep.release_aliases()
         self._log.info("session finalized", reason=error.reason if error else "RESET")

@@ -28,8 +28,7 @@ from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.run.children import Children
 
 
