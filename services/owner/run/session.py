@@ -15,7 +15,7 @@ The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
 drain, park), commits (commit.py: the last commit, a refused commit failing
 the turn), upkeep (upkeep.py: timer, history retirement, controls to
 children before a commit, reports and aliases after it) and compaction.py
-for the model's summary; the shell holds no client of its own. The rules
+(the model's summary); the shell holds no client of its own. The rules
 are in turns.py and its layers, handles.py, decisions.py and
 departure_rules.py; none of them does I/O. What a run starts from and
 how it ends (`RunStart`, `RunServices`, `RunExit`) is runs.py's.
@@ -33,7 +33,7 @@ from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.rules import compaction, decisions, departure_rules, turns
+from baton_runtime.owner.rules import decisions, departure_rules, turns
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -46,6 +46,7 @@ from baton_runtime.owner.rules.decisions import (
     Summarize,
 )
 from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.run import compaction
 from baton_runtime.owner.run.commit import RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed

@@ -1,9 +1,10 @@
-"""Compaction (docs/design.md §4): the model's summary replaces the context.
+"""Compaction (docs/design.md §4), the I/O: the model's summary replaces the context.
 
 One room with one model call: `summarize` asks the agent's model to
 summarize what it sees and applies the answer (or the failure) to the
-session through the turn rules (turns.py); the shell commits the events.
-Whether compaction is due is a rule (decisions.compaction_due)."""
+session through the turn rules (rules/turns.py: `compacted`,
+`compaction_failed`); the shell commits the events. Whether compaction is
+due is a rule (decisions.compaction_due)."""
 
 from __future__ import annotations
 
