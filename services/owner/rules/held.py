@@ -40,6 +40,13 @@ class RunIdentity:
     instance_id: str
 
 
+def timestamp(now: float) -> Timestamp:
+    """`now` (epoch seconds) as a protobuf timestamp."""
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(now * 1_000_000_000))
+    return stamp
+
+
 def make_event(
     identity: RunIdentity,
     kind: s.EventKind.ValueType,

@@ -7,6 +7,7 @@ that can never succeed turned into a failed turn."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Sequence
 
 import structlog
@@ -28,6 +29,7 @@ from baton_runtime.common.observability import metrics, tracing
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
 from baton_runtime.owner.rules import turns
 from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.sealing import seal
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer
 from baton_runtime.owner.run.metering import TurnMeter
 from baton_runtime.owner.run.upkeep import Upkeep
@@ -51,22 +53,23 @@ async def commit_step(
     history: Sequence[s.ChatMessage] = (),
     consumed_from: int | None = None,
 ) -> int | None:
-    """Commit events + history entries + snapshot as one fenced txn; returns
-    the snapshot's new revision. The txn deletes the inbox entries consumed
-    since `consumed_from` (the last committed snapshot's position; None:
-    every entry below the snapshot's). Transient failures are retried with the
+    """Commit events + history entries + snapshot as one fenced txn, sealed
+    first (rules/sealing.py: seqs, stamps); returns the snapshot's new
+    revision. The txn deletes the inbox entries consumed since
+    `consumed_from` (the last committed snapshot's position; None: every
+    entry below the snapshot's). Transient failures are retried with the
     identical request (anchor recognises a replay): within the budget of
     `retry.COMMIT`, and while etcd is full (STORE_FULL) until an operator has
     made room, so the step's work is never lost or redone for it."""
-    for offset, event in enumerate(events):
-        event.seq = snapshot.next_event_seq + offset
-    snapshot.next_event_seq += len(events)
-    snapshot.deployment_id = identity.deployment_id
-    if consumed_from is not None:  # (a snapshot rolled back to a refused commit's)
-        consumed_from = min(consumed_from, snapshot.inbox_next_seq)
-    if tracing.TRACING.enabled:
+    consumed_from = seal(
+        snapshot,
+        events,
+        deployment_id=identity.deployment_id,
+        now=time.time(),
         # The last turn's trace, for GetSession (the process span's, see spans.py).
-        snapshot.last_trace_id = tracing.current_trace_id() or snapshot.last_trace_id
+        trace_id=tracing.current_trace_id(),
+        consumed_from=consumed_from,
+    )
     request = anchor_pb.CommitStepRequest(
         fence=identity.fence,
         events=events,
