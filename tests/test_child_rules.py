@@ -41,12 +41,13 @@ K = s.EventKind
 SID = "ses_" + "a" * 26
 PARENT = "ses_" + "p" * 26
 IDENTITY = RunIdentity(s.Fence(session_id=SID, owner_run_id="run_1", epoch=1), "dep-a", "i1")
+T = 1_000.0  # the time of every activation here (the rules read no clock)
 
 
 def state(token_budget: int = 0, parent: s.ParentLink | None = None) -> SessionState:
     snapshot = initial_snapshot(SID, "slack", "dep-a", [], token_budget=token_budget, parent=parent)
     catalog = AgentCatalog(build_agent("dep-a"))
-    return SessionState.hold(IDENTITY, snapshot, catalog.agent_for(parent))
+    return SessionState.hold(IDENTITY, snapshot, catalog.agent_for(parent), now=T)
 
 
 def send(seq: int, text: str = "hi", caller: str = "u1", work: int = 0) -> s.InboxEntry:
@@ -270,7 +271,7 @@ def test_finalizing_finalizes_every_child() -> None:
     children.apply_report(st, report(1, parked, result="ok"), [])
     events: list[s.Event] = []
     reset = s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand()))
-    turns.finalize(st, events, reset, None)
+    turns.finalize(st, events, reset, None, now=T)
     # The open turn is cancelled first (its running child gets a cancel), then
     # every child that is not settled gets a reset.
     sent = [(c, cmd.WhichOneof("kind")) for c, cmd in st.outgoing]
@@ -391,7 +392,9 @@ def test_a_child_reports_waits_cancels_and_its_finalization() -> None:
     cancel = s.InboxEntry(seq=1, command=s.Command(cancel=s.CancelCommand()))
     turns.close_turn(st, events, K.EVENT_KIND_TURN_CANCELLED, entry=cancel)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_CANCELLED
-    turns.finalize(st, events, s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand())), None)
+    turns.finalize(
+        st, events, s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand())), None, now=T
+    )
     final = st.snapshot.parent.outbox[-1]
     assert final.status == s.TASK_STATUS_FINALIZED and final.task_delivery_id == f"final:{SID}"
     assert final.error.reason == Reason.RESET
@@ -404,7 +407,7 @@ def test_a_refused_commit_reports_a_failure_instead_of_its_answer() -> None:
     turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_COMPLETED
     error = s.ErrorDetail(reason=Reason.COMMIT_TOO_LARGE, message="too large")
-    turns.refused(st, events, False, error)
+    turns.refused(st, events, False, error, now=T)
     [out] = st.snapshot.parent.outbox
     assert out.status == s.TASK_STATUS_FAILED and out.error.reason == Reason.COMMIT_TOO_LARGE
 

@@ -21,11 +21,12 @@ from baton_runtime.owner.run.snapshots import initial_snapshot
 K = s.EventKind
 SID = "ses_" + "a" * 26
 IDENTITY = RunIdentity(s.Fence(session_id=SID, owner_run_id="run_1", epoch=1), "dep-a", "i1")
+T = 1_000.0  # the time of every activation here (the rules read no clock)
 
 
 def state(token_budget: int = 0) -> SessionState:
     snapshot = initial_snapshot(SID, "slack", "dep-a", [], token_budget=token_budget)
-    return SessionState.hold(IDENTITY, snapshot, build_agent("dep-a"))
+    return SessionState.hold(IDENTITY, snapshot, build_agent("dep-a"), now=T)
 
 
 def entry(seq: int, caller: str = "u1", **command: object) -> s.InboxEntry:
@@ -153,6 +154,7 @@ def test_what_is_taken_past_a_waiting_message_is_consumed_ahead_of_the_position(
         IDENTITY,
         s.SessionSnapshot.FromString(st.snapshot.SerializeToString()),
         build_agent("dep-a"),
+        now=T,
     )
     assert successor.inbox.consumed(3) and not successor.inbox.consumed(1)
     assert admission.next_to_take(successor, [later, also, approve]) == 2
@@ -290,7 +292,7 @@ def test_a_refused_commit_rolls_back_and_fails_the_turn() -> None:
     assert "over the limit" in st.context.oversized_entry()
     st.snapshot.next_event_seq = 3 + len(events)  # what commit_step assigned
     error = s.ErrorDetail(reason="HISTORY_ENTRY_TOO_LARGE", message="too big")
-    replaced = turns.refused(st, events, False, error)
+    replaced = turns.refused(st, events, False, error, now=T)
     assert kinds(replaced) == ["TURN_STARTED", "TURN_FAILED", "SESSION_WAITING"]
     assert replaced[1].error == error and replaced[1].turn_id == "turn_1"
     assert st.snapshot.next_event_seq == 3

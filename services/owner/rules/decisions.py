@@ -13,6 +13,10 @@ Answers that run tools are two-phase: `decide` returns the tool calls to
 run (`AnswerInputs`, `AnswerAuthorization`); once the shell has their
 results, `apply_input_answers` / `apply_authorization` fold them in, in
 order, and say what comes next. Nothing else touches the state in between.
+
+Time is an input: each function the shell calls takes `now`, the time of
+this activation, which every event it makes carries (held.py); none reads
+a clock.
 """
 
 from __future__ import annotations
@@ -113,11 +117,12 @@ class NextStep(enum.Enum):
 # -- commands --------------------------------------------------------------------
 
 
-def decide(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
+def decide(state: SessionState, entry: s.InboxEntry, pending: Pending, *, now: float) -> Effect:
     """What `entry`, taken from the inbox between turns or while the turn
     waits (which entry is taken is `admission.take`'s), means.
     `pending` (the entries read and not taken) may lend a new turn the same
     principal's messages right behind it."""
+    state.now = now
     kind = entry.command.WhichOneof("kind")
     rule = _BY_KIND.get(kind or "", _unknown)
     return rule(state, entry, pending)
@@ -234,10 +239,11 @@ def answer_inputs(state: SessionState, entry: s.InboxEntry) -> Effect:
 
 
 def apply_input_answers(
-    state: SessionState, plan: AnswerInputs, results: Sequence[s.ToolResult]
+    state: SessionState, plan: AnswerInputs, results: Sequence[s.ToolResult], *, now: float
 ) -> Effect:
     """Phase two: fold the answers in, in the order given (`results` are
     those of `plan.to_run`, in its order), and say what comes next."""
+    state.now = now
     if len(results) != len(plan.to_run):
         raise ValueError("one result per tool call to run")
     turn = state.snapshot.open_turn
@@ -306,9 +312,10 @@ def _authorization_callback(state: SessionState, entry: s.InboxEntry, pending: P
 
 
 def apply_authorization(
-    state: SessionState, plan: AnswerAuthorization, result: s.ToolResult | None
+    state: SessionState, plan: AnswerAuthorization, result: s.ToolResult | None, *, now: float
 ) -> Effect:
     """Phase two: the call's result (None when it did not run: refused)."""
+    state.now = now
     call = plan.tool_call
     if result is None:
         result = error_result(call, "sign-in was refused")
@@ -326,9 +333,12 @@ def recovery(state: SessionState) -> bool:
     return state.turn_open and not waits.still_waiting(state)
 
 
-def before_step(state: SessionState, pending: Pending, events: list[s.Event]) -> Effect | None:
+def before_step(
+    state: SessionState, pending: Pending, events: list[s.Event], *, now: float
+) -> Effect | None:
     """At a model-call boundary: admit what may join the turn; None when the
     next step runs, else how the turn ends."""
+    state.now = now
     joined, stop = admission.admit_pending(state, pending, events)
     if joined is Admission.CANCEL:
         turns.close_turn(state, events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
@@ -351,9 +361,15 @@ def before_step(state: SessionState, pending: Pending, events: list[s.Event]) ->
 
 
 def after_step(
-    state: SessionState, progress: StepProgress, pending: Pending, events: list[s.Event]
+    state: SessionState,
+    progress: StepProgress,
+    pending: Pending,
+    events: list[s.Event],
+    *,
+    now: float,
 ) -> Effect | NextStep:
     """Fold a step in: the turn goes on (NextStep) or ends (the effect)."""
+    state.now = now
     outcome = steps.apply_step(state, progress, events)
     if outcome is Outcome.ABORTED:
         return NextStep.NOW

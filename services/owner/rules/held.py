@@ -14,12 +14,14 @@ steps.py (what a step did), admission.py (how a command joins a turn),
 turns.py (turns opened and closed, the context, finalization, a refused
 commit); decisions.py and departure_rules.py choose among them.
 
-Pure: no I/O.
+Pure: no I/O, and no clock. Time is an input, as in a workflow's
+activation: `now` is the time of the activation the rules are answering,
+which the shell gives every rule it calls (decisions.py's, and the turn
+rules it calls itself), and every event a rule makes carries it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,14 +54,17 @@ def make_event(
     kind: s.EventKind.ValueType,
     turn_id: str = "",
     entry: s.InboxEntry | None = None,
+    *,
+    now: float | None = None,
     **fields: object,
 ) -> s.Event:
-    """An event of the session `identity` runs, about `entry` when given."""
-    nanos = time.time_ns()
+    """An event of the session `identity` runs, about `entry` when given.
+    `now`: its time (a rule gives its activation's); without one, the
+    commit that carries it stamps it with its own (sealing.py)."""
     event = s.Event(
         session_id=identity.fence.session_id,
         kind=kind,
-        time=Timestamp(seconds=nanos // 1_000_000_000, nanos=nanos % 1_000_000_000),
+        time=timestamp(now) if now is not None else None,
         turn_id=turn_id,
         owner_run_id=identity.fence.owner_run_id,
         deployment_id=identity.deployment_id,
@@ -124,6 +129,7 @@ class SessionState:
     identity: RunIdentity
     agent: Agent
     snapshot: s.SessionSnapshot
+    now: float  # the time of the activation in progress (epoch seconds)
     context: ContextWindow
     handles: Handles
     inbox: InboxPosition
@@ -140,9 +146,11 @@ class SessionState:
         snapshot: s.SessionSnapshot,
         agent: Agent,
         context: Sequence[s.ChatMessage] = (),
+        *,
+        now: float,
     ) -> SessionState:
         """The state of a session as `snapshot` (and the `context` it refers
-        to) left it, held by the run `identity`."""
+        to) left it, held by the run `identity` from `now` on."""
         last = LastCommit(
             turn_id=snapshot.open_turn.turn_id,
             next_event_seq=snapshot.next_event_seq,
@@ -152,6 +160,7 @@ class SessionState:
             identity=identity,
             agent=agent,
             snapshot=snapshot,
+            now=now,
             context=ContextWindow(snapshot, context),
             handles=Handles(snapshot),
             inbox=InboxPosition(snapshot),
@@ -177,8 +186,8 @@ class SessionState:
     def event(
         self, kind: s.EventKind.ValueType, entry: s.InboxEntry | None = None, **fields: object
     ) -> s.Event:
-        """An event of the open turn (if any)."""
-        return make_event(self.identity, kind, self.turn_id, entry, **fields)
+        """An event of the open turn (if any), at the activation's time."""
+        return make_event(self.identity, kind, self.turn_id, entry, now=self.now, **fields)
 
     def next_id(self, prefix: str) -> str:
         """An id unique in the session (input requests, sign-in attempts)."""

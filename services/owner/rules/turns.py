@@ -161,9 +161,12 @@ def compacted(
     entry: s.InboxEntry | None,
     reply: ModelReply,
     before: tuple[int, int],
+    *,
+    now: float,
 ) -> None:
     """Replace the context with the summary in `reply`; `entry` is the
     compact command, or None when the owner compacted on its own."""
+    state.now = now
     usage = usage_of(reply)
     h.add_usage(state.snapshot.usage, usage)
     summary = f"Summary of earlier conversation: {reply.text}"
@@ -181,8 +184,16 @@ def compacted(
 
 
 def compaction_failed(
-    state: SessionState, events: list[s.Event], entry: s.InboxEntry | None, message: str
+    state: SessionState,
+    events: list[s.Event],
+    entry: s.InboxEntry | None,
+    message: str,
+    *,
+    now: float,
 ) -> None:
+    """The model could not summarize: the compact command is rejected, or
+    the owner's own compaction says it failed; the context stays."""
+    state.now = now
     if entry is not None:
         events.append(admission.rejection(state, entry, Reason.COMPACTION_FAILED, message))
         return
@@ -197,12 +208,18 @@ def compaction_failed(
 
 
 def finalize(
-    state: SessionState, events: list[s.Event], entry: s.InboxEntry, error: s.ErrorDetail | None
+    state: SessionState,
+    events: list[s.Event],
+    entry: s.InboxEntry,
+    error: s.ErrorDetail | None,
+    *,
+    now: float,
 ) -> None:
     """Terminal: the stream closes with this commit; the history is
     retired (nothing will read it again). Every child that is not settled
     is finalized too (resets go out before the commit); a child reports
     its finalization to its parent."""
+    state.now = now
     state.inbox.consume(entry)
     if state.turn_open:
         events += cancel_waiting_turn(state, entry)
@@ -214,13 +231,19 @@ def finalize(
 
 
 def refused(
-    state: SessionState, refused_events: Sequence[s.Event], close: bool, error: s.ErrorDetail
+    state: SessionState,
+    refused_events: Sequence[s.Event],
+    close: bool,
+    error: s.ErrorDetail,
+    *,
+    now: float,
 ) -> list[s.Event]:
     """A commit that can never succeed (docs/failures.md): roll back what
     it would have written (events, history entries, stream position) and
     return the events to commit in its place — the turn failed, with the
     reason. What it consumed from the inbox stays consumed; usage stays
     counted (model calls were made)."""
+    state.now = now
     snap = state.snapshot
     snap.next_event_seq = state.last_commit.next_event_seq
     state.context.rollback()
@@ -242,9 +265,11 @@ def refused(
     events: list[s.Event] = []
     if turn_id:
         if turn_id != state.last_commit.turn_id:  # it never reached the stream
-            events.append(make_event(state.identity, s.EVENT_KIND_TURN_STARTED, turn_id))
+            events.append(make_event(state.identity, s.EVENT_KIND_TURN_STARTED, turn_id, now=now))
         events.append(
-            make_event(state.identity, s.EVENT_KIND_TURN_FAILED, turn_id, usage=usage, error=error)
+            make_event(
+                state.identity, s.EVENT_KIND_TURN_FAILED, turn_id, now=now, usage=usage, error=error
+            )
         )
     else:
         events.append(state.event(s.EVENT_KIND_COMMAND_REJECTED, error=error))

@@ -238,7 +238,9 @@ class RunCommits:
             )
             self.carry = refused.carry
             error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
-            events = turns.refused(self._state, refused.events, refused.close, error)
+            events = turns.refused(
+                self._state, refused.events, refused.close, error, now=time.time()
+            )
             await self.commit(events, close=refused.close)
 
     def checkpoint(self) -> Checkpoint:

@@ -8,6 +8,8 @@ due is a rule (decisions.compaction_due)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
@@ -21,11 +23,13 @@ async def summarize(
     events: list[s.Event],
     entry: s.InboxEntry | None,
     log: structlog.BoundLogger,
+    clock: Callable[[], float],
 ) -> None:
     """Replace the context with the model's summary of it, appending the
     stream's events to `events`; `entry` is the compact command, or None
     when the owner compacts on its own. A failed model call fails the
-    compaction, not the run: the context stays as it was."""
+    compaction, not the run: the context stays as it was. `clock`: the
+    time the answer (or the failure) came, for the rules."""
     agent = state.agent
     before = state.context.size()
     try:
@@ -34,9 +38,9 @@ async def summarize(
         )
     except Exception as exc:  # noqa: BLE001 - authored code
         log.warning("compaction failed", error=repr(exc), automatic=entry is None)
-        turns.compaction_failed(state, events, entry, safe_error(exc))
+        turns.compaction_failed(state, events, entry, safe_error(exc), now=clock())
     else:
-        turns.compacted(state, events, entry, reply, before)
+        turns.compacted(state, events, entry, reply, before, now=clock())
 
 
 def log_over_budget(state: SessionState, log: structlog.BoundLogger) -> None:

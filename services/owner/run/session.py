@@ -45,7 +45,7 @@ from baton_runtime.owner.rules.decisions import (
     RunTurn,
     Summarize,
 )
-from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState, make_event
 from baton_runtime.owner.run import compaction
 from baton_runtime.owner.run.commit import RunCommits
 from baton_runtime.owner.run.departures import Departures
@@ -87,10 +87,12 @@ class SessionRun:
         fence = identity.fence
         hooks, anchor, children = services.hooks, services.anchor, services.children
         self.identity = identity
-        self.state = SessionState.hold(identity, start.snapshot, agent, start.context)
+        self._clock = services.clock
+        self.state = SessionState.hold(
+            identity, start.snapshot, agent, start.context, now=self._clock()
+        )
         self.agent = agent
         self._park_after = services.park_after
-        self._clock = services.clock
         self.failure: BaseException | None = None  # why the run failed, when it did
         self.drained = False  # the run ended because a drain moved the session
         self._unstarted = start.unstarted  # session.started goes with the first commit
@@ -201,14 +203,14 @@ class SessionRun:
             self.agent.on_load(self.snapshot)
         self._upkeep.start_retire()
         if self._unstarted:
-            self._commits.carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
+            self._commits.carry.append(self._event(s.EVENT_KIND_SESSION_STARTED))
         arrived_from = self.snapshot.deployment_id
         handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
         if handed_off:
             # First run on this deployment after a handoff: say so on the
             # stream (with the first commit here) and restart the timeout.
             self._commits.carry.append(
-                state.event(
+                self._event(
                     s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from, handoff_id=self._handoff_id
                 )
             )
@@ -223,6 +225,13 @@ class SessionRun:
             self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
             with self._spans.process(state, None):  # tracing
                 await self._commits.guarded(self._apply_run_turn(RunTurn([])))
+
+    def _event(self, kind: s.EventKind.ValueType, text: str = "", handoff_id: str = "") -> s.Event:
+        """An event the run itself says (started, handed off), at the clock's time."""
+        state, now = self.state, self._clock()
+        return make_event(
+            state.identity, kind, state.turn_id, now=now, text=text, handoff_id=handoff_id
+        )
 
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
@@ -296,7 +305,7 @@ class SessionRun:
     async def _process(self, entry: s.InboxEntry) -> None:
         """One command from the inbox: what it means is the decisions'
         answer; the effect it returns is applied here."""
-        effect = decisions.decide(self.state, entry, self._pending)
+        effect = decisions.decide(self.state, entry, self._pending, now=self._clock())
         if entry.command.WhichOneof("kind") == "task_result" and not isinstance(effect, Rejected):
             await failpoints.hit("children.apply_result")
         if isinstance(effect, Commit) and effect.note:
@@ -336,10 +345,12 @@ class SessionRun:
         """The open turn's steps until the decisions end it (one exit)."""
         events = effect.events
         while True:
-            ends = decisions.before_step(self.state, self._pending, events)
+            ends = decisions.before_step(self.state, self._pending, events, now=self._clock())
             if ends is None:
                 progress = await self._step.run()
-                after = decisions.after_step(self.state, progress, self._pending, events)
+                after = decisions.after_step(
+                    self.state, progress, self._pending, events, now=self._clock()
+                )
                 if after is NextStep.NOW:
                     continue  # the boundary finds the pushed command
                 if after is NextStep.AFTER_COMMIT:
@@ -353,26 +364,28 @@ class SessionRun:
     async def _apply_finalize(self, effect: Finalize) -> None:
         """Terminal: close the stream once, then release every token."""
         error = effect.error
-        turns.finalize(self.state, effect.events, effect.entry, error)
+        turns.finalize(self.state, effect.events, effect.entry, error, now=self._clock())
         await self._commits.commit(effect.events, close=True)
         await self._upkeep.release_aliases()
         self._log.info("session finalized", reason=error.reason if error else "RESET")
 
     async def _apply_summarize(self, effect: Summarize) -> None:
         """The compact command, or the owner's own (`effect.entry` None)."""
-        await compaction.summarize(self.state, effect.events, effect.entry, self._log)
+        await compaction.summarize(self.state, effect.events, effect.entry, self._log, self._clock)
         await self._commits.commit(effect.events)
 
     async def _apply_answer_inputs(self, effect: AnswerInputs) -> None:
         """Run the approved calls in order, then ask what their results mean."""
         results = [await self._step.call_tool(call) for call in effect.to_run]
-        await self._apply(decisions.apply_input_answers(self.state, effect, results))
+        answered = decisions.apply_input_answers(self.state, effect, results, now=self._clock())
+        await self._apply(answered)
 
     async def _apply_answer_authorization(self, effect: AnswerAuthorization) -> None:
         """Run the call signed in for (none: refused), then ask what it means."""
         call = effect.to_run
         result = await self._step.call_tool(call) if call is not None else None
-        await self._apply(decisions.apply_authorization(self.state, effect, result))
+        answered = decisions.apply_authorization(self.state, effect, result, now=self._clock())
+        await self._apply(answered)
 
     # -- compaction ------------------------------------------------------------------
 
