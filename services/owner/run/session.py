@@ -23,6 +23,9 @@ how it ends (`RunStart`, `RunServices`, `RunExit`) is runs.py's.
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import time
 from typing import assert_never
 
 import structlog
@@ -33,7 +36,7 @@ from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.rules import decisions, departure_rules, turns
+from baton_runtime.owner.rules import admission, decisions, departure_rules, turns
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -46,17 +49,25 @@ from baton_runtime.owner.rules.decisions import (
     Summarize,
 )
 from baton_runtime.owner.rules.held import RunIdentity, SessionState, make_event
+from baton_runtime.owner.rules.steps import StepProgress
 from baton_runtime.owner.run import compaction
 from baton_runtime.owner.run.commit import RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed
-from baton_runtime.owner.run.metering import waited
+from baton_runtime.owner.run.metering import accepted_time, waited
 from baton_runtime.owner.run.spans import RunSpans  # tracing
 from baton_runtime.owner.run.step import StepRunner
 from baton_runtime.owner.run.terms import RunExit, RunServices, RunStart
 from baton_runtime.owner.run.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
+
+
+class Idle(enum.Enum):
+    """Why the run stopped waiting with nothing to take."""
+
+    DRAIN = "drain"  # a drain attempt is due
+    PARK = "park"  # nothing came for `park_after`: the run may park
 
 
 def _run_log(identity: RunIdentity) -> structlog.BoundLogger:
@@ -112,15 +123,14 @@ class SessionRun:
         self._inbox = InboxBuffer(
             hooks,
             fence,
-            state,
-            self._departures,
-            self._step,
+            state.inbox,
             run_log,
+            from_seq=start.snapshot.inbox_next_seq,
             seed=start.seed,
-            revision_known=start.revision is not None,
             spans=self._spans,  # tracing
         )
         self._pending = self._inbox.pending
+        self._revision_known = start.revision is not None  # handoff eligibility needs it
         self._commits = RunCommits(
             anchor, identity, state, self._upkeep, self._inbox, run_log, revision=start.revision
         )
@@ -161,8 +171,12 @@ class SessionRun:
         return departure_rules.busy_with(self.state)
 
     def oldest_pending_accepted(self) -> float | None:
-        """When the oldest entry read and not processed yet was accepted."""
-        return self._inbox.oldest_accepted()
+        """When the oldest entry read and not processed yet was accepted
+        (epoch seconds), or None. Entries set aside while the turn waits for
+        the user or a child (a queued message: admission.next_to_take) wait
+        for that, not for the run: they do not count."""
+        index = admission.next_to_take(self.state, self._pending)
+        return None if index is None else accepted_time(self._pending[index])
 
     def offer(self, entry: s.InboxEntry) -> None:
         """An entry appended to this session's inbox by this process (a
@@ -236,18 +250,22 @@ class SessionRun:
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
         while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-            if self._drain_due() and await self._moved(await self._try_drain()):
-                self.drained = True
-                return RunExit.HANDED_OFF
-            entry = await self._inbox.take(self._park_after)
-            if entry is None:
-                if not self._drain_due() and await self._try_park():
+            entry = await self._take()
+            if entry is Idle.DRAIN:
+                if await self._moved(await self._try_drain()):
+                    self.drained = True
+                    return RunExit.HANDED_OFF
+                continue
+            if entry is Idle.PARK:
+                if await self._try_park():
                     return RunExit.PARKED
                 continue
-            if entry.seq == self._inbox.trigger_seq:
-                self._inbox.trigger_seq = -1
-                if not self._pending and await self._moved(await self._try_hand_off(entry)):
-                    return RunExit.HANDED_OFF
+            if (
+                self._triggers_handoff(entry)
+                and not self._pending
+                and await self._moved(await self._try_hand_off(entry))
+            ):
+                return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
             with self._spans.process(self.state, entry):  # tracing
                 await self._commits.guarded(self._process(entry))
@@ -255,6 +273,24 @@ class SessionRun:
                 await self._commits.guarded(self._compact_if_over_budget())
         await self._upkeep.retired()
         return RunExit.FINALIZED
+
+    async def _take(self) -> s.InboxEntry | Idle:
+        """The next command the rules take (admission.take: the first,
+        unless the turn waits and a queued message waits for it to end);
+        else, once it is due, a drain attempt, or a park attempt after
+        `park_after` with nothing to take. Raises InboxClosed."""
+        with self._inbox.idle_while(not self.state.turn_open):
+            while (entry := admission.take(self.state, self._pending)) is None:
+                self._inbox.raise_if_closed()
+                drain_in = self._drain_wait()
+                if drain_in == 0.0:
+                    return Idle.DRAIN
+                park_in = self._park_after
+                parks_first = park_in is not None and (drain_in is None or park_in < drain_in)
+                wait = park_in if parks_first else drain_in
+                if not await self._inbox.arrival(wait) and parks_first:
+                    return Idle.PARK
+            return entry
 
     # -- departures (docs/design.md §6, issue 12) ---------------------------------------
 
@@ -264,8 +300,27 @@ class SessionRun:
         self._departures.request_drain(target)
         self._inbox.wake()
 
-    def _drain_due(self) -> bool:
-        return self._departures.drain_due(len(self._pending))
+    def _drain_wait(self) -> float | None:
+        """Seconds until a drain attempt is due (0: now); None while none can
+        be. The one place the run asks (departure_rules.drain_wait)."""
+        return departure_rules.drain_wait(
+            self.state,
+            draining=self._departures.draining,
+            pending=len(self._pending),
+            due_at=self._departures.drain_due_at,
+            now=time.monotonic(),
+        )
+
+    def _triggers_handoff(self, entry: s.InboxEntry) -> bool:
+        """`entry` triggers a handoff: it arrived while the run was idle with
+        nothing pending (the buffer noted it), and the departure rules say
+        so. Nothing can change their answer between its arrival and now:
+        the run was waiting for commands, or committing what left it idle."""
+        return (
+            self._departures.can_move
+            and entry.seq == self._inbox.idle_arrival
+            and departure_rules.is_trigger(self.state, entry, revision_known=self._revision_known)
+        )
 
     async def _try_drain(self) -> Attempt:
         with self._spans.handoff(None, self.drain_to):  # tracing
@@ -347,7 +402,7 @@ class SessionRun:
         while True:
             ends = decisions.before_step(self.state, self._pending, events, now=self._clock())
             if ends is None:
-                progress = await self._step.run()
+                progress = await self._run_step()
                 after = decisions.after_step(
                     self.state, progress, self._pending, events, now=self._clock()
                 )
@@ -360,6 +415,31 @@ class SessionRun:
                 ends = after
             await self._apply(ends)
             return
+
+    async def _run_step(self) -> StepProgress:
+        """One step of the open turn, while `_abort_on_push` watches what
+        arrives meanwhile."""
+        watch = self._background.spawn(self._abort_on_push(self._inbox.next_seq))
+        try:
+            return await self._step.run()
+        finally:
+            watch.cancel()
+
+    async def _abort_on_push(self, since: int) -> None:
+        """A command arriving while the step runs (seq `since` and on) aborts
+        it at once when the rules say so (admission.aborts_step: a cancel,
+        reset or own timeout with everything ahead of it able to join the
+        turn); the turn's next boundary then finds it."""
+        with contextlib.suppress(InboxClosed):  # the run learns it at its next commit
+            while True:
+                pending = list(self._pending)
+                for index, entry in enumerate(pending):
+                    ahead = pending[:index]
+                    if entry.seq >= since and admission.aborts_step(self.state, entry, ahead):
+                        self._step.abort()
+                        return
+                since = self._inbox.next_seq
+                await self._inbox.arrival()
 
     async def _apply_finalize(self, effect: Finalize) -> None:
         """Terminal: close the stream once, then release every token."""

@@ -57,12 +57,9 @@ class StepRunner:
         self._task: asyncio.Task[None] | None = None
         self._abort_requested = False
 
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
     def abort(self) -> None:
-        """Cancel the running step (a pushed command)."""
+        """Cancel the running step, if one runs (the shell saw a pushed
+        command that aborts it)."""
         if self._task is not None and not self._task.done():
             self._abort_requested = True
             self._task.cancel()
