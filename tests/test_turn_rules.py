@@ -307,3 +307,20 @@ def test_a_failure_of_authored_code_is_published_as_its_type_and_a_bounded_prefi
     said = safe_error(RuntimeError(upstream))
     assert said.startswith("RuntimeError: https://") and len(said) <= 320
     assert "s" * 400 not in said
+
+
+def test_the_lifetime_timer_is_armed_for_this_run_from_the_committed_deadline() -> None:
+    st = state()
+    assert turns.arm_timeout(st, now=T, restart=False) is None, "no timeout, no timer"
+    timeout = st.snapshot.timeout
+    timeout.duration_seconds = 60
+    timeout.deadline.FromSeconds(1_030)
+    assert turns.arm_timeout(st, now=T, restart=False) == 30.0
+    assert timeout.armed_by_owner_run_id == "run_1" and timeout.deadline.seconds == 1_030
+    # A successor on a new deployment counts the duration from its start.
+    assert turns.arm_timeout(st, now=T + 50, restart=True) == 60.0
+    assert timeout.deadline.seconds == 1_110
+    # Past the deadline it fires at once.
+    assert turns.arm_timeout(st, now=T + 500, restart=False) == 0.0
+    own = entry(1, timeout=s.TimeoutCommand(armed_by_owner_run_id="run_1"))
+    assert admission.classify(st, own) is Admission.FINALIZE

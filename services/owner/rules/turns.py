@@ -1,9 +1,10 @@
 """Turn rules (docs/design.md §4), as functions over `SessionState` (held.py):
 turns opened and closed, when a budget or the step limit is spent, the
-context cleared and compacted, the session finalized, a refused commit
-rolled back. Pure: no I/O. A `SessionRun` (services/owner/run/session.py)
-reads the inbox, calls the model and tools, and commits what these rules
-produce; decisions.py chooses among them.
+context cleared and compacted, the session's lifetime timer armed, the
+session finalized, a refused commit rolled back. Pure: no I/O. A
+`SessionRun` (services/owner/run/session.py) reads the inbox, calls the
+model and tools, and commits what these rules produce; decisions.py
+chooses among them.
 
 - steer (default): a message arriving while a turn is open is admitted at the
   next model-call boundary of the same turn (at most MAX_ADMITTED_PER_BOUNDARY
@@ -140,6 +141,22 @@ def cancel_waiting_turn(state: SessionState, entry: s.InboxEntry) -> list[s.Even
         events = waits.abandon_waits(state)
         close_turn(state, events, s.EVENT_KIND_TURN_CANCELLED, entry=entry, waiting=False)
     return events
+
+
+def arm_timeout(state: SessionState, *, now: float, restart: bool) -> float | None:
+    """Arm the session's durable lifetime timer for this run: seconds until
+    it fires, None when the session has no timeout. The deadline was
+    committed with session.started and survives restarts; `restart` (a
+    successor on a new deployment) counts the configured duration from
+    `now` instead. The timer is stamped with the run: a successor takes only
+    its own timer's command as its timeout (admission.classify)."""
+    timeout = state.snapshot.timeout
+    if not timeout.duration_seconds:
+        return None
+    if restart or not timeout.HasField("deadline"):
+        timeout.deadline.FromSeconds(int(now) + timeout.duration_seconds)
+    timeout.armed_by_owner_run_id = state.run_id
+    return max(0.0, timeout.deadline.ToSeconds() - now)
 
 
 # -- context: clear, compaction, finalization ---------------------------------

@@ -3,7 +3,7 @@ session off to the deployment that accepted a trigger, an operator's drain,
 parking it. When each is due the shell (session.py) asks departure_rules.py;
 the attempt itself is `HandoffAttempts`' (handoff/attempt.py), which answers
 with an `Attempt`: moved, stayed (nothing of it is left), or uncertain (the
-run decides it with a fenced commit, `RunCommits.decide_uncertain_handoff`).
+run decides it with a fenced commit, `SessionRun._settle_uncertain`).
 An attempt that fails retryably fails the run, which starts again from its
 last commit.
 """

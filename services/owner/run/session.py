@@ -1,24 +1,30 @@
 """A session program: one owner run of one session, as an imperative shell.
 
 The run reads the session's inbox continuously (a server stream from hooks),
-takes commands in inbox order, asks the decisions (decisions.py) what each
-means and hands the effect it gets back to its one small `_apply_<kind>` —
-a commit, the open turn's steps, a finalization, a compaction, tool calls
-for answered waits — then loops (the shape of Temporal's workflow
-activation: the rules return effects, the shell carries them out). Every
-step is committed through anchor as one fenced transaction: the step's
-events, the history entries it appended and the new snapshot, whose inbox
-position says which commands the step consumed.
+takes the commands the rules say it takes (admission.take), asks the
+decisions (decisions.py) what each means and hands the effect it gets back
+to its one small `_apply_<kind>` — a commit, the open turn's steps, a
+finalization, a compaction, tool calls for answered waits — then loops (the
+shape of Temporal's workflow activation: the rules return effects and take
+their time from the shell's clock, the shell carries the effects out).
+Every step is committed through anchor as one fenced transaction: the
+step's events, the history entries it appended and the new snapshot, whose
+inbox position says which commands the step consumed.
 
-The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
-(step.py: model, tools, child work), departures (departures.py: handoff,
-drain, park), commits (commit.py: the last commit, a refused commit failing
-the turn), upkeep (upkeep.py: timer, history retirement, controls to
-children before a commit, reports and aliases after it) and compaction.py
-(the model's summary); the shell holds no client of its own. The rules
-are in turns.py and its layers, handles.py, decisions.py and
-departure_rules.py; none of them does I/O. What a run starts from and
-how it ends (`RunStart`, `RunServices`, `RunExit`) is runs.py's.
+Calls go one way: the shell holds the rooms it drives and asks the rules;
+no room holds another room or the shell, and none decides what the shell
+does next. The rooms: the inbox buffer (inbox_buffer.py: reports what
+arrives), the abortable step (step.py: model, tools, child work; the shell
+aborts it when a command pushed meanwhile may), departures (departures.py:
+handoff, drain and park attempts; when each is due is the departure rules'),
+commits (commit.py: the last commit and the checkpoint; the shell calls the
+upkeep before and after each and fails the turn of a refused one), upkeep
+(upkeep.py: timer, history retirement, controls to children, reports and
+aliases) and compaction.py (the model's summary); the shell holds no client
+of its own. The rules are in rules/: one state (held.py) and functions over
+it by concern, decisions.py and departure_rules.py; none of them does I/O
+or reads a clock. What a run starts from and how it ends (`RunStart`,
+`RunServices`, `RunExit`) is terms.py's.
 """
 
 from __future__ import annotations
@@ -26,17 +32,18 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+from collections.abc import Awaitable
 from typing import assert_never
 
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import failpoints
+from baton_runtime.common import failpoints, retry
 from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.rules import admission, decisions, departure_rules, turns
+from baton_runtime.owner.rules import admission, decisions, departure_rules, reports, turns
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -51,7 +58,7 @@ from baton_runtime.owner.rules.decisions import (
 from baton_runtime.owner.rules.held import RunIdentity, SessionState, make_event
 from baton_runtime.owner.rules.steps import StepProgress
 from baton_runtime.owner.run import compaction
-from baton_runtime.owner.run.commit import RunCommits
+from baton_runtime.owner.run.commit import CommitRefused, RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed
 from baton_runtime.owner.run.metering import accepted_time, waited
@@ -131,9 +138,7 @@ class SessionRun:
         )
         self._pending = self._inbox.pending
         self._revision_known = start.revision is not None  # handoff eligibility needs it
-        self._commits = RunCommits(
-            anchor, identity, state, self._upkeep, self._inbox, run_log, revision=start.revision
-        )
+        self._commits = RunCommits(anchor, identity, state, revision=start.revision)
 
     @property
     def snapshot(self) -> s.SessionSnapshot:
@@ -228,17 +233,19 @@ class SessionRun:
                     s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from, handoff_id=self._handoff_id
                 )
             )
-        self._upkeep.arm_timeout(self._clock(), restart=handed_off)
+        delay = turns.arm_timeout(state, now=self._clock(), restart=handed_off)
+        if delay is not None:
+            self._upkeep.start_timer(delay)
         if handed_off and not self._pending:
             # Moved by a drain or an adoption (no trigger in hand): say so
             # on the stream now, not with whatever comes next.
-            await self._commits.guarded(self._commits.commit([]))
+            await self._guarded(self._commit([]))
         self._upkeep.deliver_reports()  # a predecessor's, if it could not
         if decisions.recovery(state):
             turn = self.snapshot.open_turn
             self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
             with self._spans.process(state, None):  # tracing
-                await self._commits.guarded(self._apply_run_turn(RunTurn([])))
+                await self._guarded(self._apply_run_turn(RunTurn([])))
 
     def _event(self, kind: s.EventKind.ValueType, text: str = "", handoff_id: str = "") -> s.Event:
         """An event the run itself says (started, handed off), at the clock's time."""
@@ -268,9 +275,9 @@ class SessionRun:
                 return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
             with self._spans.process(self.state, entry):  # tracing
-                await self._commits.guarded(self._process(entry))
+                await self._guarded(self._process(entry))
             if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-                await self._commits.guarded(self._compact_if_over_budget())
+                await self._guarded(self._compact_if_over_budget())
         await self._upkeep.retired()
         return RunExit.FINALIZED
 
@@ -338,10 +345,10 @@ class SessionRun:
             reports_pending=self._upkeep.reports_pending(),
         ):
             return False
-        if self._commits.delivered_uncommitted:
+        if reports.delivered_uncommitted(self.state):
             # The emptied outbox durable first (a snapshot-only commit): a
             # woken run must not deliver them again (docs/design.md §16).
-            await self._commits.guarded(self._commits.commit([]))
+            await self._guarded(self._commit([]))
             return False  # parks at the next idle timeout, if still idle
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
@@ -352,8 +359,59 @@ class SessionRun:
         """Whether an attempt to move the session moved it; an uncertain one
         is decided here first."""
         if attempt is Attempt.UNCERTAIN:
-            return await self._commits.decide_uncertain_handoff()
+            return await self._settle_uncertain()
         return attempt is Attempt.MOVED
+
+    async def _settle_uncertain(self) -> bool:
+        """Commit the unchanged snapshot, fenced (compared with the last
+        revision): success means the session did not move and cannot move
+        on this attempt (the checkpoint revision is gone); FENCED means it
+        moved. Anything else decides nothing (the transfer may still land),
+        so keep trying: the trigger waits."""
+        backoff = retry.HANDOFF_CHECKPOINT.backoff()
+        while True:
+            try:
+                await self._commit([], idle_after=False)
+            except Fenced:
+                self._log.info("handoff settled: the session moved")
+                return True
+            except BatonError as exc:
+                self._log.warning("deciding commit failed; again", reason=exc.reason)
+                await backoff.wait()
+                continue
+            self._log.info("handoff settled: the session stays; processing here")
+            return False
+
+    # -- commits: the upkeep around each, a refused one failing the turn ----------------
+
+    async def _commit(
+        self, events: list[s.Event], close: bool = False, *, idle_after: bool = True
+    ) -> None:
+        """Commit `events` with the state (fenced), the upkeep before and
+        after it. Raises CommitRefused for a commit that can never succeed."""
+        await self._upkeep.before_commit(closes=close)
+        # A commit that settles the session: a delivery arriving while it is in
+        # flight arrives at an idle session (a reader may see the commit, and
+        # send, before this run has the answer), so it may trigger a handoff.
+        with self._inbox.idle_while(idle_after and not close and not self.state.turn_open):
+            await self._commits.commit(events, close)
+        self._upkeep.after_commit()
+
+    async def _guarded(self, work: Awaitable[None]) -> None:
+        """Run `work`; a commit it makes that can never succeed (too large,
+        invalid) fails the turn instead (docs/failures.md)."""
+        try:
+            await work
+        except CommitRefused as refused:
+            self._log.warning(
+                "commit refused; the turn fails", reason=refused.reason, error=refused.message
+            )
+            self._commits.carry = refused.carry
+            error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
+            events = turns.refused(
+                self.state, refused.events, refused.close, error, now=self._clock()
+            )
+            await self._commit(events, close=refused.close)
 
     # -- commands: ask the decisions, apply the effect they return ---------------------
 
@@ -389,12 +447,12 @@ class SessionRun:
                 assert_never(effect)
 
     async def _apply_commit(self, effect: Commit) -> None:
-        await self._commits.commit(effect.events)
+        await self._commit(effect.events)
 
     async def _apply_rejected(self, effect: Rejected) -> None:
         reason = effect.event.error.reason
         self._log.info("command rejected", reason=reason, inbox_seq=effect.entry.seq)
-        await self._commits.commit([effect.event])
+        await self._commit([effect.event])
 
     async def _apply_run_turn(self, effect: RunTurn) -> None:
         """The open turn's steps until the decisions end it (one exit)."""
@@ -409,7 +467,7 @@ class SessionRun:
                 if after is NextStep.NOW:
                     continue  # the boundary finds the pushed command
                 if after is NextStep.AFTER_COMMIT:
-                    await self._commits.commit(events)
+                    await self._commit(events)
                     events = []
                     continue
                 ends = after
@@ -445,14 +503,14 @@ class SessionRun:
         """Terminal: close the stream once, then release every token."""
         error = effect.error
         turns.finalize(self.state, effect.events, effect.entry, error, now=self._clock())
-        await self._commits.commit(effect.events, close=True)
+        await self._commit(effect.events, close=True)
         await self._upkeep.release_aliases()
         self._log.info("session finalized", reason=error.reason if error else "RESET")
 
     async def _apply_summarize(self, effect: Summarize) -> None:
         """The compact command, or the owner's own (`effect.entry` None)."""
         await compaction.summarize(self.state, effect.events, effect.entry, self._log, self._clock)
-        await self._commits.commit(effect.events)
+        await self._commit(effect.events)
 
     async def _apply_answer_inputs(self, effect: AnswerInputs) -> None:
         """Run the approved calls in order, then ask what their results mean."""
