@@ -28,11 +28,13 @@ from baton_runtime.owner.run.spans import RunSpans  # tracing
 
 
 class InboxClosed(Exception):
-    """The inbox stream ended for good: the run is fenced, or it failed."""
+    """The inbox stream ended for good: the run is fenced, or the stream
+    failed with `failure` (which the restart budget judges)."""
 
-    def __init__(self, fenced: bool) -> None:
-        super().__init__("fenced" if fenced else "inbox stream failed")
+    def __init__(self, fenced: bool, failure: BatonError | None = None) -> None:
+        super().__init__("fenced" if fenced else f"inbox stream failed: {failure}")
         self.fenced = fenced
+        self.failure = failure
 
 
 class InboxBuffer:
@@ -123,13 +125,13 @@ class InboxBuffer:
             except BatonError as exc:
                 if not exc.retryable:
                     self._log.error("inbox stream failed", reason=exc.reason, error=exc.message)
-                    self._close(fenced=False)
+                    self._close(fenced=False, failure=exc)
                     return
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await backoff.wait()
 
-    def _close(self, *, fenced: bool) -> None:
-        self._closed = InboxClosed(fenced)
+    def _close(self, *, fenced: bool, failure: BatonError | None = None) -> None:
+        self._closed = InboxClosed(fenced, failure)
         self._arrived.set()
 
     def offer(self, entry: s.InboxEntry) -> None:
