@@ -11,7 +11,7 @@ operator's drain, asks `HandoffAttempts` to move its session:
    arrival, ... — or a skip: nothing was written and the run processes the
    trigger itself), or UNCERTAIN (the call timed out, the target died). An
    uncertain attempt is decided by the run with a fenced commit of its
-   unchanged snapshot (`RunCommits.decide_uncertain_handoff`): if that
+   unchanged snapshot (`SessionRun._settle_uncertain`): if that
    commit succeeds, no transfer happened before it and none can happen
    after it (the transfer compares the snapshot revision), so the run
    processes the trigger; if it is FENCED, the session moved.
