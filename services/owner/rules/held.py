@@ -60,7 +60,7 @@ def make_event(
 ) -> s.Event:
     """An event of the session `identity` runs, about `entry` when given.
     `now`: its time (a rule gives its activation's); without one, the
-    commit that carries it stamps it with its own (sealing.py)."""
+    commit that carries it stamps it with its own (stamping.py)."""
     event = s.Event(
         session_id=identity.fence.session_id,
         kind=kind,

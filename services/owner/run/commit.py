@@ -28,7 +28,7 @@ from baton_runtime.common.errors import (
 from baton_runtime.common.observability import metrics, tracing
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
 from baton_runtime.owner.rules.held import RunIdentity, SessionState
-from baton_runtime.owner.rules.sealing import seal
+from baton_runtime.owner.rules.stamping import stamp
 from baton_runtime.owner.run.metering import TurnMeter
 
 log = structlog.get_logger("baton.owner.session")
@@ -50,15 +50,15 @@ async def commit_step(
     history: Sequence[s.ChatMessage] = (),
     consumed_from: int | None = None,
 ) -> int | None:
-    """Commit events + history entries + snapshot as one fenced txn, sealed
-    first (rules/sealing.py: seqs, stamps); returns the snapshot's new
+    """Commit events + history entries + snapshot as one fenced txn, stamped
+    first (rules/stamping.py: seqs, stamps); returns the snapshot's new
     revision. The txn deletes the inbox entries consumed since
     `consumed_from` (the last committed snapshot's position; None: every
     entry below the snapshot's). Transient failures are retried with the
     identical request (anchor recognises a replay): within the budget of
     `retry.COMMIT`, and while etcd is full (STORE_FULL) until an operator has
     made room, so the step's work is never lost or redone for it."""
-    consumed_from = seal(
+    consumed_from = stamp(
         snapshot,
         events,
         deployment_id=identity.deployment_id,

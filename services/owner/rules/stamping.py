@@ -1,9 +1,10 @@
-"""Sealing a commit (docs/design.md §4): what a step's events and snapshot
+"""Stamping a commit (docs/design.md §4): what a step's events and snapshot
 become as the commit that carries them. The events are numbered on from the
 stream's position, and an event no rule gave a time (the host's
 session.started, stalled, resumed) gets the commit's; the snapshot moves
 past them and is stamped with the deployment that commits it and the trace
-of its last turn. Pure: no I/O; run/commit.py sends what this seals.
+of its last turn. Pure: no I/O; run/commit.py sends what this stamps.
+(Sealing is the object store's word: a full segment sealed into an object.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.owner.rules.held import timestamp
 
 
-def seal(
+def stamp(
     snapshot: s.SessionSnapshot,
     events: Sequence[s.Event],
     *,
@@ -23,7 +24,7 @@ def seal(
     trace_id: str = "",
     consumed_from: int | None = None,
 ) -> int | None:
-    """Seal `events` and `snapshot` (both changed in place) as one commit
+    """Stamp `events` and `snapshot` (both changed in place) as one commit
     made at `now` by `deployment_id`; `trace_id`: the trace the commit is
     part of ("" keeps the last one). Returns the inbox position the commit
     deletes consumed entries from: `consumed_from` (the last committed
