@@ -80,6 +80,15 @@ def deployment_status_name(status: hooks_pb.DeploymentStatus.ValueType) -> str:
     return hooks_pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
 
 
+def agent_text(agent: hooks_pb.AgentInfo) -> str:
+    """`fixture v2 (baton_runtime.owner.agents.fixture:build_agent_v2)`; `-`
+    for an instance that registered none."""
+    named = " ".join(filter(None, (agent.name, f"v{agent.version}" if agent.version else "")))
+    if named and agent.spec:
+        return f"{named} ({agent.spec})"
+    return named or agent.spec or "-"
+
+
 def deployment_json(info: hooks_pb.DeploymentInfo) -> dict[str, object]:
     return json_format.MessageToDict(
         info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -323,10 +332,11 @@ def _described(
             str(i.lease_id),
             f"{i.ttl_seconds}/{i.granted_ttl_seconds}s",
             str(i.sessions),
+            agent_text(i.instance.agent),
         )
         for i in info.instances
     ]
-    lines += _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS"), rows)
+    lines += _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS", "AGENT"), rows)
     lines.append("")
     lines += table_of(sessions)
     if len(sessions) < total:
