@@ -5,7 +5,7 @@ and profile, the call each command makes, and its exit code.
 
 Tenant commands (sessions list|get|events|send|cancel|reset) call the public
 ingress with the API key in BATON_API_KEY; operator commands (sessions
-resume, deployments list|describe|drain, handoffs get) call hooks, anchor
+resume, deployments list|describe|drain|undrain, handoffs get) call hooks, anchor
 and owners with the operator certificate. Connection defaults come from the
 profile `baton up` writes (services/cli/commands/profile.py).
 
@@ -122,6 +122,10 @@ def _operator_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
         return operator.handoff_get(connection, args.session, args.handoff, args.output)
     if args.action == "list":
         return operator.deployments_list(connection, args.output)
+    if args.action == "undrain":
+        return deployments.undrain(
+            connection.hooks, args.deployment, connection.security, output=args.output
+        )
     return operator.deployments_describe(connection, args.deployment, args.output, limit=args.limit)
 
 
@@ -151,7 +155,7 @@ def _drain(args: argparse.Namespace) -> int:
 _TENANT = {"list", "get", "events", "send", "cancel", "reset"}
 _COMMANDS = {
     "sessions": {*_TENANT, "resume"},
-    "deployments": {"list", "describe", "drain"},
+    "deployments": {"list", "describe", "drain", "undrain"},
     "handoffs": {"get"},
 }
 

@@ -218,7 +218,8 @@ def _add_resume(group: Any) -> None:
 
 def add_deployment_commands(commands: Any) -> None:
     fleet = commands.add_parser(
-        "deployments", help="operator: the deployments' owner fleets (list, describe, drain)"
+        "deployments",
+        help="operator: the deployments' owner fleets (list, describe, drain, undrain)",
     ).add_subparsers(dest="action", metavar="ACTION")
     listing = fleet.add_parser(
         "list",
@@ -262,6 +263,18 @@ def add_deployment_commands(commands: Any) -> None:
         "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
     )
     _operator_flags(drain)
+    undrain = fleet.add_parser(
+        "undrain",
+        help="stop a drain: the deployment keeps its sessions and takes handoffs again",
+        description=(
+            "Ask every live owner instance of DEPLOYMENT to stop its drain: the sessions "
+            "still on it stay, and it is a handoff target again (once its registry entry "
+            "says so, within a keep-alive); sessions that moved stay where they are. Safe "
+            "to repeat. A deployment with no live instance is NOT_FOUND (exit 3)."
+        ),
+    )
+    undrain.add_argument("deployment", metavar="DEPLOYMENT", help="the exact deployment id")
+    _operator_flags(undrain)
 
 
 def add_handoff_commands(commands: Any) -> None:

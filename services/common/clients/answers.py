@@ -187,6 +187,19 @@ class DrainBlocker:
 
 
 @dataclass(frozen=True)
+class Undrained:
+    """An instance's stopped drain (UndrainSessions): the target it drained
+    to ("" = it did not drain), the sessions it had moved there, and those
+    it holds now."""
+
+    deployment_id: str
+    instance_id: str
+    was_to_deployment_id: str
+    moved: int
+    held: int
+
+
+@dataclass(frozen=True)
 class DrainReport:
     """One owner instance's drain progress (DrainSessions)."""
 

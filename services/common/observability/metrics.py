@@ -263,6 +263,14 @@ HANDOFFS = Counter(
     ["reason", "outcome"],
     registry=None,
 )
+HANDOFF_SKIPS = Counter(
+    "baton_handoff_skips_total",
+    "Handoff and drain attempts skipped before asking the target, by why: target_draining "
+    "(an operator drains the target deployment: it takes no sessions), no_live_instance, "
+    "registry_unavailable, revision_unknown",
+    ["why"],
+    registry=None,
+)
 HANDOFF_SECONDS = Histogram(
     "baton_handoff_duration_seconds",
     "From choosing the target instance to its answer (moved, refused or uncertain)",
@@ -376,6 +384,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         TOOL_CALL_SECONDS,
         INBOX_WAIT_SECONDS,
         HANDOFFS,
+        HANDOFF_SKIPS,
         HANDOFF_SECONDS,
         TAKEOVERS,
         PARKED_CLAIMS,

@@ -38,9 +38,9 @@ class _DeploymentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Depl
     owner of this deployment.
     """
     DEPLOYMENT_STATUS_DRAINED: _DeploymentStatus.ValueType  # 3
-    """No session is left on it: an operator's drain moved them all (its fleet
-    can be scaled to zero), or no owner instance is live either (then the
-    registry keeps nothing of it: only DescribeDeployment of its id says so).
+    """Owner instances are live, an operator's drain moved every session away
+    (its fleet can be scaled to zero). (A deployment with no live instance
+    and no session is not known: not listed, NOT_FOUND to describe.)
     """
     DEPLOYMENT_STATUS_DRAINING: _DeploymentStatus.ValueType  # 4
     """Owner instances are live, at least one works on an operator's drain (its
@@ -61,9 +61,9 @@ another deployment's ingress (adoption), one left mid-step waits for an
 owner of this deployment.
 """
 DEPLOYMENT_STATUS_DRAINED: DeploymentStatus.ValueType  # 3
-"""No session is left on it: an operator's drain moved them all (its fleet
-can be scaled to zero), or no owner instance is live either (then the
-registry keeps nothing of it: only DescribeDeployment of its id says so).
+"""Owner instances are live, an operator's drain moved every session away
+(its fleet can be scaled to zero). (A deployment with no live instance
+and no session is not known: not listed, NOT_FOUND to describe.)
 """
 DEPLOYMENT_STATUS_DRAINING: DeploymentStatus.ValueType  # 4
 """Owner instances are live, at least one works on an operator's drain (its
