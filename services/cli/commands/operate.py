@@ -3,7 +3,7 @@
 services/cli/commands/operate_parser.py): the connection from flags, environment
 and profile, the call each command makes, and its exit code.
 
-Tenant commands (sessions list|get|events|send|cancel|reset) call the public
+Tenant commands (sessions list|create|get|events|send|answer|cancel|reset) call the public
 ingress with the API key in BATON_API_KEY; operator commands (sessions
 resume, deployments list|describe|drain|undrain, handoffs get) call hooks, anchor
 and owners with the operator certificate. Connection defaults come from the
@@ -91,6 +91,25 @@ def _tenant_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
             limit=args.limit,
             page_size=args.page_size,
         )
+    if args.action == "create":
+        return session_actions.create(
+            connection,
+            args.output,
+            aliases=args.aliases,
+            request_id=args.request_id,
+            timeout_seconds=args.timeout,
+            token_budget=args.token_budget,
+        )
+    if args.action == "answer":
+        return session_actions.answer(
+            connection,
+            args.session,
+            args.request,
+            args.output,
+            approved=args.approved,
+            text=args.text,
+            delivery_id=args.delivery_id,
+        )
     if args.action == "events":
         return session_actions.events(
             connection, args.session, args.output, follow=args.follow, start_seq=args.start_seq
@@ -152,7 +171,7 @@ def _drain(args: argparse.Namespace) -> int:
         return 130
 
 
-_TENANT = {"list", "get", "events", "send", "cancel", "reset"}
+_TENANT = {"list", "create", "get", "events", "send", "answer", "cancel", "reset"}
 _COMMANDS = {
     "sessions": {*_TENANT, "resume"},
     "deployments": {"list", "describe", "drain", "undrain"},

@@ -105,7 +105,8 @@ def _session_arg(sub: argparse.ArgumentParser) -> None:
 def add_session_commands(commands: Any) -> None:
     group = commands.add_parser(
         "sessions",
-        help="look into and talk to sessions (list, get, events, send, cancel, reset, resume)",
+        help="look into and talk to sessions (list, create, get, events, send, answer, cancel, "
+        "reset, resume)",
         description=(
             "Sessions through the public API, as the channel whose API key is in BATON_API_KEY "
             "(default: the loopback demo key); `resume` is an operator's (the operator "
@@ -115,6 +116,7 @@ def add_session_commands(commands: Any) -> None:
         ),
     ).add_subparsers(dest="action", metavar="ACTION")
     _add_list(group)
+    _add_create(group)
     one = group.add_parser("get", help="one session", description="One session, by id or alias.")
     _session_arg(one)
     one.add_argument(
@@ -190,6 +192,7 @@ def _add_send_and_controls(group: Any) -> None:
     send.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
     send.add_argument("--queue", action="store_true", help="wait for the open turn to settle")
     _tenant_flags(send)
+    _add_answer(group)
     for action, what in (
         ("cancel", "cancel the running turn"),
         ("reset", "finalize the session (terminal: its stream closes)"),
@@ -199,6 +202,57 @@ def _add_send_and_controls(group: Any) -> None:
         sub.add_argument("--reason", default="", help="why (kept with the command)")
         sub.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
         _tenant_flags(sub)
+
+
+def _add_create(group: Any) -> None:
+    create = group.add_parser(
+        "create",
+        help="create a session",
+        description=(
+            "Create a session on the ingress's deployment and print its id. Repeating it "
+            "with the same --request-id finds the session the first created."
+        ),
+    )
+    create.add_argument(
+        "--alias",
+        action="append",
+        dest="aliases",
+        default=[],
+        metavar="RAW",
+        help="an alias of the channel to claim for it (repeatable)",
+    )
+    create.add_argument("--request-id", default="", help="idempotency key (default: generated)")
+    create.add_argument(
+        "--timeout", type=non_negative, default=0, help="session lifetime, seconds (0 = none)"
+    )
+    create.add_argument(
+        "--token-budget", type=non_negative, default=0, help="token budget (0 = unlimited)"
+    )
+    _tenant_flags(create)
+
+
+def _add_answer(group: Any) -> None:
+    answer = group.add_parser(
+        "answer",
+        help="answer a pending input request (an approval or a question)",
+        description=(
+            "Answer the input request REQUEST (its id is on the session's input.requested "
+            "event, and in `sessions get`): --approve or --deny a tool call waiting for "
+            "approval (or a spent limit), or --text for the model's question (with "
+            "--approve/--deny: sent along with it). Accepted means durable; the "
+            "turn goes on when its owner takes it up."
+        ),
+    )
+    _session_arg(answer)
+    answer.add_argument("request", metavar="REQUEST", help="the input request id")
+    verdict = answer.add_mutually_exclusive_group()
+    verdict.add_argument(
+        "--approve", dest="approved", action="store_const", const=True, default=None
+    )
+    verdict.add_argument("--deny", dest="approved", action="store_const", const=False)
+    answer.add_argument("--text", default="", help="the answer's text")
+    answer.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
+    _tenant_flags(answer)
 
 
 def _add_resume(group: Any) -> None:
