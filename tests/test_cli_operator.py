@@ -390,6 +390,14 @@ async def test_sessions_across_channels_for_an_operator_only(stack: Stack, tmp_p
     )  # fmt: skip
     assert run.code == 0, run.err
     assert [json.loads(line)["session_id"] for line in run.out.splitlines()] == [asking]
+    run = await baton(
+        "sessions", "list", "--all-channels", "--filter", "inbox_depth = 0",
+        "--order-by", "oldest_unconsumed_age desc", "-o", "json", *ops, env=env,
+    )  # fmt: skip
+    assert run.code == 0, run.err  # nothing waits anywhere: ties, by channel and id
+    assert [(v["channel"], v["session_id"]) for v in json.loads(run.out)] == expected
+    run = await baton("sessions", "list", "--all-channels", "--order-by", "age", *ops, env=env)
+    assert run.code == sessions.EXIT_REFUSED and "INVALID_FIELD" in run.err, run
     run = await baton("sessions", "list", "--all-channels", "--limit", "2", *ops, env=env)
     assert run.code == 0, run.err
     assert [row.split()[0] for row in run.out.splitlines()[1:]] == [v for _, v in expected[:2]]

@@ -242,9 +242,9 @@ async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path
     """The commands of docs/introspection.md, run verbatim through
     bash (with `baton` the CLI of this checkout and the settings a
     `baton up` profile would give), print what the section says."""
-    section = doc_section("introspection.md")
+    section = doc_section("introspection.md").replace("\\\n", "")  # continued lines joined
     commands = [line for line in section.splitlines() if line.startswith("baton sessions ")]
-    assert len(commands) == 3, commands
+    assert len(commands) == 4, commands
     header = next(line for line in section.splitlines() if line.startswith("SESSION "))
     sid = await idle_session(stack)
     asking = await idle_session(stack, "ask my name")
@@ -269,6 +269,8 @@ async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path
     assert sorted(row.split()[0] for row in table[1:]) == sorted([sid, asking])
     assert [json.loads(line)["session_id"] for line in outputs[1].splitlines()] == [asking]
     assert json.loads(outputs[2]) == as_json(await get_session(stack, sid))
+    assert "--order-by 'oldest_unconsumed_age desc'" in commands[3]
+    assert [row.split()[0] for row in outputs[3].splitlines()[1:]] == []  # nothing waits
 
 
 async def test_create_makes_a_session_and_a_repeat_finds_it(stack: Stack, tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_dedupe_leases_granted_total": ("counter", {"reason"}),
         "baton_transfers_total": ("counter", {"outcome"}),
         "baton_live_instances": ("gauge", {"deployment"}),
+        "baton_oldest_unanswered_seconds": ("gauge", {"deployment"}),
     },
     "anchor": {
         **_RPC,

@@ -15,7 +15,7 @@ baton etcd binary                                    (the etcd `baton up` would 
 baton --version
 
 As a channel (API key: env BATON_API_KEY), through the ingress:
-baton sessions list [--filter F] [--limit 100] [--page-size N]
+baton sessions list [--filter F] [--order-by O] [--limit 100] [--page-size N]
 baton sessions create [--alias RAW ...] [--request-id K] [--timeout S] [--token-budget N]
 baton sessions get ID|ALIAS
 baton sessions events ID|ALIAS [--follow] [--from SEQ]

@@ -20,6 +20,7 @@ from baton_runtime.hooks.instances import InstanceRegistry
 from baton_runtime.hooks.registry import HookRegistry
 from baton_runtime.hooks.servicer import HookRegistryServicer
 from baton_runtime.hooks.transfer import Transfers
+from baton_runtime.hooks.unanswered import OldestUnanswered
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 # An owner's membership is served past the server's capacity (config.Capacity).
@@ -60,6 +61,7 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     server.background.append(StoreHealth(store, server.set_serving).run)
     if server.metrics is not None:
         server.metrics.refresh.append(instances.refresh_metrics)
+        server.background.append(OldestUnanswered(store, keys).run)
     server.app = registry
     server.on_stop.append(store.close)
     server.on_stop.append(registry.close)

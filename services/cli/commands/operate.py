@@ -88,6 +88,7 @@ def _tenant_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
             connection,
             args.output,
             filter_text=args.filter,
+            order_by=args.order_by,
             limit=args.limit,
             page_size=args.page_size,
         )
@@ -191,7 +192,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "sessions" and args.action == "list" and args.all_channels:
             call = operator.sessions_all_channels(
-                _operator_connection(args), args.output, filter_text=args.filter, limit=args.limit
+                _operator_connection(args),
+                args.output,
+                filter_text=args.filter,
+                order_by=args.order_by,
+                limit=args.limit,
             )
         elif args.command == "sessions" and args.action == "get" and args.all_channels:
             connection = _operator_connection(args)

@@ -141,8 +141,16 @@ def _add_list(group: Any) -> None:
     listing.add_argument(
         "--filter",
         default="",
-        help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
-        "create_time, update_time; see docs/introspection.md)",
+        help="e.g. 'status = idle AND deployment = \"dep-1\"' or 'inbox_depth > 0 AND "
+        'oldest_unconsumed_age > "30s"\' (fields: status, deployment, create_time, '
+        "update_time, inbox_depth, oldest_unconsumed_age; see docs/introspection.md)",
+    )
+    listing.add_argument(
+        "--order-by",
+        default="",
+        metavar="FIELD [asc|desc]",
+        help="e.g. 'oldest_unconsumed_age desc' (inbox_depth or oldest_unconsumed_age; "
+        "default: session id order)",
     )
     listing.add_argument(
         "--limit", type=non_negative, default=100, help="at most this many (0 = all; default 100)"

@@ -177,6 +177,15 @@ LIVE_INSTANCES = Gauge(
     ["deployment"],
     registry=None,
 )
+OLDEST_UNANSWERED = Gauge(
+    "baton_oldest_unanswered_seconds",
+    "How long the oldest message (command) not consumed yet has waited, over every session "
+    "of a deployment (its ownership index), whoever holds it: running, stalled, parked or "
+    "on an instance that died; 0 when none waits. Read from the inboxes every 15 s "
+    "(services/hooks/unanswered.py): every hooks replica reports the same, aggregate with max",
+    ["deployment"],
+    registry=None,
+)
 
 # -- anchor (services/anchor/journal.py) -------------------------------------------
 
@@ -363,6 +372,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         DEDUPE_LEASES_GRANTED,
         TRANSFERS,
         LIVE_INSTANCES,
+        OLDEST_UNANSWERED,
     ),
     "anchor": (
         *_RPC,
