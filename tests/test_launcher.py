@@ -97,7 +97,9 @@ class Launcher:
     _new_line: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    async def start(cls, *args: str, env: Mapping[str, str] | None = None) -> Launcher:
+    async def start(
+        cls, *args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT
+    ) -> Launcher:
         profile_path = Path(tempfile.mkdtemp(prefix="baton-profile-")) / "profile.json"
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -109,8 +111,14 @@ class Launcher:
             "--etcd-port",
             "0",
             *args,
-            cwd=ROOT,
-            env={**os.environ, "BATON_PROFILE": str(profile_path), **(env or {})},
+            cwd=cwd,
+            # This checkout's baton_runtime, from any working directory.
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.getenv("PYTHONPATH")))),
+                "BATON_PROFILE": str(profile_path),
+                **(env or {}),
+            },
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
@@ -182,8 +190,10 @@ class Launcher:
 
 
 @contextlib.asynccontextmanager
-async def launched(*args: str, env: Mapping[str, str] | None = None) -> AsyncIterator[Launcher]:
-    launcher = await Launcher.start(*args, env=env)
+async def launched(
+    *args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT
+) -> AsyncIterator[Launcher]:
+    launcher = await Launcher.start(*args, env=env, cwd=cwd)
     try:
         yield launcher
     finally:
@@ -462,6 +472,29 @@ REPLICATED = {
     "ingress of dep-1",
     "ingress-2 of dep-1",
 }
+
+
+async def test_the_example_agent_moves_to_its_second_version_with_baton_up_alone() -> None:
+    """docs/agents.md's walk-through: from the example agent's directory,
+    two deployments with two versions of its code (`--agent` twice), and
+    the demo's session answered by version 2 after it moves."""
+    async with launched(
+        "--deployment-id", "desk-1", "--deployment-id", "desk-2",
+        "--agent", "desk-1=support_agent:build_agent",
+        "--agent", "desk-2=support_agent.v2:build_agent",
+        "--demo",
+        cwd=ROOT / "examples" / "agent",
+    ) as up:  # fmt: skip
+        await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
+        output = "\n".join(up.lines)
+        assert "  desk-1: support_agent:build_agent" in up.lines, output
+        assert "  desk-2: support_agent.v2:build_agent" in up.lines, output
+        handed = [line for line in up.lines if "session.handed_off" in line]
+        assert len(handed) == 1 and handed[0].endswith("from desk-1 to desk-2"), output
+        assert re.search(r'^answered by desk-2\'s code: "\[v2\] ', output, re.M), output
+        assert "[v2]" not in output[: output.index(handed[0])], output
+        up.proc.send_signal(signal.SIGINT)
+        assert await up.wait_exit(STOP_TIMEOUT) == 0, up.output
 
 
 async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> None:

@@ -70,7 +70,7 @@ def _add_topology(up: argparse.ArgumentParser) -> None:
         metavar="[DEP=]MODULE:FACTORY",
         help="the agent code a deployment's owners load: DEP=module:factory for one "
         "deployment (repeatable), a bare module:factory for every deployment not named "
-        "(importable from the current directory or PYTHONPATH). Default: "
+        "(importable from the current directory or PYTHONPATH; docs/agents.md). Default: "
         "BATON_AGENT for every deployment when set, else the fixture agent on the first "
         "deployment and its version 2 (answers start with [v2]) on the others",
     )

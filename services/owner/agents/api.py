@@ -41,6 +41,12 @@ class ToolContext:
     owner_run_id: str
     channel: str = ""
     add_alias: Callable[[str], Awaitable[None]] | None = None
+    """Claim `<channel>:<raw>` as another address of the session (durably,
+    before the step commits)."""
+    tool_call_id: str = ""
+    """The call's id (`call_<n>`), unique in the session. The step in flight
+    when an owner dies runs again, and numbers its calls the same: key a
+    side effect by (session_id, tool_call_id) to make it once."""
 
 
 ToolFunction = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
