@@ -281,6 +281,16 @@ class AgentHarness:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {API_KEY}"),)
 
+    @property
+    def api_key(self) -> str:
+        """The channel's API key (channel `test`), for a gateway under test."""
+        return API_KEY
+
+    def ingress_address(self, via: str | None = None) -> str:
+        """host:port of a deployment's ingress (plaintext), for a gateway
+        or an SDK client under test."""
+        return f"127.0.0.1:{self._versions[via or self.deployment_id].ingress.port}"
+
     def _stub(self, via: str | None) -> ingress_pb2_grpc.IngressServiceAsyncStub:
         return self._versions[via or self.deployment_id].stub
 
