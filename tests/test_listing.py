@@ -94,6 +94,8 @@ def test_time_ranges() -> None:
         "inbox_depth > -1",
         "inbox_depth = many",
         'inbox_depth > "1.5"',
+        "inbox_depth > ²",
+        'oldest_unconsumed_age > "１s"',
         'oldest_unconsumed_age = "30s"',
         'oldest_unconsumed_age > "30"',
         'oldest_unconsumed_age > "30 s"',

@@ -60,7 +60,8 @@ _TIME_FIELDS = ("create_time", "update_time")
 _NUMBER_FIELDS = ("inbox_depth", "oldest_unconsumed_age")
 ORDER_FIELDS = _NUMBER_FIELDS
 MAX_ORDER_BY_LENGTH = 64
-_DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)(?P<unit>ms|s|m|h)$")
+_DURATION = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<unit>ms|s|m|h)$")
+_WHOLE = re.compile(r"^[0-9]+$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 MAX_NUMBER = 2**63 - 1
 _STATUSES = {status.value: status for status in Status}
@@ -155,7 +156,7 @@ def _time_ms(text: str) -> int:
 def _number(name: str, op: str, value: str) -> int:
     """An inbox depth (a whole number) or an age (a duration, in ms)."""
     if name == "inbox_depth":
-        if not value.isdigit() or int(value) > MAX_NUMBER:
+        if not _WHOLE.match(value) or int(value) > MAX_NUMBER:
             raise invalid_filter(f"inbox_depth compares with a whole number, not {value[:40]!r}")
         return int(value)
     if op in ("=", "!="):

@@ -225,6 +225,7 @@ class OwnerHost(HostedSessions):
         goes away (the old owner died, its deadline passed) must not cancel a
         transfer in flight or the start of a transferred session."""
         await self._wait_ready()
+        self.acceptance.check_offer(offer)  # bad input is refused as such first
         if self.drains.target:
             # An operator retires this deployment: it takes no sessions (the
             # offering owner keeps the session and answers the trigger).
