@@ -271,7 +271,7 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
 async def test_operator_settings_from_the_profile(stack: Stack, tmp_path: Path) -> None:
     """`baton up`'s profile names hooks, anchor and the operator certificate:
     with it, operator commands need no flags."""
-    from baton_runtime.cli.commands import profile
+    from baton_runtime.cli.system import profile
 
     files = stack.pki.files(Role.OPERATOR)
     path = tmp_path / "profile.json"

@@ -22,7 +22,8 @@ from google.protobuf import json_format
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.commands import profile, sessions
+from baton_runtime.cli.commands import sessions
+from baton_runtime.cli.system import profile
 from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack
 
 

@@ -1,4 +1,4 @@
-"""Placement among peer owner instances (services/owner/hosting/peers.py): pure."""
+"""Placement among peer owner instances (services/owner/handoff/peers.py): pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from baton_runtime.owner.hosting.peers import place
+from baton_runtime.owner.handoff.peers import place
 
 
 def test_placement_is_a_stable_hash_of_the_session_id() -> None:

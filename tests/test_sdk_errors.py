@@ -1,6 +1,6 @@
 """The sync SDK client through grpcio-testing: the test plays IngressService
 and answers each call as the servers would (statuses built by the servers'
-own `grpc_errors.to_status`), so these check the client's side alone: every
+own `status_map.to_status`), so these check the client's side alone: every
 error reason surfaces as its typed exception, retries repeat only what is
 safe with the same idempotency key, and a follower resumes at its cursor
 without gap or duplicate. Real servers: tests/test_sdk.py."""

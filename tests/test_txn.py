@@ -16,15 +16,15 @@ from baton_runtime.common.errors import Fenced, NotFound, PermissionDenied, Reas
 from baton_runtime.common.etcd.client import make_client
 from baton_runtime.common.etcd.keys import Keys, OwnerRecord, prefix_end
 from baton_runtime.common.etcd.ops import cmp_absent, cmp_none, cmp_value
-from baton_runtime.common.etcd.store import Store
-from baton_runtime.common.etcd.txn import Fence, Txn
-from baton_runtime.common.security.identity import Caller, Role
-from baton_runtime.common.security.scope import (
+from baton_runtime.common.etcd.scope import (
     DeploymentScope,
     check_record,
     owner_record_start,
     scope_compares,
 )
+from baton_runtime.common.etcd.store import Store
+from baton_runtime.common.etcd.txn import Fence, Txn
+from baton_runtime.common.security.identity import Caller, Role
 from tests import certs
 
 
@@ -145,7 +145,7 @@ async def test_the_scope_compares_hold_exactly_for_the_records_deployment_at_its
     store: Store, deployment: str, epoch: int, holds: bool
 ) -> None:
     """Anchor checks an owner's deployment inside its commit's txn
-    (services/common/security/scope.py): two value compares on the owner record's
+    (services/common/etcd/scope.py): two value compares on the owner record's
     canonical bytes, true exactly when the record names that deployment at
     that epoch; a missing record fails them; a refusal reads the record and
     says PERMISSION_DENIED only for another deployment."""

@@ -39,10 +39,10 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.etcd.ops import cmp_absent, cmp_mod, cmp_present
+from baton_runtime.common.etcd.scope import ScopeCheck
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.common.observability import metrics
-from baton_runtime.common.security.scope import ScopeCheck
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600.0
 

@@ -11,8 +11,8 @@ from baton_runtime.anchor.servicer import AnchorServicer
 from baton_runtime.common.etcd.health import StoreHealth
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.etcd.members import connect_checked
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
-from baton_runtime.common.security.scope import DeploymentScope
 
 SERVICE_NAME = anchor_pb2.DESCRIPTOR.services_by_name["AnchorService"].full_name
 

@@ -12,10 +12,10 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.journal import Journal, LoadedSnapshot
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.observability.tracing import check_trace_id
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
-from baton_runtime.common.security.scope import DeploymentScope
 from baton_runtime.common.streams import feeds, multiplex
 
 _LOAD_MESSAGE_BYTES = 2 * 1024 * 1024

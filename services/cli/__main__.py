@@ -30,7 +30,7 @@ baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait
 baton handoffs get HANDOFF_ID [--session ID]
       [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]
 Every one of these takes -o text|json|jsonl; defaults come from `baton up`'s
-profile (services/cli/commands/profile.py); exit codes in services/cli/commands/operate.py
+profile (services/cli/system/profile.py); exit codes in services/cli/commands/operate.py
 (and 141 when the reader of the output closed the pipe, `... | head`).
 
 API keys never come from argv: the ingress reads a key file, `baton demo`

@@ -1,6 +1,6 @@
 """python -m baton_runtime.hooks"""
 
-from baton_runtime.common.service_main import run_main
+from baton_runtime.common.rpc.main import run_main
 from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.server import create_server
 

@@ -1,6 +1,6 @@
 """python -m baton_runtime.ingress"""
 
-from baton_runtime.common.service_main import run_main
+from baton_runtime.common.rpc.main import run_main
 from baton_runtime.ingress.config import IngressConfig
 from baton_runtime.ingress.server import create_server
 

@@ -1,6 +1,6 @@
 """python -m baton_runtime.owner"""
 
-from baton_runtime.common.service_main import run_main
+from baton_runtime.common.rpc.main import run_main
 from baton_runtime.owner.config import OwnerConfig
 from baton_runtime.owner.server import create_server
 

@@ -25,11 +25,11 @@ from baton_runtime.common.config import (
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.ids import validate_deployment_id
 from baton_runtime.common.security.tls import Security
+from baton_runtime.owner.hosting.fleet import DEFAULT_RECONCILE_INTERVAL
 
 DEFAULT_AGENT = "baton_runtime.owner.agents.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
 DEFAULT_PARK_AFTER = 10.0
-DEFAULT_RECONCILE_INTERVAL = 15.0
 # Enough for every session of a busy instance to commit at once in a batch;
 # few enough that a burst queues here, not in hooks or anchor (where every
 # queued call would wait out its deadline: docs/recovery.md, owner overload).

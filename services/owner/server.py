@@ -17,9 +17,9 @@ from baton_runtime.owner.config import OwnerConfig
 from baton_runtime.owner.hosting.fleet import FleetMembership
 from baton_runtime.owner.hosting.heap import HeapTrimmer
 from baton_runtime.owner.hosting.host import OwnerHost
-from baton_runtime.owner.hosting.metering import HeldSessions
 from baton_runtime.owner.hosting.sessions import HostSettings
 from baton_runtime.owner.hosting.sweep import UnclaimedSessions
+from baton_runtime.owner.run.metering import HeldSessions
 from baton_runtime.owner.servicer import OwnerServicer
 
 SERVICE_NAME = owner_pb2.DESCRIPTOR.services_by_name["OwnerService"].full_name

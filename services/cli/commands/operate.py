@@ -7,7 +7,7 @@ Tenant commands (sessions list|create|get|events|send|answer|cancel|reset) call 
 ingress with the API key in BATON_API_KEY; operator commands (sessions
 resume, deployments list|describe|drain|undrain, handoffs get) call hooks, anchor
 and owners with the operator certificate. Connection defaults come from the
-profile `baton up` writes (services/cli/commands/profile.py).
+profile `baton up` writes (services/cli/system/profile.py).
 
 Exit codes (every command but drain): 0 done, 1 refused (the reason is
 printed), 2 usage, 3 not found, 4 unavailable; 130 interrupted. Drain: 0
@@ -28,10 +28,10 @@ from baton_runtime.cli.commands import (
     demo,
     deployments,
     operator,
-    profile,
     session_actions,
     sessions,
 )
+from baton_runtime.cli.system import profile
 from baton_runtime.cli.system.launch_settings import DEMO_API_KEY
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.security.tls import Security

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from baton_runtime.cli.commands import profile
+from baton_runtime.cli.system import profile
 from baton_runtime.cli.system.launch_settings import (
     DEMO_API_KEY,
     DEMO_CHANNEL,
@@ -142,6 +142,10 @@ def _announce(system: LocalSystem) -> None:
     else:
         system.say("PLAINTEXT: no TLS and no etcd auth (--plaintext; loopback only)")
         tls = "-plaintext"
+    system.say(
+        f"Console: {system.console_url} (loopback; other callers present the console "
+        f"token {system.console_token}: docs/console.md)"
+    )
     system.say(f"Try:  baton demo {' '.join(demo_command(system.ports, system.ca_cert))}")
     system.say(f"      grpcurl {tls} 127.0.0.1:{system.ports.ingress} list")
     system.say("Ctrl-C or SIGTERM stops everything.")
@@ -150,7 +154,7 @@ def _announce(system: LocalSystem) -> None:
 
 def _write_profile(system: LocalSystem) -> None:
     """Where `baton sessions ...` finds this system with no flags
-    (services/cli/commands/profile.py)."""
+    (services/cli/system/profile.py)."""
     path = profile.default_path()
     operator = system.pki.files(Role.OPERATOR) if system.pki is not None else None
     try:

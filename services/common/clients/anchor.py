@@ -1,5 +1,5 @@
 """The typed client of anchor (`AnchorService`): its idempotent methods
-(retried by gRPC, see `rpc_client`) and one call per RPC: commits, snapshots,
+(retried by gRPC, see `clients.base`) and one call per RPC: commits, snapshots,
 session loads, history retirement and event reads."""
 
 from __future__ import annotations

@@ -87,11 +87,14 @@ class InstanceLease:
 @dataclass(frozen=True)
 class TakenOver:
     """A takeover's outcome (TakeOverSession): the successor's fence; whether
-    the session stays parked under it, and the inbox head at the takeover."""
+    the session stays parked under it, and the inbox head at the takeover
+    (for a parked session, its consumed position); a parked session's
+    lifetime deadline (unix seconds, 0 = none)."""
 
     fence: s.Fence
     parked: bool
     inbox_head: int
+    timeout_deadline: int = 0
 
 
 @dataclass(frozen=True)

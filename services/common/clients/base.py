@@ -1,7 +1,7 @@
 """What every typed client between Baton services shares
-(`hooks_client`, `anchor_client`, `owner_client`): every call has a
+(`clients.hooks`, `clients.anchor`, `clients.owner`): every call has a
 deadline, and a failed call raises the domain error it carried (see
-`grpc_errors`).
+`status_map`).
 
 Each client balances over every replica its target names and lets gRPC
 retry the methods its service lists as idempotent (`channels.open_channel`).
@@ -13,7 +13,7 @@ owner settles an uncertain handoff itself, and a replay on another instance
 would be refused as a reused handoff id after the first one moved the
 session).
 
-Calls answer with domain values (`client_answers`); a stream yields one
+Calls answer with domain values (`clients.answers`); a stream yields one
 value per message the server sends."""
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ a Kubernetes Service.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections.abc import Iterable
 
 import grpc
 
+from baton_runtime.common.config import grpc_target
 from baton_runtime.common.security.tls import Security, open_secure_channel
 
 DEFAULT_CALL_TIMEOUT = 10.0
@@ -60,47 +60,6 @@ _RETRY_POLICY = {
 # with one failing replica among healthy ones even though every retry
 # succeeded, and then let half the calls fail. Four attempts with backoff,
 # inside the call's deadline, bound the extra load instead.
-
-_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
-
-
-def grpc_target(addresses: str) -> str:
-    """The gRPC target for an address setting.
-
-    `host:port` is used as is (gRPC resolves a name through DNS). Several
-    addresses separated by commas must be IP literals (`127.0.0.1:50052`,
-    `[::1]:50052`; `localhost` means 127.0.0.1): they become one `ipv4:` or
-    `ipv6:` target. A target with a scheme (`dns:///name:port`) is used as
-    is. Raises ValueError for anything else.
-    """
-    parts = [part.strip() for part in addresses.split(",") if part.strip()]
-    if not parts:
-        raise ValueError("no address given")
-    if len(parts) == 1 and (parts[0].startswith(_SCHEMES) or "://" in parts[0]):
-        return parts[0]
-    families = set()
-    hosts_ports = []
-    for part in parts:
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"address {part!r} must be host:port")
-        if len(parts) == 1:
-            return part
-        if host == "localhost":
-            host = "127.0.0.1"
-        try:
-            ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-        except ValueError as exc:
-            raise ValueError(
-                f"address {part!r}: several addresses must be IP literals; "
-                "for a name with several replicas use dns:///name:port"
-            ) from exc
-        families.add(ip.version)
-        hosts_ports.append(f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}")
-    if len(families) > 1:
-        raise ValueError(f"addresses {addresses!r} mix IPv4 and IPv6")
-    scheme = "ipv6" if families == {6} else "ipv4"
-    return f"{scheme}:{','.join(hosts_ports)}"
 
 
 def service_config(service: str, idempotent: Iterable[str] = ()) -> str:

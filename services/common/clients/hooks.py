@@ -1,6 +1,6 @@
 """The typed client of hooks (`HookRegistryService`): its idempotent
-methods (retried by gRPC, see `rpc_client`) and one call per RPC, each
-answering with the values of `client_answers`."""
+methods (retried by gRPC, see `clients.base`) and one call per RPC, each
+answering with the values of `clients.answers`."""
 
 from __future__ import annotations
 
@@ -283,14 +283,20 @@ class HooksClient(ServiceClient):
         response = await self._unary(
             "TakeOverSession", lambda: self.stub.TakeOverSession(request, timeout=self.timeout)
         )
-        return TakenOver(response.fence, response.parked, response.inbox_head)
+        deadline = response.timeout_deadline.seconds if response.HasField("timeout_deadline") else 0
+        return TakenOver(response.fence, response.parked, response.inbox_head, deadline)
 
-    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0) -> int:
+    async def set_parked(
+        self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0, timeout_deadline: int = 0
+    ) -> int:
         """Park (every inbox entry consumed up to `inbox_next_seq`, else
-        Aborted/INBOX_NOT_DRAINED) or unpark; returns the inbox head."""
+        Aborted/INBOX_NOT_DRAINED; `timeout_deadline`: the session's lifetime
+        deadline, unix seconds, 0 = none) or unpark; returns the inbox head."""
         request = hooks_pb.SetParkedRequest(
             fence=fence, parked=parked, inbox_next_seq=inbox_next_seq
         )
+        if timeout_deadline:
+            request.timeout_deadline.FromSeconds(timeout_deadline)
         response = await self._unary(
             "SetParked", lambda: self.stub.SetParked(request, timeout=self.timeout)
         )

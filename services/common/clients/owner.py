@@ -1,5 +1,5 @@
 """The typed client of an owner (`OwnerService`): its idempotent methods
-(retried by gRPC, see `rpc_client`) and one call per RPC: starting sessions,
+(retried by gRPC, see `clients.base`) and one call per RPC: starting sessions,
 handoffs, drains, adoption and resumes."""
 
 from __future__ import annotations

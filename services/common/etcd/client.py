@@ -11,7 +11,7 @@ import aetcd
 import grpc
 from aetcd import rpc
 
-from baton_runtime.common.clients.channels import grpc_target
+from baton_runtime.common.config import grpc_target
 from baton_runtime.common.etcd.watch_stream import EtcdWatcher
 from baton_runtime.common.security.tls import (
     Security,

@@ -1,6 +1,6 @@
 """The one interceptor of every Baton server (`CallInterceptor`): caller
 identity and the per-RPC role table, a cap on concurrent calls, request
-decoding, error mapping through `grpc_errors`, one log line, a span and the
+decoding, error mapping through `status_map`, one log line, a span and the
 RPC metrics per call."""
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ services/common/streams/feeds.py).
 pages, as the server-streaming method's call would be: it ends when the
 follow ends with OK, raises the domain error it ended with otherwise, and
 raises StreamBroken (UNAVAILABLE: retry) when the stream under it broke.
-Closing the iterator (or cancelling its reader) stops the follow. It
+Closing the iterator (or cancelling its reader) stops the follow: a stop
+is written only after the follow's open, and a follow closed while its open
+is still queued is dropped from the queue (neither open nor stop is sent). It
 buffers at most the follow's window of pages: the server sends no more
 until the reader has taken half of them, and then is granted as many. The
 stream opens with the first follow and is opened again by the next follow
@@ -55,7 +57,8 @@ class _Stream(SharedStream):
     written (opens, stops and grants)."""
 
     follows: dict[int, asyncio.Queue[Any]] = field(default_factory=dict)
-    opens: list[tuple[int, Any, int, str]] = field(default_factory=list)
+    # Opens not written yet, by follow id, in the order they were queued.
+    opens: dict[int, tuple[int, Any, int, str]] = field(default_factory=dict)
     stops: list[int] = field(default_factory=list)
     grants: list[tuple[int, int]] = field(default_factory=list)
 
@@ -64,6 +67,16 @@ def _take(items: list[_T], count: int) -> list[_T]:
     """The first `count` of `items`, taken off it."""
     taken = items[:count]
     del items[:count]
+    return taken
+
+
+def _take_opens(
+    opens: dict[int, tuple[int, Any, int, str]], count: int
+) -> list[tuple[int, Any, int, str]]:
+    """The first `count` opens, taken off `opens`."""
+    taken = list(itertools.islice(opens.values(), count))
+    for follow_id, *_ in taken:
+        del opens[follow_id]
     return taken
 
 
@@ -104,7 +117,7 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
         span, traceparent = None, ""
         if tracing.TRACING.enabled:
             span, traceparent = tracing.start_client_span(self._follow_method)
-        stream.opens.append((follow_id, request, window, traceparent))
+        stream.opens[follow_id] = (follow_id, request, window, traceparent)
         stream.wake.set()
         taken = 0
         code = grpc.StatusCode.CANCELLED  # unless it ends: the reader stopped
@@ -125,8 +138,13 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
                 yield item
         finally:
             if stream.follows.pop(follow_id, None) is not None and stream.broken is None:
-                stream.stops.append(follow_id)  # the reader left first: stop it
-                stream.wake.set()
+                # The reader left first: stop the follow, once its open is
+                # written. One whose open is still queued is dropped from the
+                # queue instead: the server never hears of it. (A stop written
+                # before its open, or without it, would leave it open there.)
+                if stream.opens.pop(follow_id, None) is None:
+                    stream.stops.append(follow_id)
+                    stream.wake.set()
             if span is not None:
                 tracing.end_client_span(span, code)
 
@@ -143,7 +161,7 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
                     room = MAX_REQUEST_ITEMS
                     stops = _take(stream.stops, room)
                     grants = _take(stream.grants, room - len(stops))
-                    opens = _take(stream.opens, room - len(stops) - len(grants))
+                    opens = _take_opens(stream.opens, room - len(stops) - len(grants))
                     await stream.call.write(self._make_request(opens, stops, grants))
                     if meter.enabled:
                         meter.sent_on_stream(self._target, self._method)

@@ -1,3 +1,3 @@
 """Ingress-driven upgrade (docs/design.md §6): the old owner's attempt, the new owner's acceptance,
-and the checkpoint a handoff carries.
+the checkpoint a handoff carries, and the peers a session or child is placed on.
 """

@@ -45,7 +45,7 @@ from baton_runtime.common.errors import (
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.security.permits import PermitSigner, grant_for
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
-from baton_runtime.owner.hosting.peers import Peers, place
+from baton_runtime.owner.handoff.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.handoff")
 

@@ -1,4 +1,4 @@
 """One owner instance and the sessions it holds: the host, hosted sessions' lifecycle, fleet
 membership, parking and bells, reconciliation, restarts and takeovers, claims of dead instances'
-sessions, adoption, drains, peers and metering.
+sessions, adoption and drains.
 """

@@ -48,13 +48,14 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.config import DEFAULT_RECONCILE_INTERVAL
 from baton_runtime.owner.hosting.host import OwnerHost
 from baton_runtime.owner.hosting.reconcile import Reconciler
 from baton_runtime.owner.hosting.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
 
+# How often a round of reconciliation runs (docs/design.md §5; owner --reconcile-interval).
+DEFAULT_RECONCILE_INTERVAL = 15.0
 ADOPT_ROUNDS = 20
 DEREGISTER_SECONDS = 2.0
 

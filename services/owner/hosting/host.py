@@ -198,9 +198,15 @@ class OwnerHost(HostedSessions):
         if taken is None:
             return False
         if taken.parked:
-            self._hold(
-                sid, ParkedSession(taken.fence.owner_run_id, taken.fence.epoch, taken.inbox_head)
+            # Held as its park recorded it: consumed position and lifetime
+            # deadline (woken then, so the timeout fires while parked).
+            parked = ParkedSession(
+                taken.fence.owner_run_id,
+                taken.fence.epoch,
+                taken.inbox_head,
+                taken.timeout_deadline,
             )
+            self._hold(sid, parked)
         else:
             self.start_activation(taken.fence)
         return True

@@ -26,7 +26,7 @@ from baton_runtime.common import failpoints, ids, retry
 from baton_runtime.common.clients.answers import OwnerInstance, StartedSession
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, FailedPrecondition, NotFound
-from baton_runtime.owner.hosting.peers import Peers, place
+from baton_runtime.owner.handoff.peers import Peers, place
 
 log = structlog.get_logger("baton.owner.children")
 

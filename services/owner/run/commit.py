@@ -26,10 +26,10 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.observability import metrics, tracing
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
-from baton_runtime.owner.hosting.metering import TurnMeter
 from baton_runtime.owner.rules.held import RunIdentity
 from baton_runtime.owner.rules.turns import SessionState
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer
+from baton_runtime.owner.run.metering import TurnMeter
 from baton_runtime.owner.run.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")

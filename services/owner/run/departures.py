@@ -20,6 +20,7 @@ from baton_runtime.owner.handoff.attempt import Attempt, HandoffAttempts
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
 from baton_runtime.owner.rules import departure_rules
 from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.run.snapshots import lifetime_deadline
 
 DRAIN_RETRY_SECONDS = 2.0
 
@@ -107,11 +108,14 @@ class Departures:
     # -- parking -------------------------------------------------------------------------
 
     async def park(self, fence: s.Fence) -> bool:
-        """Park the idle session at its consumed inbox position; False when
-        something arrived first (the stream will deliver it)."""
-        inbox_next_seq = self._state.snapshot.inbox_next_seq
+        """Park the idle session at its consumed inbox position, with its
+        lifetime deadline (hooks keeps both in the owner record: whoever
+        takes the parked session over wakes it then); False when something
+        arrived first (the stream will deliver it)."""
+        snapshot = self._state.snapshot
+        inbox_next_seq = snapshot.inbox_next_seq
         try:
-            await self._hooks.set_parked(fence, True, inbox_next_seq)
+            await self._hooks.set_parked(fence, True, inbox_next_seq, lifetime_deadline(snapshot))
         except Aborted:
             return False
         self._log.debug("parked", inbox_next_seq=inbox_next_seq)

@@ -33,7 +33,6 @@ from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.hosting.metering import waited
 from baton_runtime.owner.rules import compaction, decisions, departure_rules
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
@@ -51,6 +50,7 @@ from baton_runtime.owner.rules.turns import SessionState
 from baton_runtime.owner.run.commit import RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed
+from baton_runtime.owner.run.metering import waited
 from baton_runtime.owner.run.spans import RunSpans  # tracing
 from baton_runtime.owner.run.step import StepRunner
 from baton_runtime.owner.run.terms import RunExit, RunServices, RunStart
@@ -175,6 +175,7 @@ class SessionRun:
             await self._begin()
             return await self._serve()
         except InboxClosed as closed:
+            self.failure = closed.failure
             return RunExit.FENCED if closed.fenced else RunExit.FAILED
         except Fenced:
             self._log.info("fenced; run ends")

@@ -370,8 +370,11 @@ class FollowEventsRequest(_message.Message):
 
     @_builtins.property
     def stop_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The follow ids of reads to stop; an id that is not open (it may have
-        just ended) is ignored.
+        """The follow ids of reads to stop. A stop applies after its follow's
+        open: one in the same message as the open ends the follow once opened
+        (the stops of follows opened before the message apply first). A client
+        writes a stop only after its follow's open, never before it nor
+        without it. An id that is not open (it may have just ended) is ignored.
         """
 
     @_builtins.property

@@ -64,7 +64,8 @@ class AnchorServiceStub:
     HookRegistryService.FollowInboxes multiplexes inbox streams. Each
     request message opens reads (follows, each with an id of the caller's,
     a ReadEventsRequest served as ReadEvents serves it, and a window),
-    stops others and grants follows more pages; each response message
+    stops others (a stop applies after its follow's open, however the two
+    are batched) and grants follows more pages; each response message
     carries the pages ready together, of any follows, and a follow's end
     (the status its ReadEvents would have ended with; OK for a read that
     ended) as its last item. A follow has at most one page in anchor's
@@ -119,7 +120,8 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     HookRegistryService.FollowInboxes multiplexes inbox streams. Each
     request message opens reads (follows, each with an id of the caller's,
     a ReadEventsRequest served as ReadEvents serves it, and a window),
-    stops others and grants follows more pages; each response message
+    stops others (a stop applies after its follow's open, however the two
+    are batched) and grants follows more pages; each response message
     carries the pages ready together, of any follows, and a follow's end
     (the status its ReadEvents would have ended with; OK for a read that
     ended) as its last item. A follow has at most one page in anchor's
@@ -201,7 +203,8 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         HookRegistryService.FollowInboxes multiplexes inbox streams. Each
         request message opens reads (follows, each with an id of the caller's,
         a ReadEventsRequest served as ReadEvents serves it, and a window),
-        stops others and grants follows more pages; each response message
+        stops others (a stop applies after its follow's open, however the two
+        are batched) and grants follows more pages; each response message
         carries the pages ready together, of any follows, and a follow's end
         (the status its ReadEvents would have ended with; OK for a read that
         ended) as its last item. A follow has at most one page in anchor's

@@ -938,15 +938,25 @@ class TakeOverSessionResponse(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
     INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
     """True when the session stays parked under the successor: it was parked and
     nothing arrived since. The successor need not load it until a bell rings.
     """
     inbox_head: _builtins.int
-    """The inbox head at the takeover; for a parked session, its consumed position."""
+    """The inbox head at the takeover; for a parked session, its consumed position
+    as the takeover recorded it (a replay answers the same, whatever arrived
+    since: those arrivals rang the successor's bell).
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The new fence (epoch + 1)."""
+
+    @_builtins.property
+    def timeout_deadline(self) -> _timestamp_pb2.Timestamp:
+        """For a parked session, its lifetime deadline as its park recorded it; unset
+        when it has none. The successor wakes it then, so the timeout fires.
+        """
 
     def __init__(
         self,
@@ -954,10 +964,11 @@ class TakeOverSessionResponse(_message.Message):
         fence: _session_pb2.Fence | None = ...,
         parked: _builtins.bool = ...,
         inbox_head: _builtins.int = ...,
+        timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "parked", b"parked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "parked", b"parked", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -972,6 +983,7 @@ class SetParkedRequest(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
     INBOX_NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
     """Park (true) or unpark (false)."""
     inbox_next_seq: _builtins.int
@@ -982,16 +994,24 @@ class SetParkedRequest(_message.Message):
     def fence(self) -> _session_pb2.Fence:
         """The caller's fence."""
 
+    @_builtins.property
+    def timeout_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When parking: the session's lifetime deadline (whole seconds; unset when it
+        has none). Kept in the owner record: a takeover that keeps the session
+        parked passes it on, and appends after it are refused as SESSION_FINALIZED.
+        """
+
     def __init__(
         self,
         *,
         fence: _session_pb2.Fence | None = ...,
         parked: _builtins.bool = ...,
         inbox_next_seq: _builtins.int = ...,
+        timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_next_seq", b"inbox_next_seq", "parked", b"parked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_next_seq", b"inbox_next_seq", "parked", b"parked", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1648,8 +1668,11 @@ class FollowInboxesRequest(_message.Message):
 
     @_builtins.property
     def stop_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The follow ids of streams to stop; an id that is not open (it may have
-        just ended) is ignored.
+        """The follow ids of streams to stop. A stop applies after its follow's
+        open: one in the same message as the open ends the follow once opened
+        (the stops of follows opened before the message apply first). A client
+        writes a stop only after its follow's open, never before it nor
+        without it. An id that is not open (it may have just ended) is ignored.
         """
 
     @_builtins.property

@@ -230,7 +230,8 @@ class HookRegistryServiceServicer:
         any of its sessions, over one long-lived stream to one replica. Each
         request message opens streams (follows, each with an id of the caller's
         and a StreamInboxRequest, checked and served as StreamInbox serves it)
-        and stops others (by id); each response message carries the pages ready
+        and stops others (by id: a stop applies after its follow's open, however
+        the two are batched); each response message carries the pages ready
         together, of any follows, each with its follow id, and a follow's end
         (the status its StreamInbox would have ended with) as its last item. A
         follow has at most one page in hooks' hands until it is sent, and at

@@ -1,0 +1,87 @@
+"""The tree is the architecture (docs/architecture.md): every module under
+services/ is named on that page, and calls between a service's subpackages go
+one way, lowest layer first, as the page's tables say."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SERVICES = Path(__file__).resolve().parent.parent / "services"
+ARCHITECTURE = (SERVICES.parent / "docs" / "architecture.md").read_text()
+
+# Each service's subpackages, lowest first: a subpackage may import only those
+# before it in its list (and anything outside its service that is below it).
+LAYERS = {
+    "common": ["observability", "security", "etcd", "rpc", "streams", "clients"],
+    "owner": ["agents", "rules", "handoff", "run", "hosting"],
+    "cli": ["system", "commands"],
+}
+# common's floor (its top-level modules) imports no subpackage, but config.py,
+# which builds the settings of the TLS and etcd rooms.
+COMMON_FLOOR_EXCEPTIONS = {"config.py"}
+# rpc/ serves without etcd: a store is the domain's, never the server's.
+NOT_BELOW = {("common", "rpc"): {"etcd"}}
+
+
+def _modules() -> list[Path]:
+    return sorted(
+        p
+        for p in SERVICES.rglob("*.py")
+        if "_proto" not in p.parts and p.name not in {"__init__.py", "__main__.py"}
+    )
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("baton_runtime."):
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _room(dotted: str) -> tuple[str, str] | None:
+    """(service, subpackage or '') of a module path under baton_runtime."""
+    parts = dotted.split(".")[1:]
+    if not parts or parts[0] == "_proto":
+        return None
+    service = parts[0]
+    if len(parts) >= 2 and parts[1] in LAYERS.get(service, []):
+        return service, parts[1]
+    return service, ""
+
+
+def test_every_module_is_named_in_architecture_md() -> None:
+    missing = []
+    for path in _modules():
+        inside_service = path.relative_to(SERVICES).parts[1:]
+        if f"`{'/'.join(inside_service)}`" not in ARCHITECTURE:
+            missing.append(str(path.relative_to(SERVICES)))
+    assert _modules()
+    assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+@pytest.mark.parametrize("service", sorted(LAYERS))
+def test_calls_go_one_way(service: str) -> None:
+    order = LAYERS[service]
+    upward = []
+    for path in (SERVICES / service).rglob("*.py"):
+        if "_proto" in path.parts:
+            continue
+        inside = path.relative_to(SERVICES / service).parts
+        own = inside[0] if len(inside) > 1 and inside[0] in order else ""
+        if not own and not (service == "common" and inside[0] not in COMMON_FLOOR_EXCEPTIONS):
+            continue  # the top level of owner and cli assembles everything
+        for target in _imports(path):
+            room = _room(target)
+            if room is None or room[0] != service or room[1] == own:
+                continue
+            allowed = order[: order.index(own)] if own else []
+            allowed = [r for r in allowed if r not in NOT_BELOW.get((service, own), set())]
+            if room[1] and room[1] not in allowed:
+                upward.append(f"{path.relative_to(SERVICES)} imports {target}")
+    assert not upward, "calls that run back up:\n" + "\n".join(sorted(upward))
