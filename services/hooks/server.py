@@ -48,7 +48,10 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     server.background.append(StoreHealth(store, server.set_serving).run)
     if server.metrics is not None:
         server.metrics.refresh.append(rooms.instances.refresh_metrics)
-        server.background.append(OldestUnanswered(store, Keys(config.etcd.prefix)).run)
+        sweep = OldestUnanswered(
+            store, Keys(config.etcd.prefix), every=config.unanswered_sweep_seconds
+        )
+        server.background.append(sweep.run)
     server.app = rooms
     server.on_stop.append(store.close)
     server.on_stop.append(rooms.close)
