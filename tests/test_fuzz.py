@@ -357,7 +357,24 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
         "after_session_id": [session_id],
         "limit": [1, 10],
         "page_size": [0, 1, 50],
-        "filter": ["status = idle", 'deployment = "dep-a"', 'create_time > "2026-01-01T00:00:00Z"'],
+        "filter": [
+            "status = idle",
+            'deployment = "dep-a"',
+            'create_time > "2026-01-01T00:00:00Z"',
+            "inbox_depth > 0",
+            'inbox_depth >= 1 AND oldest_unconsumed_age > "30s"',
+            'oldest_unconsumed_age <= "1.5h"',
+            'oldest_unconsumed_age = "30s"',
+            "inbox_depth > -1",
+        ],
+        "order_by": [
+            "",
+            "inbox_depth desc",
+            "oldest_unconsumed_age",
+            "oldest_unconsumed_age asc",
+            "status desc",
+            "inbox_depth up",
+        ],
         "page_token": [""],
     }
     known = [

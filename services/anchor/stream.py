@@ -18,7 +18,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import TERMINAL_KINDS
 from baton_runtime.anchor.horizon import below_horizon, horizon_of
 from baton_runtime.common import ids, limits
-from baton_runtime.common.errors import NotFound, Reason
+from baton_runtime.common.errors import NotFound, OutOfRange, Reason
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
@@ -37,6 +37,8 @@ class _Page:
     closed: int | None
     # The first seq kept (the retention horizon, services/anchor/horizon.py).
     horizon: int
+    # The seq the next commit writes first (the commit marker's last seq + 1).
+    head: int
     revision: int
 
 
@@ -61,8 +63,10 @@ class EventStream:
             .read("fence", k.fence(session_id), keys_only=True)
             .read("closed", k.closed(session_id))
             .read("horizon", k.horizon(session_id))
+            .read("marker", k.commit_marker(session_id))
             .run(self._store)
         )
+        marker = result.value("marker")
         closed = result.value("closed")
         # A session exists from its creation (its fence), before its first
         # commit (a child session commits session.started with its first turn).
@@ -73,6 +77,7 @@ class EventStream:
             exists=exists,
             closed=int(closed) if closed is not None else None,
             horizon=horizon_of(result.value("horizon")),
+            head=int(marker) + 1 if marker else 0,
             revision=result.revision,
         )
 
@@ -91,7 +96,11 @@ class EventStream:
         A cursor below the stream's retention horizon (services/anchor/
         horizon.py) answers OUT_OF_RANGE/BELOW_HORIZON with the earliest seq
         kept in the metadata, also when the horizon passes a slow reader
-        between two pages; a live follower gets every event from its watch."""
+        between two pages; a live follower gets every event from its watch.
+        A cursor beyond the head (more than one past the last event: no
+        commit will ever write it next, so following it would wait for
+        nothing) answers OUT_OF_RANGE/BEYOND_HEAD with `next_seq`, the
+        head, in the metadata; past a closed stream's end is just its end."""
         ids.validate_session_id(session_id)
         if follow:
             metrics.STREAM_FOLLOWERS.inc()
@@ -127,6 +136,8 @@ class EventStream:
                         )
                     if page.closed is not None and start_seq > page.closed:
                         return  # the cursor is past the terminal event: the stream is over
+                    if start_seq > page.head:
+                        raise beyond_head(session_id, page.head, start_seq)
                     checked = True
                 # Read in the page's own transaction: [horizon, head) is all
                 # there, so a cursor at or above it is gapless; one below it
@@ -173,6 +184,16 @@ class EventStream:
             event = s.Event.FromString(change.kv.value)
             batch.append((len(change.kv.value), event))
             cursor.next_seq = event.seq + 1
+
+
+def beyond_head(session_id: str, head: int, start_seq: int) -> OutOfRange:
+    return OutOfRange(
+        Reason.BEYOND_HEAD,
+        f"seq {start_seq} of session {session_id} is beyond the stream's head: the next "
+        f"event will be seq {head}; read or follow from a seq up to {head}",
+        next_seq=str(head),
+        session_id=session_id,
+    )
 
 
 class _Cursor:

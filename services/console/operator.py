@@ -351,7 +351,10 @@ class Operator:
         keep-alive, so a page shown at once could still say active."""
         deadline = time.monotonic() + ANNOUNCE_WAIT
         while time.monotonic() < deadline:
-            info = await self.hooks.describe_deployment(deployment_id)
+            try:
+                info = await self.hooks.describe_deployment(deployment_id)
+            except NotFound:  # no instance and no session left: nothing to wait for
+                return
             if info.status == hooks_pb.DEPLOYMENT_STATUS_DRAINED:
                 return
             await asyncio.sleep(0.5)

@@ -14,6 +14,7 @@ from baton_runtime.common.security.permits import PermitVerifier
 from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.servicer import HookRegistryServicer
+from baton_runtime.hooks.unanswered import OldestUnanswered
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 # An owner's membership is served past the server's capacity (config.Capacity).
@@ -47,6 +48,10 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     server.background.append(StoreHealth(store, server.set_serving).run)
     if server.metrics is not None:
         server.metrics.refresh.append(rooms.instances.refresh_metrics)
+        sweep = OldestUnanswered(
+            store, Keys(config.etcd.prefix), every=config.unanswered_sweep_seconds
+        )
+        server.background.append(sweep.run)
     server.app = rooms
     server.on_stop.append(store.close)
     server.on_stop.append(rooms.close)

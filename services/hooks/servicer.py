@@ -16,6 +16,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.bounds import MAX_TIMESTAMP_SECONDS, check_range, check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.etcd.keys import AgentLabel
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
 from baton_runtime.common.security.identity import Role
@@ -260,8 +261,9 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
+        agent = AgentLabel(request.agent.spec, request.agent.name, request.agent.version)
         lease_id, ttl = await self._rooms.instances.register(
-            request.deployment_id, request.instance_id, request.ttl_seconds, request.address
+            request.deployment_id, request.instance_id, request.ttl_seconds, request.address, agent
         )
         return pb.RegisterInstanceResponse(lease_id=lease_id, ttl_seconds=ttl)
 

@@ -119,6 +119,10 @@ def _announce(system: LocalSystem) -> None:
         system.say(f"Baton is up: deployments {apis}")
     for line in system.describe():
         system.say(line)
+    system.say("Agents (each owner logs the agent it loaded; `baton deployments describe`):")
+    environment = os.environ.get("BATON_AGENT", "") or "the owner's default"
+    for dep in deployments:
+        system.say(f"  {dep.deployment_id}: {settings.agent_of(dep.deployment_id) or environment}")
     system.say("Prometheus metrics (plaintext HTTP, loopback):")
     for line in system.describe_metrics():
         system.say(line)

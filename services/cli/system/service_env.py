@@ -53,6 +53,8 @@ def service_env(
         "BATON_HOOKS_ADDR": addresses(ports.hooks),
         "BATON_ANCHOR_ADDR": addresses(ports.anchors),
     }
+    if kind == "owner" and settings.agent_of(dep.deployment_id):
+        env["BATON_AGENT"] = settings.agent_of(dep.deployment_id)
     if kind == "ingress":
         env |= {
             # Each ingress starts sessions on its own deployment's owners.

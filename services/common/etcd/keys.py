@@ -337,32 +337,60 @@ class Bell:
 
 
 @dataclass(frozen=True)
+class AgentLabel:
+    """Which authored agent code an owner instance loaded: its `module:factory`
+    spec, the root agent's name and the author's version ("" when unset)."""
+
+    spec: str = ""
+    name: str = ""
+    version: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        parts = (("name", self.name), ("spec", self.spec), ("version", self.version))
+        return {key: value for key, value in parts if value}
+
+
+NO_AGENT = AgentLabel()
+
+
+@dataclass(frozen=True)
 class InstanceRecord:
     """A live owner instance (`d/{deployment}/{instance}`, under its lease);
-    `drain_to`: the deployment an operator's drain hands its sessions to, as
-    the instance announced it ("" = not draining)."""
+    `agent`: the agent code it loaded; `drain_to`: the deployment an
+    operator's drain hands its sessions to, as the instance announced it
+    ("" = not draining)."""
 
     deployment_id: str
     instance_id: str
     address: str
     drain_to: str = ""
+    agent: AgentLabel = NO_AGENT
 
     def encode(self) -> bytes:
-        data = {
+        data: dict[str, object] = {
             "address": self.address,
             "deployment_id": self.deployment_id,
             "instance_id": self.instance_id,
         }
         if self.drain_to:
             data["drain_to"] = self.drain_to
+        if self.agent.as_dict():
+            data["agent"] = self.agent.as_dict()
         return canonical_json(data)
 
     @classmethod
     def decode(cls, value: bytes) -> InstanceRecord:
         data = json.loads(value)
+        agent = data.get("agent")
+        agent = agent if isinstance(agent, dict) else {}
         return cls(
             deployment_id=str(data.get("deployment_id", "")),
             instance_id=str(data.get("instance_id", "")),
             address=str(data.get("address", "")),
             drain_to=str(data.get("drain_to", "")),
+            agent=AgentLabel(
+                spec=str(agent.get("spec", "")),
+                name=str(agent.get("name", "")),
+                version=str(agent.get("version", "")),
+            ),
         )

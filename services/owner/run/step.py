@@ -165,7 +165,7 @@ class StepRunner:
         try:
             arguments = json.loads(call.arguments_json)
             with spans.tool_call(call):  # tracing
-                result.output = await tool.run(arguments, self._tool_context())
+                result.output = await tool.run(arguments, self._tool_context(call.id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
@@ -175,7 +175,7 @@ class StepRunner:
         metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
         return result
 
-    def _tool_context(self) -> ToolContext:
+    def _tool_context(self, tool_call_id: str) -> ToolContext:
         fence = self._identity.fence
         return ToolContext(
             session_id=fence.session_id,
@@ -183,6 +183,7 @@ class StepRunner:
             owner_run_id=fence.owner_run_id,
             channel=self._state.snapshot.channel,
             add_alias=self._add_alias,
+            tool_call_id=tool_call_id,
         )
 
     async def _add_alias(self, token: str) -> None:
