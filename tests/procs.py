@@ -123,6 +123,11 @@ class ProcessStack:
         )
         return proc.start()
 
+    def _anchor_env(self) -> dict[str, str]:
+        """anchor's extra env; its object store a directory of the workdir
+        unless the test names one."""
+        return {"BATON_OBJECT_STORE": f"file://{self.workdir / 'objects'}", **self.anchor_env}
+
     def _key_file(self) -> str:
         path = self.workdir / "api-keys"
         if not path.exists():
@@ -142,7 +147,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", "ingress", *(f"o{i}" for i in range(1, owners + 1))):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
         for i in range(1, owners + 1):
             self.start_owner(f"o{i}", wait=False)
         self.ingress = self._spawn("ingress", "ingress", BATON_OWNER_ADDR=self.addr("o1"))
@@ -160,7 +165,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", *ingresses, *owners):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
         for instance_id, (deployment_id, points) in owners.items():
             self.start_owner(
                 instance_id, wait=False, deployment_id=deployment_id, failpoints=points
@@ -416,6 +421,9 @@ class ReplicatedStack:
             "BATON_LOG_LEVEL": "info",
             "BATON_SHUTDOWN_GRACE": "1",
         }
+        if kind == "anchor":
+            # The replicas share one object store, as they share etcd.
+            env["BATON_OBJECT_STORE"] = f"file://{self.workdir / 'objects'}"
         if kind in ("hooks", "anchor"):
             return env | {
                 "BATON_ETCD_ENDPOINT": self.etcd_endpoint,

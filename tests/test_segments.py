@@ -1,0 +1,285 @@
+"""Sealed segments (issue 34; docs/storage.md): a session's stream and model
+history past their open tails live in an object store, etcd keeps the tails
+and a small index, and every reader sees the same stream and context as
+before. Real etcd, real gRPC, a real file:// store (and a real S3-protocol
+server in test_segments_s3.py); in-process services here, real processes
+with kill -9 in test_segments_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aetcd
+import grpc
+import pytest
+
+from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
+from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.journal import Journal
+from baton_runtime.anchor.segments import index as ix
+from baton_runtime.anchor.segments.format import (
+    Corrupt,
+    ObjectNames,
+    decode_object,
+    encode_object,
+    segment_object,
+)
+from baton_runtime.anchor.segments.objects import check_url
+from baton_runtime.anchor.segments.schedule import SealSchedule
+from baton_runtime.common.config import ConfigError
+from baton_runtime.common.keys import Keys
+from tests.procs import eventually
+from tests.stack import SLACK, Stack, object_store_url, start_stack, stop_stack
+
+EV = spb.SEGMENT_LOG_EVENTS
+H = spb.SEGMENT_LOG_HISTORY
+
+
+# -- the rules (pure) ----------------------------------------------------------------
+
+
+def ref_of(first: int, end: int, dated_ms: int = 0) -> spb.SegmentRef:
+    return spb.SegmentRef(first=first, end=end, nonce=first + 1, dated_ms=dated_ms)
+
+
+def test_an_object_is_read_back_only_as_it_was_recorded() -> None:
+    records = [f"event {i}".encode() for i in range(5)]
+    raw, digest = encode_object(segment_object(EV, "ses_a", 10, records))
+    ref = spb.SegmentRef(first=10, end=15, nonce=7, size=len(raw), sha256=digest)
+    assert list(decode_object(raw, ref, EV, "ses_a", directory=False).records) == records
+    assert digest == hashlib.sha256(raw[40:]).digest()
+    flipped = bytearray(raw)
+    flipped[-3] ^= 0x01
+    cases = {
+        "checksum mismatch": bytes(flipped),
+        "recorded": raw[:-1],
+        "bad magic": b"X" + raw[1:],
+    }
+    for why, bad in cases.items():
+        with pytest.raises(Corrupt, match=why):
+            decode_object(bad, ref, EV, "ses_a", directory=False)
+    # Another session's, another log's or another range's object is refused.
+    for log, sid in ((H, "ses_a"), (EV, "ses_b")):
+        with pytest.raises(Corrupt, match="another"):
+            decode_object(raw, ref, log, sid, directory=False)
+    other = spb.SegmentRef(first=10, end=16, nonce=7, size=len(raw), sha256=digest)
+    with pytest.raises(Corrupt, match="records"):
+        decode_object(raw, other, EV, "ses_a", directory=False)
+
+
+def test_the_index_stays_bounded_and_drops_from_the_bottom() -> None:
+    index = spb.SegmentIndex()
+    directory: list[spb.SegmentRef] = []
+    for n in range(40):
+        ref = ref_of(n * 10, n * 10 + 10, dated_ms=n)
+        roll = ix.rolls_over(index)
+        listed = ix.rolled(index, directory) if roll else []
+        dir_ref = ref_of(listed[0].first, listed[-1].end, n) if listed else None
+        index = ix.sealed(index, ref, roll=roll, directory=dir_ref)
+        if roll:
+            directory = listed
+        assert len(index.recent) <= ix.MAX_RECENT
+    assert index.sealed_below == 400
+    assert [r.first for r in directory] == list(range(0, 320, 10))
+    assert index.directory.end == 320 and len(index.recent) == 8
+    assert ix.covering(list(index.recent), 335).first == 330
+    assert ix.covering(list(index.recent), 400) is None
+    assert ix.needs_directory(index, 100) and not ix.needs_directory(index, 330)
+    # Dropping below 125: the directory's first 12 segments go (the one holding
+    # 125 stays whole), the recent ones stay, nothing is listed twice.
+    dropped = ix.dropping(index, 125, directory)
+    assert [r.first for r in dropped.segments] == list(range(0, 120, 10))
+    assert dropped.directory is None and dropped.index.dropped_below == 125
+    assert [r.end for r in ix.live(directory, 125)][0] == 130
+    # Dropping past the directory's end drops it too.
+    later = ix.dropping(dropped.index, 335, directory)
+    assert later.directory is not None and later.directory.end == 320
+    assert [r.first for r in later.segments] == list(range(120, 320, 10)) + [320]
+    assert not later.index.HasField("directory")
+    assert [r.first for r in later.index.recent] == list(range(330, 400, 10))
+    # The age rule's dates: the directory's refs when given, else as a whole.
+    assert ix.dates(index, [])[0] == (320, 32)
+    assert ix.dates(index, directory)[:2] == [(10, 0), (20, 1)]
+
+
+def test_the_object_store_url_is_checked() -> None:
+    assert check_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert check_url("file:///var/lib/baton/objects")
+    for bad, why in (
+        ("ftp://x/y", "scheme"),
+        ("s3://key:secret@bucket/p", "no credentials"),
+        ("file://relative/path", "absolute"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            check_url(bad)
+
+
+def test_object_names_keep_stacks_and_sessions_apart() -> None:
+    names = ObjectNames.of("/baton/")
+    ref = spb.SegmentRef(first=64, end=128, nonce=0xABC)
+    path = names.segment("ses_x", EV, ref)
+    assert path == "baton/s/ses_x/ev/00000000000000000064-0000000000000abc"
+    assert names.directory("ses_x", H, ref) == "baton/s/ses_x/h/dir-0000000000000abc"
+    assert names.session_of(path) == "ses_x"
+    assert names.session_of("other/s/ses_x/ev/1") is None
+
+
+# -- over a real stack ---------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def sealing(
+    etcd_endpoint: str, *, park_after: float | None = None, **anchor: object
+) -> AsyncIterator[Stack]:
+    """A stack whose anchor seals a session's tails once it is quiet for
+    0.3 s, sweeping every 0.2 s; hooks forget delivery ids after 1 s."""
+    options: dict[str, object] = {"seal_idle_seconds": 0.3, "retention_sweep_seconds": 0.2}
+    stack = await start_stack(
+        etcd_endpoint,
+        anchor_options=options | anchor,
+        hooks_options={"dedupe_window_seconds": 1.0},
+        park_after=park_after,
+    )
+    try:
+        yield stack
+    finally:
+        await stop_stack(stack)
+
+
+def journal(stack: Stack) -> Journal:
+    app = stack.anchor.app
+    assert isinstance(app, Journal)
+    return app
+
+
+def sealer(stack: Stack) -> SealSchedule:
+    found = journal(stack).sealer
+    assert found is not None
+    return found
+
+
+async def index_of(raw: aetcd.Client, keys: Keys, sid: str, log: str) -> spb.SegmentIndex:
+    kv = await raw.get(keys.segment_index(sid, log))
+    return ix.parse_index(kv.value if kv is not None else None)
+
+
+async def etcd_usage(raw: aetcd.Client, keys: Keys, sid: str) -> tuple[int, int]:
+    """Keys and bytes (keys and values) under the session's prefix."""
+    found = await raw.get_prefix(keys.session_prefix(sid))
+    return len(found), sum(len(kv.key) + len(kv.value) for kv in found)
+
+
+async def quiet(raw: aetcd.Client, keys: Keys, sid: str) -> tuple[int, int]:
+    """Once the session is sealed whole (its stream's last event and no
+    history entry left as keys) and its delivery ids expired: its usage."""
+
+    async def settled() -> tuple[int, int] | None:
+        found = await raw.get_prefix(keys.session_prefix(sid))
+        names = [kv.key[len(keys.session_prefix(sid)) :] for kv in found]
+        events = [n for n in names if n.startswith(b"ev/")]
+        left = [n for n in names if n.startswith((b"h/", b"dlv/", b"c/in/"))]
+        if len(events) == 1 and not left:
+            return len(found), sum(len(kv.key) + len(kv.value) for kv in found)
+        return None
+
+    return await eventually(settled, "the session sealed and quiet", timeout=30)
+
+
+def object_dir(stack: Stack, sid: str) -> Path:
+    root = Path(urlsplit(object_store_url()).path)
+    return root / ObjectNames.of(stack.etcd.prefix).session_prefix(sid)
+
+
+def object_files(stack: Stack, sid: str) -> list[Path]:
+    top = object_dir(stack, sid)
+    return sorted(p for p in top.rglob("*") if p.is_file()) if top.exists() else []
+
+
+class LiveFollower:
+    """StreamEvents from 0, following: every event as it arrived (bytes)."""
+
+    def __init__(self, stack: Stack, sid: str) -> None:
+        self.events: list[bytes] = []
+        self.waits = 0
+        self._call = stack.ingress_stub.StreamEvents(
+            ingress_pb.StreamEventsRequest(session_id=sid, start_seq=0, follow=True),
+            metadata=SLACK,
+        )
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for response in self._call:
+            for event in response.events:
+                self.events.append(event.SerializeToString())
+                if event.kind == s.EVENT_KIND_SESSION_WAITING:
+                    self.waits += 1
+
+    async def until_waits(self, count: int) -> None:
+        async def reached() -> bool:
+            if self._task.done():
+                self._task.result()
+                raise AssertionError("the follower's stream ended")
+            return self.waits >= count
+
+        await eventually(reached, f"{count} turns answered", timeout=30)
+
+    async def close(self) -> None:
+        self._call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await self._task
+
+
+async def read_bytes(stack: Stack, sid: str, start_seq: int = 0) -> list[bytes]:
+    events = await stack.events(sid, start_seq=start_seq, follow=False, timeout=120)
+    return [e.SerializeToString() for e in events]
+
+
+@pytest.mark.parametrize("turns", [pytest.param(3000, marks=pytest.mark.slow), 300])
+async def test_a_long_session_keeps_etcd_flat_and_reads_back_what_its_follower_saw(
+    etcd_endpoint: str, raw: aetcd.Client, turns: int
+) -> None:
+    """At the default retention, `turns` one-step turns: quiet after the last
+    turn, the session holds in etcd what it held quiet after a tenth of them
+    (within a small constant: the seqs gain digits), under 8 KB; busy, its
+    tails stay within a segment's worth. A read from 0 returns every event
+    once, in order, byte for byte what a live follower received."""
+    early = turns // 10
+    async with sealing(etcd_endpoint) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        follower = LiveFollower(stack, sid)
+        try:
+            busiest = 0
+            for turn in range(1, turns + 1):
+                await stack.send(sid, f"turn {turn}")
+                await follower.until_waits(turn)
+                if turn % 50 == 0:
+                    busiest = max(busiest, (await etcd_usage(raw, keys, sid))[1])
+                if turn == early:
+                    at_early = await quiet(raw, keys, sid)
+            at_end = await quiet(raw, keys, sid)
+            live = list(follower.events)
+        finally:
+            await follower.close()
+        print(
+            f"{turns} turns: quiet etcd {at_early} at turn {early}, {at_end} at turn {turns} "
+            f"(keys, bytes); busiest {busiest} bytes; {len(live)} events, "
+            f"{len(object_files(stack, sid))} objects"
+        )
+        assert at_end[0] - at_early[0] <= 1, (at_early, at_end)
+        assert at_end[1] - at_early[1] <= 1536, (at_early, at_end)
+        assert at_end[1] <= 8 * 1024, at_end
+        assert busiest <= 64 * 1024, busiest
+        stream = await index_of(raw, keys, sid, "ev")
+        assert stream.sealed_below == len(live) - 1 and stream.dropped_below == 0
+        assert await read_bytes(stack, sid) == live
+        # And from any cursor: inside a segment, at a boundary, in the tail.
+        first = stream.recent[0].first
+        for start in (1, first, first + 1, len(live) - 1):
+            assert await read_bytes(stack, sid, start) == live[start:]
