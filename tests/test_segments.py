@@ -18,6 +18,7 @@ import aetcd
 import grpc
 import pytest
 
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
@@ -32,10 +33,26 @@ from baton_runtime.anchor.segments.format import (
 )
 from baton_runtime.anchor.segments.objects import check_url
 from baton_runtime.anchor.segments.schedule import SealSchedule
+from baton_runtime.common import ids, metrics
 from baton_runtime.common.config import ConfigError
+from baton_runtime.common.errors import DataLoss, Reason
+from baton_runtime.common.grpc_errors import error_reason
+from baton_runtime.common.identity import Role
 from baton_runtime.common.keys import Keys
+from baton_runtime.owner.held import RunIdentity, make_event
+from baton_runtime.owner.snapshots import initial_snapshot
 from tests.procs import eventually
-from tests.stack import SLACK, Stack, object_store_url, start_stack, stop_stack
+from tests.scrape import in_process
+from tests.stack import (
+    SLACK,
+    Stack,
+    add_deployment,
+    object_store_url,
+    start_stack,
+    stop_deployment,
+    stop_stack,
+)
+from tests.test_turns import RESET, control, follow_until, read_to_close, waits
 
 EV = spb.SEGMENT_LOG_EVENTS
 H = spb.SEGMENT_LOG_HISTORY
@@ -283,3 +300,220 @@ async def test_a_long_session_keeps_etcd_flat_and_reads_back_what_its_follower_s
         first = stream.recent[0].first
         for start in (1, first, first + 1, len(live) - 1):
             assert await read_bytes(stack, sid, start) == live[start:]
+
+
+async def converse(
+    stack: Stack, sid: str, count: int, start: int = 0, prefix: str = "hello"
+) -> int:
+    """`count` one-step turns with messages of one shape; the next seq."""
+    for i in range(count):
+        await stack.send(sid, f"{prefix} {i}")
+        events = await follow_until(stack, sid, waits(1), start_seq=start)
+        start = events[-1].seq + 1
+    return start
+
+
+async def input_tokens(stack: Stack, sid: str, text: str, start: int) -> tuple[int, int]:
+    """Run one turn; the model call's prompt tokens (the fixture counts one
+    per earlier message of the context it was given) and the next seq."""
+    await stack.send(sid, text)
+    events = await follow_until(stack, sid, waits(1), start_seq=start)
+    steps = [e for e in events if e.kind == s.EVENT_KIND_STEP_COMPLETED]
+    return steps[-1].usage.input_tokens, events[-1].seq + 1
+
+
+async def sealed_whole(raw: aetcd.Client, keys: Keys, sid: str) -> spb.SegmentIndex:
+    """Once the history's tail is sealed (no entry left as a key)."""
+
+    async def probe() -> spb.SegmentIndex | None:
+        left = await raw.get_prefix(keys.history_prefix(sid))
+        index = await index_of(raw, keys, sid, "h")
+        return index if not left and index.recent else None
+
+    return await eventually(probe, "the history sealed whole", timeout=20)
+
+
+async def test_a_parked_sessions_context_is_sealed_and_the_model_sees_it_whole_again(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """A parked session keeps no history entry in etcd: its context is
+    sealed. Loaded again (the wake), and handed off to another deployment
+    (whose owner loads it), the model is given the same context entries,
+    in order: each turn's prompt counts exactly two messages more."""
+    async with sealing(etcd_endpoint, park_after=0.5) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        start = await converse(stack, sid, 12)
+        before, start = await input_tokens(stack, sid, "hello 12", start)
+        anchor = stack.anchor_client()
+        b = await add_deployment(stack, "dep-b", park_after=0.5)
+        try:
+            held = await anchor.load_session(sid)
+            index = await sealed_whole(raw, keys, sid)
+            assert index.sealed_below == held.snapshot.history_log.next_index
+            again = await anchor.load_session(sid)
+            assert [m.SerializeToString() for m in again.context] == [
+                m.SerializeToString() for m in held.context
+            ]
+            assert len(held.context) == 26  # 13 turns: a message and an answer each
+            # Woken from parking: the model sees every entry.
+            woken, start = await input_tokens(stack, sid, "hello 13", start)
+            assert woken == before + 2
+            # Handed off (a send through dep-b's ingress) after sealing again.
+            await sealed_whole(raw, keys, sid)
+            moved, start = await input_tokens(b, sid, "hello 14", start)
+            assert moved == woken + 2
+            owner = await raw.get(keys.owner(sid))
+            assert owner is not None and b'"deployment_id":"dep-b"' in owner.value
+        finally:
+            await anchor.close()
+            await stop_deployment(b)
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def data_loss_reason(exc: grpc.aio.AioRpcError) -> str:
+    assert exc.code() == grpc.StatusCode.DATA_LOSS, exc
+    return error_reason(exc)
+
+
+async def test_a_corrupt_or_missing_segment_is_data_loss_never_a_gap(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """A segment whose bytes changed is refused (DATA_LOSS, OBJECT_CORRUPT),
+    logged and counted; so is one that is gone while the index still names
+    it. The rest of the stream, other sessions and new turns are served."""
+    async with sealing(etcd_endpoint) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        other = await stack.create()
+        head = await converse(stack, sid, 20)
+        await converse(stack, other, 3)
+        await quiet(raw, keys, sid)
+        segments = sorted((object_dir(stack, sid) / "ev").glob("0*"))
+        assert len(segments) >= 2, segments
+        counted = in_process(metrics.OBJECTS_CORRUPT, "baton_objects_corrupt_total", log="ev")
+        corrupt(segments[0])
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await read_bytes(stack, sid, 0)
+        assert data_loss_reason(lost.value) == Reason.OBJECT_CORRUPT
+        assert "checksum" in (lost.value.details() or "")
+        after = in_process(metrics.OBJECTS_CORRUPT, "baton_objects_corrupt_total", log="ev")
+        assert after == counted + 1
+        # What follows the bad segment, the other session and a new turn.
+        second = await index_of(raw, keys, sid, "ev")
+        from_second = second.recent[1].first
+        assert [e for e in await stack.events(sid, start_seq=from_second, follow=False)]
+        assert len(await stack.events(other, follow=False)) > 0
+        head = await converse(stack, sid, 1, head)
+        # Gone while the index names it: DATA_LOSS too (after one re-read).
+        segments[1].unlink()
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await read_bytes(stack, sid, from_second)
+        assert data_loss_reason(gone.value) == Reason.OBJECT_CORRUPT
+        assert "missing" in (gone.value.details() or "")
+        # A history segment: the load refuses it.
+        history = sorted((object_dir(stack, sid) / "h").glob("0*"))
+        corrupt(history[0])
+        anchor = stack.anchor_client()
+        try:
+            with pytest.raises(DataLoss) as refused:
+                await anchor.load_session(sid)
+            assert refused.value.reason == Reason.OBJECT_CORRUPT
+        finally:
+            await anchor.close()
+
+
+async def test_retention_deletes_every_object_of_a_finalized_session(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    async with sealing(etcd_endpoint, retention_seconds=0.5) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        kept = await stack.create()
+        head = await converse(stack, sid, 20)
+        await converse(stack, kept, 20)
+        await quiet(raw, keys, sid)
+        await quiet(raw, keys, kept)
+        assert object_files(stack, sid) and object_files(stack, kept)
+        await control(stack, sid, RESET, reason="done")
+        await read_to_close(stack, sid, start_seq=head)
+
+        async def deleted() -> bool:
+            return not await raw.get_prefix(keys.session_prefix(sid)) and not object_files(
+                stack, sid
+            )
+
+        await eventually(deleted, "the finalized session's keys and objects deleted", 20)
+        assert object_files(stack, kept)
+        assert len(await stack.events(kept, follow=False)) > 0
+
+
+async def test_the_sweep_deletes_orphans_after_the_grace_period_only(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """Objects nothing refers to (a writer that crashed before recording
+    its segment; a session that is gone) are deleted once older than the
+    grace period; the recorded ones stay."""
+    async with sealing(etcd_endpoint, object_grace_seconds=1.0) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        await converse(stack, sid, 20)
+        await quiet(raw, keys, sid)
+        recorded = object_files(stack, sid)
+        top = object_dir(stack, sid)
+        orphan = top / "ev" / f"{0:020d}-{0xDEAD:016x}"
+        orphan.write_bytes(b"BATONSG1 left by a writer that crashed")
+        gone = top.parent / "ses_gone0000000000000000000" / "h" / f"{0:020d}-{1:016x}"
+        gone.parent.mkdir(parents=True)
+        gone.write_bytes(b"BATONSG1 of a session deleted since")
+        counted = in_process(metrics.ORPHANS_DELETED, "baton_orphan_objects_deleted_total")
+
+        async def swept() -> bool:
+            return not orphan.exists() and not gone.exists()
+
+        await eventually(swept, "the orphans deleted", timeout=20)
+        assert object_files(stack, sid) == recorded
+        assert in_process(metrics.ORPHANS_DELETED, "baton_orphan_objects_deleted_total") >= (
+            counted + 2
+        )
+        assert len(await stack.events(sid, follow=False)) > 0
+
+
+async def test_a_retried_commit_whose_first_event_was_sealed_is_a_replay(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """The retry of an applied commit (its answer lost) whose events were
+    sealed since (their keys gone from etcd) reads as replayed."""
+    async with sealing(etcd_endpoint) as stack:
+        as_w = stack.security(Role.OWNER, "dep-w")  # a deployment without owners
+        hooks, anchor = stack.hooks_client(as_w), stack.anchor_client(as_w)
+        keys = Keys(stack.etcd.prefix)
+        try:
+            sid = ids.new_session_id()
+            owner = s.OwnerIdentity(owner_run_id="run_w1", deployment_id="dep-w", instance_id="w1")
+            created = await hooks.create_session(sid, owner, "slack", [])
+            identity = RunIdentity(created.fence, "dep-w", "w1")
+            snapshot = initial_snapshot(sid, "slack", "dep-w", list(created.hooks))
+            events = [make_event(identity, s.EVENT_KIND_SESSION_STARTED)]
+            events += [make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED) for _ in range(99)]
+            for seq, event in enumerate(events):
+                event.seq = seq
+            snapshot.next_event_seq = len(events)
+            request = anchor_pb.CommitStepRequest(
+                fence=created.fence, events=events, snapshot=snapshot, expected_snapshot_revision=0
+            )
+            applied = await anchor.commit(request)
+            await sealer(stack).seal(sid, flush=True)
+            assert (await index_of(raw, keys, sid, "ev")).sealed_below == 99
+            again = await anchor.commit(request)
+            assert again.replayed and again.revision == applied.revision
+            read = await stack.events(sid, follow=False)
+            assert [e.SerializeToString() for e in read] == [e.SerializeToString() for e in events]
+        finally:
+            await hooks.close()
+            await anchor.close()
