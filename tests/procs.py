@@ -227,6 +227,18 @@ class ProcessStack:
         """kill -9."""
         self.owners[instance_id].kill()
 
+    def restart_anchor(self, env: dict[str, str] | None = None) -> ServiceProcess:
+        """Start anchor again on its port (after it died or was killed),
+        with `env` replacing the stack's anchor env where it says."""
+        if self.anchor is not None and self.anchor.proc is not None:
+            if self.anchor.proc.poll() is None:
+                self.anchor.kill()
+            self.anchor.proc.wait(timeout=10)
+        self.anchor_env = {**self.anchor_env, **(env or {})}
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
+        wait_serving(self.addr("anchor"), self.probe)
+        return self.anchor
+
     def pause(self, instance_id: str) -> None:
         os.kill(self.owners[instance_id].pid, signal.SIGSTOP)
 
