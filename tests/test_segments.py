@@ -370,10 +370,14 @@ async def test_a_parked_sessions_context_is_sealed_and_the_model_sees_it_whole_a
             await stop_deployment(b)
 
 
-def corrupt(path: Path) -> None:
-    data = bytearray(path.read_bytes())
+def corrupt_bytes(raw: bytes) -> bytes:
+    data = bytearray(raw)
     data[len(data) // 2] ^= 0x40
-    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def corrupt(path: Path) -> None:
+    path.write_bytes(corrupt_bytes(path.read_bytes()))
 
 
 def data_loss_reason(exc: grpc.aio.AioRpcError) -> str:

@@ -16,6 +16,7 @@ so an unreachable store fails fast: a caller gets `Unavailable`
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import Reason, Unavailable
 
 SCHEMES = frozenset({"file", "memory", "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl"})
+_ENV_PREFIX = {"gs": "GOOGLE", "az": "AZURE", "azure": "AZURE", "abfs": "AZURE", "abfss": "AZURE"}
 _CLIENT_OPTIONS = {"connect_timeout": timedelta(seconds=2), "timeout": timedelta(seconds=10)}
 _RETRY = {
     "max_retries": 2,
@@ -164,5 +166,11 @@ def open_store(url: str) -> ObjectStore:
         return ObjectStore(from_url(url), url)
     if scheme == "memory":
         return ObjectStore(from_url(url), url)
-    store = from_url(url, client_options=_CLIENT_OPTIONS, retry_config=_RETRY)  # type: ignore[call-overload]
+    options: dict[str, Any] = dict(_CLIENT_OPTIONS)
+    # (Client options given here replace those the library reads from the
+    # environment: carry its "plain HTTP allowed", for a local endpoint.)
+    allow_http = os.environ.get(f"{_ENV_PREFIX.get(scheme, 'AWS')}_ALLOW_HTTP", "")
+    if allow_http.strip().lower() in ("1", "true", "yes"):
+        options["allow_http"] = True
+    store = from_url(url, client_options=options, retry_config=_RETRY)  # type: ignore[call-overload]
     return ObjectStore(store, url)
