@@ -31,7 +31,6 @@ from tests.scrape import in_process
 from tests.stack import Stack, start_stack, stop_stack
 from tests.test_segments import (
     LiveFollower,
-    converse,
     corrupt_bytes,
     index_of,
     quiet,
