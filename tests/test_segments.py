@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,6 +23,7 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.config import AnchorConfig
 from baton_runtime.anchor.journal import Journal
 from baton_runtime.anchor.segments import index as ix
 from baton_runtime.anchor.segments.format import (
@@ -33,6 +35,10 @@ from baton_runtime.anchor.segments.format import (
 )
 from baton_runtime.anchor.segments.objects import check_url
 from baton_runtime.anchor.segments.schedule import SealSchedule
+from baton_runtime.cli.__main__ import build_parser
+from baton_runtime.cli.launch_settings import LaunchSettings
+from baton_runtime.cli.local_system import LocalSystem
+from baton_runtime.cli.port_plan import Ports
 from baton_runtime.common import ids, metrics
 from baton_runtime.common.config import ConfigError
 from baton_runtime.common.errors import DataLoss, Reason
@@ -521,3 +527,44 @@ async def test_a_retried_commit_whose_first_event_was_sealed_is_a_replay(
         finally:
             await hooks.close()
             await anchor.close()
+
+
+def test_the_settings_come_from_flags_env_and_baton_up(tmp_path: Path) -> None:
+    base = {"BATON_PLAINTEXT": "1"}
+    default = AnchorConfig.load([], base)
+    assert (default.object_store, default.seal_idle_seconds) == ("", 300.0)
+    assert default.object_grace_seconds == 3600.0
+    by_env = AnchorConfig.load(
+        [],
+        base
+        | {
+            "BATON_OBJECT_STORE": "s3://bucket/baton",
+            "BATON_SEAL_IDLE": "5",
+            "BATON_OBJECT_ORPHAN_GRACE": "60",
+        },
+    )
+    assert (by_env.object_store, by_env.seal_idle_seconds) == ("s3://bucket/baton", 5.0)
+    assert by_env.object_grace_seconds == 60.0
+    flags = ["--object-store", "file:///srv/objects", "--seal-idle", "1"]
+    assert AnchorConfig.load(flags, base).object_store == "file:///srv/objects"
+    for bad in (
+        ["--object-store", "s3://id:secret@bucket"],
+        ["--object-store", "ftp://host/x"],
+        ["--seal-idle", "0"],
+        ["--object-orphan-grace", "0.5"],
+    ):
+        with pytest.raises(ConfigError):
+            AnchorConfig.load(bad, base)
+    # `baton up` passes its --object-store to anchor; by default anchor gets
+    # an embedded file:// store under the run directory.
+    args = build_parser().parse_args(["up", "--object-store", "s3://bucket/p"])
+    asked = LocalSystem(
+        LaunchSettings(object_store=args.object_store), Ports.plan(0, 0), tmp_path, io.StringIO()
+    )
+    assert AnchorConfig.load([], asked.service_env("anchor", None)).object_store == "s3://bucket/p"
+    assert "BATON_OBJECT_STORE" not in asked.service_env("hooks", None)
+    embedded = LocalSystem(LaunchSettings(), Ports.plan(0, 0), tmp_path, io.StringIO())
+    env = embedded.service_env("anchor", None)
+    assert env["BATON_OBJECT_STORE"] == f"file://{(tmp_path / 'objects').resolve()}"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--object-store", "s3://id:secret@bucket"])
