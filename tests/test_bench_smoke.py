@@ -215,6 +215,27 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
     assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)
 
 
+def test_fleet_storage_bench_smoke(tmp_path: Path) -> None:
+    """bench.fleet_storage: the sessions are written, sealed whole, and the
+    per-session figures and the 8 GiB estimate are reported."""
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fleet_storage", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sessions in 8 GiB, half free" in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    after = figures["after"]
+    # Sealed whole: one event key per session, no history entry in etcd.
+    assert after["event_keys"] == 20 and after["history_keys"] == 0
+    assert 0 < figures["per_session"]["kv_bytes"] < 8 * 1024
+    assert figures["objects"] >= 20 and figures["sessions_in_8gib"] > 0
+
+
 def test_scaling_bench_smoke(tmp_path: Path) -> None:
     """`python -m bench.scaling --smoke`: levels 1 and 4 each run their turns
     and their etcd-alone pairs, and every level has positive figures."""
