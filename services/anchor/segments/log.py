@@ -31,8 +31,9 @@ from baton_runtime.common.keys import Keys
 
 log = structlog.get_logger("baton.anchor.segments")
 
-# Directories kept decoded (immutable, so a name is a key that never goes stale).
-_DIRECTORY_CACHE = 256
+# Refs of directories kept decoded (immutable, so a name is a key that never
+# goes stale): about 10 MB at most.
+_DIRECTORY_CACHE_REFS = 50_000
 
 
 class SegmentGone(Exception):
@@ -53,6 +54,7 @@ class SegmentLog:
         self.name = LOG_NAMES[kind]
         self.names = ObjectNames.of(keys.root)
         self._directories: OrderedDict[str, list[pb.SegmentRef]] = OrderedDict()
+        self._cached_refs = 0
 
     def index_key(self, session_id: str) -> bytes:
         return self.keys.segment_index(session_id, self.name)
@@ -82,8 +84,10 @@ class SegmentLog:
         payload = await self._fetch(session_id, ref, path, directory=True)
         refs = list(payload.segments)
         self._directories[path] = refs
-        while len(self._directories) > _DIRECTORY_CACHE:
-            self._directories.popitem(last=False)
+        self._cached_refs += len(refs)
+        while self._cached_refs > _DIRECTORY_CACHE_REFS and len(self._directories) > 1:
+            _, evicted = self._directories.popitem(last=False)
+            self._cached_refs -= len(evicted)
         return refs
 
     async def refs_from(

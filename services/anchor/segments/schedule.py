@@ -42,6 +42,26 @@ MAX_PENDING = 16384
 ROUND_SEGMENTS = 8
 
 
+@dataclass(frozen=True)
+class _Due:
+    """What is due for a session: which tails, sealed whole or by segments."""
+
+    events: bool = True
+    history: bool = True
+    flush: bool = False
+
+    def __or__(self, other: _Due) -> _Due:
+        return _Due(
+            self.events or other.events,
+            self.history or other.history,
+            self.flush or other.flush,
+        )
+
+
+_FLUSH = _Due(flush=True)
+_NOTHING = _Due(events=False, history=False)
+
+
 @dataclass
 class _Growth:
     """A session's commits since its tails were last scheduled."""
@@ -72,9 +92,9 @@ class SealSchedule:
         self._concurrency = concurrency
         self._clock = clock
         self._active: OrderedDict[str, _Growth] = OrderedDict()
-        self._pending: dict[str, bool] = {}  # session -> flush, oldest first
+        self._pending: dict[str, _Due] = {}  # oldest first
         self._busy: set[str] = set()
-        self._again: dict[str, bool] = {}
+        self._again: dict[str, _Due] = {}
         self._wake = asyncio.Event()
         self._backoff = retry.SEALING.backoff()
         self._stalled_until = 0.0
@@ -91,32 +111,32 @@ class SealSchedule:
         growth.event_bytes += event_bytes
         growth.entries += entries
         growth.entry_bytes += entry_bytes
-        if (
-            growth.events >= SEAL_RECORDS
-            or growth.event_bytes >= SEAL_BYTES
-            or growth.entries >= SEAL_RECORDS
-            or growth.entry_bytes >= SEAL_BYTES
-        ):
-            growth.events = growth.event_bytes = growth.entries = growth.entry_bytes = 0
-            self._schedule(session_id, flush=False)
+        stream = growth.events >= SEAL_RECORDS or growth.event_bytes >= SEAL_BYTES
+        history = growth.entries >= SEAL_RECORDS or growth.entry_bytes >= SEAL_BYTES
+        if stream:
+            growth.events = growth.event_bytes = 0
+        if history:
+            growth.entries = growth.entry_bytes = 0
+        if stream or history:
+            self._schedule(session_id, _Due(events=stream, history=history))
         if len(self._active) > MAX_ACTIVE:
             oldest, _ = self._active.popitem(last=False)
-            self._schedule(oldest, flush=True)
+            self._schedule(oldest, _FLUSH)
 
     def swept(self, session_id: str) -> None:
         """The stream sweep visited a session: flush it unless this replica
         saw it commit within the idle time."""
         if session_id not in self._active:
-            self._schedule(session_id, flush=True)
+            self._schedule(session_id, _FLUSH)
 
-    def _schedule(self, session_id: str, *, flush: bool) -> None:
+    def _schedule(self, session_id: str, due: _Due) -> None:
         if session_id in self._busy:
-            self._again[session_id] = self._again.get(session_id, False) or flush
+            self._again[session_id] = self._again.get(session_id, _NOTHING) | due
             return
         if session_id in self._pending:
-            self._pending[session_id] = self._pending[session_id] or flush
+            self._pending[session_id] |= due
         elif len(self._pending) < MAX_PENDING:
-            self._pending[session_id] = flush
+            self._pending[session_id] = due
         self._wake.set()
 
     @property
@@ -143,21 +163,21 @@ class SealSchedule:
                 if growth.last_commit > cutoff:
                     break
                 del self._active[session_id]
-                self._schedule(session_id, flush=True)
+                self._schedule(session_id, _FLUSH)
 
     async def _work(self) -> None:
         while True:
-            session_id, flush = await self._next()
+            session_id, due = await self._next()
             self._busy.add(session_id)
             try:
-                await self._seal_logged(session_id, flush)
+                await self._seal_logged(session_id, due)
             finally:
                 self._busy.discard(session_id)
                 again = self._again.pop(session_id, None)
                 if again is not None:
-                    self._schedule(session_id, flush=again)
+                    self._schedule(session_id, again)
 
-    async def _next(self) -> tuple[str, bool]:
+    async def _next(self) -> tuple[str, _Due]:
         while True:
             wait = self._stalled_until - asyncio.get_running_loop().time()
             if wait > 0:
@@ -169,13 +189,13 @@ class SealSchedule:
             self._wake.clear()
             await self._wake.wait()
 
-    async def _seal_logged(self, session_id: str, flush: bool) -> None:
+    async def _seal_logged(self, session_id: str, due: _Due) -> None:
         try:
-            sealed, more = await self.seal(session_id, flush=flush)
+            sealed, more = await self._seal_due(session_id, due)
         except BatonError as exc:
             if exc.reason == Reason.OBJECT_STORE_UNAVAILABLE:
                 self._stall(exc)
-                self._schedule(session_id, flush=flush)
+                self._schedule(session_id, due)
             else:
                 log.warning(
                     "sealing failed",
@@ -187,21 +207,24 @@ class SealSchedule:
         if sealed:
             self._resume()
         if more:
-            self._schedule(session_id, flush=flush)
+            self._schedule(session_id, due)
 
     async def seal(self, session_id: str, *, flush: bool) -> tuple[int, bool]:
-        """Seal up to ROUND_SEGMENTS segments of each of the session's tails:
-        the records sealed, and whether there may be more."""
+        """Seal both of the session's tails (up to ROUND_SEGMENTS segments
+        each): the records sealed, and whether there may be more."""
+        return await self._seal_due(session_id, _Due(flush=flush))
+
+    async def _seal_due(self, session_id: str, due: _Due) -> tuple[int, bool]:
         sealed = 0
         more = False
-        for sealer in (self.events, self.history):
-            for _ in range(ROUND_SEGMENTS):
-                count = await sealer.seal(session_id, flush=flush)
-                if not count:
+        for sealer, wanted in ((self.events, due.events), (self.history, due.history)):
+            for _ in range(ROUND_SEGMENTS if wanted else 0):
+                done = await sealer.seal(session_id, flush=due.flush)
+                sealed += done.records
+                if not done.more:
                     break
-                sealed += count
             else:
-                more = True
+                more = more or wanted
         return sealed, more
 
     def _stall(self, exc: BatonError) -> None:

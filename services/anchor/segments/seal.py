@@ -6,8 +6,8 @@ schedule.py decides when).
 
 The steps, each a failpoint (services/common/failpoints.py):
 
-1. read the index and the tail at one revision (a page of keys, more pages
-   at that revision while the segment is not full);
+1. read the index and the tail at one revision (a segment's worth of keys
+   and one more, more pages at that revision while the segment is not full);
 2. write the object (and, every MAX_RECENT seals, a new directory listing
    the older refs) — `seal.before_put`, `seal.after_put`;
 3. the transaction: the index as read (its mod revision) and the session
@@ -62,6 +62,16 @@ this much and at most one record more)."""
 
 
 @dataclass(frozen=True)
+class Sealed:
+    """What one `seal` did: the records sealed (0: none), and whether the
+    tail held more than it sealed (a full segment more, or any record more
+    when flushing)."""
+
+    records: int = 0
+    more: bool = False
+
+
+@dataclass(frozen=True)
 class _Tail:
     """What step 1 read."""
 
@@ -69,6 +79,8 @@ class _Tail:
     index_revision: int  # the index key's mod revision (0: absent)
     first: int
     records: list[bytes]
+    # The tail holds records after these (that could be sealed).
+    more: bool
     # The stream: its stamps, (seq, unix ms) ascending.
     stamps: list[tuple[int, int]]
 
@@ -99,13 +111,13 @@ class LogSealer:
         k = self._keys
         return k.event(session_id, seq) if self._stream else k.history_entry(session_id, seq)
 
-    async def seal(self, session_id: str, *, flush: bool) -> int:
+    async def seal(self, session_id: str, *, flush: bool) -> Sealed:
         """Seal the next segment of the session's tail if it is full (with
-        `flush`: whatever it holds). Returns the records sealed (0: none;
-        also when another replica sealed first)."""
+        `flush`: whatever it holds). Nothing sealed also when another
+        replica sealed first."""
         tail = await self._read_tail(session_id, flush)
         if tail is None:
-            return 0
+            return Sealed()
         started = time.monotonic()
         await failpoints.hit("seal.before_put")
         roll = ix.rolls_over(tail.index)
@@ -114,12 +126,12 @@ class LogSealer:
         if time.monotonic() - started > self._grace / 2:
             log.warning("sealing too slow; giving the objects up", session_id=session_id)
             await self.segments.objects.delete(written)
-            return 0
+            return Sealed()
         result = await self._record(session_id, tail, ref, roll, directory)
         if not result.succeeded:
             # Another replica sealed (or trimmed) first, or the session is gone.
             await self.segments.objects.delete(written)
-            return 0
+            return Sealed()
         await failpoints.hit("seal.after_txn")
         if roll and tail.index.HasField("directory"):
             replaced = self.segments.directory_path(session_id, tail.index.directory)
@@ -133,7 +145,7 @@ class LogSealer:
             first=ref.first,
             end=ref.end,
         )
-        return len(tail.records)
+        return Sealed(len(tail.records), tail.more)
 
     async def _read_tail(self, session_id: str, flush: bool) -> _Tail | None:
         """The records to seal, read at one revision; None when the tail is
@@ -143,7 +155,7 @@ class LogSealer:
         txn = (
             Txn()
             .read("index", self.segments.index_key(session_id))
-            .read("tail", prefix, prefix_end(prefix), limit=limits.READ_PAGE_EVENTS)
+            .read("tail", prefix, prefix_end(prefix), limit=SEAL_RECORDS + 1)
             .read("fence", k.fence(session_id), keys_only=True)
         )
         if self._stream:
@@ -158,8 +170,12 @@ class LogSealer:
         end = int(marker) if marker is not None else None
         if self._stream and end is None:
             return None
-        first, records = await self._records(session_id, index, result, end)
+        first, records, follows = await self._records(session_id, index, result, end)
         full = len(records) >= SEAL_RECORDS or sum(map(len, records)) >= SEAL_BYTES
+        # Flushing: any record left; else a backlog of another full segment
+        # (the range's count holds every key of the tail, however limited).
+        left = result.count("tail") - len(records) - (1 if self._stream else 0)
+        more = follows and (flush or left >= SEAL_RECORDS)
         if not records or not (full or flush) or result.kv("fence") is None:
             return None
         stamps = []
@@ -170,15 +186,16 @@ class LogSealer:
             stored.mod_revision if stored is not None else 0,
             first,
             records,
+            more,
             stamps,
         )
 
     async def _records(
         self, session_id: str, index: pb.SegmentIndex, result: TxnResult, end: int | None
-    ) -> tuple[int, list[bytes]]:
+    ) -> tuple[int, list[bytes], bool]:
         """The consecutive records from the tail's start, up to a segment's
         worth (below `end` when given), paging on at the first read's
-        revision."""
+        revision; and whether a record that could be sealed follows them."""
         kvs = [kv for kv in result.kvs("tail") if seq_of(kv.key) >= index.sealed_below]
         more = result.more("tail")
         first = seq_of(kvs[0].key) if kvs else index.sealed_below
@@ -189,14 +206,14 @@ class LogSealer:
             for kv in kvs:
                 seq = seq_of(kv.key)
                 if seq != expected or (end is not None and seq >= end):
-                    return first, records
+                    return first, records, False
+                if len(records) >= SEAL_RECORDS or size >= SEAL_BYTES:
+                    return first, records, True
                 records.append(kv.value)
                 size += len(kv.value)
                 expected += 1
-                if len(records) >= SEAL_RECORDS or size >= SEAL_BYTES:
-                    return first, records
             if not more:
-                return first, records
+                return first, records, False
             page = await (
                 Txn()
                 .read(
