@@ -4,7 +4,7 @@ whatever its stream and context (issue 34).
 
     python -m bench.storage [--turns 10000] [--early 1000] [--window 200]
                             [--keep-events 100000] [--dedupe-window 30]
-                            [--seal-idle 5] [--sweep 30] [--off-every 5]
+                            [--seal-idle 5] [--sweep 30] [--off-every 1]
                             [--block 100] [--loads 20] [--json PATH] [--smoke]
 
 Two stacks as `bench.turn_latency` starts them (etcd with TLS and auth, and
@@ -25,8 +25,9 @@ after the block's last turn) and quiet (sending nothing until its delivery
 ids expired and both tails are sealed), and etcd's `dbSize`,
 `dbSizeInUse`, and `dbSizeInUse` once more after compacting etcd at its head.
 
-At the end: `--loads` LoadSession calls of each session (`on`: its context
-sealed, read from the object store: cold; `off`: from etcd: warm), a read
+At the end: `--loads` LoadSession calls of one context warm and cold (a new
+session on `on` with `--load-turns` turns: loaded at once, its entries in
+etcd's tail; then once it is sealed whole, from the object store), a read
 of each stream from seq 0 (catch-up events/s), and the turn p50 of a young
 session interleaved with the old one's.
 
@@ -235,6 +236,22 @@ async def loads(side: Side, count: int) -> dict[str, Any]:
     }
 
 
+async def cold_and_warm(args: argparse.Namespace, stack: BenchStack) -> dict[str, Any]:
+    """One context loaded warm (its entries in etcd's tail: fewer than a
+    segment's worth, right after its turns) and cold (the same entries once
+    the quiet session is sealed whole: read from the object store)."""
+    side = Side(stack)
+    await side.open()
+    try:
+        await side.block(args.load_turns, "lw")
+        warm = await loads(side, args.loads)
+        await wait_quiet(side, args.dedupe_window, args.seal_idle)
+        cold = await loads(side, args.loads)
+    finally:
+        await side.close()
+    return {"warm": warm, "cold": cold}
+
+
 async def catch_up(side: Side) -> dict[str, Any]:
     """The whole stream read from seq 0 through ingress: events/s."""
     assert side.stub is not None and side.follower is not None
@@ -311,6 +328,10 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         "BATON_OBJECT_STORE": f"file://{logs}/on/objects",
         "BATON_SEAL_IDLE": str(args.seal_idle),
     }
+    if args.calibrate:
+        # A/A: the store on both stacks, to see what the comparison itself
+        # measures between two stacks alike.
+        off_env = {**on_env, "BATON_OBJECT_STORE": f"file://{logs}/off/objects"}
     stacks = {
         "on": BenchStack(log_dir=f"{logs}/on", second_deployment=False, env=on_env),
         "off": BenchStack(log_dir=f"{logs}/off", second_deployment=False, env=off_env),
@@ -353,11 +374,12 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         results["points"] = points
         results["off_end"] = await census(off)
         _progress("loads and catch-up reads")
+        results["loads"] = await cold_and_warm(args, stacks["on"])
+        results["loads"]["off"] = await loads(off, args.loads)
         await wait_quiet(on, args.dedupe_window, args.seal_idle)
-        results["loads"] = {"cold_on": await loads(on, args.loads)}
-        results["loads"]["warm_off"] = await loads(off, args.loads)
         results["catch_up"] = {"on": await catch_up(on), "off": await catch_up(off)}
         results["pairs"] = len(pairs)
+        results["pair_p50s_ms"] = [(_p50(a) * 1000, _p50(b) * 1000) for a, b in pairs]
         on_turns = [t for pair in pairs for t in pair[0]]
         off_turns = [t for pair in pairs for t in pair[1]]
         results["store_cost"] = {
@@ -418,7 +440,7 @@ def report(results: dict[str, Any]) -> str:
         )
     off = results["off_end"]
     cleanup = results["store_cost"]
-    cold, warm = results["loads"]["cold_on"], results["loads"]["warm_off"]
+    cold, warm = results["loads"]["cold"], results["loads"]["warm"]
     caught = results["catch_up"]
     lines += [
         f"active (right after turn {early['turn']} / {late['turn']}): "
@@ -433,9 +455,9 @@ def report(results: dict[str, Any]) -> str:
         f"value bytes under the session (ev/ {off['parts'].get('ev', {}).get('keys', 0)}, "
         f"h/ {off['parts'].get('h', {}).get('keys', 0)})",
         "",
-        f"LoadSession p50: cold (store on, context sealed: {cold['entries']} entries, "
-        f"{cold['context_bytes']} B) {cold['p50_ms']:.2f} ms; warm (store off, etcd: "
-        f"{warm['entries']} entries, {warm['context_bytes']} B) {warm['p50_ms']:.2f} ms",
+        f"LoadSession p50 of one context ({cold['entries']} entries, {cold['context_bytes']} B): "
+        f"warm (in etcd's tail) {warm['p50_ms']:.2f} ms, cold (sealed, from the object store) "
+        f"{cold['p50_ms']:.2f} ms: cold/warm {cold['p50_ms'] / warm['p50_ms']:.2f}",
         f"catch-up from seq 0: store on {caught['on']['events']} events in "
         f"{caught['on']['seconds']} s ({caught['on']['events_per_s']:.0f} events/s); "
         f"store off {caught['off']['events']} in {caught['off']['seconds']} s "
@@ -484,10 +506,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--loads", type=int, default=20, help="LoadSession calls timed per side")
     parser.add_argument(
+        "--load-turns", type=int, default=50, help="turns of the session loaded cold and warm"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="A/A: the object store on both stacks (the noise of the on/off comparison)",
+    )
+    parser.add_argument(
         "--sweep", type=float, default=30.0, help="seconds between anchor's sweeps (its default)"
     )
     parser.add_argument("--block", type=int, default=100, help="turns per block")
-    parser.add_argument("--off-every", type=int, default=5, help="an off block every N blocks")
+    parser.add_argument("--off-every", type=int, default=1, help="an off block every N blocks")
     parser.add_argument("--log-dir", default="")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--smoke", action="store_true", help="tiny counts: checks it runs")
@@ -496,7 +526,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser,
         args,
         {"turns": 60, "early": 20, "window": 10, "dedupe_window": 2.0}
-        | {"sweep": 1.0, "seal_idle": 1.0, "loads": 3}
+        | {"sweep": 1.0, "seal_idle": 1.0, "loads": 3, "load_turns": 5}
         | {"block": 10, "off_every": 2},
     )
     if not 0 < args.early < args.turns:

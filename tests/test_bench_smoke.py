@@ -208,7 +208,9 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
     # The stack without the store keeps every event in etcd.
     assert figures["off_end"]["parts"]["ev"]["keys"] >= figures["off_end"]["turn"]
     assert figures["pairs"] == 3 and figures["store_cost"]["p50_ratio"] > 0
-    assert figures["loads"]["cold_on"]["entries"] > 0 and figures["loads"]["warm_off"]["n"] == 3
+    loaded = figures["loads"]
+    assert loaded["cold"]["entries"] == loaded["warm"]["entries"] == 10
+    assert loaded["cold"]["n"] == loaded["off"]["n"] == 3
     assert figures["catch_up"]["on"]["events"] > figures["off_end"]["turn"]
     interleaved = figures["interleaved"]
     assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
