@@ -568,3 +568,46 @@ def test_the_settings_come_from_flags_env_and_baton_up(tmp_path: Path) -> None:
     assert env["BATON_OBJECT_STORE"] == f"file://{(tmp_path / 'objects').resolve()}"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--object-store", "s3://id:secret@bucket"])
+
+
+async def test_readers_racing_seals_see_every_event_once(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """Readers from seq 0 and from the middle, over and over, while turns
+    run and the session's tails are sealed between them (quiet for 50 ms):
+    every read is gapless, in order, and a prefix of the final stream."""
+    async with sealing(etcd_endpoint, seal_idle_seconds=0.05) as stack:
+        sid = await stack.create()
+        follower = LiveFollower(stack, sid)
+        reads: list[tuple[int, list[bytes]]] = []
+        done = asyncio.Event()
+
+        async def reader(start: int) -> None:
+            while not done.is_set():
+                got = await stack.events(sid, start_seq=start, follow=False, timeout=60)
+                assert [e.seq for e in got] == list(range(start, start + len(got)))
+                reads.append((start, [e.SerializeToString() for e in got]))
+
+        try:
+            await stack.send(sid, "turn 0")
+            await follower.until_waits(1)
+            tasks = [asyncio.ensure_future(reader(start)) for start in (0, 0, 100)]
+            for turn in range(2, 42):
+                await stack.send(sid, f"turn {turn}")
+                await follower.until_waits(turn)
+                await asyncio.sleep(0.08)  # quiet: the tails are sealed
+                for task in tasks:
+                    if task.done():
+                        task.result()
+            done.set()
+            await asyncio.gather(*tasks)
+            live = list(follower.events)
+        finally:
+            done.set()
+            await follower.close()
+        keys = Keys(stack.etcd.prefix)
+        sealed = (await index_of(raw, keys, sid, "ev")).sealed_below
+        assert sealed > 100 and len(reads) > 10, (sealed, len(reads))
+        for start, got in reads:
+            assert got == live[start : start + len(got)]
+        assert await read_bytes(stack, sid) == live
