@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from baton_runtime.anchor.segments.seal import SEAL_BYTES, SEAL_RECORDS, LogSealer
+from baton_runtime.anchor.segments.seal import SEAL_BYTES, SEAL_RECORDS, LogSealer, Sealed
 from baton_runtime.common import metrics, retry
 from baton_runtime.common.errors import BatonError, Reason
 
@@ -222,10 +222,25 @@ class SealSchedule:
                 done = await sealer.seal(session_id, flush=due.flush)
                 sealed += done.records
                 if not done.more:
+                    self._left(session_id, sealer is self.events, done)
                     break
             else:
                 more = more or wanted
         return sealed, more
+
+    def _left(self, session_id: str, stream: bool, done: Sealed) -> None:
+        """Count on from what a seal left in the tail (with the commits
+        counted since it was scheduled, some twice: a seal due a commit
+        early costs one read, one due late lets the tail creep)."""
+        growth = self._active.get(session_id)
+        if growth is None or not done.records:
+            return
+        if stream:
+            growth.events += done.left
+            growth.event_bytes += done.left_bytes
+        else:
+            growth.entries += done.left
+            growth.entry_bytes += done.left_bytes
 
     def _stall(self, exc: BatonError) -> None:
         if not self.stalled:

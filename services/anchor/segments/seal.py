@@ -63,12 +63,15 @@ this much and at most one record more)."""
 
 @dataclass(frozen=True)
 class Sealed:
-    """What one `seal` did: the records sealed (0: none), and whether the
-    tail held more than it sealed (a full segment more, or any record more
-    when flushing)."""
+    """What one `seal` did: the records sealed (0: none), whether the tail
+    held more than it sealed (a full segment more, or any record more when
+    flushing), and what it left (records that could be sealed, and about
+    their bytes): the schedule counts on from there."""
 
     records: int = 0
     more: bool = False
+    left: int = 0
+    left_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class _Tail:
     records: list[bytes]
     # The tail holds records after these (that could be sealed).
     more: bool
+    # How many (the stream's last event aside).
+    left: int
     # The stream: its stamps, (seq, unix ms) ascending.
     stamps: list[tuple[int, int]]
 
@@ -145,7 +150,9 @@ class LogSealer:
             first=ref.first,
             end=ref.end,
         )
-        return Sealed(len(tail.records), tail.more)
+        size = sum(map(len, tail.records))
+        left_bytes = tail.left * size // len(tail.records)
+        return Sealed(len(tail.records), tail.more, tail.left, left_bytes)
 
     async def _read_tail(self, session_id: str, flush: bool) -> _Tail | None:
         """The records to seal, read at one revision; None when the tail is
@@ -187,6 +194,7 @@ class LogSealer:
             first,
             records,
             more,
+            max(left, 0),
             stamps,
         )
 
