@@ -35,6 +35,7 @@ from baton_runtime.anchor.segments.format import (
 )
 from baton_runtime.anchor.segments.objects import check_url
 from baton_runtime.anchor.segments.schedule import SealSchedule
+from baton_runtime.anchor.segments.seal import SEAL_RECORDS
 from baton_runtime.cli.__main__ import build_parser
 from baton_runtime.cli.launch_settings import LaunchSettings
 from baton_runtime.cli.local_system import LocalSystem
@@ -278,10 +279,13 @@ async def test_a_long_session_keeps_etcd_flat_and_reads_back_what_its_follower_s
         sid = await stack.create()
         follower = LiveFollower(stack, sid)
         try:
-            busiest = 0
+            busiest = longest_tail = 0
             for turn in range(1, turns + 1):
                 await stack.send(sid, f"turn {turn}")
                 await follower.until_waits(turn)
+                if turn % 10 == 0:
+                    tail = await raw.get_prefix(keys.events_prefix(sid))
+                    longest_tail = max(longest_tail, len(tail))
                 if turn % 50 == 0:
                     busiest = max(busiest, (await etcd_usage(raw, keys, sid))[1])
                 if turn == early:
@@ -292,13 +296,16 @@ async def test_a_long_session_keeps_etcd_flat_and_reads_back_what_its_follower_s
             await follower.close()
         print(
             f"{turns} turns: quiet etcd {at_early} at turn {early}, {at_end} at turn {turns} "
-            f"(keys, bytes); busiest {busiest} bytes; {len(live)} events, "
+            f"(keys, bytes); busiest {busiest} bytes, longest stream tail {longest_tail} events; "
+            f"{len(live)} events, "
             f"{len(object_files(stack, sid))} objects"
         )
         assert at_end[0] - at_early[0] <= 1, (at_early, at_end)
         assert at_end[1] - at_early[1] <= 1536, (at_early, at_end)
         assert at_end[1] <= 8 * 1024, at_end
         assert busiest <= 64 * 1024, busiest
+        # Sealed as it grows: a segment's worth, a turn's events and the last.
+        assert longest_tail <= SEAL_RECORDS + 16, longest_tail
         stream = await index_of(raw, keys, sid, "ev")
         assert stream.sealed_below == len(live) - 1 and stream.dropped_below == 0
         assert await read_bytes(stack, sid) == live

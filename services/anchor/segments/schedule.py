@@ -233,7 +233,7 @@ class SealSchedule:
         counted since it was scheduled, some twice: a seal due a commit
         early costs one read, one due late lets the tail creep)."""
         growth = self._active.get(session_id)
-        if growth is None or not done.records:
+        if growth is None:
             return
         if stream:
             growth.events += done.left

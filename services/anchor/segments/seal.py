@@ -88,6 +88,10 @@ class _Tail:
     left: int
     # The stream: its stamps, (seq, unix ms) ascending.
     stamps: list[tuple[int, int]]
+    # A segment's worth (else sealed only when flushing).
+    full: bool
+    # The session's fence exists (it was not deleted).
+    alive: bool
 
 
 class LogSealer:
@@ -123,6 +127,9 @@ class LogSealer:
         tail = await self._read_tail(session_id, flush)
         if tail is None:
             return Sealed()
+        if not tail.records or not (tail.full or flush) or not tail.alive:
+            # (What the tail holds, for the schedule to count on from.)
+            return Sealed(left=len(tail.records), left_bytes=sum(map(len, tail.records)))
         started = time.monotonic()
         await failpoints.hit("seal.before_put")
         roll = ix.rolls_over(tail.index)
@@ -155,8 +162,8 @@ class LogSealer:
         return Sealed(len(tail.records), tail.more, tail.left, left_bytes)
 
     async def _read_tail(self, session_id: str, flush: bool) -> _Tail | None:
-        """The records to seal, read at one revision; None when the tail is
-        not full (and not flushed) or holds nothing to seal."""
+        """The records to seal (a segment's worth at most), read at one
+        revision; None when the stream has no event."""
         k = self._keys
         prefix = self._prefix(session_id)
         txn = (
@@ -183,8 +190,6 @@ class LogSealer:
         # (the range's count holds every key of the tail, however limited).
         left = result.count("tail") - len(records) - (1 if self._stream else 0)
         more = follows and (flush or left >= SEAL_RECORDS)
-        if not records or not (full or flush) or result.kv("fence") is None:
-            return None
         stamps = []
         if self._stream:
             stamps = [(seq_of(kv.key) * PAGE, int(kv.value)) for kv in result.kvs("pages")]
@@ -196,6 +201,8 @@ class LogSealer:
             more,
             max(left, 0),
             stamps,
+            full=full,
+            alive=result.kv("fence") is not None,
         )
 
     async def _records(
