@@ -293,8 +293,20 @@ def fleet_secrets(deployment_id: str) -> dict[str, tuple[str, dict[str, str]]]:
     }
 
 
-# Optional: the model endpoint's API key (owner env BATON_OPENAI_API_KEY).
-OPTIONAL_SECRETS = {"baton-model": ("Opaque", {"openai-api-key": "openai-api-key"})}
+# Optional, rendered with the keys whose files exist: the model endpoint's
+# API key (owner env BATON_OPENAI_API_KEY); the object store's credentials
+# (anchor env AWS_*; without them the pod's workload identity is used).
+OPTIONAL_SECRETS = {
+    "baton-model": ("Opaque", {"openai-api-key": "openai-api-key"}),
+    "baton-object-store": (
+        "Opaque",
+        {
+            "access-key-id": "object-store/access-key-id",
+            "secret-access-key": "object-store/secret-access-key",
+            "endpoint-url": "object-store/endpoint-url",
+        },
+    ),
+}
 
 
 def render_secrets(source: Path, namespace: str, deployment_ids: Sequence[str] = ()) -> str:
@@ -306,8 +318,9 @@ def render_secrets(source: Path, namespace: str, deployment_ids: Sequence[str] =
     for deployment_id in deployment_ids:
         wanted += list(fleet_secrets(deployment_id).items())
     for name, (kind, files) in OPTIONAL_SECRETS.items():
-        if all((source / relative).exists() for relative in files.values()):
-            wanted.append((name, (kind, files)))
+        present = {key: path for key, path in files.items() if (source / path).exists()}
+        if present:
+            wanted.append((name, (kind, present)))
     for name, (kind, files) in wanted:
         data = {}
         for key, relative in files.items():

@@ -163,6 +163,15 @@ class ChaosStack:
             "BATON_LOG_LEVEL": "info",
             "BATON_SHUTDOWN_GRACE": "1",
         }
+        if module == "anchor":
+            # One object store for the replicas; sealing soon after a
+            # session goes quiet, and orphans (of anchors killed while
+            # sealing) swept soon, so faults land on every step of both.
+            env |= {
+                "BATON_OBJECT_STORE": f"file://{self.workdir / 'objects'}",
+                "BATON_SEAL_IDLE": "1",
+                "BATON_OBJECT_ORPHAN_GRACE": "10",
+            }
         if module in ("hooks", "anchor"):
             return env | {
                 "BATON_ETCD_ENDPOINT": self.etcd.endpoint,

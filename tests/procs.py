@@ -123,6 +123,11 @@ class ProcessStack:
         )
         return proc.start()
 
+    def _anchor_env(self) -> dict[str, str]:
+        """anchor's extra env; its object store a directory of the workdir
+        unless the test names one."""
+        return {"BATON_OBJECT_STORE": f"file://{self.workdir / 'objects'}", **self.anchor_env}
+
     def _key_file(self) -> str:
         path = self.workdir / "api-keys"
         if not path.exists():
@@ -142,7 +147,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", "ingress", *(f"o{i}" for i in range(1, owners + 1))):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
         for i in range(1, owners + 1):
             self.start_owner(f"o{i}", wait=False)
         self.ingress = self._spawn("ingress", "ingress", BATON_OWNER_ADDR=self.addr("o1"))
@@ -160,7 +165,7 @@ class ProcessStack:
         for name in ("hooks", "anchor", *ingresses, *owners):
             self.ports.setdefault(name, free_port())
         self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self.anchor_env)
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
         for instance_id, (deployment_id, points) in owners.items():
             self.start_owner(
                 instance_id, wait=False, deployment_id=deployment_id, failpoints=points
@@ -221,6 +226,18 @@ class ProcessStack:
     def kill(self, instance_id: str) -> None:
         """kill -9."""
         self.owners[instance_id].kill()
+
+    def restart_anchor(self, env: dict[str, str] | None = None) -> ServiceProcess:
+        """Start anchor again on its port (after it died or was killed),
+        with `env` replacing the stack's anchor env where it says."""
+        if self.anchor is not None and self.anchor.proc is not None:
+            if self.anchor.proc.poll() is None:
+                self.anchor.kill()
+            self.anchor.proc.wait(timeout=10)
+        self.anchor_env = {**self.anchor_env, **(env or {})}
+        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
+        wait_serving(self.addr("anchor"), self.probe)
+        return self.anchor
 
     def pause(self, instance_id: str) -> None:
         os.kill(self.owners[instance_id].pid, signal.SIGSTOP)
@@ -418,6 +435,9 @@ class ReplicatedStack:
             "BATON_LOG_LEVEL": "info",
             "BATON_SHUTDOWN_GRACE": "1",
         }
+        if kind == "anchor":
+            # The replicas share one object store, as they share etcd.
+            env["BATON_OBJECT_STORE"] = f"file://{self.workdir / 'objects'}"
         if kind in ("hooks", "anchor"):
             return env | {
                 "BATON_ETCD_ENDPOINT": self.etcd_endpoint,

@@ -1,11 +1,15 @@
 """An in-process Baton stack for tests: the four services on loopback ports
 (real gRPC with TLS on every hop, each server and client with its role's
 certificate from the test PKI), over the test module's TLS etcd with auth,
-under a unique key prefix."""
+under a unique key prefix, with anchor's object store a file:// directory
+of this test process (the stacks' objects apart by their key prefix)."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -183,7 +187,21 @@ def hooks_config(etcd: EtcdConfig, pki: LocalPki | None = None, **options: objec
     )
 
 
+_OBJECTS: list[str] = []
+
+
+def object_store_url() -> str:
+    """The file:// object store of this test process (made at first use,
+    removed at its exit)."""
+    if not _OBJECTS:
+        path = tempfile.mkdtemp(prefix="baton-objects-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _OBJECTS.append(f"file://{path}")
+    return _OBJECTS[0]
+
+
 def anchor_config(etcd: EtcdConfig, pki: LocalPki | None = None, **options: object) -> AnchorConfig:
+    options.setdefault("object_store", object_store_url())
     return AnchorConfig(
         listen="127.0.0.1:0",
         etcd=etcd_as(etcd, Role.ANCHOR),

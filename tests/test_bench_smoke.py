@@ -182,8 +182,9 @@ def test_inbox_cleanup_bench_smoke(tmp_path: Path) -> None:
 
 
 def test_storage_bench_smoke(tmp_path: Path) -> None:
-    """bench.storage: both stacks run their turns, the clean-up stack's
-    session is counted quiet at both points, and the ratios are reported."""
+    """bench.storage: both stacks run their turns, the store's session is
+    counted quiet (sealed whole) at both points, loads and catch-up reads
+    are timed, and the targets are reported."""
     out = tmp_path / "storage.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.storage", "--smoke", "--json", str(out)],
@@ -193,21 +194,48 @@ def test_storage_bench_smoke(tmp_path: Path) -> None:
         timeout=150,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "keys (but history) late/early <= 1.1" in proc.stdout, proc.stdout
-    assert "clean-up cost: " in proc.stdout, proc.stdout
+    assert "keys (quiet) late/early <= 1.1" in proc.stdout, proc.stdout
+    assert "store cost: " in proc.stdout, proc.stdout
     figures = json.loads(out.read_text())
     early, late = figures["points"]["early"], figures["points"]["late"]
     assert (early["turn"], late["turn"]) == (20, 60)
-    # Quiet, the session holds its horizon and no delivery id.
+    # Quiet, the session holds its stream's last event, no history entry and
+    # no delivery id in etcd: the rest is sealed.
     for point in (early, late):
-        assert point["parts"]["ev"]["keys"] <= 30 and "dlv" not in point["parts"]
-        assert point["db_size"] > 0
-    # The stack without the clean-up keeps every event and delivery id.
-    assert figures["off_end"]["parts"]["dlv"]["keys"] >= figures["off_end"]["turn"]
-    assert figures["pairs"] == 3 and figures["cleanup"]["p50_ratio"] > 0
+        assert point["parts"]["ev"]["keys"] == 1, point["parts"]
+        assert "dlv" not in point["parts"] and "h" not in point["parts"]
+        assert point["db_size"] > 0 and point["active"]["keys"] >= point["keys"]
+    # The stack without the store keeps every event in etcd.
+    assert figures["off_end"]["parts"]["ev"]["keys"] >= figures["off_end"]["turn"]
+    assert figures["pairs"] == 3 and figures["store_cost"]["p50_ratio"] > 0
+    loaded = figures["loads"]
+    assert loaded["cold"]["entries"] == loaded["warm"]["entries"] == 10
+    assert loaded["cold"]["n"] == loaded["off"]["n"] == 3
+    assert figures["catch_up"]["on"]["events"] > figures["off_end"]["turn"]
     interleaved = figures["interleaved"]
     assert interleaved["young"]["n"] == interleaved["old"]["n"] == 10
     assert (interleaved["young_from"], interleaved["old_from"]) == (10, 60)
+
+
+def test_fleet_storage_bench_smoke(tmp_path: Path) -> None:
+    """bench.fleet_storage: the sessions are written, sealed whole, and the
+    per-session figures and the 8 GiB estimate are reported."""
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fleet_storage", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sessions in 8 GiB, half free" in proc.stdout, proc.stdout
+    figures = json.loads(out.read_text())
+    after = figures["after"]
+    # Sealed whole: one event key per session, no history entry in etcd.
+    assert after["event_keys"] == 20 and after["history_keys"] == 0
+    assert 0 < figures["per_session"]["kv_bytes"] < 8 * 1024
+    assert figures["objects"] >= 20 and figures["sessions_in_8gib"] > 0
 
 
 def test_scaling_bench_smoke(tmp_path: Path) -> None:

@@ -67,6 +67,13 @@ BATON_ROLES = ("hooks", "anchor", "owner", "ingress")
 # $(VAR) expansion in the manifests, and the OpenAI adapter's own settings.
 NOT_SETTINGS = {"POD_NAME", "POD_IP", "POD_NAMESPACE", "CLUSTER_DOMAIN"}
 AGENT_SETTINGS = {"BATON_OPENAI_API_KEY"}
+# anchor's object store library reads its endpoint and credentials itself.
+OBJECT_STORE_SETTINGS = {
+    "AWS_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_ENDPOINT_URL",
+}
 
 
 def render(*args: str) -> str:
@@ -542,9 +549,26 @@ def test_manifests_set_only_settings_the_services_have(rendered: Rendered) -> No
         role = container["args"][0]
         known = settings_of(role)
         assert known, role
-        extra = AGENT_SETTINGS if role == "owner" else set()
+        extra = {"owner": AGENT_SETTINGS, "anchor": OBJECT_STORE_SETTINGS}.get(role, set())
         unknown = set(env_of(container)) - known - NOT_SETTINGS - extra
         assert not unknown, f"{role}: not settings of baton_runtime.{role}: {sorted(unknown)}"
+
+
+def test_anchor_names_its_bucket_and_takes_the_credentials_from_their_secret(
+    rendered: Rendered,
+) -> None:
+    """docs/deploy.md "The object store": the bucket in BATON_OBJECT_STORE
+    (no credential in the URL), the credentials only from the Secret
+    baton-object-store (optional keys: a workload identity may stand in)."""
+    (anchor,) = [w for w in rendered.of("Deployment") if w["metadata"]["name"] == "anchor"]
+    (container,) = containers(anchor)
+    env = env_of(container)
+    url = env["BATON_OBJECT_STORE"]["value"]
+    assert url.startswith("s3://") and "@" not in url
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "baton-object-store" and ref["optional"] is True, ref
+    assert "baton-object-store" in render_py.OPTIONAL_SECRETS
 
 
 def test_the_image_runs_the_entrypoint_script() -> None:

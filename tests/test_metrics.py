@@ -68,6 +68,13 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_stream_events_trimmed_total": ("counter", set()),
         "baton_stream_trim_batch_seconds": ("histogram", set()),
         "baton_inbox_entries_deleted_total": ("counter", set()),
+        "baton_object_store_request_seconds": ("histogram", {"op"}),
+        "baton_object_store_errors_total": ("counter", {"op"}),
+        "baton_segments_sealed_total": ("counter", {"log"}),
+        "baton_sealed_bytes_total": ("counter", {"log"}),
+        "baton_sealing_stalled": ("gauge", set()),
+        "baton_objects_corrupt_total": ("counter", {"log"}),
+        "baton_orphan_objects_deleted_total": ("counter", set()),
     },
     "owner": {
         **_RPC,

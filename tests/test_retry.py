@@ -94,7 +94,7 @@ def test_retry_counts_from_one() -> None:
 
 
 def test_the_table_names_every_policy_once() -> None:
-    assert len(retry.POLICIES) == 13
+    assert len(retry.POLICIES) == 14
     for name, policy in retry.POLICIES.items():
         assert policy.name == name
         assert policy.jittered(policy.delay(100), rng=lambda: 0.0) <= policy.cap

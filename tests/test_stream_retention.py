@@ -28,6 +28,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.config import AnchorConfig
 from baton_runtime.anchor.horizon import PAGE, StreamHorizon, StreamPolicy, opened_pages
 from baton_runtime.anchor.journal import Journal
+from baton_runtime.anchor.segments.index import parse_index
 from baton_runtime.cli.__main__ import build_parser
 from baton_runtime.cli.system.launch_settings import LaunchSettings
 from baton_runtime.cli.system.local_system import LocalSystem
@@ -99,8 +100,26 @@ async def turns(stack: Stack, session_id: str, count: int, start: int = 0) -> in
 
 
 async def live_events(stack: Stack, raw: aetcd.Client, session_id: str) -> list[int]:
-    found = await raw.get_prefix(Keys(stack.etcd.prefix).events_prefix(session_id))
-    return sorted(int(kv.key[-20:]) for kv in found)
+    return await kept_seqs(raw, Keys(stack.etcd.prefix), session_id)
+
+
+async def kept_seqs(raw: aetcd.Client, keys: Keys, session_id: str) -> list[int]:
+    """The seqs the stream keeps: its keys in etcd and, from the horizon
+    on, the ones its sealed segments hold (services/anchor/segments/)."""
+    found = await raw.get_prefix(keys.events_prefix(session_id))
+    seqs = {int(kv.key[-20:]) for kv in found}
+    index = parse_index((await raw.get(keys.segment_index(session_id, "ev")) or _NONE).value)
+    horizon_kv = await raw.get(keys.horizon(session_id))
+    horizon = int(horizon_kv.value) if horizon_kv is not None else 0
+    seqs.update(range(max(horizon, index.dropped_below), index.sealed_below))
+    return sorted(seqs)
+
+
+class _None:
+    value = None
+
+
+_NONE = _None()
 
 
 async def stored_horizon(stack: Stack, raw: aetcd.Client, session_id: str) -> int:
@@ -144,7 +163,10 @@ def trimmed_total() -> float:
 
 def test_the_horizon_keeps_the_last_n_and_every_page_younger_than_the_window() -> None:
     now = 1_000_000
-    pages = [(1, now - 9000), (2, now - 8000), (3, now - 500), (4, now - 100)]
+    # (seq, ms): every event below seq was committed no later than ms (a page
+    # stamp dates the events before its page; a sealed segment, its own).
+    pages = [(p * PAGE, ms) for p, ms in ((1, now - 9000), (2, now - 8000), (3, now - 500))]
+    pages.append((4 * PAGE, now - 100))
     # By count alone (no window): head - N.
     assert StreamPolicy(100, 0).first_kept(300, pages, now) == 200
     # A window of 5 s: pages 1 and 2 began over 5 s ago, so every event before
@@ -447,8 +469,7 @@ async def test_a_takeover_and_a_wake_from_parking_need_nothing_below_the_horizon
         assert len({e.owner_run_id for e in seen}) == 2  # one takeover, woken with its fence
 
         async def kept_last_100() -> bool:
-            found = await raw_etcd.get_prefix(keys.events_prefix(sid))
-            return sorted(int(kv.key[-20:]) for kv in found) == list(range(head - 100, head))
+            return await kept_seqs(raw_etcd, keys, sid) == list(range(head - 100, head))
 
         await eventually(kept_last_100, "the last 100 events kept", timeout=10)
         later = [e.seq async for page in clients.anchor.read_events(sid, head - 100) for e in page]

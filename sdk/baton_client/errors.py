@@ -53,6 +53,11 @@ class Reason:
     # OUT_OF_RANGE: a read or follow from a seq beyond the stream's head
     # (metadata `next_seq`: the seq the next event gets).
     BEYOND_HEAD = "BEYOND_HEAD"
+    # DATA_LOSS: stored events Baton cannot read back (an object of its
+    # object store missing or failing its checksum); never skipped.
+    OBJECT_CORRUPT = "OBJECT_CORRUPT"
+    # UNAVAILABLE: Baton's object store cannot be reached; retry.
+    OBJECT_STORE_UNAVAILABLE = "OBJECT_STORE_UNAVAILABLE"
     RATE_LIMITED = "RATE_LIMITED"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     SERVER_BUSY = "SERVER_BUSY"
@@ -176,6 +181,14 @@ class DeadlineExceeded(BatonError):
     retryable_family = True
 
 
+class DataLoss(BatonError):
+    """Stored data Baton cannot read back as written (OBJECT_CORRUPT: a
+    sealed segment of the stream missing or failing its checksum). The
+    events are not skipped: the read stops there. Not retryable."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class Internal(BatonError):
     """A bug or an unexpected state in Baton or in the SDK."""
 
@@ -199,6 +212,7 @@ FAMILIES: tuple[type[BatonError], ...] = (
     ResourceExhausted,
     Unavailable,
     DeadlineExceeded,
+    DataLoss,
     Internal,
 )
 

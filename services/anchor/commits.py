@@ -153,13 +153,15 @@ def check_consumed_from(consumed_from: int | None, snapshot: s.SessionSnapshot) 
 class RefusedRead:
     """What a refused commit's transaction read back (the fence was checked
     first): the stored snapshot and its mod revision, the stored event at
-    the commit's first seq, the closed marker and the stream's horizon."""
+    the commit's first seq, the closed marker, the stream's horizon and the
+    seq below which its events are sealed into the object store."""
 
     snapshot: bytes | None
     snapshot_revision: int
     first_event: bytes | None
     closed: bool
     horizon: int
+    sealed_below: int = 0
 
 
 def refused_commit(
@@ -173,8 +175,9 @@ def refused_commit(
     same_first = (
         not commit.events
         or seen.first_event == commit.encoded_events[0]
-        # (the applied commit's first event is already below the horizon)
-        or (seen.first_event is None and commit.first_seq < seen.horizon)
+        # (the applied commit's first event is already below the horizon,
+        # or sealed: its key is gone from etcd)
+        or (seen.first_event is None and commit.first_seq < max(seen.horizon, seen.sealed_below))
     )
     if same_snapshot and same_first:
         return seen.snapshot_revision

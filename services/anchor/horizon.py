@@ -23,8 +23,11 @@ sessions whose events aged out while they were quiet, a bounded number per
 round. A finalized session is left as it is: retention (retention.py)
 deletes it whole.
 
-Where old events go is one small interface, `StreamRetirement`: today they
-are deleted; an archive would copy each batch to an object store first.
+Where old events go is one small interface, `StreamRetirement`: without an
+object store they are deleted from etcd (`EtcdStreamRetirement`); with one,
+most of them are sealed segments already, dropped with the horizon's move
+(services/anchor/segments/trim.py), and the segments date the events they
+hold as the page stamps did.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
+from baton_runtime.anchor.segments import index as ix
 from baton_runtime.common import limits
 from baton_runtime.common.errors import BatonError, OutOfRange, Reason
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
@@ -45,6 +50,9 @@ from baton_runtime.common.etcd.ops import cmp_absent, cmp_value
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.observability import metrics
+
+if TYPE_CHECKING:
+    from baton_runtime.anchor.segments.log import SegmentLog
 
 log = structlog.get_logger("baton.anchor.horizon")
 
@@ -70,19 +78,21 @@ class StreamPolicy:
         if self.keep_events < 1:
             raise ValueError("a stream keeps at least its last event")
 
-    def first_kept(self, head: int, pages: Sequence[tuple[int, int]], now_ms: int) -> int:
+    def first_kept(self, head: int, dates: Sequence[tuple[int, int]], now_ms: int) -> int:
         """The lowest seq this policy must keep, for a stream whose next seq is
-        `head` and whose page stamps are `pages` ((page, unix ms), ascending):
-        the older of the count rule's and the age rule's horizon."""
+        `head` and whose events are dated by `dates` ((seq, unix ms),
+        ascending: every event below seq was committed no later than ms;
+        page stamps and sealed segments): the older of the count rule's and
+        the age rule's horizon."""
         by_count = max(head - self.keep_events, 0)
         if self.keep_seconds <= 0:
             return by_count
         cutoff = now_ms - int(self.keep_seconds * 1000)
         by_age = 0
-        for page, stamped_ms in pages:
-            if stamped_ms > cutoff:
-                break  # this page began within the window: what follows is younger
-            by_age = page * PAGE
+        for seq, dated_ms in dates:
+            if dated_ms > cutoff:
+                break  # dated within the window: what follows is younger
+            by_age = seq
         return min(by_count, by_age)
 
     def may_trim(self, head: int) -> bool:
@@ -171,7 +181,8 @@ class EtcdStreamRetirement:
 class _Stream:
     head: int
     horizon: int
-    pages: list[tuple[int, int]]
+    # (seq, unix ms), ascending: see StreamPolicy.first_kept.
+    dates: list[tuple[int, int]]
 
 
 class StreamHorizon:
@@ -187,6 +198,8 @@ class StreamHorizon:
         policy: StreamPolicy,
         retirement: StreamRetirement | None = None,
         *,
+        segments: SegmentLog | None = None,
+        swept: Callable[[str], None] | None = None,
         interval_seconds: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -194,6 +207,10 @@ class StreamHorizon:
         self._keys = keys
         self.policy = policy
         self._retirement = retirement or EtcdStreamRetirement(store, keys)
+        # The stream's sealed segments date its older events (the age rule).
+        self._segments = segments
+        # Told of every session a sweep round visits (the seal schedule).
+        self._swept = swept
         self._interval = interval_seconds
         self._clock = clock
         self._pending: dict[str, None] = {}  # an ordered set: trims due, oldest first
@@ -246,7 +263,7 @@ class StreamHorizon:
         stream = await self._read(session_id)
         if stream is None:
             return 0
-        wanted = self.policy.first_kept(stream.head, stream.pages, int(self._clock() * 1000))
+        wanted = self.policy.first_kept(stream.head, stream.dates, int(self._clock() * 1000))
         below = min(wanted, stream.horizon + ROUND_EVENTS)
         if below <= stream.horizon:
             return 0
@@ -260,8 +277,8 @@ class StreamHorizon:
         return deleted
 
     async def _read(self, session_id: str) -> _Stream | None:
-        """The stream's head, horizon and lowest page stamps; None when it is
-        closed or has no events."""
+        """The stream's head, horizon and its oldest dates (sealed segments,
+        then page stamps); None when it is closed or has no events."""
         k = self._keys
         result = await (
             Txn()
@@ -274,16 +291,32 @@ class StreamHorizon:
                 prefix_end(k.stream_pages_prefix(session_id)),
                 limit=ROUND_EVENTS // PAGE + 2,
             )
+            .read("index", k.segment_index(session_id, "ev"))
             .run(self._store)
         )
         marker = result.value("marker")
         if marker is None or result.kv("closed") is not None:
             return None
-        pages = []
+        dates = await self._segment_dates(session_id, result.value("index"))
+        sealed = dates[-1][0] if dates else 0
         for kv in result.kvs("pages"):
             with contextlib.suppress(ValueError):
-                pages.append((seq_of(kv.key), int(kv.value)))
-        return _Stream(int(marker) + 1, horizon_of(result.value("horizon")), pages)
+                seq = seq_of(kv.key) * PAGE
+                if seq > sealed:
+                    dates.append((seq, int(kv.value)))
+        return _Stream(int(marker) + 1, horizon_of(result.value("horizon")), dates)
+
+    async def _segment_dates(self, session_id: str, raw: bytes | None) -> list[tuple[int, int]]:
+        """The dates of the stream's sealed segments (the age rule only;
+        a directory is read only when it is not old as a whole)."""
+        if self._segments is None or not raw or self.policy.keep_seconds <= 0:
+            return []
+        index = self._segments.parse(session_id, raw)
+        listed: list[spb.SegmentRef] = []
+        cutoff = int(self._clock() * 1000) - int(self.policy.keep_seconds * 1000)
+        if index.HasField("directory") and index.directory.dated_ms > cutoff:
+            listed = await self._segments.directory(session_id, index)
+        return ix.dates(index, listed)
 
     async def sweep(self) -> int:
         """One round: the next SWEEP_SESSIONS sessions of the channel index
@@ -300,5 +333,8 @@ class StreamHorizon:
         self._cursor = found[-1].key if found and page.more("sessions") else b""
         deleted = 0
         for kv in found:
-            deleted += await self._trim_logged(kv.key.rsplit(b"/", 1)[-1].decode())
+            session_id = kv.key.rsplit(b"/", 1)[-1].decode()
+            if self._swept is not None:
+                self._swept(session_id)
+            deleted += await self._trim_logged(session_id)
         return deleted

@@ -28,6 +28,10 @@ from baton_runtime.anchor.commits import (
 )
 from baton_runtime.anchor.history import EtcdHistory, GuardFailed, HistoryStore
 from baton_runtime.anchor.horizon import StreamHorizon, horizon_of, opened_pages
+from baton_runtime.anchor.segments.format import Corrupt
+from baton_runtime.anchor.segments.index import parse_index
+from baton_runtime.anchor.segments.log import SegmentLog
+from baton_runtime.anchor.segments.schedule import SealSchedule
 from baton_runtime.anchor.stream import EventStream
 from baton_runtime.common import ids
 from baton_runtime.common.errors import (
@@ -67,20 +71,28 @@ class Journal:
         *,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         horizon: StreamHorizon | None = None,
+        segments: SegmentLog | None = None,
+        sealer: SealSchedule | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._keys = keys
         self._history = history or EtcdHistory(store, keys)
         self._horizon = horizon
+        self._sealer = sealer
         self._retention_seconds = retention_seconds
         self._clock = clock
-        self.events = EventStream(store, keys)
+        self.events = EventStream(store, keys, segments)
 
     @property
     def horizon(self) -> StreamHorizon | None:
         """What moves live streams' retention horizons (None: nothing does)."""
         return self._horizon
+
+    @property
+    def sealer(self) -> SealSchedule | None:
+        """What seals sessions' logs into the object store (None: no store)."""
+        return self._sealer
 
     async def commit(
         self,
@@ -123,6 +135,14 @@ class Journal:
             metrics.INBOX_ENTRIES_DELETED.inc(result.deleted("consumed"))
         if pages and self._horizon is not None and not close:
             self._horizon.committed(fence.session_id, snapshot.next_event_seq)
+        if self._sealer is not None:
+            self._sealer.committed(
+                fence.session_id,
+                len(events),
+                sum(map(len, commit.encoded_events)),
+                len(commit.history),
+                sum(map(len, commit.history)),
+            )
         if scope is not None:
             scope.passed(fence.session_id, fence.epoch, fence.owner_run_id)
         return result.revision, False
@@ -182,6 +202,7 @@ class Journal:
         if events:
             txn.read_on_failure("first", k.event(sid, events[0].seq))
             txn.read_on_failure("horizon", k.horizon(sid))
+            txn.read_on_failure("sealed", k.segment_index(sid, "ev"))
 
     @staticmethod
     def _refused(
@@ -204,6 +225,7 @@ class Journal:
             closed=result.value("closed") is not None,
             # (read back with the first event: a snapshot-only commit has neither)
             horizon=horizon_of(result.value("horizon")) if commit.events else 0,
+            sealed_below=_sealed_below(result.value("sealed")) if commit.events else 0,
         )
         return refused_commit(commit, seen, expected_snapshot_revision)
 
@@ -328,3 +350,12 @@ class Journal:
             fenced = await Txn().read("fence", k.fence(sid)).run(self._store)
             owner.check(fenced.value("fence"))
             raise Aborted(Reason.CONFLICT, "the fence changed while retiring; retry") from None
+
+
+def _sealed_below(raw: bytes | None) -> int:
+    """The seq below which the stream's events are sealed (0: none, or an
+    index that cannot be parsed: then nothing counts as sealed)."""
+    try:
+        return parse_index(raw).sealed_below
+    except Corrupt:
+        return 0

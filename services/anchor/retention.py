@@ -4,7 +4,9 @@ The commit that closes a session's stream also writes a retention-index entry
 `gc/{expires}/{sid}`. Every anchor replica sweeps the index now and then;
 for each expired entry it deletes the session's index entries that point at
 it (token index, channel index, ownership index, bell), then the session's own keys in
-bounded transactions, then the entry itself. Every step is idempotent, so
+bounded transactions (its fence first: no seal records an object after
+that), then its objects in the object store (services/anchor/segments/), then
+the entry itself. Every step is idempotent, so
 replicas sweeping at once, or a sweep cut short by a crash, are harmless: the
 entry stays until the session is gone. Afterwards every read of the session
 answers NOT_FOUND.
@@ -21,6 +23,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.segments.sweep import ObjectSweep
 from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import (
@@ -47,11 +50,13 @@ class Retention:
         keys: Keys,
         *,
         interval_seconds: float,
+        objects: ObjectSweep | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._keys = keys
         self._interval = interval_seconds
+        self._objects = objects
         self._clock = clock
 
     async def run(self) -> None:
@@ -92,10 +97,13 @@ class Retention:
                 return deleted
 
     async def delete_session(self, session_id: str) -> None:
-        """Every key of the session and every index entry pointing at it."""
+        """Every key of the session, every index entry pointing at it, and
+        every object it sealed."""
         ids.validate_session_id(session_id)
         await self._delete_index_entries(session_id)
         await self._delete_keys(session_id)
+        if self._objects is not None:
+            await self._objects.delete_session(session_id)
 
     async def _delete_index_entries(self, session_id: str) -> None:
         """The token-index entries still naming the session, with its

@@ -1,11 +1,16 @@
-"""A session's event stream read from etcd: replayed in pages, then followed
-live from a watch until the terminal event.
+"""A session's event stream: replayed in pages (sealed segments from the
+object store, then the tail from etcd), then followed live from a watch
+until the terminal event.
 
-A long stream is read in pages of READ_PAGE_EVENTS, so neither this
-process nor a slow reader's path holds more than a page; a cursor below
-the retention horizon (services/anchor/horizon.py) is told where the
-stream now starts. What goes to the reader, replayed or live, is in pages
-of at most limits.MAX_PAGE_BYTES (services/common/streams/pages.py).
+A long stream is read a page at a time (a segment, or READ_PAGE_EVENTS keys
+of the tail), so neither this process nor a slow reader's path holds more
+than a page; a cursor below the retention horizon (services/anchor/
+horizon.py) is told where the stream now starts. Each page is one etcd
+transaction that reads the segment index with the tail and the horizon, so
+a reader at any revision finds every event once: a key a seal deleted after
+that revision is in the segment the index then names
+(services/anchor/segments/). What goes to the reader, replayed or live, is
+in pages of at most limits.MAX_PAGE_BYTES (services/common/streams/pages.py).
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
+from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import TERMINAL_KINDS
 from baton_runtime.anchor.horizon import below_horizon, horizon_of
+from baton_runtime.anchor.segments.index import parse_index
+from baton_runtime.anchor.segments.log import SegmentGone, SegmentLog
 from baton_runtime.common import ids, limits
-from baton_runtime.common.errors import NotFound, OutOfRange, Reason
+from baton_runtime.common.errors import FailedPrecondition, NotFound, OutOfRange, Reason
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
@@ -40,16 +48,22 @@ class _Page:
     # The seq the next commit writes first (the commit marker's last seq + 1).
     head: int
     revision: int
+    # The stream's sealed segments (services/anchor/segments/).
+    index: spb.SegmentIndex
 
 
 class EventStream:
-    """ReadEvents over one etcd store."""
+    """ReadEvents over one etcd store and, with `segments`, the object store
+    its sealed segments are in."""
 
-    def __init__(self, store: Store, keys: Keys) -> None:
+    def __init__(self, store: Store, keys: Keys, segments: SegmentLog | None = None) -> None:
         self._store = store
         self._keys = keys
+        self._segments = segments
 
-    async def _page(self, session_id: str, start_seq: int) -> _Page:
+    async def _page(self, session_id: str, start_seq: int, sealed: bool = False) -> _Page:
+        """One page's read. `sealed`: the cursor is known to be below the
+        sealed part (it never shrinks), so the tail's events are not wanted."""
         k = self._keys
         result = await (
             Txn()
@@ -57,13 +71,15 @@ class EventStream:
                 "events",
                 k.event(session_id, start_seq),
                 prefix_end(k.events_prefix(session_id)),
-                limit=limits.READ_PAGE_EVENTS,
+                limit=1 if sealed else limits.READ_PAGE_EVENTS,
+                keys_only=sealed,
             )
             .read("snapshot", k.snapshot(session_id), keys_only=True)
             .read("fence", k.fence(session_id), keys_only=True)
             .read("closed", k.closed(session_id))
             .read("horizon", k.horizon(session_id))
             .read("marker", k.commit_marker(session_id))
+            .read("index", k.segment_index(session_id, "ev"))
             .run(self._store)
         )
         marker = result.value("marker")
@@ -79,7 +95,20 @@ class EventStream:
             horizon=horizon_of(result.value("horizon")),
             head=int(marker) + 1 if marker else 0,
             revision=result.revision,
+            index=self._parse_index(session_id, result.value("index")),
         )
+
+    def _parse_index(self, session_id: str, raw: bytes | None) -> spb.SegmentIndex:
+        if self._segments is not None:
+            return self._segments.parse(session_id, raw)
+        index = parse_index(raw)
+        if index.sealed_below:
+            raise FailedPrecondition(
+                Reason.OBJECT_STORE_UNAVAILABLE,
+                f"session {session_id} has sealed segments and this anchor has no object "
+                "store (--object-store)",
+            )
+        return index
 
     async def read(
         self, session_id: str, start_seq: int, follow: bool
@@ -118,6 +147,8 @@ class EventStream:
         cursor = _Cursor(start_seq)
         checked = False
         watch = follow
+        sealed_below = 0  # the sealed part as last read (it never shrinks)
+        gone: int | None = None  # the nonce of a segment found missing once
         while True:
             watching = (
                 watch_then_read(
@@ -126,8 +157,13 @@ class EventStream:
                 if watch
                 else contextlib.nullcontext()
             )
+            sealed_page: _Page | None = None
             async with watching as follower:
-                page = await self._page(session_id, cursor.next_seq)
+                hint = cursor.next_seq < sealed_below
+                page = await self._page(session_id, cursor.next_seq, sealed=hint)
+                if hint and cursor.next_seq >= page.index.sealed_below:
+                    # (The index is gone: the session was deleted. Read it whole.)
+                    page = await self._page(session_id, cursor.next_seq)
                 if not checked:
                     if not page.events and not page.exists:
                         raise NotFound(
@@ -140,25 +176,61 @@ class EventStream:
                         raise beyond_head(session_id, page.head, start_seq)
                     checked = True
                 # Read in the page's own transaction: [horizon, head) is all
-                # there, so a cursor at or above it is gapless; one below it
-                # (a slow reader the horizon passed between pages) is told.
+                # there (sealed or in etcd), so a cursor at or above it is
+                # gapless; one below it (a slow reader the horizon passed
+                # between pages) is told.
                 if cursor.next_seq < page.horizon:
                     raise below_horizon(session_id, page.horizon, cursor.next_seq)
-                for batch in cursor.batches(page.events):
-                    yield batch
-                if cursor.ended:
+                if cursor.next_seq < page.index.sealed_below:
+                    sealed_page = page  # read outside the watch (none is wanted)
+                else:
+                    for batch in cursor.batches(page.events):
+                        yield batch
+                    if cursor.ended:
+                        return
+                    if page.more:
+                        watch = False  # catching up: page on, watch only at the end
+                        continue
+                    if not follow or page.closed is not None:
+                        return
+                    if follower is None:
+                        watch = True  # caught up by paging: watch, then read the tail
+                        continue
+                    async for batch in self._live(session_id, follower, page.revision, cursor):
+                        yield batch
                     return
-                if page.more:
-                    watch = False  # catching up: page on, watch only at the end
-                    continue
-                if not follow or page.closed is not None:
-                    return
-                if follower is None:
-                    watch = True  # caught up by paging: watch, then read the tail
-                    continue
-                async for batch in self._live(session_id, follower, page.revision, cursor):
+            watch = False
+            sealed_below = sealed_page.index.sealed_below
+            try:
+                async for batch in self._sealed(session_id, sealed_page.index, cursor):
                     yield batch
+            except SegmentGone as missing:
+                # Dropped since the page's read (the horizon passed: the next
+                # page says so), or lost: found missing twice.
+                assert self._segments is not None
+                if gone == missing.ref.nonce:
+                    raise self._segments.lost(
+                        session_id, missing.ref, "the object is missing"
+                    ) from None
+                gone = missing.ref.nonce
+                continue
+            if cursor.ended:
                 return
+
+    async def _sealed(
+        self, session_id: str, index: spb.SegmentIndex, cursor: _Cursor
+    ) -> AsyncGenerator[list[s.Event], None]:
+        """The events of the segment holding the cursor, from the cursor."""
+        assert self._segments is not None
+        refs = await self._segments.refs_from(session_id, index, cursor.next_seq)
+        if not refs or refs[0].first > cursor.next_seq:
+            raise self._segments.lost(
+                session_id, None, f"no segment holds seq {cursor.next_seq} of the sealed stream"
+            )
+        ref = refs[0]
+        records = await self._segments.records(session_id, ref)
+        for batch in cursor.batches(records[cursor.next_seq - ref.first :]):
+            yield batch
 
     async def _live(
         self, session_id: str, follower: Follower, revision: int, cursor: _Cursor

@@ -26,6 +26,7 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    DATA_LOSS = "DATA_LOSS"
     INTERNAL = "INTERNAL"
 
 
@@ -113,6 +114,14 @@ class DeadlineExceeded(BatonError):
     retryable = True
 
 
+class DataLoss(BatonError):
+    """Stored data that cannot be read back as written (an object of the
+    object store missing or failing its checksum): never skipped silently,
+    and a retry cannot mend it."""
+
+    kind = ErrorKind.DATA_LOSS
+
+
 class Internal(BatonError):
     kind = ErrorKind.INTERNAL
 
@@ -169,6 +178,11 @@ class Reason:
     EVENT_TOO_LARGE = "EVENT_TOO_LARGE"
     HISTORY_INCOMPLETE = "HISTORY_INCOMPLETE"
     SNAPSHOT_UNREADABLE = "SNAPSHOT_UNREADABLE"
+    # DATA_LOSS: a sealed segment (services/anchor/segments/) is missing or
+    # fails its checksum.
+    OBJECT_CORRUPT = "OBJECT_CORRUPT"
+    # UNAVAILABLE: the object store cannot be reached (retryable).
+    OBJECT_STORE_UNAVAILABLE = "OBJECT_STORE_UNAVAILABLE"
     RESTART_BUDGET_SPENT = "RESTART_BUDGET_SPENT"
     # Stream events only (ErrorDetail.reason):
     NOTHING_TO_CANCEL = "NOTHING_TO_CANCEL"

@@ -159,6 +159,9 @@ RESTART_FAILED = RetryPolicy("restart_failed", first=0.2, cap=30.0)
 ETCD_WATCH = RetryPolicy("etcd_watch", first=0.2, cap=2.0)
 """An etcd watch resuming after its stream died."""
 
+SEALING = RetryPolicy("sealing", first=0.5, cap=10.0)
+"""Anchor's sealing of logs into the object store while the store fails."""
+
 POLICIES: dict[str, RetryPolicy] = {
     p.name: p
     for p in (
@@ -175,5 +178,6 @@ POLICIES: dict[str, RetryPolicy] = {
         RESTART_TRANSIENT,
         RESTART_FAILED,
         ETCD_WATCH,
+        SEALING,
     )
 }

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from baton_runtime.anchor.segments.objects import check_url
 from baton_runtime.cli.commands import arguments
 from baton_runtime.cli.system import launcher
 from baton_runtime.cli.system.etcd_binary import accept_etcd_risk_from_env
@@ -158,6 +159,14 @@ def _add_service_tuning(up: argparse.ArgumentParser) -> None:
         help="hooks: how long a delivery id (and a handoff record) is remembered; a repeat "
         "inside the window answers the first receipt (default 86400, a day)",
     )
+    up.add_argument(
+        "--object-store",
+        type=_object_store_url,
+        metavar="URL",
+        help="anchor: where sealed segments of sessions' streams and histories go "
+        "(s3://bucket/prefix, gs://..., az://..., file:///path; credentials from the store's "
+        "environment variables, e.g. AWS_ACCESS_KEY_ID; default: objects/ in the run dir)",
+    )
 
 
 def _add_running(up: argparse.ArgumentParser) -> None:
@@ -174,6 +183,13 @@ def _add_running(up: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds each process may take to become SERVING (default 60)",
     )
+
+
+def _object_store_url(value: str) -> str:
+    try:
+        return check_url(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _deployment_ids(values: Sequence[str] | None) -> tuple[str, ...]:
@@ -273,5 +289,6 @@ def run_up(args: argparse.Namespace) -> int:
         stream_retention_events=args.stream_retention_events,
         stream_retention=args.stream_retention,
         dedupe_window=args.dedupe_window,
+        object_store=args.object_store or "",
     )
     return launcher.launch(settings)

@@ -60,6 +60,9 @@ class LaunchSettings:
     stream_retention: float | None = None
     # hooks' --dedupe-window (seconds; None: hooks' default, a day).
     dedupe_window: float | None = None
+    # anchor's --object-store URL; "": an embedded file:// store under the
+    # run directory (`objects/`).
+    object_store: str = ""
 
     def __post_init__(self) -> None:
         if not self.deployment_ids:

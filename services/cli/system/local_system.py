@@ -337,7 +337,14 @@ class LocalSystem:
             ports=self.ports,
             security=self.security(Role(kind), dep.deployment_id if dep else ""),
             api_key_file=self.api_key_file,
+            object_store=self.object_store,
         )
+
+    @property
+    def object_store(self) -> str:
+        """anchor's object store: the one asked for, else a directory of the
+        run directory (anchor creates it)."""
+        return self.settings.object_store or f"file://{(self.run_dir / 'objects').resolve()}"
 
     def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:
         name = replica_label(kind, replica)

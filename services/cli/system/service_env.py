@@ -34,14 +34,18 @@ def service_env(
     ports: Ports,
     security: Security,
     api_key_file: str,
+    object_store: str = "",
 ) -> dict[str, str]:
-    """The environment of a `kind` process (of `dep` for owner/ingress)."""
+    """The environment of a `kind` process (of `dep` for owner/ingress);
+    `object_store`: anchor's object store URL."""
     env = _identity_env(settings, security)
     if kind == "hooks" and settings.dedupe_window is not None:
         env["BATON_DEDUPE_WINDOW"] = f"{settings.dedupe_window:g}"
     if dep is None:
         if kind == "anchor":
             env |= _stream_retention_env(settings)
+            if object_store:
+                env["BATON_OBJECT_STORE"] = object_store
         return env | {
             "BATON_ETCD_ENDPOINT": addresses([client for client, _ in ports.etcd]),
             "BATON_ETCD_PREFIX": ETCD_PREFIX,

@@ -18,6 +18,11 @@ disposal, the token-index entries pointing at that session):
                                                               put by the commit writing its first
                                                               seq; dates the events before it
     {root}s/{sid}/snap             SessionSnapshot            the last committed snapshot
+    {root}s/{sid}/sg/{log}         SegmentIndex               a log's (ev: events, h: history)
+                                                              segments sealed into the object
+                                                              store; the log's keys below its
+                                                              `sealed_below` are gone from etcd
+                                                              (services/anchor/segments/)
     {root}s/{sid}/h/{index:020d}   ChatMessage                model history, appended by commits
     {root}s/{sid}/xfer/{handoff}   Transfer JSON              the outcome of an applied handoff
     {root}s/{sid}/closed           "{terminal seq}"           present once the stream closed
@@ -131,6 +136,10 @@ class Keys:
 
     def stream_page(self, session_id: str, page: int) -> bytes:
         return self.stream_pages_prefix(session_id) + seq_suffix(page)
+
+    def segment_index(self, session_id: str, log: str) -> bytes:
+        """The index of a log's sealed segments (`log`: "ev" or "h")."""
+        return self._s(session_id, f"sg/{log}")
 
     def transfer(self, session_id: str, handoff_id: str) -> bytes:
         return self._s(session_id, f"xfer/{handoff_id}")

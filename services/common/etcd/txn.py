@@ -99,6 +99,10 @@ class TxnResult:
         """True when a limited range read left keys out."""
         return bool(self._response.responses[self._names[name]].response_range.more)
 
+    def count(self, name: str) -> int:
+        """How many keys a range read's range holds (a limited read too)."""
+        return int(self._response.responses[self._names[name]].response_range.count)
+
     def values(self, name: str) -> list[bytes | None]:
         """The values of a `read_each`, in the order of its keys (None: absent)."""
         responses = self._response.responses

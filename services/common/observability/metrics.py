@@ -223,6 +223,51 @@ INBOX_ENTRIES_DELETED = Counter(
     registry=None,
 )
 
+# -- anchor's object store (services/anchor/segments/) ----------------------------
+
+OBJECT_STORE_SECONDS = Histogram(
+    "baton_object_store_request_seconds",
+    "One object store request (put, get, delete, list), failures included",
+    ["op"],
+    buckets=_SECONDS,
+    registry=None,
+)
+OBJECT_STORE_ERRORS = Counter(
+    "baton_object_store_errors_total",
+    "Object store requests that failed (the store unreachable or refusing), by op",
+    ["op"],
+    registry=None,
+)
+SEGMENTS_SEALED = Counter(
+    "baton_segments_sealed_total",
+    "Segments of sessions' logs sealed into the object store, by log (events, history)",
+    ["log"],
+    registry=None,
+)
+SEALED_BYTES = Counter(
+    "baton_sealed_bytes_total",
+    "Bytes of records sealed into the object store, by log",
+    ["log"],
+    registry=None,
+)
+SEALING_STALLED = Gauge(
+    "baton_sealing_stalled",
+    "1 while sealing is paused because the object store fails (the tails in etcd grow), else 0",
+    registry=None,
+)
+OBJECTS_CORRUPT = Counter(
+    "baton_objects_corrupt_total",
+    "Reads that found a sealed object missing or failing its checksum (DATA_LOSS), by log",
+    ["log"],
+    registry=None,
+)
+ORPHANS_DELETED = Counter(
+    "baton_orphan_objects_deleted_total",
+    "Objects no session refers to (a writer crashed before recording them, a session "
+    "deleted) deleted by the sweep after the grace period",
+    registry=None,
+)
+
 # -- owner (services/owner/) ------------------------------------------------------
 
 TURNS = Counter(
@@ -383,6 +428,13 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         STREAM_EVENTS_TRIMMED,
         STREAM_TRIM_BATCH_SECONDS,
         INBOX_ENTRIES_DELETED,
+        OBJECT_STORE_SECONDS,
+        OBJECT_STORE_ERRORS,
+        SEGMENTS_SEALED,
+        SEALED_BYTES,
+        SEALING_STALLED,
+        OBJECTS_CORRUPT,
+        ORPHANS_DELETED,
     ),
     "owner": (
         *_RPC,

@@ -21,6 +21,7 @@ _TO_CODE: dict[e.ErrorKind, grpc.StatusCode] = {
     e.ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     e.ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    e.ErrorKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
     e.ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
@@ -36,6 +37,7 @@ _FROM_CODE: dict[grpc.StatusCode, type[e.BatonError]] = {
     grpc.StatusCode.UNAVAILABLE: e.Unavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: e.ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
+    grpc.StatusCode.DATA_LOSS: e.DataLoss,
     grpc.StatusCode.CANCELLED: e.Unavailable,
 }
 
