@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import aetcd
@@ -38,13 +39,14 @@ from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence, prefi
 from baton_runtime.common.security.permits import PermitSigner, grant_for
 from baton_runtime.hooks.transfer import TransferOutcome
 from baton_runtime.owner.handoff.attempt import REFUSALS
-from model.explore import explore, shortest_traces
+from model.explore import Checker, explore, shortest_traces
 from model.options import Bounds, Variant, deployment_of
-from model.protocol import Model, Step
+from model.protocol import PROTOCOL, Model, Step
 from model.state import NOT_PARKED, Activating, Claiming, Parked, Run, Snapshot, State
 from model.state import Event as ModelEvent
 from tests import certs
 from tests.stack import Stack
+from tests.test_handoff_faults import check, settle, start, stop, transfers, trigger_ran_on
 
 # The model's deployments, as real deployment ids (no owner process runs
 # them: the test is their owners).
@@ -563,3 +565,80 @@ async def test_the_replayed_takeover_answers_what_the_takeover_decided(clients: 
     assert violation is not None and violation.invariant == "all_processed"
     model = Model(Bounds(messages=1, crashes=1, lost=1))
     await Replay(clients, model, 0).play(follow(model, violation.trace))
+
+
+# -- a model trace on real processes, its faults made by failpoints ---------------------
+
+# The model's steps that the process world makes with a failpoint: (step,
+# outcome, what its label says) -> the owner instances armed ("b": both of
+# B's), the failpoint, and what an owner logs once the fault has happened.
+FAILPOINTS = {
+    ("transfer", "ok", "the old owner's answer is lost"): (
+        "a1",
+        "handoff.accept_response=once:error",
+        (("a1",), "handoff settled: the session moved"),
+    ),
+    ("transfer", "lost", "Transfer's answer lost"): (
+        "b",
+        "handoff.transfer_response=once:error",
+        (("b1", "b2"), "transfer outcome settled by a replay"),
+    ),
+}
+
+
+def quiesce(model: Model, state: State) -> State:
+    """The model's system left alone from `state`: protocol steps until none
+    is enabled (the first each time), checked at the end as the checker
+    checks a quiescent state."""
+    for _ in range(1_000):
+        protocol = [t for t in model.successors(state) if t.kind == PROTOCOL]
+        if not protocol:
+            break
+        state = protocol[0].state
+    checker = Checker()
+    assert checker.safety(state) is None and checker.quiescence(state) is None
+    return state
+
+
+@pytest.mark.parametrize(
+    "key", [("settle", "fenced"), ("transfer", "replayed")], ids=["settled", "replayed"]
+)
+async def test_a_model_trace_runs_on_real_processes(
+    key: tuple[str, str], etcd_endpoint: str, tmp_path: Path
+) -> None:
+    """The model's shortest trace to a handoff settled by a fenced commit
+    (the old owner's AcceptHandoff answer lost) or to a transfer replayed
+    (its answer to the target lost), made by real owner processes with the
+    failpoint that loses that answer; the session then ends where the model
+    says, the trigger processed once, on the deployment the model names."""
+    model, trace = traces()[key]
+    armed: dict[str, str] = {"a1": "", "b": ""}
+    logged: list[tuple[tuple[str, ...], str]] = []
+    sends: list[str] = []
+    for step in trace:
+        if step.action == "send":
+            sends.append(step.state.gateways[len(sends)].via)
+            continue
+        assert step.kind == PROTOCOL, f"the processes do not take {step.label} by themselves"
+        for (action, outcome, says), (where, point, log) in FAILPOINTS.items():
+            if (step.action, step.outcome) == (action, outcome) and says in step.label:
+                armed[where] = point
+                logged.append(log)
+    assert logged, f"no failpoint makes {key}'s trace"
+    final = quiesce(model, trace[-1].state)
+    ran_on = {e.inbox_seq: e.deployment for e in final.store.events if e.kind == "step"}
+    run = await start(etcd_endpoint, tmp_path, a1=armed["a1"], b=armed["b"])
+    try:
+        receipts = [
+            await run.send(run.b if via == "B" else run.a, f"message {n}")
+            for n, via in enumerate(sends)
+        ]
+        events = await settle(run, receipts)
+        check(events, receipts)
+        for seq, deployment in ran_on.items():
+            assert trigger_ran_on(events, receipts[seq]) == f"dep-{deployment.lower()}"
+        assert await transfers(run) == len(final.store.handoffs)
+        for instances, text in logged:  # the fault happened where the model's trace has it
+            assert any(run.log_has(i, text) for i in instances), f"no {text!r} in {instances}"
+    finally:
+        await stop(run)
