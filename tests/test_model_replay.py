@@ -53,7 +53,7 @@ from tests.test_handoff_faults import check, settle, start, stop, transfers, tri
 DEPLOYMENTS = {"A": "model-a", "B": "model-b"}
 CHANNEL = "slack"
 
-# Every (step, outcome) of these bounds within 8 steps: 40 traces of up to
+# Every (step, outcome) of these bounds within 8 steps: 41 traces of up to
 # 8 steps (the second bound adds the drain's).
 REPLAY_BOUNDS = (
     Bounds(messages=2, crashes=2, lost=1),
