@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from model.options import deployment_of
-from model.state import Parked, Run, State, Store
+from model.state import NOT_PARKED, Parked, Run, State, Store
 
 StoreCheck = Callable[[Store], str | None]
 Check = Callable[[State], str | None]
@@ -105,6 +105,19 @@ def handed_off_marks(st: Store) -> str | None:
     return None
 
 
+def bells_cover_arrivals(st: Store) -> str | None:
+    """§5 a wake-up is never lost: while the owner record says parked at a
+    position, every arrival since rang its instance's bell (the append's own
+    transaction rings it), so the inbox head is that position or the bell
+    names it."""
+    if st.parked_at == NOT_PARKED or len(st.inbox) == st.parked_at:
+        return None
+    bell = dict(st.bells).get(st.holder)
+    if bell != len(st.inbox):
+        return f"parked at {st.parked_at} with the inbox at {len(st.inbox)}, bell {bell}"
+    return None
+
+
 STORED: dict[str, StoreCheck] = {
     "fenced_commits": fenced_commits,
     "steps_once": steps_once,
@@ -114,6 +127,7 @@ STORED: dict[str, StoreCheck] = {
     "deliveries_once": deliveries_once,
     "runs_not_interleaved": runs_not_interleaved,
     "handed_off_marks": handed_off_marks,
+    "bells_cover_arrivals": bells_cover_arrivals,
 }
 
 

@@ -13,23 +13,9 @@ The step names are the rows of docs/model.md, which maps each to the room
 and function it mirrors (`ACTIONS` below says the same, and
 tests/test_model.py checks that both name real code).
 
-What is coarser than the code, and why it is sound here:
-- An RPC and the transaction it runs are one step. A call that is lost
-  before it is applied is a stutter (nothing changed) unless the caller
-  reacts differently; those reactions are the `lost` outcomes.
-- A run takes entries when it is ready for them, rather than buffering
-  them as they arrive; an entry appended after its fence moved is never
-  delivered to it (the inbox stream's watch yields the fence's change
-  first), one appended before may still be.
-- A delivery is checked as a handoff trigger when the run takes it, not
-  when it arrives: a superset of the real attempts, each refused by the
-  transfer's compares when it should not move the session.
-- Bells are level-triggered: a parked session's host acts on any bell
-  above its position. The host's memory of bells rung while a run parks
-  (parking.py) is what gives the edge-triggered watch the same effect.
-- Prepare, transfer and launch on the target are one step: a crash between
-  them leaves the same state as one after them (nothing of a run survives
-  a crash). A wake's unpark and load are one step likewise.
+docs/model.md says what is coarser than the code, and why that is sound
+(an RPC and its transaction are one step; a delivery is checked as a
+trigger when it is taken; bells are level-triggered; ...).
 """
 
 from __future__ import annotations
