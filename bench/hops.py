@@ -75,6 +75,7 @@ RECONCILE_INTERVAL = 3600
 # Anchor's retention and stream-horizon sweeps read etcd every sweep interval
 # (services/anchor/retention.py, horizon.py): stretched the same way.
 RETENTION_SWEEP = 3600
+UNANSWERED_SWEEP = 3600  # hooks' sweep for baton_oldest_unanswered_seconds
 PATHS = (
     "one_step_turn",
     "steered_turn",
@@ -318,6 +319,7 @@ class HopRun:
             serve_metrics=True,
             owner_env={"BATON_OWNER_RECONCILE_INTERVAL": str(RECONCILE_INTERVAL)},
             anchor_env={"BATON_RETENTION_SWEEP": str(RETENTION_SWEEP)},
+            env={"BATON_UNANSWERED_SWEEP": str(UNANSWERED_SWEEP)},
         )
         stack.start_deployments(
             owners={"a1": ("dep-a", ""), "a2": ("dep-a", "")},
@@ -695,8 +697,8 @@ one read each hooks scrape does for `baton_live_instances` is measured and
 subtracted. Owners' reconciliation
 (one `ListInstanceSessions` and its read per owner every
 `BATON_OWNER_RECONCILE_INTERVAL`, 15 s by default) and anchor's retention and
-horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) are stretched past
-the run.
+horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) and hooks' sweep
+of the inboxes (`BATON_UNANSWERED_SWEEP`, 15 s) are stretched past the run.
 
 The stack: hooks, anchor, owners a1 and a2 of deployment dep-a with ingress
 ing-a, owner b1 of dep-b with ingress ing-b, owner p1 of dep-p (the only

@@ -139,7 +139,7 @@ class ScratchCommits:
         self.snapshot.CopyFrom(template)
         self.snapshot.session_id = sid
         self.snapshot.next_event_seq = 1
-        started = make_event(self.identity, s.EVENT_KIND_SESSION_STARTED)
+        started = make_event(self.identity, s.EVENT_KIND_SESSION_STARTED, now=time.time())
         response = await self.anchor.commit(
             anchor_pb.CommitStepRequest(
                 fence=self.fence,
@@ -155,7 +155,9 @@ class ScratchCommits:
         snapshot, i = self.snapshot, self.count
         events = []
         for kind in ONE_STEP_KINDS:
-            event = make_event(self.identity, kind, f"turn_{i}", text="echo: bench turn")
+            event = make_event(
+                self.identity, kind, f"turn_{i}", now=time.time(), text="echo: bench turn"
+            )
             event.seq = snapshot.next_event_seq + len(events)
             events.append(event)
         snapshot.next_event_seq += len(events)

@@ -24,8 +24,8 @@ delivery id received twice, followers saw the stored stream exactly; and
 the etcd members' hashes agree at a common revision.
 
 `python -m tests.chaos --seconds 720` runs it by hand (the slow test runs a
-long version, the default suite a short one); the seed is printed so a
-failure can be replayed with `--seed`.
+long version, the default suite a short one); the seed is printed with the
+command that replays the run (`--seed` and the run's options).
 """
 
 from __future__ import annotations
@@ -81,6 +81,24 @@ FAULT_KINDS = (
     "owner_pause",
     "ingress_term",
 )
+
+
+# What an idle session may commit after session.waiting: a move without a
+# trigger (an adoption, a drain) says session.handed_off with the
+# successor's first commit and nothing more (docs/handoff.md), and automatic
+# compaction is its own commit after the turn settles (docs/design.md §16).
+IDLE_COMMITS = (K.EVENT_KIND_SESSION_HANDED_OFF, K.EVENT_KIND_CONTEXT_COMPACTED)
+
+
+def waits_again(events: list[s.Event]) -> bool:
+    """Whether a session's last turn settled and nothing started since: its
+    stream's last session.waiting is followed by idle commits only."""
+    for event in reversed(events):
+        if event.kind == K.EVENT_KIND_SESSION_WAITING:
+            return True
+        if event.kind not in IDLE_COMMITS:
+            return False
+    return False
 
 
 @dataclass
@@ -562,7 +580,7 @@ class Chaos:
         waits again; on a stall, say which sessions hold what, and fail."""
         deadline = time.monotonic() + self.settle_timeout
         pending = set(self.sent)
-        last: dict[str, list[int]] = {}
+        last: dict[str, tuple[list[int], list[s.Event]]] = {}  # missing, stream's end
         heads: dict[str, tuple[int, float]] = {}  # stream length, when it last grew
         stalled: set[str] = set()
         while pending and time.monotonic() < deadline and not stalled:
@@ -572,13 +590,13 @@ class Chaos:
                 except BatonError:
                     continue
                 missing = self._missing(sid, events)
-                last[sid] = missing
+                last[sid] = (missing, events[-3:])
                 now = time.monotonic()
                 if heads.get(sid, (-1, 0.0))[0] != len(events):
                     heads[sid] = (len(events), now)
                 elif now - heads[sid][1] > self.stall_after:
                     stalled.add(sid)
-                if not missing and events and events[-1].kind == K.EVENT_KIND_SESSION_WAITING:
+                if not missing and waits_again(events):
                     pending.discard(sid)
             if pending:
                 await asyncio.sleep(1.0)
@@ -590,15 +608,16 @@ class Chaos:
                     where = repr(owner)[:300]
                 except BatonError as exc:
                     where = f"(owner unknown: {exc.reason})"
-                missing = last.get(sid, [])
+                missing, end = last.get(sid, ([], []))
+                ends = ", ".join(f"#{e.seq} {K.Name(e.kind)}" for e in end)
                 lines.append(
                     f"{sid}: {len(missing)} of {len(self.sent[sid])} accepted never received "
-                    f"(first {missing[:3]}); owner {where}"
+                    f"(first {missing[:3]}); the stream ends [{ends}]; owner {where}"
                 )
             raise AssertionError(
-                f"seed {self.seed}: {len(pending)} sessions left accepted commands unprocessed "
-                f"({len(stalled)} with no new event for {self.stall_after:.0f}s):\n"
-                + "\n".join(lines)
+                f"seed {self.seed}: {len(pending)} sessions not settled (every accepted command "
+                f"received and session.waiting again; {len(stalled)} with no new event for "
+                f"{self.stall_after:.0f}s):\n" + "\n".join(lines)
             )
 
     def _reconciler_repairs(self) -> Counter[str]:
@@ -666,15 +685,31 @@ class Chaos:
 
 
 async def run_chaos(
-    workdir: Path, *, seed: int | None = None, seconds: float = 60.0, **options: object
+    workdir: Path,
+    *,
+    seed: int | None = None,
+    seconds: float = 60.0,
+    sessions: int = 32,
+    senders_per_session: int = 3,
+    fault_every: tuple[float, float] = (3.0, 8.0),
+    **options: object,
 ) -> ChaosReport:
     seed = seed if seed is not None else random.SystemRandom().randrange(1 << 30)
-    print(f"[chaos] seed {seed} (replay: python -m tests.chaos --seed {seed})", flush=True)
+    replay = replay_command(seed, seconds, sessions, senders_per_session, fault_every)
+    print(f"[chaos] seed {seed} (replay: {replay})", flush=True)
     cluster = certs.start_etcd_cluster(3, log_dir=str(workdir))
     stack = ChaosStack(cluster, workdir)
     try:
         await asyncio.to_thread(stack.start)
-        chaos = Chaos(stack, seed=seed, seconds=seconds, **options)  # type: ignore[arg-type]
+        chaos = Chaos(
+            stack,
+            seed=seed,
+            seconds=seconds,
+            sessions=sessions,
+            senders_per_session=senders_per_session,
+            fault_every=fault_every,
+            **options,  # type: ignore[arg-type]
+        )
         report = await chaos.run()
         print(report.summary(), flush=True)
         return report
@@ -683,14 +718,35 @@ async def run_chaos(
         cluster.stop()
 
 
-def main() -> None:
+def replay_command(
+    seed: int, seconds: float, sessions: int, senders: int, fault_every: tuple[float, float]
+) -> str:
+    """The command that runs the same chaos again: the seed draws the
+    faults, the senders' texts and their pauses, so every option that
+    shapes the run must be the same too (the short test's seed replayed
+    with the long run's options is another run)."""
+    low, high = fault_every
+    return (
+        f"python -m tests.chaos --seed {seed} --seconds {seconds:g} --sessions {sessions} "
+        f"--senders {senders} --fault-every {low:g} {high:g}"
+    )
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--seconds", type=float, default=720.0)
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--senders", type=int, default=3)
+    parser.add_argument(
+        "--fault-every", type=float, nargs=2, default=[3.0, 8.0], metavar=("LOW", "HIGH")
+    )
     parser.add_argument("--workdir", default="")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="baton-chaos-"))
     print(f"[chaos] logs in {workdir}", flush=True)
     asyncio.run(
@@ -700,6 +756,7 @@ def main() -> None:
             seconds=args.seconds,
             sessions=args.sessions,
             senders_per_session=args.senders,
+            fault_every=(args.fault_every[0], args.fault_every[1]),
         )
     )
     sys.exit(0)

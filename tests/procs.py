@@ -277,9 +277,11 @@ class StackClients:
 
         await eventually(registered, f"instances {instance_ids} registered", timeout)
 
-    async def create(self) -> str:
+    async def create(self, timeout_seconds: int = 0) -> str:
         response = await self.ingress.CreateSession(
-            ingress_pb.CreateSessionRequest(), metadata=SLACK, timeout=10
+            ingress_pb.CreateSessionRequest(timeout_seconds=timeout_seconds),
+            metadata=SLACK,
+            timeout=10,
         )
         return response.session_id
 

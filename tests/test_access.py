@@ -514,6 +514,7 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         "ListDeployments": h.ListDeploymentsRequest(),
         "DescribeDeployment": h.DescribeDeploymentRequest(deployment_id=deployment_id),
         "DrainSessions": o.DrainSessionsRequest(to_deployment_id="dep-b"),
+        "UndrainSessions": o.UndrainSessionsRequest(),
         "ResumeSession": o.ResumeSessionRequest(session_id=sid),
         "AdoptSession": o.AdoptSessionRequest(session_id=sid),
         "CommitStep": a.CommitStepRequest(

@@ -907,3 +907,21 @@ async def test_multiplexed_stream_bounds_are_refused_and_write_nothing(
     finally:
         await channel.close()
     assert await durable_state(stack, etcd) == before
+
+
+async def test_an_oversize_agent_label_is_refused_and_registers_nothing(stack: Stack) -> None:
+    """RegisterInstance checks the agent label an owner names (spec, name,
+    version: at most 256 characters each) before it grants a lease."""
+    from baton_runtime.common.etcd.keys import AgentLabel
+
+    hooks = stack.hooks_client()
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            await hooks.register_instance(
+                stack.deployment_id, "probe-1", 5, "127.0.0.1:1", AgentLabel(spec="m:" + "f" * 300)
+            )
+        assert info.value.reason == Reason.INVALID_FIELD and "agent.spec" in info.value.message
+        listed = await hooks.list_instances(stack.deployment_id)
+        assert "probe-1" not in {i.instance_id for i in listed}
+    finally:
+        await hooks.close()

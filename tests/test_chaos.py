@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import run_chaos
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from tests.chaos import arguments, replay_command, run_chaos, waits_again
 
 
 @pytest.mark.timeout(600)
@@ -31,3 +32,54 @@ async def test_twelve_minutes_of_combined_faults_slow(tmp_path: Path) -> None:
     report = await run_chaos(tmp_path, seconds=720, sessions=32, senders_per_session=3)
     assert report.accepted >= 50_000
     assert sum(report.faults.values()) >= 100
+
+
+K = s.EventKind
+TURN = [
+    K.EVENT_KIND_TURN_STARTED,
+    K.EVENT_KIND_MESSAGE_RECEIVED,
+    K.EVENT_KIND_STEP_STARTED,
+    K.EVENT_KIND_MESSAGE_COMPLETED,
+    K.EVENT_KIND_STEP_COMPLETED,
+    K.EVENT_KIND_TURN_COMPLETED,
+    K.EVENT_KIND_SESSION_WAITING,
+]
+
+
+@pytest.mark.parametrize(
+    ("tail", "settled"),
+    [
+        ([], True),
+        # Seed 388078060: an idle session adopted (its fleet gone) says
+        # session.handed_off with its successor's first commit, and no more.
+        ([K.EVENT_KIND_SESSION_HANDED_OFF], True),
+        # Automatic compaction commits after the turn settles (design §16).
+        ([K.EVENT_KIND_CONTEXT_COMPACTED], True),
+        ([K.EVENT_KIND_CONTEXT_COMPACTED, K.EVENT_KIND_SESSION_HANDED_OFF], True),
+        # A handoff with a trigger runs the trigger's turn next.
+        ([K.EVENT_KIND_SESSION_HANDED_OFF, K.EVENT_KIND_TURN_STARTED], False),
+        (TURN[:-1], False),
+    ],
+    ids=["waiting", "adopted", "compacted", "compacted-adopted", "trigger-turn", "turn-open"],
+)
+def test_a_session_waits_again_after_what_an_idle_session_commits(
+    tail: list[s.EventKind.ValueType], settled: bool
+) -> None:
+    kinds = [K.EVENT_KIND_SESSION_STARTED, *TURN, *tail]
+    events = [s.Event(seq=seq, kind=kind) for seq, kind in enumerate(kinds)]
+    assert waits_again(events) is settled
+
+
+def test_a_session_that_never_waited_does_not_wait_again() -> None:
+    kinds = [K.EVENT_KIND_SESSION_STARTED, K.EVENT_KIND_SESSION_HANDED_OFF]
+    assert not waits_again([s.Event(seq=seq, kind=kind) for seq, kind in enumerate(kinds)])
+    assert not waits_again([])
+
+
+def test_the_printed_replay_command_runs_the_same_chaos() -> None:
+    """The short test's seed replayed with the CLI's defaults (the long
+    run's options) is another run: the command names every option."""
+    command = replay_command(388078060, 40, 12, 2, (2.0, 4.0))
+    args = arguments().parse_args(command.split()[3:])
+    assert (args.seed, args.seconds, args.sessions, args.senders) == (388078060, 40, 12, 2)
+    assert args.fault_every == [2.0, 4.0]

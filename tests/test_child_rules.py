@@ -1,5 +1,5 @@
 """The pure rules of child sessions (services/owner/rules/handles.py,
-services/owner/rules/child_rules.py, child_reports.py and their use in
+services/owner/rules/children.py, reports.py and their use in
 services/owner/rules/turns.py):
 handle states, what a child's report means for its parent, eligibility for a
 handoff, budget roll-up, what a child reports to its parent. No etcd, no
@@ -15,8 +15,17 @@ from baton_runtime.common import ids, limits
 from baton_runtime.common.errors import Reason
 from baton_runtime.owner.agents.api import AgentCatalog, ModelReply, RequestedCall, StepsModel
 from baton_runtime.owner.agents.fixture import build_agent
+from baton_runtime.owner.rules import (
+    admission,
+    children,
+    departure_rules,
+    reports,
+    steps,
+    turns,
+    waits,
+)
 from baton_runtime.owner.rules.admission import Admission
-from baton_runtime.owner.rules.child_rules import ChildWork
+from baton_runtime.owner.rules.children import ChildWork
 from baton_runtime.owner.rules.handles import (
     Handles,
     Refusal,
@@ -24,21 +33,21 @@ from baton_runtime.owner.rules.handles import (
     child_budget,
     child_control,
 )
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.step_rules import Outcome, StepProgress
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.steps import Outcome, StepProgress
 from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
 PARENT = "ses_" + "p" * 26
 IDENTITY = RunIdentity(s.Fence(session_id=SID, owner_run_id="run_1", epoch=1), "dep-a", "i1")
+T = 1_000.0  # the time of every activation here (the rules read no clock)
 
 
 def state(token_budget: int = 0, parent: s.ParentLink | None = None) -> SessionState:
     snapshot = initial_snapshot(SID, "slack", "dep-a", [], token_budget=token_budget, parent=parent)
     catalog = AgentCatalog(build_agent("dep-a"))
-    return SessionState(IDENTITY, snapshot, catalog.agent_for(parent))
+    return SessionState.hold(IDENTITY, snapshot, catalog.agent_for(parent), now=T)
 
 
 def send(seq: int, text: str = "hi", caller: str = "u1", work: int = 0) -> s.InboxEntry:
@@ -80,18 +89,18 @@ def child_step(
     if background:
         arguments["background"] = True
     reply = ModelReply(tool_calls=[RequestedCall(name, arguments)], input_tokens=3)
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply))
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
     child = ids.child_session_id(SID, progress.calls[0].id)
     progress.children[0] = ChildWork(
         child, s.TASK_KIND_SUBAGENT, agent, "dep-a", "what is 1+1", background, False
     )
     events: list[s.Event] = []
-    outcome = st.apply_step(progress, events)
+    outcome = steps.apply_step(st, progress, events)
     return child, outcome, events
 
 
 def open_turn(st: SessionState) -> None:
-    st.start_turn(send(0, "ask helper what is 1+1"), collections.deque())
+    turns.start_turn(st, send(0, "ask helper what is 1+1"), collections.deque())
 
 
 # -- the parent's side -----------------------------------------------------------
@@ -107,17 +116,17 @@ def test_a_foreground_subagent_makes_the_turn_wait_without_waiting_for_the_user(
     started = events[2]
     assert started.child_session_id == child and started.text == "what is 1+1"
     assert started.task.state == s.HANDLE_STATE_RUNNING and started.task.work == 1
-    assert st.still_waiting() and not st.waiting_for_user()
-    assert not st.idle_for_handoff()
+    assert waits.still_waiting(st) and not waits.waiting_for_user(st)
+    assert not departure_rules.idle_for_handoff(st)
     handle = Handles(st.snapshot).find(child)
     assert handle is not None and handle.tool_call_id == "call_1" and handle.turn_id == "turn_1"
 
     # The reply answers the waiting call; the turn goes on; the handle parks.
     usage = s.Usage(input_tokens=10, output_tokens=5, model_calls=2)
     reply = report(1, child, result="2", usage=usage, steps=2)
-    assert st.classify(reply) is Admission.BLOCK  # the run resumes the turn with it
+    assert admission.classify(st, reply) is Admission.BLOCK  # the run resumes the turn with it
     events = []
-    assert st.apply_report(reply, events) is ReportMeaning.AWAITED
+    assert children.apply_report(st, reply, events) is ReportMeaning.AWAITED
     assert kinds(events) == ["TASK_COMPLETED", "TOOL_CALL_RESULT"]
     assert events[0].text == "2" and events[0].usage == usage
     output = json.loads(events[1].tool_result.output)
@@ -129,15 +138,15 @@ def test_a_foreground_subagent_makes_the_turn_wait_without_waiting_for_the_user(
         "status": "completed",
     }
     assert events[1].tool_result.tool_call_id == "call_1"
-    assert not st.still_waiting()
+    assert not waits.still_waiting(st)
     assert Handles(st.snapshot).find(child).state == s.HANDLE_STATE_PARKED  # type: ignore[union-attr]
     # Budget roll-up: the child's spending is the parent's, in the session and the turn.
     assert st.snapshot.usage.input_tokens == 3 + 10 and st.snapshot.usage.output_tokens == 5
     assert st.snapshot.open_turn.usage.model_calls == 1 + 2
-    assert st.steps_taken() == 1 + 2
+    assert turns.steps_taken(st) == 1 + 2
     assert st.snapshot.inbox_next_seq == 2
-    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
-    assert st.idle_for_handoff(), "a parked handle is only an address"
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
+    assert departure_rules.idle_for_handoff(st), "a parked handle is only an address"
 
 
 def test_a_background_result_starts_a_turn_or_joins_the_open_one() -> None:
@@ -147,25 +156,66 @@ def test_a_background_result_starts_a_turn_or_joins_the_open_one() -> None:
     assert outcome is Outcome.CONTINUE  # the call got the handle at once
     assert kinds(events)[2:4] == ["TASK_STARTED", "TOOL_CALL_RESULT"]
     assert json.loads(events[3].tool_result.output)["status"] == "running"
-    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
-    assert not st.idle_for_handoff(), "a running background task keeps the parent busy"
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
+    assert not departure_rules.idle_for_handoff(st), (
+        "a running background task keeps the parent busy"
+    )
 
     result = report(1, child, result="2")
-    assert st.classify(result) is Admission.ADMIT
-    events = st.start_turn(result, collections.deque())
+    assert admission.classify(st, result) is Admission.ADMIT
+    events = turns.start_turn(st, result, collections.deque())
     assert kinds(events) == ["TURN_STARTED", "TASK_COMPLETED"]
     assert st.turn_open and st.context.messages[-1].role == s.ROLE_USER
     assert json.loads(st.context.messages[-1].content)["task_result"]["result"] == "2"
-    assert st.idle_for_handoff() is False  # the turn it started is open
+    assert departure_rules.idle_for_handoff(st) is False  # the turn it started is open
 
     # Another background result at a boundary of the open turn joins it.
     _, _, _ = child_step(st, background=True)
     second = Handles(st.snapshot).running()[0].child_session_id
     events = []
-    admission, stop = st.admit_pending(collections.deque([report(2, second, result="3")]), events)
-    assert (admission, stop) == (Admission.BLOCK, None)
+    joined, stop = admission.admit_pending(
+        st, collections.deque([report(2, second, result="3")]), events
+    )
+    assert (joined, stop) == (Admission.BLOCK, None)
     assert kinds(events) == ["TASK_COMPLETED"]
     assert st.snapshot.inbox_next_seq == 3
+
+
+def test_while_the_turn_waits_for_a_child_a_queued_message_waits_for_its_end() -> None:
+    """Issue 32: the child's reply is taken past a queued message, and a
+    background result behind the message (it would join the turn) waits with
+    it; once the turn ended the message starts its turn, which the result
+    then joins."""
+    st = state()
+    open_turn(st)
+    background, _, events = child_step(st, background=True)
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
+    turns.start_turn(st, send(1, "ask helper what is 1+1"), collections.deque())
+    child, outcome, _ = child_step(st)
+    assert outcome is Outcome.AWAITING and not waits.waiting_for_user(st)
+    queued = send(2, "later")
+    queued.command.send.turn_policy = s.TURN_POLICY_QUEUE
+    finished, reply = report(3, background, result="bg"), report(4, child, result="2")
+    assert admission.classify(st, finished) is Admission.ADMIT
+    pending = collections.deque([queued, finished, reply])
+
+    assert admission.take(st, pending) is reply
+    events = []
+    assert children.apply_report(
+        st, reply, events
+    ) is ReportMeaning.AWAITED and not waits.still_waiting(st)
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (2, [4])
+    # The turn goes on: nothing behind the queued message joins it.
+    assert admission.admit_pending(st, pending, events) == (Admission.BLOCK, None)
+    assert list(pending) == [queued, finished]
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
+
+    assert admission.take(st, pending) is queued
+    assert kinds(turns.start_turn(st, queued, pending)) == ["TURN_STARTED", "MESSAGE_RECEIVED"]
+    events = []
+    assert admission.admit_pending(st, pending, events) == (Admission.BLOCK, None)
+    assert kinds(events) == ["TASK_COMPLETED"] and not pending
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (5, [])
 
 
 def test_bad_reports_change_nothing() -> None:
@@ -179,14 +229,14 @@ def test_bad_reports_change_nothing() -> None:
         Reason.TASK_NOT_RUNNING: report(1, child, work=7),
     }
     for reason, entry in cases.items():
-        assert st.classify(entry) is Admission.REJECT, reason
-        event = st.rejection(entry)
+        assert admission.classify(st, entry) is Admission.REJECT, reason
+        event = admission.rejection(st, entry)
         assert event.error.reason == reason and event.error.message, reason
     assert st.snapshot.SerializeToString() == before
     # A settled child's repeated finalization, and work for a parked one.
     events: list[s.Event] = []
-    st.apply_report(report(1, child, result="ok"), events)
-    assert st.classify(report(2, child, work=1)).name == "REJECT"
+    children.apply_report(st, report(1, child, result="ok"), events)
+    assert admission.classify(st, report(2, child, work=1)).name == "REJECT"
     handles = Handles(st.snapshot)
     assert handles.refuse_continue("ses_" + "z" * 26).reason == Reason.UNKNOWN_TASK  # type: ignore[union-attr]
     assert handles.refuse_continue(child) is None
@@ -198,7 +248,7 @@ def test_cancel_detaches_and_cancels_the_turns_children() -> None:
     open_turn(st)
     child, _, _ = child_step(st)
     events: list[s.Event] = []
-    st.close_turn(events, K.EVENT_KIND_TURN_CANCELLED)
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_CANCELLED)
     assert kinds(events) == ["TOOL_CALL_RESULT", "TURN_CANCELLED", "SESSION_WAITING"]
     assert json.loads(events[0].tool_result.output)["status"] == "cancelled"
     [(to, command)] = st.outgoing
@@ -206,11 +256,11 @@ def test_cancel_detaches_and_cancels_the_turns_children() -> None:
     assert command.delivery.delivery_id == f"cancel:{SID}:1"
     # Its late result is recorded, starts no turn; the handle parks.
     late = report(1, child, s.TASK_STATUS_CANCELLED, error=s.ErrorDetail(reason="CANCELLED"))
-    assert st.classify(late) is Admission.REPORT
+    assert admission.classify(st, late) is Admission.REPORT
     events = []
-    assert st.apply_report(late, events) is ReportMeaning.RECORD
+    assert children.apply_report(st, late, events) is ReportMeaning.RECORD
     assert kinds(events) == ["TASK_FAILED"] and not st.turn_open
-    assert st.idle_for_handoff()
+    assert departure_rules.idle_for_handoff(st)
 
 
 def test_finalizing_finalizes_every_child() -> None:
@@ -218,10 +268,10 @@ def test_finalizing_finalizes_every_child() -> None:
     open_turn(st)
     running, _, _ = child_step(st, background=True)
     parked, _, _ = child_step(st)
-    st.apply_report(report(1, parked, result="ok"), [])
+    children.apply_report(st, report(1, parked, result="ok"), [])
     events: list[s.Event] = []
     reset = s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand()))
-    st.finalize(events, reset, None)
+    turns.finalize(st, events, reset, None, now=T)
     # The open turn is cancelled first (its running child gets a cancel), then
     # every child that is not settled gets a reset.
     sent = [(c, cmd.WhichOneof("kind")) for c, cmd in st.outgoing]
@@ -245,19 +295,19 @@ def test_settled_handles_are_bounded() -> None:
 def test_an_idle_child_makes_room_least_recently_used_first() -> None:
     st = state()
     open_turn(st)
-    children = []
+    made = []
     for _ in range(limits.MAX_LIVE_HANDLES):
         child, _, _ = child_step(st)
-        st.apply_report(report(1, child, result="ok"), [])
-        children.append(child)
+        children.apply_report(st, report(1, child, result="ok"), [])
+        made.append(child)
     # The oldest is used again: the second oldest is now the least recent.
-    st.handles.resume(st.handles.find(children[0]), st.turn_id, "")  # type: ignore[arg-type]
-    st.apply_report(report(2, children[0], work=2, result="again"), [])
+    st.handles.resume(st.handles.find(made[0]), st.turn_id, "")  # type: ignore[arg-type]
+    children.apply_report(st, report(2, made[0], work=2, result="again"), [])
     assert st.handles.refuse_start() is None
     newest, _, _ = child_step(st)
     [(evicted, command)] = st.outgoing
-    assert evicted == children[1] and command.WhichOneof("kind") == "reset"
-    assert st.handles.find(children[1]).state == s.HANDLE_STATE_SETTLED  # type: ignore[union-attr]
+    assert evicted == made[1] and command.WhichOneof("kind") == "reset"
+    assert st.handles.find(made[1]).state == s.HANDLE_STATE_SETTLED  # type: ignore[union-attr]
     assert st.handles.find(newest).state == s.HANDLE_STATE_RUNNING  # type: ignore[union-attr]
     live = [h for h in st.snapshot.handles if h.state != s.HANDLE_STATE_SETTLED]
     assert len(live) == limits.MAX_LIVE_HANDLES
@@ -278,13 +328,17 @@ def test_a_surfaced_wait_shows_on_the_parent_and_keeps_it_busy() -> None:
     child, _, _ = child_step(st)
     request = s.InputRequest(request_id="input_1", kind=s.INPUT_KIND_QUESTION, prompt="Name?")
     wait = report(1, child, s.TASK_STATUS_WAITING, input_request=request, waiting_session_id=child)
-    assert st.classify(wait) is Admission.REPORT
+    assert admission.classify(st, wait) is Admission.REPORT
     events: list[s.Event] = []
-    assert st.apply_report(wait, events) is ReportMeaning.SURFACE
+    assert children.apply_report(st, wait, events) is ReportMeaning.SURFACE
     assert kinds(events) == ["INPUT_REQUESTED"]
     assert events[0].child_session_id == child and events[0].input_request == request
     assert Handles(st.snapshot).find(child).waiting  # type: ignore[union-attr]
-    assert st.still_waiting() and not st.waiting_for_user() and not st.idle_for_handoff()
+    assert (
+        waits.still_waiting(st)
+        and not waits.waiting_for_user(st)
+        and not departure_rules.idle_for_handoff(st)
+    )
 
 
 # -- the child's side --------------------------------------------------------------
@@ -296,14 +350,14 @@ def link(kind: int = s.TASK_KIND_SUBAGENT, name: str = "helper") -> s.ParentLink
 
 def test_a_child_reports_the_outcome_of_its_parents_work() -> None:
     st = state(parent=link())
-    assert not st.idle_for_handoff(), "a child never moves"
+    assert not departure_rules.idle_for_handoff(st), "a child never moves"
     # The channel may answer its questions, not talk to it.
-    assert st.classify(send(0, "hello")) is Admission.REJECT
-    assert st.rejection(send(0, "hello")).error.reason == Reason.CHILD_SESSION
-    events = st.start_turn(send(0, "what is 2+2", caller="", work=3), collections.deque())
+    assert admission.classify(st, send(0, "hello")) is Admission.REJECT
+    assert admission.rejection(st, send(0, "hello")).error.reason == Reason.CHILD_SESSION
+    events = turns.start_turn(st, send(0, "what is 2+2", caller="", work=3), collections.deque())
     assert st.snapshot.parent.work == 3
-    st.apply_step(StepProgress(reply=ModelReply(text="4", input_tokens=2)), events)
-    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+    steps.apply_step(st, StepProgress(reply=ModelReply(text="4", input_tokens=2)), events)
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
     [out] = st.snapshot.parent.outbox
     assert out.status == s.TASK_STATUS_COMPLETED and out.result == "4" and out.work == 3
     assert out.task_delivery_id == f"task:{SID}:3" and out.parent_session_id == PARENT
@@ -317,28 +371,30 @@ def test_a_child_reports_a_descendants_wait_further_up() -> None:
     grandchild = "ses_" + "g" * 26
     request = s.InputRequest(request_id="input_7", kind=s.INPUT_KIND_QUESTION, prompt="Name?")
     waits = s.TaskResultCommand(status=s.TASK_STATUS_WAITING, input_request=request)
-    st.report_descendant_wait(waits, grandchild)
+    reports.report_descendant_wait(st, waits, grandchild)
     [up] = st.snapshot.parent.outbox
     assert up.status == s.TASK_STATUS_WAITING and up.waiting_session_id == grandchild
     assert up.task_delivery_id == f"wait:{SID}:{grandchild}:input_7"
     assert up.input_request == request and up.work == 2 and up.parent_session_id == PARENT
     sign_in = s.TaskResultCommand(status=s.TASK_STATUS_WAITING, attempt_id="att_1")
-    st.report_descendant_wait(sign_in, grandchild)
+    reports.report_descendant_wait(st, sign_in, grandchild)
     assert st.snapshot.parent.outbox[-1].task_delivery_id == f"wait:{SID}:{grandchild}:att_1"
     assert st.snapshot.parent.outbox[-1].attempt_id == "att_1"
 
 
 def test_a_child_reports_waits_cancels_and_its_finalization() -> None:
     st = state(parent=link())
-    events = st.start_turn(send(0, "ask my name", caller="", work=1), collections.deque())
-    st.apply_step(StepProgress(reply=ModelReply(question="Name?")), events)
+    events = turns.start_turn(st, send(0, "ask my name", caller="", work=1), collections.deque())
+    steps.apply_step(st, StepProgress(reply=ModelReply(question="Name?")), events)
     [wait] = st.snapshot.parent.outbox
     assert wait.status == s.TASK_STATUS_WAITING and wait.waiting_session_id == SID
     assert wait.input_request.prompt == "Name?" and wait.work == 1
     cancel = s.InboxEntry(seq=1, command=s.Command(cancel=s.CancelCommand()))
-    st.close_turn(events, K.EVENT_KIND_TURN_CANCELLED, entry=cancel)
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_CANCELLED, entry=cancel)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_CANCELLED
-    st.finalize(events, s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand())), None)
+    turns.finalize(
+        st, events, s.InboxEntry(seq=2, command=s.Command(reset=s.ResetCommand())), None, now=T
+    )
     final = st.snapshot.parent.outbox[-1]
     assert final.status == s.TASK_STATUS_FINALIZED and final.task_delivery_id == f"final:{SID}"
     assert final.error.reason == Reason.RESET
@@ -346,12 +402,12 @@ def test_a_child_reports_waits_cancels_and_its_finalization() -> None:
 
 def test_a_refused_commit_reports_a_failure_instead_of_its_answer() -> None:
     st = state(parent=link())
-    events = st.start_turn(send(0, "go", caller="", work=1), collections.deque())
-    st.apply_step(StepProgress(reply=ModelReply(text="answer")), events)
-    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+    events = turns.start_turn(st, send(0, "go", caller="", work=1), collections.deque())
+    steps.apply_step(st, StepProgress(reply=ModelReply(text="answer")), events)
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
     assert st.snapshot.parent.outbox[-1].status == s.TASK_STATUS_COMPLETED
     error = s.ErrorDetail(reason=Reason.COMMIT_TOO_LARGE, message="too large")
-    st.refused(events, False, error)
+    turns.refused(st, events, False, error, now=T)
     [out] = st.snapshot.parent.outbox
     assert out.status == s.TASK_STATUS_FAILED and out.error.reason == Reason.COMMIT_TOO_LARGE
 
@@ -390,11 +446,12 @@ def test_the_catalog_names_the_code_of_each_child() -> None:
 def test_planning_child_work() -> None:
     st = state(token_budget=100)
     open_turn(st)
-    [call] = st.tool_calls(
-        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
+    [call] = steps.tool_calls(
+        st,
+        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})]),
     )
     step = s.Usage(input_tokens=20, output_tokens=5)
-    plan = st.plan_child_work(call, frozenset(), step, frozenset({"helper"}))
+    plan = children.plan_child_work(st, call, frozenset(), step, frozenset({"helper"}))
     assert not isinstance(plan, Refusal)
     child = ids.child_session_id(SID, call.id)
     assert plan.work.child_session_id == child and not plan.work.resumed
@@ -404,8 +461,8 @@ def test_planning_child_work() -> None:
     assert plan.link.limits.token_budget == 100 - 25, "the running step's spending counts"
 
     def refused(name: str, arguments: dict[str, object]) -> str:
-        [bad] = st.tool_calls(ModelReply(tool_calls=[RequestedCall(name, arguments)]))
-        result = st.plan_child_work(bad, frozenset(), s.Usage(), frozenset({"helper"}))
+        [bad] = steps.tool_calls(st, ModelReply(tool_calls=[RequestedCall(name, arguments)]))
+        result = children.plan_child_work(st, bad, frozenset(), s.Usage(), frozenset({"helper"}))
         assert isinstance(result, Refusal), result
         return result.reason
 
@@ -420,11 +477,12 @@ def test_planning_child_work() -> None:
             depth=limits.MAX_CHILD_DEPTH,
         )
     )
-    deep.start_turn(send(0, "x", caller="", work=1), collections.deque())
-    [call] = deep.tool_calls(
-        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})])
+    turns.start_turn(deep, send(0, "x", caller="", work=1), collections.deque())
+    [call] = steps.tool_calls(
+        deep,
+        ModelReply(tool_calls=[RequestedCall("ask_subagent", {"agent": "helper", "prompt": "hi"})]),
     )
-    nested = deep.plan_child_work(call, frozenset(), s.Usage(), frozenset({"helper"}))
+    nested = children.plan_child_work(deep, call, frozenset(), s.Usage(), frozenset({"helper"}))
     assert isinstance(nested, Refusal) and nested.reason == Reason.TOO_MANY_TASKS
 
 

@@ -210,3 +210,68 @@ async def test_a_broken_follow_says_where_to_continue(stack: Stack, tmp_path: Pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def event_texts(stack: Stack, session: str, env: dict[str, str]) -> list[str]:
+    """`baton sessions events SESSION` (text): one line per event."""
+    run = await cli("events", session, *flags(stack), env=env)
+    assert run.code == 0, run.err
+    return run.out.splitlines()
+
+
+async def test_a_closed_pipe_ends_the_cli_quietly(stack: Stack, tmp_path: Path) -> None:
+    """`baton sessions events ... -o jsonl | head -1` used to end in a
+    BrokenPipeError traceback; now the CLI stops quietly (141, as a process
+    that SIGPIPE ended), replaying or following. (The reader's end is
+    closed before the CLI starts, so its first line meets a closed pipe.)"""
+    sid = await idle_session(stack)
+    env = {**os.environ, **env_of(tmp_path)}
+    for extra in ([], ["--follow"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "baton_runtime.cli", "sessions", "events", sid, *extra,
+                "-o", "jsonl", *flags(stack),
+                cwd=ROOT, env=env, stdout=write_end, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        _, err = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT)
+        assert proc.returncode == 141, (extra, proc.returncode, err.decode())
+        assert err.decode() == "", extra
+
+
+async def test_a_cursor_beyond_the_head_is_a_clear_error(stack: Stack, tmp_path: Path) -> None:
+    """Following from a seq no commit will write next used to wait for
+    nothing; now it is OUT_OF_RANGE/BEYOND_HEAD naming the head (the
+    cursor at the head itself waits for the next event, as before)."""
+    import grpc
+
+    from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+    from baton_runtime.common.rpc.status_map import from_rpc_error
+    from tests.stack import SLACK
+
+    sid = await idle_session(stack)
+    head = (await get_session(stack, sid)).stream_head
+    env = env_of(tmp_path)
+    for follow in ([], ["--follow"]):
+        run = await cli("events", sid, "--from", str(head + 1), *follow, *flags(stack), env=env)
+        assert run.code == sessions.EXIT_REFUSED, run
+        assert "BEYOND_HEAD" in run.err and f"the next event will be seq {head}" in run.err
+    call = stack.ingress_stub.StreamEvents(
+        pb.StreamEventsRequest(session_id=sid, start_seq=head + 5, follow=True),
+        metadata=SLACK,
+        timeout=10,
+    )
+    try:
+        async for _ in call:
+            raise AssertionError("no event beyond the head")
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.OUT_OF_RANGE
+        error = from_rpc_error(exc)
+        assert error.reason == "BEYOND_HEAD" and error.metadata["next_seq"] == str(head)
+    else:
+        raise AssertionError("a follow beyond the head ended without an error")
+    run = await cli("events", sid, "--from", str(head), *flags(stack), env=env)
+    assert run.code == 0 and run.out == "", run  # at the head: nothing yet, no error

@@ -17,6 +17,7 @@ import pytest
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.commands import sessions
+from baton_runtime.cli.system.launch_settings import FIXTURE_AGENT, FIXTURE_AGENT_V2
 from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.agents.fixture import LoadRefusal
 from tests.procs import eventually
@@ -167,7 +168,7 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
     await stack.events(web, until=1, metadata=WEB)
     mine = [await idle_session(stack) for _ in range(2)]
     asking = await idle_session(stack, "ask my name")
-    second = await add_deployment(stack, "dep-b")
+    second = await add_deployment(stack, "dep-b", agent=FIXTURE_AGENT_V2)
     try:
         run = await baton("deployments", "list", "-o", "json", *ops, env=env)
         assert run.code == 0, run.err
@@ -178,6 +179,13 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         (instance,) = listed["dep-a"]["instances"]
         assert instance["instance"]["instance_id"] == "dep-a-i1"
         assert int(instance["lease_id"]) > 0 and instance["sessions"] == "4"
+        # Each instance says which agent code it loaded.
+        assert instance["instance"]["agent"] == {
+            "spec": FIXTURE_AGENT,
+            "name": "fixture",
+            "version": "1",
+        }
+        assert listed["dep-b"]["instances"][0]["instance"]["agent"]["version"] == "2"
         assert 0 < int(instance["ttl_seconds"]) <= int(instance["granted_ttl_seconds"])
         run = await baton("deployments", "list", *ops, env=env)
         assert run.code == 0, run.err
@@ -201,6 +209,11 @@ async def test_deployments_and_handoffs_while_a_drain_moves_the_sessions(
         run = await baton("deployments", "describe", "dep-a", "--limit", "1", *ops, env=env)
         assert run.code == 0, run.err
         assert "dep-a-i1" in run.out and "... 3 more (--limit 0 lists all)" in run.out
+        header = next(line for line in run.out.splitlines() if line.startswith("INSTANCE"))
+        assert header.split()[-1] == "AGENT"
+        assert f"fixture v1 ({FIXTURE_AGENT})" in run.out, run.out
+        run = await baton("deployments", "describe", "dep-b", *ops, env=env)
+        assert run.code == 0 and f"fixture v2 ({FIXTURE_AGENT_V2})" in run.out, run
         # A drain moves the idle ones; the waiting one stays, and says so.
         drain = ("deployments", "drain", "dep-a", "--to", "dep-b", "--wait", "0")
         run = await baton(*drain, "-o", "json", *ops, env=env)
@@ -377,6 +390,14 @@ async def test_sessions_across_channels_for_an_operator_only(stack: Stack, tmp_p
     )  # fmt: skip
     assert run.code == 0, run.err
     assert [json.loads(line)["session_id"] for line in run.out.splitlines()] == [asking]
+    run = await baton(
+        "sessions", "list", "--all-channels", "--filter", "inbox_depth = 0",
+        "--order-by", "oldest_unconsumed_age desc", "-o", "json", *ops, env=env,
+    )  # fmt: skip
+    assert run.code == 0, run.err  # nothing waits anywhere: ties, by channel and id
+    assert [(v["channel"], v["session_id"]) for v in json.loads(run.out)] == expected
+    run = await baton("sessions", "list", "--all-channels", "--order-by", "age", *ops, env=env)
+    assert run.code == sessions.EXIT_REFUSED and "INVALID_FIELD" in run.err, run
     run = await baton("sessions", "list", "--all-channels", "--limit", "2", *ops, env=env)
     assert run.code == 0, run.err
     assert [row.split()[0] for row in run.out.splitlines()[1:]] == [v for _, v in expected[:2]]

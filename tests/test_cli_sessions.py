@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 from google.protobuf import json_format
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.commands import sessions
 from baton_runtime.cli.system import profile
 from tests.stack import SLACK, SLACK_KEY, WEB_KEY, Stack
@@ -241,9 +243,9 @@ async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path
     """The commands of docs/introspection.md, run verbatim through
     bash (with `baton` the CLI of this checkout and the settings a
     `baton up` profile would give), print what the section says."""
-    section = doc_section("introspection.md")
+    section = doc_section("introspection.md").replace("\\\n", "")  # continued lines joined
     commands = [line for line in section.splitlines() if line.startswith("baton sessions ")]
-    assert len(commands) == 3, commands
+    assert len(commands) == 4, commands
     header = next(line for line in section.splitlines() if line.startswith("SESSION "))
     sid = await idle_session(stack)
     asking = await idle_session(stack, "ask my name")
@@ -268,3 +270,82 @@ async def test_the_documented_examples_run_as_shown(stack: Stack, tmp_path: Path
     assert sorted(row.split()[0] for row in table[1:]) == sorted([sid, asking])
     assert [json.loads(line)["session_id"] for line in outputs[1].splitlines()] == [asking]
     assert json.loads(outputs[2]) == as_json(await get_session(stack, sid))
+    assert "--order-by 'oldest_unconsumed_age desc'" in commands[3]
+    assert [row.split()[0] for row in outputs[3].splitlines()[1:]] == []  # nothing waits
+
+
+async def test_create_makes_a_session_and_a_repeat_finds_it(stack: Stack, tmp_path: Path) -> None:
+    env = env_of(tmp_path)
+    run = await cli("create", "--alias", "ticket-9", "--request-id", "cr-1", *flags(stack), env=env)
+    assert run.code == 0, run.err
+    words = run.out.split()
+    assert words[:2] == ["created:", "session"] and words[-1] == stack.deployment_id, run.out
+    sid = words[2]
+    view = await get_session(stack, sid)
+    assert view.session_id == sid and "slack:ticket-9" in view.aliases
+    run = await cli("create", "--request-id", "cr-1", "-o", "json", *flags(stack), env=env)
+    assert run.code == 0, run.err
+    assert json.loads(run.out) == {
+        "session_id": sid,
+        "created": False,
+        "deployment_id": stack.deployment_id,
+    }
+    run = await cli("create", "--timeout", "-1", *flags(stack), env=env)
+    assert run.code == sessions.EXIT_USAGE, run
+
+
+async def test_answer_approves_denies_and_answers_a_question(stack: Stack, tmp_path: Path) -> None:
+    """The request id and the prompt are on the input.requested line of
+    `sessions events`; `sessions answer` approves, refuses or answers it."""
+    from tests.procs import eventually
+    from tests.test_cli_commands import event_texts
+
+    env = env_of(tmp_path)
+    sid = await stack.create()
+
+    async def requested(text: str) -> str:
+        """Send `text`; the id of the input request it leads to."""
+        await stack.send(sid, text)
+
+        async def pending() -> str | None:
+            view = await get_session(stack, sid)
+            return str(view.pending_inputs[0].request_id) if view.pending_inputs else None
+
+        return await eventually(pending, f"an input request after {text!r}", 30)
+
+    async def found(what: str, test: Callable[[s.Event], bool]) -> None:
+        async def probe() -> bool:
+            return any(test(e) for e in await stack.events(sid, follow=False))
+
+        await eventually(probe, what, 30)
+
+    request = await requested("transfer 5")
+    lines = await event_texts(stack, sid, env)
+    (asked,) = [line for line in lines if "input.requested" in line]
+    assert f"approval {request}" in asked and 'for transfer({"amount":"5"})' in asked, asked
+    run = await cli("answer", sid, request, "--approve", *flags(stack), env=env)
+    assert run.code == 0, run.err
+    assert run.out.startswith(f"approval of {request} accepted: session {sid}, inbox seq 1")
+    await found("the approved transfer", lambda e: e.text == "The result is transferred 5.")
+
+    request = await requested("transfer 7")
+    run = await cli("answer", sid, request, "--deny", "-o", "json", *flags(stack), env=env)
+    assert run.code == 0, run.err
+    assert json.loads(run.out)["receipt"]["session_id"] == sid
+    await found(
+        "the refused transfer",
+        lambda e: e.tool_result.name == "transfer" and e.tool_result.is_error,
+    )
+
+    request = await requested("ask my name")
+    lines = await event_texts(stack, sid, env)
+    assert any(f'question {request} "What is your name?"' in line for line in lines), lines
+    run = await cli("answer", sid, request, "--text", "Ada", *flags(stack), env=env)
+    assert run.code == 0, run.err
+    assert run.out.startswith(f"answer of {request} accepted")
+    await found("the answered question", lambda e: e.text == "Nice to meet you, Ada.")
+
+    run = await cli("answer", sid, request, *flags(stack), env=env)  # no verdict, no text
+    assert run.code == sessions.EXIT_USAGE and "--approve, --deny or --text" in run.err, run
+    run = await cli("answer", sid, request, "--approve", "--deny", *flags(stack), env=env)
+    assert run.code == sessions.EXIT_USAGE, run

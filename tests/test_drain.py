@@ -16,17 +16,25 @@ once in order, no step twice, runs never come back).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.owner.v1 import owner_pb2 as owner_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.commands import deployments
+from baton_runtime.common.clients.owner import OwnerClient
+from baton_runtime.common.errors import FailedPrecondition
+from baton_runtime.common.security.identity import Role
 from tests.procs import SLACK, ProcessStack, StackClients, check_history, eventually
+from tests.scrape import scrape
 from tests.stack import public_channel
 
 K = s.EventKind
@@ -261,3 +269,118 @@ async def test_drain_of_parked_sessions_while_messages_arrive(
     etcd_endpoint: str, tmp_path: Path, stacks: list[ProcessStack]
 ) -> None:
     await drain_parked_sessions(etcd_endpoint, tmp_path, stacks, count=1000, messaged=40)
+
+
+async def _cli(stack: ProcessStack, *args: str) -> subprocess.CompletedProcess[str]:
+    """`baton ARGS` as an operator types it, with the operator certificate."""
+    files = stack.probe.files
+    assert files is not None
+    env = {
+        **os.environ,
+        "BATON_TLS_CERT": files.cert,
+        "BATON_TLS_KEY": files.key,
+        "BATON_TLS_CA": files.ca,
+        "BATON_HOOKS_ADDR": stack.addr("hooks"),
+    }
+    command = [sys.executable, "-m", "baton_runtime.cli", *args]
+    return await asyncio.to_thread(
+        subprocess.run, command, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+async def _drain_announced(c: StackClients, deployment_id: str, target: str) -> bool:
+    """Every live instance of `deployment_id` names `target` in its registry entry."""
+    live = await c.operator_hooks.list_instances(deployment_id)
+    return bool(live) and all(i.drain_to == target for i in live)
+
+
+async def test_a_drained_deployment_is_not_a_handoff_target_until_undrained(
+    etcd_endpoint: str, tmp_path: Path, stacks: list[ProcessStack]
+) -> None:
+    """A session drained from dep-1 to dep-2 used to move back to dep-1 (and
+    run dep-1's code again) on the next message dep-1's ingress accepted.
+    Now a deployment being drained is no handoff target: the message is
+    answered where the session is, and the skip is logged and counted with
+    its reason; dep-1 itself refuses an offer while it drains. `baton
+    deployments undrain dep-1` makes it a target again."""
+    stack = two_deployments(etcd_endpoint, tmp_path, stacks, serve_metrics=True)
+    c = stack.clients()
+    first, second = Ingress(stack.addr("ingress")), Ingress(stack.addr("ingress-2"))
+    try:
+        sid = await first.create()
+        receipts = [(await first.send(sid, "hello")).receipt.seq]
+        await c.wait_events(sid, lambda ev: settled(ev, 1), "the first turn")
+        ran = await _cli(stack, "deployments", "drain", "dep-1", "--to", "dep-2", "--wait", "30")
+        assert ran.returncode == deployments.EXIT_DRAINED, (ran.stdout, ran.stderr)
+        assert sid in await owned(c, "dep-2", "b1")
+        await eventually(
+            lambda: _drain_announced(c, "dep-1", "dep-2"), "dep-1's drain in the registry"
+        )
+
+        # Through dep-1's ingress: answered on dep-2, where the session is.
+        receipts.append((await first.send(sid, "whoami")).receipt.seq)
+        events = await c.wait_events(sid, lambda ev: settled(ev, 2), "answered on dep-2")
+        check_history(events, receipts)
+        assert of(events, K.EVENT_KIND_TOOL_CALL_RESULT)[-1].tool_result.output == "dep-2"
+        assert len(of(events, K.EVENT_KIND_SESSION_HANDED_OFF)) == 1  # the drain's only
+        assert sid in await owned(c, "dep-2", "b1")
+        log = (tmp_path / "b1.log").read_text()
+        skipped = [
+            line
+            for line in log.splitlines()
+            if "the target deployment is being drained" in line and sid in line
+        ]
+        assert len(skipped) == 1 and "DEPLOYMENT_DRAINING" in skipped[0], log[-3000:]
+        metrics = await scrape(stack.metrics_url("b1"))
+        assert metrics.total("baton_handoff_skips_total", why="target_draining") == 1
+
+        # dep-1's own answer while it drains, whoever asks: it takes no session.
+        owner = OwnerClient(stack.addr("o1"), security=stack.security(Role.OWNER, "dep-2"))
+        fence = (await c.operator_hooks.get_owner(sid)).fence
+        try:
+            with pytest.raises(FailedPrecondition) as refused:
+                await owner.accept_handoff(
+                    owner_pb.AcceptHandoffRequest(
+                        handoff_id="ho_probe",
+                        fence=fence,
+                        deployment_id="dep-1",
+                        from_owner=s.OwnerIdentity(
+                            owner_run_id=fence.owner_run_id,
+                            deployment_id="dep-2",
+                            instance_id="b1",
+                        ),
+                        snapshot_revision=1,
+                        trigger=s.InboxEntry(seq=99),
+                    )
+                )
+        finally:
+            await owner.close()
+        assert refused.value.reason == "DEPLOYMENT_DRAINING"
+
+        # Undrained: dep-1 takes handoffs again, and the session moves back.
+        ran = await _cli(stack, "deployments", "undrain", "dep-1")
+        assert ran.returncode == 0, (ran.stdout, ran.stderr)
+        assert ran.stdout.splitlines() == [
+            "undrained: o1 (dep-1) no longer drains to dep-2 (1 moved there stay there; "
+            "0 held here stay here)",
+            "deployment dep-1 takes handoffs again",
+        ]
+        await eventually(lambda: _drain_announced(c, "dep-1", ""), "dep-1's drain cleared")
+        ran = await _cli(stack, "deployments", "undrain", "dep-1", "-o", "json")
+        assert ran.returncode == 0, ran.stderr
+        (again,) = json.loads(ran.stdout)
+        assert again["was_to_deployment_id"] == "" and again["instance_id"] == "o1"
+        receipts.append((await first.send(sid, "whoami")).receipt.seq)
+        events = await c.wait_events(sid, lambda ev: settled(ev, 3), "answered on dep-1")
+        check_history(events, receipts)
+        handed = of(events, K.EVENT_KIND_SESSION_HANDED_OFF)
+        assert len(handed) == 2 and handed[-1].deployment_id == "dep-1"
+        assert of(events, K.EVENT_KIND_TOOL_CALL_RESULT)[-1].tool_result.output == "dep-1"
+
+        # Nothing to undrain: an unknown deployment is NOT_FOUND.
+        ran = await _cli(stack, "deployments", "undrain", "dep-9")
+        assert ran.returncode == 3 and "DEPLOYMENT_NOT_FOUND" in ran.stderr, ran
+    finally:
+        await first.close()
+        await second.close()
+        await c.close()

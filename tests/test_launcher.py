@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 
 from baton_runtime.cli.__main__ import main as baton_main
-from baton_runtime.cli.system.launch_settings import DEMO_API_KEY, LaunchError, LaunchSettings
+from baton_runtime.cli.commands.up_command import agents_by_deployment
+from baton_runtime.cli.system.launch_settings import (
+    DEMO_API_KEY,
+    FIXTURE_AGENT,
+    FIXTURE_AGENT_V2,
+    LaunchError,
+    LaunchSettings,
+)
 from baton_runtime.cli.system.launcher import DEMO_DONE_LINE, READY_LINE
 from baton_runtime.cli.system.local_system import CERTS_DIR, LocalSystem
 from baton_runtime.cli.system.port_plan import DeploymentPorts, Ports
@@ -33,7 +40,7 @@ STARTUP_TIMEOUT = 90.0
 DEMO_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
 # Printed labels: shared processes by name, the others as "owner of dep-1".
-PROCESSES = {"etcd", "hooks", "anchor", "owner of dep-1", "ingress of dep-1"}
+PROCESSES = {"etcd", "hooks", "anchor", "owner of dep-1", "ingress of dep-1", "console"}
 TWO_DEPLOYMENTS = {
     "etcd",
     "hooks",
@@ -42,6 +49,7 @@ TWO_DEPLOYMENTS = {
     "ingress of dep-1",
     "owner of dep-2",
     "ingress of dep-2",
+    "console",
 }
 
 _STARTED = re.compile(r"^baton up: started ([\w-]+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
@@ -90,7 +98,9 @@ class Launcher:
     _new_line: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    async def start(cls, *args: str, env: Mapping[str, str] | None = None) -> Launcher:
+    async def start(
+        cls, *args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT
+    ) -> Launcher:
         profile_path = Path(tempfile.mkdtemp(prefix="baton-profile-")) / "profile.json"
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -102,8 +112,14 @@ class Launcher:
             "--etcd-port",
             "0",
             *args,
-            cwd=ROOT,
-            env={**os.environ, "BATON_PROFILE": str(profile_path), **(env or {})},
+            cwd=cwd,
+            # This checkout's baton_runtime, from any working directory.
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.getenv("PYTHONPATH")))),
+                "BATON_PROFILE": str(profile_path),
+                **(env or {}),
+            },
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
@@ -175,8 +191,10 @@ class Launcher:
 
 
 @contextlib.asynccontextmanager
-async def launched(*args: str, env: Mapping[str, str] | None = None) -> AsyncIterator[Launcher]:
-    launcher = await Launcher.start(*args, env=env)
+async def launched(
+    *args: str, env: Mapping[str, str] | None = None, cwd: Path = ROOT
+) -> AsyncIterator[Launcher]:
+    launcher = await Launcher.start(*args, env=env, cwd=cwd)
     try:
         yield launcher
     finally:
@@ -213,7 +231,8 @@ async def run_demo(launcher: Launcher, ingress: str, *args: str) -> tuple[int, s
 async def scrape_every_process(launcher: Launcher) -> dict[str, Scrape]:
     """Every service process `baton up` started printed its metrics URL, and
     each answers with its build info (etcd serves its own)."""
-    services = {name for name in launcher.pids if not name.startswith("etcd")}
+    # (the web console serves no Prometheus metrics)
+    services = {name for name in launcher.pids if not name.startswith(("etcd", "console"))}
     assert set(launcher.metrics) == services, launcher.output
     scrapes = {name: await scrape(url) for name, url in launcher.metrics.items()}
     for name, scraped in scrapes.items():
@@ -398,11 +417,22 @@ async def test_two_deployments_demo_upgrades_mid_conversation() -> None:
         assert f"> whoami   (via the ingress at {second})" in output, output
         handed = [line for line in up.lines if "session.handed_off" in line]
         assert len(handed) == 1 and handed[0].endswith("from dep-1 to dep-2"), output
-        assert '"The result is dep-2."' in output, output
-        assert output.index(handed[0]) < output.index('"The result is dep-2."')
+        # dep-2 runs the fixture's version 2 (`baton up`'s default for a
+        # second deployment): the upgrade turn is answered by the new code.
+        agents = up.lines.index(
+            "Agents (each owner logs the agent it loaded; `baton deployments describe`):"
+        )
+        assert up.lines[agents + 1 : agents + 3] == [
+            f"  dep-1: {FIXTURE_AGENT}",
+            f"  dep-2: {FIXTURE_AGENT_V2}",
+        ], output
+        assert '"[v2] The result is dep-2."' in output, output
+        assert output.index(handed[0]) < output.index('"[v2] The result is dep-2."')
+        assert "[v2]" not in output[: output.index(handed[0])], output
         assert re.search(
             r"^upgraded: session ses_\w+ moved from dep-1 to dep-2 at #\d+", output, re.M
         )
+        assert 'answered by dep-2\'s code: "[v2] The result is dep-2."' in output, output
         # The one follower (on dep-1's ingress) saw every seq once, in order.
         seqs = event_seqs(up.lines)
         assert seqs == list(range(len(seqs))) and len(seqs) > 20, output
@@ -443,7 +473,31 @@ REPLICATED = {
     "owner-2 of dep-1",
     "ingress of dep-1",
     "ingress-2 of dep-1",
+    "console",
 }
+
+
+async def test_the_example_agent_moves_to_its_second_version_with_baton_up_alone() -> None:
+    """docs/agents.md's walk-through: from the example agent's directory,
+    two deployments with two versions of its code (`--agent` twice), and
+    the demo's session answered by version 2 after it moves."""
+    async with launched(
+        "--deployment-id", "desk-1", "--deployment-id", "desk-2",
+        "--agent", "desk-1=support_agent:build_agent",
+        "--agent", "desk-2=support_agent.v2:build_agent",
+        "--demo",
+        cwd=ROOT / "examples" / "agent",
+    ) as up:  # fmt: skip
+        await up.wait_for_line(r"demo finished: session ses_\w+", DEMO_TIMEOUT)
+        output = "\n".join(up.lines)
+        assert "  desk-1: support_agent:build_agent" in up.lines, output
+        assert "  desk-2: support_agent.v2:build_agent" in up.lines, output
+        handed = [line for line in up.lines if "session.handed_off" in line]
+        assert len(handed) == 1 and handed[0].endswith("from desk-1 to desk-2"), output
+        assert re.search(r'^answered by desk-2\'s code: "\[v2\] ', output, re.M), output
+        assert "[v2]" not in output[: output.index(handed[0])], output
+        up.proc.send_signal(signal.SIGINT)
+        assert await up.wait_exit(STOP_TIMEOUT) == 0, up.output
 
 
 async def test_up_with_three_etcd_members_and_two_replicas_of_everything() -> None:
@@ -511,8 +565,9 @@ def test_port_plan_is_validated() -> None:
     with pytest.raises(LaunchError, match="ingress of dep-2 and etcd .* both use port 50055"):
         Ports.plan(50051, 50055, ("dep-1", "dep-2"))
     free = Ports.plan(0, 0, ("dep-1", "dep-2"))
-    # etcd's two, and a gRPC and a metrics port for each of 6 service processes.
-    assert len({port for _, port in free.items()}) == 2 + 2 * 6
+    # etcd's two, a gRPC and a metrics port for each of 6 service processes,
+    # and the console's.
+    assert len({port for _, port in free.items()}) == 2 + 2 * 6 + 1
     based = Ports.plan(50051, 23790)
     assert based.metrics == {50052: 51052, 50053: 51053, 50051: 51051, 50054: 51054}
     with pytest.raises(LaunchError, match="hooks metrics and .* both use port 51052"):
@@ -543,7 +598,7 @@ def test_port_plan_with_replicas_and_etcd_members() -> None:
     ]
     assert "owner-2 of dep-2" in names and "hooks-2" in names
     free = Ports.plan(0, 0, ("dep-1",), replicas=3, etcd_members=3)
-    assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6
+    assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6 + 1
     with pytest.raises(LaunchError, match="would both use"):
         Ports.plan(50051, 50151, replicas=2)
 
@@ -566,3 +621,43 @@ def test_up_passes_the_dedupe_window_to_hooks(
         baton_main(["up", "--dedupe-window", "0.5"])
     assert exited.value.code == 2
     assert "at least 1 second" in capsys.readouterr().err
+
+
+def test_agents_per_deployment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--agent DEP=module:factory` for one deployment, a bare one for the
+    rest; without any, BATON_AGENT for all when set, else the fixture on the
+    first deployment and its version 2 on the others. Each owner is started
+    with its deployment's BATON_AGENT; nonsense is a usage error."""
+    deps = ("dep-1", "dep-2", "dep-3")
+    mine = "my_agent:build_agent"
+    assert agents_by_deployment(None, deps, {}) == (
+        ("dep-1", FIXTURE_AGENT),
+        ("dep-2", FIXTURE_AGENT_V2),
+        ("dep-3", FIXTURE_AGENT_V2),
+    )
+    assert agents_by_deployment(None, deps, {"BATON_AGENT": mine}) == ()
+    assert agents_by_deployment([f"dep-2={mine}"], deps, {"BATON_AGENT": "x:y"}) == (
+        ("dep-2", mine),
+    )
+    assert agents_by_deployment([f"dep-3={mine}", "pkg.v1:build"], deps, {}) == (
+        ("dep-1", "pkg.v1:build"),
+        ("dep-2", "pkg.v1:build"),
+        ("dep-3", mine),
+    )
+    ports = Ports.plan(50051, 23790, deps)
+    settings = LaunchSettings(deployment_ids=deps, agents=(("dep-2", mine),), plaintext=True)
+    system = LocalSystem(settings, ports, tmp_path, io.StringIO())
+    assert system.service_env("owner", ports.deployments[1])["BATON_AGENT"] == mine
+    assert "BATON_AGENT" not in system.service_env("owner", ports.deployments[0])
+    assert "BATON_AGENT" not in system.service_env("ingress", ports.deployments[1])
+    for flags, message in (
+        (["--agent", "dep-9=a:b"], "dep-9 is not a deployment this runs"),
+        (["--agent", "a:b", "--agent", "c:d"], "two agents for every deployment"),
+        (["--agent", "dep-1=a:b", "--agent", "dep-1=c:d"], "two agents for dep-1"),
+        (["--agent", "not a spec"], "expected module:factory"),
+        (["--agent", "dep-1=module"], "expected module:factory"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            baton_main(["up", "--deployment-id", "dep-1", *flags])
+        assert exited.value.code == 2, flags
+        assert message in capsys.readouterr().err, flags

@@ -1,6 +1,7 @@
 """The tree is the architecture (docs/architecture.md): every module under
-services/ is named on that page, and calls between a service's subpackages go
-one way, lowest layer first, as the page's tables say."""
+services/ is named on that page, calls between a service's subpackages go
+one way, lowest layer first, as the page's tables say, and the rooms a run's
+shell drives hold none of each other."""
 
 from __future__ import annotations
 
@@ -85,3 +86,22 @@ def test_calls_go_one_way(service: str) -> None:
             if room[1] and room[1] not in allowed:
                 upward.append(f"{path.relative_to(SERVICES)} imports {target}")
     assert not upward, "calls that run back up:\n" + "\n".join(sorted(upward))
+
+
+# The rooms a run's shell (owner/run/session.py) drives: each holds and calls
+# none of the others and never the shell; the shell asks the rules and carries
+# out what they answer (docs/architecture.md, owner).
+SHELL_ROOMS = {"inbox_buffer", "step", "commit", "upkeep", "departures", "compaction"}
+
+
+def test_the_rooms_of_a_run_call_no_other_room_and_never_the_shell() -> None:
+    run = SERVICES / "owner" / "run"
+    calls = []
+    for room in sorted(SHELL_ROOMS):
+        for target in _imports(run / f"{room}.py"):
+            parts = target.split(".")
+            if parts[:3] != ["baton_runtime", "owner", "run"] or len(parts) < 4:
+                continue
+            if parts[3] in SHELL_ROOMS | {"session"} and parts[3] != room:
+                calls.append(f"run/{room}.py imports {target}")
+    assert not calls, "rooms that hold or call each other:\n" + "\n".join(sorted(set(calls)))

@@ -3,6 +3,9 @@ page token, and the AIP-160 filter subset."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from baton_runtime.common import ids
@@ -88,6 +91,16 @@ def test_time_ranges() -> None:
         "status = idle OR status = running",
         "status = idle and deployment = dep-a",
         "status = idle AND status = running",
+        "inbox_depth > -1",
+        "inbox_depth = many",
+        'inbox_depth > "1.5"',
+        "inbox_depth > ²",
+        'oldest_unconsumed_age > "１s"',
+        'oldest_unconsumed_age = "30s"',
+        'oldest_unconsumed_age > "30"',
+        'oldest_unconsumed_age > "30 s"',
+        'oldest_unconsumed_age > "1d"',
+        'oldest_unconsumed_age > "99999999999999999h"',
         "status",
         " AND ".join(["status != idle"] * 17),
         "x" * 1025,
@@ -100,7 +113,162 @@ def test_bad_filters_are_invalid_filter(text: str) -> None:
     assert info.value.metadata.get("field") == "filter"
 
 
+def test_inbox_depth_and_the_oldest_unconsumed_age() -> None:
+    """The fleet question: sessions with something waiting longer than 30 s."""
+    waiting = listing.parse_filter('inbox_depth > 0 AND oldest_unconsumed_age > "30s"')
+    assert waiting.matches(fields_with(depth=1, age_ms=30_001))
+    assert not waiting.matches(fields_with(depth=1, age_ms=30_000))
+    assert not waiting.matches(fields_with(depth=0, age_ms=0))
+    assert listing.parse_filter("inbox_depth = 3").matches(fields_with(depth=3))
+    assert not listing.parse_filter("inbox_depth != 3").matches(fields_with(depth=3))
+    assert listing.parse_filter("inbox_depth <= 2").matches(fields_with(depth=2))
+    for text, ms in (('"1.5s"', 1500), ("500ms", 500), ('"2m"', 120_000), ("1h", 3_600_000)):
+        f = listing.parse_filter(f"oldest_unconsumed_age >= {text}")
+        assert f.matches(fields_with(age_ms=ms)) and not f.matches(fields_with(age_ms=ms - 1))
+
+
+def fields_with(depth: int = 0, age_ms: int = 0) -> listing.SessionFields:
+    accepted = T0 - age_ms if depth else 0
+    return listing.SessionFields(Status.RUNNING, "dep-a", T0, T0, depth, age_ms, accepted)
+
+
+def test_an_order_by_a_number_then_the_session_id() -> None:
+    assert listing.parse_order("") is None and listing.parse_order("  ") is None
+    desc = listing.parse_order("oldest_unconsumed_age desc")
+    asc = listing.parse_order("inbox_depth")
+    assert desc == listing.Order("oldest_unconsumed_age", True)
+    assert asc == listing.parse_order("inbox_depth asc") == listing.Order("inbox_depth", False)
+    assert desc is not None and asc is not None
+    rows = {"ses_b": fields_with(2, 10), "ses_a": fields_with(2, 90), "ses_c": fields_with(0, 0)}
+    by_age = sorted(rows, key=lambda sid: desc.key(rows[sid], sid))
+    by_depth = sorted(rows, key=lambda sid: asc.key(rows[sid], sid))
+    assert by_age == ["ses_a", "ses_b", "ses_c"] and by_depth == ["ses_c", "ses_a", "ses_b"]
+    # The age ranks by acceptance time: a page later (every age grown) the
+    # rank, and so a page token's position, is the same.
+    later = listing.SessionFields(Status.RUNNING, "dep-a", T0, T0, 2, 5_090, T0 - 90)
+    assert desc.rank(later) == desc.rank(rows["ses_a"])
+    young = listing.parse_order("oldest_unconsumed_age")
+    assert young is not None
+    assert sorted(rows, key=lambda sid: young.key(rows[sid], sid)) == ["ses_c", "ses_b", "ses_a"]
+    for bad in ("status", "inbox_depth down", "inbox_depth desc asc", "x" * 65):
+        with pytest.raises(InvalidArgument) as info:
+            listing.parse_order(bad)
+        assert info.value.reason == Reason.INVALID_FIELD
+        assert info.value.metadata.get("field") == "order_by"
+
+
+def test_an_ordered_page_token_is_bound_to_its_order() -> None:
+    sid = ids.new_session_id()
+    token = listing.encode_page_token("slack", "", sid, "inbox_depth desc", 7)
+    assert listing.decode_ordered_page_token(token, "slack", "", "inbox_depth desc") == (sid, 7)
+    for order in ("inbox_depth", ""):
+        with pytest.raises(InvalidArgument) as info:
+            listing.decode_ordered_page_token(token, "slack", "", order)
+        assert info.value.reason == Reason.INVALID_PAGE_TOKEN
+    plain = listing.encode_page_token("slack", "", sid)
+    with pytest.raises(InvalidArgument):
+        listing.decode_ordered_page_token(plain, "slack", "", "inbox_depth desc")
+
+
 def test_a_bad_deployment_in_a_filter_is_refused_as_such() -> None:
     with pytest.raises(InvalidArgument) as info:
         listing.parse_filter("deployment = latest")
     assert info.value.reason == Reason.INVALID_DEPLOYMENT_ID
+
+
+# -- against a real stack ----------------------------------------------------------
+
+
+async def test_the_fleet_question_filtered_and_ordered_and_its_metric(
+    etcd_endpoint: str, tmp_path: Path
+) -> None:
+    """Sessions whose commands wait (stalled: their agent refuses to load
+    them, so nothing consumes their inbox) are found by inbox depth and the
+    age of the oldest one, ordered by either, page by page; the CLI does
+    the same, and hooks' sweep finds the deployment's oldest unanswered
+    message."""
+    from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
+    from baton_runtime.common.etcd.client import make_client
+    from baton_runtime.common.etcd.keys import Keys
+    from baton_runtime.common.etcd.store import Store
+    from baton_runtime.common.security.identity import Role
+    from baton_runtime.hooks.unanswered import OldestUnanswered
+    from baton_runtime.owner.agents.fixture import LoadRefusal
+    from tests import certs
+    from tests.procs import eventually
+    from tests.stack import SLACK, start_stack, stop_stack
+    from tests.test_cli_sessions import cli, env_of, flags
+
+    LoadRefusal.refusing = True
+    stack = await start_stack(
+        etcd_endpoint,
+        agent="baton_runtime.owner.agents.fixture:build_refuse_load_until_fixed_agent",
+        restart_budget=1,
+        park_after=None,
+    )
+    try:
+        first, busy, quiet = [await stack.create() for _ in range(3)]
+        await stack.send(first, "one")
+        for n in range(3):
+            await stack.send(busy, f"more {n}")
+
+        async def listed(filter_text: str = "", order_by: str = "", size: int = 0) -> list[str]:
+            """Every page's session ids, in the order the pages give them."""
+            out: list[str] = []
+            token = ""
+            while True:
+                page = await stack.ingress_stub.ListSessions(
+                    pb.ListSessionsRequest(
+                        filter=filter_text, order_by=order_by, page_size=size, page_token=token
+                    ),
+                    metadata=SLACK,
+                    timeout=10,
+                )
+                out += [v.session_id for v in page.sessions]
+                token = page.next_page_token
+                if not token:
+                    return out
+
+        async def all_stalled() -> bool:
+            return len(await listed("status = stalled")) == 3
+
+        await eventually(all_stalled, "the three sessions stalled", 30)
+        assert sorted(await listed("inbox_depth > 0")) == sorted([first, busy])
+        assert await listed("inbox_depth > 1") == [busy]
+        assert await listed("inbox_depth = 0") == [quiet]
+        assert await listed('oldest_unconsumed_age > "1h"') == []
+        waiting = 'inbox_depth > 0 AND oldest_unconsumed_age > "0s"'
+        assert sorted(await listed(waiting)) == sorted([first, busy])
+        # Ordered, one session a page: the tokens carry the position.
+        assert await listed(order_by="inbox_depth desc", size=1) == [busy, first, quiet]
+        assert await listed(order_by="oldest_unconsumed_age desc", size=1) == [first, busy, quiet]
+        assert await listed(waiting, "oldest_unconsumed_age desc") == [first, busy]
+        assert (await listed(order_by="inbox_depth"))[0] == quiet
+
+        # The CLI: the same question.
+        env = env_of(tmp_path)
+        run = await cli(
+            "list", "--filter", waiting, "--order-by", "oldest_unconsumed_age desc", "-o", "jsonl",
+            *flags(stack), env=env,
+        )  # fmt: skip
+        assert run.code == 0, run.err
+        assert [json.loads(line)["session_id"] for line in run.out.splitlines()] == [first, busy]
+        run = await cli("list", "--order-by", "colour", *flags(stack), env=env)
+        assert run.code == 1 and "INVALID_FIELD" in run.err, run
+
+        # hooks' sweep: the deployment's oldest unanswered message is first's.
+        view = await stack.ingress_stub.GetSession(
+            pb.GetSessionRequest(session_id=first), metadata=SLACK, timeout=10
+        )
+        before = view.session.oldest_unconsumed_age.ToMilliseconds() / 1000
+        store = Store(make_client(stack.etcd.endpoint, 5, certs.security(Role.HOOKS)), 5)
+        await store.connect()
+        try:
+            ages = await OldestUnanswered(store, Keys(stack.etcd.prefix)).sweep()
+        finally:
+            await store.close()
+        assert set(ages) == {stack.deployment_id}
+        assert ages[stack.deployment_id] >= before > 0
+    finally:
+        LoadRefusal.refusing = True
+        await stop_stack(stack)

@@ -51,7 +51,11 @@ async def write_stream(stack: ProcessStack, session_id: str) -> None:
         for first in range(0, EVENTS, PER_COMMIT):
             kind = s.EVENT_KIND_SESSION_STARTED if first == 0 else s.EVENT_KIND_MESSAGE_COMPLETED
             events = [
-                make_event(identity, kind if i == 0 else s.EVENT_KIND_MESSAGE_COMPLETED)
+                make_event(
+                    identity,
+                    kind if i == 0 else s.EVENT_KIND_MESSAGE_COMPLETED,
+                    now=time.time(),
+                )
                 for i in range(PER_COMMIT)
             ]
             for offset, event in enumerate(events):

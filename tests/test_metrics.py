@@ -57,6 +57,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_dedupe_leases_granted_total": ("counter", {"reason"}),
         "baton_transfers_total": ("counter", {"outcome"}),
         "baton_live_instances": ("gauge", {"deployment"}),
+        "baton_oldest_unanswered_seconds": ("gauge", {"deployment"}),
     },
     "anchor": {
         **_RPC,
@@ -83,6 +84,7 @@ EXPECTED: dict[str, dict[str, tuple[str, set[str]]]] = {
         "baton_inbox_oldest_unconsumed_seconds": ("gauge", set()),
         "baton_draining": ("gauge", set()),
         "baton_handoffs_total": ("counter", {"reason", "outcome"}),
+        "baton_handoff_skips_total": ("counter", {"why"}),
         "baton_handoff_duration_seconds": ("histogram", set()),
         "baton_takeovers_total": ("counter", set()),
         "baton_parked_claims_total": ("counter", {"how"}),

@@ -187,12 +187,15 @@ async def test_handoffs_by_id_alone_and_every_deployment_with_its_status(
         run = await baton("deployments", "list", *ops, env=env)
         assert run.code == 0, run.err
         assert ["dep-b", "retired", "0", "1", "1"] in [r.split() for r in run.out.splitlines()]
-        # A deployment the registry holds nothing of is drained.
-        described = await hooks.describe_deployment("dep-gone")
-        assert described.status == hooks_pb.DEPLOYMENT_STATUS_DRAINED
+        # A deployment the registry holds nothing of is not found (a typo
+        # used to be described as an empty, drained fleet, exit 0).
+        with pytest.raises(NotFound) as unknown:
+            await hooks.describe_deployment("dep-gone")
+        assert unknown.value.reason == "DEPLOYMENT_NOT_FOUND"
         run = await baton("deployments", "describe", "dep-gone", *ops, env=env)
-        assert run.code == 0, run.err
-        assert "status:      drained" in run.out
+        assert run.code == sessions.EXIT_NOT_FOUND, run
+        assert "DEPLOYMENT_NOT_FOUND" in run.err and "dep-gone is not known" in run.err, run
+        assert run.out == ""
     finally:
         await hooks.close()
         if not stopped:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 
 import aetcd
 import grpc
 import pytest
+import structlog
 
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as hooks_pb
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
@@ -39,6 +41,7 @@ from baton_runtime.common.rpc.server import GrpcServer
 from baton_runtime.common.security.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.owner.config import OwnerConfig
+from baton_runtime.owner.hosting.parking import ParkedSession, Parking
 from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.procs import answered, check_history, eventually, inbox_entries_left
@@ -76,6 +79,12 @@ async def new_session(
     )
     created = await hooks.create_session(sid, owner, "slack", [])
     return created.fence
+
+
+def successor(instance_id: str, deployment_id: str = "dep-p") -> s.OwnerIdentity:
+    return s.OwnerIdentity(
+        owner_run_id=ids.new_run_id(), deployment_id=deployment_id, instance_id=instance_id
+    )
 
 
 async def bell_value(etcd: aetcd.Client, keys: Keys, instance_id: str, sid: str) -> bytes | None:
@@ -258,11 +267,6 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     every = await a.list_instance_sessions("dep-p", "")
     assert not any(o.input_waiting for o in every if o.fence.session_id == rung.session_id)
 
-    def successor(instance_id: str) -> s.OwnerIdentity:
-        return s.OwnerIdentity(
-            owner_run_id=ids.new_run_id(), deployment_id="dep-p", instance_id=instance_id
-        )
-
     contenders = [successor("inst-a"), successor("inst-b")]
     results = await asyncio.gather(
         a.take_over_session(quiet, "dead-1", contenders[0]),
@@ -310,6 +314,95 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
         assert wrong.value.reason == "WRONG_DEPLOYMENT"
     finally:
         await q.close()
+
+
+async def test_a_takeover_passes_on_a_parked_sessions_deadline(
+    two_hooks: tuple[HooksClient, HooksClient],
+) -> None:
+    """The owner record keeps the lifetime deadline a park recorded: every
+    takeover that keeps the session parked answers it, so its successor
+    wakes it then and the timeout fires (an instance restarted under its own
+    id takes its own sessions over; issue 32). A bell that rang makes the
+    takeover unpark it: the successor loads the snapshot, deadline and all."""
+    a, b = two_hooks
+    fence = await new_session(a, "dead-t")
+    deadline = int(time.time()) + 3600
+    assert await a.set_parked(fence, True, 0, deadline) == 0
+    first = await a.take_over_session(fence, "dead-t", successor("inst-t"))
+    assert (first.parked, first.inbox_head, first.timeout_deadline) == (True, 0, deadline)
+    again = await b.take_over_session(first.fence, "inst-t", successor("inst-t"))
+    assert (again.parked, again.inbox_head, again.timeout_deadline) == (True, 0, deadline)
+    await a.resume(ids.inbox_token(fence.session_id), command("rings inst-t"))
+    woken = await a.take_over_session(again.fence, "inst-t", successor("inst-u"))
+    assert (woken.parked, woken.inbox_head, woken.timeout_deadline) == (False, 1, 0)
+
+
+async def test_a_replayed_takeover_answers_the_parked_position_it_decided(
+    stack: Stack, two_hooks: tuple[HooksClient, HooksClient], etcd: aetcd.Client
+) -> None:
+    """A replayed takeover (its answer was lost: etcd timed out, or hooks
+    died after the txn) answers what the applied one decided, not the inbox
+    head of now: the commands that arrived in between rang the successor's
+    bell, and held above them the session would ignore it (issue 32)."""
+    a, b = two_hooks
+    keys = Keys(stack.etcd.prefix)
+    fence = await new_session(a, "dead-r")
+    sid = fence.session_id
+    inbox = ids.inbox_token(sid)
+    await a.resume(inbox, command("one"))
+    assert await a.set_parked(fence, True, 1) == 1
+    owner = successor("inst-r")
+    first = await a.take_over_session(fence, "dead-r", owner)
+    assert (first.parked, first.inbox_head) == (True, 1)
+    for text in ("two", "three"):
+        await b.resume(inbox, command(text))
+    assert await bell_value(etcd, keys, "inst-r", sid) == b"3"
+    for hooks in (a, b):  # the successor retries, through either replica
+        assert await hooks.take_over_session(fence, "dead-r", owner) == first
+
+    # Held where the takeover decided, the bell it heard meanwhile wakes it.
+    woken: list[str] = []
+
+    class Activator:
+        def start_activation(
+            self, fence: s.Fence, *, unpark: bool = False, delay: float = 0.0
+        ) -> None:
+            woken.append(fence.session_id)
+
+    parking = Parking(Activator(), structlog.get_logger())
+    parking.ring(sid, 3, busy=True)  # rung while it was being taken over
+    parking.hold(sid, ParkedSession(owner.owner_run_id, first.fence.epoch, first.inbox_head))
+    assert woken == [sid] and sid not in parking.parked
+
+
+async def test_appends_past_a_parked_sessions_deadline_are_refused_as_finalized(
+    two_hooks: tuple[HooksClient, HooksClient],
+) -> None:
+    """Past the lifetime deadline its park recorded, a session is as good as
+    finalized: an append is refused as for a finalized session (by a replica
+    whose cache knew the deadline, and by one that learns it from the
+    append's own compare), except the owner's timeout that finalizes it.
+    A replica reads the record again before refusing: a record written
+    since (a handoff's, a later park's) may name another deadline."""
+    a, b = two_hooks
+    fence = await new_session(a, "inst-d")
+    inbox = ids.inbox_token(fence.session_id)
+    await a.resume(inbox, command("one"))  # a caches the record without a deadline
+    assert await b.set_parked(fence, True, 1, int(time.time()) - 1) == 1
+    for hooks in (b, a):
+        with pytest.raises(FailedPrecondition) as refused:
+            await hooks.resume(inbox, command("too late"))
+        assert refused.value.reason == "SESSION_FINALIZED"
+
+    timeout = s.Command(
+        delivery=s.DeliveryMetadata(delivery_id=f"timeout-{fence.owner_run_id}"),
+        timeout=s.TimeoutCommand(armed_by_owner_run_id=fence.owner_run_id),
+    )
+    assert (await a.resume(inbox, timeout)).seq == 1
+
+    assert await b.set_parked(fence, False) == 2
+    assert await b.set_parked(fence, True, 2, int(time.time()) + 3600) == 2
+    assert (await a.resume(inbox, command("in time"))).seq == 2  # a's cache said past
 
 
 async def test_leases_register_expire_and_report_the_dead(stack: Stack) -> None:

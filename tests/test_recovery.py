@@ -31,6 +31,7 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.etcd.keys import Keys
+from baton_runtime.common.rpc.status_map import error_reason
 from baton_runtime.owner.server import EXIT_LEASE_LOST
 from tests.certs import etcd_client, start_etcd
 from tests.procs import (
@@ -347,6 +348,56 @@ async def test_an_owner_restarted_under_its_own_id_takes_each_session_over_once(
         await c.close()
 
 
+async def test_a_parked_sessions_timeout_survives_its_owners_restart(
+    make_stack: MakeStack,
+) -> None:
+    """A parked session's lifetime deadline survives every takeover that
+    keeps it parked (here: kill -9 of its only instance, restarted under the
+    same id, as every rolling restart does): `late` times out while its
+    owner is dead, `later` after the restart; both time out, and a message
+    sent to `late` past its deadline, while no instance holds it, is refused
+    as for a finalized session, not accepted to start a turn that the
+    timeout then cancels (issue 32)."""
+    stack = make_stack(owners=1, park_after=0.3)
+    c = stack.clients()
+    try:
+        await c.wait_registered("o1")
+        late, later = await c.create(timeout_seconds=8), await c.create(timeout_seconds=14)
+        for sid in (late, later):
+            assert (await c.send(sid, "hello")).receipt.seq == 0
+
+        async def parked(sid: str) -> bool:
+            return (await c.hooks.get_owner(sid)).parked
+
+        for sid in (late, later):
+            await eventually(functools.partial(parked, sid), "parked")
+        stack.kill("o1")
+        got = await c.ingress.GetSession(
+            ingress_pb.GetSessionRequest(session_id=late), metadata=SLACK, timeout=10
+        )
+        deadline = got.session.timeout_deadline.seconds
+        assert deadline
+        # A deadline is a time of day: nothing to wait on but the clock.
+        await asyncio.sleep(max(0.0, deadline - time.time()) + 0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.send(late, "past the deadline")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_reason(refused.value) == "SESSION_FINALIZED"
+
+        stack.start_owner("o1")
+
+        def completed(events: list[s.Event]) -> bool:
+            return bool(events) and events[-1].kind == K.EVENT_KIND_SESSION_COMPLETED
+
+        for sid in (late, later):
+            events = await c.wait_events(sid, completed, "the session timed out")
+            check_history(events, [0])
+            assert events[-1].error.reason == "TIMEOUT"
+            assert answers(events) == ["echo: hello"]
+    finally:
+        await c.close()
+
+
 @pytest.mark.parametrize(
     ("failpoint", "how", "epochs_on"),
     [
@@ -587,5 +638,63 @@ async def test_repeated_owner_kills_slow(make_stack: MakeStack) -> None:
             events = await c.events(sid)
             check_history(events, receipts[sid])
             assert received_seqs(events) == list(range(len(receipts[sid])))
+    finally:
+        await c.close()
+
+
+async def test_a_queued_message_held_behind_an_approval_survives_a_takeover(
+    make_stack: MakeStack,
+) -> None:
+    """Issue 32: while the turn waits for an approval a queued message waits
+    too, unconsumed; what the run takes past it is recorded as consumed ahead
+    of the inbox position. After kill -9 the successor holds the message
+    again, does not take again what was consumed ahead, and once the approval
+    is given the message starts its own turn: once, after the first."""
+    stack = make_stack(owners=2)
+    c = stack.clients()
+
+    async def respond(response: s.InputResponse) -> int:
+        sent = await c.ingress.SendMessage(
+            ingress_pb.SendMessageRequest(session_id=sid, input_responses=[response]),
+            metadata=SLACK,
+            timeout=10,
+        )
+        return sent.receipt.seq
+
+    def rejected(events: list[s.Event]) -> list[int]:
+        return [e.inbox_seq for e in events if e.kind == K.EVENT_KIND_COMMAND_REJECTED]
+
+    def asked(events: list[s.Event]) -> bool:
+        kinds = [e.kind for e in events]
+        return K.EVENT_KIND_INPUT_REQUESTED in kinds and kinds[-1] == K.EVENT_KIND_SESSION_WAITING
+
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "transfer 100", queue=False)).receipt.seq]
+        events = await c.wait_events(sid, asked, "approval asked")
+        request = next(e for e in events if e.kind == K.EVENT_KIND_INPUT_REQUESTED).input_request
+        receipts.append((await c.send(sid, "later")).receipt.seq)  # queued
+        stray = await respond(s.InputResponse(request_id="input_stray"))
+        await c.wait_events(sid, lambda ev: rejected(ev) == [stray], "the stray answer rejected")
+        first = await c.owner_of(sid)
+        stack.kill(first)
+        successor = "o2" if first == "o1" else "o1"
+        await wait_owner(c, sid, successor, stack.lease_ttl + TAKEOVER_SLACK_S)
+        await respond(s.InputResponse(request_id=request.request_id, approved=True))
+
+        events = await c.wait_events(sid, lambda ev: answered(ev, 2), "the queued one answered")
+        check_history(events, receipts)
+        assert rejected(events) == [stray], "a command consumed ahead was taken again"
+        results = [e.tool_result for e in events if e.kind == K.EVENT_KIND_TOOL_CALL_RESULT]
+        assert [(r.output, r.is_error) for r in results] == [("transferred 100", False)]
+        assert answers(events) == ["The result is transferred 100.", "echo: later"]
+        turns = [e.turn_id for e in events if e.kind == K.EVENT_KIND_TURN_STARTED]
+        later = next(
+            e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED and e.text == "later"
+        )
+        assert len(turns) == 2 and later.turn_id == turns[1]
+        assert len(runs_in_order(events)) == 2
+        assert await inbox_entries_left(stack.etcd_endpoint, stack.prefix, sid) == []
     finally:
         await c.close()

@@ -222,6 +222,20 @@ async def test_a_cursor_below_the_stream_horizon_is_out_of_range(etcd_endpoint: 
         await stop_stack(stack)
 
 
+async def test_a_follow_beyond_the_head_is_out_of_range(stack: Stack) -> None:
+    """A follow from a seq no event will have next is refused at once
+    (OutOfRange/BEYOND_HEAD with the head), not left waiting for nothing."""
+    async with sdk(stack) as client:
+        sid = (await client.create_session()).session_id
+        await client.send(sid, "hello")
+        head = len(await collect(client.follow(sid), waits(1)))
+        with pytest.raises(baton_client.OutOfRange) as beyond:
+            async with asyncio.timeout(10):
+                [e async for e in client.follow(sid, start_seq=head + 3)]
+        assert beyond.value.reason == baton_client.Reason.BEYOND_HEAD
+        assert beyond.value.metadata["next_seq"] == str(head) and not beyond.value.retryable
+
+
 async def test_a_client_certificate_is_offered_and_closing_ends_followers(stack: Stack) -> None:
     """TLS with a client certificate (for a proxy in front of ingress that
     asks for one; ingress itself authenticates gateways by API key), and a

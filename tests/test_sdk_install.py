@@ -153,19 +153,17 @@ client.close()
     assert pip_check.returncode == 0, pip_check.stdout
 
 
-def documented_example() -> str:
-    """The first python block of docs/sdk.md."""
+def documented_example(index: int = 0) -> str:
+    """The python blocks of docs/sdk.md, by position (0: the first)."""
     text = (ROOT / "docs" / "sdk.md").read_text()
-    found = re.search(r"```python\n(.*?)```", text, re.DOTALL)
-    assert found, "docs/sdk.md has no python example"
-    return found.group(1)
+    found = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert len(found) > index, "docs/sdk.md lacks the python example"
+    return str(found[index])
 
 
-async def test_the_documented_example_runs_with_the_sdk_alone(
-    sdk_python: Path, stack: Stack, tmp_path: Path
-) -> None:
+async def run_documented_example(sdk_python: Path, stack: Stack, tmp_path: Path, index: int) -> str:
     """Against a real stack, configured as `baton up` leaves it: a profile
-    with the ingress and its CA."""
+    with the ingress and its CA. Its output."""
     profile = tmp_path / "profile.json"
     profile.write_text(
         json.dumps(
@@ -179,7 +177,7 @@ async def test_the_documented_example_runs_with_the_sdk_alone(
     process = await asyncio.create_subprocess_exec(
         str(sdk_python),
         "-c",
-        documented_example(),
+        documented_example(index),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=isolated_env(BATON_PROFILE=str(profile), BATON_API_KEY=SLACK_KEY),
@@ -188,4 +186,23 @@ async def test_the_documented_example_runs_with_the_sdk_alone(
     async with asyncio.timeout(90):
         out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
-    assert out.decode().startswith("agent: "), out.decode()
+    return out.decode()
+
+
+async def test_the_documented_example_runs_with_the_sdk_alone(
+    sdk_python: Path, stack: Stack, tmp_path: Path
+) -> None:
+    out = await run_documented_example(sdk_python, stack, tmp_path, 0)
+    assert out.startswith("agent: "), out
+
+
+async def test_the_documented_approval_example_runs_with_the_sdk_alone(
+    sdk_python: Path, stack: Stack, tmp_path: Path
+) -> None:
+    """docs/sdk.md's approval: the request's tool call is shown, the
+    approval sent, and the approved tool's result answered."""
+    out = await run_documented_example(sdk_python, stack, tmp_path, 1)
+    assert out.splitlines() == [
+        'approve? transfer {"amount":"5"}',
+        "agent: The result is transferred 5.",
+    ], out

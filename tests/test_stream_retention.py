@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -342,8 +343,11 @@ async def test_a_retried_commit_whose_events_went_below_the_horizon_is_a_replay(
             created = await hooks.create_session(sid, owner, "slack", [])
             identity = RunIdentity(created.fence, "dep-w", "w1")
             snapshot = initial_snapshot(sid, "slack", "dep-w", list(created.hooks))
-            events = [make_event(identity, s.EVENT_KIND_SESSION_STARTED)]
-            events += [make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED) for _ in range(PAGE)]
+            events = [make_event(identity, s.EVENT_KIND_SESSION_STARTED, now=time.time())]
+            events += [
+                make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED, now=time.time())
+                for _ in range(PAGE)
+            ]
             for seq, event in enumerate(events):
                 event.seq = seq
             snapshot.next_event_seq = len(events)
@@ -356,7 +360,7 @@ async def test_a_retried_commit_whose_events_went_below_the_horizon_is_a_replay(
             again = await anchor.commit(request)
             assert again.replayed and again.revision == applied.revision
             # The stream goes on from its last event.
-            more = make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED)
+            more = make_event(identity, s.EVENT_KIND_MESSAGE_COMPLETED, now=time.time())
             more.seq = len(events)
             snapshot.next_event_seq = len(events) + 1
             await anchor.commit(

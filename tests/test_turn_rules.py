@@ -1,4 +1,5 @@
-"""The pure turn rules (services/owner/rules/turns.py, services/owner/rules/context.py):
+"""The pure turn rules (services/owner/rules/turns.py and the modules it builds
+on, services/owner/rules/context.py):
 no etcd, no gRPC, no event loop. What a command means, what a step does to
 the snapshot and the context, when a budget is spent, what a refused commit
 leaves behind."""
@@ -11,20 +12,21 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import limits
 from baton_runtime.owner.agents.api import ModelReply, RequestedCall
 from baton_runtime.owner.agents.fixture import build_agent
+from baton_runtime.owner.rules import admission, steps, turns, waits
 from baton_runtime.owner.rules.admission import Admission
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.step_rules import Outcome, StepProgress
-from baton_runtime.owner.rules.turns import SessionState, safe_error
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.steps import Outcome, StepProgress, safe_error
 from baton_runtime.owner.run.snapshots import initial_snapshot
 
 K = s.EventKind
 SID = "ses_" + "a" * 26
 IDENTITY = RunIdentity(s.Fence(session_id=SID, owner_run_id="run_1", epoch=1), "dep-a", "i1")
+T = 1_000.0  # the time of every activation here (the rules read no clock)
 
 
 def state(token_budget: int = 0) -> SessionState:
     snapshot = initial_snapshot(SID, "slack", "dep-a", [], token_budget=token_budget)
-    return SessionState(IDENTITY, snapshot, build_agent("dep-a"))
+    return SessionState.hold(IDENTITY, snapshot, build_agent("dep-a"), now=T)
 
 
 def entry(seq: int, caller: str = "u1", **command: object) -> s.InboxEntry:
@@ -45,17 +47,17 @@ def test_classify() -> None:
     st = state()
     own = entry(1, timeout=s.TimeoutCommand(armed_by_owner_run_id="run_1"))
     other = entry(2, timeout=s.TimeoutCommand(armed_by_owner_run_id="run_0"))
-    assert st.classify(send(0)) is Admission.ADMIT
-    assert st.classify(send(0, queue=True)) is Admission.BLOCK
-    assert st.classify(send(0, text="  ")) is Admission.REJECT
-    assert st.classify(entry(0, cancel=s.CancelCommand())) is Admission.CANCEL
-    assert st.classify(entry(0, reset=s.ResetCommand())) is Admission.FINALIZE
-    assert st.classify(own) is Admission.FINALIZE
-    assert st.classify(other) is Admission.DROP
-    assert st.classify(entry(0)) is Admission.REJECT  # a kind this build does not know
-    assert st.classify(entry(0, clear=s.ClearCommand())) is Admission.BLOCK
+    assert admission.classify(st, send(0)) is Admission.ADMIT
+    assert admission.classify(st, send(0, queue=True)) is Admission.BLOCK
+    assert admission.classify(st, send(0, text="  ")) is Admission.REJECT
+    assert admission.classify(st, entry(0, cancel=s.CancelCommand())) is Admission.CANCEL
+    assert admission.classify(st, entry(0, reset=s.ResetCommand())) is Admission.FINALIZE
+    assert admission.classify(st, own) is Admission.FINALIZE
+    assert admission.classify(st, other) is Admission.DROP
+    assert admission.classify(st, entry(0)) is Admission.REJECT  # a kind this build does not know
+    assert admission.classify(st, entry(0, clear=s.ClearCommand())) is Admission.BLOCK
     stale = entry(0, authorization_callback=s.AuthorizationCallbackCommand(attempt_id="a_9"))
-    assert st.classify(stale) is Admission.DROP
+    assert admission.classify(st, stale) is Admission.DROP
 
 
 def test_a_turn_merges_the_same_principals_messages_up_to_the_cap() -> None:
@@ -63,7 +65,7 @@ def test_a_turn_merges_the_same_principals_messages_up_to_the_cap() -> None:
     many = limits.MAX_ADMITTED_PER_BOUNDARY + 5
     pending = collections.deque(send(i) for i in range(1, many))
     pending.append(send(many, caller="u2"))
-    events = st.start_turn(send(0), pending)
+    events = turns.start_turn(st, send(0), pending)
     assert kinds(events)[:2] == ["TURN_STARTED", "MESSAGE_RECEIVED"]
     assert len(events) == 1 + limits.MAX_ADMITTED_PER_BOUNDARY
     assert list(st.snapshot.open_turn.inbox_seqs) == list(range(limits.MAX_ADMITTED_PER_BOUNDARY))
@@ -74,40 +76,127 @@ def test_a_turn_merges_the_same_principals_messages_up_to_the_cap() -> None:
 
 def test_a_boundary_admits_steers_and_stops_at_a_cancel() -> None:
     st = state()
-    st.start_turn(send(0), collections.deque())
+    turns.start_turn(st, send(0), collections.deque())
     pending = collections.deque([send(1, caller="u2"), entry(2, cancel=s.CancelCommand()), send(3)])
     events: list[s.Event] = []
-    admission, stop = st.admit_pending(pending, events)
-    assert admission is Admission.CANCEL and stop is not None and stop.seq == 2
+    joined, stop = admission.admit_pending(st, pending, events)
+    assert joined is Admission.CANCEL and stop is not None and stop.seq == 2
     assert kinds(events) == ["MESSAGE_RECEIVED"]
     assert [e.seq for e in pending] == [3]
     assert st.snapshot.inbox_next_seq == 3
     queued = collections.deque([send(4, queue=True), send(5)])
-    assert st.admit_pending(queued, events) == (Admission.BLOCK, None)
+    assert admission.admit_pending(st, queued, events) == (Admission.BLOCK, None)
     assert len(queued) == 2
 
 
 def test_a_push_aborts_the_step_only_when_everything_ahead_can_join() -> None:
     st = state()
     cancel = entry(9, cancel=s.CancelCommand())
-    assert st.aborts_step(cancel, [send(1), send(2, text="")])
-    assert not st.aborts_step(cancel, [send(1, queue=True)])
-    assert not st.aborts_step(send(3), [])
+    assert admission.aborts_step(st, cancel, [send(1), send(2, text="")])
+    assert not admission.aborts_step(st, cancel, [send(1, queue=True)])
+    assert not admission.aborts_step(st, send(3), [])
+
+
+# -- what the run takes next while the turn waits (issue 32) ------------------------
+
+
+def waiting_for_approval() -> SessionState:
+    st = state()
+    events = turns.start_turn(st, send(0, "transfer 5"), collections.deque())
+    reply = ModelReply(tool_calls=[RequestedCall("transfer", {"amount": "5"})])
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
+    assert steps.apply_step(st, progress, events) is Outcome.PAUSED
+    return st
+
+
+def answer(seq: int, request_id: str = "input_1") -> s.InboxEntry:
+    response = s.InputResponse(request_id=request_id, approved=True)
+    return entry(seq, send=s.SendCommand(input_responses=[response]))
+
+
+def test_while_the_turn_waits_a_queued_message_waits_with_the_messages_behind_it() -> None:
+    between = state()
+    take_next = admission.next_to_take
+    assert take_next(between, [send(1, queue=True), send(2)]) == 0, "between turns: in order"
+    assert take_next(between, []) is None
+    st = waiting_for_approval()
+    cancel = entry(5, cancel=s.CancelCommand())
+    reset = entry(5, reset=s.ResetCommand())
+    assert take_next(st, [send(1), send(2, queue=True)]) == 0  # a steer: abandons the wait
+    assert take_next(st, [send(1, queue=True)]) is None
+    assert take_next(st, [send(1, queue=True), send(2), answer(3)]) == 2
+    assert take_next(st, [send(1, queue=True), send(2, caller="u2"), cancel]) == 2
+    assert take_next(st, [send(1, queue=True), reset]) == 1
+    assert take_next(st, [send(1, queue=True), send(2, queue=True), send(3, text=" ")]) == 2
+    assert take_next(st, [send(1, queue=True), entry(2)]) == 1  # rejected: taken
+    # Answers are taken first whatever their own policy says.
+    queued_answer = answer(2)
+    queued_answer.command.send.turn_policy = s.TURN_POLICY_QUEUE
+    assert take_next(st, [send(1, queue=True), queued_answer]) == 1
+
+
+def test_what_is_taken_past_a_waiting_message_is_consumed_ahead_of_the_position() -> None:
+    st = waiting_for_approval()
+    later, also, stray, approve = (
+        send(1, "later", queue=True),
+        send(2, "also"),
+        answer(3, "x"),
+        answer(4),
+    )
+    pending = collections.deque([later, also, stray, approve])
+    assert admission.take(st, pending) is stray
+    st.inbox.consume(stray)
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (1, [3])
+    assert st.inbox.consumed(3) and not st.inbox.consumed(1) and not st.inbox.consumed(2)
+    # A successor from the committed snapshot reads the inbox from 1: it
+    # skips what was consumed ahead and sets the same messages aside.
+    successor = SessionState.hold(
+        IDENTITY,
+        s.SessionSnapshot.FromString(st.snapshot.SerializeToString()),
+        build_agent("dep-a"),
+        now=T,
+    )
+    assert successor.inbox.consumed(3) and not successor.inbox.consumed(1)
+    assert admission.next_to_take(successor, [later, also, approve]) == 2
+
+    assert admission.take(st, pending) is approve
+    st.inbox.consume(approve)
+    assert list(st.snapshot.inbox_consumed_ahead) == [3, 4] and list(pending) == [later, also]
+    events: list[s.Event] = []
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
+    # The turn ended: the queued message is next, and starts a turn with
+    # the same principal's message behind it; the position moves over all.
+    assert admission.take(st, pending) is later
+    assert kinds(turns.start_turn(st, later, pending)) == [
+        "TURN_STARTED",
+        "MESSAGE_RECEIVED",
+        "MESSAGE_RECEIVED",
+    ]
+    assert not pending
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (5, [])
+
+
+def test_with_nothing_set_aside_the_position_moves_past_what_is_consumed() -> None:
+    st = state()
+    st.inbox.consume(send(3))
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (4, [])
+    st.inbox.consume(send(1))  # below the position: consumed already
+    assert st.snapshot.inbox_next_seq == 4
 
 
 def test_steps_fold_into_history_usage_and_events() -> None:
     st = state()
-    events = st.start_turn(send(0, "calc 1+1"), collections.deque())
+    events = turns.start_turn(st, send(0, "calc 1+1"), collections.deque())
     reply = ModelReply(
         tool_calls=[RequestedCall("calculator", {"expression": "1+1"})], input_tokens=7
     )
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply))
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
     assert [c.id for c in progress.calls] == ["call_1"]
     progress.results[0] = s.ToolResult(tool_call_id="call_1", name="calculator", output="2")
-    assert st.apply_step(progress, events) is Outcome.CONTINUE
+    assert steps.apply_step(st, progress, events) is Outcome.CONTINUE
     answer = StepProgress(reply=ModelReply(text="The result is 2.", output_tokens=4))
-    assert st.apply_step(answer, events) is Outcome.FINAL
-    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+    assert steps.apply_step(st, answer, events) is Outcome.FINAL
+    turns.close_turn(st, events, K.EVENT_KIND_TURN_COMPLETED)
     assert kinds(events) == [
         "TURN_STARTED",
         "MESSAGE_RECEIVED",
@@ -136,38 +225,38 @@ def test_steps_fold_into_history_usage_and_events() -> None:
 
 def test_a_tool_that_needs_approval_pauses_the_turn() -> None:
     st = state()
-    events = st.start_turn(send(0, "transfer 5"), collections.deque())
+    events = turns.start_turn(st, send(0, "transfer 5"), collections.deque())
     reply = ModelReply(tool_calls=[RequestedCall("transfer", {"amount": "5"})])
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply))
-    assert not st.runs_now(progress.calls[0])
-    assert st.apply_step(progress, events) is Outcome.PAUSED
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
+    assert not steps.runs_now(st, progress.calls[0])
+    assert steps.apply_step(st, progress, events) is Outcome.PAUSED
     request = st.snapshot.open_turn.pending_inputs[0]
     assert request.kind == s.INPUT_KIND_APPROVAL and request.request_id == "input_1"
-    assert st.still_waiting()
-    abandoned = st.abandon_waits()
+    assert waits.still_waiting(st)
+    abandoned = waits.abandon_waits(st)
     assert kinds(abandoned) == ["TOOL_CALL_RESULT"] and abandoned[0].tool_result.is_error
-    assert not st.still_waiting()
+    assert not waits.still_waiting(st)
 
 
 def test_an_aborted_step_records_cancelled_results() -> None:
     st = state()
-    events = st.start_turn(send(0, "steps 3"), collections.deque())
+    events = turns.start_turn(st, send(0, "steps 3"), collections.deque())
     reply = ModelReply(tool_calls=[RequestedCall("echo", {"text": "x"})])
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply), aborted=True)
-    assert st.apply_step(progress, events) is Outcome.ABORTED
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply), aborted=True)
+    assert steps.apply_step(st, progress, events) is Outcome.ABORTED
     assert events[-2].tool_result.output == "cancelled"
     assert StepProgress(aborted=True).reply is None
-    assert st.apply_step(StepProgress(aborted=True), events) is Outcome.ABORTED
-    assert st.apply_step(StepProgress(error="boom"), events) is Outcome.FAILED
+    assert steps.apply_step(st, StepProgress(aborted=True), events) is Outcome.ABORTED
+    assert steps.apply_step(st, StepProgress(error="boom"), events) is Outcome.FAILED
 
 
 def test_budgets() -> None:
     st = state(token_budget=10)
-    assert not st.budget_spent()
+    assert not turns.budget_spent(st)
     st.snapshot.usage.input_tokens = 10
-    assert st.budget_spent()
-    st.extend_budget()
-    assert st.snapshot.limits.token_budget == 20 and not st.budget_spent()
+    assert turns.budget_spent(st)
+    waits.extend_budget(st)
+    assert st.snapshot.limits.token_budget == 20 and not turns.budget_spent(st)
 
 
 def test_the_context_budget_and_its_reset() -> None:
@@ -181,7 +270,7 @@ def test_the_context_budget_and_its_reset() -> None:
     assert context.over(0, 4) and not context.over(0, 5) and not context.over(0, 0)
     context.mark_committed()
     assert context.retirable() is None
-    events = st.clear(entry(5, clear=s.ClearCommand()))
+    events = turns.clear(st, entry(5, clear=s.ClearCommand()))
     change = events[-1].context_change
     assert (change.before_entries, change.after_entries, change.after_bytes) == (5, 0, 0)
     assert context.log.context_start == 5 and context.size() == (0, 0)
@@ -195,15 +284,15 @@ def test_a_refused_commit_rolls_back_and_fails_the_turn() -> None:
     st = state()
     st.snapshot.next_event_seq = 3
     st.mark_committed()
-    events = st.start_turn(send(0, "big 300"), collections.deque())
+    events = turns.start_turn(st, send(0, "big 300"), collections.deque())
     reply = ModelReply(tool_calls=[RequestedCall("big", {"kib": 300})])
-    progress = StepProgress(reply=reply, calls=st.tool_calls(reply))
+    progress = StepProgress(reply=reply, calls=steps.tool_calls(st, reply))
     progress.results[0] = s.ToolResult(tool_call_id="call_1", name="big", output="x" * 307200)
-    st.apply_step(progress, events)
+    steps.apply_step(st, progress, events)
     assert "over the limit" in st.context.oversized_entry()
     st.snapshot.next_event_seq = 3 + len(events)  # what commit_step assigned
     error = s.ErrorDetail(reason="HISTORY_ENTRY_TOO_LARGE", message="too big")
-    replaced = st.refused(events, False, error)
+    replaced = turns.refused(st, events, False, error, now=T)
     assert kinds(replaced) == ["TURN_STARTED", "TURN_FAILED", "SESSION_WAITING"]
     assert replaced[1].error == error and replaced[1].turn_id == "turn_1"
     assert st.snapshot.next_event_seq == 3
@@ -218,3 +307,20 @@ def test_a_failure_of_authored_code_is_published_as_its_type_and_a_bounded_prefi
     said = safe_error(RuntimeError(upstream))
     assert said.startswith("RuntimeError: https://") and len(said) <= 320
     assert "s" * 400 not in said
+
+
+def test_the_lifetime_timer_is_armed_for_this_run_from_the_committed_deadline() -> None:
+    st = state()
+    assert turns.arm_timeout(st, now=T, restart=False) is None, "no timeout, no timer"
+    timeout = st.snapshot.timeout
+    timeout.duration_seconds = 60
+    timeout.deadline.FromSeconds(1_030)
+    assert turns.arm_timeout(st, now=T, restart=False) == 30.0
+    assert timeout.armed_by_owner_run_id == "run_1" and timeout.deadline.seconds == 1_030
+    # A successor on a new deployment counts the duration from its start.
+    assert turns.arm_timeout(st, now=T + 50, restart=True) == 60.0
+    assert timeout.deadline.seconds == 1_110
+    # Past the deadline it fires at once.
+    assert turns.arm_timeout(st, now=T + 500, restart=False) == 0.0
+    own = entry(1, timeout=s.TimeoutCommand(armed_by_owner_run_id="run_1"))
+    assert admission.classify(st, own) is Admission.FINALIZE

@@ -156,22 +156,27 @@ class AsyncClient:
         self,
         *,
         filter: str = "",
+        order_by: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
     ) -> SessionPage:
         """See `Client.list_sessions`."""
-        request = pb.ListSessionsRequest(page_size=page_size, page_token=page_token, filter=filter)
+        request = pb.ListSessionsRequest(
+            page_size=page_size, page_token=page_token, filter=filter, order_by=order_by
+        )
         raw = await self._call(self._stub.ListSessions, request, timeout)
         return SessionPage(tuple(raw.sessions), raw.next_page_token)
 
     async def iter_sessions(
-        self, *, filter: str = "", page_size: int = 0
+        self, *, filter: str = "", order_by: str = "", page_size: int = 0
     ) -> AsyncIterator[Session]:
         """See `Client.iter_sessions`."""
         token = ""
         while True:
-            page = await self.list_sessions(filter=filter, page_size=page_size, page_token=token)
+            page = await self.list_sessions(
+                filter=filter, order_by=order_by, page_size=page_size, page_token=token
+            )
             for session in page.sessions:
                 yield session
             token = page.next_page_token

@@ -158,21 +158,28 @@ class Client:
         self,
         *,
         filter: str = "",
+        order_by: str = "",
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
     ) -> SessionPage:
         """One page of the channel's sessions (AIP-158 paging, an AIP-160
-        filter subset: see docs/introspection.md)."""
-        request = pb.ListSessionsRequest(page_size=page_size, page_token=page_token, filter=filter)
+        filter subset, an AIP-132 order: see docs/introspection.md)."""
+        request = pb.ListSessionsRequest(
+            page_size=page_size, page_token=page_token, filter=filter, order_by=order_by
+        )
         raw = self._call(self._stub.ListSessions, request, timeout)
         return SessionPage(tuple(raw.sessions), raw.next_page_token)
 
-    def iter_sessions(self, *, filter: str = "", page_size: int = 0) -> Iterator[Session]:
+    def iter_sessions(
+        self, *, filter: str = "", order_by: str = "", page_size: int = 0
+    ) -> Iterator[Session]:
         """Every session of the channel matching `filter`, page after page."""
         token = ""
         while True:
-            page = self.list_sessions(filter=filter, page_size=page_size, page_token=token)
+            page = self.list_sessions(
+                filter=filter, order_by=order_by, page_size=page_size, page_token=token
+            )
             yield from page.sessions
             token = page.next_page_token
             if not token:

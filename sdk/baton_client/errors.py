@@ -50,6 +50,9 @@ class Reason:
     # OUT_OF_RANGE: a stream read below the retention horizon (metadata
     # `earliest_seq`: the earliest seq kept).
     BELOW_HORIZON = "BELOW_HORIZON"
+    # OUT_OF_RANGE: a read or follow from a seq beyond the stream's head
+    # (metadata `next_seq`: the seq the next event gets).
+    BEYOND_HEAD = "BEYOND_HEAD"
     RATE_LIMITED = "RATE_LIMITED"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     SERVER_BUSY = "SERVER_BUSY"

@@ -19,7 +19,24 @@ ControlKind = ingress_pb.ControlKind
 Event = session_pb.Event
 EventKind = session_pb.EventKind
 TurnPolicy = session_pb.TurnPolicy
+#: What a paused turn waits for (`Event.input_request` of input.requested):
+#: its `request_id`, `kind` (an `InputKind`), `prompt`, and for an approval
+#: the `tool_call` waiting to run.
+InputRequest = session_pb.InputRequest
+InputKind = session_pb.InputKind
+#: The answer to an InputRequest, sent with `send(..., input_responses=[...])`:
+#: `request_id`, `approved` (approvals, limits) and/or `text` (questions).
 InputResponse = session_pb.InputResponse
+#: A tool call (`Event.tool_call`, `InputRequest.tool_call`): `id`, `name`,
+#: `arguments_json`.
+ToolCall = session_pb.ToolCall
+#: A tool's result (`Event.tool_result`).
+ToolResult = session_pb.ToolResult
+#: The pending input and sign-ins of a session's open turn (`Session.pending_inputs`,
+#: `Session.pending_authorizations`).
+AuthorizationWait = session_pb.AuthorizationWait
+#: What an event's `error` carries: `reason`, `message`.
+ErrorDetail = session_pb.ErrorDetail
 
 #: Event kinds that close a stream (a follower ends after one).
 TERMINAL_KINDS = frozenset(

@@ -4,7 +4,8 @@ live from a watch until the terminal event.
 A long stream is read in pages of READ_PAGE_EVENTS, so neither this
 process nor a slow reader's path holds more than a page; a cursor below
 the retention horizon (services/anchor/horizon.py) is told where the
-stream now starts.
+stream now starts. What goes to the reader, replayed or live, is in pages
+of at most limits.MAX_PAGE_BYTES (services/common/streams/pages.py).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import TERMINAL_KINDS
 from baton_runtime.anchor.horizon import below_horizon, horizon_of
 from baton_runtime.common import ids, limits
-from baton_runtime.common.errors import NotFound, Reason
+from baton_runtime.common.errors import NotFound, OutOfRange, Reason
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.etcd.watch import Follower, watch_then_read
 from baton_runtime.common.observability import metrics
-
-_BATCH_BYTES = 512 * 1024
+from baton_runtime.common.streams.pages import byte_pages
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class _Page:
     closed: int | None
     # The first seq kept (the retention horizon, services/anchor/horizon.py).
     horizon: int
+    # The seq the next commit writes first (the commit marker's last seq + 1).
+    head: int
     revision: int
 
 
@@ -61,8 +63,10 @@ class EventStream:
             .read("fence", k.fence(session_id), keys_only=True)
             .read("closed", k.closed(session_id))
             .read("horizon", k.horizon(session_id))
+            .read("marker", k.commit_marker(session_id))
             .run(self._store)
         )
+        marker = result.value("marker")
         closed = result.value("closed")
         # A session exists from its creation (its fence), before its first
         # commit (a child session commits session.started with its first turn).
@@ -73,6 +77,7 @@ class EventStream:
             exists=exists,
             closed=int(closed) if closed is not None else None,
             horizon=horizon_of(result.value("horizon")),
+            head=int(marker) + 1 if marker else 0,
             revision=result.revision,
         )
 
@@ -91,7 +96,11 @@ class EventStream:
         A cursor below the stream's retention horizon (services/anchor/
         horizon.py) answers OUT_OF_RANGE/BELOW_HORIZON with the earliest seq
         kept in the metadata, also when the horizon passes a slow reader
-        between two pages; a live follower gets every event from its watch."""
+        between two pages; a live follower gets every event from its watch.
+        A cursor beyond the head (more than one past the last event: no
+        commit will ever write it next, so following it would wait for
+        nothing) answers OUT_OF_RANGE/BEYOND_HEAD with `next_seq`, the
+        head, in the metadata; past a closed stream's end is just its end."""
         ids.validate_session_id(session_id)
         if follow:
             metrics.STREAM_FOLLOWERS.inc()
@@ -127,6 +136,8 @@ class EventStream:
                         )
                     if page.closed is not None and start_seq > page.closed:
                         return  # the cursor is past the terminal event: the stream is over
+                    if start_seq > page.head:
+                        raise beyond_head(session_id, page.head, start_seq)
                     checked = True
                 # Read in the page's own transaction: [horizon, head) is all
                 # there, so a cursor at or above it is gapless; one below it
@@ -154,23 +165,35 @@ class EventStream:
     ) -> AsyncGenerator[list[s.Event], None]:
         """Live: each commit reaches the reader as one batch (the watch sees
         its events, then the commit marker it writes last; the horizon's
-        deletions are left out by etcd)."""
+        deletions are left out by etcd), in pages of MAX_PAGE_BYTES (a
+        commit may hold up to MAX_COMMIT_BYTES of events)."""
         marker = self._keys.commit_marker(session_id)
-        batch: list[s.Event] = []
+        batch: list[tuple[int, s.Event]] = []
         async for change in follower.events(revision + 1):
             key = change.kv.key
             if key == marker:
                 if batch:
-                    yield batch
-                    if batch[-1].kind in TERMINAL_KINDS:
+                    for page in byte_pages(batch):
+                        yield page
+                    if batch[-1][1].kind in TERMINAL_KINDS:
                         return
                     batch = []
                 continue
             if seq_of(key) < cursor.next_seq:
                 continue
             event = s.Event.FromString(change.kv.value)
-            batch.append(event)
+            batch.append((len(change.kv.value), event))
             cursor.next_seq = event.seq + 1
+
+
+def beyond_head(session_id: str, head: int, start_seq: int) -> OutOfRange:
+    return OutOfRange(
+        Reason.BEYOND_HEAD,
+        f"seq {start_seq} of session {session_id} is beyond the stream's head: the next "
+        f"event will be seq {head}; read or follow from a seq up to {head}",
+        next_seq=str(head),
+        session_id=session_id,
+    )
 
 
 class _Cursor:
@@ -182,21 +205,15 @@ class _Cursor:
         self.ended = False
 
     def batches(self, page: Sequence[bytes]) -> Iterator[list[s.Event]]:
-        """A page's events in batches of about _BATCH_BYTES, up to the
-        terminal event."""
-        batch: list[s.Event] = []
-        size = 0
+        """A read page's events up to the terminal event, in pages of at
+        most MAX_PAGE_BYTES."""
+        return byte_pages(self._through_terminal(page))
+
+    def _through_terminal(self, page: Sequence[bytes]) -> Iterator[tuple[int, s.Event]]:
         for raw in page:
             event = s.Event.FromString(raw)
-            batch.append(event)
-            size += len(raw)
             self.next_seq = event.seq + 1
+            yield len(raw), event
             if event.kind in TERMINAL_KINDS:
                 self.ended = True
-                yield batch
                 return
-            if size >= _BATCH_BYTES:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch

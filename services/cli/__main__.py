@@ -1,6 +1,7 @@
 """The `baton` command (also `python -m baton_runtime.cli`).
 
-baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--port-base 50051]
+baton up [--deployment-id dep-1 [--deployment-id dep-2 ...]] [--agent [DEP=]MODULE:FACTORY ...]
+         [--port-base 50051]
          [--etcd-port 23790] [--replicas 1] [--etcd-members 1] [--demo]
          [--api-key-file FILE] [--run-dir DIR] [--plaintext]
          [--etcd-binary PATH] [--accept-etcd-risk]    (docs/etcd.md: a safe etcd)
@@ -14,19 +15,23 @@ baton etcd binary                                    (the etcd `baton up` would 
 baton --version
 
 As a channel (API key: env BATON_API_KEY), through the ingress:
-baton sessions list [--filter F] [--limit 100] [--page-size N]
+baton sessions list [--filter F] [--order-by O] [--limit 100] [--page-size N]
+baton sessions create [--alias RAW ...] [--request-id K] [--timeout S] [--token-budget N]
 baton sessions get ID|ALIAS
 baton sessions events ID|ALIAS [--follow] [--from SEQ]
 baton sessions send ID|ALIAS TEXT [--delivery-id D] [--queue]
+baton sessions answer ID|ALIAS REQUEST (--approve | --deny | --text T) [--delivery-id D]
 baton sessions cancel|reset ID|ALIAS [--reason R] [--delivery-id D]
       [--ingress ADDR] [--ca-cert CA | --plaintext] [--tls-server-name NAME]
 As an operator (BATON_TLS_CERT/KEY/CA), through hooks, anchor and owners:
 baton sessions resume ID | get ID --all-channels | list --all-channels
 baton deployments list | describe DEP [--limit 100] | drain OLD --to NEW [--wait 60]
+      | undrain DEP
 baton handoffs get HANDOFF_ID [--session ID]
       [--hooks ADDR] [--anchor ADDR] [--tls-cert C --tls-key K --tls-ca CA | --plaintext]
 Every one of these takes -o text|json|jsonl; defaults come from `baton up`'s
-profile (services/cli/system/profile.py); exit codes in services/cli/commands/operate.py.
+profile (services/cli/system/profile.py); exit codes in services/cli/commands/operate.py
+(and 141 when the reader of the output closed the pipe, `... | head`).
 
 API keys never come from argv: the ingress reads a key file, `baton demo`
 the environment (default: the loopback demo key).
@@ -39,6 +44,7 @@ dispatches to the run each names.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -69,23 +75,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_PIPE_CLOSED = 141
+"""A reader closed the pipe (`... -o jsonl | head`): what a shell reports
+for a process SIGPIPE ended (128 + 13), said quietly."""
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "up":
+        return run_up(args)
+    if args.command == "demo":
+        return run_demo_command(args)
+    if operate.handles(args):
+        return operate.run(args)
+    if args.command == "hash-key":
+        return run_hash_key(args)
+    if args.command == "etcd" and getattr(args, "action", None) == "check":
+        return run_etcd_check(args)
+    if args.command == "etcd" and getattr(args, "action", None) == "binary":
+        return run_etcd_binary()
+    parser.print_help(sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "up":
-        sys.exit(run_up(args))
-    if args.command == "demo":
-        sys.exit(run_demo_command(args))
-    if operate.handles(args):
-        sys.exit(operate.run(args))
-    if args.command == "hash-key":
-        sys.exit(run_hash_key(args))
-    if args.command == "etcd" and getattr(args, "action", None) == "check":
-        sys.exit(run_etcd_check(args))
-    if args.command == "etcd" and getattr(args, "action", None) == "binary":
-        sys.exit(run_etcd_binary())
-    parser.print_help(sys.stderr)
-    sys.exit(2)
+    try:
+        code = _run(parser, args)
+        sys.stdout.flush()  # here, where a closed pipe can still be said quietly
+    except BrokenPipeError:
+        # The reader is gone: no traceback, and nothing more to flush at exit
+        # (Python's own advice: point stdout at devnull).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        code = EXIT_PIPE_CLOSED
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ MAX_TIMEOUT_SECONDS = 10 * 366 * 24 * 3600
 MAX_TOKEN_BUDGET = 10**15
 # Stream/inbox seqs and etcd revisions (int64 in etcd; JSON-safe here).
 MAX_SEQ = 2**53
+# 9999-12-31T23:59:59Z: the last second a google.protobuf.Timestamp holds.
+MAX_TIMESTAMP_SECONDS = 253_402_300_799
 # Entries one hooks listing page holds at most (ListInstanceSessions,
 # ListChannelSessions): a page answer stays far below the 4 MiB limit.
 MAX_LISTING_PAGE = 1000

@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass
 
 from baton_runtime.common import ids
+from baton_runtime.common.errors import NotFound, Reason
 from baton_runtime.common.etcd.keys import InstanceRecord, Keys, prefix_end
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
@@ -38,7 +39,7 @@ class FleetStatus(enum.Enum):
     ACTIVE = "active"  # a live owner instance
     DRAINING = "draining"  # live, and an instance works on an operator's drain
     RETIRED = "retired"  # no live instance, sessions left in its index
-    DRAINED = "drained"  # no session left: drained by an operator, or no live instance
+    DRAINED = "drained"  # no session left: drained by an operator (or nothing at all)
 
 
 def fleet_status(live_instances: int, sessions: int, draining: bool = False) -> FleetStatus:
@@ -85,8 +86,19 @@ class FleetViews:
         self._keys = keys
 
     async def describe(self, deployment_id: str) -> Fleet:
-        """One exact deployment (a deployment without live instances or
-        sessions is described as empty, not NOT_FOUND: ids are not stored)."""
+        """One exact deployment; NOT_FOUND when the registry does not know
+        it (no live instance, no session: a typo, or a deployment retired
+        and emptied)."""
+        fleet = await self._read(deployment_id)
+        if not fleet.instances and not fleet.sessions:
+            raise NotFound(
+                Reason.DEPLOYMENT_NOT_FOUND,
+                f"deployment {deployment_id} is not known: no live owner instance and no session",
+            )
+        return fleet
+
+    async def _read(self, deployment_id: str) -> Fleet:
+        """One exact deployment as the registry has it (empty when unknown)."""
         ids.validate_deployment_id(deployment_id)
         prefix = self._keys.deployment_prefix(deployment_id)
         live = await Txn().read("live", prefix, prefix_end(prefix)).run(self._store)
@@ -118,7 +130,8 @@ class FleetViews:
         live = {kv.key[len(prefix) :].decode().partition("/")[0] for kv in result.kvs("live")}
         indexed = await self._indexed_deployments()
         deployments = sorted(live | indexed)[:MAX_DEPLOYMENTS]
-        return [await self.describe(deployment) for deployment in deployments]
+        fleets = [await self._read(deployment) for deployment in deployments]
+        return [f for f in fleets if f.instances or f.sessions]  # gone since the listing
 
     async def _indexed_deployments(self) -> set[str]:
         """The deployments with sessions in the ownership index: one

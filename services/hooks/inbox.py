@@ -15,6 +15,12 @@ Parking: the append txn also compares the owner record against the cached copy
 parked it puts the owner instance's bell in the same txn. So a bell is rung
 exactly for the arrivals after a successful park, with no race against
 (un)parking, and an unparked session still costs one round trip per batch.
+
+The lifetime deadline: the owner record keeps it from the session's park on
+(services/hooks/ownership.py), and once it passed every append but the
+owner's own timeout is refused as for a finalized session: a parked session
+is finalized only once its owner wakes it at the deadline, and nothing sent
+in between may start a turn.
 """
 
 from __future__ import annotations
@@ -36,20 +42,21 @@ from baton_runtime.common.etcd.scope import ScopeCheck
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.common.etcd.watch import watch_then_read
+from baton_runtime.common.limits import MAX_COMMAND_BYTES
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.observability.tracing import check_traceparent
+from baton_runtime.common.streams.pages import byte_pages
 from baton_runtime.common.tasks import Background
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.sessions import CachedSession, SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
 
-MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40
 MAX_BATCH_BYTES = 1024 * 1024
 MAX_APPEND_ATTEMPTS = 50
-_INBOX_PAGE_MIN = 16
-_INBOX_PAGE_MAX = 256
-_INBOX_PAGE_BYTES = 2 * 1024 * 1024
+_INBOX_READ_MIN = 16
+_INBOX_READ_MAX = 160  # x MAX_COMMAND_BYTES = 40 MiB: under the etcd client's 48 MiB
+_INBOX_READ_BYTES = 2 * 1024 * 1024
 
 
 def check_command(command: s.Command) -> None:
@@ -188,9 +195,10 @@ class Inbox:
         """Append `batch` in one txn, retried (after learning why from its
         failure branch) until every command has its receipt."""
         for _ in range(MAX_APPEND_ATTEMPTS):
+            state = await self._sessions.state(session_id)
+            state, batch = await self._refuse_late(session_id, state, batch)
             if not batch:
                 return
-            state = await self._sessions.state(session_id)
             attempt = _Attempt.of(state.head, batch)
             result = await self._leases.run(
                 functools.partial(self._append_txn, session_id, state, attempt),
@@ -202,6 +210,33 @@ class Inbox:
                 return
             batch = self._after_refusal(session_id, batch, attempt, result)
         raise Unavailable(Reason.CONFLICT, "inbox append kept racing other appenders; retry")
+
+    async def _refuse_late(
+        self, session_id: str, state: CachedSession, batch: list[_Append]
+    ) -> tuple[CachedSession, list[_Append]]:
+        """Past the session's lifetime deadline (as its owner record keeps it
+        from the park on) it is as good as finalized: every command but the
+        timeout that finalizes it is refused as for a finalized session. The
+        cached record says so without a read; it is read again before
+        refusing, as a handoff to another deployment writes a record without
+        the old deadline (one read, only for a session past its deadline)."""
+        now = time.time()
+        if not state.owner.past_deadline(now):
+            return state, batch
+        timeouts = [item for item in batch if item.command.WhichOneof("kind") == "timeout"]
+        if len(timeouts) == len(batch):
+            return state, batch
+        state = await self._sessions.refresh(session_id)
+        if not state.owner.past_deadline(now):
+            return state, batch
+        refusal = FailedPrecondition(
+            Reason.SESSION_FINALIZED,
+            f"session {session_id} is finalized: its lifetime timeout passed",
+        )
+        for item in batch:
+            if item.command.WhichOneof("kind") != "timeout" and not item.future.done():
+                item.future.set_exception(refusal)
+        return state, timeouts
 
     def _append_txn(
         self, session_id: str, state: CachedSession, attempt: _Attempt, lease: int
@@ -304,26 +339,25 @@ class Inbox:
         # after its retention, when no run follows it any more).
         watching = watch_then_read(self._store.client, k.control_prefix(sid), puts_only=True)
         async with watching as follower:
-            # The backlog in pages (a long one after an outage must not become
-            # one message): small commands in pages of up to 256, large ones
-            # in pages of 16 (16 x MAX_COMMAND_BYTES = 4 MiB).
+            # The backlog (a long one after an outage must not become one
+            # message, nor one read): reads of 16 entries, doubled while a
+            # read stays under 1 MiB, each sent in pages of MAX_PAGE_BYTES.
             next_seq = from_seq
-            limit = _INBOX_PAGE_MIN
+            limit = _INBOX_READ_MIN
             first_revision = 0
             while True:
                 scoped = None if first_revision else scope
                 result = await self._backlog_page(owner, scoped, next_seq, limit)
                 first_revision = first_revision or result.revision
-                page = result.kvs("page")
-                entries = [s.InboxEntry.FromString(kv.value) for kv in page]
-                if entries:
+                read = result.kvs("page")
+                sized = ((len(kv.value), s.InboxEntry.FromString(kv.value)) for kv in read)
+                for entries in byte_pages(sized):
                     next_seq = entries[-1].seq + 1
                     yield entries
                 if not result.more("page"):
                     break
-                size = sum(len(kv.value) for kv in page)
-                if size < _INBOX_PAGE_BYTES // 2:
-                    limit = min(limit * 2, _INBOX_PAGE_MAX)
+                if sum(len(kv.value) for kv in read) < _INBOX_READ_BYTES // 2:
+                    limit = min(limit * 2, _INBOX_READ_MAX)
             fence_key = k.fence(sid)
             async for event in follower.events(first_revision + 1):
                 key = event.kv.key

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Aborted, FailedPrecondition, InvalidArgument, Reason
-from baton_runtime.common.etcd.keys import Bell, InstanceRecord, Keys, prefix_end
+from baton_runtime.common.etcd.keys import (
+    NO_AGENT,
+    AgentLabel,
+    Bell,
+    InstanceRecord,
+    Keys,
+    prefix_end,
+)
 from baton_runtime.common.etcd.ops import cmp_mod
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
@@ -23,6 +30,7 @@ from baton_runtime.common.observability import metrics
 
 MIN_TTL_SECONDS = 1
 MAX_TTL_SECONDS = 300
+MAX_LABEL_CHARS = 256  # an address, and each part of an instance's agent label
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,15 @@ class InstanceRegistry:
         self._keys = keys
 
     async def register(
-        self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
+        self,
+        deployment_id: str,
+        instance_id: str,
+        ttl_seconds: int,
+        address: str,
+        agent: AgentLabel = NO_AGENT,
     ) -> tuple[int, int]:
-        """Grant a lease and put the instance's registry key under it.
+        """Grant a lease and put the instance's registry key under it, with
+        the agent code it loaded (for operators).
 
         Returns (lease_id, granted ttl). Registering again (a restarted
         process with a fixed instance id) simply replaces the key and lease."""
@@ -54,10 +68,18 @@ class InstanceRegistry:
                 Reason.INVALID_FIELD,
                 f"ttl_seconds must be in [{MIN_TTL_SECONDS}, {MAX_TTL_SECONDS}]",
             )
-        if len(address) > 256:
-            raise InvalidArgument(Reason.INVALID_FIELD, "address is longer than 256 characters")
+        for name, value in (
+            ("address", address),
+            ("agent.spec", agent.spec),
+            ("agent.name", agent.name),
+            ("agent.version", agent.version),
+        ):
+            if len(value) > MAX_LABEL_CHARS:
+                raise InvalidArgument(
+                    Reason.INVALID_FIELD, f"{name} is longer than {MAX_LABEL_CHARS} characters"
+                )
         lease_id, ttl = await self._store.grant_lease(ttl_seconds)
-        record = InstanceRecord(deployment_id, instance_id, address)
+        record = InstanceRecord(deployment_id, instance_id, address, agent=agent)
         key = self._keys.instance(deployment_id, instance_id)
         await Txn().put(key, record.encode(), lease=lease_id).run(self._store)
         return lease_id, ttl

@@ -33,11 +33,23 @@ from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_reco
 @dataclass(frozen=True)
 class TakeOver:
     """The result of a takeover: the successor's fence, and whether the
-    session stays parked (then `inbox_head` is its consumed position)."""
+    session stays parked (then `inbox_head` is its consumed position, and
+    `timeout_deadline` its lifetime deadline as its park recorded it, unix
+    seconds, 0 = none)."""
 
     fence: s.Fence
     parked: bool
     inbox_head: int
+    timeout_deadline: int = 0
+
+    @classmethod
+    def of(cls, fence: s.Fence, record: OwnerRecord, head: int) -> TakeOver:
+        """What a takeover that wrote `record` answers: a parked session's
+        position is the one recorded with it, so a replay answers what the
+        applied takeover decided, whatever arrived since."""
+        if record.parked:
+            return cls(fence, True, record.parked_inbox_next_seq, record.timeout_deadline)
+        return cls(fence, False, head)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,21 @@ class OwnedSession:
     fence: s.Fence
     owner: OwnerRecord
     input_waiting: bool = False  # parked, and its bell rang since
+
+
+def _successor_record(
+    record: OwnerRecord, successor: s.OwnerIdentity, epoch: int, rang: bool, head: int
+) -> OwnerRecord:
+    """The owner record a takeover writes. A parked session stays parked
+    when nothing arrived since it parked (no bell rang): then the inbox head
+    is still its consumed position. Its lifetime deadline goes with it
+    (a takeover stays inside the deployment, whose deadline it keeps)."""
+    parked = record.parked and not rang
+    return dataclasses.replace(
+        owner_record(successor, epoch, parked),
+        parked_inbox_next_seq=head if parked else 0,
+        timeout_deadline=record.timeout_deadline,
+    )
 
 
 def _check_takeover(
@@ -77,9 +104,13 @@ class Ownership:
         A compare-and-swap of the fence and the owner record: the first caller
         wins; the others get FENCED (FAILED_PRECONDITION, as every fenced
         refusal, docs/design.md §2). A replay by the winner (same successor run)
-        returns the same result. The ownership index moves in the same txn. A
-        parked session stays parked when nothing arrived since it parked (no
-        bell rang); then the successor need not load it.
+        returns the same result, read from the owner record the takeover
+        wrote (never from the inbox head of now: commands that arrived since
+        rang the successor's bell, and a parked position above them would
+        make the successor ignore it). The ownership index moves in the same
+        txn. A parked session stays parked when nothing arrived since it
+        parked (no bell rang); then the successor need not load it, and the
+        record passes on its parked position and lifetime deadline.
         """
         sid = _check_takeover(expected, expected_instance_id, successor)
         old = Fence.of(expected)
@@ -94,7 +125,7 @@ class Ownership:
             record = OwnerRecord.decode(owner_raw)
             if fence_now == new.value:  # a replay of our own takeover
                 self._sessions.learn(sid, head_raw, owner_raw)
-                return TakeOver(new.proto(), record.parked, int(head_raw))
+                return TakeOver.of(new.proto(), record, int(head_raw))
             if not old.holds(fence_now) or record.instance_id != expected_instance_id:
                 raise Fenced(
                     f"session {sid} is no longer owned by run {expected.owner_run_id} "
@@ -103,8 +134,7 @@ class Ownership:
                 )
             await self._check_movable(old, record, expected_instance_id, successor, read)
             rang = read.value("bell") is not None
-            # Parked stays parked when nothing arrived since it parked (no bell).
-            new_record = owner_record(successor, new.epoch, record.parked and not rang)
+            new_record = _successor_record(record, successor, new.epoch, rang, int(head_raw))
             new_raw = new_record.encode()
             txn = self._takeover_txn(old, new, record, expected_instance_id, successor, new_raw)
             txn.require(cmp_value(self._keys.owner(sid), owner_raw))
@@ -113,7 +143,7 @@ class Ownership:
                 txn.delete(self._keys.bell(expected_instance_id, sid))
             if (await txn.run(self._store)).succeeded:
                 self._sessions.remember(sid, CachedSession(int(head_raw), new_raw, new_record))
-                return TakeOver(new.proto(), new_record.parked, int(head_raw))
+                return TakeOver.of(new.proto(), new_record, int(head_raw))
             # Something moved (an arrival, a park) between the read and the txn: again.
         raise Unavailable(Reason.CONFLICT, "takeover kept racing concurrent changes; retry")
 
@@ -186,12 +216,17 @@ class Ownership:
                 instance_id=expected_instance_id,
             )
 
-    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int) -> int:
+    async def set_parked(
+        self, fence: s.Fence, parked: bool, inbox_next_seq: int, timeout_deadline: int = 0
+    ) -> int:
         """Park (only when every inbox entry is consumed) or unpark a session.
 
         One txn comparing the fence, the owner record and, when parking, that
-        the inbox head equals `inbox_next_seq`. Unparking deletes the bell.
-        Returns the inbox head. Repeating a request that took effect succeeds.
+        the inbox head equals `inbox_next_seq`. Parking records that position
+        and the session's lifetime deadline (`timeout_deadline`, unix
+        seconds, 0 = none) in the owner record; unparking deletes the bell
+        and keeps the deadline. Returns the inbox head. Repeating a request
+        that took effect succeeds.
         """
         sid = ids.validate_session_id(fence.session_id)
         owner = Fence.of(fence)
@@ -204,7 +239,7 @@ class Ownership:
                 owner.check(state.owner.fence)
                 if state.owner.parked == parked:
                     return state.head
-            new_record = dataclasses.replace(state.owner, parked=parked)
+            new_record = _parked_record(state.owner, parked, inbox_next_seq, timeout_deadline)
             new_raw = new_record.encode()
             result = await self._park_txn(owner, state, new_raw, parked, inbox_next_seq).run(
                 self._store
@@ -247,3 +282,17 @@ class Ownership:
         txn.read_on_failure("owner", k.owner(sid))
         txn.read_on_failure("head", k.inbox_head(sid))
         return txn
+
+
+def _parked_record(
+    record: OwnerRecord, parked: bool, inbox_next_seq: int, timeout_deadline: int
+) -> OwnerRecord:
+    """The owner record a park (or an unpark) writes."""
+    if parked:
+        return dataclasses.replace(
+            record,
+            parked=True,
+            parked_inbox_next_seq=inbox_next_seq,
+            timeout_deadline=timeout_deadline,
+        )
+    return dataclasses.replace(record, parked=False, parked_inbox_next_seq=0)

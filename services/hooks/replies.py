@@ -107,4 +107,8 @@ def instance_info(record: InstanceRecord) -> pb.InstanceInfo:
         deployment_id=record.deployment_id,
         instance_id=record.instance_id,
         address=record.address,
+        agent=pb.AgentInfo(
+            spec=record.agent.spec, name=record.agent.name, version=record.agent.version
+        ),
+        drain_to_deployment_id=record.drain_to,
     )

@@ -6,8 +6,9 @@ snapshot and the latest events of the stream (their times, a stall, the
 latest failure), then hooks' record of the session (owner, parked, inbox
 head and the oldest unconsumed entry, tokens, parent link, creation time).
 The snapshot is read first, so the inbox depth (head minus the snapshot's
-consumed position) is never negative. The status comes from the one pure
-function, `baton_runtime.common.status.session_status`.
+consumed position and what it consumed ahead of it) is never negative. The
+status comes from the one pure function,
+`baton_runtime.common.status.session_status`.
 
 Another channel's session is NOT_FOUND exactly like a missing one (AIP-211):
 hooks checks the tenant of the session's inbox token, the snapshot names it
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.duration_pb2 import Duration
@@ -30,7 +31,7 @@ from baton_runtime.common import ids
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.answers import SessionDescription
 from baton_runtime.common.clients.hooks import HooksClient
-from baton_runtime.common.errors import NotFound, OutOfRange
+from baton_runtime.common.errors import FailedPrecondition, NotFound, OutOfRange, Reason
 from baton_runtime.common.status import SessionFacts, Status, StatusView, session_status
 from baton_runtime.ingress import listing
 from baton_runtime.ingress.edge import session_not_found
@@ -48,6 +49,9 @@ LIST_CONCURRENCY = 16
 MAX_SCANNED = 4 * listing.MAX_PAGE_SIZE
 """Index entries one ListSessions call looks at before it returns a short
 page (with a token) rather than keep a caller waiting on a sparse filter."""
+MAX_ORDERED = 5000
+"""Sessions of a channel a listing in an order looks at, at most (each is
+gathered, on every page): beyond it an order is refused."""
 MAX_PAGE_BYTES = 2 * 1024 * 1024
 """A page is cut short (with a token) before its sessions pass this size, so
 that it fits in one message (4 MiB); 200 sessions of 256 aliases each would
@@ -86,7 +90,6 @@ def facts_of(
     latest: s.Event | None,
 ) -> SessionFacts:
     """What the status function needs, from what was read."""
-    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
     turn = snapshot.open_turn if snapshot is not None else s.OpenTurn()
     handles: Sequence[s.ChildHandle] = snapshot.handles if snapshot is not None else ()
     stalled = latest is not None and latest.kind == s.EVENT_KIND_SESSION_STALLED
@@ -97,7 +100,7 @@ def facts_of(
         owner_deployment_id=described.owner.deployment_id,
         snapshot_deployment_id=snapshot.deployment_id if snapshot is not None else "",
         parked=described.parked,
-        inbox_depth=max(0, described.inbox_head - consumed),
+        inbox_depth=inbox_depth(snapshot, described),
         turn_open=snapshot is not None and snapshot.HasField("open_turn"),
         pending_inputs=len(turn.pending_inputs),
         pending_authorizations=len(turn.pending_authorizations),
@@ -139,16 +142,35 @@ def _copy_snapshot(session: pb.Session, snapshot: s.SessionSnapshot) -> None:
         session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
 
 
+def inbox_depth(snapshot: s.SessionSnapshot | None, described: SessionDescription) -> int:
+    """The commands accepted and not consumed: past the consumed position,
+    less those consumed ahead of it (taken past a queued message that waits
+    for the open turn to end)."""
+    if snapshot is None:
+        return described.inbox_head
+    consumed = snapshot.inbox_next_seq + len(snapshot.inbox_consumed_ahead)
+    return max(0, described.inbox_head - consumed)
+
+
 def _copy_inbox(
-    session: pb.Session, described: SessionDescription, consumed: int, now_ms: int
+    session: pb.Session,
+    snapshot: s.SessionSnapshot | None,
+    described: SessionDescription,
+    now_ms: int,
 ) -> None:
     """The inbox's depth past the consumed position, and its oldest entry's age."""
-    session.inbox_depth = max(0, described.inbox_head - consumed)
+    session.inbox_depth = inbox_depth(snapshot, described)
     oldest = described.oldest_unconsumed_accepted_at
     if session.inbox_depth and oldest is not None:
         age = Duration()
         age.FromMilliseconds(max(0, now_ms - _ms(oldest)))
         session.oldest_unconsumed_age.CopyFrom(age)
+
+
+def _oldest_accepted_ms(session: pb.Session, described: SessionDescription) -> int:
+    """When the oldest unconsumed command was accepted (unix ms; 0 when none waits)."""
+    oldest = described.oldest_unconsumed_accepted_at
+    return _ms(oldest) if session.inbox_depth and oldest is not None else 0
 
 
 def _last_failure(recent: Sequence[s.Event]) -> pb.SessionFailure | None:
@@ -193,8 +215,7 @@ def build_view(
     if snapshot is not None:
         _copy_snapshot(session, snapshot)
         session.earliest_seq = earliest_seq
-    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
-    _copy_inbox(session, described, consumed, now_ms)
+    _copy_inbox(session, snapshot, described, now_ms)
     if described.parent is not None:
         session.parent.CopyFrom(described.parent)
         del session.parent.outbox[:]
@@ -212,6 +233,9 @@ def build_view(
         deployment_id=session.deployment_id,
         create_ms=_ms(session.create_time if session.HasField("create_time") else None),
         update_ms=_ms(session.update_time if session.HasField("update_time") else None),
+        inbox_depth=session.inbox_depth,
+        oldest_unconsumed_ms=session.oldest_unconsumed_age.ToMilliseconds(),
+        oldest_accepted_ms=_oldest_accepted_ms(session, described),
     )
     return Gathered(session, fields)
 
@@ -270,28 +294,107 @@ class SessionViews:
     async def get(self, channel: str, session_id: str) -> pb.Session:
         return (await self.gather(channel, session_id)).session
 
-    async def list(
-        self, channel: str, page_size: int, page_token: str, filter_text: str
-    ) -> tuple[list[pb.Session], str]:
-        """One page (AIP-158) of the channel's sessions matching the filter,
-        and the next page's token ("" at the end). Every argument is
-        validated before anything is read."""
-        size = listing.page_size(page_size)
-        if len(filter_text) > listing.MAX_FILTER_LENGTH:
-            raise listing.invalid_filter("the filter is too long")
-        after = listing.decode_page_token(page_token, channel, filter_text)
-        wanted = listing.parse_filter(filter_text)
-        out: list[pb.Session] = []
-        total = 0  # serialized bytes of `out`
-        scanned = 0
+    def _gatherer(self, channel: str) -> Callable[[str], Awaitable[Gathered | None]]:
+        """One session's view, LIST_CONCURRENCY at a time; None when it was
+        deleted (retention) since the index was read."""
         limit = asyncio.Semaphore(LIST_CONCURRENCY)
 
         async def one(session_id: str) -> Gathered | None:
             async with limit:
                 try:
                     return await self.gather(channel, session_id)
-                except NotFound:  # deleted (retention) since the index was read
+                except NotFound:
                     return None
+
+        return one
+
+    async def _list_ordered(
+        self,
+        channel: str,
+        size: int,
+        filter_text: str,
+        wanted: listing.Filter,
+        order_by: str,
+        order: listing.Order,
+        position: tuple[int, str] | None,
+    ) -> tuple[list[pb.Session], str]:
+        """A page in `order`: every session of the channel is looked at (at
+        most MAX_ORDERED; more is FAILED_PRECONDITION, refused before a view
+        is gathered), the matching ones sorted by their live values, and the
+        page is the first `size` after the token's position."""
+        index: list[str] = []
+        after = ""
+        while True:
+            page = await self._hooks.list_channel_sessions(channel, after, listing.MAX_PAGE_SIZE)
+            index.extend(sid for sid, _ in page.sessions)
+            if len(index) > MAX_ORDERED:
+                raise FailedPrecondition(
+                    Reason.TOO_MANY_TO_ORDER,
+                    f"the channel has more than {MAX_ORDERED} sessions: too many to order; "
+                    "list them in session id order (with a filter) instead",
+                )
+            if not page.more or not page.sessions:
+                break
+            after = page.sessions[-1][0]
+        one = self._gatherer(channel)
+        gathered = await asyncio.gather(*(one(sid) for sid in index))
+        ranked = sorted(
+            (order.key(found.fields, sid), found)
+            for sid, found in zip(index, gathered, strict=True)
+            if found is not None and wanted.matches(found.fields)
+        )
+        ahead = [(key, found) for key, found in ranked if position is None or key > position]
+        out: list[pb.Session] = []
+        total = 0
+        for _, found in ahead[:size]:
+            cost = found.session.ByteSize()
+            if out and total + cost > MAX_PAGE_BYTES:
+                break
+            out.append(found.session)
+            total += cost
+        if len(out) == len(ahead):
+            return out, ""
+        last = ahead[len(out) - 1][1]
+        token = listing.encode_page_token(
+            channel,
+            filter_text,
+            last.session.session_id,
+            order_by,
+            order.rank(last.fields),
+        )
+        return out, token
+
+    async def list(
+        self,
+        channel: str,
+        page_size: int,
+        page_token: str,
+        filter_text: str,
+        order_by: str = "",
+    ) -> tuple[list[pb.Session], str]:
+        """One page (AIP-158) of the channel's sessions matching the filter,
+        in session id order or `order_by` (AIP-132), and the next page's
+        token ("" at the end). Every argument is validated before anything
+        is read."""
+        size = listing.page_size(page_size)
+        if len(filter_text) > listing.MAX_FILTER_LENGTH:
+            raise listing.invalid_filter("the filter is too long")
+        order = listing.parse_order(order_by)
+        if order is not None:
+            after, rank = listing.decode_ordered_page_token(
+                page_token, channel, filter_text, order_by
+            )
+            wanted = listing.parse_filter(filter_text)
+            position = (rank, after) if after else None
+            return await self._list_ordered(
+                channel, size, filter_text, wanted, order_by, order, position
+            )
+        after = listing.decode_page_token(page_token, channel, filter_text)
+        wanted = listing.parse_filter(filter_text)
+        out: list[pb.Session] = []
+        total = 0  # serialized bytes of `out`
+        scanned = 0
+        one = self._gatherer(channel)
 
         while True:
             page = await self._hooks.list_channel_sessions(channel, after, size)

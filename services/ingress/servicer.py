@@ -105,6 +105,6 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
     ) -> pb.ListSessionsResponse:
         channel = self._channel(context)
         sessions, token = await self._views.list(
-            channel, request.page_size, request.page_token, request.filter
+            channel, request.page_size, request.page_token, request.filter, request.order_by
         )
         return pb.ListSessionsResponse(sessions=sessions, next_page_token=token)

@@ -10,8 +10,9 @@ import structlog
 from baton_runtime._proto.baton.owner.v1 import owner_pb2, owner_pb2_grpc
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.etcd.keys import AgentLabel
 from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
-from baton_runtime.owner.agents.api import load_agent
+from baton_runtime.owner.agents.api import Agent, load_agent
 from baton_runtime.owner.config import OwnerConfig
 from baton_runtime.owner.hosting.fleet import FleetMembership
 from baton_runtime.owner.hosting.heap import HeapTrimmer
@@ -55,8 +56,24 @@ def _peer_clients(config: OwnerConfig) -> tuple[HooksClient, AnchorClient]:
     return hooks, anchor
 
 
+def _loaded(spec: str, agent: Agent) -> AgentLabel:
+    """Say which agent code this owner runs (the log, and its registry
+    entry for `baton deployments describe`)."""
+    label = AgentLabel(spec=spec, name=agent.name, version=agent.version)
+    log.info(
+        "agent loaded",
+        agent=spec,
+        agent_name=agent.name,
+        agent_version=agent.version,
+        tools=[t.name for t in agent.tools],
+        subagents=[a.name for a in agent.subagents],
+    )
+    return label
+
+
 async def create_server(config: OwnerConfig) -> GrpcServer:
     agent = load_agent(config.agent, config.deployment_id)
+    label = _loaded(config.agent, agent)
     hooks, anchor = _peer_clients(config)
     settings = HostSettings(
         config.deployment_id,
@@ -86,6 +103,7 @@ async def create_server(config: OwnerConfig) -> GrpcServer:
         host,
         hooks,
         address=config.advertise or advertised_address(config.listen, server.port),
+        agent=label,
         lease_ttl=config.lease_ttl,
         keepalive_every=config.keepalive_every,
         on_lease_lost=exit_process if config.exit_on_lease_loss else None,

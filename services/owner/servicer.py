@@ -120,6 +120,18 @@ class OwnerServicer(owner_pb2_grpc.OwnerServiceServicer):
             ],
         )
 
+    async def UndrainSessions(
+        self, request: pb.UndrainSessionsRequest, context: Context
+    ) -> pb.UndrainSessionsResponse:
+        undrained = self._host.undrain()
+        return pb.UndrainSessionsResponse(
+            deployment_id=undrained.deployment_id,
+            instance_id=undrained.instance_id,
+            was_to_deployment_id=undrained.was_to_deployment_id,
+            moved=undrained.moved,
+            held=undrained.held,
+        )
+
     async def AdoptSession(
         self, request: pb.AdoptSessionRequest, context: Context
     ) -> pb.AdoptSessionResponse:

@@ -10,11 +10,13 @@ which the demo checks and reports.
 
 With upgrade ingresses (ingresses of other deployments), the demo then sends
 `UPGRADE_MESSAGE` through each in turn: the idle session hands off to that
-deployment mid-conversation. The demo checks that each move happened (the
-turn's first event is `session.handed_off` from the previous deployment, and
-the whole turn ran on the new one) and that the one follower stream, opened
-on the first ingress before the first message, read every seq from 0 in
-order with no gap, no duplicate and no reconnect.
+deployment mid-conversation, and that deployment's code answers (under
+`baton up`, the fixture's version 2: "[v2] The result is dep-2."). The
+demo checks that each move happened (the turn's first event is
+`session.handed_off` from the previous deployment, and the whole turn ran on
+the new one) and that the one follower stream, opened on the first ingress
+before the first message, read every seq from 0 in order with no gap, no
+duplicate and no reconnect.
 """
 
 from __future__ import annotations
@@ -312,11 +314,15 @@ class _Conversation:
                 "runs the session: an upgrade ingress must serve another deployment"
             )
         await self._settle(sent.delivery_id)
-        handed = check_moved(self.tracker.events[first_seq:], source, target)
+        turn = self.tracker.events[first_seq:]
+        handed = check_moved(turn, source, target)
         self.write(
             f"upgraded: session {self.session_id} moved from {source} to {target} at "
             f"#{handed.seq}, between two turns"
         )
+        answers = [e.text for e in turn if e.kind == s.EVENT_KIND_MESSAGE_COMPLETED]
+        if answers:
+            self.write(f"answered by {target}'s code: {json.dumps(answers[-1])}")
 
     async def _send(
         self, stub: ingress_pb2_grpc.IngressServiceAsyncStub, text: str, where: str

@@ -1,5 +1,6 @@
 """`baton deployments drain OLD --to NEW`: retire a deployment without
-stranding a session (docs/design.md §13, docs/deploy.md).
+stranding a session (docs/design.md §13, docs/deploy.md); `baton
+deployments undrain DEP`: stop it.
 
 Asks every live owner instance of OLD to hand every session it holds to NEW
 through the ordinary handoff: idle ones at once, parked ones after waking
@@ -22,10 +23,15 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from baton_runtime.common import ids
-from baton_runtime.common.clients.answers import DrainReport, OwnedSession, OwnerInstance
+from baton_runtime.common.clients.answers import (
+    DrainReport,
+    OwnedSession,
+    OwnerInstance,
+    Undrained,
+)
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.clients.owner import OwnerClient
-from baton_runtime.common.errors import BatonError
+from baton_runtime.common.errors import BatonError, NotFound, Reason
 from baton_runtime.common.security.tls import Security
 
 EXIT_DRAINED = 0
@@ -166,6 +172,57 @@ class _Progress:
             indent = 2 if self.output == "json" else None
             self.write(json.dumps(data, indent=indent, sort_keys=True))
         return code
+
+
+async def undrain(
+    hooks_address: str,
+    deployment_id: str,
+    security: Security,
+    *,
+    write: Callable[[str], None] = print,
+    output: str = "text",
+) -> int:
+    """Ask every live owner instance of `deployment_id` to stop draining: it
+    keeps the sessions still on it and takes handoffs again. NOT_FOUND when
+    no instance of it is live (nothing drains it then). Exit codes are the
+    other commands' (0 done)."""
+    deployment_id = ids.validate_deployment_id(deployment_id)
+    hooks = HooksClient(hooks_address, security=security)  # as an operator
+    clients: list[OwnerClient] = []
+    try:
+        instances = await hooks.list_instances(deployment_id)
+        if not instances:
+            raise NotFound(
+                Reason.DEPLOYMENT_NOT_FOUND,
+                f"deployment {deployment_id} has no live owner instance (nothing drains it)",
+            )
+        answers: list[Undrained] = []
+        for instance in instances:
+            client = OwnerClient(instance.address, security=security)
+            clients.append(client)
+            answers.append(await client.undrain_sessions())
+    finally:
+        await hooks.close()
+        for client in clients:
+            await client.close()
+    if output == "json":
+        write(json.dumps([asdict(a) for a in answers], indent=2, sort_keys=True))
+        return EXIT_DRAINED
+    if output == "jsonl":
+        for a in answers:
+            write(json.dumps(asdict(a), sort_keys=True))
+        return EXIT_DRAINED
+    for a in answers:
+        if a.was_to_deployment_id:
+            write(
+                f"undrained: {a.instance_id} ({a.deployment_id}) no longer drains to "
+                f"{a.was_to_deployment_id} ({a.moved} moved there stay there; {a.held} held "
+                "here stay here)"
+            )
+        else:
+            write(f"{a.instance_id} ({a.deployment_id}) was not draining ({a.held} held here)")
+    write(f"deployment {deployment_id} takes handoffs again")
+    return EXIT_DRAINED
 
 
 def _no_fleet_left(

@@ -20,10 +20,33 @@ def kind_name(kind: s.EventKind.ValueType) -> str:
     return f"{subject}.{verb}" if subject else verb
 
 
+_INPUT_KINDS = {
+    s.INPUT_KIND_QUESTION: "question",
+    s.INPUT_KIND_APPROVAL: "approval",
+    s.INPUT_KIND_SESSION_LIMIT: "limit",
+}
+
+
+def _input_request(request: s.InputRequest) -> list[str]:
+    """What a person answers (`baton sessions answer SESSION REQUEST`): the
+    request's kind and id, its prompt, and the call an approval is for."""
+    details = [f"{_INPUT_KINDS.get(request.kind, 'input')} {request.request_id}"]
+    if request.prompt:
+        details.append(json.dumps(request.prompt, ensure_ascii=False))
+    if request.HasField("tool_call"):
+        call = request.tool_call
+        details.append(f"for {call.name}({call.arguments_json})")
+    return details
+
+
 def format_event(event: s.Event) -> str:
     """One readable line: seq, kind, and what the event carries."""
     details: list[str] = []
-    if event.HasField("tool_call"):
+    if event.HasField("input_request"):
+        details += _input_request(event.input_request)
+    if event.attempt_id:
+        details.append(f"attempt {event.attempt_id}")
+    if event.HasField("tool_call") and not event.HasField("input_request"):
         call = event.tool_call
         details.append(f"{call.name}({call.arguments_json})")
     if event.HasField("tool_result"):

@@ -3,9 +3,9 @@
 services/cli/commands/operate_parser.py): the connection from flags, environment
 and profile, the call each command makes, and its exit code.
 
-Tenant commands (sessions list|get|events|send|cancel|reset) call the public
+Tenant commands (sessions list|create|get|events|send|answer|cancel|reset) call the public
 ingress with the API key in BATON_API_KEY; operator commands (sessions
-resume, deployments list|describe|drain, handoffs get) call hooks, anchor
+resume, deployments list|describe|drain|undrain, handoffs get) call hooks, anchor
 and owners with the operator certificate. Connection defaults come from the
 profile `baton up` writes (services/cli/system/profile.py).
 
@@ -88,8 +88,28 @@ def _tenant_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
             connection,
             args.output,
             filter_text=args.filter,
+            order_by=args.order_by,
             limit=args.limit,
             page_size=args.page_size,
+        )
+    if args.action == "create":
+        return session_actions.create(
+            connection,
+            args.output,
+            aliases=args.aliases,
+            request_id=args.request_id,
+            timeout_seconds=args.timeout,
+            token_budget=args.token_budget,
+        )
+    if args.action == "answer":
+        return session_actions.answer(
+            connection,
+            args.session,
+            args.request,
+            args.output,
+            approved=args.approved,
+            text=args.text,
+            delivery_id=args.delivery_id,
         )
     if args.action == "events":
         return session_actions.events(
@@ -122,6 +142,10 @@ def _operator_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
         return operator.handoff_get(connection, args.session, args.handoff, args.output)
     if args.action == "list":
         return operator.deployments_list(connection, args.output)
+    if args.action == "undrain":
+        return deployments.undrain(
+            connection.hooks, args.deployment, connection.security, output=args.output
+        )
     return operator.deployments_describe(connection, args.deployment, args.output, limit=args.limit)
 
 
@@ -148,10 +172,10 @@ def _drain(args: argparse.Namespace) -> int:
         return 130
 
 
-_TENANT = {"list", "get", "events", "send", "cancel", "reset"}
+_TENANT = {"list", "create", "get", "events", "send", "answer", "cancel", "reset"}
 _COMMANDS = {
     "sessions": {*_TENANT, "resume"},
-    "deployments": {"list", "describe", "drain"},
+    "deployments": {"list", "describe", "drain", "undrain"},
     "handoffs": {"get"},
 }
 
@@ -168,7 +192,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "sessions" and args.action == "list" and args.all_channels:
             call = operator.sessions_all_channels(
-                _operator_connection(args), args.output, filter_text=args.filter, limit=args.limit
+                _operator_connection(args),
+                args.output,
+                filter_text=args.filter,
+                order_by=args.order_by,
+                limit=args.limit,
             )
         elif args.command == "sessions" and args.action == "get" and args.all_channels:
             connection = _operator_connection(args)

@@ -105,7 +105,8 @@ def _session_arg(sub: argparse.ArgumentParser) -> None:
 def add_session_commands(commands: Any) -> None:
     group = commands.add_parser(
         "sessions",
-        help="look into and talk to sessions (list, get, events, send, cancel, reset, resume)",
+        help="look into and talk to sessions (list, create, get, events, send, answer, cancel, "
+        "reset, resume)",
         description=(
             "Sessions through the public API, as the channel whose API key is in BATON_API_KEY "
             "(default: the loopback demo key); `resume` is an operator's (the operator "
@@ -115,6 +116,7 @@ def add_session_commands(commands: Any) -> None:
         ),
     ).add_subparsers(dest="action", metavar="ACTION")
     _add_list(group)
+    _add_create(group)
     one = group.add_parser("get", help="one session", description="One session, by id or alias.")
     _session_arg(one)
     one.add_argument(
@@ -139,8 +141,16 @@ def _add_list(group: Any) -> None:
     listing.add_argument(
         "--filter",
         default="",
-        help="e.g. 'status = idle AND deployment = \"dep-1\"' (fields: status, deployment, "
-        "create_time, update_time; see docs/introspection.md)",
+        help="e.g. 'status = idle AND deployment = \"dep-1\"' or 'inbox_depth > 0 AND "
+        'oldest_unconsumed_age > "30s"\' (fields: status, deployment, create_time, '
+        "update_time, inbox_depth, oldest_unconsumed_age; see docs/introspection.md)",
+    )
+    listing.add_argument(
+        "--order-by",
+        default="",
+        metavar="FIELD [asc|desc]",
+        help="e.g. 'oldest_unconsumed_age desc' (inbox_depth or oldest_unconsumed_age; "
+        "default: session id order)",
     )
     listing.add_argument(
         "--limit", type=non_negative, default=100, help="at most this many (0 = all; default 100)"
@@ -190,6 +200,7 @@ def _add_send_and_controls(group: Any) -> None:
     send.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
     send.add_argument("--queue", action="store_true", help="wait for the open turn to settle")
     _tenant_flags(send)
+    _add_answer(group)
     for action, what in (
         ("cancel", "cancel the running turn"),
         ("reset", "finalize the session (terminal: its stream closes)"),
@@ -199,6 +210,57 @@ def _add_send_and_controls(group: Any) -> None:
         sub.add_argument("--reason", default="", help="why (kept with the command)")
         sub.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
         _tenant_flags(sub)
+
+
+def _add_create(group: Any) -> None:
+    create = group.add_parser(
+        "create",
+        help="create a session",
+        description=(
+            "Create a session on the ingress's deployment and print its id. Repeating it "
+            "with the same --request-id finds the session the first created."
+        ),
+    )
+    create.add_argument(
+        "--alias",
+        action="append",
+        dest="aliases",
+        default=[],
+        metavar="RAW",
+        help="an alias of the channel to claim for it (repeatable)",
+    )
+    create.add_argument("--request-id", default="", help="idempotency key (default: generated)")
+    create.add_argument(
+        "--timeout", type=non_negative, default=0, help="session lifetime, seconds (0 = none)"
+    )
+    create.add_argument(
+        "--token-budget", type=non_negative, default=0, help="token budget (0 = unlimited)"
+    )
+    _tenant_flags(create)
+
+
+def _add_answer(group: Any) -> None:
+    answer = group.add_parser(
+        "answer",
+        help="answer a pending input request (an approval or a question)",
+        description=(
+            "Answer the input request REQUEST (its id is on the session's input.requested "
+            "event, and in `sessions get`): --approve or --deny a tool call waiting for "
+            "approval (or a spent limit), or --text for the model's question (with "
+            "--approve/--deny: sent along with it). Accepted means durable; the "
+            "turn goes on when its owner takes it up."
+        ),
+    )
+    _session_arg(answer)
+    answer.add_argument("request", metavar="REQUEST", help="the input request id")
+    verdict = answer.add_mutually_exclusive_group()
+    verdict.add_argument(
+        "--approve", dest="approved", action="store_const", const=True, default=None
+    )
+    verdict.add_argument("--deny", dest="approved", action="store_const", const=False)
+    answer.add_argument("--text", default="", help="the answer's text")
+    answer.add_argument("--delivery-id", default="", help="idempotency key (default: generated)")
+    _tenant_flags(answer)
 
 
 def _add_resume(group: Any) -> None:
@@ -218,7 +280,8 @@ def _add_resume(group: Any) -> None:
 
 def add_deployment_commands(commands: Any) -> None:
     fleet = commands.add_parser(
-        "deployments", help="operator: the deployments' owner fleets (list, describe, drain)"
+        "deployments",
+        help="operator: the deployments' owner fleets (list, describe, drain, undrain)",
     ).add_subparsers(dest="action", metavar="ACTION")
     listing = fleet.add_parser(
         "list",
@@ -262,6 +325,18 @@ def add_deployment_commands(commands: Any) -> None:
         "--wait", type=float, default=60.0, help="seconds to wait for the drain (default 60)"
     )
     _operator_flags(drain)
+    undrain = fleet.add_parser(
+        "undrain",
+        help="stop a drain: the deployment keeps its sessions and takes handoffs again",
+        description=(
+            "Ask every live owner instance of DEPLOYMENT to stop its drain: the sessions "
+            "still on it stay, and it is a handoff target again (once its registry entry "
+            "says so, within a keep-alive); sessions that moved stay where they are. Safe "
+            "to repeat. A deployment with no live instance is NOT_FOUND (exit 3)."
+        ),
+    )
+    undrain.add_argument("deployment", metavar="DEPLOYMENT", help="the exact deployment id")
+    _operator_flags(undrain)
 
 
 def add_handoff_commands(commands: Any) -> None:

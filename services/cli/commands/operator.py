@@ -80,6 +80,15 @@ def deployment_status_name(status: hooks_pb.DeploymentStatus.ValueType) -> str:
     return hooks_pb.DeploymentStatus.Name(status).removeprefix("DEPLOYMENT_STATUS_").lower()
 
 
+def agent_text(agent: hooks_pb.AgentInfo) -> str:
+    """`fixture v2 (baton_runtime.owner.agents.fixture:build_agent_v2)`; `-`
+    for an instance that registered none."""
+    named = " ".join(filter(None, (agent.name, f"v{agent.version}" if agent.version else "")))
+    if named and agent.spec:
+        return f"{named} ({agent.spec})"
+    return named or agent.spec or "-"
+
+
 def deployment_json(info: hooks_pb.DeploymentInfo) -> dict[str, object]:
     return json_format.MessageToDict(
         info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -165,14 +174,19 @@ async def sessions_all_channels(
     output: str,
     *,
     filter_text: str = "",
+    order_by: str = "",
     limit: int = 100,
     write: Callable[[str], None] = print,
 ) -> int:
     """`baton sessions list --all-channels`: every channel's sessions in
     (channel, session id) order, each as GetSession reports it, filtered as
     ListSessions filters (the same AIP-160 subset, checked before any call),
-    up to `limit` (0: all)."""
+    up to `limit` (0: all). With `order_by` (as ListSessions'), every
+    channel's sessions are gathered, sorted, then cut to `limit`."""
     wanted = listing.parse_filter(filter_text)
+    order = listing.parse_order(order_by)
+    if order is not None:
+        return await _sessions_all_channels_ordered(connection, output, wanted, order, limit, write)
     hooks = HooksClient(connection.hooks, security=connection.security)
     anchor = AnchorClient(connection.anchor, security=connection.security)
     views = SessionViews(hooks, anchor)
@@ -206,6 +220,50 @@ async def sessions_all_channels(
     if output != "jsonl":
         for line in render(found, output, single=False):
             write(line)
+    return EXIT_OK
+
+
+async def _sessions_all_channels_ordered(
+    connection: OperatorConnection,
+    output: str,
+    wanted: listing.Filter,
+    order: listing.Order,
+    limit: int,
+    write: Callable[[str], None],
+) -> int:
+    """Every channel's matching sessions, sorted by `order` (then channel
+    and session id), the first `limit` (0: all)."""
+    hooks = HooksClient(connection.hooks, security=connection.security)
+    anchor = AnchorClient(connection.anchor, security=connection.security)
+    views = SessionViews(hooks, anchor)
+    slots = asyncio.Semaphore(LIST_CONCURRENCY)
+
+    async def one(session_id: str) -> Gathered | None:
+        async with slots:
+            try:
+                return await views.gather(ANY_CHANNEL, session_id)
+            except NotFound:  # gone (retention) since the index was read
+                return None
+
+    ranked: list[tuple[tuple[int, str], str, pb.Session]] = []
+    try:
+        after = ("", "")
+        while True:
+            page, more = await hooks.list_all_sessions(*after, INDEX_PAGE)
+            gathered = await asyncio.gather(*(one(sid) for _, sid in page))
+            for (channel, sid), found in zip(page, gathered, strict=True):
+                if found is not None and wanted.matches(found.fields):
+                    ranked.append((order.key(found.fields, sid), channel, found.session))
+            if not more or not page:
+                break
+            after = page[-1]
+    finally:
+        await hooks.close()
+        await anchor.close()
+    ranked.sort(key=lambda item: (item[0][0], item[1], item[0][1]))
+    listed = [session for _, _, session in (ranked[:limit] if limit else ranked)]
+    for line in render(listed, output, single=False):
+        write(line)
     return EXIT_OK
 
 
@@ -323,10 +381,11 @@ def _described(
             str(i.lease_id),
             f"{i.ttl_seconds}/{i.granted_ttl_seconds}s",
             str(i.sessions),
+            agent_text(i.instance.agent),
         )
         for i in info.instances
     ]
-    lines += _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS"), rows)
+    lines += _table(("INSTANCE", "ADDRESS", "LEASE", "TTL", "SESSIONS", "AGENT"), rows)
     lines.append("")
     lines += table_of(sessions)
     if len(sessions) < total:

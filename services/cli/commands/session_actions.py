@@ -1,7 +1,7 @@
-"""`baton sessions events|send|cancel|reset`: a session's stream and the
-commands a channel may send it, through the public API (IngressService
-StreamEvents / SendMessage / SendControl) as the channel whose API key is in
-BATON_API_KEY. Connection settings and exit codes are those of
+"""`baton sessions create|events|send|answer|cancel|reset`: a new session,
+its stream and the commands a channel may send it, through the public API
+(IngressService CreateSession / StreamEvents / SendMessage / SendControl)
+as the channel whose API key is in BATON_API_KEY. Connection settings and exit codes are those of
 `baton_runtime.cli.commands.sessions`.
 
 Output (`-o`): `text` (one line per event, as the demo prints them; a
@@ -15,7 +15,8 @@ arrives; `json` needs the whole array, so it is refused with --follow.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -141,6 +142,49 @@ def _print(response: Message, output: str, line: str, write: Callable[[str], Non
         write(line)
 
 
+async def create(
+    connection: Connection,
+    output: str,
+    *,
+    aliases: Sequence[str] = (),
+    request_id: str = "",
+    timeout_seconds: int = 0,
+    token_budget: int = 0,
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions create`: a new session on the ingress's deployment. A
+    repeat with the same --request-id finds the session the first created."""
+    channel = connection.open()
+    try:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        request = pb.CreateSessionRequest(
+            request_id=request_id or f"cli-{uuid.uuid4().hex}",
+            aliases=list(aliases),
+            timeout_seconds=timeout_seconds,
+            token_budget=token_budget,
+        )
+        try:
+            response = await stub.CreateSession(
+                request, metadata=connection.metadata, timeout=CALL_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+    finally:
+        await channel.close()
+    verb = "created" if response.created else "found (a repeat of its --request-id)"
+    line = f"{verb}: session {response.session_id} on deployment {response.deployment_id}"
+    if output == "text":
+        write(line)
+    else:  # `created` printed when false too: it says whether this call made it
+        data = json_format.MessageToDict(
+            response,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
+        )
+        write(json.dumps(data, indent=2 if output == "json" else None, sort_keys=True))
+    return EXIT_OK
+
+
 async def send(
     connection: Connection,
     session: str,
@@ -173,6 +217,45 @@ async def send(
     finally:
         await channel.close()
     line = _receipt_line("accepted", response.receipt, response.delivery_id)
+    _print(response, output, line, write)
+    return EXIT_OK
+
+
+async def answer(
+    connection: Connection,
+    session: str,
+    request_id: str,
+    output: str,
+    *,
+    approved: bool | None = None,
+    text: str = "",
+    delivery_id: str = "",
+    write: Callable[[str], None] = print,
+) -> int:
+    """`baton sessions answer ID REQUEST --approve|--deny|--text T`: the
+    answer to a pending input request (the request id is on its
+    input.requested event): an approval or a refusal of a tool call (or of
+    a spent limit), or the text of an answer to the model's question."""
+    if approved is None and not text:
+        raise UsageError("answer with --approve, --deny or --text TEXT")
+    response_message = s.InputResponse(request_id=request_id, text=text, approved=bool(approved))
+    channel = connection.open()
+    try:
+        stub = ingress_pb2_grpc.IngressServiceStub(channel)
+        request = _aimed(
+            pb.SendMessageRequest(input_responses=[response_message], delivery_id=delivery_id),
+            session,
+        )
+        try:
+            response = await stub.SendMessage(
+                request, metadata=connection.metadata, timeout=CALL_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+    finally:
+        await channel.close()
+    what = {True: "approval", False: "refusal", None: "answer"}[approved]
+    line = _receipt_line(f"{what} of {request_id} accepted", response.receipt, response.delivery_id)
     _print(response, output, line, write)
     return EXIT_OK
 

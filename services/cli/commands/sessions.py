@@ -207,11 +207,13 @@ async def list_sessions(
     output: str,
     *,
     filter_text: str = "",
+    order_by: str = "",
     limit: int = 100,
     page_size: int = 0,
     write: Callable[[str], None] = print,
 ) -> int:
-    """`baton sessions list`: every page until `limit` sessions (0: all)."""
+    """`baton sessions list`: every page until `limit` sessions (0: all),
+    in session id order or `order_by`'s."""
     channel = connection.open()
     found: list[pb.Session] = []
     try:
@@ -221,7 +223,9 @@ async def list_sessions(
             size = page_size or (min(limit - len(found), 200) if limit else 0)
             try:
                 page = await stub.ListSessions(
-                    pb.ListSessionsRequest(page_size=size, page_token=token, filter=filter_text),
+                    pb.ListSessionsRequest(
+                        page_size=size, page_token=token, filter=filter_text, order_by=order_by
+                    ),
                     metadata=connection.metadata,
                     timeout=CALL_TIMEOUT,
                 )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from baton_runtime.cli.system.launch_settings import (
     DEFAULT_PORT_BASE,
     DEMO_API_KEY,
     DEMO_CHANNEL,
+    FIXTURE_AGENT,
+    FIXTURE_AGENT_V2,
     LaunchSettings,
 )
 from baton_runtime.common.config import ConfigError
@@ -59,6 +62,17 @@ def _add_topology(up: argparse.ArgumentParser) -> None:
         help="exact deployment id to run (repeatable, or comma-separated; each gets its "
         "own owner and ingress; the demo starts on the first and upgrades through the "
         f"others) (default {DEFAULT_DEPLOYMENT_ID})",
+    )
+    up.add_argument(
+        "--agent",
+        action="append",
+        dest="agents",
+        metavar="[DEP=]MODULE:FACTORY",
+        help="the agent code a deployment's owners load: DEP=module:factory for one "
+        "deployment (repeatable), a bare module:factory for every deployment not named "
+        "(importable from the current directory or PYTHONPATH; docs/agents.md). Default: "
+        "BATON_AGENT for every deployment when set, else the fixture agent on the first "
+        "deployment and its version 2 (answers start with [v2]) on the others",
     )
     up.add_argument(
         "--port-base",
@@ -175,10 +189,58 @@ def _deployment_ids(values: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(ids)
 
 
+_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def _agent_spec(spec: str) -> str:
+    spec = spec.strip()
+    if not _SPEC.match(spec):
+        raise ConfigError(f"--agent {spec!r}: expected module:factory (e.g. my_agent:build_agent)")
+    return spec
+
+
+def agents_by_deployment(
+    values: Sequence[str] | None,
+    deployment_ids: Sequence[str],
+    environ: Mapping[str, str],
+) -> tuple[tuple[str, str], ...]:
+    """(deployment, agent spec) for every deployment: --agent DEP=SPEC, else
+    a bare --agent SPEC, else BATON_AGENT from the environment (then the
+    owners' own environment decides: nothing to set), else the fixture on
+    the first deployment and its version 2 on the others."""
+    named: dict[str, str] = {}
+    every = ""
+    for value in values or ():
+        deployment, equals, spec = value.rpartition("=")
+        if not equals:
+            if every:
+                raise ConfigError(f"--agent: two agents for every deployment ({every}, {spec})")
+            every = _agent_spec(spec)
+            continue
+        deployment = validate_deployment_id(deployment.strip())
+        if deployment not in deployment_ids:
+            raise ConfigError(
+                f"--agent {value!r}: {deployment} is not a deployment this runs "
+                f"({', '.join(deployment_ids)})"
+            )
+        if deployment in named:
+            raise ConfigError(f"--agent: two agents for {deployment}")
+        named[deployment] = _agent_spec(spec)
+    chosen: list[tuple[str, str]] = []
+    for position, deployment in enumerate(deployment_ids):
+        spec = named.get(deployment) or every
+        if not spec and not environ.get("BATON_AGENT"):
+            spec = FIXTURE_AGENT if position == 0 else FIXTURE_AGENT_V2
+        if spec:
+            chosen.append((deployment, spec))
+    return tuple(chosen)
+
+
 def run_up(args: argparse.Namespace) -> int:
     """`baton up` with these flags: 2 on a bad flag, else the launcher's code."""
     try:
         deployment_ids = _deployment_ids(args.deployment_ids)
+        agents = agents_by_deployment(args.agents, deployment_ids, os.environ)
     except BatonError as exc:
         print(f"baton up: {exc.message}", file=sys.stderr)
         return 2
@@ -195,6 +257,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 2
     settings = LaunchSettings(
         deployment_ids=deployment_ids,
+        agents=agents,
         port_base=args.port_base,
         etcd_port=args.etcd_port,
         api_key_file=key_file,

@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_DEPLOYMENT_ID = "dep-1"
+# The agents `baton up` runs when told none (no --agent, no BATON_AGENT):
+# the fixture on the first deployment, its version 2 on every other one, so
+# that a session moving between them visibly moves to new code.
+FIXTURE_AGENT = "baton_runtime.owner.agents.fixture:build_agent"
+FIXTURE_AGENT_V2 = "baton_runtime.owner.agents.fixture:build_agent_v2"
 DEFAULT_PORT_BASE = 50051
 DEFAULT_ETCD_PORT = 23790
 DEMO_CHANNEL = "demo"
@@ -26,6 +31,10 @@ class LaunchSettings:
     # One owner + one ingress per id, in this order; the first is where the
     # demo creates its session.
     deployment_ids: tuple[str, ...] = (DEFAULT_DEPLOYMENT_ID,)
+    # The agent (`module:factory`) each deployment's owners load, by
+    # deployment id; a deployment not named here gets BATON_AGENT from the
+    # environment (or the owner's default).
+    agents: tuple[tuple[str, str], ...] = ()
     port_base: int = DEFAULT_PORT_BASE
     etcd_port: int = DEFAULT_ETCD_PORT
     # The ingress's API key file; "" grants the demo key (written to the run dir).
@@ -57,3 +66,10 @@ class LaunchSettings:
             raise ValueError("at least one deployment id is required")
         if len(set(self.deployment_ids)) != len(self.deployment_ids):
             raise ValueError(f"deployment ids repeat: {', '.join(self.deployment_ids)}")
+        unknown = [dep for dep, _ in self.agents if dep not in self.deployment_ids]
+        if unknown:
+            raise ValueError(f"agents for deployments not run: {', '.join(unknown)}")
+
+    def agent_of(self, deployment_id: str) -> str:
+        """The agent spec `deployment_id`'s owners load ("" = their environment's)."""
+        return dict(self.agents).get(deployment_id, "")

@@ -119,6 +119,10 @@ def _announce(system: LocalSystem) -> None:
         system.say(f"Baton is up: deployments {apis}")
     for line in system.describe():
         system.say(line)
+    system.say("Agents (each owner logs the agent it loaded; `baton deployments describe`):")
+    environment = os.environ.get("BATON_AGENT", "") or "the owner's default"
+    for dep in deployments:
+        system.say(f"  {dep.deployment_id}: {settings.agent_of(dep.deployment_id) or environment}")
     system.say("Prometheus metrics (plaintext HTTP, loopback):")
     for line in system.describe_metrics():
         system.say(line)
@@ -138,6 +142,10 @@ def _announce(system: LocalSystem) -> None:
     else:
         system.say("PLAINTEXT: no TLS and no etcd auth (--plaintext; loopback only)")
         tls = "-plaintext"
+    system.say(
+        f"Console: {system.console_url} (loopback; other callers present the console "
+        f"token {system.console_token}: docs/console.md)"
+    )
     system.say(f"Try:  baton demo {' '.join(demo_command(system.ports, system.ca_cert))}")
     system.say(f"      grpcurl {tls} 127.0.0.1:{system.ports.ingress} list")
     system.say("Ctrl-C or SIGTERM stops everything.")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel
 
 
 @dataclass
@@ -22,11 +23,14 @@ class LoadedSession:
 
 @dataclass(frozen=True)
 class OwnerInstance:
-    """A live owner instance as the registry lists it."""
+    """A live owner instance as the registry lists it: the agent code it
+    loaded, and the deployment its drain hands sessions to ("" = none)."""
 
     deployment_id: str
     instance_id: str
     address: str
+    agent: AgentLabel = NO_AGENT
+    drain_to: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,14 @@ class InstanceLease:
 @dataclass(frozen=True)
 class TakenOver:
     """A takeover's outcome (TakeOverSession): the successor's fence; whether
-    the session stays parked under it, and the inbox head at the takeover."""
+    the session stays parked under it, and the inbox head at the takeover
+    (for a parked session, its consumed position); a parked session's
+    lifetime deadline (unix seconds, 0 = none)."""
 
     fence: s.Fence
     parked: bool
     inbox_head: int
+    timeout_deadline: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,6 +187,19 @@ class DrainBlocker:
     session_id: str
     reason: str
     detail: str
+
+
+@dataclass(frozen=True)
+class Undrained:
+    """An instance's stopped drain (UndrainSessions): the target it drained
+    to ("" = it did not drain), the sessions it had moved there, and those
+    it holds now."""
+
+    deployment_id: str
+    instance_id: str
+    was_to_deployment_id: str
+    moved: int
+    held: int
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from baton_runtime.common.clients.base import ServiceClient, traced
 from baton_runtime.common.clients.channels import DEFAULT_CALL_TIMEOUT
 from baton_runtime.common.clients.hooks_methods import HOOKS_IDEMPOTENT, HOOKS_UNLIMITED
 from baton_runtime.common.errors import Internal, Reason
-from baton_runtime.common.etcd.keys import Bell
+from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel, Bell
 from baton_runtime.common.security.tls import Security
 from baton_runtime.common.streams.multiplex_client import Lanes
 
@@ -44,7 +44,10 @@ def _inbox_page(response: _InboxPage) -> list[s.InboxEntry]:
 
 
 def _instance(info: hooks_pb.InstanceInfo) -> OwnerInstance:
-    return OwnerInstance(info.deployment_id, info.instance_id, info.address)
+    agent = AgentLabel(info.agent.spec, info.agent.name, info.agent.version)
+    return OwnerInstance(
+        info.deployment_id, info.instance_id, info.address, agent, info.drain_to_deployment_id
+    )
 
 
 def _instance_change(response: hooks_pb.WatchInstancesResponse) -> InstanceChange:
@@ -181,13 +184,19 @@ class HooksClient(ServiceClient):
         )
 
     async def register_instance(
-        self, deployment_id: str, instance_id: str, ttl_seconds: int, address: str
+        self,
+        deployment_id: str,
+        instance_id: str,
+        ttl_seconds: int,
+        address: str,
+        agent: AgentLabel = NO_AGENT,
     ) -> InstanceLease:
         request = hooks_pb.RegisterInstanceRequest(
             deployment_id=deployment_id,
             instance_id=instance_id,
             ttl_seconds=ttl_seconds,
             address=address,
+            agent=hooks_pb.AgentInfo(spec=agent.spec, name=agent.name, version=agent.version),
         )
         response = await self._unary(
             "RegisterInstance", lambda: self.stub.RegisterInstance(request, timeout=self.timeout)
@@ -274,14 +283,20 @@ class HooksClient(ServiceClient):
         response = await self._unary(
             "TakeOverSession", lambda: self.stub.TakeOverSession(request, timeout=self.timeout)
         )
-        return TakenOver(response.fence, response.parked, response.inbox_head)
+        deadline = response.timeout_deadline.seconds if response.HasField("timeout_deadline") else 0
+        return TakenOver(response.fence, response.parked, response.inbox_head, deadline)
 
-    async def set_parked(self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0) -> int:
+    async def set_parked(
+        self, fence: s.Fence, parked: bool, inbox_next_seq: int = 0, timeout_deadline: int = 0
+    ) -> int:
         """Park (every inbox entry consumed up to `inbox_next_seq`, else
-        Aborted/INBOX_NOT_DRAINED) or unpark; returns the inbox head."""
+        Aborted/INBOX_NOT_DRAINED; `timeout_deadline`: the session's lifetime
+        deadline, unix seconds, 0 = none) or unpark; returns the inbox head."""
         request = hooks_pb.SetParkedRequest(
             fence=fence, parked=parked, inbox_next_seq=inbox_next_seq
         )
+        if timeout_deadline:
+            request.timeout_deadline.FromSeconds(timeout_deadline)
         response = await self._unary(
             "SetParked", lambda: self.stub.SetParked(request, timeout=self.timeout)
         )

@@ -13,6 +13,7 @@ from baton_runtime.common.clients.answers import (
     HandoffAccepted,
     Moved,
     StartedSession,
+    Undrained,
 )
 from baton_runtime.common.clients.base import ServiceClient
 from baton_runtime.common.clients.channels import DEFAULT_CALL_TIMEOUT
@@ -27,6 +28,8 @@ OWNER_IDEMPOTENT = frozenset(
         "StartSession",
         # Sets the same drain target again and answers the progress.
         "DrainSessions",
+        # Stops the drain again (answers an empty target).
+        "UndrainSessions",
         # One handoff id per (old fence, adopting instance): a repeat replays
         # the same transfer.
         "AdoptSession",
@@ -77,6 +80,20 @@ class OwnerClient(ServiceClient):
             response.moved,
             response.remaining,
             tuple(DrainBlocker(b.session_id, b.reason, b.detail) for b in response.blockers),
+        )
+
+    async def undrain_sessions(self) -> Undrained:
+        """Operator: stop this instance's drain (a repeat answers an empty target)."""
+        request = owner_pb.UndrainSessionsRequest()
+        response = await self._unary(
+            "UndrainSessions", lambda: self.stub.UndrainSessions(request, timeout=self.timeout)
+        )
+        return Undrained(
+            response.deployment_id,
+            response.instance_id,
+            response.was_to_deployment_id,
+            response.moved,
+            response.held,
         )
 
     async def adopt_session(self, session_id: str) -> Moved:

@@ -269,24 +269,41 @@ class ChannelEntry:
 
 @dataclass(frozen=True)
 class OwnerRecord:
-    """Who owns a session (`s/{sid}/owner`) and whether it is parked."""
+    """Who owns a session (`s/{sid}/owner`) and whether it is parked.
+
+    What its owner gave up when it parked the session stays here, so that
+    whoever holds it next needs no snapshot to know it: the consumed inbox
+    position it parked at (`parked_inbox_next_seq`, a takeover's answer to a
+    successor that keeps it parked, replays included) and its lifetime
+    deadline (`timeout_deadline`, unix seconds, 0 = none: the successor
+    arms its wake-up, and hooks refuses appends after it). The deadline
+    stays after a wake (the session's deadline moves only with a handoff
+    to another deployment, whose transfer writes a new record).
+
+    Canonical JSON, keys sorted: every key sorts after `epoch`, so a record
+    begins with its deployment and epoch (`scope.owner_record_start`)."""
 
     owner_run_id: str
     deployment_id: str
     instance_id: str
     epoch: int
     parked: bool = False
+    parked_inbox_next_seq: int = 0  # while parked (0 in a record of an older build)
+    timeout_deadline: int = 0
 
     def encode(self) -> bytes:
-        return canonical_json(
-            {
-                "deployment_id": self.deployment_id,
-                "epoch": self.epoch,
-                "instance_id": self.instance_id,
-                "owner_run_id": self.owner_run_id,
-                "parked": self.parked,
-            }
-        )
+        data: dict[str, object] = {
+            "deployment_id": self.deployment_id,
+            "epoch": self.epoch,
+            "instance_id": self.instance_id,
+            "owner_run_id": self.owner_run_id,
+            "parked": self.parked,
+        }
+        if self.parked:
+            data["parked_inbox_next_seq"] = self.parked_inbox_next_seq
+        if self.timeout_deadline:
+            data["timeout_deadline"] = self.timeout_deadline
+        return canonical_json(data)
 
     @classmethod
     def decode(cls, value: bytes) -> OwnerRecord:
@@ -297,7 +314,13 @@ class OwnerRecord:
             instance_id=str(data.get("instance_id", "")),
             epoch=int(data.get("epoch", 0)),
             parked=bool(data.get("parked", False)),
+            parked_inbox_next_seq=int(data.get("parked_inbox_next_seq", 0)),
+            timeout_deadline=int(data.get("timeout_deadline", 0)),
         )
+
+    def past_deadline(self, now: float) -> bool:
+        """The session's lifetime deadline, as this record knows it, passed."""
+        return 0 < self.timeout_deadline <= now
 
     @property
     def fence(self) -> bytes:
@@ -314,32 +337,60 @@ class Bell:
 
 
 @dataclass(frozen=True)
+class AgentLabel:
+    """Which authored agent code an owner instance loaded: its `module:factory`
+    spec, the root agent's name and the author's version ("" when unset)."""
+
+    spec: str = ""
+    name: str = ""
+    version: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        parts = (("name", self.name), ("spec", self.spec), ("version", self.version))
+        return {key: value for key, value in parts if value}
+
+
+NO_AGENT = AgentLabel()
+
+
+@dataclass(frozen=True)
 class InstanceRecord:
     """A live owner instance (`d/{deployment}/{instance}`, under its lease);
-    `drain_to`: the deployment an operator's drain hands its sessions to, as
-    the instance announced it ("" = not draining)."""
+    `agent`: the agent code it loaded; `drain_to`: the deployment an
+    operator's drain hands its sessions to, as the instance announced it
+    ("" = not draining)."""
 
     deployment_id: str
     instance_id: str
     address: str
     drain_to: str = ""
+    agent: AgentLabel = NO_AGENT
 
     def encode(self) -> bytes:
-        data = {
+        data: dict[str, object] = {
             "address": self.address,
             "deployment_id": self.deployment_id,
             "instance_id": self.instance_id,
         }
         if self.drain_to:
             data["drain_to"] = self.drain_to
+        if self.agent.as_dict():
+            data["agent"] = self.agent.as_dict()
         return canonical_json(data)
 
     @classmethod
     def decode(cls, value: bytes) -> InstanceRecord:
         data = json.loads(value)
+        agent = data.get("agent")
+        agent = agent if isinstance(agent, dict) else {}
         return cls(
             deployment_id=str(data.get("deployment_id", "")),
             instance_id=str(data.get("instance_id", "")),
             address=str(data.get("address", "")),
             drain_to=str(data.get("drain_to", "")),
+            agent=AgentLabel(
+                spec=str(agent.get("spec", "")),
+                name=str(agent.get("name", "")),
+                version=str(agent.get("version", "")),
+            ),
         )

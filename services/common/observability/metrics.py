@@ -177,6 +177,15 @@ LIVE_INSTANCES = Gauge(
     ["deployment"],
     registry=None,
 )
+OLDEST_UNANSWERED = Gauge(
+    "baton_oldest_unanswered_seconds",
+    "How long the oldest message (command) not consumed yet has waited, over every session "
+    "of a deployment (its ownership index), whoever holds it: running, stalled, parked or "
+    "on an instance that died; 0 when none waits. Read from the inboxes every 15 s "
+    "(services/hooks/unanswered.py): every hooks replica reports the same, aggregate with max",
+    ["deployment"],
+    registry=None,
+)
 
 # -- anchor (services/anchor/journal.py) -------------------------------------------
 
@@ -261,6 +270,14 @@ HANDOFFS = Counter(
     "outcome: moved, refused, uncertain (then settled), skipped (no checkpoint revision, "
     "no live target instance, registry lookup failed)",
     ["reason", "outcome"],
+    registry=None,
+)
+HANDOFF_SKIPS = Counter(
+    "baton_handoff_skips_total",
+    "Handoff and drain attempts skipped before asking the target, by why: target_draining "
+    "(an operator drains the target deployment: it takes no sessions), no_live_instance, "
+    "registry_unavailable, revision_unknown",
+    ["why"],
     registry=None,
 )
 HANDOFF_SECONDS = Histogram(
@@ -355,6 +372,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         DEDUPE_LEASES_GRANTED,
         TRANSFERS,
         LIVE_INSTANCES,
+        OLDEST_UNANSWERED,
     ),
     "anchor": (
         *_RPC,
@@ -376,6 +394,7 @@ SERVICE_METRICS: dict[str, tuple[Collector, ...]] = {
         TOOL_CALL_SECONDS,
         INBOX_WAIT_SECONDS,
         HANDOFFS,
+        HANDOFF_SKIPS,
         HANDOFF_SECONDS,
         TAKEOVERS,
         PARKED_CLAIMS,

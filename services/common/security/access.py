@@ -85,6 +85,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     # an operator retires a deployment; an ingress has its own deployment's
     # owner adopt sessions whose deployment is gone
     _OWNER + "DrainSessions": _roles(OPERATOR),
+    _OWNER + "UndrainSessions": _roles(OPERATOR),
     # an operator runs a stalled session again (docs/failures.md)
     _OWNER + "ResumeSession": _roles(OPERATOR),
     _OWNER + "AdoptSession": _roles(INGRESS),

@@ -41,6 +41,12 @@ class ToolContext:
     owner_run_id: str
     channel: str = ""
     add_alias: Callable[[str], Awaitable[None]] | None = None
+    """Claim `<channel>:<raw>` as another address of the session (durably,
+    before the step commits)."""
+    tool_call_id: str = ""
+    """The call's id (`call_<n>`), unique in the session. The step in flight
+    when an owner dies runs again, and numbers its calls the same: key a
+    side effect by (session_id, tool_call_id) to make it once."""
 
 
 ToolFunction = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
@@ -130,6 +136,10 @@ class Agent:
     instructions: str
     model: ModelAdapter
     tools: Sequence[Tool] = ()
+    version: str = ""
+    """The author's name for this version of the code ("2", "2026-11-30"):
+    logged when an owner loads it and shown per instance by `baton
+    deployments describe`. Free text; it decides nothing."""
     max_steps_per_turn: int = 8
     compaction_instructions: str = (
         "Summarize the conversation so far in a few sentences; keep facts and open tasks."
@@ -310,7 +320,8 @@ class AgentCatalog:
 
 
 def load_agent(spec: str, deployment_id: str) -> Agent:
-    """Import `module:factory` and build the agent for `deployment_id`."""
+    """Import `module:factory` and build the agent for `deployment_id` (an
+    owner does it once, at start: BATON_AGENT)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"agent spec {spec!r} must be module:factory")

@@ -31,6 +31,8 @@ Child sessions (docs/design.md §11):
   "<name> says: <result>", "Started <name> as <handle>.", "<name> finished: <result>",
   or "<name> <failed|cancelled>: <error>".
 - anything else             -> "echo: <text>".
+`build_agent_v2` is version 2 of the same agent: every final answer starts
+with "[v2] " (a second deployment's code, visibly).
 The tools are fixture_tools.py's. Usage: prompt tokens are the words of the
 instructions and of the last message plus one per earlier message;
 completion tokens are the words of the answer.
@@ -41,8 +43,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
@@ -50,6 +54,7 @@ from baton_runtime.owner.agents.api import (
     ASK_SUBAGENT,
     CONTINUE_TASK,
     Agent,
+    ModelAdapter,
     ModelReply,
     RequestedCall,
     Tool,
@@ -259,35 +264,66 @@ def _next_sleep_step(history: Sequence[s.ChatMessage]) -> tuple[int, int]:
     return 0, 0
 
 
-def build_helper(deployment_id: str) -> Agent:
-    """The `helper` subagent: the fixture model with the inline tools."""
-    return Agent(
+class SignedModel:
+    """The fixture model of a later version of the fixture agent: its final
+    answers start with its mark (`[v2] echo: hello`), so a conversation
+    shows which version's code answered each turn."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+        self._inner = FixtureModel()
+
+    async def complete(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> ModelReply:
+        reply = await self._inner.complete(instructions, history, tools)
+        if not reply.text or reply.tool_calls or instructions.startswith("Summarize"):
+            return reply
+        return dataclasses.replace(reply, text=f"{self.mark} {reply.text}")
+
+
+def _fixture(deployment_id: str, version: str, model: Callable[[], ModelAdapter]) -> Agent:
+    """The fixture agent and its subagents (`helper`, `planner`), each with
+    its own instance of `model`."""
+    helper = Agent(
         name="helper",
         deployment_id=deployment_id,
         instructions="You are the helper subagent.",
-        model=FixtureModel(),
+        model=model(),
         tools=TOOLS,
+        version=version,
     )
-
-
-def build_agent(deployment_id: str) -> Agent:
-    helper = build_helper(deployment_id)
     planner = Agent(
         name="planner",
         deployment_id=deployment_id,
         instructions="You are the planner subagent; you may ask the helper.",
-        model=FixtureModel(),
+        model=model(),
         tools=TOOLS,
         subagents=(helper,),
+        version=version,
     )
     return Agent(
         name="fixture",
         deployment_id=deployment_id,
         instructions="You are Baton's deterministic fixture agent.",
-        model=FixtureModel(),
+        model=model(),
         tools=TOOLS + CHILD_TOOLS,
         subagents=(helper, planner),
+        version=version,
     )
+
+
+def build_agent(deployment_id: str) -> Agent:
+    """The fixture agent, version 1."""
+    return _fixture(deployment_id, "1", FixtureModel)
+
+
+def build_agent_v2(deployment_id: str) -> Agent:
+    """Version 2 of the fixture agent: the same behaviours, and every final
+    answer starts with `[v2]` (`baton up` runs it on every deployment but
+    the first, so a session that moves to one of them shows the new code
+    answering)."""
+    return _fixture(deployment_id, "2", lambda: SignedModel("[v2]"))
 
 
 def build_small_context_agent(deployment_id: str) -> Agent:
@@ -324,3 +360,25 @@ def build_refuse_load_until_fixed_agent(deployment_id: str) -> Agent:
     """The fixture agent whose sessions fail to load until
     `LoadRefusal.refusing` is set False (in the owner's process)."""
     return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load_until_fixed)
+
+
+REFUSE_DIR_ENV = "BATON_FIXTURE_REFUSE_DIR"
+"""The directory of `build_refuse_load_while_marked_agent`'s marks."""
+EVERY_SESSION = "every-session"
+"""The mark that refuses every session's load."""
+
+
+def _refuse_to_load_while_marked(snapshot: s.SessionSnapshot) -> None:
+    marks = os.environ.get(REFUSE_DIR_ENV, "")
+    if marks and any((Path(marks) / m).exists() for m in (snapshot.session_id, EVERY_SESSION)):
+        _refuse_to_load(snapshot)
+
+
+def build_refuse_load_while_marked_agent(deployment_id: str) -> Agent:
+    """The fixture agent whose sessions fail to load while a file named after
+    the session (or `EVERY_SESSION`) exists in the directory
+    BATON_FIXTURE_REFUSE_DIR: the
+    `LoadRefusal` of tests whose owners are processes of their own (a
+    session is stalled by marking it, and the cause fixed by removing the
+    mark)."""
+    return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load_while_marked)

@@ -96,9 +96,9 @@ class HandoffAcceptance:
         """Check the offer and its checkpoint; the body gets the Arrival to
         transfer, or the recorded outcome of a handoff that moved the session
         already (a repeat). The handoff is `accepting` while the body runs."""
-        handoff_id, sid = self._check_offer(offer)
+        handoff_id, sid = self.check_offer(offer)
         fence, from_owner = offer.fence, offer.from_owner
-        assert fence is not None and from_owner is not None  # checked by _check_offer
+        assert fence is not None and from_owner is not None  # checked by check_offer
         self.accepting[handoff_id] = sid
         try:
             await failpoints.hit("handoff.prepare")
@@ -143,7 +143,7 @@ class HandoffAcceptance:
             return done
         return loaded
 
-    def _check_offer(self, offer: HandoffOffer) -> tuple[str, str]:
+    def check_offer(self, offer: HandoffOffer) -> tuple[str, str]:
         """The offer's own fields, before anything is read: (handoff id, session id)."""
         handoff_id = ids.validate_id(offer.handoff_id, "handoff_id")
         drain = offer.reason == s.TRANSFER_REASON_DRAIN
@@ -243,7 +243,7 @@ class HandoffAcceptance:
             self.rules.check_child_code(snapshot)
             return  # nothing unprocessed: the transfer compares the inbox head
         trigger = offer.trigger
-        assert trigger is not None  # `_check_offer` requires one unless draining
+        assert trigger is not None  # `check_offer` requires one unless draining
         if snapshot.HasField("open_turn") or snapshot.inbox_next_seq != trigger.seq:
             raise FailedPrecondition(
                 Reason.SESSION_NOT_IDLE,

@@ -11,7 +11,7 @@ operator's drain, asks `HandoffAttempts` to move its session:
    arrival, ... — or a skip: nothing was written and the run processes the
    trigger itself), or UNCERTAIN (the call timed out, the target died). An
    uncertain attempt is decided by the run with a fenced commit of its
-   unchanged snapshot (`RunCommits.decide_uncertain_handoff`): if that
+   unchanged snapshot (`SessionRun._settle_uncertain`): if that
    commit succeeds, no transfer happened before it and none can happen
    after it (the transfer compares the snapshot revision), so the run
    processes the trigger; if it is FENCED, the session moved.
@@ -143,6 +143,8 @@ class HandoffAttempts:
                 error=exc.message,
             )
             self.last_refusal[request.fence.session_id] = (exc.reason, exc.message)
+            if exc.reason == Reason.DEPLOYMENT_DRAINING:
+                self._peers.forget(request.deployment_id)  # its drain is news to the cache
             return Attempt.STAYED
         except BatonError as exc:
             metrics.HANDOFF_SECONDS.observe(time.monotonic() - asked)
@@ -163,23 +165,52 @@ class HandoffAttempts:
     async def _target(
         self, checkpoint: Checkpoint, target: str, bound: structlog.BoundLogger
     ) -> OwnerInstance | None:
-        """The instance of `target` to offer the session to; None: skip."""
+        """The instance of `target` to offer the session to; None: skip
+        (said in the log and in baton_handoff_skips_total)."""
+        sid = checkpoint.fence.session_id
         if checkpoint.revision is None:
-            bound.info("handoff skipped: checkpoint revision unknown")
-            return None
+            return self._skip(bound, "revision_unknown", "checkpoint revision unknown")
         try:
             instances = await self._peers.instances(target)
         except BatonError as exc:
-            bound.info("handoff skipped: registry lookup failed", reason=exc.reason)
-            return None
+            return self._skip(bound, "registry_unavailable", "registry lookup failed", exc.reason)
         if not instances:
-            bound.info("handoff skipped: no live instance of the target deployment")
-            self.last_refusal[checkpoint.fence.session_id] = (
+            self.last_refusal[sid] = (
                 Reason.UPSTREAM_UNAVAILABLE,
                 f"no live instance of deployment {target}",
             )
-            return None
-        return place(checkpoint.fence.session_id, instances)
+            return self._skip(
+                bound, "no_live_instance", "no live instance of the target deployment"
+            )
+        draining = next((i.drain_to for i in instances if i.drain_to), "")
+        if draining:
+            # An operator retires the target: it takes no sessions. Asked
+            # again next time (not cached), so an undrain takes effect as
+            # soon as the registry says so.
+            self._peers.forget(target)
+            self.last_refusal[sid] = (
+                Reason.DEPLOYMENT_DRAINING,
+                f"deployment {target} is being drained to {draining}",
+            )
+            return self._skip(
+                bound,
+                "target_draining",
+                "the target deployment is being drained; processing here",
+                Reason.DEPLOYMENT_DRAINING,
+                drain_to_deployment_id=draining,
+            )
+        return place(sid, instances)
+
+    @staticmethod
+    def _skip(
+        bound: structlog.BoundLogger, why: str, what: str, reason: str = "", **more: str
+    ) -> None:
+        metrics.HANDOFF_SKIPS.labels(why).inc()
+        if reason:
+            bound.info(f"handoff skipped: {what}", skipped_because=reason, **more)
+        else:
+            bound.info(f"handoff skipped: {what}", **more)
+        return None
 
     def _request(
         self, checkpoint: Checkpoint, target: str, entry: s.InboxEntry | None, handoff_id: str

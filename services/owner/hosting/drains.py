@@ -68,6 +68,17 @@ class Drains:
             self.target = target
             self.moved = 0
 
+    def cancel(self) -> tuple[str, int]:
+        """Stop draining (an operator's undrain): the target it had ("" =
+        none) and how many sessions moved to it. The parked sessions are
+        left parked; the ones woken for the drain run here."""
+        target, moved = self.target, self.moved
+        if target:
+            self._log.info("drain stopped", to_deployment_id=target, moved=moved)
+        self.target = ""
+        self.moved = 0
+        return target, moved
+
     def pump(self) -> None:
         """Wake the parked sessions for the drain (in the background)."""
         if self._pump is None or self._pump.done():

@@ -46,6 +46,7 @@ import structlog
 from baton_runtime.common import retry
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
+from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.hosting.host import OwnerHost
 from baton_runtime.owner.hosting.reconcile import Reconciler
@@ -69,6 +70,7 @@ class FleetMembership:
         *,
         address: str,
         lease_ttl: int,
+        agent: AgentLabel = NO_AGENT,
         keepalive_every: float,
         on_lease_lost: Callable[[], Awaitable[None]] | None = None,
         reconcile_every: float = DEFAULT_RECONCILE_INTERVAL,
@@ -79,6 +81,7 @@ class FleetMembership:
         self.deployment_id = host.deployment_id
         self.instance_id = host.instance_id
         self.address = address
+        self.agent = agent  # registered with the instance, for operators
         self.lease_ttl = lease_ttl
         self.keepalive_every = keepalive_every
         self.lease_id = 0
@@ -129,7 +132,7 @@ class FleetMembership:
         while True:
             try:
                 registered = await self.hooks.register_instance(
-                    self.deployment_id, self.instance_id, self.lease_ttl, self.address
+                    self.deployment_id, self.instance_id, self.lease_ttl, self.address, self.agent
                 )
                 break
             except BatonError as exc:

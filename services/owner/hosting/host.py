@@ -25,6 +25,7 @@ from baton_runtime.common.clients.answers import (
     Moved,
     OwnedSession,
     StartedSession,
+    Undrained,
 )
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import (
@@ -197,9 +198,15 @@ class OwnerHost(HostedSessions):
         if taken is None:
             return False
         if taken.parked:
-            self._hold(
-                sid, ParkedSession(taken.fence.owner_run_id, taken.fence.epoch, taken.inbox_head)
+            # Held as its park recorded it: consumed position and lifetime
+            # deadline (woken then, so the timeout fires while parked).
+            parked = ParkedSession(
+                taken.fence.owner_run_id,
+                taken.fence.epoch,
+                taken.inbox_head,
+                taken.timeout_deadline,
             )
+            self._hold(sid, parked)
         else:
             self.start_activation(taken.fence)
         return True
@@ -224,6 +231,15 @@ class OwnerHost(HostedSessions):
         goes away (the old owner died, its deadline passed) must not cancel a
         transfer in flight or the start of a transferred session."""
         await self._wait_ready()
+        self.acceptance.check_offer(offer)  # bad input is refused as such first
+        if self.drains.target:
+            # An operator retires this deployment: it takes no sessions (the
+            # offering owner keeps the session and answers the trigger).
+            raise FailedPrecondition(
+                Reason.DEPLOYMENT_DRAINING,
+                f"deployment {self.deployment_id} is being drained to {self.drains.target}; "
+                "it takes no sessions",
+            )
         task = self._background.spawn(self._accept(offer), outcome_optional=True)
         return await asyncio.shield(task)
 
@@ -299,6 +315,14 @@ class OwnerHost(HostedSessions):
             run.request_drain(self.drains.target)
         self.drains.pump()
         return self.drain_report()
+
+    def undrain(self) -> Undrained:
+        """Stop an operator's drain (drains.py): the sessions held here stay,
+        and this deployment takes handoffs again. Safe to repeat."""
+        target, moved = self.drains.cancel()
+        for run in list(self.runs.values()):
+            run.request_drain("")
+        return Undrained(self.deployment_id, self.instance_id, target, moved, self.held())
 
     def drain_report(self) -> DrainReport:
         return self.drains.report(

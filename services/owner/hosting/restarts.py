@@ -12,22 +12,23 @@ Which failures are deterministic (the one table: docs/failures.md):
   raising in Agent.on_load, owner code crashing, an unreadable snapshot or
   history): restarted with backoff, at most `restart_budget` times in a row,
   then the session stalls (`stall`);
-- retryable errors (etcd unavailable, deadlines, CAS conflicts) and a full
-  etcd (STORE_FULL) are not deterministic: restarted (or, for a commit,
+- retryable errors (etcd unavailable, deadlines, CAS conflicts), a full
+  etcd (STORE_FULL) and a call that gRPC or the network ended
+  (TRANSPORT_FAILED: a status no Baton service gave, such as a message over
+  the size limit) are not deterministic: restarted (or, for a commit,
   retried) with backoff, never counted.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids, retry
 from baton_runtime.common.clients.anchor import AnchorClient
-from baton_runtime.common.clients.answers import OwnedSession
+from baton_runtime.common.clients.answers import OwnedSession, TakenOver
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, FailedPrecondition, Fenced, Reason
 from baton_runtime.common.observability import metrics
@@ -38,22 +39,14 @@ from baton_runtime.owner.rules.turns import safe_error
 from baton_runtime.owner.run.commit import commit_step
 
 DEFAULT_RESTART_BUDGET = 5
-
-
-@dataclass(frozen=True)
-class TakenOver:
-    """A session this instance took over: its new fence, and whether it was
-    parked (then it is held parked at `inbox_head`, not run)."""
-
-    fence: s.Fence
-    parked: bool
-    inbox_head: int
+# Failures that are not retryable and still say nothing about the session.
+_NOT_THE_SESSIONS = frozenset({Reason.STORE_FULL, Reason.TRANSPORT_FAILED})
 
 
 def transient(failure: BaseException | None) -> bool:
     """A failure that is not the session's fault: restarted without limit."""
     return isinstance(failure, BatonError) and (
-        failure.retryable or failure.reason == Reason.STORE_FULL
+        failure.retryable or failure.reason in _NOT_THE_SESSIONS
     )
 
 
@@ -236,6 +229,6 @@ class Restarts:
                 epoch=taken.fence.epoch,
                 parked=taken.parked,
             )
-            return TakenOver(taken.fence, taken.parked, taken.inbox_head)
+            return taken
         finally:
             self.adopting.discard(sid)

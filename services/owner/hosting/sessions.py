@@ -56,7 +56,7 @@ from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.run.children import Children
 from baton_runtime.owner.run.commit import commit_step
 from baton_runtime.owner.run.session import SessionRun
-from baton_runtime.owner.run.snapshots import SNAPSHOT_FORMAT, initial_snapshot
+from baton_runtime.owner.run.snapshots import SNAPSHOT_FORMAT, initial_snapshot, lifetime_deadline
 from baton_runtime.owner.run.terms import RunExit, RunServices, RunStart
 
 log = structlog.get_logger("baton.owner")
@@ -273,10 +273,11 @@ class HostedSessions:
         except Unavailable:
             self._log.warning("failpoint: parked session dropped", session_id=run.session_id)
             return
-        timeout = run.snapshot.timeout
-        deadline = timeout.deadline.ToSeconds() if timeout.duration_seconds else 0
         parked = ParkedSession(
-            run.run_id, run.identity.fence.epoch, run.snapshot.inbox_next_seq, deadline
+            run.run_id,
+            run.identity.fence.epoch,
+            run.snapshot.inbox_next_seq,
+            lifetime_deadline(run.snapshot),
         )
         self._hold(run.session_id, parked)
 

@@ -1,4 +1,5 @@
-"""The session's rules, decided without I/O: the session state and what commands, steps, waits and
-children do to it, what a run does next (decisions), when it may leave (departure_rules), and
-what the model sees (context, compaction, child_outputs).
+"""The session's rules, decided without I/O: one session state (held), and functions over it by
+concern — what a child owes its parent (reports), a parent's children (children), waits, steps,
+admission, turns — what a run does next (decisions), when it may leave (departure_rules), and
+what the model sees (context, child_outputs).
 """

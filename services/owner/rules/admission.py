@@ -1,11 +1,15 @@
-"""Admission rules (docs/design.md §4), a layer of `SessionState` (turns.py):
-what a command taken from the inbox means for an open turn at a model-call
-boundary, and admitting those that join it. Pure: no I/O.
+"""Admission rules (docs/design.md §4), as functions over `SessionState`
+(held.py): which command the run takes from its inbox next, what a command
+means for an open turn at a model-call boundary, admitting those that join
+it, and the command.rejected event a refused command gets. Pure: no I/O.
 
 - a steer message (the default) or a background result joins the open turn
   at its next boundary, at most MAX_ADMITTED_PER_BOUNDARY at one boundary
   (the rest at the next); a queued message or input responses wait for the
   turn to end;
+- while the open turn waits (for the user, or for children), a queued
+  message waits for it to end and holds back the messages behind it; what
+  answers or ends the wait is taken past it (`next_to_take`);
 - cancel settles the turn as cancelled; reset and an own timeout end the
   session; a pushed one of these aborts the running step at once when
   everything ahead of it in the inbox can join the turn;
@@ -21,8 +25,10 @@ from collections.abc import Sequence
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import limits
+from baton_runtime.common.errors import Reason
+from baton_runtime.owner.rules import children, waits
 from baton_runtime.owner.rules.handles import ReportMeaning
-from baton_runtime.owner.rules.step_rules import StepRules
+from baton_runtime.owner.rules.held import SessionState
 
 
 class Admission(enum.Enum):
@@ -41,97 +47,176 @@ def principal(entry: s.InboxEntry) -> tuple[str, str]:
     return entry.command.delivery.channel, entry.command.delivery.caller
 
 
-class AdmissionRules(StepRules):
-    """How commands join an open turn (the layer under `SessionState`)."""
-
-    def classify(self, entry: s.InboxEntry) -> Admission:
-        """How a command joins an open turn at a model-call boundary."""
-        command = entry.command
-        kind = command.WhichOneof("kind")
-        if kind == "send":
-            send = command.send
-            if self.refuses_message(entry):
-                return Admission.REJECT
-            if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
-                return Admission.BLOCK
-            return Admission.ADMIT if send.text.strip() else Admission.REJECT
-        if kind == "cancel":
-            return Admission.CANCEL
-        if kind == "reset":
-            return Admission.FINALIZE
-        if kind == "timeout":
-            own = command.timeout.armed_by_owner_run_id == self.run_id
-            return Admission.FINALIZE if own else Admission.DROP
-        if kind == "authorization_callback":
-            waiting = self.auth_wait(command.authorization_callback.attempt_id) is not None
-            return Admission.BLOCK if waiting else Admission.DROP
-        if kind == "task_result":
-            meaning = self.read_report(entry).meaning
-            if meaning is ReportMeaning.REJECT:
-                return Admission.REJECT
-            if meaning is ReportMeaning.ADMIT:
-                return Admission.ADMIT
-            if meaning is ReportMeaning.AWAITED:
-                return Admission.BLOCK  # the run resumes the waiting turn with it
-            return Admission.REPORT
-        if kind is None:
+def classify(state: SessionState, entry: s.InboxEntry) -> Admission:
+    """How a command joins an open turn at a model-call boundary."""
+    command = entry.command
+    kind = command.WhichOneof("kind")
+    if kind == "send":
+        send = command.send
+        if children.refuses_message(state, entry):
             return Admission.REJECT
-        return Admission.BLOCK
+        if send.input_responses or send.turn_policy == s.TURN_POLICY_QUEUE:
+            return Admission.BLOCK
+        return Admission.ADMIT if send.text.strip() else Admission.REJECT
+    if kind == "cancel":
+        return Admission.CANCEL
+    if kind == "reset":
+        return Admission.FINALIZE
+    if kind == "timeout":
+        own = command.timeout.armed_by_owner_run_id == state.run_id
+        return Admission.FINALIZE if own else Admission.DROP
+    if kind == "authorization_callback":
+        waiting = waits.auth_wait(state, command.authorization_callback.attempt_id) is not None
+        return Admission.BLOCK if waiting else Admission.DROP
+    if kind == "task_result":
+        meaning = children.read_report(state, entry).meaning
+        if meaning is ReportMeaning.REJECT:
+            return Admission.REJECT
+        if meaning is ReportMeaning.ADMIT:
+            return Admission.ADMIT
+        if meaning is ReportMeaning.AWAITED:
+            return Admission.BLOCK  # the run resumes the waiting turn with it
+        return Admission.REPORT
+    if kind is None:
+        return Admission.REJECT
+    return Admission.BLOCK
 
-    def aborts_step(self, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
-        """A pushed command aborts the running step at once: cancel, reset or
-        an own timeout, when every command ahead of it can join the turn."""
-        if self.classify(entry) not in (Admission.CANCEL, Admission.FINALIZE):
-            return False
-        joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT, Admission.REPORT)
-        return all(self.classify(e) in joinable for e in ahead)
 
-    def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
-        return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK
+def aborts_step(state: SessionState, entry: s.InboxEntry, ahead: Sequence[s.InboxEntry]) -> bool:
+    """A pushed command aborts the running step at once: cancel, reset or
+    an own timeout, when every command ahead of it can join the turn."""
+    if classify(state, entry) not in (Admission.CANCEL, Admission.FINALIZE):
+        return False
+    joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT, Admission.REPORT)
+    return all(classify(state, e) in joinable for e in ahead)
 
-    def admit(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
-        """Admit a steer message or a background result into the open turn."""
-        if entry.command.WhichOneof("kind") == "task_result":
-            self.apply_report(entry, events)
+
+def take(state: SessionState, pending: collections.deque[s.InboxEntry]) -> s.InboxEntry | None:
+    """Take the command the run processes next out of `pending`
+    (`next_to_take`); None when it takes none yet. The commands it
+    passes stay in `pending`, set aside: what is consumed while they
+    are is recorded as consumed ahead of the inbox position."""
+    index = next_to_take(state, pending)
+    if index is None:
+        return None
+    state.inbox.set_aside_from = pending[0].seq if index else None
+    entry = pending[index]
+    del pending[index]
+    return entry
+
+
+def next_to_take(state: SessionState, pending: Sequence[s.InboxEntry]) -> int | None:
+    """The index in `pending` of the command the run takes next, None
+    when it takes none yet. In inbox order, except while the open turn
+    waits (for the user, or for children's results): a queued message
+    then waits for the turn to end, and so does every message or result
+    behind it that would join the turn; the commands behind them are
+    taken (answers, callbacks, results, cancel, ...). Nothing set aside
+    is consumed: a successor holds it again."""
+    if not waits.still_waiting(state):
+        return 0 if pending else None
+    holding = False
+    for index, entry in enumerate(pending):
+        if is_queued(state, entry):
+            holding = True
+        elif not (holding and classify(state, entry) is Admission.ADMIT):
+            return index
+    return None
+
+
+def is_queued(state: SessionState, entry: s.InboxEntry) -> bool:
+    """A message sent with the queue policy (not input responses)."""
+    command = entry.command
+    return (
+        command.WhichOneof("kind") == "send"
+        and not command.send.input_responses
+        and classify(state, entry) is Admission.BLOCK
+    )
+
+
+def steer_pending(state: SessionState, pending: Sequence[s.InboxEntry]) -> bool:
+    return bool(pending) and classify(state, pending[0]) is not Admission.BLOCK
+
+
+def admit(state: SessionState, entry: s.InboxEntry, events: list[s.Event]) -> None:
+    """Admit a steer message or a background result into the open turn."""
+    if entry.command.WhichOneof("kind") == "task_result":
+        children.apply_report(state, entry, events)
+    else:
+        admit_message(state, entry, events)
+
+
+def admit_message(state: SessionState, entry: s.InboxEntry, events: list[s.Event]) -> None:
+    send = entry.command.send
+    text = send.text
+    state.inbox.consume(entry)
+    state.snapshot.open_turn.inbox_seqs.append(entry.seq)
+    if send.parent_work and state.is_child:
+        state.snapshot.parent.work = send.parent_work
+    state.context.remember(s.ChatMessage(role=s.ROLE_USER, content=text))
+    events.append(state.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
+
+
+def admit_pending(
+    state: SessionState, pending: collections.deque[s.InboxEntry], events: list[s.Event]
+) -> tuple[Admission, s.InboxEntry | None]:
+    """At a model-call boundary: admit what may join the turn, in order;
+    stop at a command that settles or ends it (returned, consumed)."""
+    admitted = 0
+    while pending:
+        entry = pending[0]
+        admission = classify(state, entry)
+        if admission is Admission.BLOCK:
+            break
+        if admission is Admission.ADMIT:
+            if admitted >= limits.MAX_ADMITTED_PER_BOUNDARY:
+                break  # the rest join at the next boundary
+            admitted += 1
+        pending.popleft()
+        if admission is Admission.ADMIT:
+            admit(state, entry, events)
+        elif admission is Admission.REPORT:
+            children.apply_report(state, entry, events)
+        elif admission is Admission.DROP:
+            state.inbox.consume(entry)
+        elif admission is Admission.REJECT:
+            state.inbox.consume(entry)
+            events.append(rejection(state, entry))
         else:
-            self.admit_message(entry, events)
+            state.inbox.consume(entry)
+            return admission, entry
+    return Admission.BLOCK, None
 
-    def admit_message(self, entry: s.InboxEntry, events: list[s.Event]) -> None:
-        send = entry.command.send
-        text = send.text
-        self.consume(entry)
-        self.snapshot.open_turn.inbox_seqs.append(entry.seq)
-        if send.parent_work and self.is_child:
-            self.snapshot.parent.work = send.parent_work
-        self.context.remember(s.ChatMessage(role=s.ROLE_USER, content=text))
-        events.append(self.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=text))
 
-    def admit_pending(
-        self, pending: collections.deque[s.InboxEntry], events: list[s.Event]
-    ) -> tuple[Admission, s.InboxEntry | None]:
-        """At a model-call boundary: admit what may join the turn, in order;
-        stop at a command that settles or ends it (returned, consumed)."""
-        admitted = 0
-        while pending:
-            entry = pending[0]
-            admission = self.classify(entry)
-            if admission is Admission.BLOCK:
-                break
-            if admission is Admission.ADMIT:
-                if admitted >= limits.MAX_ADMITTED_PER_BOUNDARY:
-                    break  # the rest join at the next boundary
-                admitted += 1
-            pending.popleft()
-            if admission is Admission.ADMIT:
-                self.admit(entry, events)
-            elif admission is Admission.REPORT:
-                self.apply_report(entry, events)
-            elif admission is Admission.DROP:
-                self.consume(entry)
-            elif admission is Admission.REJECT:
-                self.consume(entry)
-                events.append(self.rejection(entry))
-            else:
-                self.consume(entry)
-                return admission, entry
-        return Admission.BLOCK, None
+def rejection(
+    state: SessionState, entry: s.InboxEntry, reason: str = "", message: str = ""
+) -> s.Event:
+    """The command.rejected event for `entry` (a default reason by kind)."""
+    if not reason:
+        kind = entry.command.WhichOneof("kind")
+        if kind is None:
+            reason = Reason.UNKNOWN_COMMAND
+            message = f"deployment {state.identity.deployment_id} does not know this command kind"
+        elif kind == "send" and children.refuses_message(state, entry):
+            parent = state.snapshot.parent.parent_session_id
+            reason = Reason.CHILD_SESSION
+            message = (
+                f"this is a child session of {parent}: it takes messages from its "
+                "parent only (input responses and controls are accepted)"
+            )
+        elif kind == "send":
+            reason, message = Reason.EMPTY_MESSAGE, "the message is empty"
+        elif kind == "task_result":
+            reading = children.read_report(state, entry)
+            reason, message = reading.reason, reading.message
+        else:
+            reason = Reason.UNSUPPORTED_COMMAND
+            message = (
+                f"command kind {kind!r} is not supported by deployment "
+                f"{state.identity.deployment_id}"
+            )
+    return state.event(
+        s.EVENT_KIND_COMMAND_REJECTED,
+        entry,
+        error=s.ErrorDetail(reason=reason, message=message),
+    )

@@ -5,13 +5,18 @@ The shell (`SessionRun`, session.py) takes a command from the inbox, asks
 open turn's steps, a finalization, a compaction, or tool calls to run for
 answered waits. The turn loop asks `before_step` and `after_step` whether
 the turn goes on or ends, and how. The state changes are the turn rules'
-(`SessionState`, turns.py); this module only chooses among them, so every
+(functions over `SessionState`, held.py: turns.py and the modules it
+builds on); this module only chooses among them, so every
 choice the run makes is unit-tested without etcd, gRPC or a model.
 
 Answers that run tools are two-phase: `decide` returns the tool calls to
 run (`AnswerInputs`, `AnswerAuthorization`); once the shell has their
 results, `apply_input_answers` / `apply_authorization` fold them in, in
 order, and say what comes next. Nothing else touches the state in between.
+
+Time is an input: each function the shell calls takes `now`, the time of
+this activation, which every event it makes carries (held.py); none reads
+a clock.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from dataclasses import dataclass, field
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.errors import Reason
+from baton_runtime.owner.rules import admission, children, steps, turns, waits
 from baton_runtime.owner.rules.admission import Admission
 from baton_runtime.owner.rules.handles import ReportMeaning
-from baton_runtime.owner.rules.step_rules import Outcome, StepProgress
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import SessionState
+from baton_runtime.owner.rules.steps import Outcome, StepProgress
 from baton_runtime.owner.rules.waits import error_result
 
 Pending = collections.deque[s.InboxEntry]
@@ -111,10 +117,12 @@ class NextStep(enum.Enum):
 # -- commands --------------------------------------------------------------------
 
 
-def decide(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
+def decide(state: SessionState, entry: s.InboxEntry, pending: Pending, *, now: float) -> Effect:
     """What `entry`, taken from the inbox between turns or while the turn
-    waits, means. `pending` (the entries read after it) may lend a new turn
-    the same principal's messages right behind it."""
+    waits (which entry is taken is `admission.take`'s), means.
+    `pending` (the entries read and not taken) may lend a new turn the same
+    principal's messages right behind it."""
+    state.now = now
     kind = entry.command.WhichOneof("kind")
     rule = _BY_KIND.get(kind or "", _unknown)
     return rule(state, entry, pending)
@@ -123,8 +131,8 @@ def decide(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect
 def reject(
     state: SessionState, entry: s.InboxEntry, reason: str = "", message: str = ""
 ) -> Rejected:
-    state.consume(entry)
-    return Rejected(entry, state.rejection(entry, reason, message))
+    state.inbox.consume(entry)
+    return Rejected(entry, admission.rejection(state, entry, reason, message))
 
 
 def go_on(state: SessionState, events: list[s.Event], *, announce_wait: bool = False) -> Effect:
@@ -132,8 +140,8 @@ def go_on(state: SessionState, events: list[s.Event], *, announce_wait: bool = F
     still waits (for the user, or for children's results) commits what
     happened; otherwise its steps go on. `announce_wait`: a turn that waits
     for the user says so again (session.waiting)."""
-    if state.still_waiting():
-        if announce_wait and state.waiting_for_user():
+    if waits.still_waiting(state):
+        if announce_wait and waits.waiting_for_user(state):
             events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
         return Commit(events)
     return RunTurn(events)
@@ -143,22 +151,24 @@ def _send(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     send = entry.command.send
     if send.input_responses:
         return answer_inputs(state, entry)
-    if not send.text.strip() or state.refuses_message(entry):
+    if not send.text.strip() or children.refuses_message(state, entry):
         return reject(state, entry)
     if state.turn_open:
-        events = state.abandon_waits()
-        state.admit_message(entry, events)
+        # The turn waits, and this is a steer: a queued message is not taken
+        # while the turn waits (`next_to_take`), it waits for the turn to end.
+        events = waits.abandon_waits(state)
+        admission.admit_message(state, entry, events)
         # Waiting for children: the model sees it with their results.
         return go_on(state, events)
-    return RunTurn(state.start_turn(entry, pending))
+    return RunTurn(turns.start_turn(state, entry, pending))
 
 
 def _cancel(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     if not state.turn_open:
         return reject(state, entry, Reason.NOTHING_TO_CANCEL, "no turn is running")
-    state.consume(entry)
+    state.inbox.consume(entry)
     events: list[s.Event] = []
-    state.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
+    turns.close_turn(state, events, s.EVENT_KIND_TURN_CANCELLED, entry=entry)
     return Commit(events)
 
 
@@ -167,31 +177,31 @@ def _reset(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect
 
 
 def _timeout(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
-    if state.classify(entry) is Admission.FINALIZE:
+    if admission.classify(state, entry) is Admission.FINALIZE:
         return Finalize([], entry, s.ErrorDetail(reason=Reason.TIMEOUT))
-    state.consume(entry)  # a predecessor's timer: ignored
+    state.inbox.consume(entry)  # a predecessor's timer: ignored
     return Commit([])
 
 
 def _clear(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
-    return Commit(state.clear(entry))
+    return Commit(turns.clear(state, entry))
 
 
 def _compact(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
-    events = state.cancel_waiting_turn(entry)
-    state.consume(entry)
+    events = turns.cancel_waiting_turn(state, entry)
+    state.inbox.consume(entry)
     return Summarize(events, entry)
 
 
 def _task_result(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     """A child's report, between steps (see handles.py for what it means)."""
-    reading = state.read_report(entry)
+    reading = children.read_report(state, entry)
     if reading.meaning is ReportMeaning.REJECT:
         return reject(state, entry, reading.reason, reading.message)
     if reading.meaning is ReportMeaning.ADMIT and not state.turn_open:
-        return RunTurn(state.start_turn(entry, pending))
+        return RunTurn(turns.start_turn(state, entry, pending))
     events: list[s.Event] = []
-    meaning = state.apply_report(entry, events)
+    meaning = children.apply_report(state, entry, events)
     if meaning in (ReportMeaning.AWAITED, ReportMeaning.ADMIT) and state.turn_open:
         return go_on(state, events)
     return Commit(events)
@@ -213,14 +223,14 @@ def answer_inputs(state: SessionState, entry: s.InboxEntry) -> Effect:
     send = entry.command.send
     requests = {r.request_id: r for r in turn.pending_inputs}
     unknown = [r.request_id for r in send.input_responses if r.request_id not in requests]
-    state.consume(entry)
+    state.inbox.consume(entry)
     events: list[s.Event] = []
     if send.text.strip():
         turn.inbox_seqs.append(entry.seq)
         events.append(state.event(s.EVENT_KIND_MESSAGE_RECEIVED, entry, text=send.text))
     if unknown:
         message = f"no pending input request {', '.join(unknown)}"
-        events.append(state.rejection(entry, Reason.UNKNOWN_INPUT_REQUEST, message))
+        events.append(admission.rejection(state, entry, Reason.UNKNOWN_INPUT_REQUEST, message))
     plan = AnswerInputs(entry, events)
     for request, response in _answered(requests, send.input_responses):
         if request.kind == s.INPUT_KIND_APPROVAL and response.approved:
@@ -229,10 +239,11 @@ def answer_inputs(state: SessionState, entry: s.InboxEntry) -> Effect:
 
 
 def apply_input_answers(
-    state: SessionState, plan: AnswerInputs, results: Sequence[s.ToolResult]
+    state: SessionState, plan: AnswerInputs, results: Sequence[s.ToolResult], *, now: float
 ) -> Effect:
     """Phase two: fold the answers in, in the order given (`results` are
     those of `plan.to_run`, in its order), and say what comes next."""
+    state.now = now
     if len(results) != len(plan.to_run):
         raise ValueError("one result per tool call to run")
     turn = state.snapshot.open_turn
@@ -249,14 +260,14 @@ def apply_input_answers(
             denied = error_result(call, "the user denied this call")
             state.record_result(next(ran) if response.approved else denied, events)
         elif response.approved:
-            state.extend_budget()
+            waits.extend_budget(state)
         else:
             kept_limit = True
     del turn.pending_inputs[:]
     turn.pending_inputs.extend(requests.values())
     if kept_limit:
         error = s.ErrorDetail(reason=Reason.LIMIT_EXCEEDED, message="the user kept the limit")
-        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        turns.close_turn(state, events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
     return go_on(state, events, announce_wait=True)
 
@@ -281,8 +292,8 @@ def _authorization_callback(state: SessionState, entry: s.InboxEntry, pending: P
     """Phase one of a sign-in callback: record the attempt on its wait; once
     every expected attempt reported, say whether the call runs."""
     callback = entry.command.authorization_callback
-    wait = state.auth_wait(callback.attempt_id)
-    state.consume(entry)
+    wait = waits.auth_wait(state, callback.attempt_id)
+    state.inbox.consume(entry)
     if wait is None:
         return Commit([], note="stale sign-in attempt dropped")
     wait.reported_attempt_ids.append(callback.attempt_id)
@@ -301,14 +312,15 @@ def _authorization_callback(state: SessionState, entry: s.InboxEntry, pending: P
 
 
 def apply_authorization(
-    state: SessionState, plan: AnswerAuthorization, result: s.ToolResult | None
+    state: SessionState, plan: AnswerAuthorization, result: s.ToolResult | None, *, now: float
 ) -> Effect:
     """Phase two: the call's result (None when it did not run: refused)."""
+    state.now = now
     call = plan.tool_call
     if result is None:
         result = error_result(call, "sign-in was refused")
     state.record_result(result, plan.events)
-    state.close_auth_wait(call)
+    waits.close_auth_wait(state, call)
     return go_on(state, plan.events)
 
 
@@ -318,50 +330,59 @@ def apply_authorization(
 def recovery(state: SessionState) -> bool:
     """A run starting with an open turn that waits for nothing continues it:
     the step in flight at the predecessor's crash runs again."""
-    return state.turn_open and not state.still_waiting()
+    return state.turn_open and not waits.still_waiting(state)
 
 
-def before_step(state: SessionState, pending: Pending, events: list[s.Event]) -> Effect | None:
+def before_step(
+    state: SessionState, pending: Pending, events: list[s.Event], *, now: float
+) -> Effect | None:
     """At a model-call boundary: admit what may join the turn; None when the
     next step runs, else how the turn ends."""
-    admission, stop = state.admit_pending(pending, events)
-    if admission is Admission.CANCEL:
-        state.close_turn(events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
+    state.now = now
+    joined, stop = admission.admit_pending(state, pending, events)
+    if joined is Admission.CANCEL:
+        turns.close_turn(state, events, s.EVENT_KIND_TURN_CANCELLED, entry=stop)
         return Commit(events)
-    if admission is Admission.FINALIZE:
+    if joined is Admission.FINALIZE:
         assert stop is not None
         is_timeout = stop.command.WhichOneof("kind") == "timeout"
         return Finalize(events, stop, s.ErrorDetail(reason=Reason.TIMEOUT) if is_timeout else None)
-    max_steps = state.max_steps()
-    if state.steps_taken() >= max_steps:
+    max_steps = turns.max_steps(state)
+    if turns.steps_taken(state) >= max_steps:
         error = s.ErrorDetail(
             reason=Reason.MAX_STEPS, message=f"the turn reached {max_steps} steps"
         )
-        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        turns.close_turn(state, events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
-    if state.budget_spent():
-        state.ask_to_extend_budget(events)
+    if turns.budget_spent(state):
+        waits.ask_to_extend_budget(state, events)
         return Commit(events)
     return None
 
 
 def after_step(
-    state: SessionState, progress: StepProgress, pending: Pending, events: list[s.Event]
+    state: SessionState,
+    progress: StepProgress,
+    pending: Pending,
+    events: list[s.Event],
+    *,
+    now: float,
 ) -> Effect | NextStep:
     """Fold a step in: the turn goes on (NextStep) or ends (the effect)."""
-    outcome = state.apply_step(progress, events)
+    state.now = now
+    outcome = steps.apply_step(state, progress, events)
     if outcome is Outcome.ABORTED:
         return NextStep.NOW
     if outcome is Outcome.FAILED:
         error = s.ErrorDetail(reason=progress.reason, message=progress.error)
-        state.close_turn(events, s.EVENT_KIND_TURN_FAILED, error=error)
+        turns.close_turn(state, events, s.EVENT_KIND_TURN_FAILED, error=error)
         return Commit(events)
     if outcome in (Outcome.PAUSED, Outcome.AWAITING):
-        if state.waiting_for_user():
+        if waits.waiting_for_user(state):
             events.append(state.event(s.EVENT_KIND_SESSION_WAITING))
         return Commit(events)
-    if outcome is Outcome.FINAL and not state.steer_pending(pending):
-        state.close_turn(events, s.EVENT_KIND_TURN_COMPLETED)
+    if outcome is Outcome.FINAL and not admission.steer_pending(state, pending):
+        turns.close_turn(state, events, s.EVENT_KIND_TURN_COMPLETED)
         return Commit(events)
     return NextStep.AFTER_COMMIT
 

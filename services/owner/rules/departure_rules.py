@@ -7,7 +7,16 @@ a session cannot move yet, when an idle session may park. `Departures`
 from __future__ import annotations
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import SessionState
+
+
+def idle_for_handoff(state: SessionState) -> bool:
+    """Nothing of this session works on: no open turn, no running child
+    (a running task, an active subagent turn or workflow tool, a child
+    waiting on a human), and not a child session itself (a child stays
+    on the deployment that owns it). Pending commands are the run's
+    business (docs/design.md §6)."""
+    return not (state.turn_open or state.handles.busy() or state.is_child)
 
 
 def is_trigger(state: SessionState, entry: s.InboxEntry, *, revision_known: bool) -> bool:
@@ -17,7 +26,7 @@ def is_trigger(state: SessionState, entry: s.InboxEntry, *, revision_known: bool
     by another deployment qualifies; everything else — input responses,
     results, cancel, reset, clear, compact — never does. Without the last
     commit's revision eligibility is unknown: no."""
-    if not revision_known or not state.idle_for_handoff():
+    if not revision_known or not idle_for_handoff(state):
         return False  # unknown, or a child works for it (or it is a child)
     command = entry.command
     if command.WhichOneof("kind") != "send":

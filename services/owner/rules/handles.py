@@ -1,8 +1,8 @@
 """Child sessions as their parent sees them (docs/design.md §11): handles, what a
 child's report means, eligibility for a handoff, budgets given to a child.
-Pure: no I/O. `SessionState` (turns.py) turns these into events and context
-(what the model reads of a child is child_outputs.py); the run (step.py,
-upkeep.py) does the deliveries.
+Pure: no I/O. The child rules (children.py, reports.py) turn these into
+events and context (what the model reads of a child is child_outputs.py);
+the run (run/step.py, run/upkeep.py) does the deliveries.
 
 A handle is RUNNING while the child works for the parent (the parent is then
 not idle: no handoff), PARKED (a subagent conversation waiting to be

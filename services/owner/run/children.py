@@ -1,5 +1,5 @@
-"""Child sessions, the I/O (docs/design.md §11; the rules are in handles.py and
-turns.py): where a child is created, how work and controls reach it, and how
+"""Child sessions, the I/O (docs/design.md §11; the rules are in rules/handles.py,
+children.py and reports.py): where a child is created, how work and controls reach it, and how
 its reports reach its parent. Every delivery is an inbox append through
 hooks (`ResumeHook`) with a delivery id derived from what it carries, so a
 repeat (a step run again, a run restarted) is appended once; no transaction

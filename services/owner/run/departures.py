@@ -1,10 +1,11 @@
 """A run's departures (docs/design.md §6, issue 12), the I/O: handing the
 session off to the deployment that accepted a trigger, an operator's drain,
-parking it. When each is due is decided in departure_rules.py; the attempt
-itself is `HandoffAttempts`' (handoff.py), which answers with an `Attempt`:
-moved, stayed (nothing of it is left), or uncertain (the run decides it with
-a fenced commit, `RunCommits.decide_uncertain_handoff`). An attempt that
-fails retryably fails the run, which starts again from its last commit.
+parking it. When each is due the shell (session.py) asks departure_rules.py;
+the attempt itself is `HandoffAttempts`' (handoff/attempt.py), which answers
+with an `Attempt`: moved, stayed (nothing of it is left), or uncertain (the
+run decides it with a fenced commit, `SessionRun._settle_uncertain`).
+An attempt that fails retryably fails the run, which starts again from its
+last commit.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import Aborted, BatonError, Fenced
 from baton_runtime.owner.handoff.attempt import Attempt, HandoffAttempts
 from baton_runtime.owner.handoff.checkpoint import Checkpoint
-from baton_runtime.owner.rules import departure_rules
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import SessionState
+from baton_runtime.owner.run.snapshots import lifetime_deadline
 
 DRAIN_RETRY_SECONDS = 2.0
 
@@ -45,23 +46,20 @@ class Departures:
 
     # -- drain ---------------------------------------------------------------------------
 
+    @property
+    def draining(self) -> bool:
+        """An operator's drain target is set, and this run can move its session."""
+        return bool(self.drain_to) and self._attempts is not None
+
+    @property
+    def drain_due_at(self) -> float:
+        """When the next drain attempt may be made (monotonic seconds)."""
+        return self._drain_after
+
     def request_drain(self, target: str) -> None:
         """The session moves to `target` the next time it is idle."""
         self.drain_to = target
         self._drain_after = 0.0
-
-    def drain_wait(self, pending: int) -> float | None:
-        """Seconds until a drain attempt is due; None while none can be."""
-        return departure_rules.drain_wait(
-            self._state,
-            draining=bool(self.drain_to) and self._attempts is not None,
-            pending=pending,
-            due_at=self._drain_after,
-            now=time.monotonic(),
-        )
-
-    def drain_due(self, pending: int) -> bool:
-        return self.drain_wait(pending) == 0.0
 
     async def try_drain(self, checkpoint: Checkpoint) -> Attempt:
         assert self._attempts is not None
@@ -78,10 +76,10 @@ class Departures:
 
     # -- handoff -------------------------------------------------------------------------
 
-    def is_trigger(self, entry: s.InboxEntry, *, revision_known: bool) -> bool:
-        if self._attempts is None:
-            return False
-        return departure_rules.is_trigger(self._state, entry, revision_known=revision_known)
+    @property
+    def can_move(self) -> bool:
+        """This run may hand its session off (handoff attempts are set up)."""
+        return self._attempts is not None
 
     async def try_hand_off(self, checkpoint: Checkpoint, entry: s.InboxEntry) -> Attempt:
         """The trigger is the only unprocessed command: try to move the
@@ -107,11 +105,14 @@ class Departures:
     # -- parking -------------------------------------------------------------------------
 
     async def park(self, fence: s.Fence) -> bool:
-        """Park the idle session at its consumed inbox position; False when
-        something arrived first (the stream will deliver it)."""
-        inbox_next_seq = self._state.snapshot.inbox_next_seq
+        """Park the idle session at its consumed inbox position, with its
+        lifetime deadline (hooks keeps both in the owner record: whoever
+        takes the parked session over wakes it then); False when something
+        arrived first (the stream will deliver it)."""
+        snapshot = self._state.snapshot
+        inbox_next_seq = snapshot.inbox_next_seq
         try:
-            await self._hooks.set_parked(fence, True, inbox_next_seq)
+            await self._hooks.set_parked(fence, True, inbox_next_seq, lifetime_deadline(snapshot))
         except Aborted:
             return False
         self._log.debug("parked", inbox_next_seq=inbox_next_seq)

@@ -2,10 +2,12 @@
 not processed yet, in seq order, from a server stream from hooks that stays
 open while a step runs.
 
-Two things happen the moment an entry arrives, before it is buffered or
-applied: a cancel, reset or own timeout aborts the running step (when
-everything ahead of it can join the turn), and a delivery arriving while
-the run is idle is checked once as a handoff trigger (departure_rules.py).
+The buffer reports what arrives and decides nothing: the shell (session.py)
+waits for arrivals (`arrival`), takes what the rules say it takes
+(admission.take), aborts a step that a pushed command may abort, and asks the
+departure rules whether a delivery triggers a handoff. For that, the buffer
+notes one fact the moment an entry arrives: whether the run was idle then
+with nothing pending (`idle_arrival`).
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import retry
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Fenced
-from baton_runtime.owner.rules.turns import SessionState
-from baton_runtime.owner.run.departures import Departures
+from baton_runtime.owner.rules.held import InboxPosition
 from baton_runtime.owner.run.spans import RunSpans  # tracing
-from baton_runtime.owner.run.step import StepRunner
 
 
 class InboxClosed(Exception):
-    """The inbox stream ended for good: the run is fenced, or it failed."""
+    """The inbox stream ended for good: the run is fenced, or the stream
+    failed with `failure` (which the restart budget judges)."""
 
-    def __init__(self, fenced: bool) -> None:
-        super().__init__("fenced" if fenced else "inbox stream failed")
+    def __init__(self, fenced: bool, failure: BatonError | None = None) -> None:
+        super().__init__("fenced" if fenced else f"inbox stream failed: {failure}")
         self.fenced = fenced
+        self.failure = failure
 
 
 class InboxBuffer:
@@ -42,73 +44,64 @@ class InboxBuffer:
         self,
         hooks: HooksClient,
         fence: s.Fence,
-        state: SessionState,
-        departures: Departures,
-        step: StepRunner,
+        position: InboxPosition,
         log: structlog.BoundLogger,
         *,
+        from_seq: int,
         seed: Sequence[s.InboxEntry] = (),
-        revision_known: bool,
         spans: RunSpans,  # tracing
     ) -> None:
+        """`from_seq`: the inbox position the run starts at; `seed`: entries
+        already read (a handoff's trigger, a child's first work), ahead of
+        the stream; `position`: what is consumed (a predecessor may have
+        consumed entries ahead of `from_seq`: they are skipped)."""
         self._hooks = hooks
         self._spans = spans  # tracing
         for entry in seed:
             spans.arrived(entry)  # tracing
         self._fence = fence
-        self._state = state
-        self._departures = departures
-        self._step = step
+        self._position = position
         self._log = log
-        self._revision_known = revision_known  # handoff eligibility needs the revision
-        # `seed`: entries already read (a handoff's trigger), ahead of the stream.
         self.pending: collections.deque[s.InboxEntry] = collections.deque(seed)
-        self._next_seq = max(state.snapshot.inbox_next_seq, seed[-1].seq + 1 if seed else 0)
+        self._next_seq = max(from_seq, seed[-1].seq + 1 if seed else 0)
         self._arrived = asyncio.Event()
         self._closed: InboxClosed | None = None
-        self._idle = False  # waiting for a command with nothing pending and no open turn
-        self.trigger_seq = -1  # the delivery found eligible for a handoff at arrival
+        self._idle = False  # the run said it is idle (`idle_while`)
+        # The seq of the last entry that arrived while the run was idle with
+        # nothing pending (-1: none yet): the run asks the departure rules
+        # whether it triggers a handoff when it takes it.
+        self.idle_arrival = -1
 
-    def oldest_accepted(self) -> float | None:
-        """When the oldest entry read and not processed yet was accepted
-        (epoch seconds), or None."""
-        if not self.pending or not self.pending[0].HasField("accepted_at"):
-            return None
-        accepted = self.pending[0].accepted_at
-        return accepted.seconds + accepted.nanos / 1e9
+    @property
+    def next_seq(self) -> int:
+        """The seq the next entry to arrive will have."""
+        return self._next_seq
 
     def wake(self) -> None:
-        """Make a waiting `take` look again (a drain was requested)."""
+        """Make a waiting `arrival` return (a drain was requested)."""
         self._arrived.set()
 
-    async def take(self, idle_s: float | None) -> s.InboxEntry | None:
-        """The next inbox entry; None after `idle_s` with nothing (park), or
-        when a drain attempt is due. Raises InboxClosed."""
-        with self.idle_while(not self._state.turn_open):
-            while not self.pending:
-                if self._closed is not None:
-                    raise self._closed
-                if self._drain_due():
-                    return None
-                self._arrived.clear()
-                wait = idle_s
-                retry_in = self._departures.drain_wait(len(self.pending))
-                if retry_in is not None:
-                    wait = retry_in if wait is None else min(wait, retry_in)
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), wait)
-                except TimeoutError:
-                    if not self._drain_due():
-                        return None
-            return self.pending.popleft()
+    def raise_if_closed(self) -> None:
+        """Raises InboxClosed once the stream ended for good."""
+        if self._closed is not None:
+            raise self._closed
 
-    def _drain_due(self) -> bool:
-        return self._departures.drain_due(len(self.pending))
+    async def arrival(self, within: float | None = None) -> bool:
+        """Wait until something arrives (or `wake`, or the stream ends), at
+        most `within` seconds (None: no bound); False when the time ran out
+        first. Raises InboxClosed when the stream had ended already."""
+        self.raise_if_closed()
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), within)
+        except TimeoutError:
+            return False
+        return True
 
     @contextlib.contextmanager
     def idle_while(self, idle: bool) -> Iterator[None]:
-        """While the body runs, a delivery arriving with nothing pending is
-        evaluated as a handoff trigger (when `idle`)."""
+        """While the body runs, an entry arriving with nothing pending is
+        noted as an idle arrival (when `idle`)."""
         self._idle = idle
         try:
             yield
@@ -132,13 +125,13 @@ class InboxBuffer:
             except BatonError as exc:
                 if not exc.retryable:
                     self._log.error("inbox stream failed", reason=exc.reason, error=exc.message)
-                    self._close(fenced=False)
+                    self._close(fenced=False, failure=exc)
                     return
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await backoff.wait()
 
-    def _close(self, *, fenced: bool) -> None:
-        self._closed = InboxClosed(fenced)
+    def _close(self, *, fenced: bool, failure: BatonError | None = None) -> None:
+        self._closed = InboxClosed(fenced, failure)
         self._arrived.set()
 
     def offer(self, entry: s.InboxEntry) -> None:
@@ -151,18 +144,9 @@ class InboxBuffer:
 
     def _arrive(self, entry: s.InboxEntry) -> None:
         self._next_seq = entry.seq + 1
+        if self._position.consumed(entry.seq):
+            return  # consumed ahead of the position, by a predecessor
         self._spans.arrived(entry)  # tracing
-        if (
-            self._idle
-            and not self.pending
-            and self._departures.is_trigger(entry, revision_known=self._revision_known)
-        ):
-            self.trigger_seq = entry.seq
+        if self._idle and not self.pending:
+            self.idle_arrival = entry.seq
         self.pending.append(entry)
-        self._push(entry)
-
-    def _push(self, entry: s.InboxEntry) -> None:
-        """Cancel, reset and an own timeout abort the running step at once,
-        when every command before them can be admitted into the turn."""
-        if self._step.running and self._state.aborts_step(entry, list(self.pending)[:-1]):
-            self._step.abort()

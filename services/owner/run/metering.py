@@ -51,12 +51,19 @@ class TurnMeter:
                 metrics.TURN_SECONDS.observe(max(0.0, _seconds(event) - began))
 
 
+def accepted_time(entry: s.InboxEntry) -> float | None:
+    """When `entry` was accepted (epoch seconds), if that is known."""
+    if not entry.HasField("accepted_at"):
+        return None
+    return entry.accepted_at.seconds + entry.accepted_at.nanos / 1e9
+
+
 def waited(entry: s.InboxEntry) -> None:
     """baton_inbox_wait_seconds: `entry`'s acceptance until now, when its
     run dispatches it (a command a turn admits at a step boundary, behind
     the one that opened it, is not observed)."""
-    if entry.HasField("accepted_at"):
-        accepted = entry.accepted_at.seconds + entry.accepted_at.nanos / 1e9
+    accepted = accepted_time(entry)
+    if accepted is not None:
         metrics.INBOX_WAIT_SECONDS.observe(max(0.0, time.time() - accepted))
 
 

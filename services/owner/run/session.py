@@ -1,39 +1,49 @@
 """A session program: one owner run of one session, as an imperative shell.
 
 The run reads the session's inbox continuously (a server stream from hooks),
-takes commands in inbox order, asks the decisions (decisions.py) what each
-means and hands the effect it gets back to its one small `_apply_<kind>` —
-a commit, the open turn's steps, a finalization, a compaction, tool calls
-for answered waits — then loops (the shape of Temporal's workflow
-activation: the rules return effects, the shell carries them out). Every
-step is committed through anchor as one fenced transaction: the step's
-events, the history entries it appended and the new snapshot, whose inbox
-position says which commands the step consumed.
+takes the commands the rules say it takes (admission.take), asks the
+decisions (decisions.py) what each means and hands the effect it gets back
+to its one small `_apply_<kind>` — a commit, the open turn's steps, a
+finalization, a compaction, tool calls for answered waits — then loops (the
+shape of Temporal's workflow activation: the rules return effects and take
+their time from the shell's clock, the shell carries the effects out).
+Every step is committed through anchor as one fenced transaction: the
+step's events, the history entries it appended and the new snapshot, whose
+inbox position says which commands the step consumed.
 
-The rooms it drives: the inbox buffer (inbox_buffer.py), the abortable step
-(step.py: model, tools, child work), departures (departures.py: handoff,
-drain, park), commits (commit.py: the last commit, a refused commit failing
-the turn), upkeep (upkeep.py: timer, history retirement, controls to
-children before a commit, reports and aliases after it) and compaction.py
-for the model's summary; the shell holds no client of its own. The rules
-are in turns.py and its layers, handles.py, decisions.py and
-departure_rules.py; none of them does I/O. What a run starts from and
-how it ends (`RunStart`, `RunServices`, `RunExit`) is runs.py's.
+Calls go one way: the shell holds the rooms it drives and asks the rules;
+no room holds another room or the shell, and none decides what the shell
+does next. The rooms: the inbox buffer (inbox_buffer.py: reports what
+arrives), the abortable step (step.py: model, tools, child work; the shell
+aborts it when a command pushed meanwhile may), departures (departures.py:
+handoff, drain and park attempts; when each is due is the departure rules'),
+commits (commit.py: the last commit and the checkpoint; the shell calls the
+upkeep before and after each and fails the turn of a refused one), upkeep
+(upkeep.py: timer, history retirement, controls to children, reports and
+aliases) and compaction.py (the model's summary); the shell holds no client
+of its own. The rules are in rules/: one state (held.py) and functions over
+it by concern, decisions.py and departure_rules.py; none of them does I/O
+or reads a clock. What a run starts from and how it ends (`RunStart`,
+`RunServices`, `RunExit`) is terms.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import time
+from collections.abc import Awaitable
 from typing import assert_never
 
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.common import failpoints
+from baton_runtime.common import failpoints, retry
 from baton_runtime.common.errors import BatonError, Fenced
 from baton_runtime.common.tasks import Background
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.attempt import Attempt
-from baton_runtime.owner.rules import compaction, decisions, departure_rules
+from baton_runtime.owner.rules import admission, decisions, departure_rules, reports, turns
 from baton_runtime.owner.rules.decisions import (
     AnswerAuthorization,
     AnswerInputs,
@@ -45,18 +55,26 @@ from baton_runtime.owner.rules.decisions import (
     RunTurn,
     Summarize,
 )
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.turns import SessionState
-from baton_runtime.owner.run.commit import RunCommits
+from baton_runtime.owner.rules.held import RunIdentity, SessionState, make_event
+from baton_runtime.owner.rules.steps import StepProgress
+from baton_runtime.owner.run import compaction
+from baton_runtime.owner.run.commit import CommitRefused, RunCommits
 from baton_runtime.owner.run.departures import Departures
 from baton_runtime.owner.run.inbox_buffer import InboxBuffer, InboxClosed
-from baton_runtime.owner.run.metering import waited
+from baton_runtime.owner.run.metering import accepted_time, waited
 from baton_runtime.owner.run.spans import RunSpans  # tracing
 from baton_runtime.owner.run.step import StepRunner
 from baton_runtime.owner.run.terms import RunExit, RunServices, RunStart
 from baton_runtime.owner.run.upkeep import Upkeep
 
 log = structlog.get_logger("baton.owner.session")
+
+
+class Idle(enum.Enum):
+    """Why the run stopped waiting with nothing to take."""
+
+    DRAIN = "drain"  # a drain attempt is due
+    PARK = "park"  # nothing came for `park_after`: the run may park
 
 
 def _run_log(identity: RunIdentity) -> structlog.BoundLogger:
@@ -87,10 +105,12 @@ class SessionRun:
         fence = identity.fence
         hooks, anchor, children = services.hooks, services.anchor, services.children
         self.identity = identity
-        self.state = SessionState(identity, start.snapshot, agent, start.context)
+        self._clock = services.clock
+        self.state = SessionState.hold(
+            identity, start.snapshot, agent, start.context, now=self._clock()
+        )
         self.agent = agent
         self._park_after = services.park_after
-        self._clock = services.clock
         self.failure: BaseException | None = None  # why the run failed, when it did
         self.drained = False  # the run ended because a drain moved the session
         self._unstarted = start.unstarted  # session.started goes with the first commit
@@ -110,18 +130,15 @@ class SessionRun:
         self._inbox = InboxBuffer(
             hooks,
             fence,
-            state,
-            self._departures,
-            self._step,
+            state.inbox,
             run_log,
+            from_seq=start.snapshot.inbox_next_seq,
             seed=start.seed,
-            revision_known=start.revision is not None,
             spans=self._spans,  # tracing
         )
         self._pending = self._inbox.pending
-        self._commits = RunCommits(
-            anchor, identity, state, self._upkeep, self._inbox, run_log, revision=start.revision
-        )
+        self._revision_known = start.revision is not None  # handoff eligibility needs it
+        self._commits = RunCommits(anchor, identity, state, revision=start.revision)
 
     @property
     def snapshot(self) -> s.SessionSnapshot:
@@ -159,8 +176,12 @@ class SessionRun:
         return departure_rules.busy_with(self.state)
 
     def oldest_pending_accepted(self) -> float | None:
-        """When the oldest entry read and not processed yet was accepted."""
-        return self._inbox.oldest_accepted()
+        """When the oldest entry read and not processed yet was accepted
+        (epoch seconds), or None. Entries set aside while the turn waits for
+        the user or a child (a queued message: admission.next_to_take) wait
+        for that, not for the run: they do not count."""
+        index = admission.next_to_take(self.state, self._pending)
+        return None if index is None else accepted_time(self._pending[index])
 
     def offer(self, entry: s.InboxEntry) -> None:
         """An entry appended to this session's inbox by this process (a
@@ -175,6 +196,7 @@ class SessionRun:
             await self._begin()
             return await self._serve()
         except InboxClosed as closed:
+            self.failure = closed.failure
             return RunExit.FENCED if closed.fenced else RunExit.FAILED
         except Fenced:
             self._log.info("fenced; run ends")
@@ -201,51 +223,82 @@ class SessionRun:
             self.agent.on_load(self.snapshot)
         self._upkeep.start_retire()
         if self._unstarted:
-            self._commits.carry.append(state.event(s.EVENT_KIND_SESSION_STARTED))
+            self._commits.carry.append(self._event(s.EVENT_KIND_SESSION_STARTED))
         arrived_from = self.snapshot.deployment_id
         handed_off = bool(arrived_from) and arrived_from != self.identity.deployment_id
         if handed_off:
             # First run on this deployment after a handoff: say so on the
             # stream (with the first commit here) and restart the timeout.
             self._commits.carry.append(
-                state.event(
+                self._event(
                     s.EVENT_KIND_SESSION_HANDED_OFF, text=arrived_from, handoff_id=self._handoff_id
                 )
             )
-        self._upkeep.arm_timeout(self._clock(), restart=handed_off)
+        delay = turns.arm_timeout(state, now=self._clock(), restart=handed_off)
+        if delay is not None:
+            self._upkeep.start_timer(delay)
         if handed_off and not self._pending:
             # Moved by a drain or an adoption (no trigger in hand): say so
             # on the stream now, not with whatever comes next.
-            await self._commits.guarded(self._commits.commit([]))
+            await self._guarded(self._commit([]))
         self._upkeep.deliver_reports()  # a predecessor's, if it could not
         if decisions.recovery(state):
             turn = self.snapshot.open_turn
             self._log.info("continuing open turn", turn_id=turn.turn_id, steps=turn.steps)
             with self._spans.process(state, None):  # tracing
-                await self._commits.guarded(self._apply_run_turn(RunTurn([])))
+                await self._guarded(self._apply_run_turn(RunTurn([])))
+
+    def _event(self, kind: s.EventKind.ValueType, text: str = "", handoff_id: str = "") -> s.Event:
+        """An event the run itself says (started, handed off), at the clock's time."""
+        state, now = self.state, self._clock()
+        return make_event(
+            state.identity, kind, state.turn_id, now=now, text=text, handoff_id=handoff_id
+        )
 
     async def _serve(self) -> RunExit:
         """Take commands until the session finalizes or the run departs."""
         while self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-            if self._drain_due() and await self._moved(await self._try_drain()):
-                self.drained = True
-                return RunExit.HANDED_OFF
-            entry = await self._inbox.take(self._park_after)
-            if entry is None:
-                if not self._drain_due() and await self._try_park():
+            entry = await self._take()
+            if entry is Idle.DRAIN:
+                if await self._moved(await self._try_drain()):
+                    self.drained = True
+                    return RunExit.HANDED_OFF
+                continue
+            if entry is Idle.PARK:
+                if await self._try_park():
                     return RunExit.PARKED
                 continue
-            if entry.seq == self._inbox.trigger_seq:
-                self._inbox.trigger_seq = -1
-                if not self._pending and await self._moved(await self._try_hand_off(entry)):
-                    return RunExit.HANDED_OFF
+            if (
+                self._triggers_handoff(entry)
+                and not self._pending
+                and await self._moved(await self._try_hand_off(entry))
+            ):
+                return RunExit.HANDED_OFF
             waited(entry)  # (a trigger handed off is dispatched, and counted, there)
             with self._spans.process(self.state, entry):  # tracing
-                await self._commits.guarded(self._process(entry))
+                await self._guarded(self._process(entry))
             if self.snapshot.status != s.SESSION_STATUS_FINALIZED:
-                await self._commits.guarded(self._compact_if_over_budget())
+                await self._guarded(self._compact_if_over_budget())
         await self._upkeep.retired()
         return RunExit.FINALIZED
+
+    async def _take(self) -> s.InboxEntry | Idle:
+        """The next command the rules take (admission.take: the first,
+        unless the turn waits and a queued message waits for it to end);
+        else, once it is due, a drain attempt, or a park attempt after
+        `park_after` with nothing to take. Raises InboxClosed."""
+        with self._inbox.idle_while(not self.state.turn_open):
+            while (entry := admission.take(self.state, self._pending)) is None:
+                self._inbox.raise_if_closed()
+                drain_in = self._drain_wait()
+                if drain_in == 0.0:
+                    return Idle.DRAIN
+                park_in = self._park_after
+                parks_first = park_in is not None and (drain_in is None or park_in < drain_in)
+                wait = park_in if parks_first else drain_in
+                if not await self._inbox.arrival(wait) and parks_first:
+                    return Idle.PARK
+            return entry
 
     # -- departures (docs/design.md §6, issue 12) ---------------------------------------
 
@@ -255,8 +308,27 @@ class SessionRun:
         self._departures.request_drain(target)
         self._inbox.wake()
 
-    def _drain_due(self) -> bool:
-        return self._departures.drain_due(len(self._pending))
+    def _drain_wait(self) -> float | None:
+        """Seconds until a drain attempt is due (0: now); None while none can
+        be. The one place the run asks (departure_rules.drain_wait)."""
+        return departure_rules.drain_wait(
+            self.state,
+            draining=self._departures.draining,
+            pending=len(self._pending),
+            due_at=self._departures.drain_due_at,
+            now=time.monotonic(),
+        )
+
+    def _triggers_handoff(self, entry: s.InboxEntry) -> bool:
+        """`entry` triggers a handoff: it arrived while the run was idle with
+        nothing pending (the buffer noted it), and the departure rules say
+        so. Nothing can change their answer between its arrival and now:
+        the run was waiting for commands, or committing what left it idle."""
+        return (
+            self._departures.can_move
+            and entry.seq == self._inbox.idle_arrival
+            and departure_rules.is_trigger(self.state, entry, revision_known=self._revision_known)
+        )
 
     async def _try_drain(self) -> Attempt:
         with self._spans.handoff(None, self.drain_to):  # tracing
@@ -274,10 +346,10 @@ class SessionRun:
             reports_pending=self._upkeep.reports_pending(),
         ):
             return False
-        if self._commits.delivered_uncommitted:
+        if reports.delivered_uncommitted(self.state):
             # The emptied outbox durable first (a snapshot-only commit): a
             # woken run must not deliver them again (docs/design.md §16).
-            await self._commits.guarded(self._commits.commit([]))
+            await self._guarded(self._commit([]))
             return False  # parks at the next idle timeout, if still idle
         # Still idle while parking: an arrival that fails the park is
         # evaluated as a handoff trigger like any other.
@@ -288,15 +360,66 @@ class SessionRun:
         """Whether an attempt to move the session moved it; an uncertain one
         is decided here first."""
         if attempt is Attempt.UNCERTAIN:
-            return await self._commits.decide_uncertain_handoff()
+            return await self._settle_uncertain()
         return attempt is Attempt.MOVED
+
+    async def _settle_uncertain(self) -> bool:
+        """Commit the unchanged snapshot, fenced (compared with the last
+        revision): success means the session did not move and cannot move
+        on this attempt (the checkpoint revision is gone); FENCED means it
+        moved. Anything else decides nothing (the transfer may still land),
+        so keep trying: the trigger waits."""
+        backoff = retry.HANDOFF_CHECKPOINT.backoff()
+        while True:
+            try:
+                await self._commit([], idle_after=False)
+            except Fenced:
+                self._log.info("handoff settled: the session moved")
+                return True
+            except BatonError as exc:
+                self._log.warning("deciding commit failed; again", reason=exc.reason)
+                await backoff.wait()
+                continue
+            self._log.info("handoff settled: the session stays; processing here")
+            return False
+
+    # -- commits: the upkeep around each, a refused one failing the turn ----------------
+
+    async def _commit(
+        self, events: list[s.Event], close: bool = False, *, idle_after: bool = True
+    ) -> None:
+        """Commit `events` with the state (fenced), the upkeep before and
+        after it. Raises CommitRefused for a commit that can never succeed."""
+        await self._upkeep.before_commit(closes=close)
+        # A commit that settles the session: a delivery arriving while it is in
+        # flight arrives at an idle session (a reader may see the commit, and
+        # send, before this run has the answer), so it may trigger a handoff.
+        with self._inbox.idle_while(idle_after and not close and not self.state.turn_open):
+            await self._commits.commit(events, close)
+        self._upkeep.after_commit()
+
+    async def _guarded(self, work: Awaitable[None]) -> None:
+        """Run `work`; a commit it makes that can never succeed (too large,
+        invalid) fails the turn instead (docs/failures.md)."""
+        try:
+            await work
+        except CommitRefused as refused:
+            self._log.warning(
+                "commit refused; the turn fails", reason=refused.reason, error=refused.message
+            )
+            self._commits.carry = refused.carry
+            error = s.ErrorDetail(reason=refused.reason, message=refused.message[:500])
+            events = turns.refused(
+                self.state, refused.events, refused.close, error, now=self._clock()
+            )
+            await self._commit(events, close=refused.close)
 
     # -- commands: ask the decisions, apply the effect they return ---------------------
 
     async def _process(self, entry: s.InboxEntry) -> None:
         """One command from the inbox: what it means is the decisions'
         answer; the effect it returns is applied here."""
-        effect = decisions.decide(self.state, entry, self._pending)
+        effect = decisions.decide(self.state, entry, self._pending, now=self._clock())
         if entry.command.WhichOneof("kind") == "task_result" and not isinstance(effect, Rejected):
             await failpoints.hit("children.apply_result")
         if isinstance(effect, Commit) and effect.note:
@@ -325,54 +448,83 @@ class SessionRun:
                 assert_never(effect)
 
     async def _apply_commit(self, effect: Commit) -> None:
-        await self._commits.commit(effect.events)
+        await self._commit(effect.events)
 
     async def _apply_rejected(self, effect: Rejected) -> None:
         reason = effect.event.error.reason
         self._log.info("command rejected", reason=reason, inbox_seq=effect.entry.seq)
-        await self._commits.commit([effect.event])
+        await self._commit([effect.event])
 
     async def _apply_run_turn(self, effect: RunTurn) -> None:
         """The open turn's steps until the decisions end it (one exit)."""
         events = effect.events
         while True:
-            ends = decisions.before_step(self.state, self._pending, events)
+            ends = decisions.before_step(self.state, self._pending, events, now=self._clock())
             if ends is None:
-                progress = await self._step.run()
-                after = decisions.after_step(self.state, progress, self._pending, events)
+                progress = await self._run_step()
+                after = decisions.after_step(
+                    self.state, progress, self._pending, events, now=self._clock()
+                )
                 if after is NextStep.NOW:
                     continue  # the boundary finds the pushed command
                 if after is NextStep.AFTER_COMMIT:
-                    await self._commits.commit(events)
+                    await self._commit(events)
                     events = []
                     continue
                 ends = after
             await self._apply(ends)
             return
 
+    async def _run_step(self) -> StepProgress:
+        """One step of the open turn, while `_abort_on_push` watches what
+        arrives meanwhile."""
+        watch = self._background.spawn(self._abort_on_push(self._inbox.next_seq))
+        try:
+            return await self._step.run()
+        finally:
+            watch.cancel()
+
+    async def _abort_on_push(self, since: int) -> None:
+        """A command arriving while the step runs (seq `since` and on) aborts
+        it at once when the rules say so (admission.aborts_step: a cancel,
+        reset or own timeout with everything ahead of it able to join the
+        turn); the turn's next boundary then finds it."""
+        with contextlib.suppress(InboxClosed):  # the run learns it at its next commit
+            while True:
+                pending = list(self._pending)
+                for index, entry in enumerate(pending):
+                    ahead = pending[:index]
+                    if entry.seq >= since and admission.aborts_step(self.state, entry, ahead):
+                        self._step.abort()
+                        return
+                since = self._inbox.next_seq
+                await self._inbox.arrival()
+
     async def _apply_finalize(self, effect: Finalize) -> None:
         """Terminal: close the stream once, then release every token."""
         error = effect.error
-        self.state.finalize(effect.events, effect.entry, error)
-        await self._commits.commit(effect.events, close=True)
+        turns.finalize(self.state, effect.events, effect.entry, error, now=self._clock())
+        await self._commit(effect.events, close=True)
         await self._upkeep.release_aliases()
         self._log.info("session finalized", reason=error.reason if error else "RESET")
 
     async def _apply_summarize(self, effect: Summarize) -> None:
         """The compact command, or the owner's own (`effect.entry` None)."""
-        await compaction.summarize(self.state, effect.events, effect.entry, self._log)
-        await self._commits.commit(effect.events)
+        await compaction.summarize(self.state, effect.events, effect.entry, self._log, self._clock)
+        await self._commit(effect.events)
 
     async def _apply_answer_inputs(self, effect: AnswerInputs) -> None:
         """Run the approved calls in order, then ask what their results mean."""
         results = [await self._step.call_tool(call) for call in effect.to_run]
-        await self._apply(decisions.apply_input_answers(self.state, effect, results))
+        answered = decisions.apply_input_answers(self.state, effect, results, now=self._clock())
+        await self._apply(answered)
 
     async def _apply_answer_authorization(self, effect: AnswerAuthorization) -> None:
         """Run the call signed in for (none: refused), then ask what it means."""
         call = effect.to_run
         result = await self._step.call_tool(call) if call is not None else None
-        await self._apply(decisions.apply_authorization(self.state, effect, result))
+        answered = decisions.apply_authorization(self.state, effect, result, now=self._clock())
+        await self._apply(answered)
 
     # -- compaction ------------------------------------------------------------------
 

@@ -47,3 +47,9 @@ def initial_snapshot(
         started = time.time() if now is None else now
         snapshot.timeout.deadline.FromSeconds(int(started) + timeout_seconds)
     return snapshot
+
+
+def lifetime_deadline(snapshot: s.SessionSnapshot) -> int:
+    """The session's lifetime deadline (unix seconds), 0 without a timeout."""
+    timeout = snapshot.timeout
+    return timeout.deadline.seconds if timeout.duration_seconds else 0

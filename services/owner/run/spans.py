@@ -35,7 +35,7 @@ MAX_LINKS = 100
 
 
 class _Held(Protocol):
-    """What the spans read of the run's session (baton_runtime.owner.rules.held.HeldSession)."""
+    """What the spans read of the run's session (baton_runtime.owner.rules.held.SessionState)."""
 
     @property
     def snapshot(self) -> s.SessionSnapshot: ...

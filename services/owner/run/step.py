@@ -4,9 +4,10 @@ pushed cancel, reset or own timeout (`abort`) cancels it at once, keeping
 what it produced so far (`StepProgress`); giving a child its work is not
 cut half-way (a child that got its work is recorded, so none is orphaned).
 
-What the step's results mean is the turn rules' business (`SessionState`,
-turns.py); which tool calls to run for answered waits, the decisions'
-(decisions.py). This room only calls out and reports.
+What the step's results mean is the rules' business (rules/steps.py: the
+calls it makes, what a failure or a child's work means, how the progress
+folds into the session); which tool calls to run for answered waits, the
+decisions' (rules/decisions.py). This room only calls out and records.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.agents.api import AgentCatalog, ModelRejected, Tool, ToolContext
+from baton_runtime.owner.agents.api import AgentCatalog, Tool, ToolContext
 from baton_runtime.owner.rules import handles as h
-from baton_runtime.owner.rules.child_rules import ChildWork
+from baton_runtime.owner.rules import steps
+from baton_runtime.owner.rules.children import ChildWork, plan_child_work, work_not_given
 from baton_runtime.owner.rules.handles import Refusal
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.step_rules import StepProgress, usage_of
-from baton_runtime.owner.rules.turns import SessionState, safe_error
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
+from baton_runtime.owner.rules.steps import StepProgress, safe_error, usage_of
 from baton_runtime.owner.run import spans  # tracing
 from baton_runtime.owner.run.children import Children
 
@@ -56,12 +57,9 @@ class StepRunner:
         self._task: asyncio.Task[None] | None = None
         self._abort_requested = False
 
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
     def abort(self) -> None:
-        """Cancel the running step (a pushed command)."""
+        """Cancel the running step, if one runs (the shell saw a pushed
+        command that aborts it)."""
         if self._task is not None and not self._task.done():
             self._abort_requested = True
             self._task.cancel()
@@ -95,16 +93,14 @@ class StepRunner:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: any failure fails the turn
             self._log.warning("model call failed", error=repr(exc), turn_id=state.turn_id)
-            progress.error = safe_error(exc)
-            if isinstance(exc, ModelRejected):
-                progress.reason = Reason.MODEL_REJECTED
+            steps.model_failed(progress, exc)
             return
         progress.reply = reply
-        progress.calls = state.tool_calls(reply)
+        progress.calls = steps.tool_calls(state, reply)
         for index, call in enumerate(progress.calls):
-            if state.starts_child(call):
+            if steps.starts_child(state, call):
                 await self._start_child_work(progress, index, call, usage_of(reply))
-            elif state.runs_now(call):
+            elif steps.runs_now(state, call):
                 progress.results[index] = await self.call_tool(call)
 
     # -- child work ------------------------------------------------------------------
@@ -120,9 +116,9 @@ class StepRunner:
             outcome = await asyncio.shield(task)
         except asyncio.CancelledError:
             outcome = await task
-            _record_child_work(progress, index, call, outcome)
+            steps.child_work_done(progress, index, call, outcome)
             raise
-        _record_child_work(progress, index, call, outcome)
+        steps.child_work_done(progress, index, call, outcome)
 
     async def _give_work(
         self, call: s.ToolCall, reserved: frozenset[str], step: s.Usage
@@ -132,7 +128,7 @@ class StepRunner:
         children = self._children
         if children is None:
             return Refusal(Reason.UNSUPPORTED_COMMAND, "this owner cannot start child sessions")
-        plan = self._state.plan_child_work(call, reserved, step, self._catalog.subagent_names)
+        plan = plan_child_work(self._state, call, reserved, step, self._catalog.subagent_names)
         if isinstance(plan, Refusal):
             return plan
         child = plan.work.child_session_id
@@ -146,11 +142,7 @@ class StepRunner:
         except BatonError as exc:
             if exc.retryable:
                 raise  # the run starts again from its last commit; the child is derived
-            if exc.reason in (Reason.SESSION_FINALIZED, Reason.SESSION_NOT_FOUND):
-                return Refusal(Reason.TASK_SETTLED, f"child session {child}: {exc.message}")
-            # Never succeeds as asked (e.g. the work is over the command limit):
-            # the model sees why.
-            return Refusal(exc.reason, exc.message)
+            return work_not_given(child, exc)
         self._log.info(
             "child given work",
             child_session_id=child,
@@ -173,7 +165,7 @@ class StepRunner:
         try:
             arguments = json.loads(call.arguments_json)
             with spans.tool_call(call):  # tracing
-                result.output = await tool.run(arguments, self._tool_context())
+                result.output = await tool.run(arguments, self._tool_context(call.id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
@@ -183,7 +175,7 @@ class StepRunner:
         metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
         return result
 
-    def _tool_context(self) -> ToolContext:
+    def _tool_context(self, tool_call_id: str) -> ToolContext:
         fence = self._identity.fence
         return ToolContext(
             session_id=fence.session_id,
@@ -191,22 +183,9 @@ class StepRunner:
             owner_run_id=fence.owner_run_id,
             channel=self._state.snapshot.channel,
             add_alias=self._add_alias,
+            tool_call_id=tool_call_id,
         )
 
     async def _add_alias(self, token: str) -> None:
         """Claimed durably (fenced) before the step that adds it commits."""
-        hooks = await self._hooks.claim(self._identity.fence, [token])
-        snapshot = self._state.snapshot
-        del snapshot.hooks[:]
-        snapshot.hooks.extend(hooks)
-
-
-def _record_child_work(
-    progress: StepProgress, index: int, call: s.ToolCall, outcome: ChildWork | Refusal
-) -> None:
-    if isinstance(outcome, ChildWork):
-        progress.children[index] = outcome
-    else:
-        progress.results[index] = s.ToolResult(
-            tool_call_id=call.id, name=call.name, output=outcome.output(), is_error=True
-        )
+        steps.aliases_claimed(self._state, await self._hooks.claim(self._identity.fence, [token]))

@@ -1,9 +1,10 @@
 """A run's upkeep around its commits (docs/design.md §4, §11), all under the
-run's one `Background`:
+run's one `Background`; the shell (session.py) calls it before and after
+each commit (`before_commit`, `after_commit`):
 
-- the durable lifetime timer: armed with the run's id; when it fires, a
-  timeout command is appended to the session's inbox (a successor ignores
-  a predecessor's);
+- the durable lifetime timer: armed with the run's id (turns.arm_timeout);
+  when it fires, a timeout command is appended to the session's inbox (a
+  successor ignores a predecessor's);
 - history retirement: committed entries the model no longer sees are
   deleted in the background, never blocking a turn (the mark is persisted
   by the next commit; until then a successor retires again);
@@ -28,8 +29,7 @@ from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.rules.held import RunIdentity
-from baton_runtime.owner.rules.turns import SessionState
+from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.run.children import Children
 
 
@@ -65,19 +65,27 @@ class Upkeep:
         if aliases:
             await self._hooks.dispose(fence, aliases)
 
+    # -- around a commit ------------------------------------------------------------
+
+    async def before_commit(self, *, closes: bool) -> None:
+        """Before a commit: the controls the rules decided for children reach
+        them; a finalizing child's reports reach its parent before the
+        commit that closes its stream (no run follows it)."""
+        await self.send_controls()
+        if closes and self._state.is_child:
+            await self.deliver_reports_now()  # a repeat is deduplicated
+
+    def after_commit(self) -> None:
+        """After a commit: retire what the model no longer sees, and deliver
+        a child's committed reports, in the background."""
+        self.start_retire()
+        self.deliver_reports()
+
     # -- the session timeout --------------------------------------------------------
 
-    def arm_timeout(self, now: float, restart: bool = False) -> None:
-        """Arm the durable lifetime timer, stamped with this run; `restart`
-        (a successor on a new deployment) counts the configured duration
-        from `now`."""
-        timeout = self._state.snapshot.timeout
-        if not timeout.duration_seconds:
-            return
-        if restart or not timeout.HasField("deadline"):
-            timeout.deadline.FromSeconds(int(now) + timeout.duration_seconds)
-        timeout.armed_by_owner_run_id = self._identity.fence.owner_run_id
-        delay = max(0.0, timeout.deadline.ToSeconds() - now)
+    def start_timer(self, delay: float) -> None:
+        """The lifetime timer the rules armed (turns.arm_timeout) fires in
+        `delay` seconds: a timeout command in the session's inbox."""
         self._background.spawn(self._fire_timeout(delay))
 
     async def _fire_timeout(self, delay: float) -> None:

@@ -111,7 +111,8 @@ class AnchorServiceServicer:
         the terminal event. Long streams are read in bounded pages. A cursor
         below a live session's retention horizon (or one the horizon passes
         while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
-        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`); one
+        beyond the head gets OUT_OF_RANGE/BEYOND_HEAD with `next_seq`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

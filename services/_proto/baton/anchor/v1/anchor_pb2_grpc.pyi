@@ -55,7 +55,8 @@ class AnchorServiceStub:
     the terminal event. Long streams are read in bounded pages. A cursor
     below a live session's retention horizon (or one the horizon passes
     while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
-    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`); one
+    beyond the head gets OUT_OF_RANGE/BEYOND_HEAD with `next_seq`.
     """
     FollowEvents: _grpc.StreamStreamMultiCallable[_anchor_pb2.FollowEventsRequest, _anchor_pb2.FollowEventsResponse]
     """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
@@ -110,7 +111,8 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     the terminal event. Long streams are read in bounded pages. A cursor
     below a live session's retention horizon (or one the horizon passes
     while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
-    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+    the earliest seq kept in the ErrorInfo metadata (`earliest_seq`); one
+    beyond the head gets OUT_OF_RANGE/BEYOND_HEAD with `next_seq`.
     """
     FollowEvents: _aio.StreamStreamMultiCallable[_anchor_pb2.FollowEventsRequest, _anchor_pb2.FollowEventsResponse]  # type: ignore[assignment]
     """ReadEvents' streams multiplexed: one ingress' (or owner's) event reads,
@@ -186,7 +188,8 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         the terminal event. Long streams are read in bounded pages. A cursor
         below a live session's retention horizon (or one the horizon passes
         while the read pages) gets OUT_OF_RANGE with reason BELOW_HORIZON and
-        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`).
+        the earliest seq kept in the ErrorInfo metadata (`earliest_seq`); one
+        beyond the head gets OUT_OF_RANGE/BEYOND_HEAD with `next_seq`.
         """
 
     @_abc_1.abstractmethod

@@ -38,9 +38,9 @@ class _DeploymentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Depl
     owner of this deployment.
     """
     DEPLOYMENT_STATUS_DRAINED: _DeploymentStatus.ValueType  # 3
-    """No session is left on it: an operator's drain moved them all (its fleet
-    can be scaled to zero), or no owner instance is live either (then the
-    registry keeps nothing of it: only DescribeDeployment of its id says so).
+    """Owner instances are live, an operator's drain moved every session away
+    (its fleet can be scaled to zero). (A deployment with no live instance
+    and no session is not known: not listed, NOT_FOUND to describe.)
     """
     DEPLOYMENT_STATUS_DRAINING: _DeploymentStatus.ValueType  # 4
     """Owner instances are live, at least one works on an operator's drain (its
@@ -61,9 +61,9 @@ another deployment's ingress (adoption), one left mid-step waits for an
 owner of this deployment.
 """
 DEPLOYMENT_STATUS_DRAINED: DeploymentStatus.ValueType  # 3
-"""No session is left on it: an operator's drain moved them all (its fleet
-can be scaled to zero), or no owner instance is live either (then the
-registry keeps nothing of it: only DescribeDeployment of its id says so).
+"""Owner instances are live, an operator's drain moved every session away
+(its fleet can be scaled to zero). (A deployment with no live instance
+and no session is not known: not listed, NOT_FOUND to describe.)
 """
 DEPLOYMENT_STATUS_DRAINING: DeploymentStatus.ValueType  # 4
 """Owner instances are live, at least one works on an operator's drain (its
@@ -463,6 +463,7 @@ class RegisterInstanceRequest(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The instance's exact deployment."""
     instance_id: _builtins.str
@@ -471,6 +472,10 @@ class RegisterInstanceRequest(_message.Message):
     """Lease TTL in seconds."""
     address: _builtins.str
     """The instance's owner service address."""
+    @_builtins.property
+    def agent(self) -> Global___AgentInfo:
+        """The agent code the instance loaded (shown by `baton deployments describe`)."""
+
     def __init__(
         self,
         *,
@@ -478,14 +483,45 @@ class RegisterInstanceRequest(_message.Message):
         instance_id: _builtins.str = ...,
         ttl_seconds: _builtins.int = ...,
         address: _builtins.str = ...,
+        agent: Global___AgentInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "deployment_id", b"deployment_id", "instance_id", b"instance_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent", b"agent", "deployment_id", b"deployment_id", "instance_id", b"instance_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterInstanceRequest: _TypeAlias = RegisterInstanceRequest  # noqa: Y015
+
+@_typing.final
+class AgentInfo(_message.Message):
+    """AgentInfo names the authored agent code an owner instance runs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    spec: _builtins.str
+    """How the owner loaded it: `module:factory` (BATON_AGENT)."""
+    name: _builtins.str
+    """The root agent's name (Agent.name)."""
+    version: _builtins.str
+    """The author's name for this version of the code (Agent.version); may be empty."""
+    def __init__(
+        self,
+        *,
+        spec: _builtins.str = ...,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "spec", b"spec", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentInfo: _TypeAlias = AgentInfo  # noqa: Y015
 
 @_typing.final
 class RegisterInstanceResponse(_message.Message):
@@ -656,22 +692,35 @@ class InstanceInfo(_message.Message):
     DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    DRAIN_TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
     deployment_id: _builtins.str
     """The deployment."""
     instance_id: _builtins.str
     """The instance id."""
     address: _builtins.str
     """The owner service address."""
+    drain_to_deployment_id: _builtins.str
+    """The deployment an operator's drain hands its sessions to, as the
+    instance announced it; empty while it does not drain. A deployment
+    whose instances drain is not a handoff target.
+    """
+    @_builtins.property
+    def agent(self) -> Global___AgentInfo:
+        """The agent code it runs, as it registered it."""
+
     def __init__(
         self,
         *,
         deployment_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
         address: _builtins.str = ...,
+        agent: Global___AgentInfo | None = ...,
+        drain_to_deployment_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "deployment_id", b"deployment_id", "instance_id", b"instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent", b"agent", "deployment_id", b"deployment_id", "drain_to_deployment_id", b"drain_to_deployment_id", "instance_id", b"instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -889,15 +938,25 @@ class TakeOverSessionResponse(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
     INBOX_HEAD_FIELD_NUMBER: _builtins.int
+    TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
     """True when the session stays parked under the successor: it was parked and
     nothing arrived since. The successor need not load it until a bell rings.
     """
     inbox_head: _builtins.int
-    """The inbox head at the takeover; for a parked session, its consumed position."""
+    """The inbox head at the takeover; for a parked session, its consumed position
+    as the takeover recorded it (a replay answers the same, whatever arrived
+    since: those arrivals rang the successor's bell).
+    """
     @_builtins.property
     def fence(self) -> _session_pb2.Fence:
         """The new fence (epoch + 1)."""
+
+    @_builtins.property
+    def timeout_deadline(self) -> _timestamp_pb2.Timestamp:
+        """For a parked session, its lifetime deadline as its park recorded it; unset
+        when it has none. The successor wakes it then, so the timeout fires.
+        """
 
     def __init__(
         self,
@@ -905,10 +964,11 @@ class TakeOverSessionResponse(_message.Message):
         fence: _session_pb2.Fence | None = ...,
         parked: _builtins.bool = ...,
         inbox_head: _builtins.int = ...,
+        timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "parked", b"parked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_head", b"inbox_head", "parked", b"parked", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -923,6 +983,7 @@ class SetParkedRequest(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     PARKED_FIELD_NUMBER: _builtins.int
     INBOX_NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    TIMEOUT_DEADLINE_FIELD_NUMBER: _builtins.int
     parked: _builtins.bool
     """Park (true) or unpark (false)."""
     inbox_next_seq: _builtins.int
@@ -933,16 +994,24 @@ class SetParkedRequest(_message.Message):
     def fence(self) -> _session_pb2.Fence:
         """The caller's fence."""
 
+    @_builtins.property
+    def timeout_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When parking: the session's lifetime deadline (whole seconds; unset when it
+        has none). Kept in the owner record: a takeover that keeps the session
+        parked passes it on, and appends after it are refused as SESSION_FINALIZED.
+        """
+
     def __init__(
         self,
         *,
         fence: _session_pb2.Fence | None = ...,
         parked: _builtins.bool = ...,
         inbox_next_seq: _builtins.int = ...,
+        timeout_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_next_seq", b"inbox_next_seq", "parked", b"parked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "inbox_next_seq", b"inbox_next_seq", "parked", b"parked", "timeout_deadline", b"timeout_deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -377,7 +377,8 @@ class HookRegistryServiceServicer:
     def DescribeDeployment(self, request, context):
         """Operator: one exact deployment: its live instances with their leases
         and how many sessions each owns, and the sessions owned by instances
-        that are gone (to be taken over, or adopted).
+        that are gone (to be taken over, or adopted). NOT_FOUND
+        (DEPLOYMENT_NOT_FOUND) when it has neither a live instance nor a session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -138,7 +138,8 @@ class HookRegistryServiceStub:
     DescribeDeployment: _grpc.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]
     """Operator: one exact deployment: its live instances with their leases
     and how many sessions each owns, and the sessions owned by instances
-    that are gone (to be taken over, or adopted).
+    that are gone (to be taken over, or adopted). NOT_FOUND
+    (DEPLOYMENT_NOT_FOUND) when it has neither a live instance nor a session.
     """
 
 @_typing.type_check_only
@@ -251,7 +252,8 @@ class HookRegistryServiceAsyncStub(HookRegistryServiceStub):
     DescribeDeployment: _aio.UnaryUnaryMultiCallable[_hooks_pb2.DescribeDeploymentRequest, _hooks_pb2.DescribeDeploymentResponse]  # type: ignore[assignment]
     """Operator: one exact deployment: its live instances with their leases
     and how many sessions each owns, and the sessions owned by instances
-    that are gone (to be taken over, or adopted).
+    that are gone (to be taken over, or adopted). NOT_FOUND
+    (DEPLOYMENT_NOT_FOUND) when it has neither a live instance nor a session.
     """
 
 class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -511,7 +513,8 @@ class HookRegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_hooks_pb2.DescribeDeploymentResponse, _abc.Awaitable[_hooks_pb2.DescribeDeploymentResponse]]:
         """Operator: one exact deployment: its live instances with their leases
         and how many sessions each owns, and the sessions owned by instances
-        that are gone (to be taken over, or adopted).
+        that are gone (to be taken over, or adopted). NOT_FOUND
+        (DEPLOYMENT_NOT_FOUND) when it has neither a live instance nor a session.
         """
 
 def add_HookRegistryServiceServicer_to_server(servicer: HookRegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -409,6 +409,7 @@ class ListSessionsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     FILTER_FIELD_NUMBER: _builtins.int
+    ORDER_BY_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """At most this many sessions (default 50, at most 200; larger is 200)."""
     page_token: _builtins.str
@@ -418,7 +419,19 @@ class ListSessionsRequest(_message.Message):
     filter: _builtins.str
     """A filter (AIP-160 subset): comparisons joined by AND, of `status`
     (= or !=, e.g. `status = idle`), `deployment` (= or !=), `create_time`
-    and `update_time` (<, <=, >, >= an RFC 3339 time in quotes).
+    and `update_time` (<, <=, >, >= an RFC 3339 time in quotes),
+    `inbox_depth` (=, !=, <, <=, >, >= a whole number) and
+    `oldest_unconsumed_age` (<, <=, >, >= a duration: "30s", "500ms", "5m",
+    "1h"; 0 when nothing waits), e.g.
+    `inbox_depth > 0 AND oldest_unconsumed_age > "30s"`.
+    """
+    order_by: _builtins.str
+    """The order (AIP-132): empty for session id order, or `inbox_depth` or
+    `oldest_unconsumed_age`, then `asc` (default) or `desc`; ties by session
+    id. Each page is sorted from live values, so a session whose value
+    changes between pages may be listed twice or not at all; a channel of
+    more than 5000 sessions is FAILED_PRECONDITION/TOO_MANY_TO_ORDER.
+    Valid only with the same page_token's order.
     """
     def __init__(
         self,
@@ -426,10 +439,11 @@ class ListSessionsRequest(_message.Message):
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
         filter: _builtins.str = ...,
+        order_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,7 +461,7 @@ class ListSessionsResponse(_message.Message):
     """Pass it as page_token for the next page; empty at the end."""
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
-        """The sessions of this page, in session id order."""
+        """The sessions of this page, in session id order (or order_by's)."""
 
     def __init__(
         self,

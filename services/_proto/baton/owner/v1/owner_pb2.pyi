@@ -323,6 +323,61 @@ class DrainSessionsResponse(_message.Message):
 Global___DrainSessionsResponse: _TypeAlias = DrainSessionsResponse  # noqa: Y015
 
 @_typing.final
+class UndrainSessionsRequest(_message.Message):
+    """UndrainSessionsRequest stops an operator's drain of this instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainSessionsRequest: _TypeAlias = UndrainSessionsRequest  # noqa: Y015
+
+@_typing.final
+class UndrainSessionsResponse(_message.Message):
+    """UndrainSessionsResponse says what the drain was."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WAS_TO_DEPLOYMENT_ID_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    deployment_id: _builtins.str
+    """This owner's deployment."""
+    instance_id: _builtins.str
+    """This instance."""
+    was_to_deployment_id: _builtins.str
+    """The deployment it drained to; empty when it was not draining."""
+    moved: _builtins.int
+    """Sessions it had handed to that deployment."""
+    held: _builtins.int
+    """Sessions held here now."""
+    def __init__(
+        self,
+        *,
+        deployment_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        was_to_deployment_id: _builtins.str = ...,
+        moved: _builtins.int = ...,
+        held: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment_id", b"deployment_id", "held", b"held", "instance_id", b"instance_id", "moved", b"moved", "was_to_deployment_id", b"was_to_deployment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainSessionsResponse: _TypeAlias = UndrainSessionsResponse  # noqa: Y015
+
+@_typing.final
 class DrainBlocker(_message.Message):
     """DrainBlocker is one session that has not moved yet, and why."""
 

@@ -50,6 +50,11 @@ class OwnerServiceStub:
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.SerializeToString,
                 response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.FromString,
                 _registered_method=True)
+        self.UndrainSessions = channel.unary_unary(
+                '/baton.owner.v1.OwnerService/UndrainSessions',
+                request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsRequest.SerializeToString,
+                response_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsResponse.FromString,
+                _registered_method=True)
         self.AdoptSession = channel.unary_unary(
                 '/baton.owner.v1.OwnerService/AdoptSession',
                 request_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.AdoptSessionRequest.SerializeToString,
@@ -94,6 +99,16 @@ class OwnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UndrainSessions(self, request, context):
+        """Operator: stop this instance's drain. Its sessions stay here, and its
+        deployment is a handoff target again once its registry entry says so
+        (the next keep-alive); sessions already moved stay where they are.
+        Safe to repeat: an instance that does not drain answers an empty target.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AdoptSession(self, request, context):
         """Adopt a session whose deployment has no live owner instance left and
         whose last commit left it settled (a fenced Transfer, as a handoff).
@@ -131,6 +146,11 @@ def add_OwnerServiceServicer_to_server(servicer, server):
                     servicer.DrainSessions,
                     request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.FromString,
                     response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.SerializeToString,
+            ),
+            'UndrainSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainSessions,
+                    request_deserializer=baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsRequest.FromString,
+                    response_serializer=baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsResponse.SerializeToString,
             ),
             'AdoptSession': grpc.unary_unary_rpc_method_handler(
                     servicer.AdoptSession,
@@ -225,6 +245,33 @@ class OwnerService:
             '/baton.owner.v1.OwnerService/DrainSessions',
             baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsRequest.SerializeToString,
             baton_dot_owner_dot_v1_dot_owner__pb2.DrainSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.owner.v1.OwnerService/UndrainSessions',
+            baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsRequest.SerializeToString,
+            baton_dot_owner_dot_v1_dot_owner__pb2.UndrainSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,12 @@ class OwnerServiceStub:
     deployment through the ordinary handoff, each as soon as it is idle
     (parked sessions are woken for it). Safe to repeat; answers what is left.
     """
+    UndrainSessions: _grpc.UnaryUnaryMultiCallable[_owner_pb2.UndrainSessionsRequest, _owner_pb2.UndrainSessionsResponse]
+    """Operator: stop this instance's drain. Its sessions stay here, and its
+    deployment is a handoff target again once its registry entry says so
+    (the next keep-alive); sessions already moved stay where they are.
+    Safe to repeat: an instance that does not drain answers an empty target.
+    """
     AdoptSession: _grpc.UnaryUnaryMultiCallable[_owner_pb2.AdoptSessionRequest, _owner_pb2.AdoptSessionResponse]
     """Adopt a session whose deployment has no live owner instance left and
     whose last commit left it settled (a fenced Transfer, as a handoff).
@@ -80,6 +86,12 @@ class OwnerServiceAsyncStub(OwnerServiceStub):
     """Operator: hand every session this instance holds to an exact target
     deployment through the ordinary handoff, each as soon as it is idle
     (parked sessions are woken for it). Safe to repeat; answers what is left.
+    """
+    UndrainSessions: _aio.UnaryUnaryMultiCallable[_owner_pb2.UndrainSessionsRequest, _owner_pb2.UndrainSessionsResponse]  # type: ignore[assignment]
+    """Operator: stop this instance's drain. Its sessions stay here, and its
+    deployment is a handoff target again once its registry entry says so
+    (the next keep-alive); sessions already moved stay where they are.
+    Safe to repeat: an instance that does not drain answers an empty target.
     """
     AdoptSession: _aio.UnaryUnaryMultiCallable[_owner_pb2.AdoptSessionRequest, _owner_pb2.AdoptSessionResponse]  # type: ignore[assignment]
     """Adopt a session whose deployment has no live owner instance left and
@@ -128,6 +140,18 @@ class OwnerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Operator: hand every session this instance holds to an exact target
         deployment through the ordinary handoff, each as soon as it is idle
         (parked sessions are woken for it). Safe to repeat; answers what is left.
+        """
+
+    @_abc_1.abstractmethod
+    def UndrainSessions(
+        self,
+        request: _owner_pb2.UndrainSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_owner_pb2.UndrainSessionsResponse, _abc.Awaitable[_owner_pb2.UndrainSessionsResponse]]:
+        """Operator: stop this instance's drain. Its sessions stay here, and its
+        deployment is a handoff target again once its registry entry says so
+        (the next keep-alive); sessions already moved stay where they are.
+        Safe to repeat: an instance that does not drain answers an empty target.
         """
 
     @_abc_1.abstractmethod

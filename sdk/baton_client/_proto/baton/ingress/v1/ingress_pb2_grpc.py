@@ -91,7 +91,9 @@ class IngressServiceServicer:
         """Read a session's event stream from a cursor, optionally live. Events
         below the stream's retention horizon are gone: a cursor below it gets
         OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
-        ErrorInfo metadata (`earliest_seq`); resume from there.
+        ErrorInfo metadata (`earliest_seq`); resume from there. A cursor beyond
+        the head (no event will have that seq next) gets OUT_OF_RANGE with
+        reason BEYOND_HEAD and the head in the metadata (`next_seq`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,9 @@ class IngressServiceStub:
     """Read a session's event stream from a cursor, optionally live. Events
     below the stream's retention horizon are gone: a cursor below it gets
     OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
-    ErrorInfo metadata (`earliest_seq`); resume from there.
+    ErrorInfo metadata (`earliest_seq`); resume from there. A cursor beyond
+    the head (no event will have that seq next) gets OUT_OF_RANGE with
+    reason BEYOND_HEAD and the head in the metadata (`next_seq`).
     """
     SendControl: _grpc.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
@@ -72,7 +74,9 @@ class IngressServiceAsyncStub(IngressServiceStub):
     """Read a session's event stream from a cursor, optionally live. Events
     below the stream's retention horizon are gone: a cursor below it gets
     OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
-    ErrorInfo metadata (`earliest_seq`); resume from there.
+    ErrorInfo metadata (`earliest_seq`); resume from there. A cursor beyond
+    the head (no event will have that seq next) gets OUT_OF_RANGE with
+    reason BEYOND_HEAD and the head in the metadata (`next_seq`).
     """
     SendControl: _aio.UnaryUnaryMultiCallable[_ingress_pb2.SendControlRequest, _ingress_pb2.SendControlResponse]  # type: ignore[assignment]
     """Send a control command: cancel, reset, clear, compact, or a sign-in callback."""
@@ -116,7 +120,9 @@ class IngressServiceServicer(metaclass=_abc_1.ABCMeta):
         """Read a session's event stream from a cursor, optionally live. Events
         below the stream's retention horizon are gone: a cursor below it gets
         OUT_OF_RANGE with reason BELOW_HORIZON and the earliest seq kept in the
-        ErrorInfo metadata (`earliest_seq`); resume from there.
+        ErrorInfo metadata (`earliest_seq`); resume from there. A cursor beyond
+        the head (no event will have that seq next) gets OUT_OF_RANGE with
+        reason BEYOND_HEAD and the head in the metadata (`next_seq`).
         """
 
     @_abc_1.abstractmethod
