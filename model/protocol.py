@@ -164,7 +164,7 @@ ACTIONS: dict[str, tuple[str, str]] = {
     ),
     "settle": (
         "an uncertain handoff decided by a fenced commit of the unchanged snapshot",
-        "services/owner/run/commit.py:RunCommits.decide_uncertain_handoff",
+        "services/owner/run/session.py:SessionRun._settle_uncertain",
     ),
     "adopt": (
         "an owner of the accepting deployment adopts a session whose fleet is gone",

@@ -22,7 +22,7 @@ FORCED = "forced"  # the entry at its inbox position is processed here, no trigg
 BEGIN = "begin"  # `_begin` of a run moved here without a trigger: handed_off first
 UNSURE = "unsure"  # a commit's answer was lost: `_commit` retries the identical request
 OFFERED = "offered"  # AcceptHandoff is in flight (`HandoffAttempts._offer`)
-SETTLING = "settling"  # an uncertain handoff: `decide_uncertain_handoff`'s fenced commit
+SETTLING = "settling"  # an uncertain handoff: `SessionRun._settle_uncertain`'s fenced commit
 
 NOT_PARKED = -1
 
