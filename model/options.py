@@ -41,7 +41,7 @@ class Variant:
     commit_without_fence: bool = False  # anchor's commit does not compare the fence
     dedupe_by_attempt: bool = False  # appends deduplicated per attempt, not per delivery id
     release_then_claim: bool = False  # the seed's handoff: A releases, then B claims
-    takeover_replay_head_now: bool = False  # issue 32 defect 3: a replay answers the head of now
+    takeover_replay_head_now: bool = False  # issue 32 defect 3 (fixed): replay answers head now
     park_without_head_compare: bool = False  # SetParked(true) does not compare the inbox head
     transfer_without_head_compare: bool = False  # Transfer does not compare the inbox head
     transfer_without_revision_compare: bool = False  # Transfer does not compare the checkpoint

@@ -397,8 +397,8 @@ class Model:
     def _take_over_retry(self, s: State, name: str, claim: Claiming) -> Step:
         """The same request again. A replay (the fence is the one it would
         write) answers from what the applied takeover wrote: the parked
-        position its owner record keeps (the defect of issue 32: the inbox
-        head of now, above arrivals whose bells rang since)."""
+        position its owner record keeps (issue 32's third defect, fixed:
+        the inbox head of now, above arrivals whose bells rang since)."""
         st = s.store
         label = f"{name} takes over again"
         if (st.epoch, st.holder) != (claim.epoch + 1, name):

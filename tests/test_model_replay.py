@@ -550,16 +550,12 @@ def follow(model: Model, trace: list[Step]) -> list[Step]:
     return followed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 32 defect 3: a replayed TakeOverSession answers the inbox head of now "
-    "(fixed on the issue's branch; remove this mark when it lands)",
-)
 async def test_the_replayed_takeover_answers_what_the_takeover_decided(clients: Clients) -> None:
-    """The model's shortest trace to the lost wake-up, with the answers the
-    protocol must give: the replay of a takeover whose answer was lost says
-    parked at the position the takeover decided, under the bell that rang
-    since."""
+    """The model's shortest trace to issue 32's lost wake-up (its third
+    defect), with the answers the protocol must give: the replay of a
+    takeover whose answer was lost says parked at the position the takeover
+    decided, under the bell that rang since. (Before that fix, hooks
+    answered parked at the inbox head of now, 1, and this failed there.)"""
     broken = Model(Bounds(messages=1, crashes=1, lost=1), Variant(takeover_replay_head_now=True))
     violation = explore(broken).violation
     assert violation is not None and violation.invariant == "all_processed"
