@@ -44,12 +44,14 @@ class Result:
     depth: int = 0
     quiescent: int = 0  # states where no protocol step is enabled
     seconds: float = 0.0
-    complete: bool = True  # False: stopped at the state limit
+    complete: bool = False  # every reachable state seen (no violation, no state limit)
     violation: Violation | None = None
     actions: dict[str, int] = field(default_factory=dict)  # transitions by step name
 
     def summary(self) -> str:
-        done = "all reachable states" if self.complete else "stopped at the state limit"
+        done = "all reachable states"
+        if not self.complete:
+            done = "stopped at a violation" if self.violation else "stopped at the state limit"
         return (
             f"{self.states:,} states, {self.transitions:,} transitions, depth {self.depth}, "
             f"{self.quiescent:,} quiescent, {self.seconds:.1f} s ({done})"
@@ -98,6 +100,8 @@ def explore(model: Model, max_states: int | None = None) -> Result:
     parents: dict[State, tuple[State, Step] | None] = {initial: None}
     frontier = deque([(initial, 0)])
     failure = checker.safety(initial)
+    if failure is not None:
+        result.violation = _violation(parents, initial, failure, at_quiescence=False)
     while frontier and failure is None:
         s, depth = frontier.popleft()
         result.depth = depth
@@ -122,8 +126,8 @@ def explore(model: Model, max_states: int | None = None) -> Result:
             if failure is not None:
                 result.violation = _violation(parents, s, failure, at_quiescence=True)
         if max_states is not None and len(parents) >= max_states:
-            result.complete = False
             break
+    result.complete = not frontier and failure is None
     result.actions = dict(actions)
     result.states = len(parents)
     result.seconds = time.monotonic() - started
@@ -137,14 +141,7 @@ def _violation(
     *,
     at_quiescence: bool,
 ) -> Violation:
-    trace: list[Step] = []
-    link = parents[s]
-    while link is not None:
-        previous, step = link
-        trace.append(step)
-        link = parents[previous]
-    trace.reverse()
-    return Violation(failure[0], failure[1], trace, at_quiescence)
+    return Violation(failure[0], failure[1], _path(parents, s), at_quiescence)
 
 
 @dataclass

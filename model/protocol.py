@@ -369,8 +369,8 @@ class Model:
         """The compare-and-swap: fence and owner record as listed (the
         listing is fresh here: a stale one is FENCED, a stutter), epoch + 1,
         the index moved. A parked session stays parked if no bell rang (then
-        the inbox head is its consumed position); a rung bell is deleted.
-        The answer: parked at the inbox head, or not parked (activate)."""
+        nothing arrived since it parked); a rung bell is deleted. The answer:
+        parked at the position its owner record keeps, or not parked."""
         st = s.store
         old = st.holder
         rang = _bell(st.bells, old) is not None
@@ -382,10 +382,10 @@ class Model:
             bells=_unring(st.bells, old),
         )
         held: Held = (
-            Parked(store.epoch, len(st.inbox)) if stays_parked else Activating(store.epoch, False)
+            Parked(store.epoch, st.parked_at) if stays_parked else Activating(store.epoch, False)
         )
         label = f"{name} takes over from {old} (epoch {store.epoch}"
-        label += f", stays parked at {len(st.inbox)})" if stays_parked else ")"
+        label += f", stays parked at {st.parked_at})" if stays_parked else ")"
         host = self.host(s, name)._replace(held=held, rejoin=0)
         taken = self._put(s._replace(store=store), name, host)
         yield Step("take_over", name, "ok", PROTOCOL, label, taken)
