@@ -30,6 +30,7 @@ from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.watch import follow_range
 from tests import certs
 from tests.netfaults import Network, Route
+from tests.procs import eventually
 
 
 @pytest.fixture
@@ -133,3 +134,38 @@ async def test_a_partitioned_member_refuses_a_call_at_once(
     finally:
         network.heal(routes)
         await store.close()
+
+
+async def test_a_member_back_from_a_partition_does_not_unseat_the_leader(
+    cluster: tuple[Network, EtcdCluster],
+) -> None:
+    """With pre-vote, a member cut off campaigns for nothing (a pre-vote no
+    one answers), so its term stays: back, it follows the leader it left.
+    Without, its term grew with every election timeout, and back it made
+    the leader step down: an election, and no leader meanwhile, for
+    nothing."""
+    network, etcd = cluster
+    cut, leader = await a_follower(etcd)
+    term = (await asyncio.to_thread(leader.status))["raft_term"]
+
+    async def leaderless() -> bool:
+        return (await asyncio.to_thread(cut.status))["leader"] == "0"
+
+    routes = partition(network, etcd, cut)
+    try:
+        await eventually(leaderless, f"{cut.name} to lose its leader", timeout=30)
+        # Several election timeouts: each one, without pre-vote, an election.
+        await asyncio.sleep(5)
+    finally:
+        network.heal(routes)
+
+    async def following() -> dict[str, str] | None:
+        status = await asyncio.to_thread(cut.status)
+        return status if status["leader"] != "0" else None
+
+    back = await eventually(following, f"{cut.name} to follow a leader again", timeout=30)
+    now = await asyncio.to_thread(leader.status)
+    assert (now["leader"], now["raft_term"]) == (back["leader"], term), (
+        f"the leader changed or its term moved: {term} -> {now}"
+    )
+    assert now["leader"] == now["member_id"]
