@@ -25,7 +25,7 @@ from baton_runtime.common.clients.hooks_methods import HOOKS_IDEMPOTENT
 from baton_runtime.common.config import ConfigError, EtcdConfig, grpc_target
 from baton_runtime.common.errors import NotFound, Unavailable
 from baton_runtime.common.rpc.server import GrpcServer
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.config import IngressConfig
 from tests.stack import SLACK_KEY, Stack, hooks_config
@@ -68,17 +68,18 @@ def test_only_idempotent_methods_are_retried() -> None:
     assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
 
 
-def count_calls(server: GrpcServer, method: str, counts: Counter[int]) -> None:
-    """Count calls of the registry's `method` on `server` under its port."""
-    registry = server.app
-    assert isinstance(registry, HookRegistry)
-    original: Callable[..., Awaitable[Any]] = getattr(registry, method)
+def count_calls(server: GrpcServer, room: str, method: str, counts: Counter[int]) -> None:
+    """Count calls of `method` of the hooks `room` on `server` under its port."""
+    rooms = server.app
+    assert isinstance(rooms, HookRooms)
+    domain = getattr(rooms, room)
+    original: Callable[..., Awaitable[Any]] = getattr(domain, method)
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         counts[server.port] += 1
         return await original(*args, **kwargs)
 
-    setattr(registry, method, counted)
+    setattr(domain, method, counted)
 
 
 @pytest.fixture
@@ -95,7 +96,7 @@ async def test_calls_are_spread_over_replicas_and_leave_one_shutting_down(
 ) -> None:
     counts: Counter[int] = Counter()
     for server in replicas:
-        count_calls(server, "lookup", counts)
+        count_calls(server, "tokens", "lookup", counts)
     session_id = await stack.create()
     client = HooksClient(",".join(stack.addr(r) for r in replicas), security=stack.owner_security())
     try:
@@ -147,8 +148,8 @@ async def test_idempotent_calls_are_retried_on_another_replica(stack: Stack) -> 
     await broken.start()
     stack.extra.append(broken)
     counts: Counter[int] = Counter()
-    count_calls(broken, "resume", counts)
-    count_calls(broken, "lookup_cached", counts)  # an owner's delivery is checked first
+    count_calls(broken, "inbox", "resume", counts)
+    count_calls(broken, "tokens", "parent_of", counts)  # an owner's delivery is checked first
     session_id = await stack.create()
     token = ids.inbox_token(session_id)
     client = HooksClient(

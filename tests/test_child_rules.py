@@ -168,6 +168,41 @@ def test_a_background_result_starts_a_turn_or_joins_the_open_one() -> None:
     assert st.snapshot.inbox_next_seq == 3
 
 
+def test_while_the_turn_waits_for_a_child_a_queued_message_waits_for_its_end() -> None:
+    """Issue 32: the child's reply is taken past a queued message, and a
+    background result behind the message (it would join the turn) waits with
+    it; once the turn ended the message starts its turn, which the result
+    then joins."""
+    st = state()
+    open_turn(st)
+    background, _, events = child_step(st, background=True)
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+    st.start_turn(send(1, "ask helper what is 1+1"), collections.deque())
+    child, outcome, _ = child_step(st)
+    assert outcome is Outcome.AWAITING and not st.waiting_for_user()
+    queued = send(2, "later")
+    queued.command.send.turn_policy = s.TURN_POLICY_QUEUE
+    finished, reply = report(3, background, result="bg"), report(4, child, result="2")
+    assert st.classify(finished) is Admission.ADMIT
+    pending = collections.deque([queued, finished, reply])
+
+    assert st.take(pending) is reply
+    events = []
+    assert st.apply_report(reply, events) is ReportMeaning.AWAITED and not st.still_waiting()
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (2, [4])
+    # The turn goes on: nothing behind the queued message joins it.
+    assert st.admit_pending(pending, events) == (Admission.BLOCK, None)
+    assert list(pending) == [queued, finished]
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+
+    assert st.take(pending) is queued
+    assert kinds(st.start_turn(queued, pending)) == ["TURN_STARTED", "MESSAGE_RECEIVED"]
+    events = []
+    assert st.admit_pending(pending, events) == (Admission.BLOCK, None)
+    assert kinds(events) == ["TASK_COMPLETED"] and not pending
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (5, [])
+
+
 def test_bad_reports_change_nothing() -> None:
     st = state()
     open_turn(st)

@@ -24,6 +24,7 @@ from tests.test_turns import (
     CANCEL,
     RESET,
     Events,
+    barrier,
     control,
     follow_until,
     kinds,
@@ -282,6 +283,66 @@ async def test_a_nested_childs_wait_surfaces_on_the_root(stack: Stack) -> None:
     )
     events += await follow_until(stack, sid, waits(1), start_seq=len(events), timeout=20)
     assert texts(events, ANSWERED) == ["planner says: helper says: Nice to meet you, Bo."]
+
+
+# -- queue and steer while the turn waits for a child (issue 32) ---------------------------
+
+
+async def _waiting_for_a_child(stack: Stack, sid: str) -> tuple[Events, s.InputRequest, str]:
+    """A turn that waits for its subagent, which waits for the user."""
+    await stack.send(sid, "ask helper ask my name")
+    events = await follow_until(stack, sid, seen(INPUT_REQUESTED))
+    asked = one(events, INPUT_REQUESTED)
+    return events, asked.input_request, asked.child_session_id
+
+
+async def test_a_queued_message_waits_for_the_childs_result_then_starts_its_turn(
+    stack: Stack,
+) -> None:
+    sid = await stack.create()
+    events, request, child = await _waiting_for_a_child(stack, sid)
+    turn_id = one(events, TURN_STARTED).turn_id
+
+    queued = await stack.send(sid, "later", turn_policy=s.TURN_POLICY_QUEUE)
+    # Taken past the queued message (nothing is pending on the parent itself):
+    # rejected, and nothing else happened.
+    settled = await barrier(stack, sid, len(events))
+    assert kinds(settled) == names(REJECTED), "the queued message acted on the waiting turn"
+    events += settled
+
+    await respond(stack, child, s.InputResponse(request_id=request.request_id, text="Ada"))
+    rest = await follow_until(stack, sid, waits(2), start_seq=len(events))
+    turns = [e.turn_id for e in of(rest, TURN_COMPLETED)]
+    assert len(turns) == 2 and turns[0] == turn_id != turns[1], kinds(rest)
+    assert texts(rest, ANSWERED) == ["helper says: Nice to meet you, Ada.", "echo: later"]
+    received = one(rest, RECEIVED)
+    assert (received.text, received.inbox_seq, received.turn_id) == (
+        "later",
+        queued.receipt.seq,
+        turns[1],
+    )
+    assert rest.index(received) > rest.index(of(rest, TURN_COMPLETED)[0])
+
+
+async def test_a_steer_while_the_turn_waits_for_a_child_joins_the_turn(stack: Stack) -> None:
+    """The model sees the message with the child's result, in the same turn."""
+    sid = await stack.create()
+    events, request, child = await _waiting_for_a_child(stack, sid)
+    turn_id = one(events, TURN_STARTED).turn_id
+
+    steer = await stack.send(sid, "by the way")
+    events += await follow_until(stack, sid, seen(RECEIVED), start_seq=len(events))
+    await respond(stack, child, s.InputResponse(request_id=request.request_id, text="Ada"))
+    events += await follow_until(stack, sid, waits(1), start_seq=len(events))
+    assert len(of(events, TURN_STARTED)) == 1
+    joined = of(events, RECEIVED)[-1]
+    assert (joined.text, joined.inbox_seq, joined.turn_id) == (
+        "by the way",
+        steer.receipt.seq,
+        turn_id,
+    )
+    assert one(events, TURN_COMPLETED).turn_id == turn_id
+    assert texts(events, ANSWERED) == ["helper says: Nice to meet you, Ada."]
 
 
 # -- cancel, reset, budgets ----------------------------------------------------------------

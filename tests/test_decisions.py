@@ -300,6 +300,104 @@ def test_a_refused_sign_in_runs_nothing_and_a_stale_attempt_is_dropped() -> None
     assert isinstance(stale, Commit) and stale.note and st.snapshot.inbox_next_seq == 4
 
 
+# -- a queued message while the turn waits (issue 32) ------------------------------------
+
+
+def queued(seq: int, text: str = "later") -> s.InboxEntry:
+    return send(seq, text, turn_policy=s.TURN_POLICY_QUEUE)
+
+
+def position(st: SessionState) -> tuple[int, list[int]]:
+    """The inbox position and what was consumed ahead of it."""
+    return st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)
+
+
+def finish(st: SessionState, pending: decisions.Pending) -> list[str]:
+    """The open turn's next step gives the final answer (`pending` stays)."""
+    events: list[s.Event] = []
+    assert decisions.before_step(st, pending, events) is None
+    ended = decisions.after_step(st, StepProgress(reply=ModelReply(text="done")), pending, events)
+    assert isinstance(ended, Commit), "the turn did not end at its final answer"
+    return kinds(ended.events)
+
+
+def starts_its_turn(st: SessionState, pending: decisions.Pending, seq: int) -> None:
+    """Once the turn has ended, the queued message `seq` is taken next and
+    starts a turn of its own."""
+    taken = st.take(pending)
+    assert taken is not None and taken.seq == seq
+    effect = decisions.decide(st, taken, pending)
+    assert isinstance(effect, RunTurn)
+    assert kinds(effect.events) == ["TURN_STARTED", "MESSAGE_RECEIVED"]
+    assert effect.events[1].inbox_seq == seq and st.turn_id == "turn_2"
+
+
+def test_a_queued_message_waits_for_the_answer_then_starts_its_own_turn() -> None:
+    st = state()
+    paused_on(st, RequestedCall("transfer", {"amount": "5"}))
+    approve = answer(2, s.InputResponse(request_id="input_1", approved=True))
+    pending = collections.deque([queued(1), approve])
+    taken = st.take(pending)
+    assert taken is approve, "the queued message was taken while the turn waits"
+    plan = decisions.decide(st, taken, pending)
+    assert isinstance(plan, AnswerInputs) and [c.name for c in plan.to_run] == ["transfer"]
+    result = s.ToolResult(tool_call_id=plan.to_run[0].id, name="transfer", output="moved 5")
+    effect = decisions.apply_input_answers(st, plan, [result])
+    assert isinstance(effect, RunTurn) and kinds(effect.events) == ["TOOL_CALL_RESULT"]
+    assert not effect.events[0].tool_result.is_error
+    assert position(st) == (1, [2]), "consumed past the queued message, which is not"
+    assert finish(st, pending)[-2:] == ["TURN_COMPLETED", "SESSION_WAITING"]
+    starts_its_turn(st, pending, 1)
+    assert position(st) == (3, [])
+
+
+def test_a_queued_message_waits_for_a_cancel_of_the_waiting_turn() -> None:
+    st = state()
+    paused_on(st, RequestedCall("transfer", {"amount": "5"}))
+    pending = collections.deque([queued(1), entry(2, cancel=s.CancelCommand())])
+    taken = st.take(pending)
+    assert taken is not None and taken.seq == 2
+    effect = decisions.decide(st, taken, pending)
+    assert isinstance(effect, Commit)
+    assert kinds(effect.events) == ["TURN_CANCELLED", "SESSION_WAITING"]
+    starts_its_turn(st, pending, 1)
+    assert position(st) == (3, [])
+
+
+def test_a_queued_message_waits_for_the_sign_in() -> None:
+    st = state()
+    paused_on(st, RequestedCall("calendar", {}))
+    first = callback(2, "attempt_1")
+    pending = collections.deque([queued(1), first, callback(3, "attempt_2")])
+    assert st.take(pending) is first
+    assert decisions.decide(st, first, pending) == Commit([])
+    taken = st.take(pending)
+    assert taken is not None and taken.seq == 3
+    plan = decisions.decide(st, taken, pending)
+    assert isinstance(plan, AnswerAuthorization) and plan.to_run is not None
+    result = s.ToolResult(tool_call_id=plan.to_run.id, name="calendar", output="free")
+    effect = decisions.apply_authorization(st, plan, result)
+    assert isinstance(effect, RunTurn)
+    assert kinds(effect.events) == ["AUTHORIZATION_COMPLETED", "TOOL_CALL_RESULT"]
+    assert position(st) == (1, [2, 3])
+    finish(st, pending)
+    starts_its_turn(st, pending, 1)
+    assert position(st) == (4, [])
+
+
+def test_a_steer_while_the_sign_in_waits_abandons_it_and_goes_on() -> None:
+    st = state()
+    paused_on(st, RequestedCall("calendar", {}))
+    pending = collections.deque([send(1, "never mind")])
+    taken = st.take(pending)
+    assert taken is not None and taken.seq == 1
+    effect = decisions.decide(st, taken, pending)
+    assert isinstance(effect, RunTurn)
+    assert kinds(effect.events) == ["TOOL_CALL_RESULT", "MESSAGE_RECEIVED"]
+    assert effect.events[0].tool_result.output.startswith("sign-in abandoned")
+    assert not st.still_waiting() and position(st) == (2, [])
+
+
 # -- the turn loop -------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as a
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import Reason
+from baton_runtime.common.limits import MAX_EVENT_BYTES, MAX_PAGE_BYTES
 from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
 from tests.stack import Stack
 from tests.test_fencing import Env, open_env, wait_until
@@ -173,3 +174,48 @@ def raw_stream(env: Env) -> Any:
         response_deserializer=a.FollowEventsResponse.FromString,
     )()
     return call
+
+
+async def test_event_pages_keep_their_bytes_bound_live_and_replayed(env: Env) -> None:
+    """Issue 32: a commit of four events near the largest anchor accepts
+    (1.25 MiB in all), read live and replayed, through FollowEvents and
+    through ReadEvents: every page within MAX_PAGE_BYTES (a commit's live
+    batch split), every event once and in order."""
+    from tests import certs
+    from tests.test_fencing import OWN_DEPLOYMENT, commit_request, event, own_session
+
+    fence, snapshot = await own_session(env)
+    sid = fence.session_id
+    single = env.stack.anchor_client(certs.owner(OWN_DEPLOYMENT), event_feed=False)
+    clients = {"FollowEvents": env.anchor, "ReadEvents": single}
+    live: dict[str, list[list[s.Event]]] = {name: [] for name in clients}
+
+    async def follow(name: str) -> None:
+        async for page in clients[name].read_events(sid, 0, True):
+            live[name].append(page)
+
+    loop = asyncio.get_running_loop()
+    readers = [loop.create_task(follow(name)) for name in clients]
+    try:
+        await wait_until(lambda: all(live.values()), what="session.started")
+        big = []
+        for seq in range(1, 5):
+            big.append(event(sid, seq, s.EVENT_KIND_MESSAGE_COMPLETED))
+            big[-1].text = "e" * (MAX_EVENT_BYTES - big[-1].ByteSize() - 8)
+        await env.anchor_stub.CommitStep(commit_request(fence, big, snapshot), timeout=10)
+        await wait_until(
+            lambda: all(sum(map(len, pages)) == 5 for pages in live.values()), what="the commit"
+        )
+        replayed = {
+            name: [page async for page in client.read_events(sid, 0)]
+            for name, client in clients.items()
+        }
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await single.close()
+    for pages in (*live.values(), *replayed.values()):
+        assert [e.seq for page in pages for e in page] == [0, 1, 2, 3, 4]
+        assert max(sum(e.ByteSize() for e in page) for page in pages) <= MAX_PAGE_BYTES
+        assert [e.text for page in pages for e in page][1:] == [e.text for e in big]

@@ -15,6 +15,12 @@ tests/test_access.py covers the wrong ones). Properties:
   settling and asking again);
 - every server still answers SERVING afterwards.
 
+Pages at the message limit (issue 32): backlogs of commands and events of
+drawn sizes, the largest hooks and anchor accept among them (and, always,
+the backlog of the issue), read from 0 by every streaming method of hooks
+and anchor: each reader gets all of it, in order, in messages within the
+page bound.
+
 The CI run is bounded (`EXAMPLES`); `-m slow` runs a longer one.
 """
 
@@ -31,21 +37,26 @@ import pytest
 from google.protobuf import descriptor as d
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
-from baton_runtime.common import ids
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import ids, limits
+from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
 from baton_runtime.common.security import access
 from baton_runtime.common.security.identity import Role
+from baton_runtime.common.streams import feeds
+from baton_runtime.owner.run.snapshots import initial_snapshot
 from tests.stack import SLACK, SLACK_KEY, Stack, public_channel, start_stack, stop_stack
 
 EXAMPLES = 250
@@ -655,3 +666,237 @@ async def test_every_rpc_answers_a_sweep_of_bad_requests(fuzz_target: Target) ->
 @fuzz_test(SLOW_EXAMPLES)
 async def test_fuzzed_requests_long_run(fuzz_target: Target, data: st.DataObject) -> None:
     await run_fuzz(fuzz_target, data)
+
+
+# -- pages at the message limit (issue 32) ---------------------------------------------
+
+PAGE_EXAMPLES = 8
+SLOW_PAGE_EXAMPLES = 60
+# A deployment without a fleet: the test plays its sessions' owner, so an
+# inbox backlog stays unconsumed and the stream holds what it commits.
+PAGING_DEPLOYMENT = "dep-p"
+KiB = 1024
+# Sizes of commands and events (serialized): the largest hooks and anchor
+# accept and just under, about ingress' default --max-message-bytes, small.
+COMMAND_SIZES = st.one_of(
+    st.just(limits.MAX_COMMAND_BYTES),
+    st.integers(limits.MAX_COMMAND_BYTES - 4 * KiB, limits.MAX_COMMAND_BYTES),
+    st.just(32 * KiB + 64),
+    st.integers(1, 300),
+)
+EVENT_SIZES = st.one_of(
+    st.just(limits.MAX_EVENT_BYTES),
+    st.integers(limits.MAX_EVENT_BYTES - 4 * KiB, limits.MAX_EVENT_BYTES),
+    st.integers(1, 300),
+)
+HOOKS = "baton.hooks.v1.HookRegistryService"
+ANCHOR = "baton.anchor.v1.AnchorService"
+
+
+@dataclass
+class Pager:
+    """Clients of hooks and anchor as the owner of PAGING_DEPLOYMENT."""
+
+    hooks: HooksClient
+    anchor: AnchorClient
+
+
+@pytest.fixture
+async def pager(fuzz_target: Target) -> AsyncIterator[Pager]:
+    stack = fuzz_target.stack
+    security = stack.security(Role.OWNER, PAGING_DEPLOYMENT)
+    opened = Pager(stack.hooks_client(security), stack.anchor_client(security))
+    try:
+        yield opened
+    finally:
+        await opened.hooks.close()
+        await opened.anchor.close()
+
+
+def sized_text(message: Any, holder: Any, size: int) -> None:
+    """Set `holder.text` so that `message` serializes to `size` bytes (or
+    its envelope and one character, when that is more)."""
+    length = max(size - message.ByteSize(), 1)
+    holder.text = "x" * length
+    holder.text = "x" * max(length - (message.ByteSize() - size), 1)
+
+
+async def paged_session(pager: Pager, commands: list[int], events: list[int]) -> s.Fence:
+    """A session whose inbox holds commands of the sizes `commands` and whose
+    stream holds session.started, then events of the sizes `events`."""
+    sid = ids.new_session_id()
+    owner = s.OwnerIdentity(
+        owner_run_id=ids.new_run_id(), deployment_id=PAGING_DEPLOYMENT, instance_id="p1"
+    )
+    created = await pager.hooks.create_session(sid, owner, "slack", [])
+    for n, size in enumerate(commands):
+        command = s.Command(delivery=s.DeliveryMetadata(delivery_id=f"p{n}"), send=s.SendCommand())
+        sized_text(command, command.send, size)
+        await pager.hooks.resume(ids.inbox_token(sid), command)
+    stream = [s.Event(session_id=sid, seq=0, kind=s.EVENT_KIND_SESSION_STARTED)]
+    for size in events:
+        stream.append(s.Event(session_id=sid, seq=len(stream), kind=s.EVENT_KIND_MESSAGE_COMPLETED))
+        sized_text(stream[-1], stream[-1], size)
+    snapshot = initial_snapshot(sid, "slack", PAGING_DEPLOYMENT, list(created.hooks))
+    revision = 0
+    for commit in commits_of(stream):
+        snapshot.next_event_seq = commit[-1].seq + 1
+        request = anchor_pb2.CommitStepRequest(
+            fence=created.fence,
+            events=commit,
+            snapshot=snapshot,
+            expected_snapshot_revision=revision,
+        )
+        revision = (await pager.anchor.commit(request)).revision
+    return created.fence
+
+
+def commits_of(events: list[s.Event]) -> list[list[s.Event]]:
+    """`events` in as few commits as anchor's bounds allow."""
+    commits: list[list[s.Event]] = [[]]
+    room = limits.MAX_COMMIT_BYTES - 64 * KiB  # the snapshot's share
+    for event in events:
+        full = sum(e.ByteSize() for e in commits[-1]) + event.ByteSize() > room
+        if commits[-1] and (full or len(commits[-1]) == limits.MAX_EVENTS_PER_COMMIT):
+            commits.append([])
+        commits[-1].append(event)
+    return commits
+
+
+async def read_raw(call: Any, done: Callable[[list[Any]], bool] | None = None) -> list[Any]:
+    """The messages of a raw call: until `done` says that is all, or (None)
+    until its end. A stream that fails raises its status here."""
+    messages: list[Any] = []
+    try:
+        async with asyncio.timeout(30):
+            while done is None or not done(messages):
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    assert done is None, "the stream ended early"
+                    break
+                messages.append(message)
+    finally:
+        call.cancel()
+    return messages
+
+
+def raw_call(channel: grpc.aio.Channel, rpc: Rpc) -> Any:
+    """A raw call of the streaming method `rpc` on `channel`."""
+    method = channel.stream_stream if rpc.method.client_streaming else channel.unary_stream
+    request, response = rpc.request_class, rpc.response_class
+    return method(rpc.path, request.SerializeToString, response.FromString)
+
+
+def rpc_named(name: str) -> Rpc:
+    return next(rpc for rpc in RPCS if rpc.method.name == name)
+
+
+async def read_every_way(pager: Pager, fence: s.Fence, commands: int) -> dict[str, list[Any]]:
+    """The messages of the session's inbox and stream read from 0 by each
+    streaming method of hooks and anchor: the inbox (live) until all its
+    entries came, the stream (not live) to its end."""
+    inbox = hooks_pb2.StreamInboxRequest(fence=fence, from_seq=0)
+    read = anchor_pb2.ReadEventsRequest(session_id=fence.session_id)
+    channels = {HOOKS: pager.hooks.channel, ANCHOR: pager.anchor.channel}
+    got: dict[str, list[Any]] = {}
+    for name, request in (
+        ("StreamInbox", inbox),
+        (
+            "FollowInboxes",
+            hooks_pb2.FollowInboxesRequest(
+                follows=[hooks_pb2.InboxFollow(follow_id=1, request=inbox, window=64)]
+            ),
+        ),
+        ("ReadEvents", read),
+        (
+            "FollowEvents",
+            anchor_pb2.FollowEventsRequest(
+                follows=[anchor_pb2.EventFollow(follow_id=1, request=read, window=64)]
+            ),
+        ),
+    ):
+        rpc = rpc_named(name)
+        opened = raw_call(channels[rpc.service], rpc)
+        if rpc.method.client_streaming:
+            call = opened()
+            await call.write(request)
+            if name == "FollowEvents":
+                await call.done_writing()  # the stream ends once its one read has
+        else:
+            call = opened(request)
+        if name in ("StreamInbox", "FollowInboxes"):
+            got[name] = await read_raw(call, lambda read: len(seqs_in(read, "entries")) >= commands)
+        else:
+            got[name] = await read_raw(call)
+    return got
+
+
+def seqs_in(messages: list[Any], field: str) -> list[int]:
+    """The seqs of the entries or events (`field`) the messages carry, in
+    their pages (a feed's message: in its items)."""
+    pages = [getattr(p, field) for m in messages for p in getattr(m, "items", [m])]
+    return [entry.seq for page in pages for entry in page]
+
+
+async def check_pages(pager: Pager, commands: list[int], events: list[int]) -> None:
+    """Every streaming read of hooks and anchor gets the whole backlog in
+    order, each message within the page bound (a feed's within its
+    message bound), however near the limits its entries are."""
+    fence = await paged_session(pager, commands, events)
+    got = await read_every_way(pager, fence, len(commands))
+    for name in ("StreamInbox", "FollowInboxes"):
+        assert seqs_in(got[name], "entries") == list(range(len(commands))), name
+    for name in ("ReadEvents", "FollowEvents"):
+        assert seqs_in(got[name], "events") == list(range(len(events) + 1)), name
+    ends = [i.end for m in got["FollowEvents"] for i in m.items if i.end]
+    assert [status_pb2.Status.FromString(end).code for end in ends] == [0]
+    for name, messages in got.items():
+        bound = feeds.MAX_MESSAGE_BYTES + 64 if name.startswith("Follow") else limits.MAX_PAGE_BYTES
+        assert all(m.ByteSize() <= bound for m in messages), (
+            name,
+            [m.ByteSize() for m in messages],
+        )
+
+
+# Always tried first: the issue's backlog (reads of 16, 32 and 64 short
+# entries, then one of 128 at 32 KiB: over 4 MiB), and a first read of 16
+# of the largest commands, with a stream of the largest events.
+PINNED = (
+    {"commands": [2] * 112 + [32 * KiB + 64] * 128, "events": []},
+    {"commands": [limits.MAX_COMMAND_BYTES] * 17, "events": [limits.MAX_EVENT_BYTES] * 9},
+)
+
+
+def page_test(examples: int) -> Callable[..., Any]:
+    def decorate(test: Callable[..., Any]) -> Callable[..., Any]:
+        drawn = given(
+            commands=st.lists(COMMAND_SIZES, max_size=24),
+            events=st.lists(EVENT_SIZES, max_size=12),
+        )(test)
+        for pinned in PINNED:
+            drawn = example(**pinned)(drawn)
+        return settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=examples == PAGE_EXAMPLES,
+            suppress_health_check=list(HealthCheck),
+        )(drawn)
+
+    return decorate
+
+
+@page_test(PAGE_EXAMPLES)
+async def test_pages_at_the_message_limit_reach_every_reader_whole(
+    pager: Pager, commands: list[int], events: list[int]
+) -> None:
+    await check_pages(pager, commands, events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@page_test(SLOW_PAGE_EXAMPLES)
+async def test_pages_at_the_message_limit_long_run(
+    pager: Pager, commands: list[int], events: list[int]
+) -> None:
+    await check_pages(pager, commands, events)

@@ -28,7 +28,7 @@ from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.limits import ChannelLimits
 from tests.certs import etcd_client
@@ -364,12 +364,12 @@ async def test_a_lease_etcd_forgot_is_granted_anew_and_nothing_is_lost(
     """An operator revokes the replica's current lease (or etcd lost it with
     a restored backup): the next append naming it fails with LeaseNotFound
     inside hooks, which grants a new lease and appends once."""
-    registry = short.hooks.app
-    assert isinstance(registry, HookRegistry)
+    rooms = short.hooks.app
+    assert isinstance(rooms, HookRooms)
     missing_before = value(metrics.DEDUPE_LEASES_GRANTED, "missing")
     sid = await short.create()
     first = (await short.send(sid, "one", delivery_id="lease-1")).receipt
-    await raw.revoke_lease(await registry.leases.current())
+    await raw.revoke_lease(await rooms.leases.current())
     second = (await short.send(sid, "two", delivery_id="lease-2")).receipt
     assert not second.duplicate and second.seq == first.seq + 1
     assert value(metrics.DEDUPE_LEASES_GRANTED, "missing") == missing_before + 1

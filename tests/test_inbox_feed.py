@@ -1,7 +1,9 @@
 """FollowInboxes (issue 21): an owner instance's inbox streams multiplexed over
 one stream to hooks (services/common/streams/feeds.py, feed_client.py). Each follow is
 served as StreamInbox serves it, ends as it would end, and alone; a stop ends
-one follow and no other; a message that breaks the bounds is refused."""
+one follow and no other; a message that breaks the bounds is refused. Pages
+are bounded in bytes, and one too large to send ends its own follow only
+(issue 32)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from google.rpc import status_pb2
 from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as h
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
-from baton_runtime.common.errors import Fenced, Reason
+from baton_runtime.common.errors import Fenced, Internal, Reason
+from baton_runtime.common.limits import MAX_PAGE_BYTES
 from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
 from baton_runtime.common.streams.feed_client import FollowedStreams
 from tests.stack import Stack
@@ -373,3 +376,124 @@ async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> 
         call.cancel()
     seqs = [e.seq for i in first + rest for e in i.entries]
     assert (len(first), seqs) == (2, [0, 1, 2, 3])
+
+
+# -- pages bounded in bytes (issue 32) ---------------------------------------------
+
+
+def send(delivery_id: str, text: str) -> s.Command:
+    return s.Command(
+        delivery=s.DeliveryMetadata(delivery_id=delivery_id), send=s.SendCommand(text=text)
+    )
+
+
+async def big_backlog(env: Env, fence: s.Fence) -> None:
+    """112 short commands, then 128 of 32 KiB (ingress' default
+    --max-message-bytes): reads of 16, 32 and 64 short entries, each under
+    1 MiB, double the next to 128 entries, over 4 MiB."""
+    token = ids.inbox_token(fence.session_id)
+    await asyncio.gather(*(env.hooks.resume(token, send(f"s{n}", "hi")) for n in range(112)))
+    big = "x" * (32 * 1024)
+    await asyncio.gather(*(env.hooks.resume(token, send(f"b{n}", big)) for n in range(128)))
+
+
+class Follower:
+    """One follow read in a task: its pages, and its end if it ended."""
+
+    def __init__(self, hooks: Any, fence: s.Fence) -> None:
+        self.pages: list[list[s.InboxEntry]] = []
+        self.task = asyncio.get_running_loop().create_task(self._read(hooks, fence))
+
+    async def _read(self, hooks: Any, fence: s.Fence) -> None:
+        async for page in hooks.stream_inbox(fence, 0):
+            self.pages.append(page)
+
+    def seqs(self) -> list[int]:
+        return [e.seq for page in self.pages for e in page]
+
+    def has(self, count: int) -> bool:
+        """`count` entries read, or the follow ended (its end raised here)."""
+        if self.task.done():
+            self.task.result()
+            raise AssertionError(f"the follow ended with OK after {self.seqs()}")
+        return len(self.seqs()) >= count
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("feed", [True, False], ids=["FollowInboxes", "StreamInbox"])
+async def test_a_backlog_over_the_message_limit_arrives_whole_and_spares_the_other_session(
+    env: Env, feed: bool
+) -> None:
+    """Issue 32: two sessions of one owner instance's client, one with the
+    backlog above. It reaches its follow complete and in order, in pages of
+    at most MAX_PAGE_BYTES; the other session's follow (on the same
+    FollowInboxes stream, or a StreamInbox call of its own) is served before,
+    during and after it, and neither ends."""
+    from tests import certs
+    from tests.test_fencing import OWN_DEPLOYMENT
+
+    hooks = env.hooks
+    if not feed:
+        hooks = env.stack.hooks_client(certs.owner(OWN_DEPLOYMENT), multiplexed=False)
+    big, _ = await own_session(env)
+    other, _ = await own_session(env)
+    await big_backlog(env, big)
+    other_token = ids.inbox_token(other.session_id)
+    await env.hooks.resume(other_token, send("o0", "before"))
+    bystander = Follower(hooks, other)
+    followers = [bystander]
+    try:
+        await wait_for(lambda: bystander.has(1), "the bystander's first entry")
+        backlog = Follower(hooks, big)
+        followers.append(backlog)
+        await env.hooks.resume(other_token, send("o1", "during"))
+        await wait_for(lambda: backlog.has(240) and bystander.has(2), "the backlog")
+        await env.hooks.resume(other_token, send("o2", "after"))
+        await wait_for(lambda: bystander.has(3) and backlog.has(240), "the bystander's third")
+        assert backlog.seqs() == list(range(240)) and bystander.seqs() == [0, 1, 2]
+        texts = [e.command.send.text for page in backlog.pages for e in page]
+        assert texts == ["hi"] * 112 + ["x" * (32 * 1024)] * 128
+        assert max(sum(e.ByteSize() for e in page) for page in backlog.pages) <= MAX_PAGE_BYTES
+        assert hooks._inboxes.follows_open() == (2 if feed else 0)
+    finally:
+        for follower in followers:
+            await follower.stop()
+        if hooks is not env.hooks:
+            await hooks.close()
+
+
+async def test_a_page_too_large_to_send_ends_its_follow_and_no_other(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a producer ever break the page bound (here hooks' inbox is made
+    to send each etcd read as one page: the backlog's fourth read, over
+    4 MiB), the page ends its own follow (INTERNAL) and no other: the
+    bystander on the same FollowInboxes stream keeps being served."""
+    from baton_runtime.hooks import inbox
+
+    def one_page_a_read(sized: Any) -> Any:
+        entries = [entry for _, entry in sized]
+        return iter([entries] if entries else [])
+
+    monkeypatch.setattr(inbox, "byte_pages", one_page_a_read, raising=False)
+    big, _ = await own_session(env)
+    other, _ = await own_session(env)
+    await big_backlog(env, big)
+    other_token = ids.inbox_token(other.session_id)
+    await env.hooks.resume(other_token, send("o0", "before"))
+    bystander = Follower(env.hooks, other)
+    backlog = Follower(env.hooks, big)
+    try:
+        with pytest.raises(Internal) as ended:
+            await asyncio.wait_for(backlog.task, 20)
+        assert ended.value.reason == Reason.INTERNAL and "over" in ended.value.message
+        assert backlog.seqs() == list(range(112))  # the three reads before it
+        await env.hooks.resume(other_token, send("o1", "after"))
+        await wait_for(lambda: bystander.has(2), "the bystander's next entry")
+        assert bystander.seqs() == [0, 1] and env.hooks._inboxes.follows_open() == 1
+    finally:
+        await bystander.stop()
+        await backlog.stop()

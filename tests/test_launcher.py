@@ -33,7 +33,7 @@ STARTUP_TIMEOUT = 90.0
 DEMO_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
 # Printed labels: shared processes by name, the others as "owner of dep-1".
-PROCESSES = {"etcd", "hooks", "anchor", "owner of dep-1", "ingress of dep-1"}
+PROCESSES = {"etcd", "hooks", "anchor", "owner of dep-1", "ingress of dep-1", "console"}
 TWO_DEPLOYMENTS = {
     "etcd",
     "hooks",
@@ -42,6 +42,7 @@ TWO_DEPLOYMENTS = {
     "ingress of dep-1",
     "owner of dep-2",
     "ingress of dep-2",
+    "console",
 }
 
 _STARTED = re.compile(r"^baton up: started ([\w-]+(?: of \S+)?) \(pid (\d+)\) on (\S+)$")
@@ -213,7 +214,8 @@ async def run_demo(launcher: Launcher, ingress: str, *args: str) -> tuple[int, s
 async def scrape_every_process(launcher: Launcher) -> dict[str, Scrape]:
     """Every service process `baton up` started printed its metrics URL, and
     each answers with its build info (etcd serves its own)."""
-    services = {name for name in launcher.pids if not name.startswith("etcd")}
+    # (the web console serves no Prometheus metrics)
+    services = {name for name in launcher.pids if not name.startswith(("etcd", "console"))}
     assert set(launcher.metrics) == services, launcher.output
     scrapes = {name: await scrape(url) for name, url in launcher.metrics.items()}
     for name, scraped in scrapes.items():
@@ -443,6 +445,7 @@ REPLICATED = {
     "owner-2 of dep-1",
     "ingress of dep-1",
     "ingress-2 of dep-1",
+    "console",
 }
 
 
@@ -511,8 +514,9 @@ def test_port_plan_is_validated() -> None:
     with pytest.raises(LaunchError, match="ingress of dep-2 and etcd .* both use port 50055"):
         Ports.plan(50051, 50055, ("dep-1", "dep-2"))
     free = Ports.plan(0, 0, ("dep-1", "dep-2"))
-    # etcd's two, and a gRPC and a metrics port for each of 6 service processes.
-    assert len({port for _, port in free.items()}) == 2 + 2 * 6
+    # etcd's two, a gRPC and a metrics port for each of 6 service processes,
+    # and the console's.
+    assert len({port for _, port in free.items()}) == 2 + 2 * 6 + 1
     based = Ports.plan(50051, 23790)
     assert based.metrics == {50052: 51052, 50053: 51053, 50051: 51051, 50054: 51054}
     with pytest.raises(LaunchError, match="hooks metrics and .* both use port 51052"):
@@ -543,7 +547,7 @@ def test_port_plan_with_replicas_and_etcd_members() -> None:
     ]
     assert "owner-2 of dep-2" in names and "hooks-2" in names
     free = Ports.plan(0, 0, ("dep-1",), replicas=3, etcd_members=3)
-    assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6
+    assert len({port for _, port in free.items()}) == 2 * 3 * 4 + 6 + 1
     with pytest.raises(LaunchError, match="would both use"):
         Ports.plan(50051, 50151, replicas=2)
 

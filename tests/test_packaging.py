@@ -95,6 +95,9 @@ def test_the_wheel_holds_baton_runtime_alone(built: tuple[Path, Path, Path]) -> 
         "baton_runtime/_proto/baton/ingress/v1/ingress_pb2.py",
         "baton_runtime/_proto/baton/ingress/v1/ingress_pb2.pyi",
         "baton_runtime/_proto/baton/session/v1/session_pb2_grpc.py",
+        # the web console's pages and script (package data)
+        "baton_runtime/console/templates/session.html",
+        "baton_runtime/console/static/console.js",
     ):
         assert expected in names, expected
     with zipfile.ZipFile(wheel) as archive:

@@ -675,3 +675,61 @@ async def test_repeated_owner_kills_slow(make_stack: MakeStack) -> None:
             assert received_seqs(events) == list(range(len(receipts[sid])))
     finally:
         await c.close()
+
+
+async def test_a_queued_message_held_behind_an_approval_survives_a_takeover(
+    make_stack: MakeStack,
+) -> None:
+    """Issue 32: while the turn waits for an approval a queued message waits
+    too, unconsumed; what the run takes past it is recorded as consumed ahead
+    of the inbox position. After kill -9 the successor holds the message
+    again, does not take again what was consumed ahead, and once the approval
+    is given the message starts its own turn: once, after the first."""
+    stack = make_stack(owners=2)
+    c = stack.clients()
+
+    async def respond(response: s.InputResponse) -> int:
+        sent = await c.ingress.SendMessage(
+            ingress_pb.SendMessageRequest(session_id=sid, input_responses=[response]),
+            metadata=SLACK,
+            timeout=10,
+        )
+        return sent.receipt.seq
+
+    def rejected(events: list[s.Event]) -> list[int]:
+        return [e.inbox_seq for e in events if e.kind == K.EVENT_KIND_COMMAND_REJECTED]
+
+    def asked(events: list[s.Event]) -> bool:
+        kinds = [e.kind for e in events]
+        return K.EVENT_KIND_INPUT_REQUESTED in kinds and kinds[-1] == K.EVENT_KIND_SESSION_WAITING
+
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()
+        receipts = [(await c.send(sid, "transfer 100", queue=False)).receipt.seq]
+        events = await c.wait_events(sid, asked, "approval asked")
+        request = next(e for e in events if e.kind == K.EVENT_KIND_INPUT_REQUESTED).input_request
+        receipts.append((await c.send(sid, "later")).receipt.seq)  # queued
+        stray = await respond(s.InputResponse(request_id="input_stray"))
+        await c.wait_events(sid, lambda ev: rejected(ev) == [stray], "the stray answer rejected")
+        first = await c.owner_of(sid)
+        stack.kill(first)
+        successor = "o2" if first == "o1" else "o1"
+        await wait_owner(c, sid, successor, stack.lease_ttl + TAKEOVER_SLACK_S)
+        await respond(s.InputResponse(request_id=request.request_id, approved=True))
+
+        events = await c.wait_events(sid, lambda ev: answered(ev, 2), "the queued one answered")
+        check_history(events, receipts)
+        assert rejected(events) == [stray], "a command consumed ahead was taken again"
+        results = [e.tool_result for e in events if e.kind == K.EVENT_KIND_TOOL_CALL_RESULT]
+        assert [(r.output, r.is_error) for r in results] == [("transferred 100", False)]
+        assert answers(events) == ["The result is transferred 100.", "echo: later"]
+        turns = [e.turn_id for e in events if e.kind == K.EVENT_KIND_TURN_STARTED]
+        later = next(
+            e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED and e.text == "later"
+        )
+        assert len(turns) == 2 and later.turn_id == turns[1]
+        assert len(runs_in_order(events)) == 2
+        assert await inbox_entries_left(stack.etcd_endpoint, stack.prefix, sid) == []
+    finally:
+        await c.close()

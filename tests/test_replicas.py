@@ -39,6 +39,7 @@ from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.rpc.server import GrpcServer
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.tls import Security
+from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.config import IngressConfig
@@ -95,7 +96,9 @@ class Replicated:
         self.hooks.append(hooks)
         self.anchors.append(anchor)
         for i, server in enumerate(self.hooks):
-            count(server.app, "resume", self.counts, f"hooks{i}.resume")
+            rooms = server.app
+            assert isinstance(rooms, HookRooms)
+            count(rooms.inbox, "resume", self.counts, f"hooks{i}.resume")
         for i, server in enumerate(self.anchors):
             journal = server.app
             assert isinstance(journal, Journal)

@@ -95,6 +95,92 @@ def test_a_push_aborts_the_step_only_when_everything_ahead_can_join() -> None:
     assert not st.aborts_step(send(3), [])
 
 
+# -- what the run takes next while the turn waits (issue 32) ------------------------
+
+
+def waiting_for_approval() -> SessionState:
+    st = state()
+    events = st.start_turn(send(0, "transfer 5"), collections.deque())
+    reply = ModelReply(tool_calls=[RequestedCall("transfer", {"amount": "5"})])
+    assert st.apply_step(StepProgress(reply=reply, calls=st.tool_calls(reply)), events) is (
+        Outcome.PAUSED
+    )
+    return st
+
+
+def answer(seq: int, request_id: str = "input_1") -> s.InboxEntry:
+    response = s.InputResponse(request_id=request_id, approved=True)
+    return entry(seq, send=s.SendCommand(input_responses=[response]))
+
+
+def test_while_the_turn_waits_a_queued_message_waits_with_the_messages_behind_it() -> None:
+    between = state()
+    assert between.next_to_take([send(1, queue=True), send(2)]) == 0, "between turns: in order"
+    assert between.next_to_take([]) is None
+    st = waiting_for_approval()
+    cancel = entry(5, cancel=s.CancelCommand())
+    reset = entry(5, reset=s.ResetCommand())
+    assert st.next_to_take([send(1), send(2, queue=True)]) == 0  # a steer: abandons the wait
+    assert st.next_to_take([send(1, queue=True)]) is None
+    assert st.next_to_take([send(1, queue=True), send(2), answer(3)]) == 2
+    assert st.next_to_take([send(1, queue=True), send(2, caller="u2"), cancel]) == 2
+    assert st.next_to_take([send(1, queue=True), reset]) == 1
+    assert st.next_to_take([send(1, queue=True), send(2, queue=True), send(3, text=" ")]) == 2
+    assert st.next_to_take([send(1, queue=True), entry(2)]) == 1  # rejected: taken
+    # Answers are taken first whatever their own policy says.
+    queued_answer = answer(2)
+    queued_answer.command.send.turn_policy = s.TURN_POLICY_QUEUE
+    assert st.next_to_take([send(1, queue=True), queued_answer]) == 1
+
+
+def test_what_is_taken_past_a_waiting_message_is_consumed_ahead_of_the_position() -> None:
+    st = waiting_for_approval()
+    later, also, stray, approve = (
+        send(1, "later", queue=True),
+        send(2, "also"),
+        answer(3, "x"),
+        answer(4),
+    )
+    pending = collections.deque([later, also, stray, approve])
+    assert st.take(pending) is stray
+    st.consume(stray)
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (1, [3])
+    assert st.consumed(3) and not st.consumed(1) and not st.consumed(2)
+    # A successor from the committed snapshot reads the inbox from 1: it
+    # skips what was consumed ahead and sets the same messages aside.
+    successor = SessionState(
+        IDENTITY,
+        s.SessionSnapshot.FromString(st.snapshot.SerializeToString()),
+        build_agent("dep-a"),
+    )
+    assert successor.consumed(3) and not successor.consumed(1)
+    assert successor.next_to_take([later, also, approve]) == 2
+
+    assert st.take(pending) is approve
+    st.consume(approve)
+    assert list(st.snapshot.inbox_consumed_ahead) == [3, 4] and list(pending) == [later, also]
+    events: list[s.Event] = []
+    st.close_turn(events, K.EVENT_KIND_TURN_COMPLETED)
+    # The turn ended: the queued message is next, and starts a turn with
+    # the same principal's message behind it; the position moves over all.
+    assert st.take(pending) is later
+    assert kinds(st.start_turn(later, pending)) == [
+        "TURN_STARTED",
+        "MESSAGE_RECEIVED",
+        "MESSAGE_RECEIVED",
+    ]
+    assert not pending
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (5, [])
+
+
+def test_with_nothing_set_aside_the_position_moves_past_what_is_consumed() -> None:
+    st = state()
+    st.consume(send(3))
+    assert (st.snapshot.inbox_next_seq, list(st.snapshot.inbox_consumed_ahead)) == (4, [])
+    st.consume(send(1))  # below the position: consumed already
+    assert st.snapshot.inbox_next_seq == 4
+
+
 def test_steps_fold_into_history_usage_and_events() -> None:
     st = state()
     events = st.start_turn(send(0, "calc 1+1"), collections.deque())

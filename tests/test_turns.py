@@ -601,6 +601,156 @@ async def test_authorization_resumes_after_every_attempt_and_drops_stale_ones(
     assert kinds(after) == names(REJECTED)
 
 
+# -- queue and steer while the turn waits (issue 32) --------------------------
+#
+# A queued message waits for the turn to end (design §4) also while the turn
+# waits for the user: the run takes what answers or ends the wait past it,
+# and the message starts its own turn once the turn has ended. A steer keeps
+# its meaning: it abandons the waits and joins the turn.
+
+QUEUE = s.TURN_POLICY_QUEUE
+ECHO_TURN = (STEP_STARTED, ANSWERED, STEP_COMPLETED, TURN_COMPLETED, WAITING)
+
+
+def split_turns(events: Events) -> list[Events]:
+    """`events` cut before each turn.started."""
+    turns: list[Events] = [[]]
+    for event in events:
+        if event.kind == TURN_STARTED:
+            turns.append([])
+        turns[-1].append(event)
+    return turns
+
+
+def assert_own_turn(events: Events, text: str, seq: int, after_turn: str) -> None:
+    """`events` are one turn, started by the message `text` (inbox `seq`)."""
+    assert kinds(events) == names(TURN_STARTED, RECEIVED, *ECHO_TURN)
+    message = one(events, RECEIVED)
+    assert (message.text, message.inbox_seq) == (text, seq)
+    assert message.turn_id and message.turn_id != after_turn
+    assert texts(events, ANSWERED) == [f"echo: {text}"]
+
+
+async def still_waits(stack: Stack, session_id: str, start_seq: int) -> Events:
+    """Everything sent before has been taken or set aside, and the turn still
+    waits for its input: an answer naming no pending request, taken past
+    whatever waits, is rejected, and nothing else happened."""
+    stray = await respond(stack, session_id, s.InputResponse(request_id="input_stray"))
+    settled = await follow_until(stack, session_id, waits(1), start_seq=start_seq)
+    assert kinds(settled) == names(REJECTED, WAITING), "a message acted on the waiting turn"
+    assert settled[0].error.reason == "UNKNOWN_INPUT_REQUEST"
+    assert settled[0].inbox_seq == stray.receipt.seq
+    return settled
+
+
+async def test_a_queued_message_waits_for_the_approval_then_starts_its_own_turn(
+    stack: Stack,
+) -> None:
+    session_id = await stack.create()
+    events = await _request_approval(stack, session_id, "100")
+    turn_id = one(events, TURN_STARTED).turn_id
+    request = one(events, INPUT_REQUESTED).input_request
+
+    queued = await stack.send(session_id, "later", turn_policy=QUEUE)
+    events += await still_waits(stack, session_id, len(events))
+
+    await respond(stack, session_id, s.InputResponse(request_id=request.request_id, approved=True))
+    rest = await follow_until(stack, session_id, waits(2), start_seq=len(events))
+    answered, own = split_turns(rest)
+    assert kinds(answered) == names(TOOL_RESULT, *ECHO_TURN)
+    assert {e.turn_id for e in answered[:-1]} == {turn_id}
+    result = one(answered, TOOL_RESULT).tool_result
+    assert (result.output, result.is_error) == ("transferred 100", False)
+    assert_own_turn(own, "later", queued.receipt.seq, turn_id)
+    assert_gapless(events + rest)
+
+
+async def test_a_queued_message_waits_for_a_cancelled_approval_then_starts_its_turn(
+    stack: Stack,
+) -> None:
+    session_id = await stack.create()
+    events = await _request_approval(stack, session_id, "9")
+    turn_id = one(events, TURN_STARTED).turn_id
+
+    queued = await stack.send(session_id, "later", turn_policy=QUEUE)
+    cancel = await control(stack, session_id, CANCEL)
+    rest = await follow_until(stack, session_id, waits(2), start_seq=len(events))
+    cancelled, own = split_turns(rest)
+    assert kinds(cancelled) == names(TURN_CANCELLED, WAITING)
+    assert cancelled[0].turn_id == turn_id and cancelled[0].inbox_seq == cancel.receipt.seq
+    assert_own_turn(own, "later", queued.receipt.seq, turn_id)
+    assert not of(rest, TOOL_RESULT), "the approval was answered for the user"
+
+
+async def test_messages_behind_a_queued_one_wait_with_it_in_order(stack: Stack) -> None:
+    """While the turn waits, a queued message holds back the messages behind
+    it, as it does while a turn runs: a steer behind it does not abandon the
+    wait, and joins the queued message's turn (the same principal's)."""
+    session_id = await stack.create()
+    events = await _request_approval(stack, session_id, "3")
+    turn_id = one(events, TURN_STARTED).turn_id
+    request = one(events, INPUT_REQUESTED).input_request
+
+    queued = await stack.send(session_id, "later", turn_policy=QUEUE)
+    steer = await stack.send(session_id, "and then")
+    events += await still_waits(stack, session_id, len(events))
+
+    await respond(stack, session_id, s.InputResponse(request_id=request.request_id, approved=True))
+    rest = await follow_until(stack, session_id, waits(2), start_seq=len(events))
+    answered, own = split_turns(rest)
+    assert one(answered, TOOL_RESULT).tool_result.output == "transferred 3"
+    assert one(answered, TURN_COMPLETED).turn_id == turn_id
+    assert kinds(own) == names(TURN_STARTED, RECEIVED, RECEIVED, *ECHO_TURN)
+    assert [(e.text, e.inbox_seq) for e in of(own, RECEIVED)] == [
+        ("later", queued.receipt.seq),
+        ("and then", steer.receipt.seq),
+    ]
+    assert_gapless(events + rest)
+
+
+async def test_a_queued_message_waits_for_the_sign_in_then_starts_its_own_turn(
+    stack: Stack,
+) -> None:
+    session_id = await stack.create()
+    await stack.send(session_id, "read calendar")
+    events = await follow_until(stack, session_id, waits(1))
+    turn_id = one(events, TURN_STARTED).turn_id
+    first, second = (e.attempt_id for e in of(events, AUTH_REQUIRED))
+
+    queued = await stack.send(session_id, "later", turn_policy=QUEUE)
+    await control(stack, session_id, CALLBACK, attempt_id=first, granted=True)
+    settled = await barrier(stack, session_id, len(events))
+    assert kinds(settled) == names(REJECTED), "the queued message acted on the sign-in"
+    events += settled
+
+    await control(stack, session_id, CALLBACK, attempt_id=second, granted=True)
+    rest = await follow_until(stack, session_id, waits(2), start_seq=len(events))
+    signed_in, own = split_turns(rest)
+    assert kinds(signed_in) == names(AUTH_COMPLETED, TOOL_RESULT, *ECHO_TURN)
+    assert {e.turn_id for e in signed_in[:-1]} == {turn_id}
+    result = one(signed_in, TOOL_RESULT).tool_result
+    assert (result.output, result.is_error) == ("3 meetings today", False)
+    assert_own_turn(own, "later", queued.receipt.seq, turn_id)
+    assert_gapless(events + rest)
+
+
+async def test_a_steer_while_the_sign_in_waits_abandons_it_in_the_same_turn(
+    stack: Stack,
+) -> None:
+    session_id = await stack.create()
+    await stack.send(session_id, "read calendar")
+    events = await follow_until(stack, session_id, waits(1))
+    turn_id = one(events, TURN_STARTED).turn_id
+
+    await stack.send(session_id, "never mind")
+    rest = await follow_until(stack, session_id, waits(1), start_seq=len(events))
+    assert kinds(rest) == names(TOOL_RESULT, RECEIVED, *ECHO_TURN)
+    assert {e.turn_id for e in rest[:-1]} == {turn_id}
+    result = one(rest, TOOL_RESULT).tool_result
+    assert result.is_error and result.output.startswith("sign-in abandoned")
+    assert texts(rest, ANSWERED) == ["echo: never mind"]
+
+
 # -- limits -------------------------------------------------------------------
 
 

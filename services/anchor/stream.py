@@ -4,7 +4,8 @@ live from a watch until the terminal event.
 A long stream is read in pages of READ_PAGE_EVENTS, so neither this
 process nor a slow reader's path holds more than a page; a cursor below
 the retention horizon (services/anchor/horizon.py) is told where the
-stream now starts.
+stream now starts. What goes to the reader, replayed or live, is in pages
+of at most limits.MAX_PAGE_BYTES (services/common/streams/pages.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.etcd.watch import Follower, watch_then_read
 from baton_runtime.common.observability import metrics
-
-_BATCH_BYTES = 512 * 1024
+from baton_runtime.common.streams.pages import byte_pages
 
 
 @dataclass(frozen=True)
@@ -154,22 +154,24 @@ class EventStream:
     ) -> AsyncGenerator[list[s.Event], None]:
         """Live: each commit reaches the reader as one batch (the watch sees
         its events, then the commit marker it writes last; the horizon's
-        deletions are left out by etcd)."""
+        deletions are left out by etcd), in pages of MAX_PAGE_BYTES (a
+        commit may hold up to MAX_COMMIT_BYTES of events)."""
         marker = self._keys.commit_marker(session_id)
-        batch: list[s.Event] = []
+        batch: list[tuple[int, s.Event]] = []
         async for change in follower.events(revision + 1):
             key = change.kv.key
             if key == marker:
                 if batch:
-                    yield batch
-                    if batch[-1].kind in TERMINAL_KINDS:
+                    for page in byte_pages(batch):
+                        yield page
+                    if batch[-1][1].kind in TERMINAL_KINDS:
                         return
                     batch = []
                 continue
             if seq_of(key) < cursor.next_seq:
                 continue
             event = s.Event.FromString(change.kv.value)
-            batch.append(event)
+            batch.append((len(change.kv.value), event))
             cursor.next_seq = event.seq + 1
 
 
@@ -182,21 +184,15 @@ class _Cursor:
         self.ended = False
 
     def batches(self, page: Sequence[bytes]) -> Iterator[list[s.Event]]:
-        """A page's events in batches of about _BATCH_BYTES, up to the
-        terminal event."""
-        batch: list[s.Event] = []
-        size = 0
+        """A read page's events up to the terminal event, in pages of at
+        most MAX_PAGE_BYTES."""
+        return byte_pages(self._through_terminal(page))
+
+    def _through_terminal(self, page: Sequence[bytes]) -> Iterator[tuple[int, s.Event]]:
         for raw in page:
             event = s.Event.FromString(raw)
-            batch.append(event)
-            size += len(raw)
             self.next_seq = event.seq + 1
+            yield len(raw), event
             if event.kind in TERMINAL_KINDS:
                 self.ended = True
-                yield batch
                 return
-            if size >= _BATCH_BYTES:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch

@@ -227,13 +227,17 @@ def as_float(values: Mapping[str, str], key: str, *, minimum: float = 0.0) -> fl
     return number
 
 
-def as_int(values: Mapping[str, str], key: str, *, minimum: int = 0) -> int:
+def as_int(
+    values: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int | None = None
+) -> int:
     try:
         number = int(values[key])
     except ValueError as exc:
         raise ConfigError(f"{key} must be an integer, got {values[key]!r}") from exc
     if number < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{key} must be <= {maximum}, got {number}")
     return number
 
 

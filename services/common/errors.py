@@ -199,6 +199,10 @@ class Reason:
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
     SERVER_BUSY = "SERVER_BUSY"
     UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE"
+    # A call's status that carried no reason of Baton's: gRPC or the network
+    # ended it (a message over the size limit, a reset stream), not a Baton
+    # service deciding on the request.
+    TRANSPORT_FAILED = "TRANSPORT_FAILED"
     TIMEOUT = "TIMEOUT"
     INTERNAL = "INTERNAL"
     # Child sessions (docs/design.md §11): stream events and tool results.

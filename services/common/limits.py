@@ -9,6 +9,15 @@ snapshot, so these bound it whatever the session's age.
 
 from __future__ import annotations
 
+MAX_COMMAND_BYTES = 256 * 1024
+"""One inbox command, serialized (hooks refuses a larger one: every inbox
+entry is bounded by it, whoever appends)."""
+
+MAX_MESSAGE_TEXT_BYTES = MAX_COMMAND_BYTES - 32 * 1024
+"""The largest ingress' --max-message-bytes may be: a message's text and
+input responses within it leave its command room for the labels (8 KiB),
+the responses' ids and the delivery metadata, so hooks accepts it."""
+
 MAX_HISTORY_ENTRY_BYTES = 256 * 1024
 """One model-history entry (a message, a tool result), serialized."""
 
@@ -39,6 +48,13 @@ READ_PAGE_MAX_ENTRIES = 160
 """160 x MAX_HISTORY_ENTRY_BYTES = 40 MiB: under the etcd client's 48 MiB."""
 READ_PAGE_BYTES = 4 * 1024 * 1024
 """History pages grow while their entries are small, up to about this."""
+
+MAX_PAGE_BYTES = 1024 * 1024
+"""An inbox or event page sent in one gRPC message (services/common/streams/pages.py):
+entries are added while the page stays within this; one larger entry goes
+alone (none is: MAX_EVENT_BYTES, MAX_COMMAND_BYTES). A feed's message
+batches pages up to the same bytes (services/common/streams/feeds.py), so a message
+stays far below gRPC's 4 MiB limit, whatever the entries."""
 
 STREAM_PAGE_EVENTS = 64
 """Stream seqs per page of the retention horizon's age rule: the commit that

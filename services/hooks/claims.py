@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -34,19 +35,31 @@ from baton_runtime.hooks.sessions import CachedSession, SessionCache, owner_reco
 from baton_runtime.hooks.tokens import TokenIndex, check_hook_count, check_unclaimed
 
 
-def session_tokens(
-    session_id: str, owner: s.OwnerIdentity, channel: str, aliases: list[str]
-) -> list[str]:
+@dataclass(frozen=True)
+class NewSession:
+    """A session to create: its id, its first owner (epoch 1), its channel
+    and aliases; a child's link to its parent; and the command appended as
+    inbox entry 0 by the creating transaction, if any."""
+
+    session_id: str
+    owner: s.OwnerIdentity
+    channel: str
+    aliases: tuple[str, ...] = ()
+    parent: s.ParentLink | None = None
+    first_command: s.Command | None = None
+
+
+def session_tokens(new: NewSession) -> list[str]:
     """Validate a create's ids (InvalidArgument); the tokens the session
     claims: its inbox token first, then each alias once, at most
     MAX_HOOKS_PER_SESSION in all. Pure."""
-    ids.validate_session_id(session_id)
-    ids.validate_channel(channel)
-    ids.validate_deployment_id(owner.deployment_id)
-    ids.validate_id(owner.owner_run_id, "owner_run_id")
-    ids.validate_id(owner.instance_id, "instance_id")
-    tokens = [ids.inbox_token(session_id)]
-    for alias in aliases:
+    ids.validate_session_id(new.session_id)
+    ids.validate_channel(new.channel)
+    ids.validate_deployment_id(new.owner.deployment_id)
+    ids.validate_id(new.owner.owner_run_id, "owner_run_id")
+    ids.validate_id(new.owner.instance_id, "instance_id")
+    tokens = [ids.inbox_token(new.session_id)]
+    for alias in new.aliases:
         ids.split_token(alias)
         if alias not in tokens:
             tokens.append(alias)
@@ -95,27 +108,22 @@ class Claims:
         self._sessions = sessions
 
     async def create_session(
-        self,
-        session_id: str,
-        owner: s.OwnerIdentity,
-        channel: str,
-        aliases: list[str],
-        parent: s.ParentLink | None = None,
-        first_command: s.Command | None = None,
+        self, new: NewSession
     ) -> tuple[s.Fence, list[str], s.InboxEntry | None]:
-        """Create the session; with `first_command`, appended as inbox entry
+        """Create the session; with a first command, appended as inbox entry
         0 by the same transaction. Returns (fence, claimed tokens, that entry)."""
-        tokens = session_tokens(session_id, owner, channel, aliases)
-        fence = Fence(session_id, owner.owner_run_id, 1)
-        record = TokenRecord(session_id=session_id, channel=channel, parent=_link(parent)).encode()
-        owner_now = owner_record(owner, 1)
-        first = _first_entry(first_command)
+        tokens = session_tokens(new)
+        session_id = new.session_id
+        fence = Fence(session_id, new.owner.owner_run_id, 1)
+        record = TokenRecord(
+            session_id=session_id, channel=new.channel, parent=_link(new.parent)
+        ).encode()
+        owner_now = owner_record(new.owner, 1)
+        first = _first_entry(new.first_command)
         created_ms = int(self._clock() * 1000)
 
         def create_txn(lease: int) -> Txn:
-            return self._create_txn(
-                session_id, owner, channel, tokens, record, first, created_ms, lease
-            )
+            return self._create_txn(new, tokens, record, first, created_ms, lease)
 
         delivery_id = first.command.delivery.delivery_id if first is not None else ""
         result = await self._leases.run(create_txn, leased=bool(delivery_id))
@@ -130,9 +138,7 @@ class Claims:
 
     def _create_txn(
         self,
-        session_id: str,
-        owner: s.OwnerIdentity,
-        channel: str,
+        new: NewSession,
         tokens: list[str],
         record: bytes,
         first: s.InboxEntry | None,
@@ -144,6 +150,7 @@ class Claims:
         delivery id under the window lease). Reads on failure: what was
         compared, and entry 0 (a retry's)."""
         k = self._keys
+        session_id, owner, channel = new.session_id, new.owner, new.channel
         fence = fence_value(1, owner.owner_run_id)
         txn = (
             Txn()

@@ -14,7 +14,8 @@ from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.ids import brief
 from baton_runtime.common.security.identity import Caller
 from baton_runtime.common.security.permits import PermitVerifier, grant_for
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.sessions import SessionCache
+from baton_runtime.hooks.tokens import TokenIndex
 from baton_runtime.hooks.transfer import TransferPlan
 
 
@@ -22,9 +23,14 @@ class Consent:
     """The transfer permit check and an owner's delivery check."""
 
     def __init__(
-        self, registry: HookRegistry, scope: DeploymentScope, permits: PermitVerifier
+        self,
+        tokens: TokenIndex,
+        sessions: SessionCache,
+        scope: DeploymentScope,
+        permits: PermitVerifier,
     ) -> None:
-        self._registry = registry
+        self._tokens = tokens
+        self._sessions = sessions
         self._scope = scope
         self._permits = permits
 
@@ -81,7 +87,7 @@ class Consent:
         senders = await self._senders(raw, command)
         for fresh in (False, True):
             for sid in senders:
-                if await self._registry.deployment_of(sid, fresh=fresh) == caller.deployment_id:
+                if await self._sessions.deployment_of(sid, fresh=fresh) == caller.deployment_id:
                     return
         raise PermissionDenied(
             Reason.DELIVERY_NOT_ALLOWED,
@@ -94,11 +100,11 @@ class Consent:
         a report's child and its parent (the child's link checked), else the
         session and its parent, if any."""
         if command.WhichOneof("kind") != "task_result":
-            link = await self._registry.parent_of(session_id)
+            link = await self._tokens.parent_of(session_id)
             return (session_id, link.parent_session_id) if link is not None else (session_id,)
         report = command.task_result
         child = ids.validate_session_id(report.child_session_id)
-        link = await self._registry.parent_of(child)
+        link = await self._tokens.parent_of(child)
         if (
             report.parent_session_id != session_id
             or link is None

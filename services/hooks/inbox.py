@@ -42,20 +42,21 @@ from baton_runtime.common.etcd.scope import ScopeCheck
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
 from baton_runtime.common.etcd.watch import watch_then_read
+from baton_runtime.common.limits import MAX_COMMAND_BYTES
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.observability.tracing import check_traceparent
+from baton_runtime.common.streams.pages import byte_pages
 from baton_runtime.common.tasks import Background
 from baton_runtime.hooks.expiry import ExpiryLeases
 from baton_runtime.hooks.sessions import CachedSession, SessionCache
 from baton_runtime.hooks.tokens import TokenIndex
 
-MAX_COMMAND_BYTES = 256 * 1024
 MAX_BATCH_ENTRIES = 40
 MAX_BATCH_BYTES = 1024 * 1024
 MAX_APPEND_ATTEMPTS = 50
-_INBOX_PAGE_MIN = 16
-_INBOX_PAGE_MAX = 256
-_INBOX_PAGE_BYTES = 2 * 1024 * 1024
+_INBOX_READ_MIN = 16
+_INBOX_READ_MAX = 160  # x MAX_COMMAND_BYTES = 40 MiB: under the etcd client's 48 MiB
+_INBOX_READ_BYTES = 2 * 1024 * 1024
 
 
 def check_command(command: s.Command) -> None:
@@ -338,26 +339,25 @@ class Inbox:
         # after its retention, when no run follows it any more).
         watching = watch_then_read(self._store.client, k.control_prefix(sid), puts_only=True)
         async with watching as follower:
-            # The backlog in pages (a long one after an outage must not become
-            # one message): small commands in pages of up to 256, large ones
-            # in pages of 16 (16 x MAX_COMMAND_BYTES = 4 MiB).
+            # The backlog (a long one after an outage must not become one
+            # message, nor one read): reads of 16 entries, doubled while a
+            # read stays under 1 MiB, each sent in pages of MAX_PAGE_BYTES.
             next_seq = from_seq
-            limit = _INBOX_PAGE_MIN
+            limit = _INBOX_READ_MIN
             first_revision = 0
             while True:
                 scoped = None if first_revision else scope
                 result = await self._backlog_page(owner, scoped, next_seq, limit)
                 first_revision = first_revision or result.revision
-                page = result.kvs("page")
-                entries = [s.InboxEntry.FromString(kv.value) for kv in page]
-                if entries:
+                read = result.kvs("page")
+                sized = ((len(kv.value), s.InboxEntry.FromString(kv.value)) for kv in read)
+                for entries in byte_pages(sized):
                     next_seq = entries[-1].seq + 1
                     yield entries
                 if not result.more("page"):
                     break
-                size = sum(len(kv.value) for kv in page)
-                if size < _INBOX_PAGE_BYTES // 2:
-                    limit = min(limit * 2, _INBOX_PAGE_MAX)
+                if sum(len(kv.value) for kv in read) < _INBOX_READ_BYTES // 2:
+                    limit = min(limit * 2, _INBOX_READ_MAX)
             fence_key = k.fence(sid)
             async for event in follower.events(first_revision + 1):
                 key = event.kv.key

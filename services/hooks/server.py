@@ -9,17 +9,11 @@ from baton_runtime.common.clients.hooks_methods import HOOKS_UNLIMITED
 from baton_runtime.common.etcd.health import StoreHealth
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.etcd.members import connect_checked
-from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
 from baton_runtime.common.security.permits import PermitVerifier
 from baton_runtime.hooks.config import HooksConfig
-from baton_runtime.hooks.consent import Consent
-from baton_runtime.hooks.expiry import ExpiryLeases
-from baton_runtime.hooks.fleets import FleetViews
-from baton_runtime.hooks.instances import InstanceRegistry
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.servicer import HookRegistryServicer
-from baton_runtime.hooks.transfer import Transfers
 
 SERVICE_NAME = hooks_pb2.DESCRIPTOR.services_by_name["HookRegistryService"].full_name
 # An owner's membership is served past the server's capacity (config.Capacity).
@@ -29,20 +23,13 @@ MEMBERSHIP_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in HOOKS_UNLIM
 async def create_server(config: HooksConfig) -> GrpcServer:
     # An external cluster's members are judged too: refuse a known-bad release.
     store = await connect_checked(config.etcd)
-    keys = Keys(config.etcd.prefix)
-    leases = ExpiryLeases(store, config.dedupe_window_seconds)
-    registry = HookRegistry(store, keys, leases)
-    transfers = Transfers(store, keys, leases)
-    instances = InstanceRegistry(store, keys)
-    scope = DeploymentScope(store, keys)
-    servicer = HookRegistryServicer(
-        registry,
-        instances,
-        transfers,
-        scope,
-        Consent(registry, scope, PermitVerifier(config.tls)),
-        FleetViews(store, keys),
+    rooms = HookRooms.over(
+        store,
+        Keys(config.etcd.prefix),
+        config.dedupe_window_seconds,
+        PermitVerifier(config.tls),
     )
+    servicer = HookRegistryServicer(rooms)
     server = build_server(
         config.listen,
         [
@@ -59,8 +46,8 @@ async def create_server(config: HooksConfig) -> GrpcServer:
     )
     server.background.append(StoreHealth(store, server.set_serving).run)
     if server.metrics is not None:
-        server.metrics.refresh.append(instances.refresh_metrics)
-    server.app = registry
+        server.metrics.refresh.append(rooms.instances.refresh_metrics)
+    server.app = rooms
     server.on_stop.append(store.close)
-    server.on_stop.append(registry.close)
+    server.on_stop.append(rooms.close)
     return server

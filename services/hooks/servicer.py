@@ -1,6 +1,8 @@
-"""HookRegistryService: translates between protos and the registry (reply
-messages built in services/hooks/replies.py; consent beyond a caller's role
-checked by services/hooks/consent.py)."""
+"""HookRegistryService, thin: each RPC checks its request (required fields,
+the caller's deployment, consent beyond its role: services/hooks/consent.py),
+calls one room (services/hooks/rooms.py) and maps domain values to its reply
+(services/hooks/replies.py). Errors are domain values, mapped to gRPC status
+by the one table (services/common/rpc/status_map.py, in the interceptor)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,11 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.bounds import MAX_TIMESTAMP_SECONDS, check_range, check_seq
 from baton_runtime.common.errors import InvalidArgument, Reason
-from baton_runtime.common.etcd.scope import DeploymentScope
-from baton_runtime.common.observability import metrics
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.streams import feeds, multiplex
-from baton_runtime.hooks.consent import Consent
-from baton_runtime.hooks.fleets import FleetViews
-from baton_runtime.hooks.instances import InstanceRegistry
-from baton_runtime.hooks.registry import HookRegistry
+from baton_runtime.hooks.claims import NewSession
 from baton_runtime.hooks.replies import (
     channel_sessions_reply,
     deployment_info,
@@ -33,7 +30,8 @@ from baton_runtime.hooks.replies import (
     owner_fence,
     owner_identity,
 )
-from baton_runtime.hooks.transfer import Transfers, plan_transfer
+from baton_runtime.hooks.rooms import HookRooms
+from baton_runtime.hooks.transfer import TransferRequest
 
 RESUME_HOOK = f"/{pb.DESCRIPTOR.services_by_name['HookRegistryService'].full_name}/ResumeHook"
 _RESUME_ANSWERS = multiplex.answers_message(pb.ResumeHooksResponse, pb.ResumeHookAnswer)
@@ -65,73 +63,44 @@ def _tenant_channel(channel: str) -> str:
     return channel
 
 
+def _transfer_request(request: pb.TransferRequest) -> TransferRequest:
+    """The call as the transfer room takes it (None: a message left out)."""
+    return TransferRequest(
+        handoff_id=request.handoff_id,
+        expected=request.expected if request.HasField("expected") else None,
+        expected_owner=request.expected_owner if request.HasField("expected_owner") else None,
+        successor=request.successor if request.HasField("successor") else None,
+        hooks=tuple(request.hooks),
+        trigger_seq=request.trigger_seq,
+        snapshot_revision=request.snapshot_revision,
+        reason=request.reason,
+        inbox_head=request.inbox_head,
+        permit=request.permit,
+    )
+
+
 class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     """Role checks are the interceptor's (baton_runtime.common.security.access); here,
     owners are held to their own deployment: they create, register, list,
     take over and transfer (as successor) only within it, and fenced calls
     must name a session of it (`DeploymentScope`)."""
 
-    def __init__(
-        self,
-        registry: HookRegistry,
-        instances: InstanceRegistry,
-        transfers: Transfers,
-        scope: DeploymentScope,
-        consent: Consent,
-        fleets: FleetViews,
-    ) -> None:
-        self._fleets = fleets
-        self._registry = registry
-        self._instances = instances
-        self._transfers = transfers
-        self._scope = scope
-        self._consent = consent
+    def __init__(self, rooms: HookRooms) -> None:
+        self._rooms = rooms
 
     async def _fenced(self, fence: s.Fence, present: bool) -> None:
         """The fence is given and of the caller's deployment; logged with it."""
         _require_fence(fence, present)
-        await self._scope.check(identity.current(), fence)
+        await self._rooms.scope.check(identity.current(), fence)
         _bind_fence(fence)
 
     async def Transfer(self, request: pb.TransferRequest, context: Context) -> pb.TransferResponse:
-        """Counted in baton_transfers_total: moved, replayed (a repeat of a
-        move already applied) or refused (any error, the checks included)."""
-        try:
-            response = await self._transfer(request)
-        except Exception:
-            metrics.TRANSFERS.labels("refused").inc()
-            raise
-        metrics.TRANSFERS.labels("replayed" if response.replayed else "moved").inc()
-        return response
-
-    async def _transfer(self, request: pb.TransferRequest) -> pb.TransferResponse:
-        for name in ("expected", "expected_owner", "successor"):
-            if not request.HasField(name):
-                raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
-        identity.current().require_deployment(request.successor.deployment_id, "the successor")
-        check_seq(request.expected.epoch, "expected.epoch")
-        check_seq(request.trigger_seq, "trigger_seq")
-        check_seq(request.snapshot_revision, "snapshot_revision")
         structlog.contextvars.bind_contextvars(
             session_id=request.expected.session_id,
             run_id=request.expected.owner_run_id,
             handoff_id=request.handoff_id,
         )
-        plan = plan_transfer(
-            request.handoff_id,
-            request.expected,
-            request.expected_owner,
-            request.successor,
-            list(request.hooks),
-            request.trigger_seq,
-            request.snapshot_revision,
-            request.reason,
-            request.inbox_head,
-        )
-        await self._consent.check_transfer(plan, request.permit)  # once known well-formed
-        done = await self._transfers.transfer(plan)
-        if done.moved is not None:
-            self._registry.owner_moved(done.moved)
+        done = await self._rooms.transfers.transfer(_transfer_request(request), identity.current())
         return pb.TransferResponse(fence=done.outcome.fence, replayed=done.replayed)
 
     async def GetTransfer(
@@ -141,9 +110,9 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             session_id=request.session_id, handoff_id=request.handoff_id
         )
         if request.session_id:
-            outcome = await self._transfers.get(request.session_id, request.handoff_id)
+            outcome = await self._rooms.transfers.get(request.session_id, request.handoff_id)
         else:  # by the handoff id alone (the handoff index)
-            outcome = await self._transfers.find(request.handoff_id)
+            outcome = await self._rooms.transfers.find(request.handoff_id)
         return pb.GetTransferResponse(
             fence=outcome.fence,
             successor=outcome.successor,
@@ -153,7 +122,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
 
     async def GetOwner(self, request: pb.GetOwnerRequest, context: Context) -> pb.GetOwnerResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
-        record, head = await self._transfers.owner(request.session_id)
+        record, head = await self._rooms.transfers.owner(request.session_id)
         return pb.GetOwnerResponse(
             fence=owner_fence(request.session_id, record),
             owner=owner_identity(record),
@@ -166,14 +135,16 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     ) -> pb.DescribeSessionResponse:
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         channel = _tenant_channel(request.channel)
-        record = await self._registry.describe(request.session_id, channel, request.consumed_seq)
+        record = await self._rooms.directory.describe(
+            request.session_id, channel, request.consumed_seq
+        )
         return describe_reply(record)
 
     async def ListChannelSessions(
         self, request: pb.ListChannelSessionsRequest, context: Context
     ) -> pb.ListChannelSessionsResponse:
         if not _tenant_channel(request.channel):  # an operator's listing across channels
-            every = await self._registry.list_all_channels(
+            every = await self._rooms.directory.list_all_channels(
                 request.after_channel, request.after_session_id, request.limit
             )
             return channel_sessions_reply(every.sessions, every.more)
@@ -181,7 +152,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             raise InvalidArgument(
                 Reason.INVALID_FIELD, "after_channel goes with an empty channel only"
             )
-        page = await self._registry.list_channel(
+        page = await self._rooms.directory.list_channel(
             request.channel, request.after_session_id, request.limit
         )
         sessions = [(request.channel, sid, ms) for sid, ms in page.sessions]
@@ -194,14 +165,15 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         if not request.HasField("owner"):
             raise InvalidArgument(Reason.MISSING_FIELD, "owner is required")
         identity.current().require_deployment(request.owner.deployment_id, "the owner")
-        fence, hooks, first = await self._registry.create_session(
+        new = NewSession(
             request.session_id,
             request.owner,
             request.channel,
-            list(request.aliases),
+            tuple(request.aliases),
             request.parent if request.HasField("parent") else None,
             request.first_command if request.HasField("first_command") else None,
         )
+        fence, hooks, first = await self._rooms.claims.create_session(new)
         return pb.CreateSessionResponse(
             fence=fence,
             inbox_token=ids.inbox_token(request.session_id),
@@ -213,7 +185,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.ClaimHooksRequest, context: Context
     ) -> pb.ClaimHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
-        hooks = await self._registry.claim(request.fence, list(request.tokens))
+        hooks = await self._rooms.claims.claim(request.fence, list(request.tokens))
         return pb.ClaimHooksResponse(hooks=hooks)
 
     async def ResumeHook(
@@ -224,8 +196,8 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         channel = _tenant_channel(request.channel)
         caller = identity.current()
         if caller.verified and caller.role is Role.OWNER:
-            await self._consent.check_delivery(caller, request.token, request.command)
-        receipt = await self._registry.resume(request.token, request.command, channel)
+            await self._rooms.consent.check_delivery(caller, request.token, request.command)
+        receipt = await self._rooms.inbox.resume(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
 
@@ -241,7 +213,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def LookupHook(
         self, request: pb.LookupHookRequest, context: Context
     ) -> pb.LookupHookResponse:
-        record = await self._registry.lookup(request.token, _tenant_channel(request.channel))
+        record = await self._rooms.tokens.lookup(request.token, _tenant_channel(request.channel))
         response = pb.LookupHookResponse(session_id=record.session_id, channel=record.channel)
         if record.parent:
             response.parent.ParseFromString(record.parent)
@@ -251,7 +223,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.DisposeHooksRequest, context: Context
     ) -> pb.DisposeHooksResponse:
         await self._fenced(request.fence, request.HasField("fence"))
-        hooks = await self._registry.dispose(request.fence, list(request.tokens))
+        hooks = await self._rooms.claims.dispose(request.fence, list(request.tokens))
         return pb.DisposeHooksResponse(hooks=hooks)
 
     async def StreamInbox(
@@ -265,10 +237,10 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     ) -> AsyncIterator[list[s.InboxEntry]]:
         _require_fence(request.fence, request.HasField("fence"))
         # The scope is checked by the stream's first read (no read of its own).
-        scope = self._scope.pending(identity.current(), request.fence)
+        scope = self._rooms.scope.pending(identity.current(), request.fence)
         _bind_fence(request.fence)
         check_seq(request.from_seq, "from_seq")
-        async for entries in self._registry.stream_inbox(request.fence, request.from_seq, scope):
+        async for entries in self._rooms.inbox.stream(request.fence, request.from_seq, scope):
             yield entries
 
     def FollowInboxes(
@@ -288,7 +260,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
-        lease_id, ttl = await self._instances.register(
+        lease_id, ttl = await self._rooms.instances.register(
             request.deployment_id, request.instance_id, request.ttl_seconds, request.address
         )
         return pb.RegisterInstanceResponse(lease_id=lease_id, ttl_seconds=ttl)
@@ -296,13 +268,13 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def KeepAliveInstance(
         self, request: pb.KeepAliveInstanceRequest, context: Context
     ) -> pb.KeepAliveInstanceResponse:
-        ttl = await self._instances.keep_alive(request.lease_id)
+        ttl = await self._rooms.instances.keep_alive(request.lease_id)
         return pb.KeepAliveInstanceResponse(ttl_seconds=ttl)
 
     async def DeregisterInstance(
         self, request: pb.DeregisterInstanceRequest, context: Context
     ) -> pb.DeregisterInstanceResponse:
-        await self._instances.deregister(request.lease_id)
+        await self._rooms.instances.deregister(request.lease_id)
         return pb.DeregisterInstanceResponse()
 
     async def SetInstanceDrain(
@@ -312,7 +284,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
-        await self._instances.set_drain(
+        await self._rooms.instances.set_drain(
             request.deployment_id, request.instance_id, request.lease_id, request.to_deployment_id
         )
         return pb.SetInstanceDrainResponse()
@@ -320,7 +292,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: Context
     ) -> pb.ListInstancesResponse:
-        records = await self._instances.live(request.deployment_id)
+        records = await self._rooms.instances.live(request.deployment_id)
         return pb.ListInstancesResponse(instances=[instance_info(r) for r in records])
 
     async def WatchInstances(
@@ -328,7 +300,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     ) -> AsyncIterator[pb.WatchInstancesResponse]:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
         identity.current().require_deployment(request.deployment_id, "the deployment")
-        async for change in self._instances.watch(request.deployment_id):
+        async for change in self._rooms.instances.watch(request.deployment_id):
             yield pb.WatchInstancesResponse(
                 instances=[instance_info(r) for r in change.live],
                 dead_instance_ids=change.dead,
@@ -341,7 +313,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
             deployment_id=request.deployment_id, instance_id=request.instance_id
         )
         identity.current().require_deployment(request.deployment_id, "the instance")
-        page = await self._registry.list_owned(
+        page = await self._rooms.listing.page(
             request.deployment_id,
             request.instance_id,
             request.page_token,
@@ -360,7 +332,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         structlog.contextvars.bind_contextvars(
             session_id=request.expected.session_id, run_id=request.successor.owner_run_id
         )
-        taken = await self._registry.take_over(
+        taken = await self._rooms.ownership.take_over(
             request.expected, request.expected_instance_id, request.successor
         )
         response = pb.TakeOverSessionResponse(
@@ -378,7 +350,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         deadline = check_range(
             request.timeout_deadline.seconds, "timeout_deadline", MAX_TIMESTAMP_SECONDS
         )
-        head = await self._registry.set_parked(
+        head = await self._rooms.ownership.set_parked(
             request.fence, request.parked, request.inbox_next_seq, deadline
         )
         return pb.SetParkedResponse(inbox_head=head)
@@ -387,7 +359,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         self, request: pb.WatchBellsRequest, context: Context
     ) -> AsyncIterator[pb.WatchBellsResponse]:
         structlog.contextvars.bind_contextvars(instance_id=request.instance_id)
-        async for bells in self._instances.watch_bells(request.instance_id):
+        async for bells in self._rooms.instances.watch_bells(request.instance_id):
             yield pb.WatchBellsResponse(
                 bells=[pb.Bell(session_id=b.session_id, inbox_head=b.inbox_head) for b in bells]
             )
@@ -395,12 +367,12 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ListDeployments(
         self, request: pb.ListDeploymentsRequest, context: Context
     ) -> pb.ListDeploymentsResponse:
-        fleets = await self._fleets.list_all()
+        fleets = await self._rooms.fleets.list_all()
         return pb.ListDeploymentsResponse(deployments=[deployment_info(f) for f in fleets])
 
     async def DescribeDeployment(
         self, request: pb.DescribeDeploymentRequest, context: Context
     ) -> pb.DescribeDeploymentResponse:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
-        fleet = await self._fleets.describe(request.deployment_id)
+        fleet = await self._rooms.fleets.describe(request.deployment_id)
         return pb.DescribeDeploymentResponse(deployment=deployment_info(fleet))

@@ -69,6 +69,11 @@ class SessionCache:
         self._sessions.pop(session_id, None)
         return await self.state(session_id)
 
+    async def deployment_of(self, session_id: str, *, fresh: bool = False) -> str:
+        """The deployment the session runs on, as cached or (`fresh`) read now."""
+        state = await (self.refresh(session_id) if fresh else self.state(session_id))
+        return state.owner.deployment_id
+
     def owner_moved(self, session_id: str, head: int, owner_raw: bytes) -> None:
         """Another component of this process (a transfer) wrote a new owner
         record: cache it, so the next append does not fail its compare first."""

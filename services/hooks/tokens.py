@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import (
     AlreadyExists,
@@ -148,3 +149,13 @@ class TokenIndex:
         record = self._record(token, entry)
         check_tenant(namespace, record, channel, token)
         return record, entry
+
+    async def parent_of(self, session_id: str) -> s.ParentLink | None:
+        """A child session's parent link as created (its inbox token's index
+        entry, from the cache when known: an inbox token names its session
+        for good); None for other sessions, and for no session."""
+        try:
+            record, _ = await self.resolve(ids.inbox_token(session_id), "", cached=True)
+        except NotFound:
+            return None
+        return s.ParentLink.FromString(record.parent) if record.parent else None

@@ -1,4 +1,9 @@
-"""The atomic handoff primitive (docs/design.md §6, step 3).
+"""The Transfer call and the atomic handoff primitive (docs/design.md §6,
+step 3).
+
+A Transfer call (`Transfers.transfer`) is planned (`plan_transfer`: pure
+validation), its permit checked (services/hooks/consent.py), the session
+moved, this process's session cache told, and the outcome counted.
 
 One etcd transaction inside one session's keys moves the whole session — its
 fence, owner record and ownership index entry — to a successor on an exact
@@ -23,11 +28,12 @@ moves with it (issue 12; docs/deploy.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
+from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.errors import (
     Aborted,
     AlreadyExists,
@@ -41,7 +47,12 @@ from baton_runtime.common.etcd.keys import Keys, OwnerRecord, canonical_json, pr
 from baton_runtime.common.etcd.ops import cmp_absent, cmp_mod, cmp_none, cmp_value
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Fence, Txn, TxnResult
+from baton_runtime.common.observability import metrics
+from baton_runtime.common.security.identity import Caller
 from baton_runtime.hooks.expiry import ExpiryLeases
+from baton_runtime.hooks.sessions import SessionCache
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,26 @@ class TransferOutcome:
 
 
 @dataclass(frozen=True)
+class TransferRequest:
+    """A Transfer call as the servicer read it (None: a message the call
+    left out); `plan_transfer` validates it, the permit is checked after."""
+
+    handoff_id: str
+    expected: s.Fence | None
+    expected_owner: s.OwnerIdentity | None
+    successor: s.OwnerIdentity | None
+    hooks: tuple[str, ...]
+    trigger_seq: int
+    snapshot_revision: int
+    reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER
+    inbox_head: int = 0
+    permit: s.TransferPermit = field(default_factory=s.TransferPermit)
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     """A transfer request known to be well-formed, nothing read yet
-    (`plan_transfer`): what `Transfers.transfer` compares and writes.
+    (`plan_transfer`): what the transfer compares and writes.
     `reason` is never UNSPECIFIED (that means TRIGGER); `head` is the
     inbox head the transfer requires (None: any, an adoption)."""
 
@@ -104,58 +132,55 @@ class TransferPlan:
     head: int | None
 
 
-def plan_transfer(
-    handoff_id: str,
-    expected: s.Fence,
-    expected_owner: s.OwnerIdentity,
-    successor: s.OwnerIdentity,
-    hooks: Sequence[str],
-    trigger_seq: int,
-    snapshot_revision: int,
-    reason: s.TransferReason.ValueType = s.TRANSFER_REASON_TRIGGER,
-    inbox_head: int = 0,
-) -> TransferPlan:
-    """Validate a transfer request (InvalidArgument when it is not
-    well-formed); pure. The caller checks the permit for `plan.reason`
-    before it transfers."""
+def plan_transfer(request: TransferRequest, caller: Caller) -> TransferPlan:
+    """Validate a transfer request as `caller` makes it (InvalidArgument
+    when it is not well-formed; PermissionDenied when an owner names a
+    successor outside its own deployment); pure. The permit is checked
+    for `plan.reason` after, before anything is written."""
+    expected = _given(request.expected, "expected")
+    expected_owner = _given(request.expected_owner, "expected_owner")
+    successor = _given(request.successor, "successor")
+    caller.require_deployment(successor.deployment_id, "the successor")
+    check_seq(expected.epoch, "expected.epoch")
+    check_seq(request.trigger_seq, "trigger_seq")
+    check_seq(request.snapshot_revision, "snapshot_revision")
     sid = ids.validate_session_id(expected.session_id)
     reason, head = _check_request(
-        handoff_id, expected_owner, successor, trigger_seq, snapshot_revision, reason, inbox_head
+        request.handoff_id,
+        expected_owner,
+        successor,
+        request.trigger_seq,
+        request.snapshot_revision,
+        request.reason,
+        request.inbox_head,
     )
     return TransferPlan(
         sid,
-        handoff_id,
+        request.handoff_id,
         expected,
         expected_owner,
         successor,
-        tuple(hooks),
-        trigger_seq,
-        snapshot_revision,
+        request.hooks,
+        request.trigger_seq,
+        request.snapshot_revision,
         reason,
         head,
     )
 
 
 @dataclass(frozen=True)
-class OwnerMoved:
-    """A transfer wrote a new owner record and knows the inbox head: what
-    the caller tells this process's session cache (`HookRegistry.owner_moved`),
-    so the next append does not fail its compare first."""
-
-    session_id: str
-    inbox_head: int
-    owner_record: bytes
-
-
-@dataclass(frozen=True)
 class Transferred:
-    """A transfer's answer: the outcome, whether it was a replay of one
-    already applied, and the move for the cache (None: a replay, or an
-    adoption, which compares no inbox head)."""
+    """A transfer's answer: the outcome, and whether it was a replay of one
+    already applied."""
 
     outcome: TransferOutcome
     replayed: bool
-    moved: OwnerMoved | None
+
+
+class PermitCheck(Protocol):
+    """The consent a transfer needs before it writes (services/hooks/consent.py)."""
+
+    async def check_transfer(self, plan: TransferPlan, permit: s.TransferPermit) -> None: ...
 
 
 class Transfers:
@@ -166,15 +191,36 @@ class Transfers:
         store: Store,
         keys: Keys,
         leases: ExpiryLeases,
+        sessions: SessionCache,
+        consent: PermitCheck,
     ) -> None:
         self._store = store
         self._keys = keys
         self._leases = leases
+        self._sessions = sessions
+        self._consent = consent
 
-    async def transfer(self, plan: TransferPlan) -> Transferred:
-        """Apply a planned transfer (`plan_transfer`; the caller checks any
-        permit between the two). Nothing is written unless every compare
-        holds; each refusal names its reason.
+    async def transfer(self, request: TransferRequest, caller: Caller) -> Transferred:
+        """The Transfer call: the request planned, its permit checked, the
+        session moved, and this process's session cache told. Counted in
+        baton_transfers_total: moved, replayed (a repeat of a move already
+        applied) or refused (any error, the checks included)."""
+        try:
+            done = await self._transfer(request, caller)
+        except Exception:
+            metrics.TRANSFERS.labels("refused").inc()
+            raise
+        metrics.TRANSFERS.labels("replayed" if done.replayed else "moved").inc()
+        return done
+
+    async def _transfer(self, request: TransferRequest, caller: Caller) -> Transferred:
+        plan = plan_transfer(request, caller)
+        await self._consent.check_transfer(plan, request.permit)  # once known well-formed
+        return await self._move(plan)
+
+    async def _move(self, plan: TransferPlan) -> Transferred:
+        """Apply a planned transfer whose permit was checked. Nothing is
+        written unless every compare holds; each refusal names its reason.
 
         Every refusal is final: the fence and the snapshot revision never come
         back, the inbox head only grows. So once a (replayed) request is
@@ -199,8 +245,10 @@ class Transfers:
             lambda lease: _transfer_txn(self._keys, plan, claimed, moved_to, record, outcome, lease)
         )
         if result.succeeded:
-            moved = OwnerMoved(sid, plan.head, record.encode()) if plan.head is not None else None
-            return Transferred(outcome, False, moved)
+            if plan.head is not None:  # (an adoption compares no inbox head: nothing to cache)
+                # So the next append does not fail its compare first.
+                self._sessions.owner_moved(sid, plan.head, record.encode())
+            return Transferred(outcome, False)
         stored = result.value("transfer")
         if stored is not None:
             previous = TransferOutcome.decode(sid, stored)
@@ -210,7 +258,7 @@ class Transfers:
                     f"handoff {plan.handoff_id} already moved session {sid} to run "
                     f"{previous.successor.owner_run_id}",
                 )
-            return Transferred(previous, True, None)
+            return Transferred(previous, True)
         Fence.of(plan.expected).check(result.value("fence"))
         raise _refusal(result, sid, plan.reason, plan.head, plan.snapshot_revision, claimed)
 
@@ -311,6 +359,13 @@ def _transfer_txn(
     txn.read_on_failure("closed", k.closed(sid))
     txn.read_on_failure("snapshot", k.snapshot(sid), keys_only=True)
     return txn
+
+
+def _given(value: _T | None, name: str) -> _T:
+    """A message the request must carry."""
+    if value is None:
+        raise InvalidArgument(Reason.MISSING_FIELD, f"{name} is required")
+    return value
 
 
 def _check_request(

@@ -22,6 +22,7 @@ from baton_runtime.common.config import (
 )
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.ids import validate_deployment_id
+from baton_runtime.common.limits import MAX_MESSAGE_TEXT_BYTES
 from baton_runtime.common.security.tls import Security
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.limits import ChannelLimits
@@ -46,7 +47,8 @@ _SETTINGS = (
     Setting(
         "--max-message-bytes",
         "BATON_MAX_MESSAGE_BYTES",
-        "largest message text",
+        f"largest message text (at most {MAX_MESSAGE_TEXT_BYTES}: hooks takes commands"
+        " of up to 256 KiB)",
         "32768",
     ),
     Setting(
@@ -131,7 +133,9 @@ class IngressConfig:
             anchor=as_addresses(values, "anchor"),
             owner=as_addresses(values, "owner"),
             tls=security_from_values(values),
-            max_message_bytes=as_int(values, "max_message_bytes", minimum=1),
+            max_message_bytes=as_int(
+                values, "max_message_bytes", minimum=1, maximum=MAX_MESSAGE_TEXT_BYTES
+            ),
             log_level=values["log_level"],
             grace=as_float(values, "grace"),
             limits=_channel_limits(values),

@@ -6,8 +6,9 @@ snapshot and the latest events of the stream (their times, a stall, the
 latest failure), then hooks' record of the session (owner, parked, inbox
 head and the oldest unconsumed entry, tokens, parent link, creation time).
 The snapshot is read first, so the inbox depth (head minus the snapshot's
-consumed position) is never negative. The status comes from the one pure
-function, `baton_runtime.common.status.session_status`.
+consumed position and what it consumed ahead of it) is never negative. The
+status comes from the one pure function,
+`baton_runtime.common.status.session_status`.
 
 Another channel's session is NOT_FOUND exactly like a missing one (AIP-211):
 hooks checks the tenant of the session's inbox token, the snapshot names it
@@ -86,7 +87,6 @@ def facts_of(
     latest: s.Event | None,
 ) -> SessionFacts:
     """What the status function needs, from what was read."""
-    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
     turn = snapshot.open_turn if snapshot is not None else s.OpenTurn()
     handles: Sequence[s.ChildHandle] = snapshot.handles if snapshot is not None else ()
     stalled = latest is not None and latest.kind == s.EVENT_KIND_SESSION_STALLED
@@ -97,7 +97,7 @@ def facts_of(
         owner_deployment_id=described.owner.deployment_id,
         snapshot_deployment_id=snapshot.deployment_id if snapshot is not None else "",
         parked=described.parked,
-        inbox_depth=max(0, described.inbox_head - consumed),
+        inbox_depth=inbox_depth(snapshot, described),
         turn_open=snapshot is not None and snapshot.HasField("open_turn"),
         pending_inputs=len(turn.pending_inputs),
         pending_authorizations=len(turn.pending_authorizations),
@@ -139,11 +139,24 @@ def _copy_snapshot(session: pb.Session, snapshot: s.SessionSnapshot) -> None:
         session.timeout_deadline.CopyFrom(snapshot.timeout.deadline)
 
 
+def inbox_depth(snapshot: s.SessionSnapshot | None, described: SessionDescription) -> int:
+    """The commands accepted and not consumed: past the consumed position,
+    less those consumed ahead of it (taken past a queued message that waits
+    for the open turn to end)."""
+    if snapshot is None:
+        return described.inbox_head
+    consumed = snapshot.inbox_next_seq + len(snapshot.inbox_consumed_ahead)
+    return max(0, described.inbox_head - consumed)
+
+
 def _copy_inbox(
-    session: pb.Session, described: SessionDescription, consumed: int, now_ms: int
+    session: pb.Session,
+    snapshot: s.SessionSnapshot | None,
+    described: SessionDescription,
+    now_ms: int,
 ) -> None:
     """The inbox's depth past the consumed position, and its oldest entry's age."""
-    session.inbox_depth = max(0, described.inbox_head - consumed)
+    session.inbox_depth = inbox_depth(snapshot, described)
     oldest = described.oldest_unconsumed_accepted_at
     if session.inbox_depth and oldest is not None:
         age = Duration()
@@ -193,8 +206,7 @@ def build_view(
     if snapshot is not None:
         _copy_snapshot(session, snapshot)
         session.earliest_seq = earliest_seq
-    consumed = snapshot.inbox_next_seq if snapshot is not None else 0
-    _copy_inbox(session, described, consumed, now_ms)
+    _copy_inbox(session, snapshot, described, now_ms)
     if described.parent is not None:
         session.parent.CopyFrom(described.parent)
         del session.parent.outbox[:]

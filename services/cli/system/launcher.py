@@ -138,6 +138,10 @@ def _announce(system: LocalSystem) -> None:
     else:
         system.say("PLAINTEXT: no TLS and no etcd auth (--plaintext; loopback only)")
         tls = "-plaintext"
+    system.say(
+        f"Console: {system.console_url} (loopback; other callers present the console "
+        f"token {system.console_token}: docs/console.md)"
+    )
     system.say(f"Try:  baton demo {' '.join(demo_command(system.ports, system.ca_cert))}")
     system.say(f"      grpcurl {tls} 127.0.0.1:{system.ports.ingress} list")
     system.say("Ctrl-C or SIGTERM stops everything.")

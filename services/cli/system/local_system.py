@@ -8,8 +8,11 @@ registered with hooks); then supervised, and stopped last started first.
 from __future__ import annotations
 
 import functools
+import os
+import secrets
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,7 +41,7 @@ from baton_runtime.cli.system.port_plan import (
     replica_label,
 )
 from baton_runtime.cli.system.processes import ServiceProcess, sync_channel
-from baton_runtime.cli.system.service_env import addresses, service_env
+from baton_runtime.cli.system.service_env import addresses, console_env, service_env
 from baton_runtime.cli.system.supervised import Child, StopSignals, log_tail
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
@@ -80,6 +83,15 @@ def _registered(
     return len(response.instances) >= count
 
 
+def _http_answers(url: str) -> bool:
+    """`url` answers 200 (the console is up)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:  # noqa: S310 - loopback
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
 class LocalSystem:
     """The processes of one `baton up`, in start order."""
 
@@ -93,6 +105,8 @@ class LocalSystem:
         self._out = out
         self.pki: LocalPki | None = None
         self.api_key_file = settings.api_key_file
+        # Callers of the console that are not on loopback present it.
+        self.console_token = secrets.token_urlsafe(24)
 
     def security(self, role: Role, deployment_id: str = "") -> Security:
         if self.pki is None:
@@ -152,7 +166,9 @@ class LocalSystem:
         ]
         if not self._await_serving(own, signals):
             return False
-        return self._await_registered(own, signals)
+        if not self._await_registered(own, signals):
+            return False
+        return self._start_console(signals)
 
     def _etcd_ready(self, signals: StopSignals) -> bool:
         """etcd started, healthy, with auth on (unless plaintext) and its
@@ -281,6 +297,35 @@ class LocalSystem:
                 + etcd.verdict.explain(f"etcd at {etcd.path}")
             )
         return etcd.path
+
+    @property
+    def console_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.console}/"
+
+    def _start_console(self, signals: StopSignals) -> bool:
+        """The web console (services/console/), as an operator, with the
+        key the demo uses for its cancel and reset; waits until it answers;
+        False on a stop request."""
+        key = os.environ.get("BATON_API_KEY", "") if self.settings.api_key_file else ""
+        env = console_env(
+            settings=self.settings,
+            ports=self.ports,
+            security=self.operator,
+            api_key=key or DEMO_API_KEY,
+            token=self.console_token,
+        )
+        address = f"127.0.0.1:{self.ports.console}"
+        log_path = str(self.log_dir / "console.log")
+        service = ServiceProcess("console", address, env, log_path=log_path)
+        try:
+            service.start()
+        except OSError as exc:
+            raise LaunchError(f"could not start the console: {exc}") from exc
+        assert service.proc is not None
+        child = self._started(Child("console", address, log_path, service.proc, service.stop))
+        probe = functools.partial(_http_answers, f"{self.console_url}static/console.css")
+        self._await([child], probe, "console", signals)
+        return not signals.requested
 
     def service_env(self, kind: str, dep: DeploymentPorts | None = None) -> dict[str, str]:
         """The environment a `kind` process (of `dep`) starts with, but its

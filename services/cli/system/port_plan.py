@@ -12,7 +12,8 @@ peers E+1; with `--etcd-members M`, member m (m >= 2) uses E+2(m-1) and the
 port after it. Port 0 means "pick free ports". Each service process also
 serves Prometheus metrics (`--metrics-listen`) on loopback, METRICS_OFFSET
 above its gRPC port (free ports too with a port base of 0); `baton up`
-prints every process's `http://127.0.0.1:PORT/metrics`.
+prints every process's `http://127.0.0.1:PORT/metrics`. The web console
+listens at P+99 (`CONSOLE_OFFSET`; a free port with a port base of 0).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ REPLICA_STRIDE = 100
 ETCD_MEMBER_STRIDE = 2
 # A service's metrics port: its gRPC port + METRICS_OFFSET.
 METRICS_OFFSET = 1000
+# The web console's HTTP port (services/console/): --port-base + CONSOLE_OFFSET
+# (below the second replicas' ports, above any deployment's).
+CONSOLE_OFFSET = 99
 
 
 def deployment_offsets(index: int) -> tuple[int, int]:
@@ -85,6 +89,8 @@ class Ports:
     deployments: tuple[DeploymentPorts, ...]
     # Each service process's metrics port, by its gRPC port (see METRICS_OFFSET).
     metrics: Mapping[int, int] = field(default_factory=dict, compare=False)
+    # The web console's HTTP port (0: none).
+    console: int = field(default=0, compare=False)
 
     @property
     def ingress(self) -> int:
@@ -118,7 +124,7 @@ class Ports:
         if replicas < 1 or etcd_members < 1:
             raise LaunchError("--replicas and --etcd-members must be at least 1")
         services = replicas * (2 + 2 * len(deployment_ids))
-        count = 2 * services + 2 * etcd_members
+        count = 2 * services + 2 * etcd_members + 1
         spare = iter(_distinct_free_ports(count))
 
         def ports(first: int) -> tuple[int, ...]:
@@ -149,7 +155,8 @@ class Ports:
         for dep in deployments:
             grpc_ports += [*dep.ingresses, *dep.owners]
         metrics = {port: port + METRICS_OFFSET if port_base else next(spare) for port in grpc_ports}
-        plan = cls(hooks, anchors, etcd, tuple(deployments), metrics)
+        console = port_base + CONSOLE_OFFSET if port_base else next(spare)
+        plan = cls(hooks, anchors, etcd, tuple(deployments), metrics, console)
         plan.validate()
         return plan
 
@@ -173,6 +180,8 @@ class Ports:
                     items.append((f"{replica_label(name, k)} of {dep.deployment_id}", port))
         services = items[2 * len(self.etcd) :]
         items += [(f"{name} metrics", self.metrics[port]) for name, port in services]
+        if self.console:
+            items.append(("console", self.console))
         return items
 
     def summary(self) -> str:

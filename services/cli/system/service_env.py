@@ -88,3 +88,25 @@ def _stream_retention_env(settings: LaunchSettings) -> dict[str, str]:
     if settings.stream_retention is not None:
         env["BATON_STREAM_RETENTION"] = str(settings.stream_retention)
     return env
+
+
+def console_env(
+    *,
+    settings: LaunchSettings,
+    ports: Ports,
+    security: Security,
+    api_key: str,
+    token: str,
+) -> dict[str, str]:
+    """The web console's environment (services/console/config.py): the
+    operator identity, hooks and anchor, each deployment's ingress, and the
+    secrets it reads from the environment only (the API key its cancel and
+    reset use, the console token)."""
+    ingresses = ",".join(f"{d.deployment_id}=127.0.0.1:{d.ingress}" for d in ports.deployments)
+    return _identity_env(settings, security) | {
+        "BATON_HOOKS_ADDR": addresses(ports.hooks),
+        "BATON_ANCHOR_ADDR": addresses(ports.anchors),
+        "BATON_CONSOLE_INGRESSES": ingresses,
+        "BATON_API_KEY": api_key,
+        "BATON_CONSOLE_TOKEN": token,
+    }

@@ -87,14 +87,17 @@ def status_proto(err: e.BatonError) -> status_pb2.Status:
 
 
 def from_rpc_error(exc: grpc.RpcError) -> e.BatonError:
-    """Turn a failed call back into the typed domain error it carried."""
+    """Turn a failed call back into the typed domain error it carried. A
+    status without Baton's ErrorInfo was made by gRPC or the network, not
+    by a Baton service: its reason says so (TRANSPORT_FAILED, or
+    UPSTREAM_UNAVAILABLE and TIMEOUT for the codes that are retried)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     reason = {
         grpc.StatusCode.UNAVAILABLE: e.Reason.UPSTREAM_UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED: e.Reason.TIMEOUT,
         grpc.StatusCode.CANCELLED: e.Reason.UPSTREAM_UNAVAILABLE,
-    }.get(code, e.Reason.INTERNAL)
+    }.get(code, e.Reason.TRANSPORT_FAILED)
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]  # an AioRpcError is a Call
     except (ValueError, AttributeError):

@@ -18,6 +18,13 @@ pages for it. A follow's open and stop apply in the order the client meant,
 however they are batched: the client writes a stop only after its follow's
 open, and the server applies a stop in the same message as its open after
 that open. The client half is services/common/streams/feed_client.py.
+
+A follow's failure ends that follow alone, never the stream: the pages
+are bounded in bytes by their producers (services/common/streams/pages.py), a
+message batches them up to MAX_MESSAGE_BYTES, and a page that could still
+not be sent (over MAX_SENDABLE_PAGE_BYTES, far above what a producer
+makes) ends its follow with INTERNAL instead of failing the stream and
+every follow on it.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ from typing import Any
 import structlog
 from google.rpc import status_pb2
 
-from baton_runtime.common import errors
+from baton_runtime.common import errors, limits
 from baton_runtime.common.observability import rpc_metrics, tracing
+from baton_runtime.common.rpc import server as grpc_server
 from baton_runtime.common.rpc.status_map import status_code, status_proto
+from baton_runtime.common.streams.pages import ENTRY_FRAMING
 
 log = structlog.get_logger("baton.feeds")
 
@@ -44,14 +53,26 @@ MAX_FOLLOWS = 100_000
 # a follow that names none gets.
 MAX_WINDOW = 1024
 DEFAULT_WINDOW = 16
-# A message's pages stop growing past this many bytes (one bigger page goes
-# alone): under every server's 4 MiB receive limit.
-MAX_MESSAGE_BYTES = 1024 * 1024
+# A message's items stop growing past this many bytes (one bigger item goes
+# alone): with pages of at most limits.MAX_PAGE_BYTES, a message stays far
+# below gRPC's 4 MiB limit (grpc_server.MAX_MESSAGE_BYTES).
+MAX_MESSAGE_BYTES = limits.MAX_PAGE_BYTES
+# A page over this could not be sent, even alone in its message: it ends its
+# follow (never made by the producers, whose pages stay within MAX_PAGE_BYTES).
+MAX_SENDABLE_PAGE_BYTES = grpc_server.MAX_MESSAGE_BYTES - 64 * 1024
+# What an item costs in its message beyond its page and end: its tag and
+# length, the follow id's and the end's (generously).
+_ITEM_FRAMING = 32
 # (follow id, the page or None, the serialized google.rpc.Status ending it or b"")
 Item = tuple[int, Any, bytes]
 # A follow that ended as its stream would have ended with OK (a status of
 # code 0 serializes to nothing: the message makes the end visible).
 _OK_END: bytes = status_pb2.Status(code=0, message="end of stream").SerializeToString()
+
+
+def page_bytes(page: Any) -> int:
+    """What a page's entries (messages) cost in a message."""
+    return sum(entry.ByteSize() + ENTRY_FRAMING for entry in page)
 
 
 def _end_of(exc: errors.BatonError | None) -> bytes:
@@ -145,6 +166,7 @@ class _Feed:
         self._limit = limit
         self._follows: dict[int, _Follow] = {}
         self._ready: list[Item] = []
+        self._sizes: list[int] = []  # each ready item's bytes in a message
         self._wake = asyncio.Event()
 
     async def read(self, requests: AsyncIterator[Any]) -> None:
@@ -213,9 +235,12 @@ class _Feed:
         end: bytes
         try:
             async for page in self._open(request):
+                size = page_bytes(page)
+                if size > MAX_SENDABLE_PAGE_BYTES:
+                    raise _unsendable(self._method, size)
                 await follow.window_open()
                 follow.credit -= 1
-                self._put((follow_id, page, b""))
+                self._put((follow_id, page, b""), size)
             end = _end_of(None)
         except asyncio.CancelledError:
             code = "CANCELLED"  # stopped by the client, or the stream ended
@@ -236,8 +261,10 @@ class _Feed:
             del self._follows[follow_id]
             self._put((follow_id, None, end))
 
-    def _put(self, item: Item) -> None:
+    def _put(self, item: Item, page_size: int = 0) -> None:
+        """Queue `item` (its page of `page_size` bytes) to be sent."""
         self._ready.append(item)
+        self._sizes.append(page_size + len(item[2]) + _ITEM_FRAMING)
         self._wake.set()
 
     async def next_items(self, reader: asyncio.Future[None]) -> list[Item] | None:
@@ -249,17 +276,14 @@ class _Feed:
             self._wake.clear()
             # Set by each item and by the reader's end.
             await self._wake.wait()
-        if len(self._ready) == 1:
-            ready, self._ready = self._ready, []
-            return ready
         size, count = 0, 0
-        for _, page, _ in self._ready:
-            size += sum(part.ByteSize() for part in page) if page is not None else 0
+        for item_size in self._sizes:
+            size += item_size
             if count and size > MAX_MESSAGE_BYTES:
                 break
             count += 1
         ready = self._ready[:count]
-        del self._ready[:count]
+        del self._ready[:count], self._sizes[:count]
         return ready
 
     async def cancel(self) -> None:
@@ -269,3 +293,10 @@ class _Feed:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _unsendable(method: str, size: int) -> errors.Internal:
+    """A page too large for any message: a producer broke its bound."""
+    log.error("page over the message limit; its follow ends", rpc=method, page_bytes=size)
+    limit = MAX_SENDABLE_PAGE_BYTES
+    return errors.Internal(errors.Reason.INTERNAL, f"a page of {size} bytes is over {limit}")

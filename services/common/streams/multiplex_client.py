@@ -56,12 +56,17 @@ class Unsupported(Exception):
 def stream_failure(exc: grpc.aio.AioRpcError, method: str) -> BaseException:
     """What the calls on a stream that ended with `exc` fail with: Unsupported
     (the server does not serve `method`), StreamBroken (UNAVAILABLE,
-    CANCELLED: the outcome is unknown), or the domain error it carried."""
+    CANCELLED, or any status gRPC made rather than a Baton service, such as
+    a message over the size limit: the outcome is unknown, and none of the
+    callers sharing the stream caused it), or the domain error it carried."""
     if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
         return Unsupported(method)
     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return StreamBroken(f"{method}: the stream broke ({exc.code().name})")
-    return from_rpc_error(exc)
+    failure = from_rpc_error(exc)
+    if failure.reason == errors.Reason.TRANSPORT_FAILED:
+        return StreamBroken(f"{method}: the stream broke ({exc.code().name}: {failure.message})")
+    return failure
 
 
 @dataclass(eq=False)

@@ -41,8 +41,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
@@ -324,3 +326,25 @@ def build_refuse_load_until_fixed_agent(deployment_id: str) -> Agent:
     """The fixture agent whose sessions fail to load until
     `LoadRefusal.refusing` is set False (in the owner's process)."""
     return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load_until_fixed)
+
+
+REFUSE_DIR_ENV = "BATON_FIXTURE_REFUSE_DIR"
+"""The directory of `build_refuse_load_while_marked_agent`'s marks."""
+EVERY_SESSION = "every-session"
+"""The mark that refuses every session's load."""
+
+
+def _refuse_to_load_while_marked(snapshot: s.SessionSnapshot) -> None:
+    marks = os.environ.get(REFUSE_DIR_ENV, "")
+    if marks and any((Path(marks) / m).exists() for m in (snapshot.session_id, EVERY_SESSION)):
+        _refuse_to_load(snapshot)
+
+
+def build_refuse_load_while_marked_agent(deployment_id: str) -> Agent:
+    """The fixture agent whose sessions fail to load while a file named after
+    the session (or `EVERY_SESSION`) exists in the directory
+    BATON_FIXTURE_REFUSE_DIR: the
+    `LoadRefusal` of tests whose owners are processes of their own (a
+    session is stalled by marking it, and the cause fixed by removing the
+    mark)."""
+    return dataclasses.replace(build_agent(deployment_id), on_load=_refuse_to_load_while_marked)

@@ -12,8 +12,10 @@ Which failures are deterministic (the one table: docs/failures.md):
   raising in Agent.on_load, owner code crashing, an unreadable snapshot or
   history): restarted with backoff, at most `restart_budget` times in a row,
   then the session stalls (`stall`);
-- retryable errors (etcd unavailable, deadlines, CAS conflicts) and a full
-  etcd (STORE_FULL) are not deterministic: restarted (or, for a commit,
+- retryable errors (etcd unavailable, deadlines, CAS conflicts), a full
+  etcd (STORE_FULL) and a call that gRPC or the network ended
+  (TRANSPORT_FAILED: a status no Baton service gave, such as a message over
+  the size limit) are not deterministic: restarted (or, for a commit,
   retried) with backoff, never counted.
 """
 
@@ -37,12 +39,14 @@ from baton_runtime.owner.rules.turns import safe_error
 from baton_runtime.owner.run.commit import commit_step
 
 DEFAULT_RESTART_BUDGET = 5
+# Failures that are not retryable and still say nothing about the session.
+_NOT_THE_SESSIONS = frozenset({Reason.STORE_FULL, Reason.TRANSPORT_FAILED})
 
 
 def transient(failure: BaseException | None) -> bool:
     """A failure that is not the session's fault: restarted without limit."""
     return isinstance(failure, BatonError) and (
-        failure.retryable or failure.reason == Reason.STORE_FULL
+        failure.retryable or failure.reason in _NOT_THE_SESSIONS
     )
 
 

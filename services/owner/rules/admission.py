@@ -6,6 +6,9 @@ boundary, and admitting those that join it. Pure: no I/O.
   at its next boundary, at most MAX_ADMITTED_PER_BOUNDARY at one boundary
   (the rest at the next); a queued message or input responses wait for the
   turn to end;
+- while the open turn waits (for the user, or for children), a queued
+  message waits for it to end and holds back the messages behind it; what
+  answers or ends the wait is taken past it (`next_to_take`);
 - cancel settles the turn as cancelled; reset and an own timeout end the
   session; a pushed one of these aborts the running step at once when
   everything ahead of it in the inbox can join the turn;
@@ -85,6 +88,46 @@ class AdmissionRules(StepRules):
             return False
         joinable = (Admission.ADMIT, Admission.DROP, Admission.REJECT, Admission.REPORT)
         return all(self.classify(e) in joinable for e in ahead)
+
+    def take(self, pending: collections.deque[s.InboxEntry]) -> s.InboxEntry | None:
+        """Take the command the run processes next out of `pending`
+        (`next_to_take`); None when it takes none yet. The commands it
+        passes stay in `pending`, set aside: what is consumed while they
+        are is recorded as consumed ahead of the inbox position."""
+        index = self.next_to_take(pending)
+        if index is None:
+            return None
+        self.set_aside_from = pending[0].seq if index else None
+        entry = pending[index]
+        del pending[index]
+        return entry
+
+    def next_to_take(self, pending: Sequence[s.InboxEntry]) -> int | None:
+        """The index in `pending` of the command the run takes next, None
+        when it takes none yet. In inbox order, except while the open turn
+        waits (for the user, or for children's results): a queued message
+        then waits for the turn to end, and so does every message or result
+        behind it that would join the turn; the commands behind them are
+        taken (answers, callbacks, results, cancel, ...). Nothing set aside
+        is consumed: a successor holds it again."""
+        if not self.still_waiting():
+            return 0 if pending else None
+        holding = False
+        for index, entry in enumerate(pending):
+            if self.is_queued(entry):
+                holding = True
+            elif not (holding and self.classify(entry) is Admission.ADMIT):
+                return index
+        return None
+
+    def is_queued(self, entry: s.InboxEntry) -> bool:
+        """A message sent with the queue policy (not input responses)."""
+        command = entry.command
+        return (
+            command.WhichOneof("kind") == "send"
+            and not command.send.input_responses
+            and self.classify(entry) is Admission.BLOCK
+        )
 
     def steer_pending(self, pending: Sequence[s.InboxEntry]) -> bool:
         return bool(pending) and self.classify(pending[0]) is not Admission.BLOCK

@@ -113,8 +113,9 @@ class NextStep(enum.Enum):
 
 def decide(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     """What `entry`, taken from the inbox between turns or while the turn
-    waits, means. `pending` (the entries read after it) may lend a new turn
-    the same principal's messages right behind it."""
+    waits (which entry is taken is `SessionState.take`'s), means.
+    `pending` (the entries read and not taken) may lend a new turn the same
+    principal's messages right behind it."""
     kind = entry.command.WhichOneof("kind")
     rule = _BY_KIND.get(kind or "", _unknown)
     return rule(state, entry, pending)
@@ -146,6 +147,8 @@ def _send(state: SessionState, entry: s.InboxEntry, pending: Pending) -> Effect:
     if not send.text.strip() or state.refuses_message(entry):
         return reject(state, entry)
     if state.turn_open:
+        # The turn waits, and this is a steer: a queued message is not taken
+        # while the turn waits (`next_to_take`), it waits for the turn to end.
         events = state.abandon_waits()
         state.admit_message(entry, events)
         # Waiting for children: the model sees it with their results.

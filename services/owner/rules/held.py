@@ -73,6 +73,9 @@ class HeldSession:
         self.agent = agent
         self.context = ContextWindow(snapshot, context)
         self.handles = Handles(snapshot)
+        # The inbox seq of the first command set aside when the last one was
+        # taken past it (None: taken in order); see `consume`.
+        self.set_aside_from: int | None = None
 
     @property
     def run_id(self) -> str:
@@ -96,7 +99,27 @@ class HeldSession:
         return make_event(self.identity, kind, self.turn_id, entry, **fields)
 
     def consume(self, entry: s.InboxEntry) -> None:
-        self.snapshot.inbox_next_seq = max(self.snapshot.inbox_next_seq, entry.seq + 1)
+        """`entry` is consumed: the inbox position moves past it (and past
+        what was consumed ahead right behind it). While a command below it
+        is set aside (a queued message waiting for the open turn to end,
+        `AdmissionRules.take`), it is recorded as consumed ahead instead."""
+        snap = self.snapshot
+        if self.consumed(entry.seq):
+            return
+        if self.set_aside_from is not None and entry.seq > self.set_aside_from:
+            ahead = sorted([*snap.inbox_consumed_ahead, entry.seq])
+        else:
+            snap.inbox_next_seq = entry.seq + 1
+            ahead = [seq for seq in snap.inbox_consumed_ahead if seq > entry.seq]
+            while ahead and ahead[0] == snap.inbox_next_seq:
+                snap.inbox_next_seq = ahead.pop(0) + 1
+        del snap.inbox_consumed_ahead[:]
+        snap.inbox_consumed_ahead.extend(ahead)
+
+    def consumed(self, seq: int) -> bool:
+        """The inbox entry `seq` was consumed (below the position, or ahead of it)."""
+        snap = self.snapshot
+        return seq < snap.inbox_next_seq or seq in snap.inbox_consumed_ahead
 
     def record_result(self, result: s.ToolResult, events: list[s.Event], step: int = 0) -> None:
         events.append(self.event(s.EVENT_KIND_TOOL_CALL_RESULT, step=step, tool_result=result))

@@ -13,15 +13,17 @@ and tools, and commits what these rules produce.
   once (when everything before them in the inbox can be admitted into the
   turn). The turn settles as cancelled, keeping completed model calls.
 - human input and sign-in pause the turn (the session waits); responses and
-  callbacks resume it. A plain message while a turn waits abandons the waits
-  and is admitted into the same turn.
+  callbacks resume it. A steer message while a turn waits abandons the waits
+  and is admitted into the same turn; a queued one waits for the turn to end
+  (what answers or ends the wait is taken past it: admission.py).
 - budgets are checked before each model call; a spent budget asks the user
   (input kind SESSION_LIMIT): approving extends it, denying fails the turn.
 - child sessions (docs/design.md §11; the rules are in child_rules.py, the
   handle rules in handles.py): a turn waiting for a child's result is open
-  but not waiting for the user (no session.waiting); a message arriving then
-  is admitted into the turn and the model sees it with the result. A child's
-  report joins the open turn at its next boundary, or starts a turn.
+  but not waiting for the user (no session.waiting); a steer message
+  arriving then is admitted into the turn and the model sees it with the
+  result. A child's report joins the open turn at its next boundary, or
+  starts a turn.
   Cancelling a turn cancels the children it gave work to; finalizing the
   session finalizes every child. What children spend is added to this
   session's usage and turn (budgets and the step limit see it).

@@ -1,7 +1,8 @@
 """Wait rules (docs/design.md §4), a layer of `SessionState` (turns.py): human
 input and sign-in pause the turn (the session waits); responses and
-callbacks resume it (the two-phase answers are decisions.py's); a plain
-message while a turn waits abandons the waits; a spent budget asks the user
+callbacks resume it (the two-phase answers are decisions.py's); a steer
+message while a turn waits abandons the waits (a queued one waits for the
+turn to end: admission.py); a spent budget asks the user
 (input kind SESSION_LIMIT): approving extends it. Also the command.rejected
 event a refused command gets. Pure: no I/O.
 """
@@ -101,7 +102,7 @@ class WaitRules(ChildRules):
         self.snapshot.open_turn.pending_authorizations.append(wait)
 
     def abandon_waits(self) -> list[s.Event]:
-        """A plain message while the turn waits: pending waits are closed
+        """A steer message while the turn waits: pending waits are closed
         (approvals and sign-ins as not done) and the turn goes on."""
         events: list[s.Event] = []
         turn = self.snapshot.open_turn

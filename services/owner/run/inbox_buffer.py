@@ -28,11 +28,13 @@ from baton_runtime.owner.run.step import StepRunner
 
 
 class InboxClosed(Exception):
-    """The inbox stream ended for good: the run is fenced, or it failed."""
+    """The inbox stream ended for good: the run is fenced, or the stream
+    failed with `failure` (which the restart budget judges)."""
 
-    def __init__(self, fenced: bool) -> None:
-        super().__init__("fenced" if fenced else "inbox stream failed")
+    def __init__(self, fenced: bool, failure: BatonError | None = None) -> None:
+        super().__init__("fenced" if fenced else f"inbox stream failed: {failure}")
         self.fenced = fenced
+        self.failure = failure
 
 
 class InboxBuffer:
@@ -71,10 +73,13 @@ class InboxBuffer:
 
     def oldest_accepted(self) -> float | None:
         """When the oldest entry read and not processed yet was accepted
-        (epoch seconds), or None."""
-        if not self.pending or not self.pending[0].HasField("accepted_at"):
+        (epoch seconds), or None. Entries set aside while the turn waits for
+        the user or a child (a queued message, `next_to_take`) wait for that,
+        not for the run: they do not count."""
+        index = self._state.next_to_take(self.pending)
+        if index is None or not self.pending[index].HasField("accepted_at"):
             return None
-        accepted = self.pending[0].accepted_at
+        accepted = self.pending[index].accepted_at
         return accepted.seconds + accepted.nanos / 1e9
 
     def wake(self) -> None:
@@ -82,10 +87,12 @@ class InboxBuffer:
         self._arrived.set()
 
     async def take(self, idle_s: float | None) -> s.InboxEntry | None:
-        """The next inbox entry; None after `idle_s` with nothing (park), or
-        when a drain attempt is due. Raises InboxClosed."""
+        """The next inbox entry the rules take (`SessionState.take`: the
+        first, unless the turn waits and a queued message waits for it to
+        end); None after `idle_s` with nothing to take (park), or when a
+        drain attempt is due. Raises InboxClosed."""
         with self.idle_while(not self._state.turn_open):
-            while not self.pending:
+            while (entry := self._state.take(self.pending)) is None:
                 if self._closed is not None:
                     raise self._closed
                 if self._drain_due():
@@ -100,7 +107,7 @@ class InboxBuffer:
                 except TimeoutError:
                     if not self._drain_due():
                         return None
-            return self.pending.popleft()
+            return entry
 
     def _drain_due(self) -> bool:
         return self._departures.drain_due(len(self.pending))
@@ -132,13 +139,13 @@ class InboxBuffer:
             except BatonError as exc:
                 if not exc.retryable:
                     self._log.error("inbox stream failed", reason=exc.reason, error=exc.message)
-                    self._close(fenced=False)
+                    self._close(fenced=False, failure=exc)
                     return
                 self._log.warning("inbox stream interrupted; reconnecting", reason=exc.reason)
             await backoff.wait()
 
-    def _close(self, *, fenced: bool) -> None:
-        self._closed = InboxClosed(fenced)
+    def _close(self, *, fenced: bool, failure: BatonError | None = None) -> None:
+        self._closed = InboxClosed(fenced, failure)
         self._arrived.set()
 
     def offer(self, entry: s.InboxEntry) -> None:
@@ -151,6 +158,8 @@ class InboxBuffer:
 
     def _arrive(self, entry: s.InboxEntry) -> None:
         self._next_seq = entry.seq + 1
+        if self._state.consumed(entry.seq):
+            return  # consumed ahead of the position, by a predecessor
         self._spans.arrived(entry)  # tracing
         if (
             self._idle

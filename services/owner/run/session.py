@@ -175,6 +175,7 @@ class SessionRun:
             await self._begin()
             return await self._serve()
         except InboxClosed as closed:
+            self.failure = closed.failure
             return RunExit.FENCED if closed.fenced else RunExit.FAILED
         except Fenced:
             self._log.info("fenced; run ends")

@@ -32,9 +32,13 @@ class _TurnPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnPolicy
     TURN_POLICY_UNSPECIFIED: _TurnPolicy.ValueType  # 0
     """Not set: the owner applies the default, steer."""
     TURN_POLICY_STEER: _TurnPolicy.ValueType  # 1
-    """Admit at the next model-call boundary of the open turn."""
+    """Admit at the next model-call boundary of the open turn; while the turn
+    waits for input or a sign-in, abandon those waits and go on with it.
+    """
     TURN_POLICY_QUEUE: _TurnPolicy.ValueType  # 2
-    """Wait until the open turn settles."""
+    """Wait until the open turn settles, also while it waits for input, a
+    sign-in or a child; then start a turn of its own.
+    """
 
 class TurnPolicy(_TurnPolicy, metaclass=_TurnPolicyEnumTypeWrapper):
     """TurnPolicy says how a message arriving during an open turn is admitted."""
@@ -42,9 +46,13 @@ class TurnPolicy(_TurnPolicy, metaclass=_TurnPolicyEnumTypeWrapper):
 TURN_POLICY_UNSPECIFIED: TurnPolicy.ValueType  # 0
 """Not set: the owner applies the default, steer."""
 TURN_POLICY_STEER: TurnPolicy.ValueType  # 1
-"""Admit at the next model-call boundary of the open turn."""
+"""Admit at the next model-call boundary of the open turn; while the turn
+waits for input or a sign-in, abandon those waits and go on with it.
+"""
 TURN_POLICY_QUEUE: TurnPolicy.ValueType  # 2
-"""Wait until the open turn settles."""
+"""Wait until the open turn settles, also while it waits for input, a
+sign-in or a child; then start a turn of its own.
+"""
 Global___TurnPolicy: _TypeAlias = TurnPolicy  # noqa: Y015
 
 class _TaskStatus:
@@ -1755,6 +1763,7 @@ class SessionSnapshot(_message.Message):
     PARENT_FIELD_NUMBER: _builtins.int
     HANDLES_FIELD_NUMBER: _builtins.int
     LAST_TRACE_ID_FIELD_NUMBER: _builtins.int
+    INBOX_CONSUMED_AHEAD_FIELD_NUMBER: _builtins.int
     format_version: _builtins.int
     """Snapshot format version; owners refuse versions they do not know."""
     session_id: _builtins.str
@@ -1826,6 +1835,14 @@ class SessionSnapshot(_message.Message):
         latest settled ones).
         """
 
+    @_builtins.property
+    def inbox_consumed_ahead(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Inbox entries at or above `inbox_next_seq` already consumed, ascending:
+        commands the owner took past a queued message that waits for the open
+        turn to end (docs/design.md §4). `inbox_next_seq` moves over them once
+        every entry below them is consumed; empty while nothing waits so.
+        """
+
     def __init__(
         self,
         *,
@@ -1850,10 +1867,11 @@ class SessionSnapshot(_message.Message):
         parent: Global___ParentLink | None = ...,
         handles: _abc.Iterable[Global___ChildHandle] | None = ...,
         last_trace_id: _builtins.str = ...,
+        inbox_consumed_ahead: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "history_log", b"history_log", "limits", b"limits", "open_turn", b"open_turn", "parent", b"parent", "timeout", b"timeout", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_next_seq", b"inbox_next_seq", "last_trace_id", b"last_trace_id", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_state", b"agent_state", "channel", b"channel", "deployment_id", b"deployment_id", "format_version", b"format_version", "handles", b"handles", "history", b"history", "history_log", b"history_log", "hooks", b"hooks", "id_count", b"id_count", "inbox_consumed_ahead", b"inbox_consumed_ahead", "inbox_next_seq", b"inbox_next_seq", "last_trace_id", b"last_trace_id", "limits", b"limits", "next_event_seq", b"next_event_seq", "open_turn", b"open_turn", "parent", b"parent", "session_id", b"session_id", "status", b"status", "timeout", b"timeout", "tool_call_count", b"tool_call_count", "turn_count", b"turn_count", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
