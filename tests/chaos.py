@@ -343,6 +343,7 @@ class ChaosReport:
     accepted: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     longest_wait_s: float = 0.0
+    longest_wait_of: str = ""  # which command, accepted when (to find its faults in the log)
     sessions: int = 0
     handoffs: int = 0
     duration_s: float = 0.0
@@ -360,6 +361,9 @@ class ChaosReport:
     fence_changes: int = 0
     commits_checked: int = 0
     commits_unchecked: int = 0
+    # CPU seconds of the test's own process: the gateway, the checker and
+    # the fault layer's proxies (they share its event loop).
+    test_cpu_s: float = 0.0
 
     @property
     def network_faults(self) -> int:
@@ -373,11 +377,13 @@ class ChaosReport:
             f"({self.network_faults} in the network; {faults}), "
             f"{self.replies_lost} replies lost and {self.resets} connections reset by the "
             f"fault layer, {self.handoffs} handoffs, "
-            f"longest wait receipt->received {self.longest_wait_s:.1f}s, "
+            f"longest wait receipt->received {self.longest_wait_s:.1f}s "
+            f"({self.longest_wait_of}), "
             f"etcd members' hashes equal at revision {self.etcd_revision}, "
             f"{self.commits_checked} commits each under its run's fence "
             f"({self.fence_changes} fence changes, {self.commits_unchecked} unchecked), "
             f"{self.fenced_runs} runs ended fenced, "
+            f"{self.test_cpu_s:.0f} CPU s in the test process (gateway, checker, fault layer), "
             f"reconciler repairs: woken {self.reconciled['woken']}, "
             f"taken over {self.reconciled['taken_over']}"
         )
@@ -632,6 +638,7 @@ class Chaos:
 
     async def run(self) -> ChaosReport:
         started = time.monotonic()
+        cpu_started = time.process_time()
         gateway = Gateway(self.stack)
         tasks: list[asyncio.Task[None]] = []
         followers: list[asyncio.Task[None]] = []
@@ -669,6 +676,7 @@ class Chaos:
                 self.report.replies_lost = self.stack.network.replies_lost()
                 self.report.resets = self.stack.network.resets()
             self.report.duration_s = time.monotonic() - started
+            self.report.test_cpu_s = time.process_time() - cpu_started
             return self.report
         finally:
             for task in (*tasks, *followers):
@@ -1085,7 +1093,13 @@ class Chaos:
             for x in sent:
                 at = self.seen_at[sid].get(x.seq)
                 if at is not None:
-                    longest = max(longest, at - x.accepted_at)
+                    if at - x.accepted_at > longest:
+                        longest = at - x.accepted_at
+                        accepted = time.time() - (time.monotonic() - x.accepted_at)
+                        self.report.longest_wait_of = (
+                            f"{sid} inbox seq {x.seq}, accepted at "
+                            f"{time.strftime('%H:%M:%S', time.localtime(accepted))}"
+                        )
         self.report.longest_wait_s = longest
 
 
