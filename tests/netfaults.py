@@ -159,9 +159,9 @@ class Connection:
     """A client's connection through a proxy and the proxy's connection to
     the server, forwarding each way through the route's faults."""
 
-    def __init__(self, link: Link, route: Route | None) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
-        self.route = route
+        self.route: Route | None = None  # set once the client end is made (`Link.opened`)
         self.opened = time.monotonic()
         self.client = _End(self, UP)
         self.server = _End(self, DOWN)
@@ -380,7 +380,7 @@ class Link:
         return self.port
 
     def accepted(self) -> _End:
-        conn = Connection(self, None)
+        conn = Connection(self)
         self.connections.add(conn)
         return conn.client
 
