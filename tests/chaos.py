@@ -63,6 +63,7 @@ from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import grpc
@@ -417,7 +418,7 @@ class FenceLog:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> FenceLog:
-        self.client = await certs.etcd_client(self.endpoint)
+        self.client = await certs.etcd_client(self.endpoint, timeout=30)  # whole streams
         return self
 
     async def close(self) -> None:
@@ -458,6 +459,19 @@ class FenceLog:
             except BatonError:  # the watch's position was compacted: read again
                 continue
 
+    async def _read_events(self, sid: str, patience: float = 120.0) -> Any:
+        """The session's stored events with their revisions (etcd's range
+        answer), read again on etcd errors for up to `patience` seconds."""
+        assert self.client is not None
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return await self.client.get_prefix(self.keys.events_prefix(sid))
+            except aetcd.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(1.0)
+
     async def check(self, sid: str, seed: int) -> tuple[int, int]:
         """(commits checked, commits not checked: written in a blind window)."""
         assert self.client is not None
@@ -468,7 +482,7 @@ class FenceLog:
             f"seed {seed}: {sid}: the fence's epoch did not grow with each change: {epochs}"
         )
         revisions = [value.revision for value in values]
-        read = await self.client.get_prefix(self.keys.events_prefix(sid))
+        read = await self._read_events(sid)
         checked: set[int] = set()
         unchecked: set[int] = set()
         for kv in read.kvs:
@@ -586,8 +600,18 @@ class Gateway:
             finally:
                 call.cancel()
 
-    async def events(self, sid: str) -> list[s.Event]:
-        return [e async for page in self.anchor.read_events(sid) for e in page]
+    async def events(self, sid: str, patience: float = 120.0) -> list[s.Event]:
+        """The session's whole stored stream, read again while anchor or
+        etcd answers a retryable error (a long stream read on a loaded
+        machine may outlast etcd's timeout), for up to `patience` seconds."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return [e async for page in self.anchor.read_events(sid) for e in page]
+            except BatonError as exc:
+                if not exc.retryable or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(1.0)
 
 
 class Chaos:
@@ -985,7 +1009,7 @@ class Chaos:
         while pending and time.monotonic() < deadline and not stalled:
             for sid in sorted(pending):
                 try:
-                    events = await gateway.events(sid)
+                    events = await gateway.events(sid, patience=0)
                 except BatonError:
                     continue
                 missing = self._missing(sid, events)
