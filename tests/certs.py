@@ -9,6 +9,7 @@ to the `/t/` prefix that every test's keys live under.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import shutil
 import tempfile
@@ -17,10 +18,12 @@ import aetcd
 
 from baton_runtime.cli.system.etcd_auth import enable_auth
 from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
+from baton_runtime.cli.system.processes import free_port
 from baton_runtime.common.etcd.client import make_client
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
 from baton_runtime.common.security.tls import Security, TlsFiles
+from tests.netfaults import Network
 
 # Every test keeps its etcd keys under this prefix (a unique root each); the
 # etcd role of the services' certificates may touch nothing else.
@@ -79,6 +82,37 @@ def start_etcd_cluster(size: int = 3, **kwargs: object) -> EtcdCluster:
     (auth is enabled once, through the first member: it is cluster state)."""
     cluster = EtcdCluster(size=size, tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
     enable_auth(cluster.members[0].endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
+    return cluster
+
+
+async def start_etcd_cluster_behind(
+    network: Network, size: int = 3, **kwargs: object
+) -> EtcdCluster:
+    """As `start_etcd_cluster`, with the members dialling each other through
+    the fault layer's proxies (tests/netfaults.py): a route per ordered pair
+    of members, named by member (baton0, baton1, ...). Clients are not
+    proxied here: dial `network.link(...)` for that."""
+    ports = [(free_port(), free_port()) for _ in range(size)]
+    members: list[EtcdProcess] = []
+
+    def callers() -> dict[int, str]:
+        return {m.proc.pid: m.name for m in members if m.proc is not None}
+
+    advertised = [
+        await network.peer_link(f"baton{i}", peer, callers) for i, (_, peer) in enumerate(ports)
+    ]
+    cluster = EtcdCluster(
+        size=size,
+        tls=etcd_tls(),
+        ports=ports,
+        advertised_peer_ports=advertised,
+        members=members,  # filled by `start`, read by `callers` meanwhile
+        **kwargs,  # type: ignore[arg-type]
+    )
+    await asyncio.to_thread(cluster.start)
+    await asyncio.to_thread(
+        enable_auth, cluster.members[0].endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX
+    )
     return cluster
 
 

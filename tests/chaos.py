@@ -1,30 +1,45 @@
-"""A chaos run with a history check (docs/design.md §9, issue 16).
+"""A chaos run with a history check (docs/design.md §9, issues 16 and 38).
 
 The production topology on loopback, as real processes: a three-member etcd
 cluster, two hooks and two anchors, and two deployments, each with two owners
-and two ingresses. Sessions are created through random ingresses; several
-gateway senders per session send through random ingresses of either
-deployment (so sessions move between deployments while they are idle),
-re-sending with the same delivery id on every retryable error. One follower
-per session reads its stream live, resuming from its cursor. Meanwhile one
-fault every few seconds, drawn from a seeded generator:
+and two ingresses. Every link between them goes through a fault-injecting
+proxy of its own (tests/netfaults.py): the gateway to each ingress, each
+ingress to hooks, anchor and its deployment's owners, each owner to hooks
+and anchor (and the other owners to it, for handoffs), hooks and anchor to
+each etcd member, and each etcd member to each other.
 
-- kill -9 of the etcd leader, then its restart;
-- kill -9 of a hooks, anchor or owner replica, then its restart;
-- SIGSTOP of an owner past its lease, then SIGCONT (it exits on the lost
-  lease and is started again);
-- SIGTERM of an ingress, then its restart.
+Sessions are created through random ingresses; several gateway senders per
+session send through random ingresses of either deployment (so sessions
+move between deployments while they are idle), re-sending with the same
+delivery id on every retryable error. One follower per session reads its
+stream live, resuming from its cursor. Meanwhile one fault every few
+seconds, every kind in turn in an order drawn from a seeded generator, the
+faults overlapping:
 
-When the faults stop, every process is started again and SERVING, and the
-run waits (bounded) until every accepted delivery has been received. Then
-every session's whole stream is checked: every accepted delivery received
-exactly once with its receipt's inbox seq and text, inbox order and
-per-sender order kept, gapless seqs, owner runs never interleaved, no
-delivery id received twice, followers saw the stored stream exactly; and
-the etcd members' hashes agree at a common revision.
+- processes: kill -9 of the etcd leader, then its restart; kill -9 of a
+  hooks, anchor or owner replica, then its restart; SIGSTOP of an owner
+  past its lease, then SIGCONT (it exits on the lost lease and is started
+  again); SIGTERM of an ingress, then its restart;
+- the network: an owner partitioned from hooks past its lease while it
+  still reaches anchor; an owner's commits cut (the reply lost after the
+  commit, or the request cut part-way); hooks or anchor cut from the etcd
+  leader; the etcd leader partitioned from the other members; an ingress's
+  appends done and their replies lost; the gateway's replies lost; a link
+  1-3 lease TTLs slow; a link flapping; one direction of a link lost.
+
+When the faults stop, the links heal, every process is started again and
+SERVING, and the run waits (bounded) until every accepted delivery has been
+received. Then every session's whole stream is checked: every accepted
+delivery received exactly once with its receipt's inbox seq and text, inbox
+order and per-sender order kept, gapless seqs, owner runs never
+interleaved, no delivery id received twice, followers saw the stored stream
+exactly; every event was written while the session's fence named its run
+(`FenceLog`: no commit accepted from a run once another took the session
+over); and the etcd members' hashes agree at a common revision.
 
 `python -m tests.chaos --seconds 720` runs it by hand (the slow test runs a
-long version, the default suite a short one); the seed is printed with the
+long version, the default suite a short one; `--no-network` without the
+fault layer, `--faults` only some kinds); the seed is printed with the
 command that replays the run (`--seed` and the run's options).
 """
 
@@ -32,8 +47,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
+import logging
 import os
 import random
 import signal
@@ -45,8 +63,11 @@ from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aetcd
 import grpc
+import structlog
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
@@ -57,10 +78,14 @@ from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_s
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
+from baton_runtime.common.etcd.client import EtcdClient
+from baton_runtime.common.etcd.keys import Keys, parse_fence
+from baton_runtime.common.etcd.watch import follow_range
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
+from tests.netfaults import DOWN, UP, Network, Route, route_name
 from tests.procs import API_KEY, SLACK, check_history, eventually
 from tests.stack import public_channel
 
@@ -73,6 +98,15 @@ RETRYABLE = (
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 )
+# A gateway notices a silent connection (a partition) as the services do.
+GATEWAY_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+)
 FAULT_KINDS = (
     "etcd_leader_kill",
     "hooks_kill",
@@ -80,6 +114,18 @@ FAULT_KINDS = (
     "owner_kill",
     "owner_pause",
     "ingress_term",
+)
+# The fault layer's (tests/netfaults.py), drawn beside the process faults.
+NETWORK_FAULT_KINDS = (
+    "owner_hooks_partition",
+    "owner_anchor_cut",
+    "etcd_client_cut",
+    "etcd_leader_partition",
+    "ingress_reply_loss",
+    "gateway_reply_loss",
+    "link_latency",
+    "link_flap",
+    "one_way_loss",
 )
 
 
@@ -115,6 +161,10 @@ class ChaosStack:
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}c{uuid.uuid4().hex}/")
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
+    # With a fault layer, every process dials every other through a proxy
+    # of its own (`dial`); the test's own probes and checks dial directly.
+    network: Network | None = None
+    proxies: dict[tuple[str, str], int] = field(default_factory=dict)  # (client, server) -> port
 
     def shared(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
@@ -142,6 +192,43 @@ class ChaosStack:
 
     def addrs(self, names: list[str]) -> str:
         return ",".join(self.addr(name) for name in names)
+
+    def dial(self, client: str, servers: list[str]) -> str:
+        """The addresses `client` reaches `servers` at: their proxies' for
+        it, with a fault layer; else their own."""
+        if self.network is None:
+            return self.addrs(servers)
+        return ",".join(f"127.0.0.1:{self.proxies[client, server]}" for server in servers)
+
+    def etcd_members(self) -> list[str]:
+        return [member.name for member in self.etcd.members]
+
+    def plan_ports(self) -> None:
+        for tier in self.tiers():
+            for name in tier:
+                self.ports.setdefault(name, free_port())
+
+    async def wire(self, network: Network) -> None:
+        """A proxy on every link of the topology: hooks and anchor to each
+        etcd member, owners to hooks and anchor (and one in front of each
+        owner for the others' handoffs), ingresses to hooks, anchor and
+        their deployment's owners, and the gateway to each ingress."""
+        self.network = network
+        self.plan_ports()
+        members = {member.name: member.client_port for member in self.etcd.members}
+        links: list[tuple[str, str, int]] = []
+        for name in (*self.shared("hooks"), *self.shared("anchor")):
+            links += [(name, member, port) for member, port in members.items()]
+        for name in (*self.all_owners(), *self.ingresses()):
+            links += [(name, server, self.ports[server]) for server in self.shared("hooks")]
+            links += [(name, server, self.ports[server]) for server in self.shared("anchor")]
+        for deployment in self.deployments:
+            for name in self.ingresses(deployment):
+                links += [(name, owner, self.ports[owner]) for owner in self.owners(deployment)]
+        links += [("peers", owner, self.ports[owner]) for owner in self.all_owners()]
+        links += [("gateway", name, self.ports[name]) for name in self.ingresses()]
+        for client, server, port in links:
+            self.proxies[client, server] = await network.link(client, server, port)
 
     @staticmethod
     def kind(name: str) -> tuple[str, str]:
@@ -173,14 +260,15 @@ class ChaosStack:
                 "BATON_OBJECT_ORPHAN_GRACE": "10",
             }
         if module in ("hooks", "anchor"):
+            etcd = self.dial(name, self.etcd_members()) if self.network else self.etcd.endpoint
             return env | {
-                "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
+                "BATON_ETCD_ENDPOINT": etcd,
                 "BATON_ETCD_PREFIX": self.prefix,
                 "BATON_ETCD_TIMEOUT": "2",
             }
         env |= {
-            "BATON_HOOKS_ADDR": self.addrs(self.shared("hooks")),
-            "BATON_ANCHOR_ADDR": self.addrs(self.shared("anchor")),
+            "BATON_HOOKS_ADDR": self.dial(name, self.shared("hooks")),
+            "BATON_ANCHOR_ADDR": self.dial(name, self.shared("anchor")),
             "BATON_DEPLOYMENT_ID": deployment,
         }
         if module == "owner":
@@ -188,13 +276,15 @@ class ChaosStack:
                 "BATON_INSTANCE_ID": name.replace(".", "-"),
                 "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
                 "BATON_OWNER_PARK_AFTER": str(self.park_after),
+                # Other owners (handoffs) reach it through its proxy.
+                "BATON_OWNER_ADVERTISE": self.dial("peers", [name]),
             }
         keys = self.workdir / "api-keys"
         if not keys.exists():
             keys.write_text(f"slack={API_KEY}\n")
         return env | {
             "BATON_API_KEYS_FILE": str(keys),
-            "BATON_OWNER_ADDR": self.addrs(self.owners(deployment)),
+            "BATON_OWNER_ADDR": self.dial(name, self.owners(deployment)),
         }
 
     def start_process(self, name: str, *, wait: bool = True) -> None:
@@ -208,9 +298,7 @@ class ChaosStack:
 
     def start(self) -> ChaosStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for tier in self.tiers():
-            for name in tier:
-                self.ports[name] = free_port()
+        self.plan_ports()
         for tier in self.tiers():
             for name in tier:
                 self.start_process(name, wait=False)
@@ -265,6 +353,7 @@ class ChaosReport:
     accepted: int = 0
     faults: Counter[str] = field(default_factory=Counter)
     longest_wait_s: float = 0.0
+    longest_wait_of: str = ""  # which command, accepted when (to find its faults in the log)
     sessions: int = 0
     handoffs: int = 0
     duration_s: float = 0.0
@@ -272,27 +361,169 @@ class ChaosReport:
     # Lost wake-ups the owners' reconcilers repaired (their log lines): late
     # answers, not lost ones, but each one a watch event some process lost.
     reconciled: Counter[str] = field(default_factory=Counter)
+    # The fault layer's work: calls whose answer it lost, connections it reset.
+    replies_lost: int = 0
+    resets: int = 0
+    # Runs that ended because they were fenced (the owners' "fenced; run
+    # ends"), and the fence check: commits checked against the fence of
+    # their revision, commits written where the fence log was blind.
+    fenced_runs: int = 0
+    fence_changes: int = 0
+    commits_checked: int = 0
+    commits_unchecked: int = 0
+    # CPU seconds of the test's own process: the gateway, the checker and
+    # the fault layer's proxies (they share its event loop).
+    test_cpu_s: float = 0.0
+
+    @property
+    def network_faults(self) -> int:
+        return sum(n for kind, n in self.faults.items() if kind in NETWORK_FAULT_KINDS)
 
     def summary(self) -> str:
         faults = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items()))
         return (
             f"chaos seed={self.seed}: {self.accepted} commands accepted over {self.sessions} "
-            f"sessions in {self.duration_s:.0f}s, {sum(self.faults.values())} faults ({faults}), "
-            f"{self.handoffs} handoffs, longest wait receipt->received {self.longest_wait_s:.1f}s, "
+            f"sessions in {self.duration_s:.0f}s, {sum(self.faults.values())} faults "
+            f"({self.network_faults} in the network; {faults}), "
+            f"{self.replies_lost} replies lost and {self.resets} connections reset by the "
+            f"fault layer, {self.handoffs} handoffs, "
+            f"longest wait receipt->received {self.longest_wait_s:.1f}s "
+            f"({self.longest_wait_of}), "
             f"etcd members' hashes equal at revision {self.etcd_revision}, "
+            f"{self.commits_checked} commits each under its run's fence "
+            f"({self.fence_changes} fence changes, {self.commits_unchecked} unchecked), "
+            f"{self.fenced_runs} runs ended fenced, "
+            f"{self.test_cpu_s:.0f} CPU s in the test process (gateway, checker, fault layer), "
             f"reconciler repairs: woken {self.reconciled['woken']}, "
             f"taken over {self.reconciled['taken_over']}"
         )
 
 
+@dataclass(frozen=True)
+class FenceValue:
+    revision: int  # the etcd revision that wrote it
+    epoch: int
+    run: str
+
+
+class FenceLog:
+    """Every value each session's fence key took, with the etcd revision
+    that wrote it, from a watch of the key straight to etcd (the checker's
+    own, outside the fault layer); and the check that every event of the
+    stored stream was written while the fence named the run the event names.
+
+    That is the fence's promise (docs/design.md §9): once another run took
+    the session over (a new fence), nothing the old run commits is
+    accepted, neither after its successor's first commit nor before it."""
+
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        self.endpoint = endpoint
+        self.keys = Keys(prefix)
+        self.client: EtcdClient | None = None
+        self.values: dict[str, list[FenceValue]] = {}
+        # Revision windows the log may have missed a value in (its watch
+        # resumed past a compaction): events written there are not checked.
+        self.blind: dict[str, list[tuple[int, int]]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> FenceLog:
+        self.client = await certs.etcd_client(self.endpoint, timeout=30)  # whole streams
+        return self
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+
+    def follow(self, sid: str) -> None:
+        self.values[sid], self.blind[sid] = [], []
+        self.tasks.append(asyncio.create_task(self._follow(sid)))
+
+    def _record(self, sid: str, revision: int, value: bytes) -> None:
+        values = self.values[sid]
+        if values and revision <= values[-1].revision:
+            return
+        epoch, run = parse_fence(value)
+        values.append(FenceValue(revision, epoch, run))
+
+    async def _follow(self, sid: str) -> None:
+        assert self.client is not None
+        key = self.keys.fence(sid)
+        while True:
+            try:
+                read = await self.client.get_prefix(key)
+            except aetcd.ClientError:
+                await asyncio.sleep(0.2)
+                continue
+            for kv in read.kvs:
+                values = self.values[sid]
+                if values and kv.mod_revision > values[-1].revision:
+                    self.blind[sid].append((values[-1].revision, kv.mod_revision))
+                self._record(sid, kv.mod_revision, kv.value)
+            try:
+                async for event in follow_range(self.client, key, read.header.revision + 1):
+                    self._record(sid, event.kv.mod_revision, event.kv.value)
+            except BatonError:  # the watch's position was compacted: read again
+                continue
+
+    async def _read_events(self, sid: str, patience: float = 120.0) -> Any:
+        """The session's stored events with their revisions (etcd's range
+        answer), read again on etcd errors for up to `patience` seconds."""
+        assert self.client is not None
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return await self.client.get_prefix(self.keys.events_prefix(sid))
+            except aetcd.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(1.0)
+
+    async def check(self, sid: str, seed: int) -> tuple[int, int]:
+        """(commits checked, commits not checked: written in a blind window)."""
+        assert self.client is not None
+        values = self.values[sid]
+        assert values, f"seed {seed}: {sid}: no fence seen"
+        epochs = [value.epoch for value in values]
+        assert all(a < b for a, b in itertools.pairwise(epochs)), (
+            f"seed {seed}: {sid}: the fence's epoch did not grow with each change: {epochs}"
+        )
+        revisions = [value.revision for value in values]
+        read = await self._read_events(sid)
+        checked: set[int] = set()
+        unchecked: set[int] = set()
+        for kv in read.kvs:
+            event = s.Event.FromString(kv.value)
+            revision = kv.mod_revision
+            if any(low < revision < high for low, high in self.blind[sid]):
+                unchecked.add(revision)
+                continue
+            at = bisect.bisect_right(revisions, revision) - 1
+            fence = values[at] if at >= 0 else None
+            assert fence is not None and fence.run == event.owner_run_id, (
+                f"seed {seed}: {sid}: event {event.seq} ({K.Name(event.kind)}) of run "
+                f"{event.owner_run_id} was written at revision {revision}, when the fence "
+                f"named {fence!r}: a commit accepted from a run that no longer held the session"
+            )
+            checked.add(revision)
+        return len(checked), len(unchecked)
+
+
 class Gateway:
     """The channel gateways' side: one channel per ingress (sends and
-    followers pick one at random, and move on when it fails)."""
+    followers pick one at random, and move on when it fails), through the
+    fault layer when there is one; the hooks and anchor clients are the
+    checker's, and dial directly."""
 
     def __init__(self, stack: ChaosStack) -> None:
         self.stack = stack
         self.names = stack.ingresses()
-        self.channels = {name: public_channel(stack.addr(name)) for name in self.names}
+        self.channels = {
+            name: public_channel(stack.dial("gateway", [name]), options=GATEWAY_OPTIONS)
+            for name in self.names
+        }
         self.stubs = {
             name: ingress_pb2_grpc.IngressServiceStub(channel)
             for name, channel in self.channels.items()
@@ -378,8 +609,18 @@ class Gateway:
             finally:
                 call.cancel()
 
-    async def events(self, sid: str) -> list[s.Event]:
-        return [e async for page in self.anchor.read_events(sid) for e in page]
+    async def events(self, sid: str, patience: float = 120.0) -> list[s.Event]:
+        """The session's whole stored stream, read again while anchor or
+        etcd answers a retryable error (a long stream read on a loaded
+        machine may outlast etcd's timeout), for up to `patience` seconds."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return [e async for page in self.anchor.read_events(sid) for e in page]
+            except BatonError as exc:
+                if not exc.retryable or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(1.0)
 
 
 class Chaos:
@@ -397,6 +638,7 @@ class Chaos:
         settle_timeout: float = 900.0,
         stall_after: float = 60.0,
         think_s: float = 0.5,
+        kinds: tuple[str, ...] = (),
         log: object = print,
     ) -> None:
         self.stack = stack
@@ -414,6 +656,12 @@ class Chaos:
         self.seen_at: dict[str, dict[int, float]] = {}
         self._log = log
         self.think_s = think_s
+        # The fault kinds drawn from (empty: every process fault, and every
+        # network fault when there is a fault layer).
+        unknown = set(kinds) - set(FAULT_KINDS + NETWORK_FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"no such fault kind: {', '.join(sorted(unknown))}")
+        self.kinds = kinds
         self._stop_sending = asyncio.Event()
         self._held: set[str] = set()
 
@@ -423,12 +671,15 @@ class Chaos:
 
     async def run(self) -> ChaosReport:
         started = time.monotonic()
+        cpu_started = time.process_time()
         gateway = Gateway(self.stack)
         tasks: list[asyncio.Task[None]] = []
         followers: list[asyncio.Task[None]] = []
+        fences = await FenceLog(self.stack.etcd.endpoint, self.stack.prefix).start()
         try:
             sids = [await gateway.create(self.rng) for _ in range(self.sessions)]
             for sid in sids:
+                fences.follow(sid)
                 self.sent[sid], self.seen[sid], self.seen_at[sid] = [], [], {}
                 follower_rng = random.Random(self.rng.random())
                 followers.append(
@@ -442,6 +693,8 @@ class Chaos:
                     tasks.append(asyncio.create_task(self._sender(gateway, rng, sid, sender)))
             await self._faults()
             self._stop_sending.set()
+            if self.stack.network is not None:
+                self.stack.network.heal()
             self.say("faults over; reviving every process")
             await asyncio.to_thread(self._revive_all)
             await asyncio.wait_for(asyncio.gather(*tasks), 360)
@@ -449,15 +702,21 @@ class Chaos:
             self.say(f"{self.report.accepted} accepted; waiting for every one to be received")
             await self._settle(gateway)
             await self._check(gateway)
+            await self._check_fences(fences)
             await self._check_etcd()
-            self.report.reconciled = self._reconciler_repairs()
+            self.report.reconciled, self.report.fenced_runs = self._owner_log_counts()
+            if self.stack.network is not None:
+                self.report.replies_lost = self.stack.network.replies_lost()
+                self.report.resets = self.stack.network.resets()
             self.report.duration_s = time.monotonic() - started
+            self.report.test_cpu_s = time.process_time() - cpu_started
             return self.report
         finally:
             for task in (*tasks, *followers):
                 task.cancel()
             await asyncio.gather(*tasks, *followers, return_exceptions=True)
             await gateway.close()
+            await fences.close()
 
     async def _sender(self, gateway: Gateway, rng: random.Random, sid: str, sender: int) -> None:
         i = 0
@@ -485,49 +744,93 @@ class Chaos:
             self.say("started again:", ", ".join(started))
 
     async def _faults(self) -> None:
-        """One fault every `fault_every` seconds; faults overlap (each holds
-        its victim for a while), and a supervisor starts every process that
-        is down and held by no fault, as Kubernetes would."""
+        """One fault every `fault_every` seconds, of every kind in turn (in an
+        order the seed draws anew each round); faults overlap (each holds
+        its victims for a while: a process, a link), and a supervisor starts
+        every process that is down and held by no fault, as Kubernetes would."""
         deadline = time.monotonic() + self.seconds
         running: list[asyncio.Task[None]] = []
         supervisor = asyncio.create_task(self._supervise())
+        kinds = self.kinds or FAULT_KINDS + (NETWORK_FAULT_KINDS if self.stack.network else ())
+        bag: list[str] = []
         try:
             while time.monotonic() < deadline:
                 await asyncio.sleep(self.rng.uniform(*self.fault_every))
                 if time.monotonic() >= deadline:
                     break
-                kind = self.rng.choice(FAULT_KINDS)
+                if not bag:  # every kind once per round, in a seeded order
+                    bag = self.rng.sample(kinds, len(kinds))
+                kind = bag.pop()
                 accepted = sum(len(v) for v in self.sent.values())
                 fault = getattr(self, f"_{kind}")
-                victim = self._victim(kind)
-                if victim is None:
+                victims = self._victims(kind)
+                if victims is None:
                     continue
                 self.report.faults[kind] += 1
-                self.say(f"fault {kind} {victim} (accepted so far {accepted})")
-                running.append(asyncio.create_task(self._hold(victim, fault(victim))))
+                self.say(f"fault {kind} {victims[0]} (accepted so far {accepted})")
+                held = victims if kind in FAULT_KINDS else victims[1:]
+                running.append(asyncio.create_task(self._hold(held, fault(victims[0]))))
             await asyncio.gather(*running)
         finally:
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
 
-    def _victim(self, kind: str) -> str | None:
-        names = {
-            "etcd_leader_kill": ["etcd"],
-            "hooks_kill": self.stack.shared("hooks"),
-            "anchor_kill": self.stack.shared("anchor"),
-            "owner_kill": self.stack.all_owners(),
-            "owner_pause": self.stack.all_owners(),
-            "ingress_term": self.stack.ingresses(),
-        }[kind]
-        free = [name for name in names if name not in self._held]
-        return self.rng.choice(free) if free else None
+    def _victims(self, kind: str) -> list[str] | None:
+        """What the fault takes, by name: its victim (what the fault is
+        told: a process, a link, "etcd") first, then the links it faults;
+        None when every choice is held by another fault. A process fault
+        holds the process; a network fault holds only links, so the two
+        overlap on one process."""
+        stack = self.stack
+        hooks, anchors = stack.shared("hooks"), stack.shared("anchor")
+        members = stack.etcd_members()
 
-    async def _hold(self, victim: str, fault: Awaitable[None]) -> None:
-        self._held.add(victim)
+        def through(client: str, servers: list[str]) -> list[str]:
+            return [client, *(route_name(client, server) for server in servers)]
+
+        choices: list[list[str]] = {
+            "etcd_leader_kill": [["etcd"]],
+            "hooks_kill": [[name] for name in hooks],
+            "anchor_kill": [[name] for name in anchors],
+            "owner_kill": [[name] for name in stack.all_owners()],
+            "owner_pause": [[name] for name in stack.all_owners()],
+            "ingress_term": [[name] for name in stack.ingresses()],
+            "owner_hooks_partition": [through(o, hooks) for o in stack.all_owners()],
+            "owner_anchor_cut": [through(o, anchors) for o in stack.all_owners()],
+            "etcd_client_cut": [through(name, members) for name in hooks + anchors],
+            # One etcd fault at a time (with the leader kills): a quorum stays.
+            "etcd_leader_partition": [
+                ["etcd", "etcd", *(route_name(a, b) for a in members for b in members if a != b)]
+            ],
+            "ingress_reply_loss": [through(name, hooks) for name in stack.ingresses()],
+            "gateway_reply_loss": [
+                [name, route_name("gateway", name)] for name in stack.ingresses()
+            ],
+            "link_latency": [[name, name] for name in self._links()],
+            "link_flap": [[name, name] for name in self._links()],
+            "one_way_loss": [[name, name] for name in self._links()],
+        }[kind]
+        process_fault = kind in FAULT_KINDS
+        free = [
+            names
+            for names in choices
+            if not self._held.intersection(names if process_fault else names[1:])
+        ]
+        if not free:
+            return None
+        return self.rng.choice(free)
+
+    def _links(self) -> list[str]:
+        """Every link a random network fault may take, by route name."""
+        assert self.stack.network is not None
+        return sorted(route.name for route in self.stack.network.routes_of())
+
+    async def _hold(self, victims: list[str], fault: Awaitable[None]) -> None:
+        self._held.update(victims)
         try:
             await fault
         finally:
-            self._held.discard(victim)
+            self._held.difference_update(victims)
 
     async def _supervise(self) -> None:
         while True:
@@ -578,6 +881,126 @@ class Chaos:
         await asyncio.to_thread(self.stack.terminate, victim)
         await self._down_for(0.2, 4.0)
 
+    # -- network faults (tests/netfaults.py) -------------------------------------------
+
+    def _routes(self, client: str, servers: list[str]) -> list[Route]:
+        assert self.stack.network is not None
+        return [self.stack.network.route(client, server) for server in servers]
+
+    def _route(self, name: str) -> Route:
+        client, _, server = name.partition(">")
+        return self._routes(client, [server])[0]
+
+    def _end(self, routes: list[Route]) -> None:
+        """The fault ends: the links heal, half the time with every
+        connection on them reset (else what was held flows again)."""
+        if self.rng.random() < 0.5:
+            for route in routes:
+                route.reset()
+        for route in routes:
+            route.heal()
+
+    async def _owner_hooks_partition(self, victim: str) -> None:
+        """The owner reaches anchor but not hooks, past its lease: its
+        lease expires, another owner takes its sessions over, and whatever
+        it still commits to anchor must be refused by the fence."""
+        routes = self._routes(victim, self.stack.shared("hooks"))
+        for route in routes:
+            route.hold()
+        await asyncio.sleep(self.stack.lease_ttl * self.rng.uniform(1.3, 3.0))
+        self._end(routes)
+
+    async def _owner_anchor_cut(self, victim: str) -> None:
+        """The owner's commits to anchor cut: either each request goes
+        through and its answer is lost (the connection reset after), or the
+        connection is reset part-way through a request."""
+        routes = self._routes(victim, self.stack.shared("anchor"))
+        cut = self.rng.randint(50, 20_000)
+        lose = self.rng.random() < 0.5
+        for route in routes:
+            if lose:
+                route.lose_replies = True
+            else:
+                route.cut_after(UP, cut)
+        await asyncio.sleep(self.rng.uniform(1.0, 4.0))
+        self._end(routes)
+
+    async def _etcd_client_cut(self, victim: str) -> None:
+        """hooks or anchor cut from the etcd leader (it reaches the others)."""
+        cluster = self.stack.etcd
+        leader = await asyncio.to_thread(cluster.leader, 30.0)
+        routes = self._routes(victim, [cluster.members[leader].name])
+        for route in routes:
+            route.hold()
+        await asyncio.sleep(self.rng.uniform(2.0, 8.0))
+        self._end(routes)
+
+    async def _etcd_leader_partition(self, victim: str) -> None:
+        """The etcd leader cut from both other members (its clients still
+        reach it): the majority elects another leader; what the old one is
+        asked meanwhile must fail or wait, never answer from stale data."""
+        cluster = self.stack.etcd
+        leader = cluster.members[await asyncio.to_thread(cluster.leader, 30.0)].name
+        others = [name for name in self.stack.etcd_members() if name != leader]
+        routes = self._routes(leader, others) + [
+            route for other in others for route in self._routes(other, [leader])
+        ]
+        for route in routes:
+            route.hold()
+        await asyncio.sleep(self.rng.uniform(3.0, 10.0))
+        self._end(routes)
+        # Held until the cluster is whole again, as after a leader kill.
+        await asyncio.to_thread(cluster.wait_healthy, 240.0)
+
+    async def _ingress_reply_loss(self, victim: str) -> None:
+        """An ingress's appends reach hooks and are done, and their answers
+        are lost: the gateway's retry with the same delivery id must get the
+        first receipt."""
+        routes = self._routes(victim, self.stack.shared("hooks"))
+        for route in routes:
+            route.lose_replies = True
+        await asyncio.sleep(self.rng.uniform(2.0, 6.0))
+        self._end(routes)
+
+    async def _gateway_reply_loss(self, victim: str) -> None:
+        """The gateway's calls to one ingress done, their answers lost."""
+        routes = self._routes("gateway", [victim])
+        for route in routes:
+            route.lose_replies = True
+        await asyncio.sleep(self.rng.uniform(2.0, 6.0))
+        self._end(routes)
+
+    async def _link_latency(self, victim: str) -> None:
+        """One link slower than the lease: 1-3 lease TTLs each way (or one way)."""
+        route = self._route(victim)
+        delay = self.stack.lease_ttl * self.rng.uniform(1.0, 3.0)
+        one_way = self.rng.choice([None, UP, DOWN])
+        route.set_delay(up=delay if one_way != DOWN else 0.0, down=delay if one_way != UP else 0.0)
+        await asyncio.sleep(delay + self.rng.uniform(2.0, 6.0))
+        route.heal()
+
+    async def _link_flap(self, victim: str) -> None:
+        """One link down and up again every fraction of a second, for a while."""
+        route = self._route(victim)
+        deadline = time.monotonic() + self.rng.uniform(4.0, 10.0)
+        while time.monotonic() < deadline:
+            route.hold()
+            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
+            if self.rng.random() < 0.3:
+                route.reset()
+            route.heal()
+            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
+
+    async def _one_way_loss(self, victim: str) -> None:
+        """One direction of one link lost (the other still flows)."""
+        route = self._route(victim)
+        if self.rng.random() < 0.5:
+            route.hold(up=True, down=False)
+        else:
+            route.hold(up=False, down=True)
+        await asyncio.sleep(self.rng.uniform(2.0, 8.0))
+        self._end([route])
+
     # -- the end ---------------------------------------------------------------------
 
     def _missing(self, sid: str, events: list[s.Event]) -> list[int]:
@@ -595,7 +1018,7 @@ class Chaos:
         while pending and time.monotonic() < deadline and not stalled:
             for sid in sorted(pending):
                 try:
-                    events = await gateway.events(sid)
+                    events = await gateway.events(sid, patience=0)
                 except BatonError:
                     continue
                 missing = self._missing(sid, events)
@@ -629,23 +1052,37 @@ class Chaos:
                 f"{self.stall_after:.0f}s):\n" + "\n".join(lines)
             )
 
-    def _reconciler_repairs(self) -> Counter[str]:
-        """What the owners' reconcilers repaired, from their JSON logs (each
-        process appends to its log across restarts)."""
+    def _owner_log_counts(self) -> tuple[Counter[str], int]:
+        """What the owners' reconcilers repaired, and how many runs ended
+        fenced, from their JSON logs (each process appends to its log
+        across restarts)."""
         repairs: Counter[str] = Counter()
+        fenced = 0
+        wanted = ("no bell reached it", "taken over again", "fenced; run ends")
         for path in self.stack.workdir.glob("*.o*.log"):
             for line in path.read_text(errors="replace").splitlines():
-                if "no bell reached it" not in line and "taken over again" not in line:
+                if not any(text in line for text in wanted):
                     continue
                 try:
                     record = json.loads(line)
                 except ValueError:
                     continue
-                if "no bell reached it" in record.get("event", ""):
+                event = record.get("event", "")
+                if "no bell reached it" in event:
                     repairs["woken"] += 1
-                elif "taken over again" in record.get("event", ""):
+                elif "taken over again" in event:
                     repairs["taken_over"] += int(record.get("sessions", 1))
-        return repairs
+                elif event == "fenced; run ends":
+                    fenced += 1
+        return repairs, fenced
+
+    async def _check_fences(self, fences: FenceLog) -> None:
+        """Every commit under its run's fence (see `FenceLog`)."""
+        for sid in self.sent:
+            checked, unchecked = await fences.check(sid, self.seed)
+            self.report.commits_checked += checked
+            self.report.commits_unchecked += unchecked
+            self.report.fence_changes += len(fences.values[sid]) - 1
 
     async def _check_etcd(self) -> None:
         """The members hold the same data: their KV hashes at one revision."""
@@ -689,7 +1126,13 @@ class Chaos:
             for x in sent:
                 at = self.seen_at[sid].get(x.seq)
                 if at is not None:
-                    longest = max(longest, at - x.accepted_at)
+                    if at - x.accepted_at > longest:
+                        longest = at - x.accepted_at
+                        accepted = time.time() - (time.monotonic() - x.accepted_at)
+                        self.report.longest_wait_of = (
+                            f"{sid} inbox seq {x.seq}, accepted at "
+                            f"{time.strftime('%H:%M:%S', time.localtime(accepted))}"
+                        )
         self.report.longest_wait_s = longest
 
 
@@ -701,14 +1144,27 @@ async def run_chaos(
     sessions: int = 32,
     senders_per_session: int = 3,
     fault_every: tuple[float, float] = (3.0, 8.0),
+    network: bool = True,
+    kinds: tuple[str, ...] = (),
     **options: object,
 ) -> ChaosReport:
+    """A chaos run; with `network` (the default), every link goes through
+    the fault layer and network faults join the process faults. `kinds`:
+    only these faults (default: all)."""
     seed = seed if seed is not None else random.SystemRandom().randrange(1 << 30)
-    replay = replay_command(seed, seconds, sessions, senders_per_session, fault_every)
+    replay = replay_command(
+        seed, seconds, sessions, senders_per_session, fault_every, network, kinds
+    )
     print(f"[chaos] seed {seed} (replay: {replay})", flush=True)
-    cluster = certs.start_etcd_cluster(3, log_dir=str(workdir))
-    stack = ChaosStack(cluster, workdir)
+    net = Network() if network else None
+    cluster: EtcdCluster | None = None
+    stack: ChaosStack | None = None
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     try:
+        cluster = await start_etcd(workdir, net)
+        stack = ChaosStack(cluster, workdir)
+        if net is not None:
+            await stack.wire(net)
         await asyncio.to_thread(stack.start)
         chaos = Chaos(
             stack,
@@ -717,18 +1173,37 @@ async def run_chaos(
             sessions=sessions,
             senders_per_session=senders_per_session,
             fault_every=fault_every,
+            kinds=kinds,
             **options,  # type: ignore[arg-type]
         )
         report = await chaos.run()
         print(report.summary(), flush=True)
         return report
     finally:
-        stack.stop()
-        cluster.stop()
+        if stack is not None:
+            stack.stop()
+        if cluster is not None:
+            await asyncio.to_thread(cluster.stop)
+        if net is not None:
+            await net.close()
+
+
+async def start_etcd(workdir: Path, net: Network | None) -> EtcdCluster:
+    """Three etcd members; with a fault layer, each dialled by the others
+    through a proxy in front of its peer port (routes named by member)."""
+    if net is None:
+        return await asyncio.to_thread(certs.start_etcd_cluster, 3, log_dir=str(workdir))
+    return await certs.start_etcd_cluster_behind(net, 3, log_dir=str(workdir))
 
 
 def replay_command(
-    seed: int, seconds: float, sessions: int, senders: int, fault_every: tuple[float, float]
+    seed: int,
+    seconds: float,
+    sessions: int,
+    senders: int,
+    fault_every: tuple[float, float],
+    network: bool = True,
+    kinds: tuple[str, ...] = (),
 ) -> str:
     """The command that runs the same chaos again: the seed draws the
     faults, the senders' texts and their pauses, so every option that
@@ -738,6 +1213,8 @@ def replay_command(
     return (
         f"python -m tests.chaos --seed {seed} --seconds {seconds:g} --sessions {sessions} "
         f"--senders {senders} --fault-every {low:g} {high:g}"
+        + ("" if network else " --no-network")
+        + (f" --faults {','.join(kinds)}" if kinds else "")
     )
 
 
@@ -750,12 +1227,26 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fault-every", type=float, nargs=2, default=[3.0, 8.0], metavar=("LOW", "HIGH")
     )
+    parser.add_argument(
+        "--no-network",
+        dest="network",
+        action="store_false",
+        help="no fault layer: processes dial each other directly, process faults only",
+    )
+    parser.add_argument(
+        "--faults",
+        default="",
+        help="only these fault kinds, comma-separated (default: all): "
+        + ", ".join(FAULT_KINDS + NETWORK_FAULT_KINDS),
+    )
     parser.add_argument("--workdir", default="")
     return parser
 
 
 def main() -> None:
     args = arguments().parse_args()
+    # The checker's own etcd watches (FenceLog) say each resume; errors only.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="baton-chaos-"))
     print(f"[chaos] logs in {workdir}", flush=True)
     asyncio.run(
@@ -766,6 +1257,8 @@ def main() -> None:
             sessions=args.sessions,
             senders_per_session=args.senders,
             fault_every=(args.fault_every[0], args.fault_every[1]),
+            network=args.network,
+            kinds=tuple(kind for kind in args.faults.split(",") if kind),
         )
     )
     sys.exit(0)

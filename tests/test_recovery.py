@@ -228,6 +228,41 @@ async def test_paused_owner_is_fenced_and_exits(make_stack: MakeStack) -> None:
         await c.close()
 
 
+async def test_one_hung_keep_alive_does_not_cost_the_lease(make_stack: MakeStack) -> None:
+    """One keep-alive that hangs past its interval (a lost reply, a slow
+    etcd member) costs that beat only: the next one goes out on the beat
+    after, inside the TTL. (Sleeping a whole interval after the hung one
+    sent the next three intervals after the last renewal, past a TTL of
+    4 s at 1.5 s: the owner lost its lease and exited; issue 38.)"""
+    stack = make_stack(
+        owners=1,
+        lease_ttl=4,
+        owner_env={
+            "BATON_OWNER_KEEPALIVE_INTERVAL": "1.5",
+            "BATON_FAILPOINTS": "fleet.keep_alive=once:sleep(5000)",
+        },
+    )
+    c = stack.clients()
+    log = stack.workdir / "o1.log"
+    try:
+        await c.wait_registered("o1")
+
+        async def outcome() -> str:
+            text = log.read_text()
+            for line in ("keep-alive answered again", "lease expired"):
+                if line in text:
+                    return line
+            return ""
+
+        assert await eventually(outcome, "the keep-alive after the hung one", 30) == (
+            "keep-alive answered again"
+        )
+        proc = stack.owners["o1"].proc
+        assert proc is not None and proc.poll() is None
+    finally:
+        await c.close()
+
+
 async def test_a_gracefully_stopped_owner_hands_over_without_waiting_for_its_lease(
     make_stack: MakeStack,
 ) -> None:

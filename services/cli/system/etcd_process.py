@@ -55,6 +55,9 @@ class EtcdProcess:
     quota_bytes: int = 0
     _own_dir: bool = False
     name: str = "baton"
+    # The peer port other members dial ("" = `peer_port`): another one when a
+    # proxy stands in front of it (the chaos test's fault layer, tests/netfaults.py).
+    advertised_peer_port: int = 0
     # Every member as `name=http://127.0.0.1:peer,...`; "" = this one alone.
     # Read only on the first start (a restart finds the cluster in its data dir).
     initial_cluster: str = ""
@@ -99,7 +102,8 @@ class EtcdProcess:
         """The etcd command line: this member's name, dirs and URLs, then
         the limits, compaction, corruption checks and TLS every member gets."""
         client = f"{self.scheme}://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        listen_peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://127.0.0.1:{self.advertised_peer_port or self.peer_port}"
         return [
             etcd.path,
             "--name",
@@ -111,7 +115,7 @@ class EtcdProcess:
             "--advertise-client-urls",
             client,
             "--listen-peer-urls",
-            peer,
+            listen_peer,
             "--initial-advertise-peer-urls",
             peer,
             "--initial-cluster",
@@ -122,6 +126,11 @@ class EtcdProcess:
             # them is one transaction (etcd's default cap is 128 ops).
             "--max-txn-ops",
             "1024",
+            # A member cut off from the others campaigns only once a
+            # pre-vote says it could win: back from a partition, it does not
+            # unseat the leader with the term it inflated meanwhile (the
+            # default from etcd 3.5 on; 3.4 needs the flag).
+            "--pre-vote=true",
             "--auto-compaction-mode",
             "periodic",
             "--auto-compaction-retention",
@@ -174,8 +183,9 @@ class EtcdProcess:
             self.proc.wait(5)
 
     def status(self) -> dict[str, str]:
-        """The member's maintenance status (its id, the leader's id); raises
-        OSError when it does not answer. Plaintext members answer through
+        """The member's maintenance status as strings (its id, the leader's
+        id, the raft term); raises OSError when it does not answer.
+        Plaintext members answer through
         etcd's HTTP gateway; TLS members over gRPC as `root` (with auth on,
         the gateway refuses client certificates that carry a common name)."""
         if self.tls is None:
@@ -184,7 +194,11 @@ class EtcdProcess:
             )
             with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310
                 body = json.loads(response.read())
-            return {"member_id": body["header"]["member_id"], "leader": body.get("leader", "")}
+            return {
+                "member_id": body["header"]["member_id"],
+                "leader": body.get("leader", ""),
+                "raft_term": body.get("raftTerm", ""),
+            }
         channel = sync_channel(f"127.0.0.1:{self.client_port}", Security(files=self.tls.root))
         stub = rpc_pb2_grpc.MaintenanceStub(channel)
         try:
@@ -193,7 +207,11 @@ class EtcdProcess:
             raise OSError(f"etcd status: {exc}") from exc
         finally:
             channel.close()
-        return {"member_id": str(status.header.member_id), "leader": str(status.leader)}
+        return {
+            "member_id": str(status.header.member_id),
+            "leader": str(status.leader),
+            "raft_term": str(status.raftTerm),
+        }
 
 
 @dataclass
@@ -206,6 +224,9 @@ class EtcdCluster:
     members: list[EtcdProcess] = field(default_factory=list)
     # Client and peer ports of each member; empty = free ports.
     ports: list[tuple[int, int]] = field(default_factory=list)
+    # The peer port each member is dialled at, when a proxy stands in front
+    # of its own (see `EtcdProcess.advertised_peer_port`); empty = its own.
+    advertised_peer_ports: list[int] = field(default_factory=list)
     log_dir: str = ""
     # Clients talk TLS to every member (peers stay loopback plaintext).
     tls: EtcdTls | None = None
@@ -229,8 +250,11 @@ class EtcdCluster:
         # Chosen (and checked) once: every member runs the same release.
         etcd = find_etcd(self.binary, accept_risk=self.accept_risk)
         names = [f"baton{i}" for i in range(self.size)]
+        advertised = self.advertised_peer_ports or [peer for _, peer in ports]
+        if len(advertised) != self.size:
+            raise ValueError(f"{len(advertised)} advertised peer ports for {self.size} members")
         cluster = ",".join(
-            f"{name}=http://127.0.0.1:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
+            f"{name}=http://127.0.0.1:{peer}" for name, peer in zip(names, advertised, strict=True)
         )
         for index, (name, (client, peer)) in enumerate(zip(names, ports, strict=True)):
             data_dir = os.path.join(self.base_dir, name)
@@ -240,6 +264,7 @@ class EtcdCluster:
             member = EtcdProcess(
                 client_port=client,
                 peer_port=peer,
+                advertised_peer_port=advertised[index],
                 data_dir=data_dir,
                 log_path=os.path.join(self.log_dir or data_dir, log_name),
                 name=name,

@@ -31,6 +31,18 @@ _CHANNEL_OPTIONS = {
 }
 
 
+# Every call and every watch stream asks for a member that has a leader
+# (etcd's `hasleader` metadata, clientv3's WithRequireLeader). A member cut
+# off from the quorum still takes its clients' connections: asked this way,
+# it refuses calls at once ("etcdserver: no leader", UNAVAILABLE) and ends
+# the watch streams it serves once it has had no leader for a few election
+# timeouts, so the caller retries, and `follow_range` resumes, on another
+# member. Without it, a watch it serves sees no new event and no error for
+# as long as the partition lasts, and every watch of a process rides one
+# stream (tests/test_etcd_partition.py; the chaos run's network faults).
+REQUIRE_LEADER = (("hasleader", "true"),)
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """`host:port` (an optional http:// is ignored)."""
     endpoint = endpoint.removeprefix("http://")
@@ -98,6 +110,9 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]  # (aetcd ships no type hi
 
     def __init__(self, credentials: grpc.ChannelCredentials | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # aetcd passes it on every call of its own; `Store` and the watcher
+        # on theirs.
+        self.metadata = REQUIRE_LEADER
         self._credentials = credentials
         self.watch_create_timeout: float = kwargs.get("timeout") or 5.0
         self.watch_creation = asyncio.Lock()

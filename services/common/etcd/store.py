@@ -74,7 +74,9 @@ class Store:
         try:
             if read_only:
                 return await self._read_only_txn(request)
-            return await self.client.kvstub.Txn(request, timeout=self.timeout)
+            return await self.client.kvstub.Txn(
+                request, timeout=self.timeout, metadata=self.client.metadata
+            )
         except TimeoutError as exc:
             raise _counted(store_unavailable(exc)) from exc
         except AioRpcError as exc:
@@ -90,7 +92,9 @@ class Store:
         request = rpc.AlarmRequest(action=rpc.AlarmRequest.GET, memberID=0, alarm=rpc.NONE)
         start = time.perf_counter()
         try:
-            response = await self.client.maintenancestub.Alarm(request, timeout=self.timeout)
+            response = await self.client.maintenancestub.Alarm(
+                request, timeout=self.timeout, metadata=self.client.metadata
+            )
         except TimeoutError as exc:
             raise _counted(store_unavailable(exc)) from exc
         except AioRpcError as exc:
@@ -107,7 +111,9 @@ class Store:
         start = time.perf_counter()
         try:
             grant = await self.client.leasestub.LeaseGrant(
-                rpc.LeaseGrantRequest(TTL=ttl_seconds), timeout=self.timeout
+                rpc.LeaseGrantRequest(TTL=ttl_seconds),
+                timeout=self.timeout,
+                metadata=self.client.metadata,
             )
         except (AioRpcError, AttributeError) as exc:  # AttributeError: never connected or closed
             raise _counted(store_unavailable(exc)) from exc
@@ -121,7 +127,9 @@ class Store:
         start = time.perf_counter()
         try:
             call = self.client.leasestub.LeaseKeepAlive(
-                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=self.timeout
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=self.timeout,
+                metadata=self.client.metadata,
             )
             async for reply in call:
                 return max(int(reply.TTL), 0)
@@ -137,7 +145,9 @@ class Store:
         start = time.perf_counter()
         try:
             reply = await self.client.leasestub.LeaseTimeToLive(
-                rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self.timeout
+                rpc.LeaseTimeToLiveRequest(ID=lease_id),
+                timeout=self.timeout,
+                metadata=self.client.metadata,
             )
         except (AioRpcError, AttributeError) as exc:
             raise _counted(store_unavailable(exc)) from exc
@@ -151,7 +161,9 @@ class Store:
         start = time.perf_counter()
         try:
             await self.client.leasestub.LeaseRevoke(
-                rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout
+                rpc.LeaseRevokeRequest(ID=lease_id),
+                timeout=self.timeout,
+                metadata=self.client.metadata,
             )
         except AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
@@ -168,7 +180,7 @@ class Store:
         txn is sent without a deadline and never cancelled: the caller stops
         waiting after the timeout (or when it is cancelled) and the call runs
         to its end on its own; keepalive ends it if etcd is gone."""
-        call = asyncio.ensure_future(self.client.kvstub.Txn(request))
+        call = asyncio.ensure_future(self.client.kvstub.Txn(request, metadata=self.client.metadata))
         self._reads.add(call)
         call.add_done_callback(self._reads.discard)
         call.add_done_callback(mark_retrieved)

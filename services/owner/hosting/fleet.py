@@ -43,7 +43,7 @@ from typing import Any
 
 import structlog
 
-from baton_runtime.common import retry
+from baton_runtime.common import failpoints, retry
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel
@@ -157,19 +157,34 @@ class FleetMembership:
         self._spawn(self._reconcile())
 
     async def _keep_alive(self) -> None:
+        """A keep-alive every interval, on a fixed beat: one that fails or
+        hangs (bounded by the interval) costs that beat only, so at TTL/3
+        the lease outlives one lost keep-alive with an interval to spare.
+        (Sleeping a full interval after a hung one left the next keep-alive
+        three intervals after the last renewal: the lease's whole TTL, and
+        one hang cost the lease; issue 38's network faults.)"""
+        loop = asyncio.get_running_loop()
+        beat = loop.time()
+        failed = 0
         while True:
-            await asyncio.sleep(self.keepalive_every)
+            beat = max(beat + self.keepalive_every, loop.time())
+            await asyncio.sleep(beat - loop.time())
             try:
                 async with asyncio.timeout(self.keepalive_every):
+                    await failpoints.hit("fleet.keep_alive")
                     ttl = await self.hooks.keep_alive_instance(self.lease_id)
             except (BatonError, TimeoutError) as exc:
                 # Hooks or etcd unreachable: keep trying. etcd extends leases
                 # when it comes back; an expired one answers TTL 0 below.
                 self._log.warning("keep-alive failed", error=repr(exc))
+                failed += 1
                 continue
             if ttl <= 0:
                 await self._lose_lease()
                 return
+            if failed:
+                self._log.info("keep-alive answered again", failed=failed, ttl_s=ttl)
+                failed = 0
             await self._announce_drain()
 
     async def _announce_drain(self) -> None:
