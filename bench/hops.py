@@ -73,7 +73,9 @@ PARK_AFTER = 5.0
 # hop stack stretches the interval past the run; docs/hops.md lists the cost.
 RECONCILE_INTERVAL = 3600
 # Anchor's retention and stream-horizon sweeps read etcd every sweep interval
-# (services/anchor/retention.py, horizon.py): stretched the same way.
+# (services/anchor/retention.py, horizon.py), and anchor seals a session
+# quiet for its seal idle time (services/anchor/segments/): stretched the same
+# way.
 RETENTION_SWEEP = 3600
 UNANSWERED_SWEEP = 3600  # hooks' sweep for baton_oldest_unanswered_seconds
 PATHS = (
@@ -318,7 +320,10 @@ class HopRun:
             deployment_id="dep-a",
             serve_metrics=True,
             owner_env={"BATON_OWNER_RECONCILE_INTERVAL": str(RECONCILE_INTERVAL)},
-            anchor_env={"BATON_RETENTION_SWEEP": str(RETENTION_SWEEP)},
+            anchor_env={
+                "BATON_RETENTION_SWEEP": str(RETENTION_SWEEP),
+                "BATON_SEAL_IDLE": str(RETENTION_SWEEP),
+            },
             env={"BATON_UNANSWERED_SWEEP": str(UNANSWERED_SWEEP)},
         )
         stack.start_deployments(
@@ -696,9 +701,11 @@ accepted a command for another deployment's session (`ListInstances` at 0,
 one read each hooks scrape does for `baton_live_instances` is measured and
 subtracted. Owners' reconciliation
 (one `ListInstanceSessions` and its read per owner every
-`BATON_OWNER_RECONCILE_INTERVAL`, 15 s by default) and anchor's retention and
-horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) and hooks' sweep
-of the inboxes (`BATON_UNANSWERED_SWEEP`, 15 s) are stretched past the run.
+`BATON_OWNER_RECONCILE_INTERVAL`, 15 s by default), anchor's retention and
+horizon sweeps (reads every `BATON_RETENTION_SWEEP`, 30 s) and its sealing of
+quiet sessions into the object store (`BATON_SEAL_IDLE`, 300 s; a seal is a
+read and a write, docs/storage.md), and hooks' sweep of the inboxes
+(`BATON_UNANSWERED_SWEEP`, 15 s) are stretched past the run.
 
 The stack: hooks, anchor, owners a1 and a2 of deployment dep-a with ingress
 ing-a, owner b1 of dep-b with ingress ing-b, owner p1 of dep-p (the only

@@ -623,3 +623,39 @@ async def test_readers_racing_seals_see_every_event_once(
         for start, got in reads:
             assert got == live[start : start + len(got)]
         assert await read_bytes(stack, sid) == live
+
+
+async def test_the_horizon_drops_sealed_segments_and_deletes_their_objects(
+    etcd_endpoint: str, raw: aetcd.Client
+) -> None:
+    """A stream keeping its last 200 events: the segments wholly below the
+    horizon leave the index and the store; a read below the horizon is
+    OUT_OF_RANGE/BELOW_HORIZON, from it gapless across segments and tail."""
+    async with sealing(
+        etcd_endpoint, stream_retention_events=200, stream_retention_seconds=0.0
+    ) as stack:
+        keys = Keys(stack.etcd.prefix)
+        sid = await stack.create()
+        head = await converse(stack, sid, 80)
+        await quiet(raw, keys, sid)
+
+        async def trimmed() -> spb.SegmentIndex | None:
+            index = await index_of(raw, keys, sid, "ev")
+            kv = await raw.get(keys.horizon(sid))
+            horizon = int(kv.value) if kv is not None else 0
+            return index if horizon == head - 200 and index.dropped_below == horizon else None
+
+        index = await eventually(trimmed, "the horizon at the last 200 events", timeout=20)
+        horizon = head - 200
+        names = ObjectNames.of(stack.etcd.prefix)
+        root = Path(urlsplit(object_store_url()).path)
+        listed = {str(p.relative_to(root)) for p in (object_dir(stack, sid) / "ev").glob("0*")}
+        kept = {names.segment(sid, EV, ref) for ref in ix.live(list(index.recent), horizon)}
+        assert listed == kept, (listed, kept)
+        assert min(ref.first for ref in index.recent) <= horizon < index.sealed_below
+        with pytest.raises(grpc.aio.AioRpcError) as below:
+            await read_bytes(stack, sid, horizon - 1)
+        assert below.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert error_reason(below.value) == Reason.BELOW_HORIZON
+        events = await stack.events(sid, start_seq=horizon, follow=False)
+        assert [e.seq for e in events] == list(range(horizon, head))

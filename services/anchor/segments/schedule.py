@@ -2,8 +2,8 @@
 sessions at a time.
 
 A commit tells the schedule what it wrote (`committed`: counts and bytes,
-no I/O). A session whose tail has grown by a segment's worth since it was
-last scheduled is sealed soon; a session quiet for `idle_seconds` has both
+no I/O). A session whose tail reaches a segment's worth (what the last seal
+read it left, plus the commits since) is sealed soon; a session quiet for `idle_seconds` has both
 its tails sealed whole (`flush`: the stream keeps its last event), so an
 idle or parked session keeps almost nothing in etcd. The schedule is kept
 per anchor replica and is a hint only: what is sealed is read from etcd,
@@ -65,7 +65,8 @@ _NOTHING = _Due(events=False, history=False)
 
 @dataclass
 class _Growth:
-    """A session's commits since its tails were last scheduled."""
+    """What a session's tails hold as far as this replica knows: what its
+    last seal left in each, plus the commits since."""
 
     last_commit: float = 0.0
     events: int = 0
