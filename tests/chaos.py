@@ -27,9 +27,10 @@ faults overlapping:
   appends done and their replies lost; the gateway's replies lost; a link
   1-3 lease TTLs slow; a link flapping; one direction of a link lost.
 
-When the faults stop, the links heal, every process is started again and
-SERVING, and the run waits (bounded) until every accepted delivery has been
-received. Then every session's whole stream is checked: every accepted
+When the faults stop, the links heal, every process is running and SERVING
+(the supervisor starts what is down until the end: an owner may still lose
+its lease to the last faults), and the run waits (bounded) until every
+accepted delivery has been received. Then every session's whole stream is checked: every accepted
 delivery received exactly once with its receipt's inbox seq and text, inbox
 order and per-sender order kept, gapless seqs, owner runs never
 interleaved, no delivery id received twice, followers saw the stored stream
@@ -319,15 +320,6 @@ class ChaosStack:
     def signal(self, name: str, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.procs[name].pid, signum)
-
-    def revive(self) -> list[str]:
-        """Start every Baton process that is not running; the names started."""
-        dead = [name for tier in self.tiers() for name in tier if not self.alive(name)]
-        for name in dead:
-            self.start_process(name, wait=False)
-        for name in dead:
-            wait_serving(self.addr(name), certs.operator(), timeout=60)
-        return dead
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -676,6 +668,9 @@ class Chaos:
         tasks: list[asyncio.Task[None]] = []
         followers: list[asyncio.Task[None]] = []
         fences = await FenceLog(self.stack.etcd.endpoint, self.stack.prefix).start()
+        # Starts what is down and held by no fault, as Kubernetes would, until
+        # the end: an owner that loses its lease after the last fault too.
+        supervisor = asyncio.create_task(self._supervise())
         try:
             sids = [await gateway.create(self.rng) for _ in range(self.sessions)]
             for sid in sids:
@@ -695,8 +690,8 @@ class Chaos:
             self._stop_sending.set()
             if self.stack.network is not None:
                 self.stack.network.heal()
-            self.say("faults over; reviving every process")
-            await asyncio.to_thread(self._revive_all)
+            self.say("faults over; waiting for every process to serve")
+            await self._all_serving()
             await asyncio.wait_for(asyncio.gather(*tasks), 360)
             self.report.accepted = sum(len(v) for v in self.sent.values())
             self.say(f"{self.report.accepted} accepted; waiting for every one to be received")
@@ -712,9 +707,9 @@ class Chaos:
             self.report.test_cpu_s = time.process_time() - cpu_started
             return self.report
         finally:
-            for task in (*tasks, *followers):
+            for task in (*tasks, *followers, supervisor):
                 task.cancel()
-            await asyncio.gather(*tasks, *followers, return_exceptions=True)
+            await asyncio.gather(*tasks, *followers, supervisor, return_exceptions=True)
             await gateway.close()
             await fences.close()
 
@@ -731,49 +726,56 @@ class Chaos:
 
     # -- faults ------------------------------------------------------------------------
 
-    def _revive_all(self) -> None:
-        for member in self.stack.etcd.members:
-            if member.proc is None or member.proc.poll() is not None:
-                member.start(wait=False)
-        self.stack.etcd.wait_healthy(60)
+    async def _all_serving(self, timeout: float = 240.0) -> None:
+        """Every paused owner continued, then every process running (the
+        supervisor, which runs until the end, starts what is down) and
+        SERVING, and every etcd member healthy."""
         for name in self.stack.all_owners():
             if self.stack.alive(name):
                 self.stack.signal(name, signal.SIGCONT)
-        started = self.stack.revive()
-        if started:
-            self.say("started again:", ", ".join(started))
+        deadline = time.monotonic() + timeout
+        names = [name for tier in self.stack.tiers() for name in tier]
+        while True:
+            down = [name for name in names if not self.stack.alive(name)]
+            members = self.stack.etcd.members
+            down += [m.name for m in members if m.proc is None or m.proc.poll() is not None]
+            if not down:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"seed {self.seed}: still down after the faults: {down}")
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(self.stack.etcd.wait_healthy, timeout)
+        for name in names:
+            await asyncio.to_thread(
+                wait_serving, self.stack.addr(name), certs.operator(), timeout=timeout
+            )
 
     async def _faults(self) -> None:
         """One fault every `fault_every` seconds, of every kind in turn (in an
         order the seed draws anew each round); faults overlap (each holds
-        its victims for a while: a process, a link), and a supervisor starts
-        every process that is down and held by no fault, as Kubernetes would."""
+        its victims for a while: a process, a link), and the supervisor
+        starts every process that is down and held by no fault."""
         deadline = time.monotonic() + self.seconds
         running: list[asyncio.Task[None]] = []
-        supervisor = asyncio.create_task(self._supervise())
         kinds = self.kinds or FAULT_KINDS + (NETWORK_FAULT_KINDS if self.stack.network else ())
         bag: list[str] = []
-        try:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(self.rng.uniform(*self.fault_every))
-                if time.monotonic() >= deadline:
-                    break
-                if not bag:  # every kind once per round, in a seeded order
-                    bag = self.rng.sample(kinds, len(kinds))
-                kind = bag.pop()
-                accepted = sum(len(v) for v in self.sent.values())
-                fault = getattr(self, f"_{kind}")
-                victims = self._victims(kind)
-                if victims is None:
-                    continue
-                self.report.faults[kind] += 1
-                self.say(f"fault {kind} {victims[0]} (accepted so far {accepted})")
-                held = victims if kind in FAULT_KINDS else victims[1:]
-                running.append(asyncio.create_task(self._hold(held, fault(victims[0]))))
-            await asyncio.gather(*running)
-        finally:
-            supervisor.cancel()
-            await asyncio.gather(supervisor, return_exceptions=True)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(self.rng.uniform(*self.fault_every))
+            if time.monotonic() >= deadline:
+                break
+            if not bag:  # every kind once per round, in a seeded order
+                bag = self.rng.sample(kinds, len(kinds))
+            kind = bag.pop()
+            accepted = sum(len(v) for v in self.sent.values())
+            fault = getattr(self, f"_{kind}")
+            victims = self._victims(kind)
+            if victims is None:
+                continue
+            self.report.faults[kind] += 1
+            self.say(f"fault {kind} {victims[0]} (accepted so far {accepted})")
+            held = victims if kind in FAULT_KINDS else victims[1:]
+            running.append(asyncio.create_task(self._hold(held, fault(victims[0]))))
+        await asyncio.gather(*running)
 
     def _victims(self, kind: str) -> list[str] | None:
         """What the fault takes, by name: its victim (what the fault is
