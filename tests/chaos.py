@@ -38,10 +38,10 @@ exactly; every event was written while the session's fence named its run
 (`FenceLog`: no commit accepted from a run once another took the session
 over); and the etcd members' hashes agree at a common revision.
 
-`python -m tests.chaos --seconds 720` runs it by hand (the slow test runs a
-long version, the default suite a short one; `--no-network` without the
-fault layer, `--faults` only some kinds); the seed is printed with the
-command that replays the run (`--seed` and the run's options).
+`python -m tests.chaos` runs the slow test's run by hand (the default suite
+runs a short one; `--no-network` runs without the fault layer, `--faults`
+only some kinds); the seed is printed with the command that replays the
+run (`--seed` and the run's options).
 """
 
 from __future__ import annotations
@@ -1223,11 +1223,11 @@ def replay_command(
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--seconds", type=float, default=720.0)
+    parser.add_argument("--seconds", type=float, default=1320.0)
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--senders", type=int, default=3)
     parser.add_argument(
-        "--fault-every", type=float, nargs=2, default=[3.0, 8.0], metavar=("LOW", "HIGH")
+        "--fault-every", type=float, nargs=2, default=[3.5, 7.5], metavar=("LOW", "HIGH")
     )
     parser.add_argument(
         "--no-network",
