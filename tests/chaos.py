@@ -495,6 +495,21 @@ class FenceLog:
                     log.record(kv.mod_revision, kv.value)
                 start = read.header.revision + 1
 
+    async def caught_up(self, sid: str, timeout: float = 120.0) -> None:
+        """Wait until both logs hold the keys' current values (their watches
+        may lag behind a read): what is checked then is every value so far."""
+        deadline = time.monotonic() + timeout
+        for key, log in (
+            (self.keys.fence(sid), self.fences[sid]),
+            (self.keys.commit_marker(sid), self.markers[sid]),
+        ):
+            while True:
+                now = [kv.mod_revision for kv in (await self._read(key)).kvs]
+                if not now or (log.values and log.values[-1].revision >= now[0]):
+                    break
+                assert time.monotonic() < deadline, f"{sid}: the log of {key!r} fell behind"
+                await asyncio.sleep(0.2)
+
     def check(self, sid: str, events: list[s.Event], seed: int) -> tuple[int, int]:
         """(commits checked, commits not checked: dated inside a blind
         window) of the session's stream `events`."""
@@ -1122,6 +1137,7 @@ class Chaos:
             receipts = [x.seq for x in sent]
             assert len(set(receipts)) == len(receipts), f"{sid}: two deliveries got one seq"
             check_history(events, receipts)
+            await fences.caught_up(sid)
             checked, unchecked = fences.check(sid, events, self.seed)
             self.report.commits_checked += checked
             self.report.commits_unchecked += unchecked
