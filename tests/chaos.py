@@ -38,10 +38,10 @@ exactly; every event was written while the session's fence named its run
 (`FenceLog`: no commit accepted from a run once another took the session
 over); and the etcd members' hashes agree at a common revision.
 
-`python -m tests.chaos --seconds 720` runs it by hand (the slow test runs a
-long version, the default suite a short one; `--no-network` without the
-fault layer, `--faults` only some kinds); the seed is printed with the
-command that replays the run (`--seed` and the run's options).
+`python -m tests.chaos` runs the slow test's run by hand (the default suite
+runs a short one; `--no-network` runs without the fault layer, `--faults`
+only some kinds); the seed is printed with the command that replays the
+run (`--seed` and the run's options).
 """
 
 from __future__ import annotations
@@ -392,34 +392,58 @@ class ChaosReport:
 
 
 @dataclass(frozen=True)
-class FenceValue:
+class KeyValue:
     revision: int  # the etcd revision that wrote it
-    epoch: int
-    run: str
+    value: bytes
+
+
+@dataclass
+class KeyLog:
+    """Every value one key took, with the revision that wrote it; `blind`:
+    revision windows where a value may be missing (the watch resumed past
+    a compaction)."""
+
+    values: list[KeyValue] = field(default_factory=list)
+    blind: list[tuple[int, int]] = field(default_factory=list)
+    after_gap: set[int] = field(default_factory=set)  # values read after a blind window
+
+    def record(self, revision: int, value: bytes) -> None:
+        if not self.values or revision > self.values[-1].revision:
+            self.values.append(KeyValue(revision, value))
+
+    def revisions(self) -> list[int]:
+        return [v.revision for v in self.values]
+
+    def blind_at(self, revision: int) -> bool:
+        return any(low < revision < high for low, high in self.blind)
 
 
 class FenceLog:
-    """Every value each session's fence key took, with the etcd revision
-    that wrote it, from a watch of the key straight to etcd (the checker's
-    own, outside the fault layer); and the check that every event of the
-    stored stream was written while the fence named the run the event names.
+    """What each session's fence and commit marker were, revision by
+    revision, from watches of the two keys straight to etcd (the checker's
+    own, outside the fault layer) from the session's creation on; and the
+    check that every event of its stream was committed while the fence
+    named the run the event names.
 
-    That is the fence's promise (docs/design.md §9): once another run took
-    the session over (a new fence), nothing the old run commits is
-    accepted, neither after its successor's first commit nor before it."""
+    A commit puts the commit marker (`evm`, its last event's seq) in its
+    own transaction, so the marker's log dates every event: an event
+    belongs to the first commit whose marker reaches its seq. (The events'
+    own keys would date them too, but anchor moves old events out of etcd
+    into segments.) That is the fence's promise (docs/design.md §9): once
+    another run took the session over (a new fence), nothing the old run
+    commits is accepted, neither after its successor's first commit nor
+    before it."""
 
     def __init__(self, endpoint: str, prefix: str) -> None:
         self.endpoint = endpoint
         self.keys = Keys(prefix)
         self.client: EtcdClient | None = None
-        self.values: dict[str, list[FenceValue]] = {}
-        # Revision windows the log may have missed a value in (its watch
-        # resumed past a compaction): events written there are not checked.
-        self.blind: dict[str, list[tuple[int, int]]] = {}
+        self.fences: dict[str, KeyLog] = {}
+        self.markers: dict[str, KeyLog] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> FenceLog:
-        self.client = await certs.etcd_client(self.endpoint, timeout=30)  # whole streams
+        self.client = await certs.etcd_client(self.endpoint, timeout=30)
         return self
 
     async def close(self) -> None:
@@ -430,74 +454,95 @@ class FenceLog:
             await self.client.close()
 
     def follow(self, sid: str) -> None:
-        self.values[sid], self.blind[sid] = [], []
+        """Log the session's fence and commit marker from its creation."""
+        self.fences[sid], self.markers[sid] = KeyLog(), KeyLog()
         self.tasks.append(asyncio.create_task(self._follow(sid)))
 
-    def _record(self, sid: str, revision: int, value: bytes) -> None:
-        values = self.values[sid]
-        if values and revision <= values[-1].revision:
-            return
-        epoch, run = parse_fence(value)
-        values.append(FenceValue(revision, epoch, run))
-
     async def _follow(self, sid: str) -> None:
+        created = 0
+        while not created:  # the creating transaction wrote the fence
+            for kv in (await self._read(self.keys.fence(sid))).kvs:
+                created = kv.create_revision
+            if not created:
+                await asyncio.sleep(0.2)
+        await asyncio.gather(
+            self._follow_key(self.keys.fence(sid), created, self.fences[sid]),
+            self._follow_key(self.keys.commit_marker(sid), created, self.markers[sid]),
+        )
+
+    async def _read(self, key: bytes) -> Any:
         assert self.client is not None
-        key = self.keys.fence(sid)
         while True:
             try:
-                read = await self.client.get_prefix(key)
+                return await self.client.get_prefix(key)
             except aetcd.ClientError:
                 await asyncio.sleep(0.2)
-                continue
-            for kv in read.kvs:
-                values = self.values[sid]
-                if values and kv.mod_revision > values[-1].revision:
-                    self.blind[sid].append((values[-1].revision, kv.mod_revision))
-                self._record(sid, kv.mod_revision, kv.value)
-            try:
-                async for event in follow_range(self.client, key, read.header.revision + 1):
-                    self._record(sid, event.kv.mod_revision, event.kv.value)
-            except BatonError:  # the watch's position was compacted: read again
-                continue
 
-    async def _read_events(self, sid: str, patience: float = 120.0) -> Any:
-        """The session's stored events with their revisions (etcd's range
-        answer), read again on etcd errors for up to `patience` seconds."""
+    async def _follow_key(self, key: bytes, start: int, log: KeyLog) -> None:
+        """Every put of `key` (a prefix matching it alone) from `start`."""
         assert self.client is not None
-        deadline = time.monotonic() + patience
         while True:
             try:
-                return await self.client.get_prefix(self.keys.events_prefix(sid))
-            except aetcd.ClientError:
-                if time.monotonic() > deadline:
-                    raise
-            await asyncio.sleep(1.0)
+                async for event in follow_range(self.client, key, start):
+                    log.record(event.kv.mod_revision, event.kv.value)
+                return
+            except BatonError:  # the watch's position was compacted
+                read = await self._read(key)
+                for kv in read.kvs:
+                    if log.values and kv.mod_revision > log.values[-1].revision:
+                        log.blind.append((log.values[-1].revision, kv.mod_revision))
+                        log.after_gap.add(len(log.values))
+                    log.record(kv.mod_revision, kv.value)
+                start = read.header.revision + 1
 
-    async def check(self, sid: str, seed: int) -> tuple[int, int]:
-        """(commits checked, commits not checked: written in a blind window)."""
-        assert self.client is not None
-        values = self.values[sid]
-        assert values, f"seed {seed}: {sid}: no fence seen"
-        epochs = [value.epoch for value in values]
+    async def caught_up(self, sid: str, timeout: float = 120.0) -> None:
+        """Wait until both logs hold the keys' current values (their watches
+        may lag behind a read): what is checked then is every value so far."""
+        deadline = time.monotonic() + timeout
+        for key, log in (
+            (self.keys.fence(sid), self.fences[sid]),
+            (self.keys.commit_marker(sid), self.markers[sid]),
+        ):
+            while True:
+                now = [kv.mod_revision for kv in (await self._read(key)).kvs]
+                if not now or (log.values and log.values[-1].revision >= now[0]):
+                    break
+                assert time.monotonic() < deadline, f"{sid}: the log of {key!r} fell behind"
+                await asyncio.sleep(0.2)
+
+    def check(self, sid: str, events: list[s.Event], seed: int) -> tuple[int, int]:
+        """(commits checked, commits not checked: dated inside a blind
+        window) of the session's stream `events`."""
+        fences, markers = self.fences[sid], self.markers[sid]
+        assert fences.values, f"seed {seed}: {sid}: no fence seen"
+        values = [parse_fence(v.value) for v in fences.values]
+        epochs = [epoch for epoch, _ in values]
         assert all(a < b for a, b in itertools.pairwise(epochs)), (
             f"seed {seed}: {sid}: the fence's epoch did not grow with each change: {epochs}"
         )
-        revisions = [value.revision for value in values]
-        read = await self._read_events(sid)
+        fence_revisions = fences.revisions()
+        last_seqs = [int(v.value) for v in markers.values]
+        assert all(a < b for a, b in itertools.pairwise(last_seqs)), (
+            f"seed {seed}: {sid}: the commit marker went back: {last_seqs}"
+        )
         checked: set[int] = set()
         unchecked: set[int] = set()
-        for kv in read.kvs:
-            event = s.Event.FromString(kv.value)
-            revision = kv.mod_revision
-            if any(low < revision < high for low, high in self.blind[sid]):
+        for event in events:
+            at = bisect.bisect_left(last_seqs, event.seq)
+            assert at < len(last_seqs), (
+                f"seed {seed}: {sid}: event {event.seq} is past every commit marker seen"
+            )
+            revision = markers.values[at].revision
+            # After a blind window, the commit may be one whose marker was missed.
+            if at in markers.after_gap or fences.blind_at(revision):
                 unchecked.add(revision)
                 continue
-            at = bisect.bisect_right(revisions, revision) - 1
-            fence = values[at] if at >= 0 else None
-            assert fence is not None and fence.run == event.owner_run_id, (
+            fence_at = bisect.bisect_right(fence_revisions, revision) - 1
+            fence = values[fence_at] if fence_at >= 0 else None
+            assert fence is not None and fence[1] == event.owner_run_id, (
                 f"seed {seed}: {sid}: event {event.seq} ({K.Name(event.kind)}) of run "
-                f"{event.owner_run_id} was written at revision {revision}, when the fence "
-                f"named {fence!r}: a commit accepted from a run that no longer held the session"
+                f"{event.owner_run_id} was committed at revision {revision}, when the fence "
+                f"was {fence!r}: a commit accepted from a run that no longer held the session"
             )
             checked.add(revision)
         return len(checked), len(unchecked)
@@ -696,8 +741,7 @@ class Chaos:
             self.report.accepted = sum(len(v) for v in self.sent.values())
             self.say(f"{self.report.accepted} accepted; waiting for every one to be received")
             await self._settle(gateway)
-            await self._check(gateway)
-            await self._check_fences(fences)
+            await self._check(gateway, fences)
             await self._check_etcd()
             self.report.reconciled, self.report.fenced_runs = self._owner_log_counts()
             if self.stack.network is not None:
@@ -1078,14 +1122,6 @@ class Chaos:
                     fenced += 1
         return repairs, fenced
 
-    async def _check_fences(self, fences: FenceLog) -> None:
-        """Every commit under its run's fence (see `FenceLog`)."""
-        for sid in self.sent:
-            checked, unchecked = await fences.check(sid, self.seed)
-            self.report.commits_checked += checked
-            self.report.commits_unchecked += unchecked
-            self.report.fence_changes += len(fences.values[sid]) - 1
-
     async def _check_etcd(self) -> None:
         """The members hold the same data: their KV hashes at one revision."""
         report = await asyncio.to_thread(
@@ -1094,13 +1130,18 @@ class Chaos:
         assert report.consistent, f"seed {self.seed}: etcd members disagree:\n{report.text()}"
         self.report.etcd_revision = report.revision
 
-    async def _check(self, gateway: Gateway) -> None:
+    async def _check(self, gateway: Gateway, fences: FenceLog) -> None:
         longest = 0.0
         for sid, sent in self.sent.items():
             events = await gateway.events(sid)
             receipts = [x.seq for x in sent]
             assert len(set(receipts)) == len(receipts), f"{sid}: two deliveries got one seq"
             check_history(events, receipts)
+            await fences.caught_up(sid)
+            checked, unchecked = fences.check(sid, events, self.seed)
+            self.report.commits_checked += checked
+            self.report.commits_unchecked += unchecked
+            self.report.fence_changes += len(fences.fences[sid].values) - 1
             by_seq = {x.seq: x for x in sent}
             received = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_RECEIVED]
             for event in received:
@@ -1223,11 +1264,11 @@ def replay_command(
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--seconds", type=float, default=720.0)
+    parser.add_argument("--seconds", type=float, default=1320.0)
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--senders", type=int, default=3)
     parser.add_argument(
-        "--fault-every", type=float, nargs=2, default=[3.0, 8.0], metavar=("LOW", "HIGH")
+        "--fault-every", type=float, nargs=2, default=[3.5, 7.5], metavar=("LOW", "HIGH")
     )
     parser.add_argument(
         "--no-network",
