@@ -411,6 +411,18 @@ class KeyLog:
         if not self.values or revision > self.values[-1].revision:
             self.values.append(KeyValue(revision, value))
 
+    def read_after_gap(self, start: int, revision: int, value: bytes) -> None:
+        """Record the value a read found after the watch, followed from
+        `start`, resumed past a compaction: values written after the last
+        one logged (or from `start`, when none was) and before `revision`
+        may be missing. The read value is flagged: what it dates may belong
+        to a value missed."""
+        logged = self.values[-1].revision if self.values else start - 1
+        if revision > logged + 1:
+            self.blind.append((logged, revision))
+            self.after_gap.add(len(self.values))
+        self.record(revision, value)
+
     def revisions(self) -> list[int]:
         return [v.revision for v in self.values]
 
@@ -478,21 +490,21 @@ class FenceLog:
             except aetcd.ClientError:
                 await asyncio.sleep(0.2)
 
-    async def _follow_key(self, key: bytes, start: int, log: KeyLog) -> None:
-        """Every put of `key` (a prefix matching it alone) from `start`."""
+    async def _follow_key(self, key: bytes, created: int, log: KeyLog) -> None:
+        """Every put of `key` (a prefix matching it alone) from the
+        session's creation (deletions are no values: a session deleted
+        ends its log)."""
         assert self.client is not None
+        start = created
         while True:
             try:
-                async for event in follow_range(self.client, key, start):
+                async for event in follow_range(self.client, key, start, puts_only=True):
                     log.record(event.kv.mod_revision, event.kv.value)
                 return
             except BatonError:  # the watch's position was compacted
                 read = await self._read(key)
                 for kv in read.kvs:
-                    if log.values and kv.mod_revision > log.values[-1].revision:
-                        log.blind.append((log.values[-1].revision, kv.mod_revision))
-                        log.after_gap.add(len(log.values))
-                    log.record(kv.mod_revision, kv.value)
+                    log.read_after_gap(created, kv.mod_revision, kv.value)
                 start = read.header.revision + 1
 
     async def caught_up(self, sid: str, timeout: float = 120.0) -> None:

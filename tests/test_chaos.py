@@ -6,11 +6,14 @@ minutes of faults, over 100,000 commands) is slow."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common.etcd.keys import Keys
+from tests.certs import TEST_PREFIX, etcd_root_client
 from tests.chaos import (
     FenceLog,
     KeyLog,
@@ -141,3 +144,46 @@ def test_the_fence_check_skips_what_a_blind_window_hides() -> None:
     log.markers["s"].after_gap.add(1)
     events = [s.Event(seq=seq, owner_run_id="run_a") for seq in range(3)]
     assert log.check("s", events, 1) == (1, 1)
+
+
+def test_a_log_resumed_past_a_compaction_is_blind_from_what_it_logged_last() -> None:
+    """Values between the last one logged (or, none logged, the session's
+    creation) and the one read after the gap may be missing."""
+    log = KeyLog()
+    log.record(10, b"0")
+    log.read_after_gap(5, 30, b"2")
+    log.read_after_gap(5, 31, b"3")  # written right after the last: nothing between
+    assert (log.blind, log.after_gap, log.revisions()) == ([(10, 30)], {1}, [10, 30, 31])
+    log = KeyLog()  # the watch compacted before it said anything
+    log.read_after_gap(5, 25, b"2/run_b")
+    assert (log.blind, log.after_gap) == ([(4, 25)], {0})
+    log = KeyLog()
+    log.read_after_gap(5, 5, b"1/run_a")  # the creation's own value: nothing missed
+    assert (log.blind, log.after_gap) == ([], set())
+
+
+async def test_the_fence_log_checks_nothing_it_may_have_missed_behind_a_compaction(
+    etcd_endpoint: str,
+) -> None:
+    """Run a committed event 0, run b took over and committed event 1, and
+    etcd compacted it all before the log's watches (from the session's
+    creation) began: what the log read after the gap dates both events,
+    and neither is checked (nor reported as a commit from a stale run)."""
+    prefix = f"{TEST_PREFIX}fencelog-{uuid.uuid4().hex}/"
+    keys = Keys(prefix)
+    root = await etcd_root_client(etcd_endpoint)
+    log = await FenceLog(etcd_endpoint, prefix).start()
+    try:
+        await root.put(keys.fence("s"), b"1/run_a")
+        await root.put(keys.commit_marker("s"), b"0")
+        await root.put(keys.fence("s"), b"2/run_b")
+        await root.put(keys.commit_marker("s"), b"1")
+        await root.compact((await root.get_prefix(keys.commit_marker("s"))).header.revision)
+        log.follow("s")
+        await log.caught_up("s", timeout=30)
+        events = [s.Event(seq=0, owner_run_id="run_a"), s.Event(seq=1, owner_run_id="run_b")]
+        assert log.check("s", events, 1) == (0, 1)
+        assert log.markers["s"].after_gap == {0}
+    finally:
+        await log.close()
+        await root.close()
