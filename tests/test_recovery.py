@@ -32,6 +32,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.rpc.status_map import error_reason
+from baton_runtime.owner.run.terms import Lease
 from baton_runtime.owner.server import EXIT_LEASE_LOST
 from tests.certs import etcd_client, start_etcd
 from tests.procs import (
@@ -224,6 +225,54 @@ async def test_paused_owner_is_fenced_and_exits(make_stack: MakeStack) -> None:
         assert all(e.owner_run_id == second_run for e in after[takeover:])
         log = (stack.workdir / "o1.log").read_text()
         assert "lease expired" in log
+    finally:
+        await c.close()
+
+
+def failpoint_hits(log: str, name: str) -> int:
+    return sum(1 for line in log.splitlines() if "failpoint hit" in line and name in line)
+
+
+async def test_a_paused_owner_makes_no_model_call_for_a_step_its_successor_ran(
+    make_stack: MakeStack,
+) -> None:
+    """The protocol model's finding (docs/model.md): o1 took m0 and was
+    about to run its step when it was paused past its lease; o2 took over
+    and ran the step. Resumed, o1 makes no model call for it: by its own
+    clock its lease may have expired, so it waits for a keep-alive, which
+    says the lease is gone, and exits. (Before, it called the model, and
+    only its commit was fenced.)"""
+    points = "step.start=once:sleep(4000);step.model_call=sleep(0)"
+    stack = make_stack(owners=2, owner_env={"BATON_FAILPOINTS": points})
+    c = stack.clients()
+    o1_log = stack.workdir / "o1.log"
+    try:
+        await c.wait_registered("o1", "o2")
+        sid = await c.create()  # ingress creates on o1
+        receipts = [(await c.send(sid, "hello")).receipt.seq]
+
+        async def about_to_step() -> bool:
+            return failpoint_hits(await asyncio.to_thread(o1_log.read_text), "step.start") > 0
+
+        await eventually(about_to_step, "o1 at m0's step", timeout=20)
+        stack.pause("o1")
+        assert failpoint_hits(o1_log.read_text(), "step.model_call") == 0, "paused too late"
+        await wait_owner(c, sid, "o2", stack.lease_ttl + TAKEOVER_SLACK_S)
+        events = await c.wait_events(sid, lambda ev: answered(ev, 1), "m0 answered by o2")
+        stack.resume("o1")
+        proc = stack.owners["o1"].proc
+        assert proc is not None
+
+        async def exited() -> bool:
+            return proc.poll() is not None
+
+        await eventually(exited, "the paused owner to exit after SIGCONT", timeout=20)
+        assert proc.returncode == EXIT_LEASE_LOST
+        log = o1_log.read_text()
+        assert failpoint_hits(log, "step.model_call") == 0, "o1 ran the step o2 had run"
+        assert "the lease may have expired" in log
+        check_history(await c.events(sid), receipts)
+        assert events[-1].owner_run_id == runs_in_order(events)[-1] != runs_in_order(events)[0]
     finally:
         await c.close()
 
@@ -733,3 +782,20 @@ async def test_a_queued_message_held_behind_an_approval_survives_a_takeover(
         assert await inbox_entries_left(stack.etcd_endpoint, stack.prefix, sid) == []
     finally:
         await c.close()
+
+
+async def test_a_lease_holds_until_its_last_renewal_plus_the_ttl() -> None:
+    """By the instance's own clock, from the send time of the keep-alive."""
+    now = [100.0]
+    lease = Lease(lambda: now[0])
+    assert lease.may_have_expired()  # nothing renewed yet
+    lease.renewed(sent_at=100.0, ttl_seconds=2)
+    await lease.held()  # at once
+    now[0] = 102.0
+    assert lease.may_have_expired()
+    waiting = asyncio.ensure_future(lease.held())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    lease.renewed(sent_at=101.5, ttl_seconds=2)  # answered late: dated by its send
+    await asyncio.wait_for(waiting, 5)
+    assert not lease.may_have_expired()

@@ -51,6 +51,7 @@ from baton_runtime.common.tasks import Background
 from baton_runtime.owner.hosting.host import OwnerHost
 from baton_runtime.owner.hosting.reconcile import Reconciler
 from baton_runtime.owner.hosting.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
+from baton_runtime.owner.run.terms import Lease
 
 log = structlog.get_logger("baton.owner.fleet")
 
@@ -86,6 +87,8 @@ class FleetMembership:
         self.keepalive_every = keepalive_every
         self.lease_id = 0
         self.lease_lost = asyncio.Event()
+        # What the runs check before each model and tool call.
+        self.lease = host.lease = Lease()
         self._announced_drain = ""  # the drain target the registry entry names
         self._on_lease_lost = on_lease_lost
         self._background = Background()
@@ -131,6 +134,7 @@ class FleetMembership:
         backoff = retry.FLEET.backoff()
         while True:
             try:
+                sent_at = self.lease.now()
                 registered = await self.hooks.register_instance(
                     self.deployment_id, self.instance_id, self.lease_ttl, self.address, self.agent
                 )
@@ -143,6 +147,7 @@ class FleetMembership:
                 self._log.warning("registration retry", reason=exc.reason, backoff_s=pause)
                 await asyncio.sleep(pause)
         self.lease_id = registered.lease_id
+        self.lease.renewed(sent_at, registered.ttl_seconds)
         self._log.info("registered", lease_id=self.lease_id, ttl_s=registered.ttl_seconds)
         self._spawn(self._keep_alive())
         self._spawn(self._watch_bells())
@@ -172,6 +177,7 @@ class FleetMembership:
             try:
                 async with asyncio.timeout(self.keepalive_every):
                     await failpoints.hit("fleet.keep_alive")
+                    sent_at = self.lease.now()
                     ttl = await self.hooks.keep_alive_instance(self.lease_id)
             except (BatonError, TimeoutError) as exc:
                 # Hooks or etcd unreachable: keep trying. etcd extends leases
@@ -182,6 +188,7 @@ class FleetMembership:
             if ttl <= 0:
                 await self._lose_lease()
                 return
+            self.lease.renewed(sent_at, ttl)
             if failed:
                 self._log.info("keep-alive answered again", failed=failed, ttl_s=ttl)
                 failed = 0

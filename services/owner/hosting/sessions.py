@@ -57,7 +57,7 @@ from baton_runtime.owner.run.children import Children
 from baton_runtime.owner.run.commit import commit_step
 from baton_runtime.owner.run.session import SessionRun
 from baton_runtime.owner.run.snapshots import SNAPSHOT_FORMAT, initial_snapshot, lifetime_deadline
-from baton_runtime.owner.run.terms import RunExit, RunServices, RunStart
+from baton_runtime.owner.run.terms import Lease, RunExit, RunServices, RunStart
 
 log = structlog.get_logger("baton.owner")
 
@@ -95,6 +95,8 @@ class HostedSessions:
         self.hooks = hooks
         self.anchor = anchor
         self.park_after = settings.park_after
+        # The instance's lease (set by its fleet membership; None: none).
+        self.lease: Lease | None = None
         self.runs: dict[str, SessionRun] = {}
         self._activating: set[str] = set()
         self._arriving = InFlight()  # sessions being created here
@@ -232,6 +234,7 @@ class HostedSessions:
             attempts=self.attempts,
             children=self.children,
             park_after=self.park_after,
+            lease=self.lease,
         )
         run = SessionRun(identity, agent, start, services, drain_to=self.drains.target)
         self.runs[run.session_id] = run

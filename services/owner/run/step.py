@@ -19,6 +19,7 @@ import time
 import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.common import failpoints
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.observability import metrics
@@ -32,6 +33,7 @@ from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.rules.steps import StepProgress, safe_error, usage_of
 from baton_runtime.owner.run import spans  # tracing
 from baton_runtime.owner.run.children import Children
+from baton_runtime.owner.run.terms import Lease
 
 
 class StepRunner:
@@ -46,8 +48,12 @@ class StepRunner:
         catalog: AgentCatalog,
         background: Background,
         log: structlog.BoundLogger,
+        lease: Lease | None = None,
     ) -> None:
+        """`lease`: the instance's (None: none), checked before every model
+        and tool call (`Lease`)."""
         self._identity = identity
+        self._lease = lease
         self._state = state
         self._hooks = hooks
         self._children = children
@@ -84,6 +90,9 @@ class StepRunner:
     async def _execute(self, progress: StepProgress) -> None:
         state = self._state
         agent = state.agent
+        await failpoints.hit("step.start")
+        await self._lease_held()
+        await failpoints.hit("step.model_call")
         try:
             with metrics.MODEL_CALL_SECONDS.time(), spans.model_call():  # tracing
                 reply = await agent.model.complete(
@@ -161,6 +170,7 @@ class StepRunner:
             metrics.TOOL_CALL_SECONDS.labels("unknown").observe(0.0)
             result.output, result.is_error = f"unknown tool {call.name!r}", True
             return result
+        await self._lease_held()
         start = time.perf_counter()
         try:
             arguments = json.loads(call.arguments_json)
@@ -174,6 +184,16 @@ class StepRunner:
         outcome = "error" if result.is_error else "ok"
         metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
         return result
+
+    async def _lease_held(self) -> None:
+        """Wait while the instance's lease may have expired: a successor may
+        have run this step meanwhile (docs/recovery.md, a paused owner)."""
+        lease = self._lease
+        if lease is None or not lease.may_have_expired():
+            return
+        self._log.warning("the lease may have expired: no model or tool call until it is renewed")
+        await lease.held()
+        self._log.info("the lease was renewed: the step goes on")
 
     def _tool_context(self, tool_call_id: str) -> ToolContext:
         fence = self._identity.fence
