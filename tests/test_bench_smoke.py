@@ -404,9 +404,12 @@ def test_live_rss_bench_smoke(tmp_path: Path) -> None:
         assert mode["create_seconds"] > 0
 
 
-def _peer_line(seq_p50: float, run_tps: float, server: float, service: float) -> dict[str, Any]:
-    """A Restate peer's run.sh result, with the keys bench.peer reads."""
-    phase = {"server": 1.0, "service": 0.5, "client": 0.1, "other": 0.2}
+def _peer_line(
+    seq_p50: float, run_tps: float, server: float, service: float, other: float = 0.2
+) -> dict[str, Any]:
+    """A Restate peer's run.sh result, with the keys bench.peer reads
+    (`other`: CPU ms per turn that other processes burnt)."""
+    phase = {"server": 1.0, "service": 0.5, "client": 0.1, "other": other}
     return {
         "peer": "restate",
         "restate_server": "restate-server 1.7.12",
@@ -440,7 +443,7 @@ def test_peer_table_from_recorded_pairs(tmp_path: Path) -> None:
     pairs = [
         (_peer_line(5.0, 400.0, 2.0, 1.5), _baton_figures(6.0, 380.0, cpu)),
         (_peer_line(4.0, 500.0, 2.0, 2.0), _baton_figures(6.0, 400.0, cpu)),
-        (_peer_line(6.0, 450.0, 2.5, 1.5), _baton_figures(4.5, 540.0, cpu)),
+        (_peer_line(6.0, 450.0, 2.5, 1.5, other=3.0), _baton_figures(4.5, 540.0, cpu)),
     ]
     for n, (peer, baton) in enumerate(pairs, 1):
         # run.sh's stdout: its JSON line last
@@ -465,6 +468,9 @@ def test_peer_table_from_recorded_pairs(tmp_path: Path) -> None:
     assert ok == {"turn_p50": False, "turns_per_s": False, "cpu_ms_per_turn": True}
     assert "| sequential one-step turn p50 | 6.00 / 6.00 / 4.50 ms |" in proc.stdout
     assert "**1.20×**" in proc.stdout
+    # Other processes' CPU during the peer's run marks a pair perturbed.
+    assert [p["perturbed"] for p in summary["pairs"]] == [False, False, True]
+    assert "- pair 3 (PERTURBED):" in proc.stdout and "- pair 2:" in proc.stdout
 
 
 def test_peer_pairs_alternate_with_a_stand_in_peer(tmp_path: Path) -> None:
