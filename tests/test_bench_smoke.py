@@ -473,6 +473,7 @@ def test_peer_table_from_recorded_pairs(tmp_path: Path) -> None:
     assert "- pair 3 (PERTURBED):" in proc.stdout and "- pair 2:" in proc.stdout
 
 
+@pytest.mark.timeout(200)  # two bench.turn_latency --smoke runs
 def test_peer_pairs_alternate_with_a_stand_in_peer(tmp_path: Path) -> None:
     """`python -m bench.peer --peer DIR --pairs 2`: the peer's run.sh and
     bench.turn_latency run in turn, their outputs are kept, and the table
