@@ -395,6 +395,7 @@ class ChaosReport:
 class KeyValue:
     revision: int  # the etcd revision that wrote it
     value: bytes
+    version: int = 0  # the key's etcd version: its puts so far (0: not known)
 
 
 @dataclass
@@ -407,21 +408,27 @@ class KeyLog:
     blind: list[tuple[int, int]] = field(default_factory=list)
     after_gap: set[int] = field(default_factory=set)  # values read after a blind window
 
-    def record(self, revision: int, value: bytes) -> None:
+    def record(self, revision: int, value: bytes, version: int = 0) -> None:
         if not self.values or revision > self.values[-1].revision:
-            self.values.append(KeyValue(revision, value))
+            self.values.append(KeyValue(revision, value, version))
 
-    def read_after_gap(self, start: int, revision: int, value: bytes) -> None:
+    def read_after_gap(self, start: int, revision: int, value: bytes, version: int = 0) -> None:
         """Record the value a read found after the watch, followed from
         `start`, resumed past a compaction: values written after the last
         one logged (or from `start`, when none was) and before `revision`
-        may be missing. The read value is flagged: what it dates may belong
-        to a value missed."""
-        logged = self.values[-1].revision if self.values else start - 1
-        if revision > logged + 1:
+        may be missing, unless the key's version says the read value is
+        the very next put (a watch resumed from an old value's revision,
+        the key changed once meanwhile). Else the read value is flagged:
+        what it dates may belong to a value missed."""
+        last = self.values[-1] if self.values else None
+        if last is not None and revision <= last.revision:
+            return  # logged already
+        next_put = version != 0 and version == (last.version if last else 0) + 1
+        logged = last.revision if last else start - 1
+        if not next_put and revision > logged + 1:
             self.blind.append((logged, revision))
             self.after_gap.add(len(self.values))
-        self.record(revision, value)
+        self.record(revision, value, version)
 
     def revisions(self) -> list[int]:
         return [v.revision for v in self.values]
@@ -499,12 +506,12 @@ class FenceLog:
         while True:
             try:
                 async for event in follow_range(self.client, key, start, puts_only=True):
-                    log.record(event.kv.mod_revision, event.kv.value)
+                    log.record(event.kv.mod_revision, event.kv.value, event.kv.version)
                 return
             except BatonError:  # the watch's position was compacted
                 read = await self._read(key)
                 for kv in read.kvs:
-                    log.read_after_gap(created, kv.mod_revision, kv.value)
+                    log.read_after_gap(created, kv.mod_revision, kv.value, kv.version)
                 start = read.header.revision + 1
 
     async def caught_up(self, sid: str, timeout: float = 120.0) -> None:

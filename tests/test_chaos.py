@@ -162,6 +162,22 @@ def test_a_log_resumed_past_a_compaction_is_blind_from_what_it_logged_last() -> 
     assert (log.blind, log.after_gap) == ([], set())
 
 
+def test_a_log_resumed_past_a_compaction_misses_nothing_when_the_version_follows() -> None:
+    """A watch resumed from the revision of a value minutes old (the fence
+    changes seldom) is compacted; the key changed once meanwhile (its
+    version the next one): nothing was missed, nothing is blind."""
+    log = KeyLog()
+    log.record(10, b"1/run_a", version=1)
+    log.read_after_gap(5, 900, b"2/run_b", version=2)
+    assert (log.blind, log.after_gap, log.revisions()) == ([], set(), [10, 900])
+    log.read_after_gap(5, 900, b"2/run_b", version=2)  # read again: logged already
+    log.read_after_gap(5, 990, b"4/run_d", version=4)  # 3/run_c missed
+    assert (log.blind, log.after_gap) == ([(900, 990)], {2})
+    log = KeyLog()  # compacted before it logged anything
+    log.read_after_gap(5, 25, b"1/run_a", version=1)
+    assert (log.blind, log.after_gap) == ([], set())
+
+
 async def test_the_fence_log_checks_nothing_it_may_have_missed_behind_a_compaction(
     etcd_endpoint: str,
 ) -> None:
