@@ -77,7 +77,7 @@ async def measure(
     stack = ProcessStack(etcd_endpoint, workdir, lease_ttl=120)
     stack.start_deployments(owners={"o1": (stack.deployment_id, "")}, ingresses={})
     # No channel send limit in the way (the default is 200 a second).
-    stack.ingress = stack.start_ingress(
+    stack.start_ingress(
         "ingress", stack.deployment_id, ["o1"], env={"BATON_MAX_SENDS_PER_SECOND": "100000"}
     )
     clients = stack.clients()
