@@ -166,7 +166,7 @@ async def create_sessions(
                 )
             )
             if send:
-                await hooks.resume(ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")))
+                await hooks.append(ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")))
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
     return created
@@ -195,7 +195,7 @@ async def answered(anchor: AnchorClient, sid: str, seq: int) -> bool:
 
 
 async def send(hooks: HooksClient, sid: str, text: str) -> int:
-    receipt = await hooks.resume(ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)))
+    receipt = await hooks.append(ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)))
     return receipt.seq
 
 
@@ -250,7 +250,7 @@ async def time_takeover(
 async def settled_rss(pid: int, parked: int, settle: float) -> int:
     """The owner's RSS once `parked` sessions are parked, and again `settle`
     seconds later (the owner gives freed heap back to the OS at most every
-    10 s after a park: services/owner/hosting/heap.py); the later one counts."""
+    10 s after a park: services/owner/host/heap.py); the later one counts."""
     at_park = rss_bytes(pid)
     await asyncio.sleep(settle)
     settled = rss_bytes(pid)

@@ -44,7 +44,7 @@ import grpc
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime.common.config import Capacity
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from bench.common import apply_smoke, log_dir, write_json
 from bench.floor import measure_floor_throughput
 from bench.measure import Sample, load_average, per_turn, versions

@@ -17,7 +17,7 @@ ARCHITECTURE = (SERVICES.parent / "docs" / "architecture.md").read_text()
 # before it in its list (and anything outside its service that is below it).
 LAYERS = {
     "common": ["observability", "security", "etcd", "rpc", "streams", "clients"],
-    "owner": ["agents", "rules", "handoff", "run", "hosting"],
+    "owner": ["agents", "rules", "handoff", "run", "host"],
     "cli": ["system", "commands"],
 }
 # common's floor (its top-level modules) imports no subpackage, but config.py,
