@@ -121,7 +121,9 @@ class SessionRun:
         self._background = Background()
         tasks, state, run_log = self._background, self.state, self._log
         catalog = services.catalog
-        self._step = StepRunner(identity, state, hooks, children, catalog, tasks, run_log)
+        self._step = StepRunner(
+            identity, state, hooks, children, catalog, tasks, run_log, anchor.publish_live
+        )
         self._upkeep = Upkeep(identity, state, hooks, anchor, children, tasks, run_log)
         self._departures = Departures(
             state, hooks, run_log, attempts=services.attempts, drain_to=drain_to

@@ -23,7 +23,13 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.agents.api import AgentCatalog, Tool, ToolContext
+from baton_runtime.owner.agents.api import (
+    AgentCatalog,
+    ModelDelta,
+    Tool,
+    ToolContext,
+    streamed_reply,
+)
 from baton_runtime.owner.rules import handles as h
 from baton_runtime.owner.rules import steps
 from baton_runtime.owner.rules.children import ChildWork, plan_child_work, work_not_given
@@ -32,6 +38,11 @@ from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.rules.steps import StepProgress, safe_error, usage_of
 from baton_runtime.owner.run import spans  # tracing
 from baton_runtime.owner.run.children import Children
+from baton_runtime.owner.run.live import Publish, StepLive
+
+
+def _ignore(delta: ModelDelta) -> None:
+    """Deltas nobody sees."""
 
 
 class StepRunner:
@@ -46,7 +57,10 @@ class StepRunner:
         catalog: AgentCatalog,
         background: Background,
         log: structlog.BoundLogger,
+        publish: Publish | None = None,
     ) -> None:
+        """`publish`: where the steps' live items go (anchor's replicas;
+        None: nowhere)."""
         self._identity = identity
         self._state = state
         self._hooks = hooks
@@ -56,6 +70,9 @@ class StepRunner:
         self._log = log
         self._task: asyncio.Task[None] | None = None
         self._abort_requested = False
+        self._publish = publish
+        self._live: StepLive | None = None
+        self._attempts: dict[int, int] = {}  # step runs started per base seq
 
     def abort(self) -> None:
         """Cancel the running step, if one runs (the shell saw a pushed
@@ -82,12 +99,48 @@ class StepRunner:
         return progress
 
     async def _execute(self, progress: StepProgress) -> None:
+        self._live = self._start_live()
+        try:
+            await self._call_out(progress)
+        finally:
+            if self._live is not None:
+                self._live.close()
+            self._live = None
+
+    def _start_live(self) -> StepLive | None:
+        """The step's live items, its start sent at once (docs/design.md
+        "Live items"); None when they go nowhere."""
+        if self._publish is None:
+            return None
+        snapshot = self._state.snapshot
+        base = snapshot.next_event_seq
+        self._attempts[base] = attempt = self._attempts.get(base, 0) + 1
+        fence = self._identity.fence
+        step = s.LiveStep(
+            session_id=fence.session_id,
+            base_seq=base,
+            turn_id=self._state.turn_id,
+            step=snapshot.open_turn.steps + 1,
+            owner_run_id=fence.owner_run_id,
+            epoch=fence.epoch,
+            attempt=attempt,
+        )
+        live = StepLive(step, self._publish)
+        live.started(turn_started=snapshot.open_turn.steps == 0)
+        return live
+
+    async def _call_out(self, progress: StepProgress) -> None:
         state = self._state
         agent = state.agent
+        live = self._live
         try:
             with metrics.MODEL_CALL_SECONDS.time(), spans.model_call():  # tracing
-                reply = await agent.model.complete(
-                    agent.instructions, state.context.messages, agent.all_tools
+                reply = await streamed_reply(
+                    agent.model,
+                    agent.instructions,
+                    state.context.messages,
+                    agent.all_tools,
+                    live.delta if live is not None else _ignore,
                 )
         except asyncio.CancelledError:
             raise
@@ -95,6 +148,8 @@ class StepRunner:
             self._log.warning("model call failed", error=repr(exc), turn_id=state.turn_id)
             steps.model_failed(progress, exc)
             return
+        if live is not None:
+            live.flush()  # the reply's last deltas before its tools' progress
         progress.reply = reply
         progress.calls = steps.tool_calls(state, reply)
         for index, call in enumerate(progress.calls):
@@ -165,7 +220,8 @@ class StepRunner:
         try:
             arguments = json.loads(call.arguments_json)
             with spans.tool_call(call):  # tracing
-                result.output = await tool.run(arguments, self._tool_context(call.id))
+                context = self._tool_context(call.id, call.name)
+                result.output = await tool.run(arguments, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
@@ -175,8 +231,15 @@ class StepRunner:
         metrics.TOOL_CALL_SECONDS.labels(outcome).observe(time.perf_counter() - start)
         return result
 
-    def _tool_context(self, tool_call_id: str) -> ToolContext:
+    def _tool_context(self, tool_call_id: str, tool_name: str = "") -> ToolContext:
         fence = self._identity.fence
+        live = self._live
+        progress = None
+        if live is not None:
+
+            def progress(text: str) -> None:
+                live.progress(tool_call_id, tool_name, text)
+
         return ToolContext(
             session_id=fence.session_id,
             deployment_id=self._identity.deployment_id,
@@ -184,6 +247,7 @@ class StepRunner:
             channel=self._state.snapshot.channel,
             add_alias=self._add_alias,
             tool_call_id=tool_call_id,
+            progress=progress,
         )
 
     async def _add_alias(self, token: str) -> None:
