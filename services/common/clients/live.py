@@ -27,6 +27,7 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import limits
 from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.observability import rpc_metrics
 from baton_runtime.common.retry import RetryPolicy
 from baton_runtime.common.security.tls import Security
 
@@ -145,7 +146,10 @@ class _Lane:
             while not self._queue:
                 self._ready.clear()
                 await self._ready.wait()
-            yield self._message()
+            message = self._message()
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.sent_on_stream("anchor", _METHOD)
+            yield message
 
     async def _run(self) -> None:
         backoff = _RECONNECT.backoff()
@@ -155,6 +159,8 @@ class _Lane:
             response_deserializer=anchor_pb.PublishLiveResponse.FromString,
         )
         while True:
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.opened("anchor", _METHOD)
             try:
                 async for response in call_of(self._requests()):  # type: ignore[arg-type]
                     backoff.reset()
