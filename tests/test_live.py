@@ -30,6 +30,8 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.live import LiveHub
+from baton_runtime.common import limits
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.security.identity import Role
@@ -537,3 +539,52 @@ async def test_tool_progress_reaches_followers_bounded(stack: Stack) -> None:
     await asyncio.wait_for(reader, 30)
     reports = [i for _, _, i in live_items(flood) if i.kind == s.LIVE_KIND_TOOL_PROGRESS]
     assert 1 <= len(reports) <= 40, len(reports)
+
+
+# -- one anchor replica's hub, without I/O ----------------------------------------------
+
+
+def buffered_now(hub: LiveHub, sid: str) -> list[s.LiveBatch]:
+    """What a follower connecting now would get first."""
+    follower, buffered = hub.subscribe(sid)
+    follower.close()
+    return buffered
+
+
+def test_the_hub_keeps_the_step_in_flight_bounded_and_forgets_it_at_the_commit() -> None:
+    now = [0.0]
+    hub = LiveHub(clock=lambda: now[0])
+    sid = "ses_" + "a" * 26
+    for offset in range(limits.LIVE_BUFFER_ITEMS + 10):
+        now[0] += 0.01  # (within the session's rate)
+        assert hub.publish(_batch(sid, offset=offset)) is None
+    follower, buffered = hub.subscribe(sid)
+    marker, kept = buffered
+    assert [(i.kind, i.offset, i.dropped) for i in marker.items] == [(s.LIVE_KIND_DROPPED, 0, 10)]
+    assert [i.offset for i in kept.items] == list(range(10, limits.LIVE_BUFFER_ITEMS + 10))
+    # A new step run replaces the buffer; the follower gets it as it comes.
+    later = _batch(sid, epoch=6)
+    assert hub.publish(later) is None
+    assert buffered_now(hub, sid) == [later]
+    assert follower.take() == [later]
+    # The commit of the step (a head above its base seq) supersedes its items.
+    hub.committed(sid, later.step.base_seq + 1)
+    assert buffered_now(hub, sid) == []
+    # A minute quiet: a session nobody follows is forgotten.
+    follower.close()
+    now[0] += 120
+    assert hub.publish(_batch("ses_" + "b" * 26, epoch=1)) is None
+    assert hub.sessions() == 1
+
+
+def test_a_follower_queue_drops_its_oldest_with_a_marker() -> None:
+    hub = LiveHub(follower_bytes=200)
+    sid = "ses_" + "a" * 26
+    follower, _ = hub.subscribe(sid)
+    for offset in range(5):
+        follower.put(_batch(sid, text="z" * 60, offset=offset))
+    [batch] = follower.take()  # (one step run: the marker, then what is left)
+    drop, *rest = batch.items
+    assert (drop.kind, drop.offset) == (s.LIVE_KIND_DROPPED, 0)
+    assert [i.offset for i in rest] == list(range(drop.dropped, 5))
+    assert follower.take() == []
