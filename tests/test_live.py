@@ -588,3 +588,20 @@ def test_a_follower_queue_drops_its_oldest_with_a_marker() -> None:
     assert (drop.kind, drop.offset) == (s.LIVE_KIND_DROPPED, 0)
     assert [i.offset for i in rest] == list(range(drop.dropped, 5))
     assert follower.take() == []
+
+
+async def test_a_live_follow_ends_with_the_stream(stack: Stack) -> None:
+    """The terminal event ends a follow with live items as it ends any follow."""
+    sid, head = await started(stack)
+    seen: list[Seen] = []
+    reader = asyncio.ensure_future(
+        follow(stack.ingress_stub, sid, seen, start_seq=head, until=lambda o: False)
+    )
+    await asyncio.sleep(0.2)
+    await stack.ingress_stub.SendControl(
+        ingress_pb.SendControlRequest(session_id=sid, kind=ingress_pb.CONTROL_KIND_RESET),
+        metadata=SLACK,
+        timeout=10,
+    )
+    await asyncio.wait_for(reader, 30)  # ended by the server, without an error
+    assert events_of(seen)[-1].kind == s.EVENT_KIND_SESSION_COMPLETED

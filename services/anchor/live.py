@@ -229,10 +229,13 @@ class _Session:
     def supersede(self, head: int) -> None:
         """A commit moved the stream's head to `head`."""
         if self.step is not None and self.step.base_seq < head:
-            self.step = None
-            self.items.clear()
-            self.bytes = 0
-            self.dropped = None
+            self.forget_items()
+
+    def forget_items(self) -> None:
+        self.step = None
+        self.items.clear()
+        self.bytes = 0
+        self.dropped = None
 
 
 class LiveHub:
@@ -333,7 +336,7 @@ class LiveHub:
         ]
         for sid, session in idle:
             if session.followers:
-                session.supersede(2**64)
+                session.forget_items()
             else:
                 del self._sessions[sid]
 

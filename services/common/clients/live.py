@@ -34,8 +34,10 @@ from baton_runtime.common.security.tls import Security
 log = structlog.get_logger("baton.live")
 
 DNS_REFRESH_SECONDS = 30.0
-# Batches one replica may have waiting (then the oldest are dropped).
+# Batches one replica may have waiting, in number and bytes (then the oldest
+# are dropped).
 QUEUE_BATCHES = 1024
+QUEUE_BYTES = 4 * 1024 * 1024
 _METHOD = "/baton.anchor.v1.AnchorService/PublishLive"
 _RECONNECT = RetryPolicy("live stream", first=0.2, cap=5.0)
 
@@ -119,13 +121,15 @@ class _Lane:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._channel = channel
         self._queue: deque[s.LiveBatch] = deque()
+        self._bytes = 0
         self._ready = asyncio.Event()
         self._task = asyncio.ensure_future(self._run())
 
     def put(self, batch: s.LiveBatch) -> None:
         self._queue.append(batch)
-        while len(self._queue) > QUEUE_BATCHES:
-            self._queue.popleft()
+        self._bytes += batch.ByteSize()
+        while len(self._queue) > QUEUE_BATCHES or self._bytes > QUEUE_BYTES:
+            self._bytes -= self._queue.popleft().ByteSize()
         self._ready.set()
 
     def _message(self) -> anchor_pb.PublishLiveRequest:
@@ -138,6 +142,7 @@ class _Lane:
             if request.batches and size + cost > limits.LIVE_MAX_MESSAGE_BYTES:
                 break
             request.batches.append(self._queue.popleft())
+            self._bytes -= cost - 8
             size += cost
         return request
 
