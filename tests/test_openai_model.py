@@ -663,3 +663,21 @@ def test_build_agent_streams_unless_told_not_to(
     monkeypatch.setenv("BATON_OPENAI_STREAM", "0")
     model = build_agent("dep-1").model
     assert isinstance(model, OpenAIChatModel) and not hasattr(model, "stream")
+
+
+async def test_a_stream_that_breaks_midway_is_a_safe_model_error(
+    server: ChatServer, make_streaming_model: Any
+) -> None:
+    """After the first chunk nothing is retried: the step fails, saying only
+    what failed (no endpoint, no upstream text)."""
+    body = f"data: {json.dumps(chunk({'content': 'half'}))}\n\ndata: {{not json secret-9\n\n"
+    server.script = [Reply(body=body.encode(), content_type="text/event-stream")]
+    model = make_streaming_model()
+    got: list[Any] = []
+    with pytest.raises(ModelError) as failed:
+        async for item in model.stream("", USER_HELLO, []):
+            got.append(item)
+    assert got == [TextDelta("half")]
+    assert str(failed.value).startswith("model stream failed")
+    assert "secret-9" not in str(failed.value) and server.base_url not in str(failed.value)
+    assert len(server.requests) == 1
