@@ -72,6 +72,19 @@ class LivePublisher:
         for lane in self._lanes.values():
             lane.put(batch)
 
+    async def sent(self) -> None:
+        """Wait until every batch published so far was handed to its
+        replica's stream (a replica whose stream is broken is not waited
+        for). A step's end waits for it, bounded: its last items go out
+        before its commit, so a follower gets them first."""
+        waits = [
+            lane.sent.wait()
+            for lane in self._lanes.values()
+            if lane.connected and not lane.sent.is_set()
+        ]
+        if waits:
+            await asyncio.gather(*waits)
+
     async def _keep_lanes(self) -> None:
         """The lanes of the replicas a `dns:///` name resolves to, looked up
         again now and then (a replica gone loses its lane); a list of
@@ -123,10 +136,16 @@ class _Lane:
         self._queue: deque[s.LiveBatch] = deque()
         self._bytes = 0
         self._ready = asyncio.Event()
+        # Set while everything put was handed to the stream (or dropped);
+        # `connected` since the stream took a message, until it broke.
+        self.sent = asyncio.Event()
+        self.sent.set()
+        self.connected = False
         self._task = asyncio.ensure_future(self._run())
 
     def put(self, batch: s.LiveBatch) -> None:
         self._queue.append(batch)
+        self.sent.clear()
         self._bytes += batch.ByteSize()
         while len(self._queue) > QUEUE_BATCHES or self._bytes > QUEUE_BYTES:
             self._bytes -= self._queue.popleft().ByteSize()
@@ -149,12 +168,14 @@ class _Lane:
     async def _requests(self) -> object:
         while True:
             while not self._queue:
+                self.sent.set()
                 self._ready.clear()
                 await self._ready.wait()
             message = self._message()
             if rpc_metrics.RPC.enabled:
                 rpc_metrics.RPC.sent_on_stream("anchor", _METHOD)
             yield message
+            self.connected = True  # (asked for the next: this one was written)
 
     async def _run(self) -> None:
         backoff = _RECONNECT.backoff()
@@ -179,6 +200,7 @@ class _Lane:
                         )
             except grpc.aio.AioRpcError as exc:
                 log.debug("live stream to anchor broke", code=exc.code().name)
+            self.connected = False
             await backoff.wait()
 
     async def close(self) -> None:

@@ -122,7 +122,7 @@ class SessionRun:
         tasks, state, run_log = self._background, self.state, self._log
         catalog = services.catalog
         self._step = StepRunner(
-            identity, state, hooks, children, catalog, tasks, run_log, anchor.publish_live
+            identity, state, hooks, children, catalog, tasks, run_log, anchor.live
         )
         self._upkeep = Upkeep(identity, state, hooks, anchor, children, tasks, run_log)
         self._departures = Departures(

@@ -13,6 +13,7 @@ decisions' (rules/decisions.py). This room only calls out and records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -20,6 +21,7 @@ import structlog
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.live import LivePublisher
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
@@ -38,7 +40,11 @@ from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.rules.steps import StepProgress, safe_error, usage_of
 from baton_runtime.owner.run import spans  # tracing
 from baton_runtime.owner.run.children import Children
-from baton_runtime.owner.run.live import Publish, StepLive
+from baton_runtime.owner.run.live import StepLive
+
+# How long a step's end waits for its last live items to be handed to
+# anchor's streams (a replica slow or down is not waited for longer).
+_LIVE_SENT_SECONDS = 0.1
 
 
 def _ignore(delta: ModelDelta) -> None:
@@ -57,10 +63,10 @@ class StepRunner:
         catalog: AgentCatalog,
         background: Background,
         log: structlog.BoundLogger,
-        publish: Publish | None = None,
+        live: LivePublisher | None = None,
     ) -> None:
-        """`publish`: where the steps' live items go (anchor's replicas;
-        None: nowhere)."""
+        """`live`: where the steps' live items go (anchor's replicas; None:
+        nowhere)."""
         self._identity = identity
         self._state = state
         self._hooks = hooks
@@ -70,7 +76,7 @@ class StepRunner:
         self._log = log
         self._task: asyncio.Task[None] | None = None
         self._abort_requested = False
-        self._publish = publish
+        self._publisher = live
         self._live: StepLive | None = None
         self._attempts: dict[int, int] = {}  # step runs started per base seq
 
@@ -96,6 +102,11 @@ class StepRunner:
         finally:
             self._task = None
             self._abort_requested = False
+        if self._publisher is not None:
+            # The step's last live items leave before its commit does.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LIVE_SENT_SECONDS):
+                    await self._publisher.sent()
         return progress
 
     async def _execute(self, progress: StepProgress) -> None:
@@ -110,7 +121,7 @@ class StepRunner:
     def _start_live(self) -> StepLive | None:
         """The step's live items, its start sent at once (docs/design.md
         "Live items"); None when they go nowhere."""
-        if self._publish is None:
+        if self._publisher is None:
             return None
         snapshot = self._state.snapshot
         base = snapshot.next_event_seq
@@ -125,7 +136,7 @@ class StepRunner:
             epoch=fence.epoch,
             attempt=attempt,
         )
-        live = StepLive(step, self._publish)
+        live = StepLive(step, self._publisher.publish)
         live.started(turn_started=snapshot.open_turn.steps == 0)
         return live
 
