@@ -37,14 +37,9 @@ from typing import Any
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from bench.common import log_dir, write_json
-from bench.turn_latency import (
-    BenchStack,
-    Dist,
-    Follower,
-    create_session,
-    load_average,
-    one_turn,
-)
+from bench.measure import Dist, load_average
+from bench.stack import BenchStack
+from bench.turns import Follower, create_session, one_turn
 
 TARGET_RATIO = 2.5
 KINDS = ("plain", "subagent", "continue")

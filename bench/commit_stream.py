@@ -34,9 +34,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import log_dir, write_json
+from bench.measure import Dist, load_average, versions
+from bench.scrape import scrape
+from bench.stack import BenchStack
 from bench.tls_overhead import measure_round, parse_round_args, run_stacks, to_json
-from bench.turn_latency import BenchStack, Dist, load_average, versions
-from tests.scrape import scrape
 
 MODES = ("streamed", "unary")
 _COMMITS = "/baton.anchor.v1.AnchorService/CommitSteps"

@@ -48,7 +48,8 @@ from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.run.snapshots import initial_snapshot
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import BenchStack, load_average
+from bench.measure import load_average
+from bench.stack import BenchStack
 
 GIB8 = 8 * 1024**3
 TARGET_SESSIONS = 500_000

@@ -58,10 +58,18 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from tests import certs
-from tests.procs import SLACK, ProcessStack, eventually
-from tests.scrape import Scrape, scrape
-from tests.stack import public_channel
+from baton_runtime.cli.system.service_launcher import start_etcd
+from baton_runtime.cli.system.service_stack import ServiceStack
+from baton_runtime.common.security.pki import LocalPki
+from bench.scrape import Scrape, scrape
+from bench.stack import (
+    BENCH_PREFIX,
+    METADATA,
+    bench_pki,
+    bench_service_stack,
+    eventually,
+    public_channel,
+)
 
 K = s.EventKind
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -265,7 +273,7 @@ class Follower:
         self.events: list[s.Event] = []
         self._changed = asyncio.Event()
         self._call = stub.StreamEvents(
-            ingress_pb.StreamEventsRequest(session_id=session_id, follow=True), metadata=SLACK
+            ingress_pb.StreamEventsRequest(session_id=session_id, follow=True), metadata=METADATA
         )
         self._task = asyncio.ensure_future(self._run())
 
@@ -308,17 +316,19 @@ def waiting_after(count: int) -> Callable[[list[s.Event]], bool]:
 class HopRun:
     """The stack, its public clients, and the counting."""
 
-    stack: ProcessStack
+    stack: ServiceStack
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     ingress: dict[str, ingress_pb2_grpc.IngressServiceStub] = field(default_factory=dict)
     scrape_read: int = 0  # the etcd reads one hooks scrape does (measured)
     sent: int = 0
 
     @classmethod
-    def start(cls, etcd_endpoint: str, workdir: Path) -> HopRun:
-        stack = ProcessStack(
+    def start(cls, etcd_endpoint: str, workdir: Path, pki: LocalPki, prefix: str) -> HopRun:
+        stack = bench_service_stack(
             etcd_endpoint,
             workdir,
+            pki,
+            prefix=prefix,
             deployment_id="dep-a",
             serve_metrics=True,
             owner_env={"BATON_OWNER_RECONCILE_INTERVAL": str(RECONCILE_INTERVAL)},
@@ -340,7 +350,7 @@ class HopRun:
         stack.start_ingress("ing-p", "dep-p", ["p1"])
         run = cls(stack)
         for name in _INGRESSES:
-            run.channels[name] = public_channel(stack.addr(name))
+            run.channels[name] = public_channel(stack.addr(name), pki)
             run.ingress[name] = ingress_pb2_grpc.IngressServiceStub(run.channels[name])
         return run
 
@@ -434,7 +444,7 @@ class HopRun:
 
     async def create(self, via: str) -> str:
         response = await self.ingress[via].CreateSession(
-            ingress_pb.CreateSessionRequest(), metadata=SLACK, timeout=10
+            ingress_pb.CreateSessionRequest(), metadata=METADATA, timeout=10
         )
         return str(response.session_id)
 
@@ -450,7 +460,7 @@ class HopRun:
                 caller=caller,
                 turn_policy=s.TURN_POLICY_STEER if steer else s.TURN_POLICY_QUEUE,
             ),
-            metadata=SLACK,
+            metadata=METADATA,
             timeout=10,
         )
 
@@ -605,9 +615,10 @@ RUNS: dict[str, Path_] = {
 }
 
 
-async def measure(etcd_endpoint: str, workdir: Path) -> dict[str, Any]:
-    """Every path, run in RUN_ORDER, reported in PATHS order."""
-    run = HopRun.start(etcd_endpoint, workdir)
+async def measure(etcd_endpoint: str, workdir: Path, pki: LocalPki, prefix: str) -> dict[str, Any]:
+    """Every path, run in RUN_ORDER, reported in PATHS order, on a stack
+    whose certificates `pki` issues (the one etcd trusts), under `prefix`."""
+    run = HopRun.start(etcd_endpoint, workdir, pki, prefix)
     try:
         await run.wait_registered()
         await run.calibrate()
@@ -773,12 +784,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         MD_PATH.write_text(as_markdown(json.loads(JSON_PATH.read_text())))
         return 0
-    server = certs.start_etcd()
-    try:
-        with tempfile.TemporaryDirectory(prefix="baton-hops-") as workdir:
-            measured = asyncio.run(measure(server.endpoint, Path(workdir)))
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="baton-hops-") as workdir:
+        pki = bench_pki(Path(workdir) / "certs")
+        server = start_etcd(pki, BENCH_PREFIX, log_path=str(Path(workdir) / "etcd.log"))
+        try:
+            prefix = f"{BENCH_PREFIX}hops/"
+            measured = asyncio.run(measure(server.endpoint, Path(workdir), pki, prefix))
+        finally:
+            server.stop()
     print(as_markdown(measured))
     for name in PATHS:
         background = measured["paths"][name]["background"]

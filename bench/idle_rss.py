@@ -45,21 +45,23 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from baton_runtime._proto.baton.owner.v1 import owner_pb2
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.system.etcd_auth import enable_auth
-from baton_runtime.cli.system.etcd_process import EtcdProcess, EtcdTls
-from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.cli.system.processes import ServiceProcess
+from baton_runtime.cli.system.service_env import wiring_env
+from baton_runtime.cli.system.service_launcher import ServiceLauncher, start_etcd
 from baton_runtime.common import ids
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.security.identity import Role
-from baton_runtime.common.security.pki import LocalPki
 from baton_runtime.common.security.tls import Security
 from bench.common import write_json
-from bench.turn_latency import cpu_seconds
+from bench.measure import cpu_seconds
+from bench.stack import BENCH_PREFIX, bench_pki
 
 DEPLOYMENT_ID = "bench-idle"
 INSTANCE_ID = "bench-idle-i1"
@@ -80,74 +82,71 @@ def rss_bytes(pid: int) -> int:
 @dataclass
 class IdleStack:
     """etcd + hooks + anchor + one owner, as processes, with TLS on every hop
-    and etcd over TLS with auth (as in production)."""
+    and etcd over TLS with auth (as in production), started by the one
+    launcher (services/cli/system/service_launcher.py)."""
 
     log_dir: str
     park_after: float
     log_level: str = "warning"
     etcd: EtcdProcess | None = None
-    services: dict[str, ServiceProcess] = field(default_factory=dict)
-    addrs: dict[str, str] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    pki: LocalPki | None = None
+    prefix: str = ""
     # More environment for every service (e.g. BATON_OWNER_INBOX_FEED).
     extra_env: dict[str, str] = field(default_factory=dict)
+    launcher: ServiceLauncher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.launcher = ServiceLauncher(Path(self.log_dir), None, self.log_level, self.extra_env)
+
+    @property
+    def services(self) -> dict[str, ServiceProcess]:
+        return self.launcher.processes
+
+    @property
+    def addrs(self) -> dict[str, str]:
+        return {name: self.launcher.addr(name) for name in ("hooks", "anchor", "owner")}
 
     def security(self, role: Role, deployment_id: str = "") -> Security:
-        assert self.pki is not None
-        return self.pki.security(role, deployment_id)
+        return self.launcher.security(role, deployment_id)
 
-    def _tls_env(self, role: Role) -> dict[str, str]:
-        files = self.security(role, DEPLOYMENT_ID if role is Role.OWNER else "").files
-        assert files is not None
-        return {"BATON_TLS_CERT": files.cert, "BATON_TLS_KEY": files.key, "BATON_TLS_CA": files.ca}
-
-    def start(self) -> None:
-        self.pki = LocalPki(os.path.join(self.log_dir, "certs"))
-        tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
-        self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log"), tls=tls).start()
-        enable_auth(self.etcd.endpoint, tls.root, ("hooks", "anchor"), "/b/")
-        self.addrs = {name: f"127.0.0.1:{free_port()}" for name in ("hooks", "anchor", "owner")}
-        self.env = env = {
-            "BATON_LOG_LEVEL": self.log_level,
-            "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
-            "BATON_ETCD_PREFIX": f"/b/idle/{uuid.uuid4().hex[:12]}/",
-            "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
-            "BATON_INSTANCE_ID": INSTANCE_ID,
-            "BATON_HOOKS_ADDR": self.addrs["hooks"],
-            "BATON_ANCHOR_ADDR": self.addrs["anchor"],
+    def _wiring(self, kind: str, instance_id: str = INSTANCE_ID) -> dict[str, str]:
+        assert self.etcd is not None
+        wiring = wiring_env(
+            kind,
+            etcd=self.etcd.endpoint,
+            prefix=self.prefix,
+            hooks=self.launcher.addr("hooks"),
+            anchor=self.launcher.addr("anchor"),
+            deployment_id=DEPLOYMENT_ID,
+        )
+        if kind != "owner":
+            return wiring
+        return wiring | {
+            "BATON_INSTANCE_ID": instance_id,
             "BATON_OWNER_PARK_AFTER": str(self.park_after),
             "BATON_OWNER_LEASE_TTL": str(LEASE_TTL),
-            **self.extra_env,
         }
+
+    def start(self) -> None:
+        self.launcher.pki = pki = bench_pki(os.path.join(self.log_dir, "certs"))
+        etcd_log = os.path.join(self.log_dir, "etcd.log")
+        self.etcd = start_etcd(pki, BENCH_PREFIX, log_path=etcd_log)
+        self.prefix = f"{BENCH_PREFIX}idle/{uuid.uuid4().hex[:12]}/"
         for name in ("hooks", "anchor", "owner"):
-            self.services[name] = ServiceProcess(
-                name=name,
-                listen=self.addrs[name],
-                env={**env, **self._tls_env(Role(name))},
-                log_path=os.path.join(self.log_dir, f"{name}.log"),
-            ).start()
-        for name in self.services:
-            wait_serving(self.addrs[name], self.security(Role.OPERATOR), timeout=30)
+            self.launcher.start(
+                name, name, self._wiring(name), deployment_id=DEPLOYMENT_ID, wait=False
+            )
+        self.launcher.wait_serving(timeout=30)
 
     @property
     def owner_pid(self) -> int:
         return self.services["owner"].pid
 
     def start_successor(self) -> ServiceProcess:
-        self.addrs["successor"] = f"127.0.0.1:{free_port()}"
-        proc = self.services["successor"] = ServiceProcess(
-            name="owner",
-            listen=self.addrs["successor"],
-            env={**self.env, **self._tls_env(Role.OWNER), "BATON_INSTANCE_ID": SUCCESSOR_ID},
-            log_path=os.path.join(self.log_dir, "successor.log"),
-        ).start()
-        wait_serving(self.addrs["successor"], self.security(Role.OPERATOR), timeout=30)
-        return proc
+        wiring = self._wiring("owner", SUCCESSOR_ID)
+        return self.launcher.start("successor", "owner", wiring, deployment_id=DEPLOYMENT_ID)
 
     def stop(self) -> None:
-        for proc in reversed(list(self.services.values())):
-            proc.stop()
+        self.launcher.stop()
         if self.etcd is not None:
             self.etcd.stop()
 
@@ -167,7 +166,7 @@ async def create_sessions(
                 )
             )
             if send:
-                await hooks.resume(ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")))
+                await hooks.append(ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")))
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
     return created
@@ -196,7 +195,7 @@ async def answered(anchor: AnchorClient, sid: str, seq: int) -> bool:
 
 
 async def send(hooks: HooksClient, sid: str, text: str) -> int:
-    receipt = await hooks.resume(ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)))
+    receipt = await hooks.append(ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)))
     return receipt.seq
 
 
@@ -251,7 +250,7 @@ async def time_takeover(
 async def settled_rss(pid: int, parked: int, settle: float) -> int:
     """The owner's RSS once `parked` sessions are parked, and again `settle`
     seconds later (the owner gives freed heap back to the OS at most every
-    10 s after a park: services/owner/hosting/heap.py); the later one counts."""
+    10 s after a park: services/owner/host/heap.py); the later one counts."""
     at_park = rss_bytes(pid)
     await asyncio.sleep(settle)
     settled = rss_bytes(pid)

@@ -39,7 +39,7 @@ from baton_runtime.common.errors import BatonError
 from baton_runtime.common.security.identity import Role
 from bench.common import write_json
 from bench.idle_rss import DEPLOYMENT_ID, INSTANCE_ID, IdleStack, create_sessions, rss_bytes
-from bench.turn_latency import cpu_seconds
+from bench.measure import cpu_seconds
 
 MODES = {"feed": "1", "per-session": "0"}
 PROCESSES = ("hooks", "owner", "anchor")

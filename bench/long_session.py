@@ -52,18 +52,9 @@ from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from bench.common import log_dir, write_json
-from bench.turn_latency import (
-    DEPLOYMENT_ID,
-    DEPLOYMENT_ID_B,
-    BenchStack,
-    Dist,
-    Follower,
-    create_session,
-    load_average,
-    measure_upgrades,
-    one_turn,
-    wait_registered,
-)
+from bench.measure import Dist, load_average
+from bench.stack import DEPLOYMENT_ID, DEPLOYMENT_ID_B, BenchStack
+from bench.turns import Follower, create_session, measure_upgrades, one_turn, wait_registered
 
 TARGET_AGE_RATIO = 1.1
 TARGET_UPGRADE_RATIO = 2.0

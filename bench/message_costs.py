@@ -35,15 +35,18 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from baton_runtime.cli.system.etcd_process import EtcdProcess
+from baton_runtime.cli.system.service_launcher import start_etcd
 from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.etcd.client import make_client
 from baton_runtime.common.etcd.ops import op_put
@@ -52,10 +55,11 @@ from baton_runtime.common.etcd.watch import watch_then_read
 from baton_runtime.common.rpc.server import server_options
 from baton_runtime.common.security import tls
 from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.tls import Security
 from bench.common import apply_smoke, write_json
 from bench.hops import JSON_PATH as HOPS_JSON
-from bench.turn_latency import cpu_seconds
-from tests import certs
+from bench.measure import cpu_seconds
+from bench.stack import BENCH_PREFIX, bench_pki
 
 REQUEST = b"r" * 400
 ANSWER = b"a" * 100
@@ -128,8 +132,9 @@ async def _interleaved(
     }
 
 
-async def measure_grpc(server_pid: int, port: int, calls: int) -> dict[str, Any]:
-    security = certs.security(Role.HOOKS)
+async def measure_grpc(
+    server_pid: int, port: int, calls: int, security: Security
+) -> dict[str, Any]:
     channel = open_channel(f"127.0.0.1:{port}", security, service="hooks")
     try:
         check = health_pb2_grpc.HealthStub(channel).Check
@@ -155,13 +160,13 @@ async def measure_grpc(server_pid: int, port: int, calls: int) -> dict[str, Any]
         await channel.close()
 
 
-async def measure_etcd(etcd: EtcdProcess, calls: int) -> dict[str, Any]:
+async def measure_etcd(etcd: EtcdProcess, calls: int, security: Security) -> dict[str, Any]:
     """Write txns to an unwatched prefix, and to a watched one (each waiting
     for its event: one watch response each), interleaved; the difference is
     the watch response."""
-    store = Store(make_client(etcd.endpoint, 5.0, certs.etcd_security()), 5.0)
+    store = Store(make_client(etcd.endpoint, 5.0, security), 5.0)
     await store.connect()
-    root = f"{certs.TEST_PREFIX}costs/{uuid.uuid4().hex}/"
+    root = f"{BENCH_PREFIX}costs/{uuid.uuid4().hex}/"
     quiet, watched = f"{root}quiet/".encode(), f"{root}watched/".encode()
     counter = iter(range(10**9))
     seen: asyncio.Queue[None] = asyncio.Queue()
@@ -293,21 +298,25 @@ def report(figures: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    files = certs.files(Role.HOOKS)
+async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The server process and etcd, as hooks' certificate from a throwaway
+    PKI in `workdir` sees them."""
+    pki = bench_pki(workdir / "certs")
+    files = pki.files(Role.HOOKS)
     server = await asyncio.create_subprocess_exec(
         sys.executable,
         *("-m", "bench.message_costs", "--serve", files.cert, files.key, files.ca),
         stdout=asyncio.subprocess.PIPE,
     )
-    etcd = certs.start_etcd()
+    etcd = start_etcd(pki, BENCH_PREFIX, log_path=str(workdir / "etcd.log"))
+    as_hooks = pki.security(Role.HOOKS)
     try:
         assert server.stdout is not None
         port = int(await asyncio.wait_for(server.stdout.readline(), 30))
         figures = {
             "calls": args.calls,
-            "grpc": await measure_grpc(server.pid, port, args.calls),
-            "etcd": await measure_etcd(etcd, args.calls),
+            "grpc": await measure_grpc(server.pid, port, args.calls, as_hooks),
+            "etcd": await measure_etcd(etcd, args.calls, as_hooks),
         }
     finally:
         server.terminate()
@@ -336,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     apply_smoke(parser, args, {"calls": 50})
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    figures = asyncio.run(run(args))
+    with tempfile.TemporaryDirectory(prefix="baton-costs-") as workdir:
+        figures = asyncio.run(run(args, Path(workdir)))
     figures["load_average_end"] = list(os.getloadavg())
     print(report(figures))
     write_json(args.json, figures)

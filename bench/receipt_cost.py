@@ -38,16 +38,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime.cli.system.service_launcher import start_etcd
+from baton_runtime.cli.system.service_stack import ServiceStack
 from baton_runtime.common.clients.hooks import HooksClient
-from bench.turn_latency import cpu_seconds
-from tests import certs
-from tests.procs import SLACK, ProcessStack
-from tests.stack import public_channel
+from baton_runtime.common.security.pki import LocalPki
+from bench.measure import cpu_seconds
+from bench.stack import (
+    BENCH_PREFIX,
+    METADATA,
+    bench_pki,
+    bench_service_stack,
+    eventually,
+    public_channel,
+)
 
 _SERVICES = ("ingress", "hooks")
 
 
-def _pids(stack: ProcessStack, etcd_pid: int) -> dict[str, int]:
+def _pids(stack: ServiceStack, etcd_pid: int) -> dict[str, int]:
     assert stack.ingress is not None and stack.hooks is not None
     return {"ingress": stack.ingress.pid, "hooks": stack.hooks.pid, "etcd": etcd_pid}
 
@@ -70,26 +78,31 @@ async def measure(
     etcd_endpoint: str,
     etcd_pid: int,
     workdir: Path,
+    pki: LocalPki,
     sends: int,
     profile: str = "",
     native: bool = False,
 ) -> Any:
-    stack = ProcessStack(etcd_endpoint, workdir, lease_ttl=120)
+    # Log level warning, as in production and bench.turn_latency: no info
+    # lines per call.
+    stack = bench_service_stack(etcd_endpoint, workdir, pki, lease_ttl=120, log_level="warning")
     stack.start_deployments(owners={"o1": (stack.deployment_id, "")}, ingresses={})
     # No channel send limit in the way (the default is 200 a second).
-    stack.ingress = stack.start_ingress(
+    stack.start_ingress(
         "ingress", stack.deployment_id, ["o1"], env={"BATON_MAX_SENDS_PER_SECOND": "100000"}
     )
-    clients = stack.clients()
-    await clients.wait_registered("o1")
-    await clients.close()
-    channel = public_channel(stack.addr("ingress"))
+    channel = public_channel(stack.addr("ingress"), pki)
     ingress = ingress_pb2_grpc.IngressServiceStub(channel)
     hooks = HooksClient(stack.addr("hooks"), timeout=5, security=stack.probe)
+
+    async def registered() -> bool:
+        return bool(await hooks.list_instances(stack.deployment_id))
+
+    await eventually(registered, "o1 registered")
     pids = _pids(stack, etcd_pid)
     try:
         created = await ingress.CreateSession(
-            ingress_pb.CreateSessionRequest(), metadata=SLACK, timeout=10
+            ingress_pb.CreateSessionRequest(), metadata=METADATA, timeout=10
         )
         sid = created.session_id
 
@@ -98,7 +111,7 @@ async def measure(
                 ingress_pb.SendMessageRequest(
                     session_id=sid, text="hello", delivery_id=f"dlv_cost_{n}"
                 ),
-                metadata=SLACK,
+                metadata=METADATA,
                 timeout=10,
             )
 
@@ -165,29 +178,29 @@ def _etcd_pid(server: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # As in production and bench.turn_latency: no info lines per call.
-    os.environ.setdefault("BATON_TEST_LOG_LEVEL", "warning")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sends", type=int, default=1000)
     parser.add_argument("--profile", metavar="DIR", default="")
     parser.add_argument("--native", action="store_true", help="py-spy with C frames (pauses)")
     parser.add_argument("--json", metavar="PATH", default="")
     args = parser.parse_args(argv)
-    server = certs.start_etcd()
-    try:
-        with tempfile.TemporaryDirectory(prefix="baton-receipt-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="baton-receipt-") as workdir:
+        pki = bench_pki(Path(workdir) / "certs")
+        server = start_etcd(pki, BENCH_PREFIX, log_path=str(Path(workdir) / "etcd.log"))
+        try:
             figures = asyncio.run(
                 measure(
                     server.endpoint,
                     _etcd_pid(server),
                     Path(workdir),
+                    pki,
                     args.sends,
                     args.profile,
                     args.native,
                 )
             )
-    finally:
-        server.stop()
+        finally:
+            server.stop()
     text = json.dumps(figures, indent=2)
     print(text)
     if args.json:

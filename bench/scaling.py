@@ -44,21 +44,12 @@ import grpc
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime.common.config import Capacity
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import (
-    METADATA,
-    SERVICES,
-    BenchStack,
-    Follower,
-    Sample,
-    load_average,
-    measure_floor_throughput,
-    open_followers,
-    per_turn,
-    run_concurrent_turns,
-    versions,
-)
+from bench.floor import measure_floor_throughput
+from bench.measure import Sample, load_average, per_turn, versions
+from bench.stack import METADATA, SERVICES, BenchStack
+from bench.turns import Follower, open_followers, run_concurrent_turns
 
 LEVELS = "1,8,32,128,512"
 SMOKE = {"levels": "1,4", "turns": 6, "min_turns_per_session": 2}

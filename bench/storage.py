@@ -68,16 +68,9 @@ from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.expiry import lease_ttl
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import (
-    DEPLOYMENT_ID,
-    METADATA,
-    BenchStack,
-    Dist,
-    Follower,
-    create_session,
-    load_average,
-    one_turn,
-)
+from bench.measure import Dist, load_average
+from bench.stack import DEPLOYMENT_ID, METADATA, BenchStack
+from bench.turns import Follower, create_session, one_turn
 
 TARGET_RATIO = 1.1
 TARGET_STORE_RATIO = 1.05

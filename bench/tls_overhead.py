@@ -36,14 +36,9 @@ from typing import Any
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import (
-    BenchStack,
-    Dist,
-    load_average,
-    measure_sequential,
-    measure_throughput,
-    versions,
-)
+from bench.measure import Dist, load_average, versions
+from bench.stack import BenchStack
+from bench.turns import measure_sequential, measure_throughput
 
 TARGET_RATIO = 1.15
 MODES = ("tls", "plaintext")

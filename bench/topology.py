@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
@@ -47,25 +46,21 @@ from typing import Any
 import grpc
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
-from baton_runtime.cli.system.etcd_auth import enable_auth
-from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
-from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess
+from baton_runtime.cli.system.service_env import wiring_env
+from baton_runtime.cli.system.service_launcher import (
+    ServiceLauncher,
+    start_etcd,
+    start_etcd_cluster,
+)
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
 from baton_runtime.common.security.tls import Security, tls_options
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import (
-    API_KEY,
-    BENCH_PREFIX,
-    CHANNEL,
-    SERVICE_NAMES,
-    Dist,
-    load_average,
-    measure_sequential,
-    measure_throughput,
-    versions,
-)
+from bench.measure import Dist, load_average, versions
+from bench.stack import BENCH_PREFIX, UNLIMITED_RATES, bench_pki, key_file
+from bench.turns import measure_sequential, measure_throughput
 
 DEPLOYMENT_ID = "bench-topology"
 SMOKE = {"turns": 5, "warmup_turns": 2, "sessions": 2, "concurrent_turns": 6, "rounds": 1}
@@ -89,94 +84,70 @@ TOPOLOGIES = (
 @dataclass
 class TopologyStack:
     """etcd (one member or a cluster) and `replicas` processes of each service,
-    with TLS on every hop and etcd over TLS with auth (as in production)."""
+    with TLS on every hop and etcd over TLS with auth (as in production),
+    started by the one launcher (services/cli/system/service_launcher.py)."""
 
     topology: Topology
     log_dir: str
     etcd: EtcdProcess | EtcdCluster | None = None
-    services: dict[str, ServiceProcess] = field(default_factory=dict)
-    addrs: dict[str, str] = field(default_factory=dict)
-    pki: LocalPki | None = None
+    launcher: ServiceLauncher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.launcher = ServiceLauncher(Path(self.log_dir), log_level="warning")
+
+    @property
+    def pki(self) -> LocalPki | None:
+        return self.launcher.pki
 
     def security(self, role: Role) -> Security:
-        assert self.pki is not None
-        own = DEPLOYMENT_ID if role in (Role.OWNER, Role.INGRESS) else ""
-        return self.pki.security(role, own)
+        return self.launcher.security(role, DEPLOYMENT_ID)
 
     def ca(self) -> bytes:
         assert self.pki is not None
         return Path(self.pki.ca_path).read_bytes()
 
-    def _tls_env(self, role: Role) -> dict[str, str]:
-        files = self.security(role).files
-        assert files is not None
-        return {"BATON_TLS_CERT": files.cert, "BATON_TLS_KEY": files.key, "BATON_TLS_CA": files.ca}
-
     def names(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.topology.replicas + 1)]
 
     def joined(self, kind: str) -> str:
-        return ",".join(self.addrs[name] for name in self.names(kind))
+        return self.launcher.addrs(self.names(kind))
 
     def start(self) -> None:
-        self.pki = LocalPki(os.path.join(self.log_dir, "certs"))
-        tls = EtcdTls(server=self.pki.etcd_server(), root=self.pki.etcd_user("root"))
+        pki = self.launcher.pki = bench_pki(os.path.join(self.log_dir, "certs"))
         if self.topology.etcd_members == 1:
-            self.etcd = EtcdProcess(log_path=os.path.join(self.log_dir, "etcd.log"), tls=tls)
-            self.etcd.start()
-            first = self.etcd.endpoint
+            etcd_log = os.path.join(self.log_dir, "etcd.log")
+            self.etcd = start_etcd(pki, BENCH_PREFIX, log_path=etcd_log)
         else:
-            self.etcd = EtcdCluster(
-                size=self.topology.etcd_members, log_dir=self.log_dir, tls=tls
-            ).start()
-            first = self.etcd.members[0].endpoint
-        enable_auth(first, tls.root, ("hooks", "anchor"), BENCH_PREFIX)
-        key_file = os.path.join(self.log_dir, "api-keys")
-        with open(key_file, "w") as f:
-            f.write(f"{CHANNEL}={API_KEY}\n")
+            self.etcd = start_etcd_cluster(
+                pki, BENCH_PREFIX, self.topology.etcd_members, log_dir=self.log_dir
+            )
+        keys = key_file(self.log_dir)
+        prefix = f"{BENCH_PREFIX}topology/{uuid.uuid4().hex[:12]}/"
         kinds = ("hooks", "anchor", "owner", "ingress")
-        self.addrs = {n: f"127.0.0.1:{free_port()}" for k in kinds for n in self.names(k)}
-        env = {
-            "BATON_LOG_LEVEL": "warning",
-            "BATON_ETCD_ENDPOINT": self.etcd.endpoint,
-            "BATON_ETCD_PREFIX": f"{BENCH_PREFIX}topology/{uuid.uuid4().hex[:12]}/",
-            "BATON_DEPLOYMENT_ID": DEPLOYMENT_ID,
-            "BATON_API_KEYS_FILE": key_file,
-            # The bench drives one channel past the default per-channel rates.
-            "BATON_MAX_SENDS_PER_SECOND": "1000000",
-            "BATON_MAX_SESSIONS_PER_MINUTE": "1000000",
-            "BATON_HOOKS_ADDR": self.joined("hooks"),
-            "BATON_ANCHOR_ADDR": self.joined("anchor"),
-            "BATON_OWNER_ADDR": self.joined("owner"),
-        }
         for kind in kinds:
             for name in self.names(kind):
-                extra = {"BATON_INSTANCE_ID": name} if kind == "owner" else {}
-                self.services[name] = ServiceProcess(
-                    name=kind,
-                    listen=self.addrs[name],
-                    env={**env, **extra, **self._tls_env(Role(kind))},
-                    log_path=os.path.join(self.log_dir, f"{name}.log"),
-                ).start()
-        for name in self.services:
-            wait_serving(
-                self.addrs[name],
-                self.security(Role.OPERATOR),
-                SERVICE_NAMES[name.rstrip("0123456789")],
-                timeout=60,
-            )
+                wiring = wiring_env(
+                    kind,
+                    etcd=self.etcd.endpoint,
+                    prefix=prefix,
+                    hooks=self.joined("hooks"),
+                    anchor=self.joined("anchor"),
+                    deployment_id=DEPLOYMENT_ID,
+                    owners=self.joined("owner"),
+                    api_keys_file=keys,
+                )
+                if kind == "owner":
+                    wiring["BATON_INSTANCE_ID"] = name
+                if kind == "ingress":
+                    wiring |= UNLIMITED_RATES
+                self.launcher.start(name, kind, wiring, deployment_id=DEPLOYMENT_ID, wait=False)
+        self.launcher.wait_serving(timeout=60)
 
     def check_alive(self) -> None:
-        for name, proc in self.services.items():
-            if proc.proc is not None and proc.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited; see {self.log_dir}/{name}.log")
+        self.launcher.check_alive()
 
     def stop(self) -> None:
-        for proc in reversed(list(self.services.values())):
-            with contextlib.suppress(Exception):
-                proc.stop(timeout=5)
-            with contextlib.suppress(Exception):
-                proc.kill()
+        self.launcher.stop(timeout=5)
         if self.etcd is not None:
             self.etcd.stop()
 

@@ -35,7 +35,7 @@ class Bounds:
 class Variant:
     """Known-bad variants: each one a mistake the protocol must not make,
     which the checker must catch (tests/test_model.py). `reconciler` is not
-    a mistake: the periodic safety net (services/owner/hosting/reconcile.py),
+    a mistake: the periodic safety net (services/owner/host/reconcile.py),
     off by default so that the protocol is shown live without it."""
 
     commit_without_fence: bool = False  # anchor's commit does not compare the fence

@@ -92,15 +92,15 @@ ACTIONS: dict[str, tuple[str, str]] = {
     ),
     "crash": (
         "kill -9 of an owner process: everything in memory is gone",
-        "services/owner/hosting/sessions.py:HostedSessions.stop",
+        "services/owner/host/sessions.py:HostedSessions.stop",
     ),
     "pause": (
         "an owner process paused past its lease (SIGSTOP, a partition)",
-        "services/owner/hosting/fleet.py:FleetMembership._keep_alive",
+        "services/owner/host/fleet.py:FleetMembership._keep_alive",
     ),
     "notice_lease_lost": (
         "a keep-alive answers TTL 0: stop every run and exit",
-        "services/owner/hosting/fleet.py:FleetMembership._lose_lease",
+        "services/owner/host/fleet.py:FleetMembership._lose_lease",
     ),
     "lease_expires": (
         "a dead process's lease expires: its registry key vanishes",
@@ -108,7 +108,7 @@ ACTIONS: dict[str, tuple[str, str]] = {
     ),
     "restart": (
         "the supervisor restarts an owner process under its instance id",
-        "services/owner/hosting/fleet.py:FleetMembership._join",
+        "services/owner/host/fleet.py:FleetMembership._join",
     ),
     "take_over": (
         "TakeOverSession: epoch + 1 by compare-and-swap, index moved",
@@ -116,19 +116,19 @@ ACTIONS: dict[str, tuple[str, str]] = {
     ),
     "take_over_retry": (
         "the takeover sent again after a lost answer (same successor run)",
-        "services/owner/hosting/restarts.py:Restarts.take_over",
+        "services/owner/host/restarts.py:Restarts.take_over",
     ),
     "wake": (
         "a bell above the parked position (or a drain) wakes a parked session",
-        "services/owner/hosting/parking.py:Parking.ring",
+        "services/owner/host/parking.py:Parking.ring",
     ),
     "reconcile_wake": (
         "the reconciler wakes a parked session whose bell rang",
-        "services/owner/hosting/reconcile.py:Reconciler.round",
+        "services/owner/host/reconcile.py:Reconciler.round",
     ),
     "activate": (
         "unpark (fenced), load the last snapshot, start a run",
-        "services/owner/hosting/sessions.py:HostedSessions._activate",
+        "services/owner/host/sessions.py:HostedSessions._activate",
     ),
     "begin": (
         "a run moved here without a trigger commits session.handed_off first",
@@ -168,11 +168,11 @@ ACTIONS: dict[str, tuple[str, str]] = {
     ),
     "adopt": (
         "an owner of the accepting deployment adopts a session whose fleet is gone",
-        "services/owner/hosting/adoption.py:Adoption.prepare",
+        "services/owner/host/adoption.py:Adoption.prepare",
     ),
     "drain_start": (
         "an operator drains deployment A to B",
-        "services/owner/hosting/drains.py:Drains.start",
+        "services/owner/host/drains.py:Drains.start",
     ),
 }
 

@@ -6,9 +6,9 @@ exactly when every field is: the checker (explore.py) stores and compares
 them as they are.
 
 Names follow the code: `Store` is one session's keys (services/common/etcd/
-keys.py), `Host` an owner instance (services/owner/hosting/host.py), `Run` a
+keys.py), `Host` an owner instance (services/owner/host/host.py), `Run` a
 `SessionRun` (services/owner/run/session.py), `Parked` a `ParkedSession`
-(services/owner/hosting/parking.py), `Acceptance` an `AcceptHandoff` in
+(services/owner/host/parking.py), `Acceptance` an `AcceptHandoff` in
 flight on the target (services/owner/handoff/acceptance.py).
 """
 

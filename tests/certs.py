@@ -19,6 +19,10 @@ import aetcd
 from baton_runtime.cli.system.etcd_auth import enable_auth
 from baton_runtime.cli.system.etcd_process import EtcdCluster, EtcdProcess, EtcdTls
 from baton_runtime.cli.system.processes import free_port
+from baton_runtime.cli.system.service_launcher import ETCD_USERS
+from baton_runtime.cli.system.service_launcher import etcd_tls as launched_etcd_tls
+from baton_runtime.cli.system.service_launcher import start_etcd as launch_etcd
+from baton_runtime.cli.system.service_launcher import start_etcd_cluster as launch_etcd_cluster
 from baton_runtime.common.etcd.client import make_client
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
@@ -28,7 +32,6 @@ from tests.netfaults import Network
 # Every test keeps its etcd keys under this prefix (a unique root each); the
 # etcd role of the services' certificates may touch nothing else.
 TEST_PREFIX = "/t/"
-ETCD_USERS = ("hooks", "anchor")
 
 _pki: LocalPki | None = None
 
@@ -66,23 +69,19 @@ def ingress(deployment_id: str) -> Security:
 
 
 def etcd_tls() -> EtcdTls:
-    return EtcdTls(server=pki().etcd_server(), root=pki().etcd_user("root"))
+    return launched_etcd_tls(pki())
 
 
 def start_etcd(**kwargs: object) -> EtcdProcess:
     """A TLS etcd with auth on: hooks' and anchor's certificates are users
-    whose role reads and writes `/t/` only."""
-    server = EtcdProcess(tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
-    enable_auth(server.endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
-    return server
+    whose role reads and writes `/t/` only (the launcher's `start_etcd`)."""
+    return launch_etcd(pki(), TEST_PREFIX, **kwargs)
 
 
 def start_etcd_cluster(size: int = 3, **kwargs: object) -> EtcdCluster:
     """`size` members, every one with TLS and the same auth as `start_etcd`
     (auth is enabled once, through the first member: it is cluster state)."""
-    cluster = EtcdCluster(size=size, tls=etcd_tls(), **kwargs).start()  # type: ignore[arg-type]
-    enable_auth(cluster.members[0].endpoint, etcd_tls().root, ETCD_USERS, TEST_PREFIX)
-    return cluster
+    return launch_etcd_cluster(pki(), TEST_PREFIX, size, **kwargs)
 
 
 async def start_etcd_cluster_behind(

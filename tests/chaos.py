@@ -49,11 +49,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import itertools
 import json
 import logging
-import os
 import random
 import signal
 import sys
@@ -75,14 +73,15 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.system.etcd_check import members_consistent
 from baton_runtime.cli.system.etcd_process import EtcdCluster
-from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.cli.system.processes import ServiceProcess, wait_serving
+from baton_runtime.cli.system.service_env import wiring_env
+from baton_runtime.cli.system.service_launcher import ServiceLauncher
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.client import EtcdClient
 from baton_runtime.common.etcd.keys import Keys, parse_fence
 from baton_runtime.common.etcd.watch import follow_range
-from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
@@ -160,12 +159,25 @@ class ChaosStack:
     lease_ttl: int = 3
     park_after: float = 1.0
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}c{uuid.uuid4().hex}/")
-    procs: dict[str, ServiceProcess] = field(default_factory=dict)
-    ports: dict[str, int] = field(default_factory=dict)
     # With a fault layer, every process dials every other through a proxy
     # of its own (`dial`); the test's own probes and checks dial directly.
     network: Network | None = None
     proxies: dict[tuple[str, str], int] = field(default_factory=dict)  # (client, server) -> port
+    launcher: ServiceLauncher = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The one launcher (services/cli/system/service_launcher.py), on the test PKI.
+        self.launcher = ServiceLauncher(
+            self.workdir, certs.pki(), env={"BATON_SHUTDOWN_GRACE": "1"}
+        )
+
+    @property
+    def procs(self) -> dict[str, ServiceProcess]:
+        return self.launcher.processes
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.launcher.ports
 
     def shared(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
@@ -189,10 +201,10 @@ class ChaosStack:
         ]
 
     def addr(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        return self.launcher.addr(name)
 
     def addrs(self, names: list[str]) -> str:
-        return ",".join(self.addr(name) for name in names)
+        return self.launcher.addrs(names)
 
     def dial(self, client: str, servers: list[str]) -> str:
         """The addresses `client` reaches `servers` at: their proxies' for
@@ -207,7 +219,7 @@ class ChaosStack:
     def plan_ports(self) -> None:
         for tier in self.tiers():
             for name in tier:
-                self.ports.setdefault(name, free_port())
+                self.addr(name)
 
     async def wire(self, network: Network) -> None:
         """A proxy on every link of the topology: hooks and anchor to each
@@ -240,17 +252,27 @@ class ChaosStack:
         return ("owner" if local.startswith("o") else "ingress"), deployment
 
     def _env(self, name: str) -> dict[str, str]:
+        """`name`'s wiring (its identity is the launcher's)."""
         module, deployment = self.kind(name)
-        files = certs.security(Role(module), deployment).files
-        assert files is not None
-        env = {
-            "BATON_TLS_CERT": files.cert,
-            "BATON_TLS_KEY": files.key,
-            "BATON_TLS_CA": files.ca,
-            "PYTHONUNBUFFERED": "1",
-            "BATON_LOG_LEVEL": "info",
-            "BATON_SHUTDOWN_GRACE": "1",
-        }
+        keys = self.workdir / "api-keys"
+        if module == "ingress" and not keys.exists():
+            keys.write_text(f"slack={API_KEY}\n")
+        shared = module in ("hooks", "anchor")
+        etcd = self.etcd.endpoint
+        if shared and self.network is not None:
+            etcd = self.dial(name, self.etcd_members())
+        env = wiring_env(
+            module,
+            etcd=etcd,
+            prefix=self.prefix,
+            hooks="" if shared else self.dial(name, self.shared("hooks")),
+            anchor="" if shared else self.dial(name, self.shared("anchor")),
+            deployment_id=deployment,
+            owners=self.dial(name, self.owners(deployment)) if module == "ingress" else "",
+            api_keys_file=str(keys),
+        )
+        if shared:
+            env["BATON_ETCD_TIMEOUT"] = "2"
         if module == "anchor":
             # One object store for the replicas; sealing soon after a
             # session goes quiet, and orphans (of anchors killed while
@@ -260,42 +282,21 @@ class ChaosStack:
                 "BATON_SEAL_IDLE": "1",
                 "BATON_OBJECT_ORPHAN_GRACE": "10",
             }
-        if module in ("hooks", "anchor"):
-            etcd = self.dial(name, self.etcd_members()) if self.network else self.etcd.endpoint
-            return env | {
-                "BATON_ETCD_ENDPOINT": etcd,
-                "BATON_ETCD_PREFIX": self.prefix,
-                "BATON_ETCD_TIMEOUT": "2",
-            }
-        env |= {
-            "BATON_HOOKS_ADDR": self.dial(name, self.shared("hooks")),
-            "BATON_ANCHOR_ADDR": self.dial(name, self.shared("anchor")),
-            "BATON_DEPLOYMENT_ID": deployment,
-        }
         if module == "owner":
-            return env | {
+            env |= {
                 "BATON_INSTANCE_ID": name.replace(".", "-"),
                 "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
                 "BATON_OWNER_PARK_AFTER": str(self.park_after),
                 # Other owners (handoffs) reach it through its proxy.
                 "BATON_OWNER_ADVERTISE": self.dial("peers", [name]),
             }
-        keys = self.workdir / "api-keys"
-        if not keys.exists():
-            keys.write_text(f"slack={API_KEY}\n")
-        return env | {
-            "BATON_API_KEYS_FILE": str(keys),
-            "BATON_OWNER_ADDR": self.dial(name, self.owners(deployment)),
-        }
+        return env
 
     def start_process(self, name: str, *, wait: bool = True) -> None:
-        module, _ = self.kind(name)
-        proc = ServiceProcess(
-            module, self.addr(name), self._env(name), log_path=str(self.workdir / f"{name}.log")
+        module, deployment = self.kind(name)
+        self.launcher.start(
+            name, module, self._env(name), deployment_id=deployment, wait=wait, timeout=60
         )
-        self.procs[name] = proc.start()
-        if wait:
-            wait_serving(self.addr(name), certs.operator(), timeout=60)
 
     def start(self) -> ChaosStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -303,30 +304,23 @@ class ChaosStack:
         for tier in self.tiers():
             for name in tier:
                 self.start_process(name, wait=False)
-            for name in tier:
-                wait_serving(self.addr(name), certs.operator(), timeout=60)
+            self.launcher.wait_serving(tier, timeout=60)
         return self
 
     def alive(self, name: str) -> bool:
-        proc = self.procs[name].proc
-        return proc is not None and proc.poll() is None
+        return self.launcher.alive(name)
 
     def kill(self, name: str) -> None:
-        self.procs[name].kill()
+        self.launcher.kill(name)
 
     def terminate(self, name: str) -> None:
-        self.procs[name].stop()
+        self.launcher.terminate(name)
 
     def signal(self, name: str, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.procs[name].pid, signum)
+        self.launcher.signal(name, signum)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.proc is not None and proc.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
+        self.launcher.stop(graceful=False)
 
 
 @dataclass

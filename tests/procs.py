@@ -1,14 +1,16 @@
 """Baton as real processes, for recovery tests: hooks, anchor, ingress and N
-owner instances of one deployment over a real etcd, with the means to kill,
-pause and start them, and checks of the history invariants (docs/design.md §9).
-Every process gets its role's certificate from the test PKI (TLS on every
-hop and to etcd) and ingress reads its API keys from a file."""
+owner instances of one deployment over a real etcd (`ProcessStack`, the
+package's `ServiceStack` on the test PKI), replicas of each
+(`ReplicatedStack`), their clients, and checks of the history invariants
+(docs/design.md §9). Every process is started by the one launcher
+(services/cli/system/service_launcher.py) with its role's certificate from
+the test PKI (TLS on every hop and to etcd); ingress reads its API keys from
+a file."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -21,19 +23,22 @@ import grpc
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.cli.system.processes import ServiceProcess, free_port, wait_serving
+from baton_runtime.cli.system.processes import ServiceProcess
+from baton_runtime.cli.system.service_env import wiring_env
+from baton_runtime.cli.system.service_launcher import ServiceLauncher
+from baton_runtime.cli.system.service_stack import ServiceStack
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
 from baton_runtime.common.security.identity import Role
+from baton_runtime.common.security.pki import LocalPki
 from baton_runtime.common.security.tls import Security, tls_options
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.stack import SLACK_KEY, public_channel
 
 API_KEY = SLACK_KEY
-_PER_DEPLOYMENT = (Role.OWNER, Role.INGRESS)
 SLACK = (("authorization", f"Bearer {API_KEY}"),)
 K = s.EventKind
 _T = TypeVar("_T")
@@ -57,210 +62,25 @@ async def eventually(
 
 
 @dataclass
-class ProcessStack:
-    """hooks + anchor + ingress + owner instances of one deployment."""
+class ProcessStack(ServiceStack):
+    """hooks + anchor + ingress + owner instances of one deployment
+    (services/cli/system/service_stack.py), on the test PKI, under a unique
+    key prefix of the test etcd's, its ingresses granting the suite's key."""
 
-    etcd_endpoint: str
-    workdir: Path
-    deployment_id: str = "dep-r"
-    lease_ttl: int = 2
-    park_after: float | None = None
-    owner_env: dict[str, str] = field(default_factory=dict)  # every owner's extra env
-    anchor_env: dict[str, str] = field(default_factory=dict)  # anchor's extra env
-    env: dict[str, str] = field(default_factory=dict)  # every process's extra env
+    pki: LocalPki | None = field(default_factory=certs.pki)
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
-    hooks: ServiceProcess | None = None
-    anchor: ServiceProcess | None = None
-    ingress: ServiceProcess | None = None
-    owners: dict[str, ServiceProcess] = field(default_factory=dict)
-    ingresses: dict[str, ServiceProcess] = field(default_factory=dict)
-    ports: dict[str, int] = field(default_factory=dict)
-    # With `serve_metrics`, every process serves Prometheus metrics on a port
-    # of its own (`metrics_url`).
-    serve_metrics: bool = False
-    metrics_ports: dict[str, int] = field(default_factory=dict)
-
-    def addr(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
-
-    def metrics_url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
-
-    def _env(self, security: Security, **extra: str) -> dict[str, str]:
-        assert security.files is not None
-        return {
-            "BATON_TLS_CERT": security.files.cert,
-            "BATON_TLS_KEY": security.files.key,
-            "BATON_TLS_CA": security.files.ca,
-            "PYTHONUNBUFFERED": "1",
-            "BATON_LOG_LEVEL": os.environ.get("BATON_TEST_LOG_LEVEL", "info"),
-            "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
-            "BATON_ETCD_PREFIX": self.prefix,
-            "BATON_ETCD_TIMEOUT": "2",
-            "BATON_HOOKS_ADDR": self.addr("hooks"),
-            "BATON_ANCHOR_ADDR": self.addr("anchor"),
-            "BATON_DEPLOYMENT_ID": self.deployment_id,
-            "BATON_SHUTDOWN_GRACE": "1",
-            **self.env,
-            **extra,
-        }
-
-    def _spawn(self, name: str, module: str, **extra: str) -> ServiceProcess:
-        self.ports.setdefault(name, free_port())
-        deployment_id = extra.get("BATON_DEPLOYMENT_ID", self.deployment_id)
-        role = Role(module)
-        security = certs.security(role, deployment_id if role in _PER_DEPLOYMENT else "")
-        if module == "ingress":
-            extra.setdefault("BATON_API_KEYS_FILE", self._key_file())
-        if self.serve_metrics:
-            port = self.metrics_ports.setdefault(name, free_port())
-            extra.setdefault("BATON_METRICS_LISTEN", f"127.0.0.1:{port}")
-        proc = ServiceProcess(
-            module,
-            self.addr(name),
-            self._env(security, **extra),
-            log_path=str(self.workdir / f"{name}.log"),
-        )
-        return proc.start()
-
-    def _anchor_env(self) -> dict[str, str]:
-        """anchor's extra env; its object store a directory of the workdir
-        unless the test names one."""
-        return {"BATON_OBJECT_STORE": f"file://{self.workdir / 'objects'}", **self.anchor_env}
-
-    def _key_file(self) -> str:
-        path = self.workdir / "api-keys"
-        if not path.exists():
-            path.write_text(f"slack={API_KEY}\n")
-        return str(path)
-
-    def security(self, role: Role = Role.OWNER, deployment_id: str = "") -> Security:
-        """A certificate of `role` (for owners and ingresses: of the stack's
-        deployment unless named)."""
-        if role in _PER_DEPLOYMENT:
-            return certs.security(role, deployment_id or self.deployment_id)
-        return certs.security(role)
+    api_key: str = API_KEY
+    log_level: str = field(default_factory=lambda: os.environ.get("BATON_TEST_LOG_LEVEL", "info"))
 
     def start(self, owners: int = 2) -> ProcessStack:
-        """Start everything and wait until it serves (owners registered)."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        for name in ("hooks", "anchor", "ingress", *(f"o{i}" for i in range(1, owners + 1))):
-            self.ports.setdefault(name, free_port())
-        self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
-        for i in range(1, owners + 1):
-            self.start_owner(f"o{i}", wait=False)
-        self.ingress = self._spawn("ingress", "ingress", BATON_OWNER_ADDR=self.addr("o1"))
-        for name in ("hooks", "anchor", "ingress", *self.owners):
-            wait_serving(self.addr(name), self.probe)
+        super().start(owners)
         return self
 
     def start_deployments(
         self, owners: dict[str, tuple[str, str]], ingresses: dict[str, tuple[str, str]]
     ) -> ProcessStack:
-        """Several deployments side by side. `owners`: instance id ->
-        (deployment id, failpoints); `ingresses`: name -> (deployment id,
-        the owner instance it creates sessions on)."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        for name in ("hooks", "anchor", *ingresses, *owners):
-            self.ports.setdefault(name, free_port())
-        self.hooks = self._spawn("hooks", "hooks")
-        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
-        for instance_id, (deployment_id, points) in owners.items():
-            self.start_owner(
-                instance_id, wait=False, deployment_id=deployment_id, failpoints=points
-            )
-        for name, (deployment_id, owner) in ingresses.items():
-            self.ingresses[name] = self._spawn(
-                name,
-                "ingress",
-                BATON_OWNER_ADDR=self.addr(owner),
-                BATON_DEPLOYMENT_ID=deployment_id,
-            )
-        for name in ("hooks", "anchor", *ingresses, *owners):
-            wait_serving(self.addr(name), self.probe)
+        super().start_deployments(owners, ingresses)
         return self
-
-    def start_ingress(
-        self, name: str, deployment_id: str, owners: list[str], env: dict[str, str] | None = None
-    ) -> ServiceProcess:
-        """Another ingress, of `deployment_id`, creating sessions on `owners`."""
-        self.ingresses[name] = proc = self._spawn(
-            name,
-            "ingress",
-            BATON_OWNER_ADDR=",".join(self.addr(o) for o in owners),
-            BATON_DEPLOYMENT_ID=deployment_id,
-            **(env or {}),
-        )
-        wait_serving(self.addr(name), self.probe)
-        return proc
-
-    def start_owner(
-        self,
-        instance_id: str,
-        *,
-        wait: bool = True,
-        deployment_id: str = "",
-        failpoints: str = "",
-        env: dict[str, str] | None = None,
-    ) -> ServiceProcess:
-        extra = {
-            "BATON_INSTANCE_ID": instance_id,
-            "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
-            "BATON_OWNER_PARK_AFTER": str(self.park_after or 0),
-            "BATON_DEPLOYMENT_ID": deployment_id or self.deployment_id,
-            "BATON_FAILPOINTS": failpoints,
-            **self.owner_env,
-            **(env or {}),
-        }
-        self.owners[instance_id] = proc = self._spawn(instance_id, "owner", **extra)
-        if wait:
-            wait_serving(self.addr(instance_id), self.probe)
-        return proc
-
-    @property
-    def probe(self) -> Security:
-        """What health probes present: an operator's certificate."""
-        return certs.operator()
-
-    def kill(self, instance_id: str) -> None:
-        """kill -9."""
-        self.owners[instance_id].kill()
-
-    def restart_anchor(self, env: dict[str, str] | None = None) -> ServiceProcess:
-        """Start anchor again on its port (after it died or was killed),
-        with `env` replacing the stack's anchor env where it says."""
-        if self.anchor is not None and self.anchor.proc is not None:
-            if self.anchor.proc.poll() is None:
-                self.anchor.kill()
-            self.anchor.proc.wait(timeout=10)
-        self.anchor_env = {**self.anchor_env, **(env or {})}
-        self.anchor = self._spawn("anchor", "anchor", **self._anchor_env())
-        wait_serving(self.addr("anchor"), self.probe)
-        return self.anchor
-
-    def pause(self, instance_id: str) -> None:
-        os.kill(self.owners[instance_id].pid, signal.SIGSTOP)
-
-    def resume(self, instance_id: str) -> None:
-        os.kill(self.owners[instance_id].pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        """Kill every process (SIGCONT first, in case one is paused)."""
-        for proc in (
-            *self.owners.values(),
-            *self.ingresses.values(),
-            self.ingress,
-            self.anchor,
-            self.hooks,
-        ):
-            if proc is None or proc.proc is None or proc.proc.poll() is not None:
-                continue
-            try:
-                os.kill(proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                continue
-            proc.kill()
 
     # -- clients -----------------------------------------------------------------
 
@@ -399,7 +219,8 @@ class ReplicatedStack:
     """`replicas` processes each of hooks, anchor, owner and ingress of one
     deployment, every client given all replicas of what it calls and every
     etcd member (`etcd_endpoint` may name several). Processes are named
-    hooks1, hooks2, anchor1, ..., o1, o2, ..., ingress1, ingress2, ..."""
+    hooks1, hooks2, anchor1, ..., o1, o2, ..., ingress1, ingress2, ...
+    A configuration of the launcher (services/cli/system/service_launcher.py)."""
 
     etcd_endpoint: str
     workdir: Path
@@ -407,103 +228,93 @@ class ReplicatedStack:
     deployment_id: str = "dep-r"
     lease_ttl: int = 5
     prefix: str = field(default_factory=lambda: f"{TEST_PREFIX}p{uuid.uuid4().hex}/")
-    procs: dict[str, ServiceProcess] = field(default_factory=dict)
-    ports: dict[str, int] = field(default_factory=dict)
+    launcher: ServiceLauncher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.launcher = ServiceLauncher(
+            self.workdir, certs.pki(), env={"BATON_SHUTDOWN_GRACE": "1"}
+        )
+
+    @property
+    def procs(self) -> dict[str, ServiceProcess]:
+        return self.launcher.processes
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.launcher.ports
 
     def names(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
 
     def addr(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        return self.launcher.addr(name)
 
     def addrs(self, kind: str) -> str:
-        return ",".join(self.addr(name) for name in self.names(kind))
+        return self.launcher.addrs(self.names(kind))
 
     def security(self, role: Role) -> Security:
         """A certificate of `role` (for owners and ingresses: of the stack's
         deployment)."""
-        return certs.security(role, self.deployment_id if role in _PER_DEPLOYMENT else "")
+        return self.launcher.security(role, self.deployment_id)
 
-    def _env(self, kind: str, name: str) -> dict[str, str]:
-        files = self.security(Role({"o": "owner"}.get(kind, kind))).files
-        assert files is not None
-        env = {
-            "BATON_TLS_CERT": files.cert,
-            "BATON_TLS_KEY": files.key,
-            "BATON_TLS_CA": files.ca,
-            "PYTHONUNBUFFERED": "1",
-            "BATON_LOG_LEVEL": "info",
-            "BATON_SHUTDOWN_GRACE": "1",
-        }
-        if kind == "anchor":
+    def _env(self, module: str, name: str) -> dict[str, str]:
+        keys = self.workdir / "api-keys"
+        if module == "ingress" and not keys.exists():
+            keys.write_text(f"slack={API_KEY}\n")
+        env = wiring_env(
+            module,
+            etcd=self.etcd_endpoint,
+            prefix=self.prefix,
+            hooks=self.addrs("hooks"),
+            anchor=self.addrs("anchor"),
+            deployment_id=self.deployment_id,
+            owners=self.addrs("o"),
+            api_keys_file=str(keys),
+        )
+        if module == "anchor":
             # The replicas share one object store, as they share etcd.
             env["BATON_OBJECT_STORE"] = f"file://{self.workdir / 'objects'}"
-        if kind in ("hooks", "anchor"):
-            return env | {
-                "BATON_ETCD_ENDPOINT": self.etcd_endpoint,
-                "BATON_ETCD_PREFIX": self.prefix,
-                "BATON_ETCD_TIMEOUT": "2",
-            }
-        env |= {
-            "BATON_HOOKS_ADDR": self.addrs("hooks"),
-            "BATON_ANCHOR_ADDR": self.addrs("anchor"),
-            "BATON_DEPLOYMENT_ID": self.deployment_id,
-        }
-        if kind == "o":
-            return env | {
+        if module in ("hooks", "anchor"):
+            env["BATON_ETCD_TIMEOUT"] = "2"
+        if module == "owner":
+            env |= {
                 "BATON_INSTANCE_ID": name,
                 "BATON_OWNER_LEASE_TTL": str(self.lease_ttl),
                 "BATON_OWNER_PARK_AFTER": "0",
             }
-        keys = self.workdir / "api-keys"
-        if not keys.exists():
-            keys.write_text(f"slack={API_KEY}\n")
-        return env | {"BATON_API_KEYS_FILE": str(keys), "BATON_OWNER_ADDR": self.addrs("o")}
+        return env
 
     def start_process(self, name: str, *, wait: bool = True) -> ServiceProcess:
         """Start (or start again, on its port) the process called `name`."""
-        kind = name.rstrip("0123456789")
-        module = {"o": "owner"}.get(kind, kind)
-        proc = ServiceProcess(
-            module,
-            self.addr(name),
-            self._env(kind, name),
-            log_path=str(self.workdir / f"{name}.log"),
+        module = {"o": "owner"}.get(name.rstrip("0123456789"), name.rstrip("0123456789"))
+        return self.launcher.start(
+            name, module, self._env(module, name), deployment_id=self.deployment_id, wait=wait
         )
-        self.procs[name] = proc.start()
-        if wait:
-            wait_serving(self.addr(name), certs.operator())
-        return proc
 
     def start(self) -> ReplicatedStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         tiers = [self.names(k) for k in ("hooks", "anchor", "o", "ingress")]
         for name in (n for tier in tiers for n in tier):
-            self.ports[name] = free_port()
+            self.addr(name)
         for tier in tiers:
             for name in tier:
                 self.start_process(name, wait=False)
-            for name in tier:
-                wait_serving(self.addr(name), certs.operator())
+            self.launcher.wait_serving(tier)
         return self
 
     def kill(self, name: str) -> None:
         """kill -9."""
-        self.procs[name].kill()
+        self.launcher.kill(name)
 
     def stop_process(self, name: str) -> None:
         """SIGTERM: graceful shutdown."""
-        self.procs[name].stop()
+        self.launcher.terminate(name)
 
     def alive(self) -> dict[str, bool]:
-        return {
-            name: proc.proc is not None and proc.proc.poll() is None
-            for name, proc in self.procs.items()
-        }
+        return {name: self.launcher.alive(name) for name in self.procs}
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
+        self.launcher.stop(graceful=False)
 
 
 class ReplicatedClients:

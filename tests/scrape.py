@@ -1,54 +1,14 @@
-"""Scraping a Baton process's Prometheus endpoint in tests: the samples of
-one scrape, and sums over them by name and labels (also of this process's own
-collectors: `in_process`)."""
+"""Scraping a Baton process's Prometheus endpoint in tests: bench/scrape.py
+(one scrape's samples, sums by name and labels), plus sums over several
+processes (`total`) and over this process's own collectors (`in_process`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from bench.scrape import Sample, Scrape, parse, scrape
 
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """One scrape: every sample, and each family's declared type."""
-
-    samples: list[Sample]
-    types: dict[str, str]
-
-    def total(self, name: str, **labels: str) -> float:
-        """The sum of `name`'s samples whose labels include `labels`."""
-        return sum(
-            s.value
-            for s in self.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
-
-    def label_sets(self, name: str) -> set[frozenset[str]]:
-        """The label names `name`'s samples carry (without histogram `le`)."""
-        return {frozenset(set(s.labels) - {"le"}) for s in self.samples if s.name == name}
-
-    def names(self) -> set[str]:
-        return {s.name for s in self.samples}
-
-
-def parse(text: str) -> Scrape:
-    samples: list[Sample] = []
-    types: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        types[family.name] = family.type
-        for sample in family.samples:
-            samples.append(Sample(sample.name, dict(sample.labels), float(sample.value)))
-    return Scrape(samples, types)
+__all__ = ["Sample", "Scrape", "in_process", "parse", "scrape", "total"]
 
 
 def in_process(collector: Collector, name: str, **labels: str) -> float:
@@ -60,14 +20,6 @@ def in_process(collector: Collector, name: str, **labels: str) -> float:
         for sample in family.samples
     ]
     return Scrape(samples, {}).total(name, **labels)
-
-
-async def scrape(url: str, timeout: float = 10.0) -> Scrape:
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        response = await client.get(url)
-    response.raise_for_status()
-    assert response.headers["content-type"].startswith("text/plain"), response.headers
-    return parse(response.text)
 
 
 def total(scrapes: list[Scrape], name: str, **labels: str) -> float:

@@ -34,7 +34,7 @@ from baton_runtime.hooks.config import HooksConfig
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.ingress.api_keys import ApiKeys
 from baton_runtime.ingress.config import IngressConfig
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from baton_runtime.ingress.server import create_server as create_ingress
 from baton_runtime.owner.config import OwnerConfig
 from baton_runtime.owner.server import create_server as create_owner

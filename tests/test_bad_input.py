@@ -589,7 +589,7 @@ async def test_unknown_command_kind_is_rejected_and_the_owner_keeps_running(
     hooks = stack.hooks_client()
     try:
         receipts = [
-            await hooks.resume(ids.inbox_token(session_id), command)
+            await hooks.append(ids.inbox_token(session_id), command)
             for command in unknown_kind_commands()
         ]
     finally:

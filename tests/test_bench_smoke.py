@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -401,3 +402,99 @@ def test_live_rss_bench_smoke(tmp_path: Path) -> None:
     for mode in figures["modes"].values():
         assert set(mode["rss_bytes_per_session"]) == {"hooks", "owner", "anchor"}
         assert mode["create_seconds"] > 0
+
+
+def _peer_line(
+    seq_p50: float, run_tps: float, server: float, service: float, other: float = 0.2
+) -> dict[str, Any]:
+    """A Restate peer's run.sh result, with the keys bench.peer reads
+    (`other`: CPU ms per turn that other processes burnt)."""
+    phase = {"server": 1.0, "service": 0.5, "client": 0.1, "other": other}
+    return {
+        "peer": "restate",
+        "restate_server": "restate-server 1.7.12",
+        "a_seq_send": {"p50_ms": 3.5, "cpu_ms_per_turn": phase},
+        "b_tp_send": {"turns_per_s": 800.0, "clients": 32, "cpu_ms_per_turn": phase},
+        "c_seq_send_run": {"p50_ms": seq_p50, "cpu_ms_per_turn": phase},
+        "d_tp_send_run": {
+            "turns_per_s": run_tps,
+            "clients": 32,
+            "cpu_ms_per_turn": {**phase, "server": server, "service": service},
+        },
+        "state_check": {"match": True},
+    }
+
+
+def _baton_figures(turn_p50: float, tps: float, cpu: dict[str, float]) -> dict[str, Any]:
+    """bench.turn_latency --json output, the keys bench.peer reads."""
+    return {
+        "load_start": "1.00 1.00 1.00",
+        "load_end": "1.50 1.00 1.00",
+        "sequential": {"turn": {"p50_ms": turn_p50}},
+        "throughput": {"sessions": 32, "turns_per_s": tps, "per_turn": {"cpu_ms": cpu}},
+    }
+
+
+def test_peer_table_from_recorded_pairs(tmp_path: Path) -> None:
+    """`python -m bench.peer --from DIR`: per-pair ratios (Baton / Restate
+    send_run) of turn p50, turns/s and servers' + store's CPU per turn, and
+    their medians, from recorded outputs. Pure: no stack, no peer."""
+    cpu = {"hooks": 1.0, "anchor": 0.5, "owner": 1.0, "ingress": 0.5, "etcd": 1.0}
+    pairs = [
+        (_peer_line(5.0, 400.0, 2.0, 1.5), _baton_figures(6.0, 380.0, cpu)),
+        (_peer_line(4.0, 500.0, 2.0, 2.0), _baton_figures(6.0, 400.0, cpu)),
+        (_peer_line(6.0, 450.0, 2.5, 1.5, other=3.0), _baton_figures(4.5, 540.0, cpu)),
+    ]
+    for n, (peer, baton) in enumerate(pairs, 1):
+        # run.sh's stdout: its JSON line last
+        (tmp_path / f"restate-{n}.json").write_text("noise\n" + json.dumps(peer) + "\n")
+        (tmp_path / f"baton-{n}.json").write_text(json.dumps(baton))
+    out = tmp_path / "peer.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.peer", "--from", str(tmp_path), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    assert [p["ratios"]["turn_p50"] for p in summary["pairs"]] == [1.2, 1.5, 0.75]
+    assert [p["ratios"]["turns_per_s"] for p in summary["pairs"]] == [0.95, 0.8, 1.2]
+    # Baton: four services (3.0) + etcd (1.0); Restate: server + service.
+    assert [p["ratios"]["cpu_ms_per_turn"] for p in summary["pairs"]] == [1.143, 1.0, 1.0]
+    assert summary["median_ratio"] == {"turn_p50": 1.2, "turns_per_s": 0.95, "cpu_ms_per_turn": 1.0}
+    ok = summary["target_ok"]
+    assert ok == {"turn_p50": False, "turns_per_s": False, "cpu_ms_per_turn": True}
+    assert "| sequential one-step turn p50 | 6.00 / 6.00 / 4.50 ms |" in proc.stdout
+    assert "**1.20×**" in proc.stdout
+    # Other processes' CPU during the peer's run marks a pair perturbed.
+    assert [p["perturbed"] for p in summary["pairs"]] == [False, False, True]
+    assert "- pair 3 (PERTURBED):" in proc.stdout and "- pair 2:" in proc.stdout
+
+
+@pytest.mark.timeout(200)  # two bench.turn_latency --smoke runs
+def test_peer_pairs_alternate_with_a_stand_in_peer(tmp_path: Path) -> None:
+    """`python -m bench.peer --peer DIR --pairs 2`: the peer's run.sh and
+    bench.turn_latency run in turn, their outputs are kept, and the table
+    compares them. The peer is a stand-in printing a recorded line (the
+    real one needs npm and the network); bench.turn_latency runs --smoke."""
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    line = json.dumps(_peer_line(5.0, 400.0, 2.0, 1.5))
+    (peer_dir / "run.sh").write_text(f"echo starting >&2\necho '{line}'\n")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.peer", "--peer", str(peer_dir), "--pairs", "2"]
+        + ["--out", str(out), "--baton-args", "--smoke --upgrade-turns 0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for n in (1, 2):
+        assert json.loads((out / f"restate-{n}.json").read_text())["peer"] == "restate"
+        assert json.loads((out / f"baton-{n}.json").read_text())["sequential"]["turn"]["n"] == 5
+    assert "| 32 concurrent sessions, turns/s |" in proc.stdout
+    assert proc.stdout.count("state check ok") == 2

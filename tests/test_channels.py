@@ -148,7 +148,7 @@ async def test_idempotent_calls_are_retried_on_another_replica(stack: Stack) -> 
     await broken.start()
     stack.extra.append(broken)
     counts: Counter[int] = Counter()
-    count_calls(broken, "inbox", "resume", counts)
+    count_calls(broken, "inbox", "append", counts)
     count_calls(broken, "tokens", "parent_of", counts)  # an owner's delivery is checked first
     session_id = await stack.create()
     token = ids.inbox_token(session_id)
@@ -159,7 +159,7 @@ async def test_idempotent_calls_are_retried_on_another_replica(stack: Stack) -> 
         seqs = []
         for i in range(12):
             command = s.Command(send=s.SendCommand(text=f"m{i}", turn_policy=s.TURN_POLICY_QUEUE))
-            receipt = await client.resume(token, command)
+            receipt = await client.append(token, command)
             assert not receipt.duplicate
             seqs.append(receipt.seq)
             await client.lookup(token)

@@ -301,7 +301,7 @@ def test_an_idle_child_makes_room_least_recently_used_first() -> None:
         children.apply_report(st, report(1, child, result="ok"), [])
         made.append(child)
     # The oldest is used again: the second oldest is now the least recent.
-    st.handles.resume(st.handles.find(made[0]), st.turn_id, "")  # type: ignore[arg-type]
+    st.handles.give_work(st.handles.find(made[0]), st.turn_id, "")  # type: ignore[arg-type]
     children.apply_report(st, report(2, made[0], work=2, result="again"), [])
     assert st.handles.refuse_start() is None
     newest, _, _ = child_step(st)

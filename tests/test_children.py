@@ -18,7 +18,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import ids
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.rpc.status_map import error_reason
-from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.host.host import OwnerHost
 from tests.stack import WEB, Stack, start_stack, stop_stack
 from tests.test_turns import (
     CANCEL,
@@ -86,7 +86,7 @@ async def inject(stack: Stack, session_id: str, report: s.TaskResultCommand) -> 
         command = s.Command(
             delivery=s.DeliveryMetadata(delivery_id=report.task_delivery_id), task_result=report
         )
-        receipt = await hooks.resume(ids.inbox_token(session_id), command)
+        receipt = await hooks.append(ids.inbox_token(session_id), command)
         return receipt.seq
     finally:
         await hooks.close()

@@ -180,7 +180,7 @@ async def test_b_refuses_a_checkpoint_with_a_running_child(env: Env) -> None:
     # The trigger arrives as dep-b's ingress delivers it, in the tenant's channel.
     gateway = env.b.hooks_client(env.b.security(Role.INGRESS, "dep-b"))
     try:
-        receipt = await gateway.resume(ids.inbox_token(sid), command, "slack")
+        receipt = await gateway.append(ids.inbox_token(sid), command, "slack")
     finally:
         await gateway.close()
     request = owner_pb2.AcceptHandoffRequest(

@@ -9,7 +9,7 @@ import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import (
-    Commit,
+    EncodedCommit,
     RefusedRead,
     check_consumed_from,
     encode_commit,
@@ -31,7 +31,7 @@ def snapshot(next_event_seq: int, inbox_next_seq: int = 0) -> s.SessionSnapshot:
     )
 
 
-def two_events() -> Commit:
+def two_events() -> EncodedCommit:
     return encode_commit(FENCE, [event(4), event(5)], snapshot(6), close=False)
 
 
@@ -76,7 +76,7 @@ def test_the_consumed_position_may_not_pass_the_snapshots() -> None:
         check_consumed_from(4, snapshot(0, inbox_next_seq=3))
 
 
-def seen(commit: Commit, **overrides: object) -> RefusedRead:
+def seen(commit: EncodedCommit, **overrides: object) -> RefusedRead:
     """What the txn reads back after our own commit was applied."""
     fields: dict[str, object] = {
         "snapshot": commit.snapshot_bytes,

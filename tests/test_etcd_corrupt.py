@@ -26,7 +26,7 @@ from baton_runtime.common.etcd.client import make_client
 from baton_runtime.common.etcd.ops import op_put
 from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.rpc.status_map import error_reason
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from tests import certs
 from tests.certs import etcd_root_client, start_etcd
 from tests.procs import check_history, eventually

@@ -26,7 +26,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.system.etcd_process import EtcdProcess
 from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.rpc.status_map import error_reason
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from tests import certs
 from tests.certs import etcd_root_client, start_etcd
 from tests.procs import check_history, eventually

@@ -29,7 +29,7 @@ from baton_runtime.common.etcd.keys import Keys, fence_value, parse_fence, prefi
 from baton_runtime.common.rpc.status_map import from_rpc_error
 from baton_runtime.owner.agents.api import Agent, ModelReply, RequestedCall, Tool, ToolContext
 from baton_runtime.owner.config import OwnerConfig
-from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.host.host import OwnerHost
 from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.stack import Stack
@@ -364,7 +364,7 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
             delivery=s.DeliveryMetadata(delivery_id="gate-1", channel="slack"),
             send=s.SendCommand(text="open the gate"),
         )
-        await gateway.resume(ids.inbox_token(session_id), command, "slack")
+        await gateway.append(ids.inbox_token(session_id), command, "slack")
         await asyncio.wait_for(entered.wait(), 10)
 
         _, takeover_revision = await take_over(env, session_id)
@@ -382,7 +382,7 @@ async def test_superseded_owner_step_in_flight_writes_nothing(env: Env) -> None:
         later = s.Command(
             delivery=s.DeliveryMetadata(delivery_id="gate-2"), send=s.SendCommand(text="later")
         )
-        receipt = await gateway.resume(ids.inbox_token(session_id), later, "slack")
+        receipt = await gateway.append(ids.inbox_token(session_id), later, "slack")
         assert receipt.seq == 1
     finally:
         release.set()
@@ -668,7 +668,7 @@ async def test_live_inbox_stream_ends_fenced_when_ownership_moves(env: Env) -> N
         command = s.Command(
             delivery=s.DeliveryMetadata(delivery_id="live-1"), clear=s.ClearCommand()
         )
-        await env.hooks.resume(token, command)
+        await env.hooks.append(token, command)
         await asyncio.wait_for(first_seen.wait(), 10)
         await take_over(env, sid)
         with pytest.raises(Fenced):

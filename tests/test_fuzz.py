@@ -759,7 +759,7 @@ async def paged_session(pager: Pager, commands: list[int], events: list[int]) ->
     for n, size in enumerate(commands):
         command = s.Command(delivery=s.DeliveryMetadata(delivery_id=f"p{n}"), send=s.SendCommand())
         sized_text(command, command.send, size)
-        await pager.hooks.resume(ids.inbox_token(sid), command)
+        await pager.hooks.append(ids.inbox_token(sid), command)
     stream = [s.Event(session_id=sid, seq=0, kind=s.EVENT_KIND_SESSION_STARTED)]
     for size in events:
         stream.append(s.Event(session_id=sid, seq=len(stream), kind=s.EVENT_KIND_MESSAGE_COMPLETED))

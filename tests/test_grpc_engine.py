@@ -46,8 +46,9 @@ def test_service_processes_run_on_the_classic_poller_and_an_explicit_setting_win
     etcd_endpoint: str, tmp_path: Path, stacks: list[ProcessStack]
 ) -> None:
     """Real processes: each service's "serving" line names the engine
-    setting it runs with; the test process itself (it imported
-    baton_runtime) kept gRPC's default."""
+    setting it runs with, and how many start-up objects it froze out of
+    the collector's generations (gc.freeze); the test process itself (it
+    imported baton_runtime) kept gRPC's default."""
     assert os.environ.get("GRPC_EXPERIMENTS", "") == ""
     stack = ProcessStack(etcd_endpoint, tmp_path / "default", deployment_id="dep-e")
     stacks.append(stack)
@@ -55,6 +56,7 @@ def test_service_processes_run_on_the_classic_poller_and_an_explicit_setting_win
     for name in ("hooks", "anchor", "e1", "ing-e"):
         line = _serving_line(tmp_path / "default" / f"{name}.log")
         assert line["grpc_experiments"] == CLASSIC, name
+        assert isinstance(line["frozen_objects"], int) and line["frozen_objects"] > 10_000, name
     chosen = ProcessStack(
         etcd_endpoint,
         tmp_path / "chosen",

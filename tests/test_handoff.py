@@ -26,7 +26,7 @@ from baton_runtime.common.etcd.keys import Keys, OwnerRecord, parse_fence
 from baton_runtime.common.rpc.status_map import from_rpc_error
 from baton_runtime.common.security.permits import PermitSigner, grant_for
 from baton_runtime.owner.handoff import attempt as handoff
-from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.host.host import OwnerHost
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.run.commit import commit_step
 from baton_runtime.owner.run.snapshots import initial_snapshot
@@ -477,7 +477,7 @@ async def test_accept_handoff_validates_and_replays(env: Env) -> None:
     # The trigger arrives as dep-b's ingress delivers it, in the tenant's channel.
     gateway = env.b.hooks_client(certs.ingress("dep-b"))
     try:
-        receipt = await gateway.resume(ids.inbox_token(sid), command, "slack")
+        receipt = await gateway.append(ids.inbox_token(sid), command, "slack")
     finally:
         await gateway.close()
     trigger = s.InboxEntry(seq=receipt.seq, command=command)

@@ -1,4 +1,4 @@
-"""Giving freed heap back to the OS (services/owner/hosting/heap.py)."""
+"""Giving freed heap back to the OS (services/owner/host/heap.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from baton_runtime.owner.hosting.heap import HeapTrimmer, load_trim
+from baton_runtime.owner.host.heap import HeapTrimmer, load_trim
 
 
 def _recorder(calls: list[int]) -> Callable[[int], int]:

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import hops
+from tests import certs
+from tests.certs import TEST_PREFIX
 from tests.scrape import parse
 
 # Rows that batching may merge (see the module docstring), besides every
@@ -73,7 +76,9 @@ def expected() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def measured(etcd_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One counted run of every path (about 40 s), shared by the tests."""
-    return asyncio.run(hops.measure(etcd_endpoint, Path(tmp_path_factory.mktemp("hops"))))
+    workdir = Path(tmp_path_factory.mktemp("hops"))
+    prefix = f"{TEST_PREFIX}h{uuid.uuid4().hex}/"
+    return asyncio.run(hops.measure(etcd_endpoint, workdir, certs.pki(), prefix))
 
 
 def differences(want: dict[str, int], got: dict[str, int]) -> list[str]:

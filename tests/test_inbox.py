@@ -273,7 +273,7 @@ async def test_two_hooks_instances_append_gaplessly_and_dedup(
         # The same deliveries again, through the other instance.
         calls += [(clients[(i + 1) % 2], f"x{i}", f"two hooks {i}") for i in range(0, 40, 4)]
         receipts = await asyncio.gather(
-            *(c.resume(token, send_command(t, d), "slack") for c, d, t in calls)
+            *(c.append(token, send_command(t, d), "slack") for c, d, t in calls)
         )
         seq_of_delivery: dict[str, set[int]] = {}
         for (_, d, _), r in zip(calls, receipts, strict=True):
@@ -311,7 +311,7 @@ async def test_a_long_backlog_streams_in_pages(stack: Stack) -> None:
                 delivery=s.DeliveryMetadata(delivery_id=f"b{i}"),
                 send=s.SendCommand(text=f"m{i}", turn_policy=s.TURN_POLICY_QUEUE),
             )
-            await hooks.resume(ids.inbox_token(sid), command)
+            await hooks.append(ids.inbox_token(sid), command)
         # Read as the owner does (its own run also reads; both are allowed).
         pages: list[int] = []
         seqs: list[int] = []

@@ -30,7 +30,7 @@ from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.expiry import ExpiryLeases, bucket_width, lease_ttl
 from baton_runtime.hooks.rooms import HookRooms
 from baton_runtime.hooks.server import create_server as create_hooks
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 from tests.certs import etcd_client
 from tests.procs import eventually
 from tests.stack import (
@@ -328,7 +328,7 @@ async def test_a_delivery_id_repeated_through_two_replicas_and_a_restart_is_appe
             )
 
         receipts = await asyncio.gather(
-            *(client.resume(token, command(i)) for i in range(20) for client in (one, two))
+            *(client.append(token, command(i)) for i in range(20) for client in (one, two))
         )
         seqs = {}
         for i in range(20):
@@ -344,7 +344,7 @@ async def test_a_delivery_id_repeated_through_two_replicas_and_a_restart_is_appe
         three = HooksClient(stack.addr(restarted), security=ghost_security)
         try:
             for i in range(20):
-                again = await three.resume(token, command(i))
+                again = await three.append(token, command(i))
                 assert again.duplicate and again.seq == seqs[i]
         finally:
             await three.close()

@@ -57,7 +57,7 @@ async def test_follows_of_many_sessions_share_one_stream_and_end_alone(env: Env)
     try:
         for n in range(2):
             for fence in fences:
-                await env.hooks.resume(ids.inbox_token(fence.session_id), clear(f"a-{n}"))
+                await env.hooks.append(ids.inbox_token(fence.session_id), clear(f"a-{n}"))
         await wait_for(lambda: all(len(v) == 2 for v in seen.values()), "the first entries")
         assert env.hooks._inboxes.follows_open() == 3  # one stream, three follows
         moved = fences[0].session_id
@@ -65,7 +65,7 @@ async def test_follows_of_many_sessions_share_one_stream_and_end_alone(env: Env)
         with pytest.raises(Fenced):
             await asyncio.wait_for(readers[moved], 10)
         for fence in fences[1:]:
-            await env.hooks.resume(ids.inbox_token(fence.session_id), clear("b"))
+            await env.hooks.append(ids.inbox_token(fence.session_id), clear("b"))
         await wait_for(lambda: all(len(seen[f.session_id]) == 3 for f in fences[1:]), "more")
         assert seen == {moved: [0, 1], **{f.session_id: [0, 1, 2] for f in fences[1:]}}
         assert env.hooks._inboxes.follows_open() == 2
@@ -82,17 +82,17 @@ async def test_a_stopped_follow_gets_nothing_more_and_the_stream_serves_on(env: 
     (so anything for follow 1 would have come first)."""
     first, _ = await own_session(env)
     second, _ = await own_session(env)
-    await env.hooks.resume(ids.inbox_token(first.session_id), clear("one"))
+    await env.hooks.append(ids.inbox_token(first.session_id), clear("one"))
     call = raw_stream(env)
     try:
         await call.write(open_follows((1, first)))
         (item,) = (await call.read()).items
         assert (item.follow_id, [e.seq for e in item.entries], item.end) == (1, [0], b"")
         await call.write(h.FollowInboxesRequest(stop_ids=[1, 99]))  # 99: not open, ignored
-        await env.hooks.resume(ids.inbox_token(first.session_id), clear("two"))
+        await env.hooks.append(ids.inbox_token(first.session_id), clear("two"))
         await asyncio.sleep(0.3)
         await call.write(open_follows((2, second)))
-        await env.hooks.resume(ids.inbox_token(second.session_id), clear("three"))
+        await env.hooks.append(ids.inbox_token(second.session_id), clear("three"))
         pages = await read_items(call, until=lambda got: bool(got))
         assert [(i.follow_id, [e.seq for e in i.entries]) for i in pages] == [(2, [0])]
     finally:
@@ -107,7 +107,7 @@ async def test_a_stop_in_the_message_of_its_open_ends_that_follow(env: Env) -> N
     does only when no follow is left open. (Stops applied before opens left
     follow 2 open for nobody, holding its watch, for the life of the stream.)"""
     fence, _ = await own_session(env)
-    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    await env.hooks.append(ids.inbox_token(fence.session_id), clear("one"))
     call = raw_stream(env)
     try:
         opening = open_follows((1, fence), (2, fence))
@@ -134,7 +134,7 @@ async def test_a_follow_closed_before_its_open_is_written_is_never_sent(
     open on hooks for nobody); the follow before it is served and stopped as
     usual, and the stream, half-closed, ends: nothing is left open."""
     fence, _ = await own_session(env)
-    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("one"))
+    await env.hooks.append(ids.inbox_token(fence.session_id), clear("one"))
     page, written, ended = await close_one_before_its_open_is_written(
         env.hooks._inboxes, monkeypatch, lambda: env.hooks.stream_inbox(fence, 0)
     )
@@ -177,7 +177,7 @@ async def test_feed_bounds_are_refused_and_a_bad_follow_ends_alone(env: Env) -> 
         "traceparent": Reason.MALFORMED_TRACEPARENT,
         "undecodable": Reason.MALFORMED_REQUEST,
     }
-    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("x"))
+    await env.hooks.append(ids.inbox_token(fence.session_id), clear("x"))
     call = raw_stream(env)
     try:
         await call.write(
@@ -213,7 +213,7 @@ async def test_a_client_without_the_feed_streams_each_inbox_on_its_own(env: Env)
     from tests.test_fencing import OWN_DEPLOYMENT
 
     fence, _ = await own_session(env)
-    await env.hooks.resume(ids.inbox_token(fence.session_id), clear("solo"))
+    await env.hooks.append(ids.inbox_token(fence.session_id), clear("solo"))
     hooks = env.stack.hooks_client(certs.owner(OWN_DEPLOYMENT), multiplexed=False)
     try:
         async for page in hooks.stream_inbox(fence, 0):
@@ -363,7 +363,7 @@ async def test_a_follow_gets_no_more_than_its_window_until_granted(env: Env) -> 
             h.FollowInboxesRequest(follows=[h.InboxFollow(follow_id=3, request=request, window=2)])
         )
         for n in range(4):  # one at a time: one watch event, one page each
-            await env.hooks.resume(ids.inbox_token(fence.session_id), clear(f"w-{n}"))
+            await env.hooks.append(ids.inbox_token(fence.session_id), clear(f"w-{n}"))
         first = await read_items(call, until=lambda got: len(got) >= 2)
         # (a read is not cancelled: that would end the call)
         waiting = asyncio.ensure_future(call.read())
@@ -392,9 +392,9 @@ async def big_backlog(env: Env, fence: s.Fence) -> None:
     --max-message-bytes): reads of 16, 32 and 64 short entries, each under
     1 MiB, double the next to 128 entries, over 4 MiB."""
     token = ids.inbox_token(fence.session_id)
-    await asyncio.gather(*(env.hooks.resume(token, send(f"s{n}", "hi")) for n in range(112)))
+    await asyncio.gather(*(env.hooks.append(token, send(f"s{n}", "hi")) for n in range(112)))
     big = "x" * (32 * 1024)
-    await asyncio.gather(*(env.hooks.resume(token, send(f"b{n}", big)) for n in range(128)))
+    await asyncio.gather(*(env.hooks.append(token, send(f"b{n}", big)) for n in range(128)))
 
 
 class Follower:
@@ -442,16 +442,16 @@ async def test_a_backlog_over_the_message_limit_arrives_whole_and_spares_the_oth
     other, _ = await own_session(env)
     await big_backlog(env, big)
     other_token = ids.inbox_token(other.session_id)
-    await env.hooks.resume(other_token, send("o0", "before"))
+    await env.hooks.append(other_token, send("o0", "before"))
     bystander = Follower(hooks, other)
     followers = [bystander]
     try:
         await wait_for(lambda: bystander.has(1), "the bystander's first entry")
         backlog = Follower(hooks, big)
         followers.append(backlog)
-        await env.hooks.resume(other_token, send("o1", "during"))
+        await env.hooks.append(other_token, send("o1", "during"))
         await wait_for(lambda: backlog.has(240) and bystander.has(2), "the backlog")
-        await env.hooks.resume(other_token, send("o2", "after"))
+        await env.hooks.append(other_token, send("o2", "after"))
         await wait_for(lambda: bystander.has(3) and backlog.has(240), "the bystander's third")
         assert backlog.seqs() == list(range(240)) and bystander.seqs() == [0, 1, 2]
         texts = [e.command.send.text for page in backlog.pages for e in page]
@@ -483,7 +483,7 @@ async def test_a_page_too_large_to_send_ends_its_follow_and_no_other(
     other, _ = await own_session(env)
     await big_backlog(env, big)
     other_token = ids.inbox_token(other.session_id)
-    await env.hooks.resume(other_token, send("o0", "before"))
+    await env.hooks.append(other_token, send("o0", "before"))
     bystander = Follower(env.hooks, other)
     backlog = Follower(env.hooks, big)
     try:
@@ -491,7 +491,7 @@ async def test_a_page_too_large_to_send_ends_its_follow_and_no_other(
             await asyncio.wait_for(backlog.task, 20)
         assert ended.value.reason == Reason.INTERNAL and "over" in ended.value.message
         assert backlog.seqs() == list(range(112))  # the three reads before it
-        await env.hooks.resume(other_token, send("o1", "after"))
+        await env.hooks.append(other_token, send("o1", "after"))
         await wait_for(lambda: bystander.has(2), "the bystander's next entry")
         assert bystander.seqs() == [0, 1] and env.hooks._inboxes.follows_open() == 1
     finally:

@@ -17,7 +17,7 @@ ARCHITECTURE = (SERVICES.parent / "docs" / "architecture.md").read_text()
 # before it in its list (and anything outside its service that is below it).
 LAYERS = {
     "common": ["observability", "security", "etcd", "rpc", "streams", "clients"],
-    "owner": ["agents", "rules", "handoff", "run", "hosting"],
+    "owner": ["agents", "rules", "handoff", "run", "host"],
     "cli": ["system", "commands"],
 }
 # common's floor (its top-level modules) imports no subpackage, but config.py,
@@ -105,3 +105,31 @@ def test_the_rooms_of_a_run_call_no_other_room_and_never_the_shell() -> None:
             if parts[3] in SHELL_ROOMS | {"session"} and parts[3] != room:
                 calls.append(f"run/{room}.py imports {target}")
     assert not calls, "rooms that hold or call each other:\n" + "\n".join(sorted(set(calls)))
+
+
+BENCH = SERVICES.parent / "bench"
+
+
+def _imports_of_tests(path: Path) -> list[str]:
+    """The modules of tests/ that `path` imports."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        found += [name for name in names if name == "tests" or name.startswith("tests.")]
+    return found
+
+
+def test_bench_imports_nothing_from_tests() -> None:
+    """The benches stand on the package's launcher and their own library
+    (bench/stack.py, measure.py, floor.py, turns.py, scrape.py), never on
+    the test suite."""
+    modules = sorted(BENCH.rglob("*.py"))
+    assert modules
+    found = [
+        f"{p.relative_to(BENCH.parent)} imports {m}" for p in modules for m in _imports_of_tests(p)
+    ]
+    assert not found, "bench imports tests:\n" + "\n".join(found)

@@ -19,7 +19,7 @@ from baton_runtime.common import ids
 from baton_runtime.common.errors import BatonError, Reason, ResourceExhausted
 from baton_runtime.common.etcd.keys import Keys, prefix_end
 from baton_runtime.common.rpc.status_map import from_rpc_error
-from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits, TokenBucket
+from baton_runtime.ingress.rates import ChannelBudget, ChannelLimits, TokenBucket
 from tests.procs import check_history
 from tests.stack import SLACK, WEB, Stack, start_stack, stop_stack
 

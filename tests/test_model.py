@@ -88,7 +88,7 @@ def test_every_variant_is_tried() -> None:
 
 
 def test_the_reconciler_repairs_the_lost_wake_up() -> None:
-    """The safety net (services/owner/hosting/reconcile.py) wakes a parked
+    """The safety net (services/owner/host/reconcile.py) wakes a parked
     session whose bell rang, whatever position it was parked at: the
     replay defect's session is answered late, not never."""
     bounds = Bounds(messages=1, crashes=1)

@@ -252,7 +252,7 @@ class Replay:
             ),
         )
         ingress = self.clients.ingress_hooks[gateway.via]
-        receipt = await ingress.resume(self.token, command, CHANNEL)
+        receipt = await ingress.append(self.token, command, CHANNEL)
         if step.outcome != "lost":
             assert receipt.duplicate == (step.outcome == "duplicate"), receipt
             assert receipt.seq == gateway.receipt, (receipt.seq, gateway.receipt)

@@ -140,6 +140,44 @@ async def test_concurrent_calls_get_their_own_answers_batched_on_one_stream() ->
         await server.stop()
 
 
+async def _batches_of_a_burst(busy_within_s: float, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The calls per message of: one call, then two more queued by two tasks
+    in the turn of the event loop that wakes the stream's writer for the
+    first of them (the second is queued after the writer woke)."""
+    monkeypatch.setattr(multiplex, "BUSY_WITHIN_S", busy_within_s, raising=False)
+    server = await MuxServer(echo).start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    calls = client(channel)
+    try:
+        await calls.call(request(1), 10)  # the stream opens; its writer waits
+        first = asyncio.ensure_future(calls.call(request(2), 10))
+        await asyncio.sleep(0)  # `first` queues its call and wakes the writer
+        # ... whose wake-up runs before `second` queues its call.
+        second = asyncio.ensure_future(calls.call(request(3), 10))
+        answers = await asyncio.gather(first, second)
+        assert [a.revision for a in answers] == [2, 3]
+        return server.batches_seen
+    finally:
+        await calls.close()
+        await channel.close()
+        await server.stop()
+
+
+async def test_a_busy_stream_gathers_the_calls_ready_in_the_same_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Coalescing: the writer of a stream that sent a message less than
+    BUSY_WITHIN_S ago lets the loop run once before it takes its calls, so
+    a call queued by a task that was ready beside it rides the same message."""
+    assert await _batches_of_a_burst(3600.0, monkeypatch) == [1, 2]
+
+
+async def test_an_idle_stream_sends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After idleness the writer sends what it has without waiting: the
+    second call goes in a message of its own."""
+    assert await _batches_of_a_burst(0.0, monkeypatch) == [1, 1, 1]
+
+
 async def test_a_refusal_is_the_domain_error_the_unary_method_would_raise() -> None:
     async def refuse(req: pb.CommitStepRequest) -> pb.CommitStepResponse:
         if req.expected_snapshot_revision == 2:

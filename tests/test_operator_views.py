@@ -34,7 +34,7 @@ from baton_runtime.common.clients.owner import OwnerClient
 from baton_runtime.common.errors import InvalidArgument, NotFound
 from baton_runtime.common.etcd.keys import Keys
 from baton_runtime.common.security.identity import Role
-from baton_runtime.hooks.fleets import FleetStatus, fleet_status
+from baton_runtime.hooks.fleet_views import FleetStatus, fleet_status
 from tests.procs import eventually
 from tests.stack import WEB, Stack, add_deployment, start_stack, stop_deployment, stop_stack
 from tests.test_cli_operator import operator_flags

@@ -37,7 +37,7 @@ from baton_runtime.common.streams.pages import ENTRY_FRAMING, byte_pages
 from baton_runtime.hooks.inbox import check_command
 from baton_runtime.ingress.config import IngressConfig
 from baton_runtime.ingress.edge import MAX_INPUT_RESPONSES, MAX_LABEL_BYTES, MAX_LABELS, Edge
-from baton_runtime.owner.hosting.restarts import transient
+from baton_runtime.owner.host.restarts import transient
 from tests.stack import SLACK_KEY
 
 MiB = 1024 * 1024

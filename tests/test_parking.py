@@ -41,7 +41,7 @@ from baton_runtime.common.rpc.server import GrpcServer
 from baton_runtime.common.security.tls import Security
 from baton_runtime.hooks.server import create_server as create_hooks
 from baton_runtime.owner.config import OwnerConfig
-from baton_runtime.owner.hosting.parking import ParkedSession, Parking
+from baton_runtime.owner.host.parking import ParkedSession, Parking
 from baton_runtime.owner.server import create_server as create_owner
 from tests import certs
 from tests.procs import answered, check_history, eventually, inbox_entries_left
@@ -100,7 +100,7 @@ async def test_a_bell_rings_exactly_while_parked(
     fence = await new_session(a, "inst-p")
     sid = fence.session_id
     inbox = ids.inbox_token(sid)
-    await a.resume(inbox, command("one"))  # a caches the unparked owner record
+    await a.append(inbox, command("one"))  # a caches the unparked owner record
     with pytest.raises(Aborted) as refused:
         await b.set_parked(fence, True, 0)  # entry 0 is not consumed
     assert refused.value.reason == "INBOX_NOT_DRAINED"
@@ -109,10 +109,10 @@ async def test_a_bell_rings_exactly_while_parked(
 
     bells = a.watch_bells("inst-p")
     # a's cache still says unparked: its append must learn better and ring.
-    assert (await a.resume(inbox, command("two"))).seq == 1
+    assert (await a.append(inbox, command("two"))).seq == 1
     first = await asyncio.wait_for(anext(bells), 5)
     assert [(x.session_id, x.inbox_head) for x in first] == [(sid, 2)]
-    await b.resume(inbox, command("three"))
+    await b.append(inbox, command("three"))
     second = await asyncio.wait_for(anext(bells), 5)
     assert [(x.session_id, x.inbox_head) for x in second] == [(sid, 3)]
     await bells.aclose()  # type: ignore[attr-defined]
@@ -120,7 +120,7 @@ async def test_a_bell_rings_exactly_while_parked(
     assert await a.set_parked(fence, False) == 3  # unpark deletes the bell
     assert await a.set_parked(fence, False) == 3  # a repeat is fine
     assert await bell_value(etcd, keys, "inst-p", sid) is None
-    await b.resume(inbox, command("four"))  # b's cache said parked: learns, no bell
+    await b.append(inbox, command("four"))  # b's cache said parked: learns, no bell
     assert await bell_value(etcd, keys, "inst-p", sid) is None
 
     stale = s.Fence(session_id=sid, owner_run_id="run_other", epoch=fence.epoch)
@@ -150,7 +150,7 @@ async def test_an_instance_listing_pages_through_its_sessions_exactly_once(
     others = [await new_session(a, "paged-2") for _ in range(3)]
     for fence in mine[20:22]:
         await a.set_parked(fence, True, 0)
-        await b.resume(ids.inbox_token(fence.session_id), command("while parked"))
+        await b.append(ids.inbox_token(fence.session_id), command("while parked"))
     pages, token = [], ""
     while True:
         page = await _page(a, "paged-1", token, 10)
@@ -204,7 +204,7 @@ async def test_an_index_only_listing_reads_the_index_and_bells_not_the_owners(
     mine = [await new_session(a, "idx-1") for _ in range(7)]
     for fence in mine[2:4]:
         await a.set_parked(fence, True, 0)
-    await b.resume(ids.inbox_token(mine[3].session_id), command("while parked"))
+    await b.append(ids.inbox_token(mine[3].session_id), command("while parked"))
     stale = mine[5]  # an index entry outliving its session's move (epoch 9 here)
     await etcd.put(keys.owned("dep-p", "idx-1", stale.session_id), fence_value(9, "moved-run"))
 
@@ -255,7 +255,7 @@ async def test_takeover_first_cas_wins_and_keeps_a_quiet_session_parked(
     await a.set_parked(quiet, True, 0)
     rung = await new_session(a, "dead-1")
     await a.set_parked(rung, True, 0)
-    await b.resume(ids.inbox_token(rung.session_id), command("while dead"))
+    await b.append(ids.inbox_token(rung.session_id), command("while dead"))
     assert await bell_value(etcd, keys, "dead-1", rung.session_id) == b"1"
 
     listed = await a.list_instance_sessions("dep-p", "dead-1")
@@ -332,7 +332,7 @@ async def test_a_takeover_passes_on_a_parked_sessions_deadline(
     assert (first.parked, first.inbox_head, first.timeout_deadline) == (True, 0, deadline)
     again = await b.take_over_session(first.fence, "inst-t", successor("inst-t"))
     assert (again.parked, again.inbox_head, again.timeout_deadline) == (True, 0, deadline)
-    await a.resume(ids.inbox_token(fence.session_id), command("rings inst-t"))
+    await a.append(ids.inbox_token(fence.session_id), command("rings inst-t"))
     woken = await a.take_over_session(again.fence, "inst-t", successor("inst-u"))
     assert (woken.parked, woken.inbox_head, woken.timeout_deadline) == (False, 1, 0)
 
@@ -349,13 +349,13 @@ async def test_a_replayed_takeover_answers_the_parked_position_it_decided(
     fence = await new_session(a, "dead-r")
     sid = fence.session_id
     inbox = ids.inbox_token(sid)
-    await a.resume(inbox, command("one"))
+    await a.append(inbox, command("one"))
     assert await a.set_parked(fence, True, 1) == 1
     owner = successor("inst-r")
     first = await a.take_over_session(fence, "dead-r", owner)
     assert (first.parked, first.inbox_head) == (True, 1)
     for text in ("two", "three"):
-        await b.resume(inbox, command(text))
+        await b.append(inbox, command(text))
     assert await bell_value(etcd, keys, "inst-r", sid) == b"3"
     for hooks in (a, b):  # the successor retries, through either replica
         assert await hooks.take_over_session(fence, "dead-r", owner) == first
@@ -387,22 +387,22 @@ async def test_appends_past_a_parked_sessions_deadline_are_refused_as_finalized(
     a, b = two_hooks
     fence = await new_session(a, "inst-d")
     inbox = ids.inbox_token(fence.session_id)
-    await a.resume(inbox, command("one"))  # a caches the record without a deadline
+    await a.append(inbox, command("one"))  # a caches the record without a deadline
     assert await b.set_parked(fence, True, 1, int(time.time()) - 1) == 1
     for hooks in (b, a):
         with pytest.raises(FailedPrecondition) as refused:
-            await hooks.resume(inbox, command("too late"))
+            await hooks.append(inbox, command("too late"))
         assert refused.value.reason == "SESSION_FINALIZED"
 
     timeout = s.Command(
         delivery=s.DeliveryMetadata(delivery_id=f"timeout-{fence.owner_run_id}"),
         timeout=s.TimeoutCommand(armed_by_owner_run_id=fence.owner_run_id),
     )
-    assert (await a.resume(inbox, timeout)).seq == 1
+    assert (await a.append(inbox, timeout)).seq == 1
 
     assert await b.set_parked(fence, False) == 2
     assert await b.set_parked(fence, True, 2, int(time.time()) + 3600) == 2
-    assert (await a.resume(inbox, command("in time"))).seq == 2  # a's cache said past
+    assert (await a.append(inbox, command("in time"))).seq == 2  # a's cache said past
 
 
 async def test_leases_register_expire_and_report_the_dead(stack: Stack) -> None:
@@ -489,7 +489,7 @@ async def test_an_idle_session_parks_and_wakes_on_input(
             # A burst around the parking moment: some land while the run is
             # still live, some race the park, some ring the bell.
             for i in range(rng.randint(1, 4)):
-                receipts.append((await hooks.resume(inbox, command(f"b{burst} m{i}"))).seq)
+                receipts.append((await hooks.append(inbox, command(f"b{burst} m{i}"))).seq)
                 await asyncio.sleep(rng.choice([0, 0.05, 0.15, 0.25]))
 
             async def all_answered(n: int = len(receipts)) -> list[s.Event] | None:
@@ -531,9 +531,9 @@ async def test_host_wakes_a_parked_session_only_for_a_newer_head() -> None:
     are ignored, and a bell that rang while the run was parking is honoured
     when the session lands in `parked`."""
     from baton_runtime.owner.agents.fixture import build_agent
-    from baton_runtime.owner.hosting.host import OwnerHost
-    from baton_runtime.owner.hosting.parking import ParkedSession
-    from baton_runtime.owner.hosting.sessions import HostSettings
+    from baton_runtime.owner.host.host import OwnerHost
+    from baton_runtime.owner.host.parking import ParkedSession
+    from baton_runtime.owner.host.sessions import HostSettings
 
     host = OwnerHost(
         HostSettings("dep-u", "unit-1"),
@@ -578,9 +578,9 @@ async def test_the_held_sessions_gauges_read_the_host_when_scraped() -> None:
     baton_draining come from the host's one view of its sessions
     (metering.HeldView), read at each scrape."""
     from baton_runtime.owner.agents.fixture import build_agent
-    from baton_runtime.owner.hosting.host import OwnerHost
-    from baton_runtime.owner.hosting.parking import ParkedSession
-    from baton_runtime.owner.hosting.sessions import HostSettings
+    from baton_runtime.owner.host.host import OwnerHost
+    from baton_runtime.owner.host.parking import ParkedSession
+    from baton_runtime.owner.host.sessions import HostSettings
     from baton_runtime.owner.run.metering import HeldSessions
 
     host = OwnerHost(

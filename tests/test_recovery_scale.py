@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
-from baton_runtime.owner.hosting.sweep import SWEEP_CONCURRENCY
+from baton_runtime.owner.host.sweep import SWEEP_CONCURRENCY
 from tests.procs import ProcessStack, StackClients, answered, check_history, eventually
 from tests.scrape import scrape
 

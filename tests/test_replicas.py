@@ -98,7 +98,7 @@ class Replicated:
         for i, server in enumerate(self.hooks):
             rooms = server.app
             assert isinstance(rooms, HookRooms)
-            count(rooms.inbox, "resume", self.counts, f"hooks{i}.resume")
+            count(rooms.inbox, "append", self.counts, f"hooks{i}.append")
         for i, server in enumerate(self.anchors):
             journal = server.app
             assert isinstance(journal, Journal)
@@ -189,7 +189,7 @@ async def test_a_conversation_over_two_hooks_and_two_anchors(replicated: Replica
         events = await read_until_idle(stack, session_id, per_session)
         assert_admitted_once_in_order(events, by_seq)
         assert len(received(events)) == per_session
-    for label in ("hooks0.resume", "hooks1.resume", "anchor0.commit", "anchor1.commit"):
+    for label in ("hooks0.append", "hooks1.append", "anchor0.commit", "anchor1.commit"):
         assert replicated.counts[label] > 0, f"{label} never called: {replicated.counts}"
 
 
@@ -228,22 +228,22 @@ async def test_a_token_moved_by_one_replica_is_seen_by_the_other(replicated: Rep
         for client in (one, two):
             assert (await client.lookup(alias)).session_id == first.session_id
         assert (
-            await via_one.resume(alias, send("to the first"), "slack")
+            await via_one.append(alias, send("to the first"), "slack")
         ).session_id == first.session_id
         # The other replica releases it and gives it to a new session.
         await two.dispose(first, [alias])
         with pytest.raises(NotFound):
             await one.lookup(alias)
         with pytest.raises(NotFound):
-            await via_one.resume(alias, send("to nobody"), "slack")
+            await via_one.append(alias, send("to nobody"), "slack")
         second = await ghost_session(two, [alias])
         assert (await one.lookup(alias)).session_id == second.session_id
-        receipt = await via_one.resume(alias, send("to the second"), "slack")
+        receipt = await via_one.append(alias, send("to the second"), "slack")
         assert receipt.session_id == second.session_id and receipt.seq == 0
         # And back the other way round, with the replicas' roles swapped.
         await one.dispose(second, [alias])
         third = await ghost_session(one, [alias])
-        receipt = await via_two.resume(alias, send("to the third"), "slack")
+        receipt = await via_two.append(alias, send("to the third"), "slack")
         assert receipt.session_id == third.session_id and receipt.seq == 0
     finally:
         for client in (one, two, via_one, via_two):
@@ -264,26 +264,26 @@ async def test_parking_and_takeover_on_one_replica_are_seen_by_the_other(
         fence = await ghost_session(one, [])
         sid = fence.session_id
         token = ids.inbox_token(sid)
-        assert (await one.resume(token, send("m0"))).seq == 0  # `one` caches: unparked
+        assert (await one.append(token, send("m0"))).seq == 0  # `one` caches: unparked
         assert await two.set_parked(fence, True, inbox_next_seq=1) == 1
-        assert (await one.resume(token, send("m1"))).seq == 1
+        assert (await one.append(token, send("m1"))).seq == 1
         bell = await etcd.get(keys.bell("ghost", sid))
         assert bell is not None and bell.value == b"2", "the stale replica missed the bell"
         await two.set_parked(fence, False)
         assert await etcd.get(keys.bell("ghost", sid)) is None
-        assert (await one.resume(token, send("m2"))).seq == 2  # `one` caches: parked
+        assert (await one.append(token, send("m2"))).seq == 2  # `one` caches: parked
         assert await etcd.get(keys.bell("ghost", sid)) is None, "a bell for an unparked session"
         # A takeover through `two`: `one` must name the new owner run.
         successor = s.OwnerIdentity(
             owner_run_id=ids.new_run_id(), deployment_id=GHOST_DEPLOYMENT, instance_id="ghost2"
         )
         moved = await two.take_over_session(fence, "ghost", successor)
-        receipt = await one.resume(token, send("m3"))
+        receipt = await one.append(token, send("m3"))
         assert receipt.seq == 3 and receipt.owner_run_id == successor.owner_run_id
         # Parking by the new owner through `one` itself, then an append through
         # `two`, which last saw the session unparked under the old owner.
         assert await one.set_parked(moved.fence, True, inbox_next_seq=4) == 4
-        assert (await two.resume(token, send("m4"))).seq == 4
+        assert (await two.append(token, send("m4"))).seq == 4
         bell = await etcd.get(keys.bell("ghost2", sid))
         assert bell is not None and bell.value == b"5"
     finally:
@@ -309,8 +309,8 @@ async def test_concurrent_appends_through_both_replicas_dedup_across_them(
             cmd.delivery.delivery_id = f"dup-{i}"
             return cmd
 
-        calls = [client.resume(token, command(i)) for i in range(60) for client in (one, two)]
-        calls += [balanced.resume(token, command(i)) for i in range(0, 60, 2)]
+        calls = [client.append(token, command(i)) for i in range(60) for client in (one, two)]
+        calls += [balanced.append(token, command(i)) for i in range(0, 60, 2)]
         receipts = await asyncio.gather(*calls)
         seqs: dict[str, set[int]] = {}
         for i, receipt in enumerate(receipts):

@@ -16,7 +16,7 @@ async def test_a_predecessors_timeout_is_ignored(stack: Stack) -> None:
             delivery=s.DeliveryMetadata(delivery_id="timeout-run_predecessor"),
             timeout=s.TimeoutCommand(armed_by_owner_run_id="run_predecessor"),
         )
-        receipt = await hooks.resume(ids.inbox_token(session_id), stale)
+        receipt = await hooks.append(ids.inbox_token(session_id), stale)
         assert receipt.seq == 0
     finally:
         await hooks.close()

@@ -542,7 +542,7 @@ async def test_the_inbox_keeps_the_senders_context_and_the_owner_links_to_it(
     try:
         with tracing.span("producer") as producer:
             assert producer is not None
-            await hooks.resume(
+            await hooks.append(
                 ids.inbox_token(sid), s.Command(send=s.SendCommand(text="hi")), "slack"
             )
     finally:
@@ -577,7 +577,7 @@ async def test_messages_steered_into_a_running_turn_are_linked_by_its_span(
         for text in ("sleep 3 1000", "hello", "echo x"):
             with tracing.span(f"send {text}") as producer:
                 assert producer is not None
-                await hooks.resume(
+                await hooks.append(
                     ids.inbox_token(sid), s.Command(send=s.SendCommand(text=text)), "slack"
                 )
             producers.append(producer.get_span_context().span_id)
@@ -641,13 +641,13 @@ async def test_resume_hook_refuses_a_malformed_traceparent_and_writes_nothing(
     )
     token = ids.inbox_token(sid)
     try:
-        before = await hooks.resume(token, s.Command(send=s.SendCommand(text="one")), "slack")
+        before = await hooks.append(token, s.Command(send=s.SendCommand(text="one")), "slack")
         command = s.Command(send=s.SendCommand(text="hi"))
         command.delivery.traceparent = "00-not-a-trace-context"
         with pytest.raises(InvalidArgument) as refused:
-            await hooks.resume(token, command, "slack")
+            await hooks.append(token, command, "slack")
         assert refused.value.reason == Reason.MALFORMED_TRACEPARENT
-        after = await hooks.resume(token, s.Command(send=s.SendCommand(text="two")), "slack")
+        after = await hooks.append(token, s.Command(send=s.SendCommand(text="two")), "slack")
     finally:
         await hooks.close()
     assert after.seq == before.seq + 1  # nothing was appended in between

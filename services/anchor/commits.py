@@ -22,7 +22,7 @@ TERMINAL_KINDS = frozenset({s.EVENT_KIND_SESSION_COMPLETED, s.EVENT_KIND_SESSION
 
 
 @dataclass(frozen=True)
-class Commit:
+class EncodedCommit:
     """One step's durable effect, validated and encoded once."""
 
     fence: Fence
@@ -48,7 +48,7 @@ def encode_commit(
     snapshot: s.SessionSnapshot,
     close: bool,
     history: Sequence[s.ChatMessage] = (),
-) -> Commit:
+) -> EncodedCommit:
     """Everything checkable without etcd: ids, seqs, sizes, terminal rules.
     Nothing is written unless all of it holds."""
     _check_header(fence, events, snapshot, history)
@@ -76,7 +76,7 @@ def encode_commit(
             f"commit is {total} bytes; the limit is {limits.MAX_COMMIT_BYTES}",
         )
     _check_sequence(fence.session_id, events, snapshot, close)
-    return Commit(
+    return EncodedCommit(
         Fence.of(fence),
         events,
         encoded_events,
@@ -165,7 +165,7 @@ class RefusedRead:
 
 
 def refused_commit(
-    commit: Commit, seen: RefusedRead, expected_snapshot_revision: int | None
+    commit: EncodedCommit, seen: RefusedRead, expected_snapshot_revision: int | None
 ) -> int:
     """The revision of our own applied commit when the refused txn was a
     retry of it (the stored snapshot and first event are byte-identical);

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.anchor.commits import (
-    Commit,
+    EncodedCommit,
     RefusedRead,
     check_consumed_from,
     encode_commit,
@@ -147,7 +147,7 @@ class Journal:
             scope.passed(fence.session_id, fence.epoch, fence.owner_run_id)
         return result.revision, False
 
-    def _stamp_pages(self, txn: Txn, commit: Commit) -> list[int]:
+    def _stamp_pages(self, txn: Txn, commit: EncodedCommit) -> list[int]:
         """A page the commit opens is stamped with anchor's clock: it dates the
         events before it for the stream's retention horizon."""
         pages = opened_pages(commit.first_seq, len(commit.events))
@@ -157,7 +157,10 @@ class Journal:
         return pages
 
     def _commit_txn(
-        self, commit: Commit, expected_snapshot_revision: int | None, scope: ScopeCheck | None
+        self,
+        commit: EncodedCommit,
+        expected_snapshot_revision: int | None,
+        scope: ScopeCheck | None,
     ) -> Txn:
         """The commit's compares (fence, the caller's scope when given,
         stream open, the snapshot's revision when expected, the stream
@@ -184,7 +187,7 @@ class Journal:
             txn.put(k.event(sid, event.seq), raw)
         return txn
 
-    def _finish_txn(self, txn: Txn, commit: Commit) -> None:
+    def _finish_txn(self, txn: Txn, commit: EncodedCommit) -> None:
         """The closed marker and retention entry of a closing commit, the
         commit marker, and what a refused txn reads back."""
         k = self._keys
@@ -206,7 +209,7 @@ class Journal:
 
     @staticmethod
     def _refused(
-        commit: Commit,
+        commit: EncodedCommit,
         result: TxnResult,
         expected_snapshot_revision: int | None,
         scope: ScopeCheck | None,

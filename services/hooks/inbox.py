@@ -146,18 +146,18 @@ class Inbox:
         self._queues: dict[str, _SessionQueue] = {}
         self._background = Background()
 
-    async def resume(self, token: str, command: s.Command, channel: str) -> s.Receipt:
+    async def append(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         """Durably append `command` to the inbox of the session `token` names
         (counted once in baton_inbox_appends_total by its outcome)."""
         try:
-            receipt = await self._append(token, command, channel)
+            receipt = await self._queue_append(token, command, channel)
         except Exception:
             _REFUSED.inc()
             raise
         (_DUPLICATE if receipt.duplicate else _ACCEPTED).inc()
         return receipt
 
-    async def _append(self, token: str, command: s.Command, channel: str) -> s.Receipt:
+    async def _queue_append(self, token: str, command: s.Command, channel: str) -> s.Receipt:
         check_command(command)
         record, entry = await self._tokens.resolve(token, channel, cached=True)
         future: asyncio.Future[s.Receipt] = asyncio.get_running_loop().create_future()
@@ -314,7 +314,7 @@ class Inbox:
 
         async def again() -> None:
             try:
-                receipt = await self._append(item.token, item.command, "")
+                receipt = await self._queue_append(item.token, item.command, "")
             except Exception as exc:  # noqa: BLE001 - handed to the waiter
                 if not item.future.done():
                     item.future.set_exception(exc)

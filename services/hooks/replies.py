@@ -11,7 +11,7 @@ from baton_runtime._proto.baton.hooks.v1 import hooks_pb2 as pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.etcd.keys import InstanceRecord, OwnerRecord
 from baton_runtime.hooks.directory import SessionRecord, timestamp_ms
-from baton_runtime.hooks.fleets import Fleet, FleetStatus
+from baton_runtime.hooks.fleet_views import Fleet, FleetStatus
 from baton_runtime.hooks.owned_listing import OwnedPage
 
 

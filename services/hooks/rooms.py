@@ -19,7 +19,7 @@ from baton_runtime.hooks.claims import Claims
 from baton_runtime.hooks.consent import Consent
 from baton_runtime.hooks.directory import SessionDirectory
 from baton_runtime.hooks.expiry import ExpiryLeases
-from baton_runtime.hooks.fleets import FleetViews
+from baton_runtime.hooks.fleet_views import FleetViews
 from baton_runtime.hooks.inbox import Inbox
 from baton_runtime.hooks.instances import InstanceRegistry
 from baton_runtime.hooks.owned_listing import OwnedListing
@@ -47,7 +47,7 @@ class HookRooms:
     directory: SessionDirectory  # DescribeSession, ListChannelSessions
     transfers: Transfers  # Transfer, GetTransfer, GetOwner
     instances: InstanceRegistry  # owner instances' leases and drains, WatchBells
-    fleets: FleetViews  # ListDeployments, DescribeDeployment
+    fleet_views: FleetViews  # ListDeployments, DescribeDeployment
     scope: DeploymentScope  # an owner's fenced calls held to its deployment
     consent: Consent  # what an owner may deliver (and a transfer's permit)
 
@@ -73,7 +73,7 @@ class HookRooms:
             directory=SessionDirectory(store, keys),
             transfers=Transfers(store, keys, leases, sessions, consent),
             instances=InstanceRegistry(store, keys),
-            fleets=FleetViews(store, keys),
+            fleet_views=FleetViews(store, keys),
             scope=scope,
             consent=consent,
         )

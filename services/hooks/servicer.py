@@ -198,7 +198,7 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
         caller = identity.current()
         if caller.verified and caller.role is Role.OWNER:
             await self._rooms.consent.check_delivery(caller, request.token, request.command)
-        receipt = await self._rooms.inbox.resume(request.token, request.command, channel)
+        receipt = await self._rooms.inbox.append(request.token, request.command, channel)
         structlog.contextvars.bind_contextvars(session_id=receipt.session_id, seq=receipt.seq)
         return pb.ResumeHookResponse(receipt=receipt)
 
@@ -369,12 +369,12 @@ class HookRegistryServicer(hooks_pb2_grpc.HookRegistryServiceServicer):
     async def ListDeployments(
         self, request: pb.ListDeploymentsRequest, context: Context
     ) -> pb.ListDeploymentsResponse:
-        fleets = await self._rooms.fleets.list_all()
+        fleets = await self._rooms.fleet_views.list_all()
         return pb.ListDeploymentsResponse(deployments=[deployment_info(f) for f in fleets])
 
     async def DescribeDeployment(
         self, request: pb.DescribeDeploymentRequest, context: Context
     ) -> pb.DescribeDeploymentResponse:
         structlog.contextvars.bind_contextvars(deployment_id=request.deployment_id)
-        fleet = await self._rooms.fleets.describe(request.deployment_id)
+        fleet = await self._rooms.fleet_views.describe(request.deployment_id)
         return pb.DescribeDeploymentResponse(deployment=deployment_info(fleet))

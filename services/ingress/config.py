@@ -25,7 +25,7 @@ from baton_runtime.common.ids import validate_deployment_id
 from baton_runtime.common.limits import MAX_MESSAGE_TEXT_BYTES
 from baton_runtime.common.security.tls import Security
 from baton_runtime.ingress.api_keys import ApiKeys
-from baton_runtime.ingress.limits import ChannelLimits
+from baton_runtime.ingress.rates import ChannelLimits
 
 # ingress's own settings; COMMON_SETTINGS follow them in --help.
 _SETTINGS = (

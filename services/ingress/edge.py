@@ -21,8 +21,8 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.observability import metrics
 from baton_runtime.ingress.api_keys import ApiKeys
-from baton_runtime.ingress.limits import ChannelBudget, ChannelLimits
 from baton_runtime.ingress.orphans import OrphanWatch
+from baton_runtime.ingress.rates import ChannelBudget, ChannelLimits
 
 MAX_LABELS = 32
 MAX_LABEL_BYTES = 256
@@ -245,7 +245,7 @@ class Edge:
         baton_sends_total: accepted, duplicate or refused (a limit, or hooks)."""
         try:
             self.budget.admit_send(channel)
-            receipt = await self._hooks.resume(token, command, channel)
+            receipt = await self._hooks.append(token, command, channel)
         except Exception:
             _REFUSED.inc()
             raise

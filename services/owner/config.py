@@ -25,7 +25,7 @@ from baton_runtime.common.config import (
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.ids import validate_deployment_id
 from baton_runtime.common.security.tls import Security
-from baton_runtime.owner.hosting.fleet import DEFAULT_RECONCILE_INTERVAL
+from baton_runtime.owner.host.fleet import DEFAULT_RECONCILE_INTERVAL
 
 DEFAULT_AGENT = "baton_runtime.owner.agents.fixture:build_agent"
 DEFAULT_LEASE_TTL = 5
@@ -144,7 +144,7 @@ class OwnerConfig:
     # the session stalls (session.stalled on its stream).
     restart_budget: int = 5
     # Seconds between reconciliations: sessions indexed here that no run
-    # holds are taken over again (services/owner/hosting/fleet.py).
+    # holds are taken over again (services/owner/host/fleet.py).
     reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL
     # Commits ride a multiplexed CommitSteps stream (services/common/streams/multiplex.py);
     # False: one unary CommitStep call each.

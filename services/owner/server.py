@@ -14,11 +14,11 @@ from baton_runtime.common.etcd.keys import AgentLabel
 from baton_runtime.common.rpc.server import GrpcServer, ServiceBinding, build_server
 from baton_runtime.owner.agents.api import Agent, load_agent
 from baton_runtime.owner.config import OwnerConfig
-from baton_runtime.owner.hosting.fleet import FleetMembership
-from baton_runtime.owner.hosting.heap import HeapTrimmer
-from baton_runtime.owner.hosting.host import OwnerHost
-from baton_runtime.owner.hosting.sessions import HostSettings
-from baton_runtime.owner.hosting.sweep import UnclaimedSessions
+from baton_runtime.owner.host.fleet import FleetMembership
+from baton_runtime.owner.host.heap import HeapTrimmer
+from baton_runtime.owner.host.host import OwnerHost
+from baton_runtime.owner.host.sessions import HostSettings
+from baton_runtime.owner.host.sweep import UnclaimedSessions
 from baton_runtime.owner.run.metering import HeldSessions
 from baton_runtime.owner.servicer import OwnerServicer
 

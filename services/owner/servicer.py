@@ -17,7 +17,7 @@ from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.common.security import identity
 from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.handoff.acceptance import HandoffOffer
-from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.host.host import OwnerHost
 from baton_runtime.owner.run.children import ChildStart
 
 

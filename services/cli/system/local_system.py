@@ -40,8 +40,9 @@ from baton_runtime.cli.system.port_plan import (
     Ports,
     replica_label,
 )
-from baton_runtime.cli.system.processes import ServiceProcess, sync_channel
+from baton_runtime.cli.system.processes import sync_channel
 from baton_runtime.cli.system.service_env import addresses, console_env, service_env
+from baton_runtime.cli.system.service_launcher import ETCD_USERS, ServiceLauncher
 from baton_runtime.cli.system.supervised import Child, StopSignals, log_tail
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
@@ -50,7 +51,6 @@ from baton_runtime.common.security.tls import Security
 CERTS_DIR = "certs"
 # What the certificate directory holds (besides owner-<dep>/ingress-<dep>).
 CERTIFICATE_FILES = ("ca.crt", "operator.crt", "operator.key", "hooks.crt", "anchor.crt")
-ETCD_USERS = ("hooks", "anchor")
 
 _PROBE_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -104,14 +104,15 @@ class LocalSystem:
         self.children: list[Child] = []
         self._out = out
         self.pki: LocalPki | None = None
+        # Starts the services (and the console) with their identities; its
+        # PKI is set once the certificates are made.
+        self.launcher = ServiceLauncher(self.log_dir, None, settings.log_level)
         self.api_key_file = settings.api_key_file
         # Callers of the console that are not on loopback present it.
         self.console_token = secrets.token_urlsafe(24)
 
     def security(self, role: Role, deployment_id: str = "") -> Security:
-        if self.pki is None:
-            return Security.plaintext()
-        return self.pki.security(role, deployment_id)
+        return self.launcher.security(role, deployment_id)
 
     @property
     def ca_cert(self) -> str:
@@ -132,6 +133,7 @@ class LocalSystem:
             for dep in self.ports.deployments:
                 self.pki.files(Role.OWNER, dep.deployment_id)
                 self.pki.files(Role.INGRESS, dep.deployment_id)
+            self.launcher.pki = self.pki
             self.say(f"baton up: certificates in {self.cert_dir} (CA: {self.pki.ca_path})")
         if not self.api_key_file:
             path = self.run_dir / "api-keys"
@@ -308,20 +310,17 @@ class LocalSystem:
         False on a stop request."""
         key = os.environ.get("BATON_API_KEY", "") if self.settings.api_key_file else ""
         env = console_env(
-            settings=self.settings,
             ports=self.ports,
-            security=self.operator,
             api_key=key or DEMO_API_KEY,
             token=self.console_token,
         )
-        address = f"127.0.0.1:{self.ports.console}"
-        log_path = str(self.log_dir / "console.log")
-        service = ServiceProcess("console", address, env, log_path=log_path)
+        address = self.launcher.reserve("console", self.ports.console)
         try:
-            service.start()
+            service = self.launcher.start("console", "console", env, role=Role.OPERATOR, wait=False)
         except OSError as exc:
             raise LaunchError(f"could not start the console: {exc}") from exc
         assert service.proc is not None
+        log_path = str(service.log_path)
         child = self._started(Child("console", address, log_path, service.proc, service.stop))
         probe = functools.partial(_http_answers, f"{self.console_url}static/console.css")
         self._await([child], probe, "console", signals)
@@ -330,12 +329,16 @@ class LocalSystem:
     def service_env(self, kind: str, dep: DeploymentPorts | None = None) -> dict[str, str]:
         """The environment a `kind` process (of `dep`) starts with, but its
         metrics address."""
+        return self.launcher.environment(
+            kind, dep.deployment_id if dep else "", self._wiring(kind, dep)
+        )
+
+    def _wiring(self, kind: str, dep: DeploymentPorts | None) -> dict[str, str]:
         return service_env(
             kind,
             dep,
             settings=self.settings,
             ports=self.ports,
-            security=self.security(Role(kind), dep.deployment_id if dep else ""),
             api_key_file=self.api_key_file,
             object_store=self.object_store,
         )
@@ -349,25 +352,30 @@ class LocalSystem:
     def _start_service(self, kind: str, replica: int, dep: DeploymentPorts | None = None) -> Child:
         name = replica_label(kind, replica)
         port = self.ports.service_ports(kind, dep)[replica]
-        log_name = f"{name}-{dep.deployment_id}.log" if dep else f"{name}.log"
-        address = f"127.0.0.1:{port}"
-        log_path = str(self.log_dir / log_name)
+        # The launcher's name of it, which names its log.
+        process = f"{name}-{dep.deployment_id}" if dep else name
+        address = self.launcher.reserve(process, port)
         metrics_port = self.ports.metrics[port]
-        env = self.service_env(kind, dep) | {"BATON_METRICS_LISTEN": f"127.0.0.1:{metrics_port}"}
-        service = ServiceProcess(kind, address, env, log_path=log_path)
-        label = f"{name} of {dep.deployment_id}" if dep else name
+        deployment_id = dep.deployment_id if dep else ""
+        label = f"{name} of {deployment_id}" if dep else name
         try:
-            service.start()
+            service = self.launcher.start(
+                process,
+                kind,
+                self._wiring(kind, dep),
+                deployment_id=deployment_id,
+                metrics_port=metrics_port,
+                wait=False,
+            )
         except OSError as exc:
             raise LaunchError(f"could not start {label}: {exc}") from exc
-        assert service.proc is not None
-        deployment_id = dep.deployment_id if dep else ""
+        assert service.proc is not None and service.log_path is not None
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return self._started(
             Child(
                 name,
                 address,
-                log_path,
+                service.log_path,
                 service.proc,
                 service.stop,
                 deployment_id,

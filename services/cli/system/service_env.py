@@ -1,7 +1,10 @@
-"""The environment each service process of `baton up` is started with:
-its identity (certificate, or plaintext), where etcd or its peers are
-(every replica, comma-separated), and the flags `baton up` passes on.
-Pure: from the settings, the port plan and the service's security."""
+"""The environment a Baton service process is started with: its identity
+(`identity_env`: its certificate's files, or plaintext, and its log level),
+where what it calls is (`wiring_env`: etcd for hooks and anchor; hooks,
+anchor and its deployment's owners for the others; every replica,
+comma-separated), and, for `baton up`, the flags it passes on
+(`service_env`, `console_env`). Pure. Every launcher of Baton processes
+builds a service's environment here (services/cli/system/service_launcher.py)."""
 
 from __future__ import annotations
 
@@ -26,19 +29,67 @@ def addresses(ports: Sequence[int]) -> str:
     return ",".join(f"127.0.0.1:{port}" for port in ports)
 
 
+def identity_env(security: Security, log_level: str = "info") -> dict[str, str]:
+    """Who the process is: its certificate's files (BATON_TLS_CERT/KEY/CA;
+    the certificate also authenticates hooks and anchor to etcd, its CN
+    being the etcd user), or BATON_PLAINTEXT; its log level; and the Python
+    path it imports `baton_runtime` from."""
+    env = {
+        "PYTHONPATH": python_path(),
+        "PYTHONUNBUFFERED": "1",
+        "BATON_LOG_LEVEL": log_level,
+    }
+    if security.files is None:
+        env["BATON_PLAINTEXT"] = "1"
+    else:
+        env |= {
+            "BATON_TLS_CERT": security.files.cert,
+            "BATON_TLS_KEY": security.files.key,
+            "BATON_TLS_CA": security.files.ca,
+        }
+    return env
+
+
+def wiring_env(
+    kind: str,
+    *,
+    etcd: str = "",
+    prefix: str = "",
+    hooks: str = "",
+    anchor: str = "",
+    deployment_id: str = "",
+    owners: str = "",
+    api_keys_file: str = "",
+) -> dict[str, str]:
+    """Where a `kind` process finds what it calls (addresses comma-separated,
+    one per replica): hooks and anchor, etcd and their key prefix; owners and
+    ingresses, hooks, anchor and their deployment; an ingress, also the
+    owners it starts sessions on and its API key file."""
+    if kind in ("hooks", "anchor"):
+        return {"BATON_ETCD_ENDPOINT": etcd, "BATON_ETCD_PREFIX": prefix}
+    env = {
+        "BATON_HOOKS_ADDR": hooks,
+        "BATON_ANCHOR_ADDR": anchor,
+        "BATON_DEPLOYMENT_ID": deployment_id,
+    }
+    if kind == "ingress":
+        env |= {"BATON_OWNER_ADDR": owners, "BATON_API_KEYS_FILE": api_keys_file}
+    return env
+
+
 def service_env(
     kind: str,
     dep: DeploymentPorts | None,
     *,
     settings: LaunchSettings,
     ports: Ports,
-    security: Security,
     api_key_file: str,
     object_store: str = "",
 ) -> dict[str, str]:
-    """The environment of a `kind` process (of `dep` for owner/ingress);
-    `object_store`: anchor's object store URL."""
-    env = _identity_env(settings, security)
+    """What a `kind` process of `baton up` (of `dep` for owner/ingress) is
+    started with besides its identity: its wiring and the flags `baton up`
+    passes on; `object_store`: anchor's object store URL."""
+    env: dict[str, str] = {}
     if kind == "hooks" and settings.dedupe_window is not None:
         env["BATON_DEDUPE_WINDOW"] = f"{settings.dedupe_window:g}"
     if dep is None:
@@ -46,44 +97,26 @@ def service_env(
             env |= _stream_retention_env(settings)
             if object_store:
                 env["BATON_OBJECT_STORE"] = object_store
-        return env | {
-            "BATON_ETCD_ENDPOINT": addresses([client for client, _ in ports.etcd]),
-            "BATON_ETCD_PREFIX": ETCD_PREFIX,
-            # hooks and anchor judge etcd's members again: the same answer.
-            "BATON_ACCEPT_ETCD_RISK": "1" if settings.accept_etcd_risk else "0",
-        }
-    env |= {
-        "BATON_DEPLOYMENT_ID": dep.deployment_id,
-        "BATON_HOOKS_ADDR": addresses(ports.hooks),
-        "BATON_ANCHOR_ADDR": addresses(ports.anchors),
-    }
+        etcd = addresses([client for client, _ in ports.etcd])
+        return (
+            env
+            | wiring_env(kind, etcd=etcd, prefix=ETCD_PREFIX)
+            | {
+                # hooks and anchor judge etcd's members again: the same answer.
+                "BATON_ACCEPT_ETCD_RISK": "1" if settings.accept_etcd_risk else "0",
+            }
+        )
+    env |= wiring_env(
+        kind,
+        hooks=addresses(ports.hooks),
+        anchor=addresses(ports.anchors),
+        deployment_id=dep.deployment_id,
+        # Each ingress starts sessions on its own deployment's owners.
+        owners=addresses(dep.owners),
+        api_keys_file=api_key_file,
+    )
     if kind == "owner" and settings.agent_of(dep.deployment_id):
         env["BATON_AGENT"] = settings.agent_of(dep.deployment_id)
-    if kind == "ingress":
-        env |= {
-            # Each ingress starts sessions on its own deployment's owners.
-            "BATON_OWNER_ADDR": addresses(dep.owners),
-            "BATON_API_KEYS_FILE": api_key_file,
-        }
-    return env
-
-
-def _identity_env(settings: LaunchSettings, security: Security) -> dict[str, str]:
-    env = {
-        "PYTHONPATH": python_path(),
-        "PYTHONUNBUFFERED": "1",
-        "BATON_LOG_LEVEL": settings.log_level,
-    }
-    if security.files is None:
-        env["BATON_PLAINTEXT"] = "1"
-    else:
-        # The service's own certificate also authenticates it to etcd (its
-        # CN is the etcd user).
-        env |= {
-            "BATON_TLS_CERT": security.files.cert,
-            "BATON_TLS_KEY": security.files.key,
-            "BATON_TLS_CA": security.files.ca,
-        }
     return env
 
 
@@ -98,18 +131,16 @@ def _stream_retention_env(settings: LaunchSettings) -> dict[str, str]:
 
 def console_env(
     *,
-    settings: LaunchSettings,
     ports: Ports,
-    security: Security,
     api_key: str,
     token: str,
 ) -> dict[str, str]:
-    """The web console's environment (services/console/config.py): the
-    operator identity, hooks and anchor, each deployment's ingress, and the
-    secrets it reads from the environment only (the API key its cancel and
-    reset use, the console token)."""
+    """The web console's environment (services/console/config.py) besides
+    its identity (an operator's): hooks and anchor, each deployment's
+    ingress, and the secrets it reads from the environment only (the API key
+    its cancel and reset use, the console token)."""
     ingresses = ",".join(f"{d.deployment_id}=127.0.0.1:{d.ingress}" for d in ports.deployments)
-    return _identity_env(settings, security) | {
+    return {
         "BATON_HOOKS_ADDR": addresses(ports.hooks),
         "BATON_ANCHOR_ADDR": addresses(ports.anchors),
         "BATON_CONSOLE_INGRESSES": ingresses,

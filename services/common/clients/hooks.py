@@ -81,7 +81,7 @@ class HooksClient(ServiceClient):
         # Appends ride one ResumeHooks stream per replica (`_multiplexed`);
         # `multiplexed=False` (or hooks that do not serve ResumeHooks)
         # appends with one unary ResumeHook each.
-        self._resumes: Lanes[hooks_pb.ResumeHookRequest, hooks_pb.ResumeHookResponse] = (
+        self._appends: Lanes[hooks_pb.ResumeHookRequest, hooks_pb.ResumeHookResponse] = (
             self._multiplexed(
                 "ResumeHooks",
                 hooks_pb.ResumeHooksRequest,
@@ -131,7 +131,7 @@ class HooksClient(ServiceClient):
             response.first_entry if response.HasField("first_entry") else None,
         )
 
-    async def resume(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
+    async def append(self, token: str, command: s.Command, channel: str = "") -> s.Receipt:
         """Append `command` to the inbox `token` names. A command without a
         delivery id gets a fresh one here, so that a retry of this call
         (by gRPC, on another replica) is deduplicated, never appended twice.
@@ -145,7 +145,7 @@ class HooksClient(ServiceClient):
         command = traced(command)
         request = hooks_pb.ResumeHookRequest(token=token, command=command, channel=channel)
         response = await self._multiplexed_or_unary(
-            self._resumes,
+            self._appends,
             request,
             lambda: self._unary(
                 "ResumeHook", lambda: self.stub.ResumeHook(request, timeout=self.timeout)

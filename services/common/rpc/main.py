@@ -5,6 +5,7 @@ shutdown within a bounded grace period, and reload on SIGHUP."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -30,10 +31,12 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reloader(server))
     await server.start()
+    settle_heap()
     log.info(
         "serving",
         port=server.port,
         grpc_experiments=os.environ.get("GRPC_EXPERIMENTS", ""),
+        frozen_objects=gc.get_freeze_count(),
         services=list(server.service_names),
         **({"health_port": server.health_port} if server.health_server else {}),
         **({"metrics_port": server.metrics_port} if server.metrics else {}),
@@ -42,6 +45,17 @@ async def run_until_signalled(server: GrpcServer, *, grace: float) -> None:
     log.info("shutting down", grace_s=grace)
     await server.stop(grace)
     log.info("stopped")
+
+
+def settle_heap() -> None:
+    """Once started: what start-up built (modules, descriptors, the
+    server's own objects, some 40,000 of them) lives as long as the process,
+    so it leaves the collector's generations (`gc.freeze`) and a full
+    collection no longer walks it; what a request allocates is collected as
+    before. (A frozen object is still freed when its last reference goes;
+    only a cycle among frozen objects is kept.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def _reloader(server: GrpcServer) -> Callable[[], None]:

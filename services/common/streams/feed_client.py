@@ -31,6 +31,7 @@ from baton_runtime.common.errors import BatonError
 from baton_runtime.common.observability import rpc_metrics, tracing
 from baton_runtime.common.rpc.status_map import from_status_proto, status_code
 from baton_runtime.common.streams.feeds import DEFAULT_WINDOW, MAX_REQUEST_ITEMS
+from baton_runtime.common.streams.multiplex import Coalescing
 from baton_runtime.common.streams.multiplex_client import (
     SharedStream,
     SharedStreamClient,
@@ -153,16 +154,19 @@ class FollowedStreams(SharedStreamClient[_Stream], Generic[_Req, _Page]):
 
     async def _write(self, stream: _Stream) -> None:
         meter = rpc_metrics.RPC
+        coalescing = Coalescing()
         try:
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
+                await coalescing.gather()
                 while stream.opens or stream.stops or stream.grants:
                     room = MAX_REQUEST_ITEMS
                     stops = _take(stream.stops, room)
                     grants = _take(stream.grants, room - len(stops))
                     opens = _take_opens(stream.opens, room - len(stops) - len(grants))
                     await stream.call.write(self._make_request(opens, stops, grants))
+                    coalescing.sent()
                     if meter.enabled:
                         meter.sent_on_stream(self._target, self._method)
         except Exception as exc:  # noqa: BLE001 - any failed write ends the stream

@@ -41,6 +41,7 @@ from baton_runtime.common import errors, limits
 from baton_runtime.common.observability import rpc_metrics, tracing
 from baton_runtime.common.rpc import server as grpc_server
 from baton_runtime.common.rpc.status_map import status_code, status_proto
+from baton_runtime.common.streams.multiplex import Coalescing
 from baton_runtime.common.streams.pages import ENTRY_FRAMING
 
 log = structlog.get_logger("baton.feeds")
@@ -101,12 +102,14 @@ async def serve_follows(
     open: one in the same request as the open ends the follow."""
     feed = _Feed(open_follow, method, max_follows)
     reader = asyncio.ensure_future(feed.read(requests))
+    coalescing = Coalescing()
     try:
         while True:
-            ready = await feed.next_items(reader)
+            ready = await feed.next_items(reader, coalescing)
             if ready is None:
                 break
             yield message(ready)
+            coalescing.sent()
         reader.result()  # a refused request ends the stream with its status
     finally:
         reader.cancel()
@@ -267,15 +270,19 @@ class _Feed:
         self._sizes.append(page_size + len(item[2]) + _ITEM_FRAMING)
         self._wake.set()
 
-    async def next_items(self, reader: asyncio.Future[None]) -> list[Item] | None:
-        """The items ready now, up to MAX_MESSAGE_BYTES (waiting for one);
-        None once the reader is done and every follow has ended."""
+    async def next_items(
+        self, reader: asyncio.Future[None], coalescing: Coalescing
+    ) -> list[Item] | None:
+        """The items ready now, up to MAX_MESSAGE_BYTES (waiting for one,
+        then `coalescing`); None once the reader is done and every follow
+        has ended."""
         while not self._ready:
             if reader.done() and (not self._follows or reader.exception() is not None):
                 return None
             self._wake.clear()
             # Set by each item and by the reader's end.
             await self._wake.wait()
+        await coalescing.gather()
         size, count = 0, 0
         for item_size in self._sizes:
             size += item_size

@@ -43,6 +43,29 @@ MAX_IN_FLIGHT = 256
 MAX_BATCH_BYTES = 1024 * 1024
 # (call id, the answer or None, the serialized google.rpc.Status or b"")
 Answer = tuple[int, Any, bytes]
+# A stream's writer that sent a message less than this long ago is busy.
+BUSY_WITHIN_S = 0.002
+
+
+class Coalescing:
+    """When a stream's writer sends: at once after idleness; while busy (a
+    message went out less than BUSY_WITHIN_S ago), only after the event
+    loop ran the callbacks ready now, so that what they queue (other
+    sessions' calls, answers or pages) joins the message. The wait is one
+    turn of the loop, never a timer."""
+
+    __slots__ = ("_sent_at",)
+
+    def __init__(self) -> None:
+        self._sent_at = 0.0
+
+    async def gather(self) -> None:
+        """Before taking what a message carries."""
+        if time.monotonic() - self._sent_at < BUSY_WITHIN_S:
+            await asyncio.sleep(0)
+
+    def sent(self) -> None:
+        self._sent_at = time.monotonic()
 
 
 # -- the server half ------------------------------------------------------------------
@@ -65,14 +88,16 @@ async def serve_calls(
     a batch that breaks the bounds ends it with INVALID_ARGUMENT."""
     served = _ServedCalls(handle, method, max_in_flight)
     reader = asyncio.ensure_future(served.read(batches, calls_of, max_calls))
+    coalescing = Coalescing()
     # (the caller closes this generator when the client goes away: its
     # finally cancels the calls in flight)
     try:
         while True:
-            ready = await served.next_answers(reader)
+            ready = await served.next_answers(reader, coalescing)
             if ready is None:
                 break
             yield answers(ready)
+            coalescing.sent()
         reader.result()  # a refused batch ends the stream with its status
     finally:
         reader.cancel()
@@ -192,15 +217,18 @@ class _ServedCalls:
         self._ready.append(answer)
         self._wake.set()
 
-    async def next_answers(self, reader: asyncio.Future[None]) -> list[Answer] | None:
-        """The answers ready now (waiting for one); None once the reader is
-        done and every call is answered."""
+    async def next_answers(
+        self, reader: asyncio.Future[None], coalescing: Coalescing
+    ) -> list[Answer] | None:
+        """The answers ready now (waiting for one, then `coalescing`); None
+        once the reader is done and every call is answered."""
         while not self._ready:
             if reader.done() and not self._running:
                 return None
             self._wake.clear()
             # Set by each answer and by the reader's end.
             await self._wake.wait()
+        await coalescing.gather()
         ready, self._ready = self._ready, []
         return ready
 

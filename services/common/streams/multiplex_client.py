@@ -29,7 +29,12 @@ from google.rpc import status_pb2
 from baton_runtime.common import errors
 from baton_runtime.common.observability import rpc_metrics, tracing
 from baton_runtime.common.rpc.status_map import from_rpc_error, from_status_proto
-from baton_runtime.common.streams.multiplex import MAX_BATCH_BYTES, MAX_BATCH_CALLS, Answer
+from baton_runtime.common.streams.multiplex import (
+    MAX_BATCH_BYTES,
+    MAX_BATCH_CALLS,
+    Answer,
+    Coalescing,
+)
 
 log = structlog.get_logger("baton.multiplex")
 
@@ -235,13 +240,16 @@ class StreamedCalls(SharedStreamClient[_Stream], Generic[_Req, _Resp]):
 
     async def _write(self, stream: _Stream) -> None:
         meter = rpc_metrics.RPC
+        coalescing = Coalescing()
         try:
             while True:
                 await stream.wake.wait()
                 stream.wake.clear()
+                await coalescing.gather()
                 while stream.outbox:
                     batch = self._take(stream.outbox)
                     await stream.call.write(self._make_batch(batch))
+                    coalescing.sent()
                     if meter.enabled:
                         meter.sent_on_stream(self._target, self._method)
         except Exception as exc:  # noqa: BLE001 - any failed write ends the stream

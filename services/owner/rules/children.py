@@ -90,7 +90,7 @@ def child_given_work(
     waiting_call = "" if work.background else call.id
     existing = state.handles.find(work.child_session_id)
     if work.resumed and existing is not None:
-        handle = state.handles.resume(existing, state.turn_id, waiting_call)
+        handle = state.handles.give_work(existing, state.turn_id, waiting_call)
     else:
         handle = state.handles.start(
             work.child_session_id,

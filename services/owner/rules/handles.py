@@ -206,7 +206,7 @@ class Handles:
         handle.detached = handle.waiting = False
         return handle
 
-    def resume(self, handle: s.ChildHandle, turn_id: str, tool_call_id: str) -> s.ChildHandle:
+    def give_work(self, handle: s.ChildHandle, turn_id: str, tool_call_id: str) -> s.ChildHandle:
         """A parked or available child, given its next work."""
         handle = self._to_end(handle)
         handle.state = RUNNING

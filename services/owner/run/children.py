@@ -137,7 +137,7 @@ class Children:
         backoff = retry.DELIVERY.backoff()
         while True:
             try:
-                receipt = await self._hooks.resume(ids.inbox_token(session_id), command)
+                receipt = await self._hooks.append(ids.inbox_token(session_id), command)
                 if not receipt.duplicate:
                     self._local.offer(session_id, s.InboxEntry(seq=receipt.seq, command=command))
                 return receipt

@@ -69,7 +69,7 @@ def waited(entry: s.InboxEntry) -> None:
 
 class HeldView(Protocol):
     """What `HeldSessions` reads from the host at each scrape (the host,
-    hosting.py, is one): the one place each of these is computed."""
+    sessions.py, is one): the one place each of these is computed."""
 
     def sessions_by_state(self) -> Mapping[str, Sized]:
         """The sessions held, by state (running, parked, stalled)."""

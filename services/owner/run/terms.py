@@ -1,5 +1,5 @@
 """What a run is given and how it ends: the terms between the host
-(hosting.py, host.py), which launches runs and acts on their ends, and the
+(sessions.py, host.py), which launches runs and acts on their ends, and the
 run itself (`SessionRun`, session.py)."""
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class Upkeep:
         backoff = retry.TIMEOUT_DELIVERY.backoff()
         while True:
             try:
-                await self._hooks.resume(ids.inbox_token(fence.session_id), command)
+                await self._hooks.append(ids.inbox_token(fence.session_id), command)
                 return
             except BatonError as exc:
                 if not exc.retryable:

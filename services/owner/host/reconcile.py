@@ -34,8 +34,8 @@ import structlog
 from baton_runtime.common.clients.answers import OwnedSession
 from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.observability import metrics
-from baton_runtime.owner.hosting.host import OwnerHost
-from baton_runtime.owner.hosting.sweep import ParkedSweep, claim_all
+from baton_runtime.owner.host.host import OwnerHost
+from baton_runtime.owner.host.sweep import ParkedSweep, claim_all
 
 
 class Reconciler:

@@ -17,7 +17,7 @@ from baton_runtime.common import ids
 from baton_runtime.common.clients.answers import DrainBlocker, DrainReport
 from baton_runtime.common.errors import InvalidArgument, Reason
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.hosting.parking import Parking
+from baton_runtime.owner.host.parking import Parking
 
 DRAIN_CONCURRENCY = 32  # parked sessions woken at once for a drain
 DRAIN_REPORT_BLOCKERS = 50

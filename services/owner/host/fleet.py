@@ -48,9 +48,9 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import NO_AGENT, AgentLabel
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.hosting.host import OwnerHost
-from baton_runtime.owner.hosting.reconcile import Reconciler
-from baton_runtime.owner.hosting.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
+from baton_runtime.owner.host.host import OwnerHost
+from baton_runtime.owner.host.reconcile import Reconciler
+from baton_runtime.owner.host.sweep import DEFAULT_SWEEP_RATE, ParkedSweep, claim_all
 
 log = structlog.get_logger("baton.owner.fleet")
 

@@ -23,7 +23,7 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, FailedPrecondition, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.hosting.host import OwnerHost
+from baton_runtime.owner.host.host import OwnerHost
 
 log = structlog.get_logger("baton.owner.sweep")
 

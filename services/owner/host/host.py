@@ -1,6 +1,6 @@
 """The owner host: how sessions come to one owner instance, and leave it by
 a drain. Their lifecycle once here (launch, runs, activation, parking) is
-`HostedSessions`' (hosting.py).
+`HostedSessions`' (sessions.py).
 
 Sessions arrive through StartSession (created here: by ingress, or, for a
 child session, by the owner of its parent, possibly this one; see
@@ -39,8 +39,8 @@ from baton_runtime.common.errors import (
 from baton_runtime.owner.agents.api import Agent
 from baton_runtime.owner.handoff.acceptance import TRANSFER_ANSWER_SECONDS, HandoffOffer
 from baton_runtime.owner.handoff.checkpoint import Arrival
-from baton_runtime.owner.hosting.parking import ParkedSession
-from baton_runtime.owner.hosting.sessions import HostedSessions, HostSettings
+from baton_runtime.owner.host.parking import ParkedSession
+from baton_runtime.owner.host.sessions import HostedSessions, HostSettings
 from baton_runtime.owner.rules.held import RunIdentity
 from baton_runtime.owner.run.children import Children, ChildStart
 from baton_runtime.owner.run.snapshots import initial_snapshot

@@ -2,7 +2,7 @@
 a session it parked — its fence and consumed inbox position, no snapshot,
 no stream — and when it wakes it.
 
-A bell (one WatchBells stream per instance, see services/owner/hosting/fleet.py)
+A bell (one WatchBells stream per instance, see services/owner/host/fleet.py)
 whose inbox head is beyond the consumed position wakes a parked session; a
 bell that rings while the session is busy here (its run is parking, it is
 loading or being taken over) is remembered and honoured when it lands in
@@ -61,7 +61,7 @@ class Parking:
         self.bells: dict[str, int] = {}  # bells rung while the session was busy here
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.stopped = False
-        self.parks = 0  # sessions parked here so far (services/owner/hosting/heap.py trims after)
+        self.parks = 0  # sessions parked here so far (services/owner/host/heap.py trims after)
 
     def stop(self) -> None:
         """Forget every parked session (the instance stops)."""

@@ -47,11 +47,11 @@ from baton_runtime.owner.agents.api import Agent, AgentCatalog
 from baton_runtime.owner.handoff.acceptance import HandoffAcceptance
 from baton_runtime.owner.handoff.attempt import HandoffAttempts
 from baton_runtime.owner.handoff.checkpoint import CheckpointRules
-from baton_runtime.owner.hosting.adoption import Adoption
-from baton_runtime.owner.hosting.drains import Drains
-from baton_runtime.owner.hosting.inflight import InFlight
-from baton_runtime.owner.hosting.parking import ParkedSession, Parking
-from baton_runtime.owner.hosting.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
+from baton_runtime.owner.host.adoption import Adoption
+from baton_runtime.owner.host.drains import Drains
+from baton_runtime.owner.host.inflight import InFlight
+from baton_runtime.owner.host.parking import ParkedSession, Parking
+from baton_runtime.owner.host.restarts import DEFAULT_RESTART_BUDGET, Restarts, transient
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.run.children import Children
 from baton_runtime.owner.run.commit import commit_step
@@ -268,7 +268,7 @@ class HostedSessions:
     async def _hold_parked(self, run: SessionRun) -> None:
         try:
             # Tests: a host that loses a parked session (the reconciler
-            # in services/owner/hosting/fleet.py must find it again).
+            # in services/owner/host/fleet.py must find it again).
             await failpoints.hit("host.hold_parked")
         except Unavailable:
             self._log.warning("failpoint: parked session dropped", session_id=run.session_id)
@@ -289,7 +289,7 @@ class HostedSessions:
         """A bell: the session's inbox reached `inbox_head` (parking.py)."""
         if failpoints.armed("host.ring"):
             # Tests: a bell that never reaches its parked session (the
-            # reconciler in services/owner/hosting/fleet.py must wake it).
+            # reconciler in services/owner/host/fleet.py must wake it).
             self._log.warning("failpoint: bell dropped", session_id=session_id)
             return
         busy = (

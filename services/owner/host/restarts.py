@@ -1,6 +1,6 @@
 """Restarts and takeovers: what an owner instance does when a run of a
 session failed, and when it takes a session over from a dead instance of
-its deployment (the fleet drives that; services/owner/hosting/fleet.py).
+its deployment (the fleet drives that; services/owner/host/fleet.py).
 
 Which failures are deterministic (the one table: docs/failures.md):
 - a commit that can never succeed (an entry, event, snapshot or commit over
@@ -33,7 +33,7 @@ from baton_runtime.common.clients.hooks import HooksClient
 from baton_runtime.common.errors import BatonError, FailedPrecondition, Fenced, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.hosting.parking import Activator
+from baton_runtime.owner.host.parking import Activator
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.rules.turns import safe_error
 from baton_runtime.owner.run.commit import commit_step

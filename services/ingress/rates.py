@@ -1,4 +1,6 @@
-"""Per-channel limits at the public edge (pure; the clock is injected).
+"""Per-channel budgets at the public edge: rates and open streams (pure;
+the clock is injected). The sizes every service agrees on are
+services/common/limits.py's.
 
 Each channel (tenant) has its own budget of open follow streams, sends per
 second and sessions created per minute. A call over a limit is refused with
