@@ -10,6 +10,7 @@ from baton_runtime.anchor.segments.objects import check_url
 from baton_runtime.anchor.segments.schedule import DEFAULT_IDLE_SECONDS
 from baton_runtime.anchor.segments.sweep import DEFAULT_GRACE_SECONDS
 from baton_runtime.common.config import Setting, StoreServiceConfig, as_float, as_int
+from baton_runtime.common.limits import LIVE_FOLLOWER_BYTES
 
 WEEK = 7 * 24 * 3600
 
@@ -27,6 +28,9 @@ class AnchorConfig(StoreServiceConfig):
     object_store: str = ""
     seal_idle_seconds: float = DEFAULT_IDLE_SECONDS
     object_grace_seconds: float = DEFAULT_GRACE_SECONDS
+    # Bytes of live items one follower may have waiting before the oldest
+    # are dropped (services/anchor/live.py); not a flag: tests set it lower.
+    live_follower_bytes: int = LIVE_FOLLOWER_BYTES
 
     @property
     def stream_policy(self) -> StreamPolicy:

@@ -10,6 +10,7 @@ from baton_runtime.anchor.config import AnchorConfig
 from baton_runtime.anchor.history import EtcdHistory, HistoryStore
 from baton_runtime.anchor.horizon import StreamHorizon, StreamRetirement
 from baton_runtime.anchor.journal import Journal
+from baton_runtime.anchor.live import LiveHub
 from baton_runtime.anchor.retention import Retention
 from baton_runtime.anchor.segments.history import SegmentedHistory
 from baton_runtime.anchor.segments.log import SegmentLog
@@ -78,7 +79,8 @@ async def create_server(config: AnchorConfig) -> GrpcServer:
         segments=sealed.events if sealed else None,
         sealer=sealed.schedule if sealed else None,
     )
-    servicer = AnchorServicer(journal, DeploymentScope(store, keys))
+    hub = LiveHub(config.live_follower_bytes)
+    servicer = AnchorServicer(journal, DeploymentScope(store, keys), hub)
     server = build_server(
         config.listen,
         [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import structlog
@@ -9,12 +10,14 @@ import structlog
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as pb
 from baton_runtime._proto.baton.anchor.v1 import anchor_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor import live
 from baton_runtime.anchor.journal import Journal, LoadedSnapshot
 from baton_runtime.common.bounds import check_seq
-from baton_runtime.common.errors import InvalidArgument, Reason
+from baton_runtime.common.errors import BatonError, InvalidArgument, Reason
 from baton_runtime.common.etcd.scope import DeploymentScope
 from baton_runtime.common.observability.tracing import check_trace_id
 from baton_runtime.common.rpc.interceptor import Context
+from baton_runtime.common.rpc.status_map import status_proto
 from baton_runtime.common.security import identity
 from baton_runtime.common.streams import feeds, multiplex
 
@@ -40,19 +43,35 @@ _COMMIT_ANSWERS = multiplex.answers_message(pb.CommitStepsResponse, pb.CommitSte
 READ_EVENTS = COMMIT_STEP.replace("/CommitStep", "/ReadEvents")
 
 
+# A page of a read: its events, or (a read that asked for live items) one
+# LiveBatch.
+Page = list[s.Event] | list[s.LiveBatch]
+
+
+def _event_item(follow_id: int, page: Page | None, end: bytes) -> pb.EventFeedItem:
+    if page and isinstance(page[0], s.LiveBatch):
+        return pb.EventFeedItem(follow_id=follow_id, live=page[0], end=end)
+    return pb.EventFeedItem(follow_id=follow_id, events=page or (), end=end)  # type: ignore[arg-type]
+
+
 def _event_items(ready: list[feeds.Item]) -> pb.FollowEventsResponse:
-    return pb.FollowEventsResponse(
-        items=[pb.EventFeedItem(follow_id=i, events=p or (), end=e) for i, p, e in ready]
-    )
+    return pb.FollowEventsResponse(items=[_event_item(i, p, e) for i, p, e in ready])
+
+
+def _note(step: s.LiveStep, exc: BatonError) -> pb.LiveNote:
+    return pb.LiveNote(step=step, status=status_proto(exc).SerializeToString())
 
 
 class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     """Role checks are the interceptor's; an owner commits to, and retires
     history of, only sessions of its own deployment (`DeploymentScope`)."""
 
-    def __init__(self, journal: Journal, scope: DeploymentScope) -> None:
+    def __init__(
+        self, journal: Journal, scope: DeploymentScope, hub: live.LiveHub | None = None
+    ) -> None:
         self._journal = journal
         self._scope = scope
+        self._live = hub or live.LiveHub()
 
     async def CommitStep(
         self, request: pb.CommitStepRequest, context: Context
@@ -82,6 +101,8 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
             request.consumed_inbox_from if request.HasField("consumed_inbox_from") else None,
             scope=scope,
         )
+        if request.events:  # the step's live items are superseded
+            self._live.committed(request.fence.session_id, request.events[-1].seq + 1)
         return pb.CommitStepResponse(revision=revision, replayed=replayed)
 
     def CommitSteps(
@@ -103,16 +124,45 @@ class AnchorServicer(anchor_pb2_grpc.AnchorServiceServicer):
     async def ReadEvents(
         self, request: pb.ReadEventsRequest, context: Context
     ) -> AsyncIterator[pb.ReadEventsResponse]:
-        async for events in self._event_pages(request):
-            yield pb.ReadEventsResponse(events=events)
+        async for page in self._event_pages(request):
+            if page and isinstance(page[0], s.LiveBatch):
+                yield pb.ReadEventsResponse(live=page[0])
+            else:
+                yield pb.ReadEventsResponse(events=page)  # type: ignore[arg-type]
 
-    async def _event_pages(self, request: pb.ReadEventsRequest) -> AsyncIterator[list[s.Event]]:
+    async def _event_pages(self, request: pb.ReadEventsRequest) -> AsyncIterator[Page]:
+        """The read's pages; with `follow` and `live`, the session's live
+        items among them (services/anchor/live.py)."""
         structlog.contextvars.bind_contextvars(session_id=request.session_id)
         check_seq(request.start_seq, "start_seq")
-        async for events in self._journal.events.read(
-            request.session_id, request.start_seq, request.follow
-        ):
-            yield events
+        stream = self._journal.events
+        if not (request.follow and request.live):
+            async for events in stream.read(request.session_id, request.start_seq, request.follow):
+                yield events
+            return
+        pages = live.with_live(
+            self._live,
+            request.session_id,
+            lambda caught_up: stream.read(request.session_id, request.start_seq, True, caught_up),
+        )
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                yield page
+
+    async def PublishLive(
+        self, request_iterator: AsyncIterator[pb.PublishLiveRequest], context: Context
+    ) -> AsyncIterator[pb.PublishLiveResponse]:
+        """Live items from an owner, in memory (services/anchor/live.py):
+        answered only with notes of what was refused or cut."""
+        async for request in request_iterator:
+            live.check_message(request)
+            notes = []
+            for batch in request.batches:
+                note = self._live.publish(batch)
+                if note is not None:
+                    notes.append(_note(batch.step, note))
+            if notes:
+                yield pb.PublishLiveResponse(notes=notes)
 
     def FollowEvents(
         self, request_iterator: AsyncIterator[pb.FollowEventsRequest], context: Context

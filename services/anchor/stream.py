@@ -16,7 +16,7 @@ in pages of at most limits.MAX_PAGE_BYTES (services/common/streams/pages.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from baton_runtime._proto.baton.anchor.v1 import segments_pb2 as spb
@@ -111,8 +111,12 @@ class EventStream:
         return index
 
     async def read(
-        self, session_id: str, start_seq: int, follow: bool
-    ) -> AsyncIterator[list[s.Event]]:
+        self,
+        session_id: str,
+        start_seq: int,
+        follow: bool,
+        caught_up: Callable[[int], None] | None = None,
+    ) -> AsyncGenerator[list[s.Event], None]:
         """Events from `start_seq` in order, in batches (replayed pages, then
         one batch per commit); with `follow`, live until the terminal event.
 
@@ -134,7 +138,8 @@ class EventStream:
         if follow:
             metrics.STREAM_FOLLOWERS.inc()
         try:
-            async with contextlib.aclosing(self._read(session_id, start_seq, follow)) as batches:
+            reading = self._read(session_id, start_seq, follow, caught_up)
+            async with contextlib.aclosing(reading) as batches:
                 async for batch in batches:
                     yield batch
         finally:
@@ -142,7 +147,11 @@ class EventStream:
                 metrics.STREAM_FOLLOWERS.dec()
 
     async def _read(
-        self, session_id: str, start_seq: int, follow: bool
+        self,
+        session_id: str,
+        start_seq: int,
+        follow: bool,
+        caught_up: Callable[[int], None] | None = None,
     ) -> AsyncGenerator[list[s.Event], None]:
         cursor = _Cursor(start_seq)
         checked = False
@@ -196,6 +205,8 @@ class EventStream:
                     if follower is None:
                         watch = True  # caught up by paging: watch, then read the tail
                         continue
+                    if caught_up is not None:
+                        caught_up(cursor.next_seq)
                     async for batch in self._live(session_id, follower, page.revision, cursor):
                         yield batch
                     return

@@ -215,6 +215,10 @@ class Reason:
     TRANSFER_NOT_PERMITTED = "TRANSFER_NOT_PERMITTED"
     RATE_LIMITED = "RATE_LIMITED"
     TOO_MANY_STREAMS = "TOO_MANY_STREAMS"
+    # Live items (docs/design.md "Live items"): PublishLive's notes.
+    LIVE_STALE = "LIVE_STALE"
+    LIVE_RATE = "LIVE_RATE"
+    LIVE_TRUNCATED = "LIVE_TRUNCATED"
     SERVER_BUSY = "SERVER_BUSY"
     UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE"
     # A call's status that carried no reason of Baton's: gRPC or the network

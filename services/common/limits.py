@@ -89,3 +89,28 @@ child's own stream); a larger one is reported as failed
 
 MAX_CHILD_DEPTH = 4
 """How deep child sessions nest (a child of a root session is at depth 1)."""
+
+# Live items of running steps (docs/design.md "Live items"): in memory only,
+# bounded where they enter (the owner, anchor's PublishLive).
+LIVE_MAX_TEXT_BYTES = 4 * 1024
+"""An item's text: longer is cut (anchor marks it truncated)."""
+LIVE_MAX_ITEMS_PER_BATCH = 64
+LIVE_MAX_BATCHES = 64
+"""Batches in one PublishLive message."""
+LIVE_MAX_MESSAGE_BYTES = 256 * 1024
+"""One PublishLive message, serialized."""
+LIVE_BUFFER_ITEMS = 256
+LIVE_BUFFER_BYTES = 256 * 1024
+"""The step in flight's items an anchor replica keeps for followers that
+connect mid-step (then the oldest are dropped, with a marker)."""
+LIVE_FOLLOWER_BYTES = 64 * 1024
+"""Items one follower may have waiting (it reads too slowly: the oldest are
+dropped, with a marker)."""
+LIVE_BATCHES_PER_SECOND = 100
+"""A session's batches an anchor takes per second (a burst of twice that)."""
+LIVE_COALESCE_SECONDS = 0.05
+"""The owner sends deltas every 50 ms (or at LIVE_MAX_TEXT_BYTES)."""
+LIVE_PROGRESS_BYTES = 1024
+LIVE_PROGRESS_PER_SECOND = 20
+"""A tool's progress reports: each cut to 1 KiB, at most 20 a second per
+call (more are dropped)."""

@@ -288,15 +288,20 @@ class Edge:
         return session_id
 
     async def stream(
-        self, channel: str, session_id: str, start_seq: int, follow: bool
-    ) -> AsyncIterator[Sequence[s.Event]]:
-        """The session's events; a following read holds one of the channel's
-        follow-stream slots while it is open."""
+        self, channel: str, session_id: str, start_seq: int, follow: bool, live: bool = False
+    ) -> AsyncIterator[Sequence[s.Event] | s.LiveBatch]:
+        """The session's events (with `follow` and `live`, and its live
+        items: docs/design.md "Live items"); a following read holds one of
+        the channel's follow-stream slots while it is open."""
         check_seq(start_seq, "start_seq")
         if not follow:
             async for page in self._anchor.read_events(session_id, start_seq, False):
                 yield page
             return
         with self.budget.follow_stream(channel):
+            if live:
+                async for item in self._anchor.follow_events_live(session_id, start_seq):
+                    yield item
+                return
             async for page in self._anchor.read_events(session_id, start_seq, True):
                 yield page

@@ -8,6 +8,7 @@ import structlog
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
+from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.bounds import check_seq
 from baton_runtime.common.rpc.interceptor import Context
 from baton_runtime.ingress.edge import Edge
@@ -87,10 +88,13 @@ class IngressServicer(ingress_pb2_grpc.IngressServiceServicer):
         check_seq(request.start_seq, "start_seq")  # validated before any lookup
         session_id = await self._edge.resolve_session(channel, request.session_id, request.alias)
         structlog.contextvars.bind_contextvars(session_id=session_id)
-        async for events in self._edge.stream(
-            channel, session_id, request.start_seq, request.follow
+        async for page in self._edge.stream(
+            channel, session_id, request.start_seq, request.follow, request.live
         ):
-            yield pb.StreamEventsResponse(events=events)
+            if isinstance(page, s.LiveBatch):
+                yield pb.StreamEventsResponse(live=page)
+            else:
+                yield pb.StreamEventsResponse(events=page)
 
     async def GetSession(
         self, request: pb.GetSessionRequest, context: Context

@@ -12,6 +12,7 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common.clients.answers import Committed, LoadedSession
 from baton_runtime.common.clients.base import ServiceClient
 from baton_runtime.common.clients.channels import DEFAULT_CALL_TIMEOUT
+from baton_runtime.common.clients.live import LivePublisher
 from baton_runtime.common.errors import Reason, Unavailable
 from baton_runtime.common.security.tls import Security
 from baton_runtime.common.streams.multiplex_client import Lanes
@@ -35,6 +36,15 @@ ANCHOR_IDEMPOTENT = frozenset(
 
 
 def _events_page(response: anchor_pb.ReadEventsResponse | anchor_pb.EventFeedItem) -> list[s.Event]:
+    return list(response.events)
+
+
+def _live_page(
+    response: anchor_pb.ReadEventsResponse | anchor_pb.EventFeedItem,
+) -> list[s.Event] | s.LiveBatch:
+    """A page of a read with live items: its events, or its LiveBatch."""
+    if response.HasField("live"):
+        return response.live
     return list(response.events)
 
 
@@ -82,6 +92,16 @@ class AnchorClient(ServiceClient):
             if multiplexed
             else Lanes([])
         )
+        # Live items go to every replica (services/common/clients/live.py).
+        self.live = LivePublisher(target, security)
+
+    async def close(self) -> None:
+        await self.live.close()
+        await super().close()
+
+    def publish_live(self, batch: s.LiveBatch) -> None:
+        """Send a running step's live items to every anchor replica (never waits)."""
+        self.live.publish(batch)
 
     async def commit(self, request: anchor_pb.CommitStepRequest) -> Committed:
         response = await self._multiplexed_or_unary(
@@ -156,4 +176,17 @@ class AnchorClient(ServiceClient):
         )
         return self._followed_or_streamed(
             self._reads, request, "ReadEvents", self.stub.ReadEvents, _events_page
+        )
+
+    def follow_events_live(
+        self, session_id: str, start_seq: int = 0
+    ) -> AsyncIterator[list[s.Event] | s.LiveBatch]:
+        """A following read with the session's live items among its pages
+        (docs/design.md "Live items"): each page a list of events, or one
+        LiveBatch."""
+        request = anchor_pb.ReadEventsRequest(
+            session_id=session_id, start_seq=start_seq, follow=True, live=True
+        )
+        return self._followed_or_streamed(
+            self._reads, request, "ReadEvents", self.stub.ReadEvents, _live_page
         )

@@ -78,6 +78,8 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     # (any deployment's owner: a handoff target loads the old owner's checkpoint)
     _ANCHOR + "LoadSession": _roles(OWNER, OPERATOR),
     _ANCHOR + "RetireHistory": _roles(OWNER),
+    # (live items of running steps, in memory: docs/design.md "Live items")
+    _ANCHOR + "PublishLive": _roles(OWNER),
     # owner: session starts (from its own deployment's ingress; child
     # sessions from its own deployment's owners) and handoffs
     _OWNER + "StartSession": _roles(INGRESS, OWNER),
@@ -110,6 +112,7 @@ MULTIPLEXED = frozenset(
     {
         _ANCHOR + "CommitSteps",
         _ANCHOR + "FollowEvents",
+        _ANCHOR + "PublishLive",
         _HOOKS + "ResumeHooks",
         _HOOKS + "FollowInboxes",
     }

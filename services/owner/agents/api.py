@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import importlib
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +47,11 @@ class ToolContext:
     """The call's id (`call_<n>`), unique in the session. The step in flight
     when an owner dies runs again, and numbers its calls the same: key a
     side effect by (session_id, tool_call_id) to make it once."""
+    progress: Callable[[str], None] | None = None
+    """Report progress while the tool runs: followers of the session that
+    asked for live items see `text` at once (docs/design.md "Live items").
+    Never kept, never waits; each report is cut to 1 KiB and a call's
+    reports over 20 a second are dropped. None where nobody could see it."""
 
 
 ToolFunction = Callable[[dict[str, Any], ToolContext], Awaitable[str]]
@@ -116,6 +121,26 @@ class ModelReply:
     """0 for the scripted "model" of a background or workflow tool."""
 
 
+@dataclass(frozen=True)
+class TextDelta:
+    """Model text as it forms: continues the text before it."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A tool call as it forms: `index` says which call of the reply (from
+    0); `name` once known; `arguments` continues that call's JSON."""
+
+    index: int
+    name: str = ""
+    arguments: str = ""
+
+
+ModelDelta = TextDelta | ToolCallDelta
+
+
 class ModelRejected(Exception):
     """The model endpoint refused the request as invalid (e.g. HTTP 400): the
     same request cannot succeed on retry, so the turn fails at once."""
@@ -125,6 +150,43 @@ class ModelAdapter(Protocol):
     async def complete(
         self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
     ) -> ModelReply: ...
+
+
+class StreamingModelAdapter(ModelAdapter, Protocol):
+    """A model adapter that may also stream: `stream` yields deltas as the
+    model produces them and ends with the same ModelReply `complete` would
+    answer (its last item; the deltas are a preview, the reply is what
+    counts). The owner uses `stream` when an adapter has it; the deltas
+    reach the session's followers as live items (docs/design.md "Live
+    items")."""
+
+    def stream(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> AsyncIterator[ModelDelta | ModelReply]: ...
+
+
+async def streamed_reply(
+    model: ModelAdapter,
+    instructions: str,
+    history: Sequence[s.ChatMessage],
+    tools: Sequence[Tool],
+    on_delta: Callable[[ModelDelta], None],
+) -> ModelReply:
+    """The model's reply, through `stream` when the adapter has one (each
+    delta to `on_delta`), else `complete`. A stream that ends without a
+    reply is an error of the adapter."""
+    stream = getattr(model, "stream", None)
+    if stream is None:
+        return await model.complete(instructions, history, tools)
+    reply: ModelReply | None = None
+    async for item in stream(instructions, history, tools):
+        if isinstance(item, ModelReply):
+            reply = item
+        else:
+            on_delta(item)
+    if reply is None:
+        raise RuntimeError("the model's stream ended without a reply")
+    return reply
 
 
 @dataclass(frozen=True)

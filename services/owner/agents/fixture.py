@@ -15,6 +15,12 @@ Scripted behaviour of its model, by the last message it sees:
 - "alias <raw>"             -> an `add_alias` tool call claiming `<channel>:<raw>`;
 - "big <kib>"               -> a `big` tool call whose result is <kib> KiB of text;
 - "say <kib>"               -> an answer of <kib> KiB of text;
+- "stream <n> <ms> [<bytes>]" -> an answer streamed as <n> text deltas over <ms>
+                               milliseconds (`FixtureModel.stream`), each "<i>," or
+                               <bytes> bytes of one letter; the answer is their
+                               concatenation (live items, docs/design.md);
+- "progress <n> <ms>"       -> a `progress` tool call reporting progress <n> times,
+                               <ms> milliseconds apart;
 - compaction instructions   -> "<N> messages about: <first user message>".
 Child sessions (docs/design.md §11):
 - "ask <agent> <prompt>"    -> asks the subagent (`helper`, or `planner`, which
@@ -45,7 +51,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +61,10 @@ from baton_runtime.owner.agents.api import (
     CONTINUE_TASK,
     Agent,
     ModelAdapter,
+    ModelDelta,
     ModelReply,
     RequestedCall,
+    TextDelta,
     Tool,
 )
 from baton_runtime.owner.agents.fixture_tools import CHILD_TOOLS, TOOLS
@@ -69,6 +77,8 @@ _TRANSFER = re.compile(r"^\s*transfer\s+(\S+)\s*$", re.IGNORECASE)
 _ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
 _BIG = re.compile(r"^\s*big\s+(\d+)\s*$", re.IGNORECASE)
 _SAY = re.compile(r"^\s*say\s+(\d+)\s*$", re.IGNORECASE)
+_STREAM = re.compile(r"^\s*stream\s+(\d+)\s+(\d+)(?:\s+(\d+))?\s*$", re.IGNORECASE)
+_PROGRESS = re.compile(r"^\s*progress\s+(\d+)\s+(\d+)\s*$", re.IGNORECASE)
 _ASK = re.compile(r"^\s*(ask|bg)\s+(helper|planner|nobody)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 _CONTINUE = re.compile(r"^\s*continue\s+(?:(ses_[0-9a-z]{26})\s+)?(.+?)\s*$", re.DOTALL)
 _TASK = re.compile(r"^\s*task\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
@@ -108,6 +118,30 @@ class FixtureModel:
             await asyncio.sleep(int(match.group(1)) / 1000)
             return _answer(f"echo: {user}", prompt_tokens)
         return _scripted(user, prompt_tokens)
+
+    async def stream(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> AsyncIterator[ModelDelta | ModelReply]:
+        """ "stream <n> <ms> [<bytes>]" streamed; any other reply as one."""
+        last = history[-1]
+        match = _STREAM.match(last.content) if last.role == s.ROLE_USER else None
+        if match is None or instructions.startswith("Summarize"):
+            yield await self.complete(instructions, history, tools)
+            return
+        count, ms = min(int(match.group(1)), 100_000), int(match.group(2))
+        size = int(match.group(3) or 0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        parts = []
+        for index in range(count):
+            # Paced against the start, so n deltas take about ms in all.
+            await asyncio.sleep(max(0.0, start + ms / 1000 * index / count - loop.time()))
+            part = chr(ord("a") + index % 26) * size if size else f"{index},"
+            parts.append(part)
+            yield TextDelta(part)
+        text = "".join(parts)
+        prompt_tokens = _words(instructions) + _words(last.content) + len(history) - 1
+        yield ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=count)
 
 
 def _answer(text: str, prompt_tokens: int) -> ModelReply:
@@ -160,6 +194,9 @@ def _scripted(user: str, prompt_tokens: int) -> ModelReply:
     if match := _SAY.match(user):
         text = "y" * (int(match.group(1)) * 1024)
         return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=1)
+    if match := _PROGRESS.match(user):
+        arguments = {"count": int(match.group(1)), "ms": int(match.group(2))}
+        return _call(RequestedCall("progress", arguments), prompt_tokens)
     if command == "fail model":
         raise RuntimeError("fixture model failure requested")
     if match := _CALC.match(user):

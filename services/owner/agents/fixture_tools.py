@@ -108,6 +108,17 @@ def _pipeline_step(name: str, verb: str) -> WorkflowStep:
     return WorkflowStep(name, step)
 
 
+async def _progress(arguments: dict[str, Any], ctx: ToolContext) -> str:
+    """Report progress `count` times, `ms` milliseconds apart (live items)."""
+    count = min(int(arguments.get("count", 0) or 0), 10_000)
+    pause = int(arguments.get("ms", 0) or 0) / 1000
+    for index in range(1, count + 1):
+        if ctx.progress is not None:
+            ctx.progress(f"{index}/{count}")
+        await asyncio.sleep(pause)
+    return f"reported {count}"
+
+
 TOOLS = (
     Tool(
         "transfer",
@@ -155,6 +166,12 @@ TOOLS = (
         "Return <kib> KiB of text.",
         {"type": "object", "properties": {"kib": {"type": "integer"}}},
         _big,
+    ),
+    Tool(
+        "progress",
+        "Report progress <count> times, <ms> milliseconds apart.",
+        {"type": "object", "properties": {"count": {"type": "integer"}, "ms": {"type": "integer"}}},
+        _progress,
     ),
 )
 

@@ -22,8 +22,8 @@ import email.utils
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import openai
 import structlog
@@ -32,11 +32,19 @@ from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import retry
 from baton_runtime.common.observability import tracing
 from baton_runtime.owner.agents import openai_wire as wire
-from baton_runtime.owner.agents.api import Agent, ModelReply, Tool
+from baton_runtime.owner.agents.api import (
+    Agent,
+    ModelDelta,
+    ModelReply,
+    TextDelta,
+    Tool,
+    ToolCallDelta,
+)
 from baton_runtime.owner.agents.fixture_tools import TOOLS
 from baton_runtime.owner.agents.openai_wire import ModelError, ModelRequestRejected, ModelTimeout
 
 log = structlog.get_logger("baton.owner.openai_model")
+_T = TypeVar("_T")
 
 ENV_BASE_URL = "BATON_OPENAI_BASE_URL"
 ENV_MODEL = "BATON_OPENAI_MODEL"
@@ -44,6 +52,7 @@ ENV_API_KEY = "BATON_OPENAI_API_KEY"
 ENV_TIMEOUT = "BATON_OPENAI_TIMEOUT"
 ENV_PRICE_INPUT = "BATON_OPENAI_PRICE_INPUT_MICROS_PER_1K"
 ENV_PRICE_OUTPUT = "BATON_OPENAI_PRICE_OUTPUT_MICROS_PER_1K"
+ENV_STREAM = "BATON_OPENAI_STREAM"
 
 DEFAULT_INSTRUCTIONS = (
     "You are a helpful assistant running on Baton. Use the provided tools when they help, "
@@ -151,25 +160,33 @@ class OpenAIChatModel:
 
     async def _post(self, payload: dict[str, Any]) -> Any:
         client = self._open()
+        raw, attempt = await self._with_retries(
+            lambda headers: client.chat.completions.with_raw_response.create(
+                **payload, extra_headers=headers, timeout=self.timeout
+            )
+        )
+        try:
+            return json.loads(raw.http_response.text)
+        except ValueError as exc:
+            raise ModelError(
+                f"model endpoint returned invalid JSON (HTTP {raw.status_code})",
+                status=raw.status_code,
+                body=wire.excerpt(raw.http_response.text),
+                attempts=attempt,
+            ) from exc
+
+    async def _with_retries(
+        self, send: Callable[[dict[str, Any]], Awaitable[_T]]
+    ) -> tuple[_T, int]:
+        """`send(headers)`'s answer and the attempt that got it: a failure
+        retried as `_retry_or_raise` says, with `_delay` between attempts."""
         headers: dict[str, Any] = {} if self._api_key else {"Authorization": openai.Omit()}
         attempts = self.max_retries + 1
         for attempt in range(1, attempts + 1):
             try:
-                raw = await client.chat.completions.with_raw_response.create(
-                    **payload, extra_headers=headers, timeout=self.timeout
-                )
+                return await send(headers), attempt
             except openai.APIError as exc:
                 reason, retry_after = self._retry_or_raise(exc, attempt, attempts)
-            else:
-                try:
-                    return json.loads(raw.http_response.text)
-                except ValueError as exc:
-                    raise ModelError(
-                        f"model endpoint returned invalid JSON (HTTP {raw.status_code})",
-                        status=raw.status_code,
-                        body=wire.excerpt(raw.http_response.text),
-                        attempts=attempt,
-                    ) from exc
             delay = self._delay(attempt, retry_after)
             log.warning(
                 "model request failed; retrying",
@@ -248,6 +265,74 @@ class OpenAIChatModel:
         return (total + 500) // 1000
 
 
+class OpenAIStreamingChatModel(OpenAIChatModel):
+    """`OpenAIChatModel` that also streams (`StreamingModelAdapter`): the
+    official client's streaming completions (`stream=True`, with usage in
+    the last chunk), each text and tool-call delta yielded as it arrives,
+    then the reply, assembled from the chunks and read as `complete` reads
+    one. A failure before the first chunk is retried as `complete`'s; one
+    after it raises `ModelError` (the step fails, as a failed call does)."""
+
+    async def stream(
+        self, instructions: str, history: Sequence[s.ChatMessage], tools: Sequence[Tool]
+    ) -> AsyncIterator[ModelDelta | ModelReply]:
+        payload = self.request_body(instructions, history, tools)
+        payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
+        client = self._open()
+        chunks, _ = await self._with_retries(
+            lambda headers: client.chat.completions.create(
+                **payload, extra_headers=headers, timeout=self.timeout
+            )
+        )
+        text: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        usage: dict[str, Any] | None = None
+        try:
+            async for chunk in chunks:
+                if chunk.usage is not None:
+                    usage = chunk.usage.model_dump()
+                for choice in chunk.choices:
+                    delta = choice.delta
+                    if delta.content:
+                        text.append(delta.content)
+                        yield TextDelta(delta.content)
+                    for part in delta.tool_calls or ():
+                        call = calls.setdefault(part.index, _empty_call())
+                        name = part.function.name if part.function else None
+                        arguments = part.function.arguments if part.function else None
+                        call["id"] = part.id or call["id"]
+                        call["function"]["name"] += name or ""
+                        call["function"]["arguments"] += arguments or ""
+                        yield ToolCallDelta(part.index, name or "", arguments or "")
+        except Exception as exc:  # noqa: BLE001 - the client's or the transport's: told safely
+            raise ModelError(
+                f"model stream failed: {type(exc).__name__}",
+                detail=f"POST {self.url}: {exc}",
+            ) from exc
+        finally:
+            await chunks.close()
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        data: dict[str, Any] = {"choices": [{"index": 0, "message": message}]}
+        if usage is not None:
+            data["usage"] = usage
+        reply = self.parse_reply(data)
+        attributes: dict[str, str | int | bool] = {
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": self.model,
+            "gen_ai.usage.input_tokens": reply.input_tokens,
+            "gen_ai.usage.output_tokens": reply.output_tokens,
+        }
+        tracing.annotate(**attributes)
+        yield reply
+
+
+def _empty_call() -> dict[str, Any]:
+    return {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+
+
 def _retry_after(headers: Mapping[str, str]) -> float | None:
     """Retry-After as seconds (delta-seconds or an HTTP date), if present and sensible."""
     value = headers.get("retry-after")
@@ -296,9 +381,13 @@ def build_agent(deployment_id: str) -> Agent:
 
     Environment: BATON_OPENAI_BASE_URL and BATON_OPENAI_MODEL (required),
     BATON_OPENAI_API_KEY, BATON_OPENAI_TIMEOUT (seconds), and
-    BATON_OPENAI_PRICE_INPUT_MICROS_PER_1K / _OUTPUT_ (optional).
+    BATON_OPENAI_PRICE_INPUT_MICROS_PER_1K / _OUTPUT_ (optional), and
+    BATON_OPENAI_STREAM (default 1: streaming completions, whose deltas reach
+    followers as live items; 0: one answer per call).
     """
-    model = OpenAIChatModel(
+    streams = os.environ.get(ENV_STREAM, "1").strip() not in ("0", "false", "no")
+    kind = OpenAIStreamingChatModel if streams else OpenAIChatModel
+    model = kind(
         base_url=_required_env(ENV_BASE_URL),
         model=_required_env(ENV_MODEL),
         api_key=os.environ.get(ENV_API_KEY, "").strip() or None,

@@ -122,7 +122,15 @@ class SessionRun:
         tasks, state, run_log = self._background, self.state, self._log
         catalog = services.catalog
         self._step = StepRunner(
-            identity, state, hooks, children, catalog, tasks, run_log, services.lease
+            identity,
+            state,
+            hooks,
+            children,
+            catalog,
+            tasks,
+            run_log,
+            lease=services.lease,
+            live=anchor.live,
         )
         self._upkeep = Upkeep(identity, state, hooks, anchor, children, tasks, run_log)
         self._departures = Departures(

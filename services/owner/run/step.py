@@ -13,6 +13,7 @@ decisions' (rules/decisions.py). This room only calls out and records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -21,10 +22,17 @@ import structlog
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import failpoints
 from baton_runtime.common.clients.hooks import HooksClient
+from baton_runtime.common.clients.live import LivePublisher
 from baton_runtime.common.errors import BatonError, Reason
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import Background
-from baton_runtime.owner.agents.api import AgentCatalog, Tool, ToolContext
+from baton_runtime.owner.agents.api import (
+    AgentCatalog,
+    ModelDelta,
+    Tool,
+    ToolContext,
+    streamed_reply,
+)
 from baton_runtime.owner.rules import handles as h
 from baton_runtime.owner.rules import steps
 from baton_runtime.owner.rules.children import ChildWork, plan_child_work, work_not_given
@@ -33,7 +41,16 @@ from baton_runtime.owner.rules.held import RunIdentity, SessionState
 from baton_runtime.owner.rules.steps import StepProgress, safe_error, usage_of
 from baton_runtime.owner.run import spans  # tracing
 from baton_runtime.owner.run.children import Children
+from baton_runtime.owner.run.live import StepLive
 from baton_runtime.owner.run.terms import Lease
+
+# How long a step's end waits for its last live items to be handed to
+# anchor's streams (a replica slow or down is not waited for longer).
+_LIVE_SENT_SECONDS = 0.1
+
+
+def _ignore(delta: ModelDelta) -> None:
+    """Deltas nobody sees."""
 
 
 class StepRunner:
@@ -49,9 +66,11 @@ class StepRunner:
         background: Background,
         log: structlog.BoundLogger,
         lease: Lease | None = None,
+        live: LivePublisher | None = None,
     ) -> None:
         """`lease`: the instance's (None: none), checked before every model
-        and tool call (`Lease`)."""
+        and tool call (`Lease`). `live`: where the steps' live items go
+        (anchor's replicas; None: nowhere)."""
         self._identity = identity
         self._lease = lease
         self._state = state
@@ -62,6 +81,9 @@ class StepRunner:
         self._log = log
         self._task: asyncio.Task[None] | None = None
         self._abort_requested = False
+        self._publisher = live
+        self._live: StepLive | None = None
+        self._attempts: dict[int, int] = {}  # step runs started per base seq
 
     def abort(self) -> None:
         """Cancel the running step, if one runs (the shell saw a pushed
@@ -85,18 +107,59 @@ class StepRunner:
         finally:
             self._task = None
             self._abort_requested = False
+        if self._publisher is not None:
+            # The step's last live items leave before its commit does.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LIVE_SENT_SECONDS):
+                    await self._publisher.sent()
         return progress
 
     async def _execute(self, progress: StepProgress) -> None:
+        self._live = self._start_live()
+        try:
+            await self._call_out(progress)
+        finally:
+            if self._live is not None:
+                self._live.close()
+            self._live = None
+
+    def _start_live(self) -> StepLive | None:
+        """The step's live items, its start sent at once (docs/design.md
+        "Live items"); None when they go nowhere."""
+        if self._publisher is None:
+            return None
+        snapshot = self._state.snapshot
+        base = snapshot.next_event_seq
+        self._attempts[base] = attempt = self._attempts.get(base, 0) + 1
+        fence = self._identity.fence
+        step = s.LiveStep(
+            session_id=fence.session_id,
+            base_seq=base,
+            turn_id=self._state.turn_id,
+            step=snapshot.open_turn.steps + 1,
+            owner_run_id=fence.owner_run_id,
+            epoch=fence.epoch,
+            attempt=attempt,
+        )
+        live = StepLive(step, self._publisher.publish)
+        live.started(turn_started=snapshot.open_turn.steps == 0)
+        return live
+
+    async def _call_out(self, progress: StepProgress) -> None:
         state = self._state
         agent = state.agent
         await failpoints.hit("step.start")
         await self._lease_held()
         await failpoints.hit("step.model_call")
+        live = self._live
         try:
             with metrics.MODEL_CALL_SECONDS.time(), spans.model_call():  # tracing
-                reply = await agent.model.complete(
-                    agent.instructions, state.context.messages, agent.all_tools
+                reply = await streamed_reply(
+                    agent.model,
+                    agent.instructions,
+                    state.context.messages,
+                    agent.all_tools,
+                    live.delta if live is not None else _ignore,
                 )
         except asyncio.CancelledError:
             raise
@@ -104,6 +167,8 @@ class StepRunner:
             self._log.warning("model call failed", error=repr(exc), turn_id=state.turn_id)
             steps.model_failed(progress, exc)
             return
+        if live is not None:
+            live.flush()  # the reply's last deltas before its tools' progress
         progress.reply = reply
         progress.calls = steps.tool_calls(state, reply)
         for index, call in enumerate(progress.calls):
@@ -175,7 +240,8 @@ class StepRunner:
         try:
             arguments = json.loads(call.arguments_json)
             with spans.tool_call(call):  # tracing
-                result.output = await tool.run(arguments, self._tool_context(call.id))
+                context = self._tool_context(call.id, call.name)
+                result.output = await tool.run(arguments, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - authored code: the model sees the error
@@ -195,8 +261,15 @@ class StepRunner:
         await lease.held()
         self._log.info("the lease was renewed: the step goes on")
 
-    def _tool_context(self, tool_call_id: str) -> ToolContext:
+    def _tool_context(self, tool_call_id: str, tool_name: str = "") -> ToolContext:
         fence = self._identity.fence
+        live = self._live
+        progress = None
+        if live is not None:
+
+            def progress(text: str) -> None:
+                live.progress(tool_call_id, tool_name, text)
+
         return ToolContext(
             session_id=fence.session_id,
             deployment_id=self._identity.deployment_id,
@@ -204,6 +277,7 @@ class StepRunner:
             channel=self._state.snapshot.channel,
             add_alias=self._add_alias,
             tool_call_id=tool_call_id,
+            progress=progress,
         )
 
     async def _add_alias(self, token: str) -> None:

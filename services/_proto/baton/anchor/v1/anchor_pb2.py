@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton_runtime._proto.baton.session.v1 import session_pb2 as baton_dot_session_dot_v1_dot_session__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xe1\x02\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07history\x18\x06 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12 \n\x13\x63onsumed_inbox_from\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revisionB\x16\n\x14_consumed_inbox_from\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"D\n\x12\x43ommitStepsRequest\x12.\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1f.baton.anchor.v1.CommitStepCall\"k\n\x0e\x43ommitStepCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".baton.anchor.v1.CommitStepRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"I\n\x13\x43ommitStepsResponse\x12\x32\n\x07\x61nswers\x18\x01 \x03(\x0b\x32!.baton.anchor.v1.CommitStepAnswer\"j\n\x10\x43ommitStepAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32#.baton.anchor.v1.CommitStepResponse\x12\x0e\n\x06status\x18\x03 \x01(\x0c\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"r\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x14\n\x0c\x65\x61rliest_seq\x18\x03 \x01(\x04\"J\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"=\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event\"\x87\x01\n\x13\x46ollowEventsRequest\x12-\n\x07\x66ollows\x18\x01 \x03(\x0b\x32\x1c.baton.anchor.v1.EventFollow\x12\x10\n\x08stop_ids\x18\x02 \x03(\x04\x12/\n\x06grants\x18\x03 \x03(\x0b\x32\x1f.baton.anchor.v1.EventFeedGrant\"z\n\x0b\x45ventFollow\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".baton.anchor.v1.ReadEventsRequest\x12\x0e\n\x06window\x18\x03 \x01(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"2\n\x0e\x45ventFeedGrant\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x01(\r\"E\n\x14\x46ollowEventsResponse\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.baton.anchor.v1.EventFeedItem\"X\n\rEventFeedItem\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x0c\"p\n\x12LoadSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"\x8c\x01\n\x13LoadSessionResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12.\n\x07history\x18\x03 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\"g\n\x14RetireHistoryRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x13\n\x0b\x62\x65low_index\x18\x02 \x01(\x04\x12\x12\n\nfrom_index\x18\x03 \x01(\x04\"?\n\x15RetireHistoryResponse\x12\x15\n\rretired_below\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x04\x32\x94\x05\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12\\\n\x0b\x43ommitSteps\x12#.baton.anchor.v1.CommitStepsRequest\x1a$.baton.anchor.v1.CommitStepsResponse(\x01\x30\x01\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x12_\n\x0c\x46ollowEvents\x12$.baton.anchor.v1.FollowEventsRequest\x1a%.baton.anchor.v1.FollowEventsResponse(\x01\x30\x01\x12Z\n\x0bLoadSession\x12#.baton.anchor.v1.LoadSessionRequest\x1a$.baton.anchor.v1.LoadSessionResponse0\x01\x12^\n\rRetireHistory\x12%.baton.anchor.v1.RetireHistoryRequest\x1a&.baton.anchor.v1.RetireHistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x61ton/anchor/v1/anchor.proto\x12\x0f\x62\x61ton.anchor.v1\x1a\x1e\x62\x61ton/session/v1/session.proto\"\xe1\x02\n\x11\x43ommitStepRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x14\n\x0c\x63lose_stream\x18\x04 \x01(\x08\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07history\x18\x06 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\x12 \n\x13\x63onsumed_inbox_from\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revisionB\x16\n\x14_consumed_inbox_from\"8\n\x12\x43ommitStepResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"D\n\x12\x43ommitStepsRequest\x12.\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1f.baton.anchor.v1.CommitStepCall\"k\n\x0e\x43ommitStepCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".baton.anchor.v1.CommitStepRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"I\n\x13\x43ommitStepsResponse\x12\x32\n\x07\x61nswers\x18\x01 \x03(\x0b\x32!.baton.anchor.v1.CommitStepAnswer\"j\n\x10\x43ommitStepAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32#.baton.anchor.v1.CommitStepResponse\x12\x0e\n\x06status\x18\x03 \x01(\x0c\"(\n\x12GetSnapshotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"r\n\x13GetSnapshotResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x14\n\x0c\x65\x61rliest_seq\x18\x03 \x01(\x04\"X\n\x11ReadEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tstart_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x0c\n\x04live\x18\x04 \x01(\x08\"h\n\x12ReadEventsResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.baton.session.v1.Event\x12)\n\x04live\x18\x02 \x01(\x0b\x32\x1b.baton.session.v1.LiveBatch\"\x87\x01\n\x13\x46ollowEventsRequest\x12-\n\x07\x66ollows\x18\x01 \x03(\x0b\x32\x1c.baton.anchor.v1.EventFollow\x12\x10\n\x08stop_ids\x18\x02 \x03(\x04\x12/\n\x06grants\x18\x03 \x03(\x0b\x32\x1f.baton.anchor.v1.EventFeedGrant\"z\n\x0b\x45ventFollow\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".baton.anchor.v1.ReadEventsRequest\x12\x0e\n\x06window\x18\x03 \x01(\r\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"2\n\x0e\x45ventFeedGrant\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x01(\r\"E\n\x14\x46ollowEventsResponse\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.baton.anchor.v1.EventFeedItem\"\x83\x01\n\rEventFeedItem\x12\x11\n\tfollow_id\x18\x01 \x01(\x04\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.baton.session.v1.Event\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x0c\x12)\n\x04live\x18\x04 \x01(\x0b\x32\x1b.baton.session.v1.LiveBatch\"p\n\x12LoadSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x1a\x65xpected_snapshot_revision\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x1d\n\x1b_expected_snapshot_revision\"\x8c\x01\n\x13LoadSessionResponse\x12\x33\n\x08snapshot\x18\x01 \x01(\x0b\x32!.baton.session.v1.SessionSnapshot\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12.\n\x07history\x18\x03 \x03(\x0b\x32\x1d.baton.session.v1.ChatMessage\"g\n\x14RetireHistoryRequest\x12&\n\x05\x66\x65nce\x18\x01 \x01(\x0b\x32\x17.baton.session.v1.Fence\x12\x13\n\x0b\x62\x65low_index\x18\x02 \x01(\x04\x12\x12\n\nfrom_index\x18\x03 \x01(\x04\"?\n\x15RetireHistoryResponse\x12\x15\n\rretired_below\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x04\"B\n\x12PublishLiveRequest\x12,\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x1b.baton.session.v1.LiveBatch\"?\n\x13PublishLiveResponse\x12(\n\x05notes\x18\x01 \x03(\x0b\x32\x19.baton.anchor.v1.LiveNote\"D\n\x08LiveNote\x12(\n\x04step\x18\x01 \x01(\x0b\x32\x1a.baton.session.v1.LiveStep\x12\x0e\n\x06status\x18\x02 \x01(\x0c\x32\xf2\x05\n\rAnchorService\x12U\n\nCommitStep\x12\".baton.anchor.v1.CommitStepRequest\x1a#.baton.anchor.v1.CommitStepResponse\x12\\\n\x0b\x43ommitSteps\x12#.baton.anchor.v1.CommitStepsRequest\x1a$.baton.anchor.v1.CommitStepsResponse(\x01\x30\x01\x12X\n\x0bGetSnapshot\x12#.baton.anchor.v1.GetSnapshotRequest\x1a$.baton.anchor.v1.GetSnapshotResponse\x12W\n\nReadEvents\x12\".baton.anchor.v1.ReadEventsRequest\x1a#.baton.anchor.v1.ReadEventsResponse0\x01\x12_\n\x0c\x46ollowEvents\x12$.baton.anchor.v1.FollowEventsRequest\x1a%.baton.anchor.v1.FollowEventsResponse(\x01\x30\x01\x12Z\n\x0bLoadSession\x12#.baton.anchor.v1.LoadSessionRequest\x1a$.baton.anchor.v1.LoadSessionResponse0\x01\x12^\n\rRetireHistory\x12%.baton.anchor.v1.RetireHistoryRequest\x1a&.baton.anchor.v1.RetireHistoryResponse\x12\\\n\x0bPublishLive\x12#.baton.anchor.v1.PublishLiveRequest\x1a$.baton.anchor.v1.PublishLiveResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,27 +49,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSNAPSHOTRESPONSE']._serialized_start=899
   _globals['_GETSNAPSHOTRESPONSE']._serialized_end=1013
   _globals['_READEVENTSREQUEST']._serialized_start=1015
-  _globals['_READEVENTSREQUEST']._serialized_end=1089
-  _globals['_READEVENTSRESPONSE']._serialized_start=1091
-  _globals['_READEVENTSRESPONSE']._serialized_end=1152
-  _globals['_FOLLOWEVENTSREQUEST']._serialized_start=1155
-  _globals['_FOLLOWEVENTSREQUEST']._serialized_end=1290
-  _globals['_EVENTFOLLOW']._serialized_start=1292
-  _globals['_EVENTFOLLOW']._serialized_end=1414
-  _globals['_EVENTFEEDGRANT']._serialized_start=1416
-  _globals['_EVENTFEEDGRANT']._serialized_end=1466
-  _globals['_FOLLOWEVENTSRESPONSE']._serialized_start=1468
-  _globals['_FOLLOWEVENTSRESPONSE']._serialized_end=1537
-  _globals['_EVENTFEEDITEM']._serialized_start=1539
-  _globals['_EVENTFEEDITEM']._serialized_end=1627
-  _globals['_LOADSESSIONREQUEST']._serialized_start=1629
-  _globals['_LOADSESSIONREQUEST']._serialized_end=1741
-  _globals['_LOADSESSIONRESPONSE']._serialized_start=1744
-  _globals['_LOADSESSIONRESPONSE']._serialized_end=1884
-  _globals['_RETIREHISTORYREQUEST']._serialized_start=1886
-  _globals['_RETIREHISTORYREQUEST']._serialized_end=1989
-  _globals['_RETIREHISTORYRESPONSE']._serialized_start=1991
-  _globals['_RETIREHISTORYRESPONSE']._serialized_end=2054
-  _globals['_ANCHORSERVICE']._serialized_start=2057
-  _globals['_ANCHORSERVICE']._serialized_end=2717
+  _globals['_READEVENTSREQUEST']._serialized_end=1103
+  _globals['_READEVENTSRESPONSE']._serialized_start=1105
+  _globals['_READEVENTSRESPONSE']._serialized_end=1209
+  _globals['_FOLLOWEVENTSREQUEST']._serialized_start=1212
+  _globals['_FOLLOWEVENTSREQUEST']._serialized_end=1347
+  _globals['_EVENTFOLLOW']._serialized_start=1349
+  _globals['_EVENTFOLLOW']._serialized_end=1471
+  _globals['_EVENTFEEDGRANT']._serialized_start=1473
+  _globals['_EVENTFEEDGRANT']._serialized_end=1523
+  _globals['_FOLLOWEVENTSRESPONSE']._serialized_start=1525
+  _globals['_FOLLOWEVENTSRESPONSE']._serialized_end=1594
+  _globals['_EVENTFEEDITEM']._serialized_start=1597
+  _globals['_EVENTFEEDITEM']._serialized_end=1728
+  _globals['_LOADSESSIONREQUEST']._serialized_start=1730
+  _globals['_LOADSESSIONREQUEST']._serialized_end=1842
+  _globals['_LOADSESSIONRESPONSE']._serialized_start=1845
+  _globals['_LOADSESSIONRESPONSE']._serialized_end=1985
+  _globals['_RETIREHISTORYREQUEST']._serialized_start=1987
+  _globals['_RETIREHISTORYREQUEST']._serialized_end=2090
+  _globals['_RETIREHISTORYRESPONSE']._serialized_start=2092
+  _globals['_RETIREHISTORYRESPONSE']._serialized_end=2155
+  _globals['_PUBLISHLIVEREQUEST']._serialized_start=2157
+  _globals['_PUBLISHLIVEREQUEST']._serialized_end=2223
+  _globals['_PUBLISHLIVERESPONSE']._serialized_start=2225
+  _globals['_PUBLISHLIVERESPONSE']._serialized_end=2288
+  _globals['_LIVENOTE']._serialized_start=2290
+  _globals['_LIVENOTE']._serialized_end=2358
+  _globals['_ANCHORSERVICE']._serialized_start=2361
+  _globals['_ANCHORSERVICE']._serialized_end=3115
 # @@protoc_insertion_point(module_scope)

@@ -306,22 +306,29 @@ class ReadEventsRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     START_SEQ_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     start_seq: _builtins.int
     """First stream seq to deliver (a cursor is the last seen seq + 1)."""
     follow: _builtins.bool
     """Keep the stream open and deliver new events until the terminal one."""
+    live: _builtins.bool
+    """With `follow`: also deliver the live items of the step in flight (from
+    its first item still buffered) and of the steps that follow, as
+    responses with `live` set (docs/design.md "Live items").
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         start_seq: _builtins.int = ...,
         follow: _builtins.bool = ...,
+        live: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "session_id", b"session_id", "start_seq", b"start_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "live", b"live", "session_id", b"session_id", "start_seq", b"start_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,18 +343,26 @@ class ReadEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.Event]:
         """The events."""
+
+    @_builtins.property
+    def live(self) -> _session_pb2.LiveBatch:
+        """Or (never both) live items of a running step, when the read asked for
+        them (`live`): not events, no seq, superseded by the step's commit.
+        """
 
     def __init__(
         self,
         *,
         events: _abc.Iterable[_session_pb2.Event] | None = ...,
+        live: _session_pb2.LiveBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["live", b"live"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "live", b"live"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,6 +510,7 @@ class EventFeedItem(_message.Message):
     FOLLOW_ID_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     follow_id: _builtins.int
     """The follow it belongs to."""
     end: _builtins.bytes
@@ -507,16 +523,21 @@ class EventFeedItem(_message.Message):
         (ReadEventsResponse.events).
         """
 
+    @_builtins.property
+    def live(self) -> _session_pb2.LiveBatch:
+        """Or live items of a running step (ReadEventsResponse.live)."""
+
     def __init__(
         self,
         *,
         follow_id: _builtins.int = ...,
         events: _abc.Iterable[_session_pb2.Event] | None = ...,
         end: _builtins.bytes = ...,
+        live: _session_pb2.LiveBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["live", b"live"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "events", b"events", "follow_id", b"follow_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "events", b"events", "follow_id", b"follow_id", "live", b"live"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -649,3 +670,88 @@ class RetireHistoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RetireHistoryResponse: _TypeAlias = RetireHistoryResponse  # noqa: Y015
+
+@_typing.final
+class PublishLiveRequest(_message.Message):
+    """PublishLiveRequest carries live items of running steps, of any sessions
+    of the owner's deployment: 1 to 64 batches, at most 256 KiB in all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.LiveBatch]:
+        """The batches, each of one step run, 1 to 64 items, each item's text at
+        most 4 KiB (longer is cut and marked truncated).
+        """
+
+    def __init__(
+        self,
+        *,
+        batches: _abc.Iterable[_session_pb2.LiveBatch] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishLiveRequest: _TypeAlias = PublishLiveRequest  # noqa: Y015
+
+@_typing.final
+class PublishLiveResponse(_message.Message):
+    """PublishLiveResponse tells an owner what anchor did not take as sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOTES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def notes(self) -> _containers.RepeatedCompositeFieldContainer[Global___LiveNote]:
+        """One note per batch refused or cut."""
+
+    def __init__(
+        self,
+        *,
+        notes: _abc.Iterable[Global___LiveNote] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notes", b"notes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishLiveResponse: _TypeAlias = PublishLiveResponse  # noqa: Y015
+
+@_typing.final
+class LiveNote(_message.Message):
+    """LiveNote is anchor's word on one batch of a PublishLive stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: _builtins.bytes
+    """A serialized google.rpc.Status: FAILED_PRECONDITION/LIVE_STALE (a
+    newer epoch publishes for the session), RESOURCE_EXHAUSTED/LIVE_RATE
+    (over the per-session rate: the batch is dropped, followers get a
+    LIVE_KIND_DROPPED item), INVALID_ARGUMENT/LIVE_TRUNCATED (items cut to
+    the bound, the rest taken).
+    """
+    @_builtins.property
+    def step(self) -> _session_pb2.LiveStep:
+        """The step run of the batch."""
+
+    def __init__(
+        self,
+        *,
+        step: _session_pb2.LiveStep | None = ...,
+        status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiveNote: _TypeAlias = LiveNote  # noqa: Y015

@@ -71,6 +71,11 @@ class AnchorServiceStub:
                 request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.SerializeToString,
                 response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.FromString,
                 _registered_method=True)
+        self.PublishLive = channel.stream_stream(
+                '/baton.anchor.v1.AnchorService/PublishLive',
+                request_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveRequest.SerializeToString,
+                response_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveResponse.FromString,
+                _registered_method=True)
 
 
 class AnchorServiceServicer:
@@ -155,6 +160,21 @@ class AnchorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishLive(self, request_iterator, context):
+        """Live items of running steps (docs/design.md "Live items"), from an
+        owner, in memory only: never written to etcd. An owner keeps one such
+        stream open to every anchor replica and sends each batch to all of
+        them; each replica keeps the step in flight's items (bounded) for
+        followers that connect mid-step and sends them to its followers that
+        asked for live items (ReadEventsRequest.live). Never answered per
+        message: a response carries only refusals and truncations (a batch of
+        a stale epoch, over the rate, or with items over the size bound); a
+        message that breaks the bounds ends the stream with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AnchorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +212,11 @@ def add_AnchorServiceServicer_to_server(servicer, server):
                     servicer.RetireHistory,
                     request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.FromString,
                     response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.SerializeToString,
+            ),
+            'PublishLive': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishLive,
+                    request_deserializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveRequest.FromString,
+                    response_serializer=baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -385,6 +410,33 @@ class AnchorService:
             '/baton.anchor.v1.AnchorService/RetireHistory',
             baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryRequest.SerializeToString,
             baton_dot_anchor_dot_v1_dot_anchor__pb2.RetireHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishLive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.anchor.v1.AnchorService/PublishLive',
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveRequest.SerializeToString,
+            baton_dot_anchor_dot_v1_dot_anchor__pb2.PublishLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

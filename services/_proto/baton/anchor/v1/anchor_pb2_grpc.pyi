@@ -83,6 +83,17 @@ class AnchorServiceStub:
     snapshot no longer shows the model (after a clear or compaction), in
     bounded transactions. Fenced like a commit.
     """
+    PublishLive: _grpc.StreamStreamMultiCallable[_anchor_pb2.PublishLiveRequest, _anchor_pb2.PublishLiveResponse]
+    """Live items of running steps (docs/design.md "Live items"), from an
+    owner, in memory only: never written to etcd. An owner keeps one such
+    stream open to every anchor replica and sends each batch to all of
+    them; each replica keeps the step in flight's items (bounded) for
+    followers that connect mid-step and sends them to its followers that
+    asked for live items (ReadEventsRequest.live). Never answered per
+    message: a response carries only refusals and truncations (a batch of
+    a stale epoch, over the rate, or with items over the size bound); a
+    message that breaks the bounds ends the stream with INVALID_ARGUMENT.
+    """
 
 @_typing.type_check_only
 class AnchorServiceAsyncStub(AnchorServiceStub):
@@ -138,6 +149,17 @@ class AnchorServiceAsyncStub(AnchorServiceStub):
     """Delete the history entries below an index that the last committed
     snapshot no longer shows the model (after a clear or compaction), in
     bounded transactions. Fenced like a commit.
+    """
+    PublishLive: _aio.StreamStreamMultiCallable[_anchor_pb2.PublishLiveRequest, _anchor_pb2.PublishLiveResponse]  # type: ignore[assignment]
+    """Live items of running steps (docs/design.md "Live items"), from an
+    owner, in memory only: never written to etcd. An owner keeps one such
+    stream open to every anchor replica and sends each batch to all of
+    them; each replica keeps the step in flight's items (bounded) for
+    followers that connect mid-step and sends them to its followers that
+    asked for live items (ReadEventsRequest.live). Never answered per
+    message: a response carries only refusals and truncations (a batch of
+    a stale epoch, over the rate, or with items over the size bound); a
+    message that breaks the bounds ends the stream with INVALID_ARGUMENT.
     """
 
 class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -233,6 +255,23 @@ class AnchorServiceServicer(metaclass=_abc_1.ABCMeta):
         """Delete the history entries below an index that the last committed
         snapshot no longer shows the model (after a clear or compaction), in
         bounded transactions. Fenced like a commit.
+        """
+
+    @_abc_1.abstractmethod
+    def PublishLive(
+        self,
+        request_iterator: _MaybeAsyncIterator[_anchor_pb2.PublishLiveRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_anchor_pb2.PublishLiveResponse], _abc.AsyncIterator[_anchor_pb2.PublishLiveResponse]]:
+        """Live items of running steps (docs/design.md "Live items"), from an
+        owner, in memory only: never written to etcd. An owner keeps one such
+        stream open to every anchor replica and sends each batch to all of
+        them; each replica keeps the step in flight's items (bounded) for
+        followers that connect mid-step and sends them to its followers that
+        asked for live items (ReadEventsRequest.live). Never answered per
+        message: a response carries only refusals and truncations (a batch of
+        a stale epoch, over the rate, or with items over the size bound); a
+        message that breaks the bounds ends the stream with INVALID_ARGUMENT.
         """
 
 def add_AnchorServiceServicer_to_server(servicer: AnchorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

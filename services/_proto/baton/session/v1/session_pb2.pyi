@@ -441,6 +441,66 @@ SESSION_STATUS_FINALIZED: SessionStatus.ValueType  # 2
 """The session finalized; its stream is closed."""
 Global___SessionStatus: _TypeAlias = SessionStatus  # noqa: Y015
 
+class _LiveKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LiveKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LiveKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LIVE_KIND_UNSPECIFIED: _LiveKind.ValueType  # 0
+    """Never used."""
+    LIVE_KIND_TURN_STARTED: _LiveKind.ValueType  # 1
+    """The step's turn started with this step (its first step): `text` is the
+    message that started it, when one did.
+    """
+    LIVE_KIND_STEP_STARTED: _LiveKind.ValueType  # 2
+    """The step started: the model call is under way."""
+    LIVE_KIND_TEXT: _LiveKind.ValueType  # 3
+    """Model text as it forms: `text` continues the step's earlier text items."""
+    LIVE_KIND_TOOL_CALL: _LiveKind.ValueType  # 4
+    """A tool call's arguments as they form: `tool_call_index` says which
+    call of the step, `tool_call_id` and `tool_name` are set once known,
+    `text` continues that call's arguments (JSON, partial).
+    """
+    LIVE_KIND_TOOL_PROGRESS: _LiveKind.ValueType  # 5
+    """A tool reported progress (ToolContext.progress): `tool_call_id`,
+    `tool_name`, and `text`, the tool's own words (not cumulative).
+    """
+    LIVE_KIND_DROPPED: _LiveKind.ValueType  # 6
+    """Items of this step were dropped before this follower got them (it read
+    too slowly, or the step's buffer overflowed): `dropped` items, offsets
+    [offset, offset + dropped). The text is then incomplete until the commit.
+    """
+
+class LiveKind(_LiveKind, metaclass=_LiveKindEnumTypeWrapper):
+    """LiveKind says what a live item carries (docs/design.md "Live items")."""
+
+LIVE_KIND_UNSPECIFIED: LiveKind.ValueType  # 0
+"""Never used."""
+LIVE_KIND_TURN_STARTED: LiveKind.ValueType  # 1
+"""The step's turn started with this step (its first step): `text` is the
+message that started it, when one did.
+"""
+LIVE_KIND_STEP_STARTED: LiveKind.ValueType  # 2
+"""The step started: the model call is under way."""
+LIVE_KIND_TEXT: LiveKind.ValueType  # 3
+"""Model text as it forms: `text` continues the step's earlier text items."""
+LIVE_KIND_TOOL_CALL: LiveKind.ValueType  # 4
+"""A tool call's arguments as they form: `tool_call_index` says which
+call of the step, `tool_call_id` and `tool_name` are set once known,
+`text` continues that call's arguments (JSON, partial).
+"""
+LIVE_KIND_TOOL_PROGRESS: LiveKind.ValueType  # 5
+"""A tool reported progress (ToolContext.progress): `tool_call_id`,
+`tool_name`, and `text`, the tool's own words (not cumulative).
+"""
+LIVE_KIND_DROPPED: LiveKind.ValueType  # 6
+"""Items of this step were dropped before this follower got them (it read
+too slowly, or the step's buffer overflowed): `dropped` items, offsets
+[offset, offset + dropped). The text is then incomplete until the commit.
+"""
+Global___LiveKind: _TypeAlias = LiveKind  # noqa: Y015
+
 @_typing.final
 class Fence(_message.Message):
     """Fence is one owner run's authority over a session. Every write an owner
@@ -1914,3 +1974,151 @@ class HistoryLog(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HistoryLog: _TypeAlias = HistoryLog  # noqa: Y015
+
+@_typing.final
+class LiveStep(_message.Message):
+    """LiveStep names the step run a live item belongs to. Live items are not
+    events: they have no seq, are never stored, and the commit of their step
+    supersedes them. A step's run is (owner_run_id, epoch, turn_id, step,
+    attempt): a successor's re-run of a step after an owner crash has a
+    higher epoch, a step run again in the same run a higher attempt.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    BASE_SEQ_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    OWNER_RUN_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    base_seq: _builtins.int
+    """The stream seq the step's commit will write first (the stream's head
+    when the step started). A committed event at or above it supersedes
+    every live item with this base_seq (or a lower one): drop them.
+    """
+    turn_id: _builtins.str
+    """The turn."""
+    step: _builtins.int
+    """The step index within the turn, from 1."""
+    owner_run_id: _builtins.str
+    """The owner run that runs the step."""
+    epoch: _builtins.int
+    """That run's fencing epoch. Items of a step run with a higher epoch void
+    the items of lower epochs that have a base_seq at or above its own.
+    """
+    attempt: _builtins.int
+    """The times this run started a step at this base_seq, from 1. Items of
+    the same run with a higher attempt void those with a lower one.
+    """
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        base_seq: _builtins.int = ...,
+        turn_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        owner_run_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "base_seq", b"base_seq", "epoch", b"epoch", "owner_run_id", b"owner_run_id", "session_id", b"session_id", "step", b"step", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiveStep: _TypeAlias = LiveStep  # noqa: Y015
+
+@_typing.final
+class LiveItem(_message.Message):
+    """LiveItem is one thing a step did while it runs, in order within its step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_INDEX_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_NAME_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """The item's place in its step run, from 0, consecutive (a gap is
+    announced by a LIVE_KIND_DROPPED item).
+    """
+    kind: Global___LiveKind.ValueType
+    """What it carries."""
+    text: _builtins.str
+    """Text (LIVE_KIND_TEXT, LIVE_KIND_TOOL_CALL, LIVE_KIND_TOOL_PROGRESS,
+    LIVE_KIND_TURN_STARTED); coalesced deltas, at most 4 KiB per item.
+    """
+    tool_call_index: _builtins.int
+    """LIVE_KIND_TOOL_CALL: which tool call of the step (from 0)."""
+    tool_call_id: _builtins.str
+    """LIVE_KIND_TOOL_CALL (once known), LIVE_KIND_TOOL_PROGRESS: the call."""
+    tool_name: _builtins.str
+    """LIVE_KIND_TOOL_CALL (once known), LIVE_KIND_TOOL_PROGRESS: the tool."""
+    dropped: _builtins.int
+    """LIVE_KIND_DROPPED: how many items were dropped."""
+    truncated: _builtins.bool
+    """True when anchor cut `text` to its bound (docs/design.md "Live items")."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When the owner produced the item."""
+
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        kind: Global___LiveKind.ValueType = ...,
+        text: _builtins.str = ...,
+        tool_call_index: _builtins.int = ...,
+        tool_call_id: _builtins.str = ...,
+        tool_name: _builtins.str = ...,
+        dropped: _builtins.int = ...,
+        truncated: _builtins.bool = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "kind", b"kind", "offset", b"offset", "text", b"text", "time", b"time", "tool_call_id", b"tool_call_id", "tool_call_index", b"tool_call_index", "tool_name", b"tool_name", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiveItem: _TypeAlias = LiveItem  # noqa: Y015
+
+@_typing.final
+class LiveBatch(_message.Message):
+    """LiveBatch is consecutive live items of one step run."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___LiveStep:
+        """The step run."""
+
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___LiveItem]:
+        """Its items, in offset order."""
+
+    def __init__(
+        self,
+        *,
+        step: Global___LiveStep | None = ...,
+        items: _abc.Iterable[Global___LiveItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiveBatch: _TypeAlias = LiveBatch  # noqa: Y015

@@ -741,6 +741,7 @@ class StreamEventsRequest(_message.Message):
     ALIAS_FIELD_NUMBER: _builtins.int
     START_SEQ_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session id."""
     alias: _builtins.str
@@ -749,6 +750,13 @@ class StreamEventsRequest(_message.Message):
     """First seq to deliver (cursor = last seen seq + 1)."""
     follow: _builtins.bool
     """Keep following until the session's terminal event."""
+    live: _builtins.bool
+    """With `follow`: also deliver live items of running steps (model text as
+    it forms, tool progress), as responses with `live` set: first the step
+    in flight's items from its start (what is still buffered), then new
+    ones. Not events: no seq, never stored; the step's commit supersedes
+    them (docs/design.md "Live items").
+    """
     def __init__(
         self,
         *,
@@ -756,10 +764,11 @@ class StreamEventsRequest(_message.Message):
         alias: _builtins.str = ...,
         start_seq: _builtins.int = ...,
         follow: _builtins.bool = ...,
+        live: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "session_id", b"session_id", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "follow", b"follow", "session_id", b"session_id", "start_seq", b"start_seq", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias", "follow", b"follow", "live", b"live", "session_id", b"session_id", "start_seq", b"start_seq", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["session_id", "alias"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
@@ -776,18 +785,28 @@ class StreamEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.Event]:
         """The events."""
+
+    @_builtins.property
+    def live(self) -> _session_pb2.LiveBatch:
+        """Or (never both, only when the request asked for `live`) live items of a
+        running step: drop a step's items when an event at or above its
+        `base_seq` arrives, and older ones when a step run of a higher epoch
+        (or attempt) starts at or below their base_seq.
+        """
 
     def __init__(
         self,
         *,
         events: _abc.Iterable[_session_pb2.Event] | None = ...,
+        live: _session_pb2.LiveBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["live", b"live"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "live", b"live"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
