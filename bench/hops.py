@@ -112,6 +112,8 @@ BACKGROUND = (
     "open owner -> hooks FollowInboxes",
     "open ingress -> anchor FollowEvents",
     "open owner -> anchor FollowEvents",
+    # (an owner's live items ride one PublishLive stream per anchor replica)
+    "open owner -> anchor PublishLive",
     "served hooks ListInstances",
 )
 _SERVED_LIST = BACKGROUND[-1]

@@ -541,6 +541,21 @@ def forged_requests(t: Target, deployment_id: str) -> dict[str, pb_message.Messa
         "FollowEvents": a.FollowEventsRequest(
             follows=[a.EventFollow(follow_id=1, request=a.ReadEventsRequest(session_id=sid))]
         ),
+        "PublishLive": a.PublishLiveRequest(
+            batches=[
+                s.LiveBatch(
+                    step=s.LiveStep(
+                        session_id=sid,
+                        base_seq=1,
+                        step=1,
+                        owner_run_id=fence.owner_run_id or "run_x",
+                        epoch=fence.epoch or 1,
+                        attempt=1,
+                    ),
+                    items=[s.LiveItem(kind=s.LIVE_KIND_TEXT, text="forged")],
+                )
+            ]
+        ),
         "StartSession": o.StartSessionRequest(
             session_id=ids.new_session_id(), deployment_id=deployment_id, channel="slack"
         ),

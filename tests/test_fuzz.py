@@ -103,6 +103,8 @@ READ_ONLY = {
     "ListSessions",
     "ListDeployments",
     "DescribeDeployment",
+    # Live items are kept in memory only (docs/design.md "Live items").
+    "PublishLive",
 }
 
 
@@ -376,6 +378,14 @@ async def make_target(stack: Stack, etcd: aetcd.Client) -> Target:
             "inbox_depth up",
         ],
         "page_token": [""],
+        # live items (PublishLive, ReadEvents/StreamEvents `live`)
+        "base_seq": [0, 3],
+        "attempt": [1, 2],
+        "offset": [0, 1],
+        "dropped": [0, 1],
+        "tool_call_index": [0],
+        "turn_id": ["turn_1"],
+        "live": [True],
     }
     known = [
         "",

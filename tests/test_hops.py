@@ -54,6 +54,9 @@ BATCHED = (
     "stream anchor -> ingress ReadEvents",
     "stream anchor -> owner ReadEvents",
     "edge ingress -> client StreamEvents",
+    # An owner's live items (in memory only): batches queued together share
+    # a message on its PublishLive stream.
+    "send owner -> anchor PublishLive",
 )
 
 

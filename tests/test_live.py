@@ -21,16 +21,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
 
+from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
+from baton_runtime.anchor.live import LiveHub
+from baton_runtime.common import limits
 from baton_runtime.common.clients.anchor import AnchorClient
+from baton_runtime.common.clients.channels import open_channel
 from baton_runtime.common.security.identity import Role
 from tests.procs import ProcessStack, ReplicatedClients, ReplicatedStack, eventually
 from tests.stack import SLACK, Stack, public_channel, start_stack, stop_stack
+from tests.test_fuzz import error_reason
 
 STREAMED = "".join(f"{i}," for i in range(200))  # what "stream 200 <ms>" answers
 
@@ -412,3 +419,189 @@ async def test_live_is_only_for_followers_that_ask(stack: Stack) -> None:
     finally:
         call.cancel()
     assert any(e.text == "".join(f"{i}," for i in range(20)) for e in plain)
+
+
+# -- bad input where live items enter ---------------------------------------------------
+
+
+def _batch(sid: str, *, epoch: int = 5, text: str = "x", offset: int = 0) -> s.LiveBatch:
+    step = s.LiveStep(
+        session_id=sid,
+        base_seq=100,
+        turn_id="turn_9",
+        step=1,
+        owner_run_id="run_x",
+        epoch=epoch,
+        attempt=1,
+    )
+    return s.LiveBatch(
+        step=step, items=[s.LiveItem(offset=offset, kind=s.LIVE_KIND_TEXT, text=text)]
+    )
+
+
+async def publish(
+    stack: Stack, messages: list[anchor_pb.PublishLiveRequest]
+) -> tuple[list[anchor_pb.LiveNote], grpc.StatusCode, str]:
+    """Send `messages` on one PublishLive stream as this deployment's owner:
+    the notes anchor answered, and how the stream ended (code, reason)."""
+    channel = open_channel(stack.addr(stack.anchor), stack.owner_security())
+    call = channel.stream_stream(
+        "/baton.anchor.v1.AnchorService/PublishLive",
+        request_serializer=anchor_pb.PublishLiveRequest.SerializeToString,
+        response_deserializer=anchor_pb.PublishLiveResponse.FromString,
+    )(iter(messages), timeout=10)
+    notes: list[anchor_pb.LiveNote] = []
+    try:
+        async for response in call:
+            notes.extend(response.notes)
+        return notes, grpc.StatusCode.OK, ""
+    except grpc.aio.AioRpcError as exc:
+        return notes, exc.code(), error_reason(exc)
+    finally:
+        await channel.close()
+
+
+def _reason(note: anchor_pb.LiveNote) -> str:
+    status = status_pb2.Status.FromString(note.status)
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+async def test_anchor_cuts_refuses_and_rate_limits_live_items(stack: Stack) -> None:
+    sid, _ = await started(stack)
+    one = anchor_pb.PublishLiveRequest
+    # An item over 4 KiB of text is cut (and taken), with a note that says so.
+    notes, code, _ = await publish(stack, [one(batches=[_batch(sid, text="y" * 5000)])])
+    assert code == grpc.StatusCode.OK
+    assert [_reason(n) for n in notes] == ["LIVE_TRUNCATED"]
+    # A batch of an epoch below the one seen: refused (a newer run publishes).
+    notes, code, _ = await publish(stack, [one(batches=[_batch(sid, epoch=4)])])
+    assert [_reason(n) for n in notes] == ["LIVE_STALE"]
+    # Over the session's rate: dropped, with a note.
+    burst = [one(batches=[_batch(sid, offset=i)]) for i in range(1, 400)]
+    notes, code, _ = await publish(stack, burst)
+    assert code == grpc.StatusCode.OK
+    assert {_reason(n) for n in notes} == {"LIVE_RATE"}
+    # A message over its bounds ends the stream; a malformed step is refused.
+    many = one(batches=[_batch(sid)] * 65)
+    assert (await publish(stack, [many]))[1:] == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
+    bad = _batch(sid)
+    bad.step.epoch = 0
+    assert (await publish(stack, [one(batches=[bad])]))[1] == grpc.StatusCode.INVALID_ARGUMENT
+    bad = _batch(sid)
+    bad.step.session_id = "../x"
+    assert (await publish(stack, [one(batches=[bad])]))[1] == grpc.StatusCode.INVALID_ARGUMENT
+    # An ingress may not publish (owners only).
+    channel = open_channel(
+        stack.addr(stack.anchor), stack.security(Role.INGRESS, stack.deployment_id)
+    )
+    call = channel.stream_stream(
+        "/baton.anchor.v1.AnchorService/PublishLive",
+        request_serializer=anchor_pb.PublishLiveRequest.SerializeToString,
+        response_deserializer=anchor_pb.PublishLiveResponse.FromString,
+    )(iter([one(batches=[_batch(sid)])]), timeout=10)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await channel.close()
+
+
+async def test_tool_progress_reaches_followers_bounded(stack: Stack) -> None:
+    """A tool's progress reports (ToolContext.progress) are live items; over
+    20 a second per call, the rest are dropped at the owner."""
+    sid, head = await started(stack)
+    seen: list[Seen] = []
+    reader = asyncio.ensure_future(
+        follow(stack.ingress_stub, sid, seen, start_seq=head, until=lambda o: waits(o) >= 1)
+    )
+    await asyncio.sleep(0)
+    await stack.send(sid, "progress 10 100")
+    await asyncio.wait_for(reader, 30)
+    progress = [item for _, _, item in live_items(seen) if item.kind == s.LIVE_KIND_TOOL_PROGRESS]
+    assert [p.text for p in progress] == [f"{i}/10" for i in range(1, 11)]
+    assert {p.tool_name for p in progress} == {"progress"}
+    [call] = [e for e in events_of(seen) if e.kind == s.EVENT_KIND_TOOL_CALL_REQUESTED]
+    assert {p.tool_call_id for p in progress} == {call.tool_call.id}
+    # Unbounded reports: the owner lets 20 a second through.
+    head = events_of(seen)[-1].seq + 1
+    flood: list[Seen] = []
+    reader = asyncio.ensure_future(
+        follow(stack.ingress_stub, sid, flood, start_seq=head, until=lambda o: waits(o) >= 1)
+    )
+    await asyncio.sleep(0)
+    await stack.send(sid, "progress 500 0")
+    await asyncio.wait_for(reader, 30)
+    reports = [i for _, _, i in live_items(flood) if i.kind == s.LIVE_KIND_TOOL_PROGRESS]
+    assert 1 <= len(reports) <= 40, len(reports)
+
+
+# -- one anchor replica's hub, without I/O ----------------------------------------------
+
+
+def buffered_now(hub: LiveHub, sid: str) -> list[s.LiveBatch]:
+    """What a follower connecting now would get first."""
+    follower, buffered = hub.subscribe(sid)
+    follower.close()
+    return buffered
+
+
+def test_the_hub_keeps_the_step_in_flight_bounded_and_forgets_it_at_the_commit() -> None:
+    now = [0.0]
+    hub = LiveHub(clock=lambda: now[0])
+    sid = "ses_" + "a" * 26
+    for offset in range(limits.LIVE_BUFFER_ITEMS + 10):
+        now[0] += 0.01  # (within the session's rate)
+        assert hub.publish(_batch(sid, offset=offset)) is None
+    follower, buffered = hub.subscribe(sid)
+    marker, kept = buffered
+    assert [(i.kind, i.offset, i.dropped) for i in marker.items] == [(s.LIVE_KIND_DROPPED, 0, 10)]
+    assert [i.offset for i in kept.items] == list(range(10, limits.LIVE_BUFFER_ITEMS + 10))
+    # A new step run replaces the buffer; the follower gets it as it comes.
+    later = _batch(sid, epoch=6)
+    assert hub.publish(later) is None
+    assert buffered_now(hub, sid) == [later]
+    assert follower.take() == [later]
+    # The commit of the step (a head above its base seq) supersedes its items.
+    hub.committed(sid, later.step.base_seq + 1)
+    assert buffered_now(hub, sid) == []
+    # A minute quiet: a session nobody follows is forgotten.
+    follower.close()
+    now[0] += 120
+    assert hub.publish(_batch("ses_" + "b" * 26, epoch=1)) is None
+    assert hub.sessions() == 1
+
+
+def test_a_follower_queue_drops_its_oldest_with_a_marker() -> None:
+    hub = LiveHub(follower_bytes=200)
+    sid = "ses_" + "a" * 26
+    follower, _ = hub.subscribe(sid)
+    for offset in range(5):
+        follower.put(_batch(sid, text="z" * 60, offset=offset))
+    [batch] = follower.take()  # (one step run: the marker, then what is left)
+    drop, *rest = batch.items
+    assert (drop.kind, drop.offset) == (s.LIVE_KIND_DROPPED, 0)
+    assert [i.offset for i in rest] == list(range(drop.dropped, 5))
+    assert follower.take() == []
+
+
+async def test_a_live_follow_ends_with_the_stream(stack: Stack) -> None:
+    """The terminal event ends a follow with live items as it ends any follow."""
+    sid, head = await started(stack)
+    seen: list[Seen] = []
+    reader = asyncio.ensure_future(
+        follow(stack.ingress_stub, sid, seen, start_seq=head, until=lambda o: False)
+    )
+    await asyncio.sleep(0.2)
+    await stack.ingress_stub.SendControl(
+        ingress_pb.SendControlRequest(session_id=sid, kind=ingress_pb.CONTROL_KIND_RESET),
+        metadata=SLACK,
+        timeout=10,
+    )
+    await asyncio.wait_for(reader, 30)  # ended by the server, without an error
+    assert events_of(seen)[-1].kind == s.EVENT_KIND_SESSION_COMPLETED

@@ -18,11 +18,17 @@ from baton_runtime.owner.agents.api import (
     ModelRejected,
     ModelReply,
     RequestedCall,
+    TextDelta,
+    ToolCallDelta,
     ToolContext,
     dumps_arguments,
     load_agent,
 )
-from baton_runtime.owner.agents.openai_model import OpenAIChatModel, build_agent
+from baton_runtime.owner.agents.openai_model import (
+    OpenAIChatModel,
+    OpenAIStreamingChatModel,
+    build_agent,
+)
 from baton_runtime.owner.agents.openai_wire import ModelError, ModelTimeout
 
 # -- a tiny scripted chat-completions server ---------------------------------
@@ -36,6 +42,7 @@ class Reply:
     status: int = 200
     body: Any = None
     headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = "application/json"
 
 
 @dataclass
@@ -103,7 +110,7 @@ class ChatServer:
                 payload = action.body if isinstance(action.body, bytes) else json.dumps(action.body)
                 data = payload if isinstance(payload, bytes) else payload.encode()
                 head = [f"HTTP/1.1 {action.status} X", f"Content-Length: {len(data)}"]
-                head.append("Content-Type: application/json")
+                head.append(f"Content-Type: {action.content_type}")
                 head += [f"{k}: {v}" for k, v in action.headers.items()]
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
                 await writer.drain()
@@ -535,3 +542,142 @@ def test_waits_between_attempts_follow_the_configured_backoff() -> None:
     assert OpenAIChatModel("http://127.0.0.1:1", "m", backoff_base=0.0)._delay(3, None) == 0.0
     low_cap = OpenAIChatModel("http://127.0.0.1:1", "m", backoff_base=2.0, max_backoff=0.5)
     assert [low_cap._delay(n, None) for n in (1, 2)] == [0.5, 0.5]
+
+
+# -- streaming (issue 35: live items) ---------------------------------------------------
+
+
+def sse(chunks: list[dict[str, Any]]) -> Reply:
+    """A streamed completion: server-sent events of `chunks`, then [DONE]."""
+    body = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+    return Reply(body=body, content_type="text/event-stream")
+
+
+def chunk(delta: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "test-model",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": None}] if delta else [],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+@pytest.fixture
+def make_streaming_model(server: ChatServer, models: list[OpenAIChatModel]) -> Any:
+    def make(**kwargs: Any) -> OpenAIStreamingChatModel:
+        options: dict[str, Any] = {"timeout": 5.0, "backoff_base": 0.01}
+        options.update(kwargs)
+        model = OpenAIStreamingChatModel(server.base_url, "test-model", **options)
+        models.append(model)
+        return model
+
+    return make
+
+
+async def test_streamed_text_arrives_as_deltas_and_ends_in_the_reply(
+    server: ChatServer, make_streaming_model: Any
+) -> None:
+    usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+    server.script = [
+        sse(
+            [
+                chunk({"role": "assistant", "content": ""}),
+                chunk({"content": "Hi"}),
+                chunk({"content": " there"}),
+                chunk({"content": "."}),
+                chunk({}, usage),
+            ]
+        )
+    ]
+    model = make_streaming_model(price_input_micros_per_1k=1000)
+    items = [item async for item in model.stream("be brief", USER_HELLO, [])]
+    assert items[:-1] == [TextDelta("Hi"), TextDelta(" there"), TextDelta(".")]
+    reply = items[-1]
+    assert isinstance(reply, ModelReply)
+    assert reply.text == "Hi there." and not reply.tool_calls
+    assert (reply.input_tokens, reply.output_tokens, reply.cost_micros) == (12, 3, 12)
+    [request] = server.requests
+    assert request.body["stream"] is True
+    assert request.body["stream_options"] == {"include_usage": True}
+
+
+async def test_streamed_tool_call_arguments_arrive_as_they_form(
+    server: ChatServer, make_streaming_model: Any
+) -> None:
+    def call_part(index: int, **fields: Any) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, **fields}]}
+
+    server.script = [
+        sse(
+            [
+                chunk(call_part(0, id="c1", type="function", function={"name": "calculator"})),
+                chunk(call_part(0, function={"arguments": '{"expression"'})),
+                chunk(call_part(0, function={"arguments": ': "6*7"}'})),
+                chunk({}, {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}),
+            ]
+        )
+    ]
+    model = make_streaming_model()
+    items = [item async for item in model.stream("", USER_HELLO, fixture_tools.TOOLS)]
+    assert items[:-1] == [
+        ToolCallDelta(0, "calculator", ""),
+        ToolCallDelta(0, "", '{"expression"'),
+        ToolCallDelta(0, "", ': "6*7"}'),
+    ]
+    reply = items[-1]
+    assert isinstance(reply, ModelReply)
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [
+        ("calculator", {"expression": "6*7"})
+    ]
+
+
+async def test_a_stream_refused_before_it_starts_is_retried_as_a_call(
+    server: ChatServer, make_streaming_model: Any
+) -> None:
+    server.script = [
+        Reply(503, {"error": {"message": "busy"}}),
+        sse(
+            [
+                chunk({"content": "ok"}),
+                chunk({}, {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}),
+            ]
+        ),
+    ]
+    model = make_streaming_model()
+    items = [item async for item in model.stream("", USER_HELLO, [])]
+    assert items[0] == TextDelta("ok")
+    assert isinstance(items[-1], ModelReply) and items[-1].text == "ok"
+    assert len(server.requests) == 2
+
+
+def test_build_agent_streams_unless_told_not_to(
+    server: ChatServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATON_OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("BATON_OPENAI_MODEL", "m")
+    assert isinstance(build_agent("dep-1").model, OpenAIStreamingChatModel)
+    monkeypatch.setenv("BATON_OPENAI_STREAM", "0")
+    model = build_agent("dep-1").model
+    assert isinstance(model, OpenAIChatModel) and not hasattr(model, "stream")
+
+
+async def test_a_stream_that_breaks_midway_is_a_safe_model_error(
+    server: ChatServer, make_streaming_model: Any
+) -> None:
+    """After the first chunk nothing is retried: the step fails, saying only
+    what failed (no endpoint, no upstream text)."""
+    body = f"data: {json.dumps(chunk({'content': 'half'}))}\n\ndata: {{not json secret-9\n\n"
+    server.script = [Reply(body=body.encode(), content_type="text/event-stream")]
+    model = make_streaming_model()
+    got: list[Any] = []
+    with pytest.raises(ModelError) as failed:
+        async for item in model.stream("", USER_HELLO, []):
+            got.append(item)
+    assert got == [TextDelta("half")]
+    assert str(failed.value).startswith("model stream failed")
+    assert "secret-9" not in str(failed.value) and server.base_url not in str(failed.value)
+    assert len(server.requests) == 1

@@ -40,6 +40,11 @@ from baton_runtime.common.errors import (
 # follower is forgotten first.
 MAX_SESSIONS = 100_000
 _IDLE_SECONDS = 60.0
+# The sweep runs at most this often (on a publish): it forgets sessions
+# idle for _IDLE_SECONDS with no follower, and drops the buffers of any
+# session idle that long (a step quiet for a minute keeps its followers,
+# not its past items), so a replica holds about what a minute of steps made.
+_SWEEP_SECONDS = 10.0
 _MAX_ID_CHARS = 128
 
 
@@ -224,10 +229,13 @@ class _Session:
     def supersede(self, head: int) -> None:
         """A commit moved the stream's head to `head`."""
         if self.step is not None and self.step.base_seq < head:
-            self.step = None
-            self.items.clear()
-            self.bytes = 0
-            self.dropped = None
+            self.forget_items()
+
+    def forget_items(self) -> None:
+        self.step = None
+        self.items.clear()
+        self.bytes = 0
+        self.dropped = None
 
 
 class LiveHub:
@@ -241,13 +249,15 @@ class LiveHub:
         self._sessions: dict[str, _Session] = {}
         self._follower_bytes = follower_bytes
         self._clock = clock
-        self._created = 0
+        self._swept = clock()
 
     def publish(self, batch: s.LiveBatch) -> BatonError | None:
         """Take one checked batch (`check_message`); what to tell its owner
         (a refusal, or the cut of items over their bound), or None."""
         step = batch.step
         now = self._clock()
+        if now - self._swept > _SWEEP_SECONDS:
+            self._sweep(now)
         session = self._session(step.session_id, now)
         if session is None:
             return ResourceExhausted(
@@ -308,8 +318,7 @@ class LiveHub:
         session = self._sessions.get(session_id)
         if session is not None:
             return session
-        self._created += 1
-        if self._created % 1024 == 0 or len(self._sessions) >= MAX_SESSIONS:
+        if len(self._sessions) >= MAX_SESSIONS:
             self._sweep(now)
             if len(self._sessions) >= MAX_SESSIONS:
                 return None
@@ -317,14 +326,19 @@ class LiveHub:
         return session
 
     def _sweep(self, now: float) -> None:
-        """Forget sessions idle for a while with no follower."""
+        """Forget sessions idle for a while with no follower; drop the
+        buffers of those idle with followers."""
+        self._swept = now
         idle = [
-            sid
+            (sid, session)
             for sid, session in self._sessions.items()
-            if not session.followers and now - session.touched > _IDLE_SECONDS
+            if now - session.touched > _IDLE_SECONDS
         ]
-        for sid in idle:
-            del self._sessions[sid]
+        for sid, session in idle:
+            if session.followers:
+                session.forget_items()
+            else:
+                del self._sessions[sid]
 
     def sessions(self) -> int:
         return len(self._sessions)

@@ -27,14 +27,17 @@ from baton_runtime._proto.baton.anchor.v1 import anchor_pb2 as anchor_pb
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.common import limits
 from baton_runtime.common.clients.channels import open_channel
+from baton_runtime.common.observability import rpc_metrics
 from baton_runtime.common.retry import RetryPolicy
 from baton_runtime.common.security.tls import Security
 
 log = structlog.get_logger("baton.live")
 
 DNS_REFRESH_SECONDS = 30.0
-# Batches one replica may have waiting (then the oldest are dropped).
+# Batches one replica may have waiting, in number and bytes (then the oldest
+# are dropped).
 QUEUE_BATCHES = 1024
+QUEUE_BYTES = 4 * 1024 * 1024
 _METHOD = "/baton.anchor.v1.AnchorService/PublishLive"
 _RECONNECT = RetryPolicy("live stream", first=0.2, cap=5.0)
 
@@ -118,13 +121,15 @@ class _Lane:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._channel = channel
         self._queue: deque[s.LiveBatch] = deque()
+        self._bytes = 0
         self._ready = asyncio.Event()
         self._task = asyncio.ensure_future(self._run())
 
     def put(self, batch: s.LiveBatch) -> None:
         self._queue.append(batch)
-        while len(self._queue) > QUEUE_BATCHES:
-            self._queue.popleft()
+        self._bytes += batch.ByteSize()
+        while len(self._queue) > QUEUE_BATCHES or self._bytes > QUEUE_BYTES:
+            self._bytes -= self._queue.popleft().ByteSize()
         self._ready.set()
 
     def _message(self) -> anchor_pb.PublishLiveRequest:
@@ -137,6 +142,7 @@ class _Lane:
             if request.batches and size + cost > limits.LIVE_MAX_MESSAGE_BYTES:
                 break
             request.batches.append(self._queue.popleft())
+            self._bytes -= cost - 8
             size += cost
         return request
 
@@ -145,7 +151,10 @@ class _Lane:
             while not self._queue:
                 self._ready.clear()
                 await self._ready.wait()
-            yield self._message()
+            message = self._message()
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.sent_on_stream("anchor", _METHOD)
+            yield message
 
     async def _run(self) -> None:
         backoff = _RECONNECT.backoff()
@@ -155,6 +164,8 @@ class _Lane:
             response_deserializer=anchor_pb.PublishLiveResponse.FromString,
         )
         while True:
+            if rpc_metrics.RPC.enabled:
+                rpc_metrics.RPC.opened("anchor", _METHOD)
             try:
                 async for response in call_of(self._requests()):  # type: ignore[arg-type]
                     backoff.reset()

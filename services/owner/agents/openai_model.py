@@ -305,9 +305,10 @@ class OpenAIStreamingChatModel(OpenAIChatModel):
                         call["function"]["name"] += name or ""
                         call["function"]["arguments"] += arguments or ""
                         yield ToolCallDelta(part.index, name or "", arguments or "")
-        except openai.APIError as exc:
+        except Exception as exc:  # noqa: BLE001 - the client's or the transport's: told safely
             raise ModelError(
-                f"model stream failed: {type(exc).__name__}", detail=f"POST {self.url}"
+                f"model stream failed: {type(exc).__name__}",
+                detail=f"POST {self.url}: {exc}",
             ) from exc
         finally:
             await chunks.close()
