@@ -498,3 +498,28 @@ def test_peer_pairs_alternate_with_a_stand_in_peer(tmp_path: Path) -> None:
         assert json.loads((out / f"baton-{n}.json").read_text())["sequential"]["turn"]["n"] == 5
     assert "| 32 concurrent sessions, turns/s |" in proc.stdout
     assert proc.stdout.count("state check ok") == 2
+
+
+def test_live_stream_bench_smoke(tmp_path: Path) -> None:
+    """bench.live_stream: plain and streaming turns run, every delta reaches
+    the live follower, and the figures are reported (no timing asserted)."""
+    out = tmp_path / "live.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.live_stream", "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "STREAMING TURN: SendMessage -> SESSION_WAITING" in proc.stdout
+    assert "owner item -> follower" in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["plain"]["turn"]["n"] == 5
+    streaming = figures["streaming"]
+    assert streaming["turn"]["n"] == 3
+    # 3 turns of 100 deltas; under load an item may be dropped (then announced).
+    assert streaming["deltas_seen"] == 300 or streaming["dropped"] > 0
+    assert streaming["item_to_follower"]["n"] >= 3
+    assert streaming["delta_to_follower"]["n"] == streaming["deltas_seen"]
+    assert "services_cpu_ms_per_delta" in figures

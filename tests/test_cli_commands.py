@@ -78,10 +78,13 @@ async def test_following_prints_each_event_as_it_arrives_until_the_end(
     try:
 
         async def next_event() -> dict[str, object]:
+            """The next event line (live item lines, tests/test_cli_live.py, skipped)."""
             assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), CLI_TIMEOUT)
-            assert line, "the follower ended early"
-            return dict(json.loads(line))
+            while True:
+                line = await asyncio.wait_for(proc.stdout.readline(), CLI_TIMEOUT)
+                assert line, "the follower ended early"
+                if "live" not in (parsed := json.loads(line)):
+                    return dict(parsed)
 
         first = await next_event()
         assert first["kind"] == "EVENT_KIND_SESSION_STARTED"

@@ -369,6 +369,57 @@ def test_a_session_page_follows_live_across_an_upgrade(up: Up, browser: Browser)
     assert not browser.errors()
 
 
+def test_a_session_page_shows_the_step_in_flight_as_it_is_written(up: Up, browser: Browser) -> None:
+    """The fixture model writes its answer in 80 parts over 8 s: the page
+    shows the text growing below the timeline (live items) before the
+    answer is committed, then the committed answer in the timeline and no
+    draft."""
+    answer = "".join(f"{i}," for i in range(80))
+    with up.client("dep-1") as client:
+        sid = client.create_session().session_id
+        browser.open(f"/sessions/{sid}")
+        client.send(sid, "stream 80 8000")
+
+    def draft() -> str:
+        shown: str = browser.driver.execute_script(
+            """
+            const box = document.getElementById('live-step');
+            const text = box && !box.hidden && box.querySelector('.live-text');
+            return text ? text.textContent : '';
+            """
+        )
+        return shown
+
+    seen: list[str] = []
+    polls: list[float] = []
+
+    def grown() -> bool:
+        polls.append(time.monotonic())
+        text = draft()
+        if text and (not seen or seen[-1] != text):
+            seen.append(text)
+        committed = answered(browser, answer)
+        gaps = [round(b - a, 2) for a, b in zip(polls, polls[1:], strict=False)]
+        assert not (committed and len(seen) < 2), (seen, gaps)  # it grew before the commit
+        return len(seen) >= 2
+
+    wait_until(grown, what="the answer growing on the page", seen=lambda: str(seen))
+    assert not answered(browser, answer)  # not committed yet: a draft
+    assert all(answer.startswith(text) for text in seen), seen
+    assert all(b.startswith(a) and b != a for a, b in zip(seen, seen[1:], strict=False)), seen
+    note = browser.css("#live-step .live-note")[0].text
+    assert "Step 1 is running" in note, note
+    browser.shot("session-live")
+    wait_until(lambda: answered(browser, answer), what="the committed answer")
+    wait_until(
+        lambda: browser.driver.execute_script(
+            "return document.getElementById('live-step').hidden;"
+        ),
+        what="the draft cleared by the commit",
+    )
+    assert not browser.errors()
+
+
 READS = {
     "anchor": ("GetSnapshot", "ReadEvents", "LoadSession"),
     "hooks": ("DescribeSession", "ListChannelSessions", "GetOwner", "DescribeDeployment"),

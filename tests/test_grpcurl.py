@@ -48,6 +48,12 @@ READ = (
     '-d "{\\"session_id\\":\\"$SESSION\\",\\"follow\\":false}" '
     f"$HOST {INGRESS}/StreamEvents"
 )
+FOLLOW_LIVE = (
+    f"grpcurl {TLS} {AUTH} "
+    '-d "{\\"session_id\\":\\"$SESSION\\",\\"start_seq\\":$SEQ,'
+    '\\"follow\\":true,\\"live\\":true}" '
+    f"$HOST {INGRESS}/StreamEvents"
+)
 GET_SESSION = (
     f'grpcurl {TLS} {AUTH} -d "{{\\"session_id\\":\\"$SESSION\\"}}" $HOST {INGRESS}/GetSession'
 )
@@ -77,6 +83,7 @@ DOCUMENTED = (
     CREATE,
     SEND,
     READ,
+    FOLLOW_LIVE,
     GET_SESSION,
     LIST_SESSIONS,
     HEALTH,
@@ -320,3 +327,54 @@ async def test_upgrade_walkthrough(stack: Stack, grpcurl: Grpcurl) -> None:
         assert found["fence"]["owner_run_id"] == handed["owner_run_id"]
     finally:
         await stop_deployment(second)
+
+
+async def test_following_with_live_items(stack: Stack, grpcurl: Grpcurl) -> None:
+    """The documented live follow: started at the last event before the
+    head (so its first response says it reads), it gets the streamed
+    answer's text as live batches before the commit, then the events."""
+    host = stack.addr(stack.ingress)
+    session = await stack.create()
+    await stack.send(session, "hello")
+    head = len(await stack.events(session, until=1))
+    variables = {"CERTS": certs_dir(), "HOST": host, "KEY": KEY, "SESSION": session}
+    script = shlex.quote(grpcurl.binary) + FOLLOW_LIVE.removeprefix("grpcurl")
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-c", script, env={**os.environ, **variables, "SEQ": str(head - 1)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout = proc.stdout
+    assert stdout is not None
+    out = ""
+
+    async def read_until(waits: int) -> None:
+        """Until `waits` session.waiting events are out."""
+        nonlocal out
+        async with asyncio.timeout(CALL_TIMEOUT):
+            while out.count("EVENT_KIND_SESSION_WAITING") < waits:
+                chunk = await stdout.read(4096)
+                assert chunk, f"grpcurl ended: {out}"
+                out += chunk.decode()
+
+    try:
+        await read_until(1)  # the last event before the head: it reads
+        await stack.send(session, "stream 30 1500")
+        await read_until(2)  # the streamed turn's end
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    messages = json_messages(out)
+    answer = "".join(f"{i}," for i in range(30))
+    live = [m["live"] for m in messages if "live" in m]
+    assert live and all("events" not in m for m in messages if "live" in m)
+    assert {batch["step"]["base_seq"] for batch in live} == {str(head)}
+    items = [item for batch in live for item in batch["items"]]
+    text = "".join(item.get("text", "") for item in items if item["kind"] == "LIVE_KIND_TEXT")
+    assert answer.startswith(text) and len(text) > len(answer) // 2, text
+    events = [(i, e) for i, m in enumerate(messages) for e in m.get("events", [])]
+    [(completed, message)] = [
+        (i, e) for i, e in events if e["kind"] == "EVENT_KIND_MESSAGE_COMPLETED"
+    ]
+    assert message["text"] == answer
+    assert all("live" not in m for m in messages[completed:])  # superseded by the commit

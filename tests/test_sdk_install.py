@@ -206,3 +206,16 @@ async def test_the_documented_approval_example_runs_with_the_sdk_alone(
         'approve? transfer {"amount":"5"}',
         "agent: The result is transferred 5.",
     ], out
+
+
+async def test_the_documented_streaming_example_runs_with_the_sdk_alone(
+    sdk_python: Path, stack: Stack, tmp_path: Path
+) -> None:
+    """docs/sdk.md's streamed answer: the text printed as it is written (a
+    prefix of the answer, most of it: the last part may race the commit),
+    then the committed answer."""
+    answer = "".join(f"{i}," for i in range(40))
+    out = await run_documented_example(sdk_python, stack, tmp_path, 2)
+    streamed, committed = out.splitlines()
+    assert committed == f"agent: {answer}", out
+    assert answer.startswith(streamed) and len(streamed) > len(answer) // 2, out

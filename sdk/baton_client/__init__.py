@@ -11,7 +11,10 @@
 `Client` (sync) and `AsyncClient` (asyncio) call IngressService with TLS
 and the channel's API key (`Settings`); errors are typed
 (`baton_client.errors`), retries safe (`baton_client.retry`), and a
-follower resumes from its cursor without gap or duplicate.
+follower resumes from its cursor without gap or duplicate. With
+`follow(..., live=True)` it also yields the live items of running steps
+(`LiveBatch`), which `LiveView` assembles into the answer as it is written
+(`baton_client.live`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from baton_client.errors import (
     Unauthenticated,
     Unavailable,
 )
+from baton_client.live import LiveDraft, LiveToolCall, LiveUpdate, LiveView
 from baton_client.retry import RetryPolicy
 from baton_client.settings import Settings, SettingsError
 from baton_client.types import (
@@ -48,6 +52,10 @@ from baton_client.types import (
     InputKind,
     InputRequest,
     InputResponse,
+    LiveBatch,
+    LiveItem,
+    LiveKind,
+    LiveStep,
     Receipt,
     Session,
     SessionPage,
@@ -82,6 +90,14 @@ __all__ = [
     "InputResponse",
     "Internal",
     "InvalidArgument",
+    "LiveBatch",
+    "LiveDraft",
+    "LiveItem",
+    "LiveKind",
+    "LiveStep",
+    "LiveToolCall",
+    "LiveUpdate",
+    "LiveView",
     "NotFound",
     "OutOfRange",
     "PermissionDenied",

@@ -14,7 +14,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import grpc
 import grpc.aio
@@ -27,9 +27,11 @@ from baton_client.errors import BatonError, from_rpc_error
 from baton_client.requests import Cursor, IdSource, Target, random_id
 from baton_client.retry import Attempts, RetryBudget
 from baton_client.settings import Settings
-from baton_client.types import CreatedSession, Event, Receipt, Session, SessionPage
+from baton_client.types import CreatedSession, Event, LiveBatch, Receipt, Session, SessionPage
 
 _Response = TypeVar("_Response")
+#: What a follower yields: `Event`, or with live items `Event | LiveBatch`.
+_Item = TypeVar("_Item", covariant=True)
 
 
 def open_channel(settings: Settings) -> grpc.aio.Channel:
@@ -183,6 +185,7 @@ class AsyncClient:
             if not token:
                 return
 
+    @overload
     def follow(
         self,
         session_id: str = "",
@@ -190,9 +193,32 @@ class AsyncClient:
         alias: str = "",
         start_seq: int = 0,
         follow: bool = True,
-    ) -> AsyncFollower:
-        """See `Client.follow`: `async for event in client.follow(sid)`."""
-        return AsyncFollower(self, Target.of(session_id, alias), start_seq, follow)
+        live: Literal[False] = False,
+    ) -> AsyncFollower[Event]: ...
+
+    @overload
+    def follow(
+        self,
+        session_id: str = "",
+        *,
+        alias: str = "",
+        start_seq: int = 0,
+        follow: bool = True,
+        live: Literal[True],
+    ) -> AsyncFollower[Event | LiveBatch]: ...
+
+    def follow(
+        self,
+        session_id: str = "",
+        *,
+        alias: str = "",
+        start_seq: int = 0,
+        follow: bool = True,
+        live: bool = False,
+    ) -> AsyncFollower[Event] | AsyncFollower[Event | LiveBatch]:
+        """See `Client.follow`: `async for event in client.follow(sid)`
+        (with `live=True`, events and `LiveBatch`es)."""
+        return AsyncFollower(self, Target.of(session_id, alias), start_seq, follow, live)
 
     async def _call(
         self, method: Callable[..., Awaitable[_Response]], request: Any, timeout: float | None
@@ -216,15 +242,24 @@ class AsyncClient:
             return response
 
 
-class AsyncFollower:
-    """The asyncio twin of `baton_client.Follower` (an async iterator of events)."""
+class AsyncFollower(Generic[_Item]):
+    """The asyncio twin of `baton_client.Follower` (an async iterator of
+    events, and with `live` of live batches too)."""
 
-    def __init__(self, client: AsyncClient, target: Target, start_seq: int, follow: bool) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        target: Target,
+        start_seq: int,
+        follow: bool,
+        live: bool = False,
+    ) -> None:
         self._client = client
         self._alias = target.alias
         self._cursor = Cursor(target.session_id, start_seq)
         self._follow = follow
-        self._events = self._read()
+        self._live = live
+        self._events = cast(AsyncGenerator[_Item, None], self._read())
 
     @property
     def session_id(self) -> str:
@@ -236,22 +271,22 @@ class AsyncFollower:
         """The seq of the next event: pass it as `start_seq` to resume later."""
         return self._cursor.next_seq
 
-    def __aiter__(self) -> AsyncFollower:
+    def __aiter__(self) -> AsyncFollower[_Item]:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> _Item:
         return await self._events.__anext__()
 
     async def aclose(self) -> None:
         await self._events.aclose()
 
-    async def __aenter__(self) -> AsyncFollower:
+    async def __aenter__(self) -> AsyncFollower[_Item]:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _read(self) -> AsyncGenerator[Event, None]:
+    async def _read(self) -> AsyncGenerator[Event | LiveBatch, None]:
         client = self._client
         settings = client.settings
         if self._alias:  # read by id: the alias may move, the session may not
@@ -259,13 +294,13 @@ class AsyncFollower:
         attempts = Attempts(settings.follow_retry, None)
         while not self._cursor.closed:
             call = client._stub.StreamEvents(
-                self._cursor.request(self._follow),
+                self._cursor.request(self._follow, self._live),
                 metadata=settings.metadata,
                 timeout=None if self._follow else settings.timeout,
             )
             try:
                 async for response in call:
-                    fresh = self._cursor.accept(response.events)
+                    fresh = self._cursor.page(response)
                     if fresh:
                         attempts.progressed()
                     for event in fresh:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import grpc
 
@@ -23,9 +23,11 @@ from baton_client.errors import BatonError, from_rpc_error
 from baton_client.requests import Cursor, IdSource, Target, random_id
 from baton_client.retry import Attempts, RetryBudget
 from baton_client.settings import Settings
-from baton_client.types import CreatedSession, Event, Receipt, Session, SessionPage
+from baton_client.types import CreatedSession, Event, LiveBatch, Receipt, Session, SessionPage
 
 _Response = TypeVar("_Response")
+#: What a follower yields: `Event`, or with live items `Event | LiveBatch`.
+_Item = TypeVar("_Item", covariant=True)
 
 
 def open_channel(settings: Settings) -> grpc.Channel:
@@ -185,6 +187,7 @@ class Client:
             if not token:
                 return
 
+    @overload
     def follow(
         self,
         session_id: str = "",
@@ -192,11 +195,36 @@ class Client:
         alias: str = "",
         start_seq: int = 0,
         follow: bool = True,
-    ) -> Follower:
+        live: Literal[False] = False,
+    ) -> Follower[Event]: ...
+
+    @overload
+    def follow(
+        self,
+        session_id: str = "",
+        *,
+        alias: str = "",
+        start_seq: int = 0,
+        follow: bool = True,
+        live: Literal[True],
+    ) -> Follower[Event | LiveBatch]: ...
+
+    def follow(
+        self,
+        session_id: str = "",
+        *,
+        alias: str = "",
+        start_seq: int = 0,
+        follow: bool = True,
+        live: bool = False,
+    ) -> Follower[Event] | Follower[Event | LiveBatch]:
         """The session's events from `start_seq`, each once and in order;
         with `follow`, live until the session's terminal event, resuming
-        from its cursor whenever the connection drops (see `Follower`)."""
-        return Follower(self, Target.of(session_id, alias), start_seq, follow)
+        from its cursor whenever the connection drops (see `Follower`).
+        With `live` (and `follow`), also the live items of running steps as
+        `LiveBatch`es among the events (`baton_client.live.LiveView`
+        assembles them into the answer so far)."""
+        return Follower(self, Target.of(session_id, alias), start_seq, follow, live)
 
     def _call(
         self, method: Callable[..., _Response], request: Any, timeout: float | None
@@ -220,11 +248,16 @@ class Client:
             return response
 
 
-class Follower(Iterator[Event]):
+class Follower(Iterator[_Item], Generic[_Item]):
     """A session's events, each exactly once and in seq order, across
     dropped connections, ingress restarts and handoffs: when the stream
     breaks with a retryable failure it reads again from its cursor (the next
     seq it expects), dropping any overlap and refusing any gap (`StreamGap`).
+
+    With `live`, also the live items of running steps (`LiveBatch`), each in
+    its place among the events; after a reconnect the step in flight's
+    items come again from its start (`LiveView` skips what it has), and
+    items of a step whose commit was already yielded are not yielded.
 
     A cursor below the stream's retention horizon raises `OutOfRange` (with
     `earliest_seq`); a refusal or a connection that stays down past
@@ -232,15 +265,18 @@ class Follower(Iterator[Event]):
     terminal event (or, without `follow`, at the stream's current end).
     `close()` (from any thread) stops it."""
 
-    def __init__(self, client: Client, target: Target, start_seq: int, follow: bool) -> None:
+    def __init__(
+        self, client: Client, target: Target, start_seq: int, follow: bool, live: bool = False
+    ) -> None:
         self._client = client
         self._alias = target.alias
         self._cursor = Cursor(target.session_id, start_seq)
         self._follow = follow
+        self._live = live
         self._lock = threading.Lock()
         self._call: grpc.RpcContext | None = None
         self._closed = False
-        self._events = self._read()
+        self._events = cast(Iterator[_Item], self._read())
 
     @property
     def session_id(self) -> str:
@@ -252,10 +288,10 @@ class Follower(Iterator[Event]):
         """The seq of the next event: pass it as `start_seq` to resume later."""
         return self._cursor.next_seq
 
-    def __iter__(self) -> Follower:
+    def __iter__(self) -> Follower[_Item]:
         return self
 
-    def __next__(self) -> Event:
+    def __next__(self) -> _Item:
         return next(self._events)
 
     def close(self) -> None:
@@ -264,13 +300,13 @@ class Follower(Iterator[Event]):
             if self._call is not None:
                 self._call.cancel()
 
-    def __enter__(self) -> Follower:
+    def __enter__(self) -> Follower[_Item]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read(self) -> Iterator[Event]:
+    def _read(self) -> Iterator[Event | LiveBatch]:
         client = self._client
         settings = client.settings
         if self._alias:  # read by id: the alias may move, the session may not
@@ -278,7 +314,7 @@ class Follower(Iterator[Event]):
         attempts = Attempts(settings.follow_retry, None)
         while not self._cursor.closed:
             call = client._stub.StreamEvents(
-                self._cursor.request(self._follow),
+                self._cursor.request(self._follow, self._live),
                 metadata=settings.metadata,
                 timeout=None if self._follow else settings.timeout,
             )
@@ -289,7 +325,7 @@ class Follower(Iterator[Event]):
                 self._call = call
             try:
                 for response in call:
-                    fresh = self._cursor.accept(response.events)
+                    fresh = self._cursor.page(response)
                     if fresh:
                         attempts.progressed()
                     yield from fresh

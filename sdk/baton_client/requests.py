@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from baton_client._proto.baton.ingress.v1 import ingress_pb2 as pb
 from baton_client._proto.baton.session.v1 import session_pb2 as s
 from baton_client.errors import InvalidArgument, Reason, StreamGap
-from baton_client.types import TERMINAL_KINDS, Event
+from baton_client.types import TERMINAL_KINDS, Event, LiveBatch
 
 #: Produces the ids the SDK generates (delivery ids, request ids).
 IdSource = Callable[[], str]
@@ -108,10 +108,22 @@ class Cursor:
         self.next_seq = next_seq
         self.closed = False
 
-    def request(self, follow: bool) -> pb.StreamEventsRequest:
+    def request(self, follow: bool, live: bool = False) -> pb.StreamEventsRequest:
         return pb.StreamEventsRequest(
-            session_id=self.session_id, start_seq=self.next_seq, follow=follow
+            session_id=self.session_id, start_seq=self.next_seq, follow=follow, live=live
         )
+
+    def current(self, batch: LiveBatch) -> bool:
+        """Whether a live batch is of a step not yet committed as far as this
+        follower has read: a resumed read may send the items of a step whose
+        commit the caller has already seen."""
+        return not self.closed and batch.step.base_seq >= self.next_seq
+
+    def page(self, response: pb.StreamEventsResponse) -> list[Event | LiveBatch]:
+        """One response's fresh events, or its live batch if still current."""
+        if response.HasField("live"):
+            return [response.live] if self.current(response.live) else []
+        return list(self.accept(response.events))
 
     def accept(self, events: Iterable[Event]) -> list[Event]:
         fresh: list[Event] = []

@@ -37,6 +37,16 @@ ToolResult = session_pb.ToolResult
 AuthorizationWait = session_pb.AuthorizationWait
 #: What an event's `error` carries: `reason`, `message`.
 ErrorDetail = session_pb.ErrorDetail
+#: Live items (docs/design.md "Live items"), yielded by a follower that asked
+#: for them (`follow(..., live=True)`): not events (no seq, never stored, the
+#: step's commit supersedes them). A `LiveBatch` is consecutive `LiveItem`s
+#: (`offset`, `kind`, `text`, tool call fields, `dropped`, `time`) of one step
+#: run, its `LiveStep` (`base_seq`, `turn_id`, `step`, `owner_run_id`, `epoch`,
+#: `attempt`). `baton_client.live.LiveView` assembles them.
+LiveBatch = session_pb.LiveBatch
+LiveItem = session_pb.LiveItem
+LiveStep = session_pb.LiveStep
+LiveKind = session_pb.LiveKind
 
 #: Event kinds that close a stream (a follower ends after one).
 TERMINAL_KINDS = frozenset(

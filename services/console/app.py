@@ -10,7 +10,10 @@ confirmation page whose form POSTs the action; see `guard` for who may.
 
 Live parts: a session page follows its session from its cursor
 (`/sessions/ID/follow`, one follow on the console's FollowEvents stream to
-anchor, like any reader); a drain's progress (`/deployments/ID/drain/follow`).
+anchor, like any reader), with the live items of the step in flight (its
+text as the model writes it: a `live` message with the draft, an empty one
+when the step's commit supersedes it); a drain's progress
+(`/deployments/ID/drain/follow`).
 Nothing else polls: an open page whose session is idle costs a blocked
 follow and a keep-alive comment every `KEEPALIVE` seconds.
 """
@@ -300,7 +303,10 @@ class Console:
         reader = self.ops.follow(sid, start)
 
         async def frames() -> AsyncIterator[str]:
-            pages: asyncio.Queue[list[s.Event] | BaseException | None] = asyncio.Queue(4)
+            pages: asyncio.Queue[list[s.Event] | s.LiveBatch | BaseException | None] = (
+                asyncio.Queue(4)
+            )
+            draft = present.LiveDraft(start)
 
             async def pump() -> None:
                 try:
@@ -329,8 +335,14 @@ class Console:
                     if isinstance(item, BaseException):
                         yield sse("problem", str(item))
                         return
+                    if isinstance(item, s.LiveBatch):
+                        if draft.add(item):
+                            yield sse("live", self.render(request, "_live.html", draft=draft))
+                        continue
                     if not item:
                         continue
+                    if draft.committed(item):  # the commit supersedes the draft
+                        yield sse("live", "")
                     views = [present.event_view(e) for e in item]
                     html = self.render(request, "_events.html", events=views, start=-1)
                     yield sse("events", html, str(item[-1].seq + 1))

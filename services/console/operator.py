@@ -279,11 +279,12 @@ class Operator:
                 start = int(exc.metadata.get("earliest_seq", head))
         return [], head
 
-    def follow(self, session_id: str, start: int) -> AsyncIterator[list[s.Event]]:
+    def follow(self, session_id: str, start: int) -> AsyncIterator[list[s.Event] | s.LiveBatch]:
         """New events from `start` as they are committed (a follow on the
-        FollowEvents stream, like any reader's)."""
+        FollowEvents stream, like any reader's), and the live items of the
+        step in flight (docs/design.md "Live items") between them."""
         ids.validate_session_id(session_id)
-        return self.anchor.read_events(session_id, start, follow=True)
+        return self.anchor.follow_events_live(session_id, start)
 
     # -- actions -----------------------------------------------------------
 

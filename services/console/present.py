@@ -155,3 +155,57 @@ def event_view(event: s.Event) -> EventView:
         usage=usage,
         context=context,
     )
+
+
+class LiveDraft:
+    """The step in flight of a followed session, from its live items
+    (docs/design.md "Live items"): its text as the model writes it, its
+    tools' latest progress, and how many items this follower missed. A
+    new step run (the next step, or a re-run that voids this one) starts
+    afresh; the step's commit clears it (`committed`)."""
+
+    def __init__(self, next_seq: int) -> None:
+        self.next_seq = next_seq  # the follow's cursor: steps below it are committed
+        self.step: s.LiveStep | None = None
+        self.text = ""
+        self.progress = ""
+        self.missed = 0
+        self._next_offset = 0
+
+    def add(self, batch: s.LiveBatch) -> bool:
+        """Take a live batch; whether the draft changed."""
+        step = batch.step
+        if step.base_seq < self.next_seq:
+            return False  # its step is committed already
+        if self.step is None or _run(self.step) != _run(step):
+            if self.step is not None and step.base_seq < self.step.base_seq:
+                return False  # an older step's late items
+            self.step, self.text, self.progress, self.missed = step, "", "", 0
+            self._next_offset = 0
+        for item in batch.items:
+            if item.offset < self._next_offset:
+                continue  # seen (a follow that reconnected gets the buffer again)
+            if item.kind == s.LIVE_KIND_DROPPED:
+                self.missed += item.offset + item.dropped - self._next_offset
+                self._next_offset = item.offset + item.dropped
+                continue
+            self.missed += item.offset - self._next_offset
+            self._next_offset = item.offset + 1
+            if item.kind == s.LIVE_KIND_TEXT:
+                self.text += item.text
+            elif item.kind == s.LIVE_KIND_TOOL_PROGRESS:
+                self.progress = f"{item.tool_name}: {item.text}"
+        return True
+
+    def committed(self, events: list[s.Event]) -> bool:
+        """Events were committed; whether they cleared the draft."""
+        if events:
+            self.next_seq = max(self.next_seq, events[-1].seq + 1)
+        if self.step is not None and self.step.base_seq < self.next_seq:
+            self.step = None
+            return True
+        return False
+
+
+def _run(step: s.LiveStep) -> tuple[str, int, int, int]:
+    return (step.owner_run_id, step.epoch, step.attempt, step.base_seq)

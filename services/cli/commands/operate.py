@@ -113,7 +113,12 @@ def _tenant_call(args: argparse.Namespace) -> Coroutine[Any, Any, int]:
         )
     if args.action == "events":
         return session_actions.events(
-            connection, args.session, args.output, follow=args.follow, start_seq=args.start_seq
+            connection,
+            args.session,
+            args.output,
+            follow=args.follow,
+            start_seq=args.start_seq,
+            live=args.follow and args.live,
         )
     if args.action == "send":
         return session_actions.send(

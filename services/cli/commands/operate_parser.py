@@ -174,12 +174,20 @@ def _add_events(group: Any) -> None:
         help="a session's event stream (--follow: live)",
         description=(
             "Print a session's events from --from (default 0); with --follow, keep printing "
-            "them as they are committed until the session's terminal event (Ctrl-C stops). "
+            "them as they are committed until the session's terminal event (Ctrl-C stops), "
+            "and the running step's live items as they come (lines that start with ~: the "
+            "answer growing, then its committed event; -o jsonl: lines with a `live` key). "
             "-o json prints one array, so it needs the stream's end: not with --follow."
         ),
     )
     _session_arg(stream)
     stream.add_argument("--follow", "-f", action="store_true", help="keep following live")
+    stream.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="with --follow: committed events only, no live items of running steps",
+    )
     stream.add_argument(
         "--from", dest="start_seq", type=non_negative, default=0, help="first seq (default 0)"
     )

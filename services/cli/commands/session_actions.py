@@ -10,11 +10,19 @@ names: an array of `baton.session.v1.Event`, or the SendMessageResponse /
 SendControlResponse), `jsonl` (one event or receipt per line). While
 following, text and jsonl lines are printed (and flushed) as each event
 arrives; `json` needs the whole array, so it is refused with --follow.
+
+Following also shows the running step's live items (docs/design.md "Live
+items"; not with --no-live): in text, lines that start with `~` (no seq:
+they are not events), the model's text appended to its line as it is
+written, then the step's committed events, which supersede it; in jsonl,
+a line `{"live": LiveBatch}` (StreamEventsResponse's `live`) beside the
+event lines.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -57,6 +65,12 @@ def _flushed(line: str) -> None:
     print(line, flush=True)
 
 
+def _flushed_part(text: str) -> None:
+    """Part of a line (live text as it is written), out at once."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 async def events(
     connection: Connection,
     session: str,
@@ -64,27 +78,36 @@ async def events(
     *,
     follow: bool = False,
     start_seq: int = 0,
+    live: bool = False,
     write: Callable[[str], None] = _flushed,
+    write_part: Callable[[str], None] = _flushed_part,
 ) -> int:
-    """`baton sessions events ID [--follow] [--from SEQ]`: the stream from
-    `start_seq`; with `follow`, live until the session's terminal event (or
-    Ctrl-C). If the stream breaks (an ingress restarting), the error says
+    """`baton sessions events ID [--follow] [--from SEQ] [--no-live]`: the
+    stream from `start_seq`; with `follow`, live until the session's
+    terminal event (or Ctrl-C), and with `live` the running steps' live
+    items too. If the stream breaks (an ingress restarting), the error says
     which --from continues it without a gap or a repeat."""
     if follow and output == "json":
         raise UsageError("-o json prints one array at the end; use -o jsonl or text with --follow")
-    printed = _Printed(output, write, start_seq)
+    printed = _Printed(output, write, start_seq, write_part)
     channel = connection.open()
     try:
         stub = ingress_pb2_grpc.IngressServiceStub(channel)
         # No deadline while following: the stream lasts as long as the
         # session (Ctrl-C ends it); a replay is bounded.
         call = stub.StreamEvents(
-            _aimed(pb.StreamEventsRequest(start_seq=start_seq, follow=follow), session),
+            _aimed(
+                pb.StreamEventsRequest(start_seq=start_seq, follow=follow, live=follow and live),
+                session,
+            ),
             metadata=connection.metadata,
             timeout=None if follow else REPLAY_TIMEOUT,
         )
         try:
             async for response in call:
+                if response.HasField("live"):
+                    printed.live(response.live)
+                    continue
                 printed.add(response.events)
                 if follow and any(e.kind in TERMINAL for e in response.events):
                     break  # the stream closes here; do not wait for the server's end
@@ -103,16 +126,33 @@ async def events(
 
 class _Printed:
     """Events printed in the `-o` format as they arrive (`json`: kept for
-    the one array `close` prints), and the seq after the last one."""
+    the one array `close` prints), and the seq after the last one; live
+    items as `_LiveLines` (text) or their own jsonl lines."""
 
-    def __init__(self, output: str, write: Callable[[str], None], next_seq: int) -> None:
+    def __init__(
+        self,
+        output: str,
+        write: Callable[[str], None],
+        next_seq: int,
+        write_part: Callable[[str], None] = _flushed_part,
+    ) -> None:
         self.output = output
         self.write = write
         self.next_seq = next_seq
         self._kept: list[s.Event] = []
+        self._live = _LiveLines(write, write_part)
+
+    def live(self, batch: s.LiveBatch) -> None:
+        if batch.step.base_seq < self.next_seq:
+            return  # its step's commit is already printed
+        if self.output == "jsonl":
+            self.write(json.dumps({"live": message_json(batch)}, sort_keys=True))
+        elif self.output == "text":
+            self._live.batch(batch)
 
     def add(self, events: Iterable[s.Event]) -> None:
         for event in events:
+            self._live.end_line()
             self.next_seq = event.seq + 1
             if self.output == "json":
                 self._kept.append(event)
@@ -122,8 +162,73 @@ class _Printed:
                 self.write(format_event(event))
 
     def close(self) -> None:
+        self._live.end_line()
         if self.output == "json":
             self.write(json.dumps([message_json(e) for e in self._kept], indent=2, sort_keys=True))
+
+
+def _run(step: s.LiveStep) -> tuple[str, int, int, int]:
+    return (step.owner_run_id, step.epoch, step.attempt, step.base_seq)
+
+
+class _LiveLines:
+    """Live items as text: a line per step start, tool progress and drop,
+    and the model's text (or a tool call's arguments) appended to one line
+    as it is written, ended when something else is printed. `~` stands
+    where an event's seq would: these are not events."""
+
+    def __init__(self, write: Callable[[str], None], write_part: Callable[[str], None]) -> None:
+        self._write = write
+        self._part = write_part
+        self._open: tuple[object, ...] | None = None  # what the open line shows
+        self._runs: dict[int, tuple[str, int, int, int]] = {}  # base_seq -> its step run
+
+    def end_line(self) -> None:
+        if self._open is not None:
+            self._part("\n")
+            self._open = None
+
+    def _line(self, kind: str, details: str) -> None:
+        self.end_line()
+        self._write(f"~    {kind:<22} {details}".rstrip())
+
+    def _append(self, key: tuple[object, ...], head: str, text: str) -> None:
+        if self._open != key:
+            self.end_line()
+            self._part(head)
+            self._open = key
+        self._part(text)
+
+    def batch(self, batch: s.LiveBatch) -> None:
+        step = batch.step
+        run = _run(step)
+        earlier = self._runs.get(step.base_seq)
+        if earlier is not None and earlier != run:
+            self._line(
+                "live.void",
+                f"step {step.step} runs again (epoch {step.epoch}, attempt {step.attempt}): "
+                "the text above is void",
+            )
+        self._runs = {base: r for base, r in self._runs.items() if base < step.base_seq}
+        self._runs[step.base_seq] = run
+        for item in batch.items:
+            self._item(step, run, item)
+
+    def _item(self, step: s.LiveStep, run: tuple[object, ...], item: s.LiveItem) -> None:
+        if item.kind == s.LIVE_KIND_TURN_STARTED:
+            self._line("turn.started", f"{step.turn_id}")
+        elif item.kind == s.LIVE_KIND_STEP_STARTED:
+            self._line("step.started", f"{step.turn_id} step {step.step}")
+        elif item.kind == s.LIVE_KIND_TEXT:
+            self._append((*run, "text"), f"~    {'live.text':<22} ", item.text)
+        elif item.kind == s.LIVE_KIND_TOOL_CALL:
+            key = (*run, "call", item.tool_call_index)
+            head = f"~    {'live.tool_call':<22} {item.tool_name or '?'}("
+            self._append(key, head, item.text)
+        elif item.kind == s.LIVE_KIND_TOOL_PROGRESS:
+            self._line("live.progress", f"{item.tool_name} {item.tool_call_id}: {item.text}")
+        elif item.kind == s.LIVE_KIND_DROPPED:
+            self._line("live.dropped", f"{item.dropped} item(s) missed: the commit has them all")
 
 
 def _receipt_line(verb: str, receipt: s.Receipt, delivery_id: str) -> str:

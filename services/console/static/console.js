@@ -1,7 +1,8 @@
 // Baton console: the live parts of its pages, in plain JavaScript (no
 // library, no build step). A session page follows its session's events by
-// server-sent events from its cursor and loads older pages on demand; a
-// deployment page follows a running drain.
+// server-sent events from its cursor (and shows the step in flight as it
+// runs: its live text) and loads older pages on demand; a deployment page
+// follows a running drain.
 "use strict";
 
 function refreshHeader() {
@@ -22,6 +23,14 @@ function followSession(timeline) {
     timeline.insertAdjacentHTML("beforeend", message.data);
     if (live) live.textContent = "Following live from #" + message.lastEventId + ".";
     refreshHeader();
+  });
+  // The step in flight, as it runs (live items): replaced as it grows,
+  // cleared when its commit arrives (an empty message).
+  source.addEventListener("live", (message) => {
+    const draft = document.getElementById("live-step");
+    if (!draft) return;
+    draft.innerHTML = message.data;
+    draft.hidden = !message.data;
   });
   source.addEventListener("end", () => {
     source.close();
