@@ -46,19 +46,9 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2 as ingress_pb
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from bench.common import apply_smoke, log_dir, write_json
-from bench.turn_latency import (
-    METADATA,
-    SERVICES,
-    WAIT_TIMEOUT_S,
-    BenchStack,
-    Dist,
-    Sample,
-    create_session,
-    load_average,
-    measure_sequential,
-    per_turn,
-    versions,
-)
+from bench.measure import Dist, Sample, load_average, per_turn, versions
+from bench.stack import METADATA, SERVICES, BenchStack
+from bench.turns import WAIT_TIMEOUT_S, create_session, measure_sequential
 
 SMOKE = {"turns": 3, "plain_turns": 5, "warmup_turns": 1, "stream_ms": 300}
 
