@@ -29,11 +29,11 @@ from baton_runtime.cli.system.service_launcher import ServiceLauncher
 from baton_runtime.cli.system.service_stack import ServiceStack
 from baton_runtime.common.clients.anchor import AnchorClient
 from baton_runtime.common.clients.hooks import HooksClient
-from baton_runtime.common.errors import BatonError
 from baton_runtime.common.etcd.keys import Keys, prefix_end, seq_of
 from baton_runtime.common.security.identity import Role
 from baton_runtime.common.security.pki import LocalPki
 from baton_runtime.common.security.tls import Security, tls_options
+from bench.stack import eventually as poll_until
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.stack import SLACK_KEY, public_channel
@@ -47,18 +47,12 @@ _T = TypeVar("_T")
 async def eventually(
     probe: Callable[[], Awaitable[_T | None]], what: str, timeout: float = 30.0
 ) -> _T:
-    """Poll `probe` until it returns something truthy, or fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            result = await probe()
-            if result:
-                return result
-        except (BatonError, grpc.aio.AioRpcError) as exc:
-            last = exc
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last!r})")
+    """Poll `probe` until it returns something truthy; past `timeout`, the
+    test fails (bench.stack's poll, its timeout an assertion)."""
+    try:
+        return await poll_until(probe, what, within=timeout)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 @dataclass
