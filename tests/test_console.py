@@ -226,6 +226,17 @@ class Browser:
     def css(self, selector: str) -> list[Any]:
         return list(self.driver.find_elements(By.CSS_SELECTOR, selector))
 
+    def text(self, selector: str) -> str:
+        """The rendered text of the first match, read in one script: a part
+        the page rewrites as live items arrive cannot go stale between
+        finding it and reading it."""
+        shown: str = self.driver.execute_script(
+            "const el = document.querySelector(arguments[0]);"
+            " return el ? el.innerText : '';",
+            selector,
+        )
+        return shown
+
     def timeline(self) -> list[tuple[int, str, str, str]]:
         """(seq, kind, deployment, text) of each event on the page."""
         rows = self.driver.execute_script(
@@ -407,7 +418,7 @@ def test_a_session_page_shows_the_step_in_flight_as_it_is_written(up: Up, browse
     assert not answered(browser, answer)  # not committed yet: a draft
     assert all(answer.startswith(text) for text in seen), seen
     assert all(b.startswith(a) and b != a for a, b in zip(seen, seen[1:], strict=False)), seen
-    note = browser.css("#live-step .live-note")[0].text
+    note = browser.text("#live-step .live-note")
     assert "Step 1 is running" in note, note
     browser.shot("session-live")
     wait_until(lambda: answered(browser, answer), what="the committed answer")
@@ -448,7 +459,7 @@ async def test_an_idle_open_session_page_costs_no_reads(up: Up, browser: Browser
     before = await served_reads(up)
     await asyncio.sleep(IDLE_WINDOW)
     assert await served_reads(up) == before
-    assert browser.css("#live")[0].text.startswith("Following live")
+    assert browser.text("#live").startswith("Following live")
 
 
 def test_older_pages_load_down_to_the_retention_horizon(up: Up, browser: Browser) -> None:
