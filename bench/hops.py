@@ -75,7 +75,9 @@ K = s.EventKind
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 JSON_PATH = DOCS / "hops.json"
 MD_PATH = DOCS / "hops.md"
-PARK_AFTER = 5.0
+# The wake's session parks again PARK_AFTER after its turn: its window must
+# have settled by then, which took more than 5 s on a loaded machine.
+PARK_AFTER = 10.0
 # Each owner lists its own index every reconcile interval (services/owner/
 # fleet.py): one ListInstanceSessions and its read in hooks, at any time. The
 # hop stack stretches the interval past the run; docs/hops.md lists the cost.

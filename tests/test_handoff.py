@@ -286,7 +286,10 @@ async def test_pending_authorization_skips(env: Env) -> None:
 async def test_an_active_turn_and_queued_commands_skip(env: Env) -> None:
     a, b = env.a, env.b
     sid = await a.create()
-    await a.send(sid, "sleep 3 300")
+    # Three 1.5 s tool steps, then the answer: once step 1's result is on the
+    # stream, 3 s of the turn remain for the two sends below, even on a
+    # loaded machine.
+    await a.send(sid, "sleep 4 1500")
     await follow_until(a, sid, lambda ev: bool(of(ev, RESULT)), start_seq=1)
     # Arrives during the turn (steer: joins it) and queued behind it: both
     # were evaluated on arrival while busy, so neither moves the session,

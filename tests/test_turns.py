@@ -188,9 +188,10 @@ async def test_steer_joins_the_open_turn_and_a_later_message_starts_the_next(
 ) -> None:
     session_id = await stack.create()
     # Three steps: two sleeping tool steps, then the answer. Once step 1 is on
-    # the stream, step 2 (a 600 ms tool call) is running: a message sent now
-    # must join this turn at the next model-call boundary.
-    slow = await stack.send(session_id, "sleep 3 600", caller="alice")
+    # the stream, step 2 (a 1.5 s tool call, long enough for a loaded machine)
+    # is running: a message sent now must join this turn at the next
+    # model-call boundary.
+    slow = await stack.send(session_id, "sleep 3 1500", caller="alice")
     await follow_until(stack, session_id, lambda ev: STEP_COMPLETED in [e.kind for e in ev])
     # A different principal, so it can never be merged at turn start.
     steer = await stack.send(session_id, "hello", caller="bob")
@@ -216,7 +217,7 @@ async def test_steer_joins_the_open_turn_and_a_later_message_starts_the_next(
     assert {e.turn_id for e in events[1:-1]} == {turn_id}, "steered message left the turn"
     received = of(events, RECEIVED)
     assert [e.inbox_seq for e in received] == [0, 1]
-    assert [e.text for e in received] == ["sleep 3 600", "hello"]
+    assert [e.text for e in received] == ["sleep 3 1500", "hello"]
     assert [e.delivery_id for e in received] == [slow.delivery_id, steer.delivery_id]
     assert texts(events, ANSWERED) == ["echo: hello"]
     assert [e.step for e in of(events, STEP_STARTED)] == [1, 2, 3]
