@@ -538,14 +538,17 @@ async def test_tool_progress_reaches_followers_bounded(stack: Stack) -> None:
     assert {p.tool_name for p in progress} == {"progress"}
     [call] = [e for e in events_of(seen) if e.kind == s.EVENT_KIND_TOOL_CALL_REQUESTED]
     assert {p.tool_call_id for p in progress} == {call.tool_call.id}
-    # Unbounded reports: the owner lets 20 a second through.
+    # Unbounded reports: the owner lets 20 a second through. (They come
+    # after 1.5 s of the tool's silence: a follower that subscribes once the
+    # step has committed sees none of its live items, and 500 reports 0 ms
+    # apart take no time at all.)
     head = events_of(seen)[-1].seq + 1
     flood: list[Seen] = []
     reader = asyncio.ensure_future(
         follow(stack.ingress_stub, sid, flood, start_seq=head, until=lambda o: waits(o) >= 1)
     )
     await asyncio.sleep(0)
-    await stack.send(sid, "progress 500 0")
+    await stack.send(sid, "progress 500 0 1500")
     await asyncio.wait_for(reader, 30)
     reports = [i for _, _, i in live_items(flood) if i.kind == s.LIVE_KIND_TOOL_PROGRESS]
     assert 1 <= len(reports) <= 40, len(reports)

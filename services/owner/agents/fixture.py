@@ -19,8 +19,9 @@ Scripted behaviour of its model, by the last message it sees:
                                milliseconds (`FixtureModel.stream`), each "<i>," or
                                <bytes> bytes of one letter; the answer is their
                                concatenation (live items, docs/design.md);
-- "progress <n> <ms>"       -> a `progress` tool call reporting progress <n> times,
-                               <ms> milliseconds apart;
+- "progress <n> <ms> [<lead>]" -> a `progress` tool call reporting progress <n>
+                               times, <ms> milliseconds apart, after <lead>
+                               milliseconds of silence (0 if left out);
 - compaction instructions   -> "<N> messages about: <first user message>".
 Child sessions (docs/design.md §11):
 - "ask <agent> <prompt>"    -> asks the subagent (`helper`, or `planner`, which
@@ -78,7 +79,7 @@ _ALIAS = re.compile(r"^\s*alias\s+(\S+)\s*$", re.IGNORECASE)
 _BIG = re.compile(r"^\s*big\s+(\d+)\s*$", re.IGNORECASE)
 _SAY = re.compile(r"^\s*say\s+(\d+)\s*$", re.IGNORECASE)
 _STREAM = re.compile(r"^\s*stream\s+(\d+)\s+(\d+)(?:\s+(\d+))?\s*$", re.IGNORECASE)
-_PROGRESS = re.compile(r"^\s*progress\s+(\d+)\s+(\d+)\s*$", re.IGNORECASE)
+_PROGRESS = re.compile(r"^\s*progress\s+(\d+)\s+(\d+)(?:\s+(\d+))?\s*$", re.IGNORECASE)
 _ASK = re.compile(r"^\s*(ask|bg)\s+(helper|planner|nobody)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
 _CONTINUE = re.compile(r"^\s*continue\s+(?:(ses_[0-9a-z]{26})\s+)?(.+?)\s*$", re.DOTALL)
 _TASK = re.compile(r"^\s*task\s+(\d+)\s+(.+?)\s*$", re.IGNORECASE | re.DOTALL)
@@ -196,6 +197,8 @@ def _scripted(user: str, prompt_tokens: int) -> ModelReply:
         return ModelReply(text=text, input_tokens=prompt_tokens, output_tokens=1)
     if match := _PROGRESS.match(user):
         arguments = {"count": int(match.group(1)), "ms": int(match.group(2))}
+        if match.group(3):
+            arguments["lead_ms"] = int(match.group(3))
         return _call(RequestedCall("progress", arguments), prompt_tokens)
     if command == "fail model":
         raise RuntimeError("fixture model failure requested")

@@ -109,9 +109,11 @@ def _pipeline_step(name: str, verb: str) -> WorkflowStep:
 
 
 async def _progress(arguments: dict[str, Any], ctx: ToolContext) -> str:
-    """Report progress `count` times, `ms` milliseconds apart (live items)."""
+    """Report progress `count` times, `ms` milliseconds apart (live items),
+    after `lead_ms` milliseconds of silence."""
     count = min(int(arguments.get("count", 0) or 0), 10_000)
     pause = int(arguments.get("ms", 0) or 0) / 1000
+    await asyncio.sleep(min(int(arguments.get("lead_ms", 0) or 0), 60_000) / 1000)
     for index in range(1, count + 1):
         if ctx.progress is not None:
             ctx.progress(f"{index}/{count}")
@@ -169,8 +171,15 @@ TOOLS = (
     ),
     Tool(
         "progress",
-        "Report progress <count> times, <ms> milliseconds apart.",
-        {"type": "object", "properties": {"count": {"type": "integer"}, "ms": {"type": "integer"}}},
+        "Report progress <count> times, <ms> milliseconds apart, after <lead_ms> of silence.",
+        {
+            "type": "object",
+            "properties": {
+                "count": {"type": "integer"},
+                "ms": {"type": "integer"},
+                "lead_ms": {"type": "integer"},
+            },
+        },
         _progress,
     ),
 )
