@@ -73,7 +73,7 @@ from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
 from baton_runtime._proto.baton.session.v1 import session_pb2 as s
 from baton_runtime.cli.system.etcd_check import members_consistent
 from baton_runtime.cli.system.etcd_process import EtcdCluster
-from baton_runtime.cli.system.processes import ServiceProcess, wait_serving
+from baton_runtime.cli.system.processes import wait_serving
 from baton_runtime.cli.system.service_env import wiring_env
 from baton_runtime.cli.system.service_launcher import ServiceLauncher
 from baton_runtime.common.clients.anchor import AnchorClient
@@ -86,7 +86,7 @@ from baton_runtime.common.security.tls import Security
 from tests import certs
 from tests.certs import TEST_PREFIX
 from tests.netfaults import DOWN, UP, Network, Route, route_name
-from tests.procs import API_KEY, SLACK, check_history, eventually
+from tests.procs import API_KEY, SLACK, Launched, check_history, eventually
 from tests.stack import public_channel
 
 K = s.EventKind
@@ -148,7 +148,7 @@ def waits_again(events: list[s.Event]) -> bool:
 
 
 @dataclass
-class ChaosStack:
+class ChaosStack(Launched):
     """Every Baton process of the topology, by name: hooks1, hooks2,
     anchor1, anchor2, and per deployment d: {d}.o1, {d}.o2, {d}.in1, {d}.in2."""
 
@@ -166,18 +166,7 @@ class ChaosStack:
     launcher: ServiceLauncher = field(init=False)
 
     def __post_init__(self) -> None:
-        # The one launcher (services/cli/system/service_launcher.py), on the test PKI.
-        self.launcher = ServiceLauncher(
-            self.workdir, certs.pki(), env={"BATON_SHUTDOWN_GRACE": "1"}
-        )
-
-    @property
-    def procs(self) -> dict[str, ServiceProcess]:
-        return self.launcher.processes
-
-    @property
-    def ports(self) -> dict[str, int]:
-        return self.launcher.ports
+        self.launcher = self.test_launcher(self.workdir)
 
     def shared(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
@@ -199,9 +188,6 @@ class ChaosStack:
             self.all_owners(),
             self.ingresses(),
         ]
-
-    def addr(self, name: str) -> str:
-        return self.launcher.addr(name)
 
     def addrs(self, names: list[str]) -> str:
         return self.launcher.addrs(names)

@@ -208,8 +208,31 @@ def check_history(events: list[s.Event], receipts: list[int]) -> None:
 # -- the replicated topology ---------------------------------------------------------
 
 
+class Launched:
+    """A stack on the one launcher (services/cli/system/service_launcher.py),
+    its processes by name."""
+
+    launcher: ServiceLauncher
+
+    @staticmethod
+    def test_launcher(workdir: Path) -> ServiceLauncher:
+        """The launcher on the test PKI, its services given 1 s to stop."""
+        return ServiceLauncher(workdir, certs.pki(), env={"BATON_SHUTDOWN_GRACE": "1"})
+
+    @property
+    def procs(self) -> dict[str, ServiceProcess]:
+        return self.launcher.processes
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.launcher.ports
+
+    def addr(self, name: str) -> str:
+        return self.launcher.addr(name)
+
+
 @dataclass
-class ReplicatedStack:
+class ReplicatedStack(Launched):
     """`replicas` processes each of hooks, anchor, owner and ingress of one
     deployment, every client given all replicas of what it calls and every
     etcd member (`etcd_endpoint` may name several). Processes are named
@@ -225,23 +248,10 @@ class ReplicatedStack:
     launcher: ServiceLauncher = field(init=False)
 
     def __post_init__(self) -> None:
-        self.launcher = ServiceLauncher(
-            self.workdir, certs.pki(), env={"BATON_SHUTDOWN_GRACE": "1"}
-        )
-
-    @property
-    def procs(self) -> dict[str, ServiceProcess]:
-        return self.launcher.processes
-
-    @property
-    def ports(self) -> dict[str, int]:
-        return self.launcher.ports
+        self.launcher = self.test_launcher(self.workdir)
 
     def names(self, kind: str) -> list[str]:
         return [f"{kind}{i}" for i in range(1, self.replicas + 1)]
-
-    def addr(self, name: str) -> str:
-        return self.launcher.addr(name)
 
     def addrs(self, kind: str) -> str:
         return self.launcher.addrs(self.names(kind))
