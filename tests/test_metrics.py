@@ -42,6 +42,8 @@ _RPC = {
 _STORE = {
     "baton_etcd_txn_seconds": ("histogram", {"op"}),
     "baton_etcd_errors_total": ("counter", {"reason"}),
+    "baton_etcd_grouped_requests_total": ("counter", set()),
+    "baton_etcd_grouped_txns_total": ("counter", set()),
     "baton_etcd_watches_created_total": ("counter", set()),
     "baton_etcd_watch_responses_total": ("counter", set()),
     "baton_etcd_watch_events_total": ("counter", set()),

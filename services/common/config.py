@@ -121,6 +121,13 @@ ETCD_SETTINGS = (
         switch=True,
     ),
     Setting(
+        "--etcd-group-commit",
+        "BATON_ETCD_GROUP_COMMIT",
+        "write transactions to etcd in flight at once before the next ones wait and ride one "
+        "request together as nested transactions (docs/design.md §10); 0: each its own request",
+        "0",
+    ),
+    Setting(
         "--accept-etcd-risk",
         "BATON_ACCEPT_ETCD_RISK",
         "start even if an etcd member runs a known-bad release (docs/etcd.md); without it "
@@ -282,6 +289,8 @@ class EtcdConfig:
     security: Security
     # Run on members whose release is known-bad (services/common/etcd/releases.py).
     accept_risk: bool = False
+    # Write requests in flight before the next writes are grouped; 0: never.
+    group_commit: int = 0
 
     @classmethod
     def from_values(cls, values: Mapping[str, str], service: Security) -> EtcdConfig:
@@ -309,6 +318,7 @@ class EtcdConfig:
             timeout=as_float(values, "etcd_timeout", minimum=0.1),
             security=security,
             accept_risk=as_switch(values, "accept_etcd_risk"),
+            group_commit=as_int(values, "etcd_group_commit", minimum=0, maximum=64),
         )
 
 

@@ -136,7 +136,11 @@ async def member_statuses(
 async def connect_checked(config: EtcdConfig) -> Store:
     """hooks' and anchor's store: connected, with every member's release
     judged (a known-bad one refuses to start, see `check_member_releases`)."""
-    store = Store(make_client(config.endpoint, config.timeout, config.security), config.timeout)
+    store = Store(
+        make_client(config.endpoint, config.timeout, config.security),
+        config.timeout,
+        group_commit=config.group_commit,
+    )
     await store.connect()
     try:
         await check_member_releases(

