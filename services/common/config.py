@@ -123,9 +123,9 @@ ETCD_SETTINGS = (
     Setting(
         "--etcd-group-commit",
         "BATON_ETCD_GROUP_COMMIT",
-        "write transactions to etcd in flight at once before the next ones wait and ride one "
+        "write requests to etcd in flight at once before the next writes wait and ride one "
         "request together as nested transactions (docs/design.md §10); 0: each its own request",
-        "0",
+        "1",
     ),
     Setting(
         "--accept-etcd-risk",
@@ -290,7 +290,7 @@ class EtcdConfig:
     # Run on members whose release is known-bad (services/common/etcd/releases.py).
     accept_risk: bool = False
     # Write requests in flight before the next writes are grouped; 0: never.
-    group_commit: int = 0
+    group_commit: int = 1
 
     @classmethod
     def from_values(cls, values: Mapping[str, str], service: Security) -> EtcdConfig:
