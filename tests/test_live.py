@@ -590,6 +590,27 @@ def test_the_hub_keeps_the_step_in_flight_bounded_and_forgets_it_at_the_commit()
     assert hub.sessions() == 1
 
 
+def test_followers_that_merge_what_waits_never_change_what_the_others_get() -> None:
+    """Every follower of a session is handed the same batches; one that takes
+    several at once merges them into its own copy. (It merged into the shared
+    batch, so a follower taking after it got those items twice: found by the
+    replicated live test under load, "...,198,199,199,".)"""
+    now = [0.0]
+    hub = LiveHub(clock=lambda: now[0])
+    sid = "ses_" + "a" * 26
+    quick, _ = hub.subscribe(sid)
+    slow, _ = hub.subscribe(sid)
+    for offset in range(3):
+        now[0] += 0.1  # (within the session's rate)
+        assert hub.publish(_batch(sid, offset=offset)) is None
+    for follower in (quick, slow):
+        assert [[i.offset for i in b.items] for b in follower.take()] == [[0, 1, 2]]
+    now[0] += 0.1
+    assert hub.publish(_batch(sid, offset=3)) is None
+    assert [[i.offset for i in b.items] for b in slow.take()] == [[3]]
+    assert [[i.offset for i in b.items] for b in buffered_now(hub, sid)] == [[0, 1, 2, 3]]
+
+
 def test_a_follower_queue_drops_its_oldest_with_a_marker() -> None:
     hub = LiveHub(follower_bytes=200)
     sid = "ses_" + "a" * 26

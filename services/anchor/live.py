@@ -166,12 +166,20 @@ class LiveFollower:
         if self._dropped is not None:
             out.append(dropped_item(*self._dropped))
             self._dropped = None
+        merged: s.LiveBatch | None = None  # out[-1], when it is this follower's own copy
         while self._queue:
             _, batch = self._queue.popleft()
             if out and same_run(out[-1].step, batch.step):
-                out[-1].items.extend(batch.items)
+                # Every follower of the session holds the same batch objects:
+                # merge into a copy of this follower's own, never into them.
+                if merged is None:
+                    merged = s.LiveBatch()
+                    merged.CopyFrom(out[-1])
+                    out[-1] = merged
+                merged.items.extend(batch.items)
             else:
                 out.append(batch)
+                merged = None
         self._bytes = 0
         self.ready.clear()
         return out
