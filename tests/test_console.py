@@ -231,8 +231,7 @@ class Browser:
         the page rewrites as live items arrive cannot go stale between
         finding it and reading it."""
         shown: str = self.driver.execute_script(
-            "const el = document.querySelector(arguments[0]);"
-            " return el ? el.innerText : '';",
+            "const el = document.querySelector(arguments[0]); return el ? el.innerText : '';",
             selector,
         )
         return shown
