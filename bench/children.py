@@ -31,22 +31,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from baton_runtime._proto.baton.ingress.v1 import ingress_pb2_grpc
-from bench.common import log_dir, write_json
+from bench.common import log_dir, progress, write_json
 from bench.measure import Dist, load_average
 from bench.stack import BenchStack
 from bench.turns import Follower, create_session, one_turn
 
 TARGET_RATIO = 2.5
 KINDS = ("plain", "subagent", "continue")
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _text(kind: str, n: int) -> str:
@@ -67,7 +62,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
     results: dict[str, Any] = {"load_start": load_average(), "log_dir": logs}
     follower: Follower | None = None
     try:
-        _progress(
+        progress(
             f"{args.warmup} warm-up and {args.iterations} measured rounds of a plain, a "
             "subagent and a continue turn, interleaved"
         )

@@ -1,6 +1,6 @@
 """What every benchmark's command line does alike: smoke counts, a log
 directory that is removed after a clean run and kept (and named) after a
-failed one, and the JSON figures file."""
+failed one, the JSON figures file and timestamped progress lines."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,3 +49,8 @@ def write_json(path: str | None, figures: Any) -> None:
     with open(path, "w") as out:
         json.dump(figures, out, indent=2)
         out.write("\n")
+
+
+def progress(message: str) -> None:
+    """A timestamped progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

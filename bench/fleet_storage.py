@@ -47,7 +47,8 @@ from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.rules.held import RunIdentity, make_event
 from baton_runtime.owner.run.snapshots import initial_snapshot
-from bench.common import apply_smoke, log_dir, write_json
+from bench.common import apply_smoke, log_dir, progress, write_json
+from bench.floor import ONE_STEP_KINDS
 from bench.measure import load_average
 from bench.stack import BenchStack
 
@@ -55,19 +56,6 @@ GIB8 = 8 * 1024**3
 TARGET_SESSIONS = 500_000
 # A deployment without processes: the bench is its only owner.
 PLAYED = "bench-dep-w"
-ECHO_KINDS = (
-    s.EVENT_KIND_TURN_STARTED,
-    s.EVENT_KIND_MESSAGE_RECEIVED,
-    s.EVENT_KIND_STEP_STARTED,
-    s.EVENT_KIND_MESSAGE_COMPLETED,
-    s.EVENT_KIND_STEP_COMPLETED,
-    s.EVENT_KIND_TURN_COMPLETED,
-    s.EVENT_KIND_SESSION_WAITING,
-)
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 class PlayedOwner:
@@ -102,7 +90,7 @@ class PlayedOwner:
             )
         ).revision
         for turn in range(turns):
-            events = [make_event(identity, kind) for kind in ECHO_KINDS]
+            events = [make_event(identity, kind) for kind in ONE_STEP_KINDS]
             for offset, event in enumerate(events):
                 event.seq = snapshot.next_event_seq + offset
                 event.turn_id = f"turn_{turn}"
@@ -181,7 +169,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
     prefix = stack.prefix.encode()
     try:
         results["before"] = await footprint(store, prefix)
-        _progress(f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} at a time")
+        progress(f"{args.sessions} sessions x {args.turns} turns, {args.concurrency} at a time")
         started = time.monotonic()
         queue: asyncio.Queue[int] = asyncio.Queue()
         for n in range(args.sessions):
@@ -192,11 +180,11 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
                 n = queue.get_nowait()
                 await owner.session(args.turns)
                 if (n + 1) % max(args.sessions // 10, 1) == 0:
-                    _progress(f"{n + 1} sessions written")
+                    progress(f"{n + 1} sessions written")
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         results["write_seconds"] = round(time.monotonic() - started, 1)
-        _progress("waiting for every session to be sealed whole")
+        progress("waiting for every session to be sealed whole")
         deadline = time.monotonic() + args.seal_idle + 600
         while True:
             now = await footprint(store, prefix)

@@ -35,6 +35,18 @@ FLOOR_RUN = "run_floorbench"
 EVENTS_PER_TURN = 7
 
 
+# The events of a one-step echo turn, in the order its commits write them.
+ONE_STEP_KINDS = (
+    s.EVENT_KIND_TURN_STARTED,
+    s.EVENT_KIND_MESSAGE_RECEIVED,
+    s.EVENT_KIND_STEP_STARTED,
+    s.EVENT_KIND_MESSAGE_COMPLETED,
+    s.EVENT_KIND_STEP_COMPLETED,
+    s.EVENT_KIND_TURN_COMPLETED,
+    s.EVENT_KIND_SESSION_WAITING,
+)
+
+
 def _now() -> Any:
     from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -58,17 +70,8 @@ def turn_payloads(
         send=s.SendCommand(text="bench turn 123", turn_policy=s.TURN_POLICY_STEER),
     )
     entry = s.InboxEntry(seq=123, command=command, accepted_at=_now()).SerializeToString()
-    kinds = [
-        s.EVENT_KIND_TURN_STARTED,
-        s.EVENT_KIND_MESSAGE_RECEIVED,
-        s.EVENT_KIND_STEP_STARTED,
-        s.EVENT_KIND_MESSAGE_COMPLETED,
-        s.EVENT_KIND_STEP_COMPLETED,
-        s.EVENT_KIND_TURN_COMPLETED,
-        s.EVENT_KIND_SESSION_WAITING,
-    ]
     events = []
-    for seq, kind in enumerate(kinds, start=1000):
+    for seq, kind in enumerate(ONE_STEP_KINDS, start=1000):
         event = s.Event(
             session_id=session_id,
             seq=seq,

@@ -51,26 +51,14 @@ from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.security.identity import Role
 from baton_runtime.owner.rules.held import RunIdentity, make_event
-from bench.common import log_dir, write_json
+from bench.common import log_dir, progress, write_json
+from bench.floor import ONE_STEP_KINDS
 from bench.measure import Dist, load_average
 from bench.stack import DEPLOYMENT_ID, DEPLOYMENT_ID_B, BenchStack
 from bench.turns import Follower, create_session, measure_upgrades, one_turn, wait_registered
 
 TARGET_AGE_RATIO = 1.1
 TARGET_UPGRADE_RATIO = 2.0
-ONE_STEP_KINDS = (
-    s.EVENT_KIND_TURN_STARTED,
-    s.EVENT_KIND_MESSAGE_RECEIVED,
-    s.EVENT_KIND_STEP_STARTED,
-    s.EVENT_KIND_MESSAGE_COMPLETED,
-    s.EVENT_KIND_STEP_COMPLETED,
-    s.EVENT_KIND_TURN_COMPLETED,
-    s.EVENT_KIND_SESSION_WAITING,
-)
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 async def last_commit_bytes(store: Store, keys: Keys, session_id: str) -> dict[str, int]:
@@ -195,7 +183,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         await asyncio.wait_for(asyncio.gather(follower.ready, fresh.ready), 10)
         over_time, young, old = Dist(), Dist(), Dist()
         points: dict[str, dict[str, Any]] = {}
-        _progress(f"1: {args.turns} one-step turns on one session")
+        progress(f"1: {args.turns} one-step turns on one session")
         try:
             for turn in range(args.turns):
                 _, took = await one_turn(stub, follower, f"bench turn {turn}", f"d-{turn}")
@@ -214,7 +202,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
             }
             # 2: interleaved, so both sides see the same etcd and the same load:
             # a young session's turns 10.. against the old session's next turns.
-            _progress(f"2: {args.window} turns of a young session interleaved with the old one")
+            progress(f"2: {args.window} turns of a young session interleaved with the old one")
             for turn in range(first):
                 await one_turn(stub, fresh, f"bench turn {turn}", f"f-{turn}")
             for turn in range(args.window):
@@ -225,7 +213,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         finally:
             await follower.close()
             await fresh.close()
-        _progress(f"2: {args.commits} commits shaped as each point, interleaved")
+        progress(f"2: {args.commits} commits shaped as each point, interleaved")
         shaped = {name: ScratchCommits(anchor, hooks) for name in points}
         for name, commits in shaped.items():
             await commits.start(points[name]["template"])
@@ -240,7 +228,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         results.update(turns=args.turns, turn_over_time=over_time, turn_young=young, turn_old=old)
         results["points"] = points
         if args.upgrade_turns > 0:
-            _progress(
+            progress(
                 f"3: a session of {args.upgrade_prelude} turns of 4 KiB, then "
                 f"{args.upgrade_turns} upgrade turns, each with a control turn"
             )

@@ -37,13 +37,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import write_json
+from bench.common import progress, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # Baton's servers and store: the processes a deployment runs (phase c).
@@ -211,17 +210,13 @@ def last_json_line(text: str) -> dict[str, Any]:
     raise ValueError("no JSON line in the peer's output")
 
 
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run_pairs(peer: Path, pairs: int, out: Path, baton_args: Sequence[str]) -> None:
     """Peer, then Baton, `pairs` times; raw outputs into `out`."""
     run_sh = peer / "run.sh"
     if not run_sh.is_file():
         raise SystemExit(f"{run_sh} not found (--peer is the peer's directory)")
     for n in range(1, pairs + 1):
-        _progress(f"pair {n}/{pairs}: peer ({run_sh})")
+        progress(f"pair {n}/{pairs}: peer ({run_sh})")
         with (out / f"restate-{n}.err").open("w") as err:
             peer_run = subprocess.run(
                 ["bash", str(run_sh)],
@@ -234,7 +229,7 @@ def run_pairs(peer: Path, pairs: int, out: Path, baton_args: Sequence[str]) -> N
         (out / f"restate-{n}.json").write_text(peer_run.stdout)
         if peer_run.returncode != 0:
             raise SystemExit(f"the peer failed ({peer_run.returncode}); see {out}/restate-{n}.err")
-        _progress(f"pair {n}/{pairs}: Baton (python -m bench.turn_latency)")
+        progress(f"pair {n}/{pairs}: Baton (python -m bench.turn_latency)")
         with (out / f"baton-{n}.out").open("w") as log:
             baton_run = subprocess.run(
                 [sys.executable, "-m", "bench.turn_latency"]
@@ -275,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         directory = args.out or Path(tempfile.mkdtemp(prefix="baton-peer-"))
         os.makedirs(directory, exist_ok=True)
         run_pairs(args.peer, args.pairs, directory, shlex.split(args.baton_args))
-        _progress(f"raw outputs in {directory}")
+        progress(f"raw outputs in {directory}")
     summary = summarise(load_pairs(directory))
     print(table(summary), flush=True)
     write_json(args.json, summary)

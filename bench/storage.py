@@ -67,7 +67,7 @@ from baton_runtime.common.etcd.store import Store
 from baton_runtime.common.etcd.txn import Txn
 from baton_runtime.common.security.identity import Role
 from baton_runtime.hooks.expiry import lease_ttl
-from bench.common import apply_smoke, log_dir, write_json
+from bench.common import apply_smoke, log_dir, progress, write_json
 from bench.measure import Dist, load_average
 from bench.stack import DEPLOYMENT_ID, METADATA, BenchStack
 from bench.turns import Follower, create_session, one_turn
@@ -76,10 +76,6 @@ TARGET_RATIO = 1.1
 TARGET_STORE_RATIO = 1.05
 TARGET_IDLE_BYTES = 8 * 1024
 TARGET_ACTIVE_BYTES = 64 * 1024
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -276,7 +272,7 @@ async def drive(
     `--off-every` of them; `on`'s session counted quiet at both points."""
     points: dict[str, dict[str, Any]] = {}
     pairs: Pairs = []
-    _progress(f"{args.turns} turns on the clean-up stack, blocks of {args.block}")
+    progress(f"{args.turns} turns on the clean-up stack, blocks of {args.block}")
     blocks = 0
     while on.turns < args.turns:
         size = min(args.block, args.turns - on.turns)
@@ -297,7 +293,7 @@ async def quiet_point(args: argparse.Namespace, on: Side) -> dict[str, Any]:
     it, then once quiet."""
     window = on.samples[-args.window :]
     busy = await active(on)
-    _progress(f"turn {on.turns}: waiting for the session to be quiet")
+    progress(f"turn {on.turns}: waiting for the session to be quiet")
     waited = await wait_quiet(on, args.dedupe_window, args.seal_idle)
     point = {
         **await census(on),
@@ -306,7 +302,7 @@ async def quiet_point(args: argparse.Namespace, on: Side) -> dict[str, Any]:
         "window": len(window),
         "quiet_after_s": round(waited, 1),
     }
-    _progress(f"turn {on.turns}: {point['keys']} keys")
+    progress(f"turn {on.turns}: {point['keys']} keys")
     return point
 
 
@@ -346,7 +342,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         # The same ages side by side, so both see the same load (it moves a
         # lot within minutes here): a young session at --early, one turn
         # each in turn with the old one.
-        _progress(
+        progress(
             f"a young session's turns {args.early - args.window}.. interleaved with the old one's"
         )
         sides["young"] = young = Side(stacks["on"])
@@ -366,7 +362,7 @@ async def run(args: argparse.Namespace, logs: str) -> dict[str, Any]:
         }
         results["points"] = points
         results["off_end"] = await census(off)
-        _progress("loads and catch-up reads")
+        progress("loads and catch-up reads")
         results["loads"] = await cold_and_warm(args, stacks["on"])
         results["loads"]["off"] = await loads(off, args.loads)
         await wait_quiet(on, args.dedupe_window, args.seal_idle)
